@@ -1,0 +1,141 @@
+"""`AsyncEngine`: the engine loop in a background thread, streaming outputs to asyncio callers.
+
+The model runs in its own thread (torch releases the GIL during compute), so an event loop
+serving HTTP stays responsive. Adds and aborts are handed to the loop thread through a
+condition variable and applied between steps; when idle the thread sleeps on that condition.
+
+Contract: `async for out in engine.generate(request)` yields `RequestOutput`s whose
+`outputs[0].delta_text` / `delta_token_ids` are new since the previous one; the last has
+`finished=True`. Leaving the loop early (client disconnect, cancellation) aborts the request,
+and its KV blocks are freed before the next step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.engine.engine import LLMEngine
+from tandem.engine.protocol import GenerationRequest, RequestOutput
+from tandem.engine.request import RequestStatus
+
+logger = logging.getLogger("tandem.engine")
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._pending_adds: list[tuple[GenerationRequest, _Stream]] = []
+        self._pending_aborts: list[str] = []
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = False
+        self._stats: dict[str, Any] = engine.stats()
+        self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **options: Any) -> AsyncEngine:
+        return cls(LLMEngine.from_options(model, **options))
+
+    @property
+    def tokenizer(self):  # type: ignore[no-untyped-def]
+        return self.engine.tokenizer
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        # Validate in the caller's thread so bad input raises here, before anything is queued.
+        self.engine.make_request(request)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._cv:
+            if self._stopped:
+                raise RuntimeError("engine is shut down")
+            if request.request_id in self._streams or any(r.request_id == request.request_id for r, _ in self._pending_adds):
+                from tandem.platform.errors import InvalidRequestError
+
+                raise InvalidRequestError(f"request id {request.request_id!r} is already running", param="request_id")
+            self._pending_adds.append((request, stream))
+            self._cv.notify()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._cv:
+            self._pending_aborts.append(request_id)
+            self._cv.notify()
+
+    def stats(self) -> dict[str, Any]:
+        """Snapshot taken by the loop thread after the latest step."""
+        return dict(self._stats)
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    # -- loop thread ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cv:
+                while not (self._stopped or self._pending_adds or self._pending_aborts or engine.has_unfinished_requests()):
+                    self._cv.wait()
+                if self._stopped:
+                    break
+                adds, self._pending_adds = self._pending_adds, []
+                aborts, self._pending_aborts = self._pending_aborts, []
+            for request, stream in adds:
+                try:
+                    engine.add_request(request, stream_text=True)
+                    self._streams[request.request_id] = stream
+                except Exception as exc:  # validated already; a race (duplicate id) lands here
+                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+            for request_id in aborts:
+                engine.abort_request(request_id)
+                self._streams.pop(request_id, None)
+            if engine.has_unfinished_requests():
+                try:
+                    outputs = engine.step()
+                except Exception as exc:
+                    logger.exception("engine step failed; failing its requests")
+                    self._fail_all(exc)
+                    outputs = []
+                self._deliver(outputs)
+            self._stats = engine.stats()
+        self._fail_all(RuntimeError("engine is shut down"))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if output.finished:
+                self._streams.pop(output.request_id, None)
+            if stream is not None:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self.engine.abort_request(request_id, RequestStatus.FINISHED_ERROR)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+        self._streams.clear()

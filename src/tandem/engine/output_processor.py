@@ -1,0 +1,145 @@
+"""Turns per-step token updates into `RequestOutput`s: detokenisation, stop strings, deltas.
+
+Text is decoded from the whole output each time it is needed (cheap at these lengths and
+immune to merge-boundary errors). While a request runs, a trailing U+FFFD (an incomplete UTF-8
+sequence) and anything that could still become a stop string are held back.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from tandem.engine.protocol import CompletionOutput, RequestMetrics, RequestOutput
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.scheduler import RequestUpdate
+from tandem.engine.tokenizer import Tokenizer
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    prompt: str | None
+    stream_text: bool
+    metrics: RequestMetrics
+    logprobs: list[dict[int, float]] | None
+    text: str = ""  # text emitted so far
+    num_emitted_tokens: int = 0
+    decoded_text: str | None = None  # latest decode of the output, cut at a stop string
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, _RequestState] = {}
+
+    def add(self, request: Request, prompt: str | None, stream_text: bool) -> None:
+        params = request.sampling_params
+        self.states[request.request_id] = _RequestState(
+            request=request,
+            prompt=prompt,
+            stream_text=stream_text or bool(params.stop),
+            metrics=RequestMetrics(arrival_time=request.arrival_time),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+
+    def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[str]]:
+        """Outputs for this step and the ids of requests that a stop string finished."""
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        stopped: list[str] = []
+        for update in updates:
+            state = self.states.get(update.request.request_id)
+            if state is None:
+                continue
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            if state.logprobs is not None and update.new_logprobs:
+                state.logprobs.extend(update.new_logprobs)
+            finished = update.finished
+            if state.stream_text or finished:
+                if self._apply_stop_strings(state):
+                    finished = True
+                    stopped.append(update.request.request_id)
+            outputs.append(self._make_output(state, finished, now))
+        return outputs, stopped
+
+    def finish(self, request: Request) -> RequestOutput | None:
+        """Final output of a request ended from outside (abort, error)."""
+        state = self.states.get(request.request_id)
+        if state is None:
+            return None
+        return self._make_output(state, True, time.monotonic())
+
+    def _apply_stop_strings(self, state: _RequestState) -> bool:
+        request = state.request
+        params = request.sampling_params
+        full = self.tokenizer.decode(request.output_token_ids)
+        if params.stop:
+            search_from = max(0, len(state.text) - max(len(s) for s in params.stop))
+            hits = [(full.find(s, search_from), s) for s in params.stop]
+            hits = [(pos, s) for pos, s in hits if pos >= 0]
+            if hits:
+                pos, stop = min(hits)
+                end = pos + len(stop) if params.include_stop_str_in_output else pos
+                state.decoded_text = full[:end]
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = stop
+                return True
+        state.decoded_text = full
+        return False
+
+    def _make_output(self, state: _RequestState, finished: bool, now: float) -> RequestOutput:
+        request = state.request
+        full = state.decoded_text if state.decoded_text is not None else state.text
+        if not finished:
+            full = self._hold_back(full, request)
+        if not full.startswith(state.text):  # a stop string cut into already-emitted text (cannot
+            full = state.text  # happen with hold-back; kept as a guard)
+        delta_text = full[len(state.text) :]
+        state.text = full
+        token_ids = list(request.output_token_ids)
+        delta_ids = token_ids[state.num_emitted_tokens :]
+        delta_logprobs = None
+        if state.logprobs is not None:
+            delta_logprobs = state.logprobs[state.num_emitted_tokens :]
+        state.num_emitted_tokens = len(token_ids)
+        finish_reason = request.status.finish_reason if finished else None
+        if finished:
+            state.metrics.finished_time = now
+            state.metrics.num_preemptions = request.num_preemptions
+            self.states.pop(request.request_id, None)
+        completion = CompletionOutput(
+            index=0,
+            text=full,
+            token_ids=token_ids,
+            finish_reason=finish_reason,
+            stop_reason=request.stop_reason if finished else None,
+            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+            delta_logprobs=delta_logprobs,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            metrics=state.metrics,
+            error="request failed" if request.status is RequestStatus.FINISHED_ERROR else None,
+        )
+
+    def _hold_back(self, text: str, request: Request) -> str:
+        text = text.rstrip("\ufffd")
+        stops = request.sampling_params.stop
+        if stops:
+            # Hold back the longest suffix that is a proper prefix of some stop string.
+            keep = len(text)
+            for stop in stops:
+                for n in range(min(len(stop) - 1, len(text)), 0, -1):
+                    if text.endswith(stop[:n]):
+                        keep = min(keep, len(text) - n)
+                        break
+            text = text[:keep]
+        return text

@@ -1,0 +1,62 @@
+"""Public input and output dataclasses of the engine (what `LLM` and `AsyncEngine` speak)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.engine.request import Priority
+from tandem.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerationRequest:
+    """One generation. Exactly one of `prompt`, `prompt_token_ids` or `messages` is set."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None  # rendered with the model's chat template
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    priority: Priority = Priority.INTERACTIVE
+    tenant_id: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float  # time.monotonic()
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str  # cumulative (empty until the end when the request does not stream text)
+    token_ids: list[int]  # cumulative
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob}
+    delta_text: str = ""  # new since the previous output of this request
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None

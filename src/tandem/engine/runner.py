@@ -1,0 +1,149 @@
+"""Model runner: turns a `SchedulerOutput` into tensors, runs the model, samples.
+
+Owns everything torch: the model, the paged KV tensors and per-request sampling state
+(seeded generators, output-token counts for penalties).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.models.llama import LlamaForCausalLM
+from tandem.engine.scheduler import RunnerResult, ScheduledRequest, SchedulerOutput
+from tandem.kernels.attention import build_attention_metadata
+from tandem.kernels.sampling import apply_penalties, filter_logits, sample_rows, top_logprobs
+
+
+@dataclass
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_spec: KVCacheSpec,
+        num_blocks: int,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.kv_spec = kv_spec
+        self.device = device
+        self.block_size = kv_spec.block_size
+        shape = (num_blocks, kv_spec.block_size, kv_spec.num_kv_heads, kv_spec.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=kv_spec.dtype, device=device), torch.zeros(shape, dtype=kv_spec.dtype, device=device))
+            for _ in range(kv_spec.num_layers)
+        ]
+        self.vocab_size = model.config.vocab_size
+        self._generators: dict[str, torch.Generator] = {}
+        self._default_generator = torch.Generator(device=device)
+        self._default_generator.manual_seed(seed)
+
+    def forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerResult:
+        self.forget(sched.finished_request_ids)
+        items = sched.scheduled
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        for item in items:
+            n = len(item.token_ids)
+            input_ids.extend(item.token_ids)
+            positions.extend(range(item.start_position, item.start_position + n))
+            if item.sample:
+                logits_rows.append(len(input_ids) - 1)
+        metadata = build_attention_metadata(
+            [item.block_ids for item in items],
+            [len(item.token_ids) for item in items],
+            [item.start_position + len(item.token_ids) for item in items],
+            self.block_size,
+            self.device,
+        )
+        logits = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            self.kv_caches,
+            metadata,
+            torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
+        )
+        sampling_items = [item for item in items if item.sample]
+        return self.sample(logits, sampling_items)
+
+    def sample(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> RunnerResult:
+        """logits: [B, V] float32, one row per item (in order)."""
+        if not items:
+            return RunnerResult({})
+        raw_logits = logits
+        params = [item.sampling_params for item in items]
+        if any(p.has_penalties for p in params):
+            counts = torch.zeros_like(logits)
+            for row, item in enumerate(items):
+                if item.output_token_ids and item.sampling_params.has_penalties:
+                    ids = torch.tensor(item.output_token_ids, dtype=torch.int64, device=logits.device)
+                    counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
+            logits = apply_penalties(
+                logits,
+                counts,
+                torch.tensor([p.presence_penalty for p in params], device=logits.device),
+                torch.tensor([p.frequency_penalty for p in params], device=logits.device),
+            )
+        chosen = logits.argmax(dim=-1)
+        random_rows = [row for row, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, dtype=torch.int64, device=logits.device)
+            sub = logits.index_select(0, rows) / torch.tensor(
+                [params[r].temperature for r in random_rows], device=logits.device
+            ).unsqueeze(1)
+            if any(params[r].top_k > 0 or params[r].top_p < 1.0 or params[r].min_p > 0.0 for r in random_rows):
+                sub = filter_logits(
+                    sub,
+                    torch.tensor([params[r].top_k for r in random_rows], device=logits.device),
+                    torch.tensor([params[r].top_p for r in random_rows], device=logits.device),
+                    torch.tensor([params[r].min_p for r in random_rows], device=logits.device),
+                )
+            generators = [self._generator_for(items[r]) for r in random_rows]
+            chosen[rows] = sample_rows(sub.softmax(dim=-1), generators)
+
+        chosen_list = chosen.tolist()
+        result = RunnerResult({item.request_id: chosen_list[row] for row, item in enumerate(items)})
+        logprob_rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+        if logprob_rows:
+            num_top = max(params[r].logprobs or 0 for r in logprob_rows)
+            rows = torch.tensor(logprob_rows, dtype=torch.int64, device=logits.device)
+            chosen_lp, top_ids, top_vals = top_logprobs(raw_logits.index_select(0, rows), chosen[rows], num_top)
+            for i, row in enumerate(logprob_rows):
+                n = params[row].logprobs or 0
+                entry = {chosen_list[row]: float(chosen_lp[i])}
+                for token_id, value in zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist(), strict=True):
+                    entry.setdefault(token_id, value)
+                result.logprobs[items[row].request_id] = entry
+        return result
+
+    def _generator_for(self, item: ScheduledRequest) -> torch.Generator | None:
+        seed = item.sampling_params.seed
+        if seed is None:
+            return self._default_generator
+        generator = self._generators.get(item.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+            self._generators[item.request_id] = generator
+        return generator

@@ -1,0 +1,268 @@
+"""Token-budget scheduler (no torch).
+
+One scheduling model, as in vLLM v1: each request has `num_computed_tokens`; each step hands out
+`num_scheduled_tokens` per request against `max_num_batched_tokens`. A prompt is computed in
+chunks when the budget is short, decodes (one token) and prefill chunks share a batch, and a
+preempted request simply restarts from `num_computed_tokens = 0` (recompute).
+
+Order of service: running requests first (by priority, then arrival), then waiting ones by
+priority (`interactive` before `batch`) and arrival. When a running request needs a block and
+none is free, the lowest-priority, latest-arriving running request is preempted.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from tandem.engine.kv_cache import KVCacheManager
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step. Lists are the scheduler's own (read-only for the runner)."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens whose KV this step computes, positions start..start+len
+    start_position: int  # == num_computed_tokens before the step
+    block_ids: list[int]  # the request's whole block table (covers start_position + len tokens)
+    sample: bool  # True when this chunk reaches the sequence end: sample the next token
+    sampling_params: SamplingParams
+    output_token_ids: list[int]  # generated so far (penalties)
+    is_new: bool  # first time the runner sees this request (or first time since preemption)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # batch order; token rows are concatenated in this order
+    num_scheduled_tokens: int
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)  # freed since the last step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did to one request, for the output processor."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None
+    finished: bool
+
+
+@dataclass
+class RunnerResult:
+    """The runner's answer for one step: request_id -> sampled token (and its logprobs)."""
+
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv = kv_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # sorted by Request.sort_key()
+        self.running: list[Request] = []  # sorted by Request.sort_key()
+        self._finished_ids: list[str] = []
+        self._seen_by_runner: set[str] = set()
+        self.num_preemptions_total = 0
+
+    # -- queue management ---------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=Request.sort_key)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Stop a request (abort, stop string, error); its blocks are free when this returns."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request_id)
+        self._forget(request_id)
+        return request
+
+    def _forget(self, request_id: str) -> None:
+        if request_id in self._seen_by_runner:
+            self._seen_by_runner.discard(request_id)
+            self._finished_ids.append(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- scheduling ---------------------------------------------------------------------
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim.request_id)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions_total += 1
+        if victim.request_id in self._seen_by_runner:
+            self._seen_by_runner.discard(victim.request_id)
+        bisect.insort(self.waiting, victim, key=Request.sort_key)
+
+    def _schedule_one(self, request: Request, num_new: int, scheduled: list[ScheduledRequest]) -> None:
+        start = request.num_computed_tokens
+        end = start + num_new
+        is_new = request.request_id not in self._seen_by_runner
+        self._seen_by_runner.add(request.request_id)
+        scheduled.append(
+            ScheduledRequest(
+                request_id=request.request_id,
+                token_ids=request.token_ids_slice(start, end),
+                start_position=start,
+                block_ids=self.kv.block_table(request.request_id).block_ids,
+                sample=end == request.num_tokens,
+                sampling_params=request.sampling_params,
+                output_token_ids=request.output_token_ids,
+                is_new=is_new,
+            )
+        )
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        scheduled_ids: set[str] = set()
+        preempted: list[str] = []
+
+        # 1. Running requests, highest priority first; preempt from the back when blocks run out.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                self._schedule_one(request, num_new, scheduled)
+                scheduled_ids.add(request.request_id)
+                budget -= num_new
+                index += 1
+                continue
+            # `request` itself was preempted; the list shifted, `index` already points past it.
+
+        # 2. Waiting requests, unless step 1 had to preempt (memory is tight).
+        memory_tight = bool(preempted)
+        while not memory_tight and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            total = request.num_computed_tokens + num_new
+            if not self.kv.allocate_slots(request.request_id, total, admission=True):
+                victim = self._lower_priority_victim(request, scheduled_ids)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                continue
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=Request.sort_key)
+            self._schedule_one(request, num_new, scheduled)
+            scheduled_ids.add(request.request_id)
+            budget -= num_new
+
+        finished_ids, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            preempted_request_ids=preempted,
+            finished_request_ids=finished_ids,
+        )
+
+    def _lower_priority_victim(self, request: Request, scheduled_ids: set[str]) -> Request | None:
+        """A running, not-yet-scheduled request of strictly lower priority, latest arrival first."""
+        for candidate in reversed(self.running):
+            if candidate.priority > request.priority and candidate.request_id not in scheduled_ids:
+                return candidate
+        return None
+
+    # -- applying the runner's result ----------------------------------------------------
+    def update_from_output(self, output: SchedulerOutput, result: RunnerResult) -> list[RequestUpdate]:
+        updates: list[RequestUpdate] = []
+        for item in output.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None:  # finished while the step ran (abort)
+                continue
+            request.num_computed_tokens += len(item.token_ids)
+            token_id = result.sampled_token_ids.get(item.request_id)
+            if token_id is None:
+                continue
+            request.output_token_ids.append(token_id)
+            status = self._check_stop(request, token_id)
+            logprobs = result.logprobs.get(item.request_id)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+            updates.append(
+                RequestUpdate(
+                    request=request,
+                    new_token_ids=[token_id],
+                    new_logprobs=[logprobs] if logprobs is not None else None,
+                    finished=status is not None,
+                )
+            )
+        return updates
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            request.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        live = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
+        assert live == set(self.requests), "queues disagree with the request map"
+        assert len(self.running) + len(self.waiting) == len(self.requests), "request in two queues"
+        assert len(self.running) <= self.max_num_seqs
+        for request in self.running:
+            assert request.status is RequestStatus.RUNNING
+            assert request.num_computed_tokens <= request.num_tokens
+            table = self.kv.tables.get(request.request_id)
+            need = self.kv.num_blocks_for(request.num_computed_tokens)
+            assert table is not None and len(table.block_ids) >= need, request.request_id
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            if request.num_computed_tokens == 0:
+                assert request.request_id not in self.kv.tables, "waiting request holds blocks"

@@ -1,0 +1,154 @@
+"""Tokenizer and chat template (the `tokenizers` library; templates rendered as HF does).
+
+Loaded from an HF folder (`tokenizer.json`, `tokenizer_config.json`) or built from a GGUF file's
+`tokenizer.ggml.*` metadata (byte-level BPE vocab + merges, control tokens as special tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import AddedToken
+
+from tandem.platform.errors import InvalidRequestError, ModelLoadError
+
+# GGUF token types (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
+_GGUF_SPECIAL_TYPES = (3, 4)
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        chat_template: str | None,
+        bos_token: str | None,
+        eos_token: str | None,
+        eos_token_ids: list[int],
+        add_bos: bool = False,
+    ) -> None:
+        self.backend = backend
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.eos_token_ids = eos_token_ids
+        self.add_bos = add_bos
+        self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
+        self._template: jinja2.Template | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+        """Render messages the way HF `apply_chat_template` does (sandboxed jinja2)."""
+        if self.chat_template is None:
+            raise InvalidRequestError("this model has no chat template; use completions", param="messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or "role" not in message:
+                raise InvalidRequestError(f"messages[{i}] must be an object with a role", param="messages")
+            if message.get("content") in (None, "") and not message.get("tool_calls"):
+                raise InvalidRequestError(f"messages[{i}] has no content", param="messages")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+    # -- loaders ------------------------------------------------------------------------
+    @classmethod
+    def from_hf_folder(cls, folder: Path, eos_token_ids: list[int]) -> Tokenizer:
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{folder}: tokenizer.json not found", param="model")
+        try:
+            backend = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the library raises a bare Exception on bad JSON
+            raise ModelLoadError(f"{path}: cannot parse tokenizer ({exc})", param="model") from exc
+        config: dict[str, Any] = {}
+        config_path = folder / "tokenizer_config.json"
+        if config_path.is_file():
+            config = json.loads(config_path.read_text())
+        template = config.get("chat_template")
+        template_file = folder / "chat_template.jinja"
+        if template is None and template_file.is_file():
+            template = template_file.read_text()
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        bos = _token_str(config.get("bos_token"))
+        eos = _token_str(config.get("eos_token"))
+        eos_ids = list(eos_token_ids)
+        if eos is not None and backend.token_to_id(eos) is not None and backend.token_to_id(eos) not in eos_ids:
+            eos_ids.append(backend.token_to_id(eos))
+        return cls(
+            backend,
+            chat_template=template,
+            bos_token=bos,
+            eos_token=eos,
+            eos_token_ids=eos_ids,
+            add_bos=bool(config.get("add_bos_token", False)),
+        )
+
+    @classmethod
+    def from_gguf_fields(cls, fields: dict[str, Any]) -> Tokenizer:
+        model_kind = fields.get("tokenizer.ggml.model")
+        if model_kind != "gpt2":
+            raise ModelLoadError(f"GGUF tokenizer model {model_kind!r} unsupported (only byte-level BPE 'gpt2')")
+        tokens: list[str] = fields["tokenizer.ggml.tokens"]
+        token_types: list[int] = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        pre = fields.get("tokenizer.ggml.pre", "default")
+        if pre in ("smollm", "starcoder", "refact", "codeshell"):  # llama.cpp: digits split one by one
+            backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            backend.pre_tokenizer = byte_level
+        backend.decoder = decoders.ByteLevel()
+        specials = [tokens[i] for i, t in enumerate(token_types) if t in _GGUF_SPECIAL_TYPES]
+        backend.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+        bos_id = fields.get("tokenizer.ggml.bos_token_id")
+        eos_id = fields.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            backend,
+            chat_template=fields.get("tokenizer.chat_template"),
+            bos_token=tokens[bos_id] if bos_id is not None else None,
+            eos_token=tokens[eos_id] if eos_id is not None else None,
+            eos_token_ids=[eos_id] if eos_id is not None else [],
+            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+        )
+
+
+def _token_str(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _raise_template_error(message: str) -> None:
+    raise InvalidRequestError(f"chat template error: {message}", param="messages")

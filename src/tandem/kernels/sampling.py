@@ -1,0 +1,69 @@
+"""Sampling from logits: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+
+All functions take a batch of rows `logits: [B, V]` (float32) and per-row parameter tensors
+`[B]`; a disabled filter uses its neutral value (top_k = 0, top_p = 1, min_p = 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [B, V]
+    output_counts: torch.Tensor,  # [B, V] how often each token was generated so far
+    presence: torch.Tensor,  # [B]
+    frequency: torch.Tensor,  # [B]
+) -> torch.Tensor:
+    """OpenAI semantics: logits -= frequency * count + presence * (count > 0)."""
+    counts = output_counts.to(logits.dtype)
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).to(logits.dtype)
+
+
+def filter_logits(
+    logits: torch.Tensor,  # [B, V], already divided by temperature
+    top_k: torch.Tensor,  # [B] int64, 0 = disabled
+    top_p: torch.Tensor,  # [B] float, 1 = disabled
+    min_p: torch.Tensor,  # [B] float, 0 = disabled
+) -> torch.Tensor:
+    """Mask (to -inf) tokens outside top-k, outside the top-p nucleus, or below min_p * p_max.
+
+    top-p keeps the smallest set of most likely tokens whose probability sums to >= top_p
+    (the token that crosses the threshold is kept, as in HF and vLLM).
+    """
+    neg_inf = torch.finfo(logits.dtype).min
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    remove = ranks >= k[:, None]
+    probs = sorted_logits.masked_fill(remove, neg_inf).softmax(dim=-1)
+    cum_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+    remove |= cum_before >= top_p[:, None]
+    remove |= probs < (min_p[:, None] * probs[:, :1])
+    remove[:, 0] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(remove, neg_inf)
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def sample_rows(
+    probs: torch.Tensor,  # [B, V]
+    generators: list[torch.Generator | None],  # per row; None uses the default generator
+) -> torch.Tensor:  # [B] int64
+    """One multinomial draw per row, each from its own generator (per-request seeds)."""
+    out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
+    for i, generator in enumerate(generators):
+        out[i] = torch.multinomial(probs[i], 1, generator=generator)[0]
+    return out
+
+
+def top_logprobs(
+    logits: torch.Tensor,  # [B, V] raw model logits (before penalties/temperature)
+    chosen: torch.Tensor,  # [B] int64
+    num_top: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chosen_logprob [B], top_ids [B, num_top], top_logprobs [B, num_top])."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen_lp = logprobs.gather(-1, chosen[:, None]).squeeze(-1)
+    top_vals, top_ids = logprobs.topk(num_top, dim=-1) if num_top > 0 else (logprobs[:, :0], chosen[:, None][:, :0])
+    return chosen_lp, top_ids, top_vals

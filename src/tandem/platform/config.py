@@ -1,0 +1,55 @@
+"""Engine configuration: one pydantic model whose fields are `LLM(...)` keyword arguments.
+
+Names follow what vLLM users expect (`kv_cache_memory`, `block_size`, `max_num_seqs`, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class EngineConfig(BaseModel):
+    """Everything the engine needs to start. Unknown keys are rejected, so typos fail loudly."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str = Field(
+        DEFAULT_MODEL,
+        description="Model name of a bundled model, an HF Llama-family folder, or a .gguf file.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute dtype of weights and activations; 'auto' is float32 on CPU."
+    )
+    device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'.")
+    block_size: int = Field(16, ge=1, le=256, description="Tokens per KV-cache block.")
+    kv_cache_memory: int | None = Field(
+        None, gt=0, description="KV-cache budget in bytes (takes precedence over the fraction)."
+    )
+    kv_cache_memory_fraction: float = Field(
+        0.1,
+        gt=0.0,
+        le=0.95,
+        description="KV-cache budget as a fraction of device memory (CPU: of available RAM).",
+    )
+    max_num_seqs: int = Field(64, ge=1, description="Most requests in one batch.")
+    max_num_batched_tokens: int = Field(
+        1024, ge=1, description="Token budget of one step, shared by prefill chunks and decodes."
+    )
+    max_model_len: int | None = Field(
+        None, ge=2, description="Context window; defaults to the model's, capped by KV capacity."
+    )
+    seed: int = Field(0, description="Seed of the engine's default random generator.")
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU.")
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> EngineConfig:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running request can decode each step"
+            )
+        return self

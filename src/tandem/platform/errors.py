@@ -1,0 +1,37 @@
+"""Errors shared by every layer, each mapping to one HTTP status at the API edge."""
+
+from __future__ import annotations
+
+
+class TandemError(Exception):
+    """Base class. `status_code` and `code` follow OpenAI's error body at the HTTP edge."""
+
+    status_code = 500
+    error_type = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequestError(TandemError, ValueError):
+    """The request is malformed or a field is out of range (HTTP 400). `param` names the field."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """The prompt does not fit the model's context window."""
+
+    def __init__(self, message: str, *, param: str | None = "prompt") -> None:
+        super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class ModelLoadError(TandemError):
+    """A model path is missing, or a weight or tokenizer file is corrupt or unsupported."""
+
+    status_code = 404
+    error_type = "model_load_error"
