@@ -6,8 +6,12 @@ Returns HF-named float weights plus config and tokenizer; `build_model` turns th
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,16 +59,69 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
-def load_model(model: str) -> LoadedModel:
+def load_model(model: str, *, cache_dir: Path | None = None) -> LoadedModel:
+    """Load weights, config and tokenizer. A GGUF file is dequantised once into an HF-format
+    folder under `cache_dir` (default `$TANDEM_CACHE_DIR` or ~/.cache/tandem) and read from there."""
     path = resolve_model_path(model)
-    if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(model, path)
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").exists() and len(ggufs) == 1:
-            return _load_gguf(model, ggufs[0])
-        return _load_hf_folder(model, path)
+            path = ggufs[0]
+        else:
+            return _load_hf_folder(model, path)
+    if path.is_file() and path.suffix == ".gguf":
+        folder = gguf_to_hf_folder(path, cache_dir or default_cache_dir())
+        loaded = _load_hf_folder(model, folder)
+        loaded.path = path
+        return loaded
     raise ModelLoadError(f"{path}: expected an HF model folder or a .gguf file", param="model")
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
+
+
+def gguf_to_hf_folder(path: Path, cache_dir: Path) -> Path:
+    """Dequantise a GGUF file into an HF folder (config.json, model.safetensors, tokenizer files).
+
+    Keyed by file name, size and mtime; written to a temporary folder and renamed into place,
+    so concurrent loaders never see a half-written cache entry.
+    """
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = cache_dir / "gguf" / f"{path.stem}-{key}"
+    if (folder / "config.json").is_file():
+        return folder
+    from safetensors.torch import save_file
+
+    loaded = _read_gguf(path)
+    cfg = loaded.config
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
+    try:
+        weights = {k: v for k, v in loaded.weights.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+        save_file(weights, str(tmp / "model.safetensors"))
+        (tmp / "tokenizer.json").write_text(loaded.tokenizer.backend.to_str())
+        tok = loaded.tokenizer
+        (tmp / "tokenizer_config.json").write_text(
+            json.dumps(
+                {
+                    "chat_template": tok.chat_template,
+                    "bos_token": tok.bos_token,
+                    "eos_token": tok.eos_token,
+                    "add_bos_token": tok.add_bos,
+                }
+            )
+        )
+        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process won the race: use its copy
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
 
 
 # -- HF folder ------------------------------------------------------------------------------
@@ -123,7 +180,7 @@ def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _load_gguf(name: str, path: Path) -> LoadedModel:
+def _read_gguf(path: Path) -> LoadedModel:
     import gguf
 
     try:
@@ -164,7 +221,7 @@ def _load_gguf(name: str, path: Path) -> LoadedModel:
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         try:
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            array = gguf.quants.dequantize(np.asarray(tensor.data).view(np.ndarray), tensor.tensor_type)
         except (NotImplementedError, ValueError) as exc:
             raise ModelLoadError(f"{path}: tensor {tensor.name}: cannot dequantise ({exc})", param="model") from exc
         array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
@@ -176,7 +233,7 @@ def _load_gguf(name: str, path: Path) -> LoadedModel:
         elif hf_name.endswith("k_proj.weight"):
             array = _unpermute_rope(array, config.num_key_value_heads)
         weights[hf_name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
-    return LoadedModel(name, path, config, weights, tokenizer)
+    return LoadedModel(path.name, path, config, weights, tokenizer)
 
 
 def _gguf_to_hf_name(name: str) -> str | None:

@@ -1,0 +1,109 @@
+"""Shared fixtures: a small random-weight Llama model (HF folder) and the default model."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Continuous batching lets new requests join a running batch.",
+    "0123456789 numbers and words, punctuation; and symbols!?",
+    "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\nHi!<|im_end|>",
+]
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Keep the GGUF conversion cache per user, but allow CI to point it elsewhere.
+    os.environ.setdefault("TANDEM_CACHE_DIR", str(Path.home() / ".cache" / "tandem"))
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+
+def make_tiny_model(folder: Path, *, num_kv_heads: int = 2, tie: bool = False, seed: int = 0,
+                    rope_scaling: dict | None = None) -> Path:
+    """Random-weight HF LlamaForCausalLM (GQA 4/num_kv_heads) with a BPE tokenizer trained here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=384, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(TINY_CORPUS * 4, trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": TINY_CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"})
+    )
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=tie,
+        eos_token_id=tokenizer.token_to_id("<|im_end|>"),
+        bos_token_id=tokenizer.token_to_id("<|endoftext|>"),
+    )
+    model = LlamaForCausalLM(config).float()
+    with torch.no_grad():  # larger weights than the default init so logits are well separated
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
+    from tandem import LLM
+
+    return LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, max_num_seqs=16, max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    from tandem.engine.models.loader import resolve_model_path
+
+    return resolve_model_path("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def default_llm():  # type: ignore[no-untyped-def]
+    from tandem import LLM
+
+    return LLM(kv_cache_memory=256 << 20, max_num_seqs=16)
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_model_path: Path):  # type: ignore[no-untyped-def]
+    """transformers' own GGUF loader (its own dequantisation): a reference we did not write."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32
+    )
+    return model.eval()

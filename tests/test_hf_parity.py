@@ -1,0 +1,120 @@
+"""Greedy tokens and logits against HF transformers' LlamaForCausalLM (fp32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.kernels.attention import build_attention_metadata
+
+from .conftest import make_tiny_model
+
+LOGPROB_ATOL = 2e-3  # our vs HF log-probabilities of the top tokens, fp32
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a land far away, there lived a",
+    "List three primary colours:",
+    "1, 2, 3, 4, 5,",
+    "Paged attention stores keys and values in",
+    "<|im_start|>user\nWhat is 17 times 3?<|im_end|>\n<|im_start|>assistant\n",
+    "The quick brown fox",
+]
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new: int, eos: int | None) -> list[int]:  # type: ignore[no-untyped-def]
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float().log_softmax(-1)
+
+
+def our_prefill_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
+    """All-position logits of one prompt through our model, paged KV and all."""
+    engine = llm.engine
+    rid = "parity-probe"
+    assert engine.kv_manager.allocate_slots(rid, len(token_ids))
+    try:
+        table = engine.kv_manager.block_table(rid).block_ids
+        meta = build_attention_metadata([table], [len(token_ids)], [len(token_ids)], engine.kv_manager.block_size, engine.device)
+        with torch.inference_mode():
+            return engine.runner.model(
+                torch.tensor(token_ids), torch.arange(len(token_ids)), engine.runner.kv_caches, meta,
+                torch.arange(len(token_ids)),
+            )
+    finally:
+        engine.kv_manager.free(rid)
+
+
+def check_parity(llm: LLM, hf_model, prompts: list[str], max_new: int) -> None:  # type: ignore[no-untyped-def]
+    eos = sorted(llm.engine.eos_token_ids)[0]
+    prompt_ids = [llm.tokenizer.encode(p) for p in prompts]
+    expected = [hf_greedy(hf_model, ids, max_new, eos) for ids in prompt_ids]
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, logprobs=5)
+
+    one_by_one = [llm.generate([ids], params)[0] for ids in prompt_ids]
+    together = llm.generate(prompt_ids, params)
+    for i, (want, solo, batched) in enumerate(zip(expected, one_by_one, together, strict=True)):
+        assert solo.outputs[0].token_ids == want, f"prompt {i} one at a time"
+        assert batched.outputs[0].token_ids == want, f"prompt {i} in a batch of {len(prompts)}"
+
+    # Log-probabilities of the top tokens at every generated position (teacher forcing).
+    for ids, out in zip(prompt_ids, together, strict=True):
+        ref = hf_logprobs(hf_model, ids + out.outputs[0].token_ids)
+        for step, entry in enumerate(out.outputs[0].logprobs or []):
+            for token_id, value in entry.items():
+                assert abs(ref[len(ids) - 1 + step, token_id].item() - value) < LOGPROB_ATOL
+
+
+def test_tiny_gqa_model_matches_hf(tiny_model_dir: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    hf_model = LlamaForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    llm = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
+    prompts = [p for p in PROMPTS if len(llm.tokenizer.encode(p)) > 1]
+    check_parity(llm, hf_model, prompts, max_new=24)
+    ids = llm.tokenizer.encode(PROMPTS[2])
+    ours = our_prefill_logits(llm, ids)
+    ref = hf_model(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "linear", "factor": 2.0},
+                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_rope_scaling_and_tied_embeddings_match_hf(tmp_path: Path, scaling: dict) -> None:
+    from transformers import LlamaForCausalLM
+
+    folder = make_tiny_model(tmp_path / "m", num_kv_heads=1, tie=True, seed=3, rope_scaling=scaling)
+    hf_model = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    llm = LLM(str(folder), kv_cache_memory=2 << 20, block_size=8)
+    ids = llm.tokenizer.encode(" ".join(PROMPTS))[:200]
+    torch.testing.assert_close(our_prefill_logits(llm, ids), hf_model(torch.tensor([ids])).logits[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_default_model_matches_hf(default_llm: LLM, hf_default_model) -> None:  # type: ignore[no-untyped-def]
+    check_parity(default_llm, hf_default_model, PROMPTS, max_new=64)
+
+
+@pytest.mark.slow
+def test_default_model_prefill_logits_match_hf(default_llm: LLM, hf_default_model) -> None:  # type: ignore[no-untyped-def]
+    ids = default_llm.tokenizer.encode(PROMPTS[2] + " " + PROMPTS[5])
+    ours = our_prefill_logits(default_llm, ids)
+    ref = hf_default_model(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=2e-3, rtol=1e-3)
