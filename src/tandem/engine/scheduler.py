@@ -184,9 +184,13 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             total = request.num_computed_tokens + num_new
             if not self.kv.allocate_slots(request.request_id, total, admission=True):
-                victim = self._lower_priority_victim(request, scheduled_ids)
+                victim = self._lower_priority_victim(request)
                 if victim is None:
                     break
+                if victim.request_id in scheduled_ids:  # give back its share of this step
+                    index = next(i for i, s in enumerate(scheduled) if s.request_id == victim.request_id)
+                    budget += len(scheduled.pop(index).token_ids)
+                    scheduled_ids.discard(victim.request_id)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 continue
@@ -205,10 +209,10 @@ class Scheduler:
             finished_request_ids=finished_ids,
         )
 
-    def _lower_priority_victim(self, request: Request, scheduled_ids: set[str]) -> Request | None:
-        """A running, not-yet-scheduled request of strictly lower priority, latest arrival first."""
+    def _lower_priority_victim(self, request: Request) -> Request | None:
+        """The running request of strictly lower priority that arrived last, if any."""
         for candidate in reversed(self.running):
-            if candidate.priority > request.priority and candidate.request_id not in scheduled_ids:
+            if candidate.priority > request.priority:
                 return candidate
         return None
 

@@ -1,0 +1,188 @@
+"""The public engine API on a small random model: sampling options, stops, errors, preemption."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tandem import LLM, AsyncEngine, GenerationRequest, SamplingParams
+from tandem.platform.errors import ContextLengthExceededError, InvalidRequestError, ModelLoadError
+
+PROMPTS = ["The quick brown fox", "Paged attention stores", "numbers and words", "Hello there"]
+
+
+def greedy(max_tokens: int = 16, **kw) -> SamplingParams:  # type: ignore[no-untyped-def]
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def test_generate_returns_in_order_with_text_matching_tokens(tiny_llm: LLM) -> None:
+    outs = tiny_llm.generate(PROMPTS, greedy(8))
+    assert [o.prompt for o in outs] == PROMPTS
+    for out in outs:
+        c = out.outputs[0]
+        assert len(c.token_ids) == 8 and c.finish_reason == "length"
+        assert c.text == tiny_llm.tokenizer.decode(c.token_ids)
+    stats = tiny_llm.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["kv_capacity_tokens"] == stats["kv_blocks_total"] * stats["block_size"]
+
+
+def test_seeded_sampling_reproducible_and_independent_of_batch(tiny_llm: LLM) -> None:
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = tiny_llm.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+    in_batch = tiny_llm.generate(PROMPTS, params)[0].outputs[0].token_ids
+    other_seed = tiny_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True))
+    assert alone == in_batch
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_stop_string_truncates_and_reports_reason(tiny_llm: LLM) -> None:
+    base = tiny_llm.generate([PROMPTS[1]], greedy(16))[0].outputs[0].text
+    stop = base[len(base) // 2 : len(base) // 2 + 3]
+    assert stop.strip(), "need a visible stop string"
+    out = tiny_llm.generate([PROMPTS[1]], greedy(16, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == base[: base.index(stop)]
+    kept = tiny_llm.generate([PROMPTS[1]], greedy(16, stop=[stop], include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == base[: base.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_and_eos(tiny_llm: LLM) -> None:
+    base = tiny_llm.generate([PROMPTS[2]], greedy(10))[0].outputs[0].token_ids
+    out = tiny_llm.generate([PROMPTS[2]], greedy(10, stop_token_ids=[base[3]]))[0].outputs[0]
+    assert out.token_ids == base[: base.index(base[3]) + 1] and out.stop_reason == base[3]
+    engine = tiny_llm.engine
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = frozenset({base[0]})
+    try:
+        stopped = tiny_llm.generate([PROMPTS[2]], SamplingParams(max_tokens=10, temperature=0.0))[0].outputs[0]
+        ignored = tiny_llm.generate([PROMPTS[2]], greedy(10))[0].outputs[0]
+    finally:
+        engine.eos_token_ids = saved
+    assert stopped.token_ids == base[:1] and stopped.finish_reason == "stop"
+    assert ignored.token_ids == base and ignored.finish_reason == "length"
+
+
+def test_logprobs_are_top_n_and_include_the_chosen_token(tiny_llm: LLM) -> None:
+    out = tiny_llm.generate([PROMPTS[0]], greedy(5, logprobs=3))[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == 5
+    for token_id, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert token_id in entry and len(entry) == 3  # greedy: the chosen one is the top one
+        assert entry[token_id] == max(entry.values()) and all(v <= 0 for v in entry.values())
+
+
+def test_frequency_penalty_reduces_repetition(tiny_llm: LLM) -> None:
+    plain = tiny_llm.generate([PROMPTS[3]], greedy(40))[0].outputs[0].token_ids
+    penalised = tiny_llm.generate([PROMPTS[3]], greedy(40, frequency_penalty=2.0, presence_penalty=2.0))[0].outputs[0].token_ids
+    assert penalised[0] == plain[0]  # nothing generated yet: no penalty on the first token
+    assert max(Counter(penalised).values()) < max(Counter(plain).values())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs: dict, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param and param in str(info.value)
+
+
+def test_bad_prompts_raise_before_allocation_and_engine_keeps_serving(tiny_llm: LLM) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        tiny_llm.generate([""], greedy(4))
+    assert info.value.param == "prompt"
+    too_long = [1] * tiny_llm.engine.max_model_len
+    with pytest.raises(ContextLengthExceededError):
+        tiny_llm.generate([PROMPTS[0], too_long], greedy(4))  # one bad prompt: nothing is queued
+    with pytest.raises(InvalidRequestError):
+        tiny_llm.generate([[10**9]], greedy(4))
+    assert tiny_llm.stats()["kv_blocks_used"] == 0 and tiny_llm.stats()["num_waiting"] == 0
+    assert len(tiny_llm.generate([PROMPTS[0]], greedy(4))[0].outputs[0].token_ids) == 4
+
+
+def test_unknown_and_corrupt_models_give_clear_errors(tmp_path: Path, tiny_model_dir: Path) -> None:
+    with pytest.raises(ModelLoadError, match="not found"):
+        LLM(str(tmp_path / "nope"))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (broken / name).write_bytes((tiny_model_dir / name).read_bytes())
+    (broken / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header")
+    with pytest.raises(ModelLoadError, match="corrupt safetensors"):
+        LLM(str(broken))
+    gguf_file = tmp_path / "bad.gguf"
+    gguf_file.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 64)
+    with pytest.raises(ModelLoadError, match="GGUF"):
+        LLM(str(gguf_file))
+
+
+def test_engine_options_are_validated() -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(block_size=0)
+    with pytest.raises(ValueError, match="no_such_option"):
+        LLM(no_such_option=1)
+
+
+def test_preemption_and_chunked_prefill_keep_greedy_outputs(tiny_model_dir: Path, tiny_llm: LLM) -> None:
+    prompts = [p * 3 for p in PROMPTS] * 2
+    expected = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, greedy(40))]
+    # 24 blocks of 4 tokens: 8 requests of ~60 tokens cannot all stay resident.
+    small = LLM(str(tiny_model_dir), kv_cache_memory=24 * 4 * 2 * 3 * 2 * 16 * 4, block_size=4,
+                max_num_batched_tokens=16, max_num_seqs=8, max_model_len=96)
+    assert small.stats()["kv_blocks_total"] == 24
+    outs = small.generate(prompts, greedy(40))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert small.stats()["num_preemptions"] > 0
+    assert small.stats()["kv_blocks_used"] == 0
+
+
+def test_chat_uses_the_template(tiny_llm: LLM) -> None:
+    messages = [{"role": "user", "content": "Hello there"}]
+    out = tiny_llm.chat(messages, greedy(4))[0]
+    assert out.prompt == "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(InvalidRequestError, match="no content"):
+        tiny_llm.chat([{"role": "user", "content": ""}], greedy(4))
+
+
+def test_async_engine_streams_deltas_and_abort_frees_blocks(tiny_model_dir: Path, tiny_llm: LLM) -> None:
+    expected = tiny_llm.generate([PROMPTS[0]], greedy(20))[0].outputs[0]
+
+    async def scenario() -> None:
+        engine = AsyncEngine.from_options(str(tiny_model_dir), kv_cache_memory=4 << 20)
+        try:
+            text, ids, finals = "", [], []
+            async for out in engine.generate(GenerationRequest("r1", prompt=PROMPTS[0], sampling_params=greedy(20))):
+                text += out.outputs[0].delta_text
+                ids += out.outputs[0].delta_token_ids
+                finals.append(out.finished)
+            assert ids == expected.token_ids and text == expected.text
+            assert finals[-1] and not any(finals[:-1]) and len(finals) == 20
+
+            stream = engine.generate(GenerationRequest("r2", prompt=PROMPTS[1], sampling_params=greedy(200)))
+            async for out in stream:
+                if len(out.outputs[0].token_ids) >= 3:
+                    break
+            await stream.aclose()  # what a client disconnect does: aborts r2
+            # Any request that completes afterwards ran after the abort was applied.
+            async for _ in engine.generate(GenerationRequest("r3", prompt=PROMPTS[2], sampling_params=greedy(2))):
+                pass
+            assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["num_running"] == 0
+
+            with pytest.raises(InvalidRequestError):
+                async for _ in engine.generate(GenerationRequest("r4", prompt="", sampling_params=greedy(2))):
+                    pass
+        finally:
+            engine.shutdown()
+
+    asyncio.run(scenario())
