@@ -51,7 +51,10 @@ def our_prefill_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     assert engine.kv_manager.allocate_slots(rid, len(token_ids))
     try:
         table = engine.kv_manager.block_table(rid).block_ids
-        meta = build_attention_metadata([table], [len(token_ids)], [len(token_ids)], engine.kv_manager.block_size, engine.device)
+        meta = build_attention_metadata(
+            [table], [len(token_ids)], [len(token_ids)], engine.kv_manager.block_size,
+            engine.runner.kv_spec.num_kv_heads, engine.device,
+        )
         with torch.inference_mode():
             return engine.runner.model(
                 torch.tensor(token_ids), torch.arange(len(token_ids)), engine.runner.kv_caches, meta,

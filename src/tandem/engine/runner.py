@@ -75,6 +75,7 @@ class ModelRunner:
             [len(item.token_ids) for item in items],
             [item.start_position + len(item.token_ids) for item in items],
             self.block_size,
+            self.kv_spec.num_kv_heads,
             self.device,
         )
         logits = self.model(

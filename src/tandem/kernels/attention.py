@@ -39,20 +39,31 @@ class PrefillSegment:
 
     query_start: int  # first row in q
     query_end: int  # one past the last row
-    kv_slots: torch.Tensor  # [L] int64 flat slots of the whole context (cached + new)
+    kv_index: torch.Tensor | None  # [Hk * L] rows of the cache's [-1, D] view; None: no cached prefix
     mask: torch.Tensor | None  # [n, L] bool (True = attend); None: plain causal (no cached prefix)
 
 
 @dataclass
 class AttentionMetadata:
-    """Per-step inputs to attention, shared by all layers."""
+    """Per-step inputs to attention, shared by all layers.
+
+    Gathers use the cache's `[num_blocks * block_size * Hk, D]` view with row
+    `slot * Hk + h`, so one `index_select` yields K already laid out as `[B, Hk, L, D]`.
+    """
 
     slot_mapping: torch.Tensor  # [T] slots the step's new tokens are written to
     decode_rows: torch.Tensor  # [Bd] rows of q that are single-token decodes
-    decode_kv_slots: torch.Tensor  # [Bd, Lmax] flat slots, padded with 0
+    decode_kv_index: torch.Tensor  # [Bd * Hk * Lmax] cache rows, padding points at row 0
     decode_mask: torch.Tensor  # [Bd, 1, 1, Lmax] bool, True = valid key
+    decode_max_len: int
     prefills: list[PrefillSegment]
     num_decodes: int
+
+
+def _head_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[..., L] slots -> [..., Hk, L] rows of the [-1, D] cache view."""
+    heads = torch.arange(num_kv_heads, dtype=torch.int64)
+    return slots.unsqueeze(-2) * num_kv_heads + heads[:, None]
 
 
 def build_attention_metadata(
@@ -60,6 +71,7 @@ def build_attention_metadata(
     query_lens: list[int],
     context_lens: list[int],
     block_size: int,
+    num_kv_heads: int,
     device: torch.device,
 ) -> AttentionMetadata:
     """Index tensors for one step. Request i has `query_lens[i]` new tokens and, after them,
@@ -73,39 +85,43 @@ def build_attention_metadata(
     offsets = torch.arange(block_size, dtype=torch.int64)
     for table, n, ctx in zip(block_tables, query_lens, context_lens, strict=True):
         num_blocks = -(-ctx // block_size)
-        blocks = torch.tensor(table[:num_blocks], dtype=torch.int64)
-        all_slots = (blocks[:, None] * block_size + offsets[None, :]).reshape(-1)[:ctx]
-        slot_chunks.append(all_slots[ctx - n :])
         if n == 1:
             decode_rows.append(row)
             decode_tables.append(table[:num_blocks])
             decode_lens.append(ctx)
+            last_slot = table[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size
+            slot_chunks.append(torch.tensor([last_slot], dtype=torch.int64))
         else:
-            mask = None
+            blocks = torch.tensor(table[:num_blocks], dtype=torch.int64)
+            all_slots = (blocks[:, None] * block_size + offsets[None, :]).reshape(-1)[:ctx]
+            slot_chunks.append(all_slots[ctx - n :])
+            kv_index = mask = None
             if ctx != n:  # cached prefix: query j (position ctx-n+j) sees keys <= its position
-                q_pos = torch.arange(ctx - n, ctx)[:, None]
-                mask = torch.arange(ctx)[None, :] <= q_pos
-            prefills.append(PrefillSegment(row, row + n, all_slots.to(device), None if mask is None else mask.to(device)))
+                kv_index = _head_rows(all_slots, num_kv_heads).reshape(-1).to(device)
+                mask = (torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]).to(device)
+            prefills.append(PrefillSegment(row, row + n, kv_index, mask))
         row += n
 
-    max_len = max(decode_lens, default=0)
     num_decodes = len(decode_rows)
+    max_len = max(decode_lens, default=0)
     if num_decodes:
         max_blocks = -(-max_len // block_size)
         table_tensor = torch.zeros(num_decodes, max_blocks, dtype=torch.int64)
         for i, table in enumerate(decode_tables):
             table_tensor[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
         decode_slots = (table_tensor[:, :, None] * block_size + offsets).reshape(num_decodes, -1)[:, :max_len]
+        decode_index = _head_rows(decode_slots, num_kv_heads).reshape(-1)
         lens = torch.tensor(decode_lens, dtype=torch.int64)
         decode_mask = (torch.arange(max_len)[None, :] < lens[:, None]).view(num_decodes, 1, 1, max_len)
     else:
-        decode_slots = torch.zeros(0, 0, dtype=torch.int64)
+        decode_index = torch.zeros(0, dtype=torch.int64)
         decode_mask = torch.zeros(0, 1, 1, 0, dtype=torch.bool)
     return AttentionMetadata(
         slot_mapping=torch.cat(slot_chunks).to(device),
         decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=device),
-        decode_kv_slots=decode_slots.to(device),
+        decode_kv_index=decode_index.to(device),
         decode_mask=decode_mask.to(device),
+        decode_max_len=max_len,
         prefills=prefills,
         num_decodes=num_decodes,
     )
@@ -113,7 +129,9 @@ def build_attention_metadata(
 
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, D]
-    k_cache: torch.Tensor,  # [N, bs, Hk, D]  (already holds this step's keys)
+    k: torch.Tensor,  # [T, Hk, D] this step's keys (already written to the cache)
+    v: torch.Tensor,  # [T, Hk, D]
+    k_cache: torch.Tensor,  # [N, bs, Hk, D]
     v_cache: torch.Tensor,  # [N, bs, Hk, D]
     metadata: AttentionMetadata,
     scale: float,
@@ -121,27 +139,35 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    k_rows = k_cache.view(-1, head_dim)
+    v_rows = v_cache.view(-1, head_dim)
     out = torch.empty_like(q)
 
     if metadata.num_decodes:
-        bd = metadata.num_decodes
+        bd, length = metadata.num_decodes, metadata.decode_max_len
         # One query token per request: fold the GQA group into the query-length axis.
         q_dec = q.index_select(0, metadata.decode_rows).view(bd, num_kv_heads, group, head_dim)
-        k_dec = k_flat[metadata.decode_kv_slots].to(q.dtype).transpose(1, 2)  # [Bd, Hk, L, D]
-        v_dec = v_flat[metadata.decode_kv_slots].to(q.dtype).transpose(1, 2)
-        o_dec = F.scaled_dot_product_attention(q_dec, k_dec, v_dec, attn_mask=metadata.decode_mask, scale=scale)
+        k_dec = k_rows.index_select(0, metadata.decode_kv_index).view(bd, num_kv_heads, length, head_dim)
+        v_dec = v_rows.index_select(0, metadata.decode_kv_index).view(bd, num_kv_heads, length, head_dim)
+        o_dec = F.scaled_dot_product_attention(
+            q_dec, k_dec.to(q.dtype), v_dec.to(q.dtype), attn_mask=metadata.decode_mask, scale=scale
+        )
         out.index_copy_(0, metadata.decode_rows, o_dec.reshape(bd, num_heads, head_dim))
 
     for seg in metadata.prefills:
+        n = seg.query_end - seg.query_start
         q_seg = q[seg.query_start : seg.query_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        k_seg = k_flat[seg.kv_slots].to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hk, L, D]
-        v_seg = v_flat[seg.kv_slots].to(q.dtype).transpose(0, 1).unsqueeze(0)
+        if seg.kv_index is None:  # the whole context is this step's tokens
+            k_seg = k[seg.query_start : seg.query_end].transpose(0, 1).unsqueeze(0)  # [1, Hk, n, D]
+            v_seg = v[seg.query_start : seg.query_end].transpose(0, 1).unsqueeze(0)
+        else:
+            length = seg.kv_index.numel() // num_kv_heads
+            k_seg = k_rows.index_select(0, seg.kv_index).view(1, num_kv_heads, length, head_dim).to(q.dtype)
+            v_seg = v_rows.index_select(0, seg.kv_index).view(1, num_kv_heads, length, head_dim).to(q.dtype)
         o_seg = F.scaled_dot_product_attention(
             q_seg, k_seg, v_seg, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scale, enable_gqa=True
         )
-        out[seg.query_start : seg.query_end] = o_seg.squeeze(0).transpose(0, 1)
+        out[seg.query_start : seg.query_end] = o_seg.squeeze(0).transpose(0, 1).reshape(n, num_heads, head_dim)
     return out
 
 

@@ -120,7 +120,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, metadata, self.scale)
+        out = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -21,6 +21,7 @@ import torch
 
 from tandem.engine.models.llama import LlamaConfig, LlamaForCausalLM
 from tandem.engine.tokenizer import Tokenizer
+from tandem.kernels.linear import pack_linears
 from tandem.platform.errors import ModelLoadError
 
 BUNDLED_MODELS = {
@@ -251,8 +252,9 @@ def _gguf_to_hf_name(name: str) -> str | None:
 
 
 def build_model(
-    loaded: LoadedModel, *, dtype: torch.dtype, device: torch.device, max_positions: int
+    loaded: LoadedModel, *, dtype: torch.dtype, device: torch.device, max_positions: int, pack_weights: bool = True
 ) -> LlamaForCausalLM:
+    """Build on 'meta' (no random init), load the weights, and optionally prepack the linears."""
     with torch.device("meta"):
         model = LlamaForCausalLM(loaded.config, max_positions=max_positions)
     model = model.to_empty(device=device)
@@ -262,4 +264,6 @@ def build_model(
         raise ModelLoadError(f"{loaded.path}: {exc}", param="model") from exc
     model = model.to(dtype=dtype)
     model.init_rope()  # after the dtype cast: the cos/sin tables stay float32
+    if pack_weights:
+        pack_linears(model)
     return model.eval()
