@@ -67,18 +67,27 @@ def run_hf(model, prompts: list[list[int]], new_tokens: int) -> dict:  # type: i
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
         wall = time.perf_counter() - start
     generated = (out.shape[1] - ids.shape[1]) * ids.shape[0]
-    return {"wall_s": wall, "generated_tokens": generated, "tokens_per_s": generated / wall, "ttft_mean_s": ttft}
+    return {
+        "wall_s": wall,
+        "generated_tokens": generated,
+        "tokens_per_s": generated / wall,
+        "ttft_mean_s": ttft,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "engine_throughput.json")
+    parser.add_argument(
+        "--output", type=Path, default=Path(__file__).parent / "results" / "engine_throughput.json"
+    )
     args = parser.parse_args()
 
     threads = torch.get_num_threads()
@@ -95,7 +104,9 @@ def main() -> None:
         path = resolve_model_path(args.model)
         log("loading HF transformers reference (its own GGUF loader)")
         if path.suffix == ".gguf":
-            hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=torch.float32
+            )
         else:
             hf_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
         hf_model.eval()
@@ -107,12 +118,16 @@ def main() -> None:
         prompts = make_prompts(n, args.prompt_len, vocab, args.seed + n)
         log(f"concurrency {n}: tandem ...")
         ours = run_tandem(llm, prompts, args.new_tokens)
-        log(f"concurrency {n}: tandem {ours['tokens_per_s']:.1f} tok/s, ttft {ours['ttft_mean_s'] * 1000:.0f} ms")
+        log(
+            f"concurrency {n}: tandem {ours['tokens_per_s']:.1f} tok/s, ttft {ours['ttft_mean_s'] * 1000:.0f} ms"
+        )
         row: dict = {"concurrency": n, "tandem": ours}
         if hf_model is not None:
             log(f"concurrency {n}: HF generate ...")
             ref = run_hf(hf_model, prompts, args.new_tokens)
-            log(f"concurrency {n}: HF {ref['tokens_per_s']:.1f} tok/s, ttft {ref['ttft_mean_s'] * 1000:.0f} ms")
+            log(
+                f"concurrency {n}: HF {ref['tokens_per_s']:.1f} tok/s, ttft {ref['ttft_mean_s'] * 1000:.0f} ms"
+            )
             row["hf"] = ref
             row["tokens_per_s_ratio"] = ours["tokens_per_s"] / ref["tokens_per_s"]
             row["ttft_ratio_hf_over_tandem"] = ref["ttft_mean_s"] / ours["ttft_mean_s"]
@@ -124,9 +139,16 @@ def main() -> None:
         "model": args.model,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
-        "machine": {"cpus": os.cpu_count(), "torch_threads": threads, "torch": torch.__version__,
-                    "python": platform.python_version(), "processor": platform.processor() or platform.machine()},
-        "engine": {k: v for k, v in llm.stats().items() if k in ("kv_capacity_tokens", "block_size", "max_model_len")},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "torch_threads": threads,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "processor": platform.processor() or platform.machine(),
+        },
+        "engine": {
+            k: v for k, v in llm.stats().items() if k in ("kv_capacity_tokens", "block_size", "max_model_len")
+        },
         "results": rows,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)

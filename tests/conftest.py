@@ -29,8 +29,9 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
 
 
-def make_tiny_model(folder: Path, *, num_kv_heads: int = 2, tie: bool = False, seed: int = 0,
-                    rope_scaling: dict | None = None) -> Path:
+def make_tiny_model(
+    folder: Path, *, num_kv_heads: int = 2, tie: bool = False, seed: int = 0, rope_scaling: dict | None = None
+) -> Path:
     """Random-weight HF LlamaForCausalLM (GQA 4/num_kv_heads) with a BPE tokenizer trained here."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -46,7 +47,9 @@ def make_tiny_model(folder: Path, *, num_kv_heads: int = 2, tie: bool = False, s
     tokenizer.train_from_iterator(TINY_CORPUS * 4, trainer)
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": TINY_CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"})
+        json.dumps(
+            {"chat_template": TINY_CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"}
+        )
     )
     torch.manual_seed(seed)
     config = LlamaConfig(

@@ -34,7 +34,9 @@ def test_seeded_sampling_reproducible_and_independent_of_batch(tiny_llm: LLM) ->
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     alone = tiny_llm.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
     in_batch = tiny_llm.generate(PROMPTS, params)[0].outputs[0].token_ids
-    other_seed = tiny_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True))
+    other_seed = tiny_llm.generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True)
+    )
     assert alone == in_batch
     assert other_seed[0].outputs[0].token_ids != alone
 
@@ -46,7 +48,9 @@ def test_stop_string_truncates_and_reports_reason(tiny_llm: LLM) -> None:
     out = tiny_llm.generate([PROMPTS[1]], greedy(16, stop=[stop]))[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == base[: base.index(stop)]
-    kept = tiny_llm.generate([PROMPTS[1]], greedy(16, stop=[stop], include_stop_str_in_output=True))[0].outputs[0]
+    kept = tiny_llm.generate([PROMPTS[1]], greedy(16, stop=[stop], include_stop_str_in_output=True))[
+        0
+    ].outputs[0]
     assert kept.text == base[: base.index(stop) + len(stop)]
 
 
@@ -58,7 +62,9 @@ def test_stop_token_ids_and_eos(tiny_llm: LLM) -> None:
     saved = engine.eos_token_ids
     engine.eos_token_ids = frozenset({base[0]})
     try:
-        stopped = tiny_llm.generate([PROMPTS[2]], SamplingParams(max_tokens=10, temperature=0.0))[0].outputs[0]
+        stopped = tiny_llm.generate([PROMPTS[2]], SamplingParams(max_tokens=10, temperature=0.0))[0].outputs[
+            0
+        ]
         ignored = tiny_llm.generate([PROMPTS[2]], greedy(10))[0].outputs[0]
     finally:
         engine.eos_token_ids = saved
@@ -76,7 +82,11 @@ def test_logprobs_are_top_n_and_include_the_chosen_token(tiny_llm: LLM) -> None:
 
 def test_frequency_penalty_reduces_repetition(tiny_llm: LLM) -> None:
     plain = tiny_llm.generate([PROMPTS[3]], greedy(40))[0].outputs[0].token_ids
-    penalised = tiny_llm.generate([PROMPTS[3]], greedy(40, frequency_penalty=2.0, presence_penalty=2.0))[0].outputs[0].token_ids
+    penalised = (
+        tiny_llm.generate([PROMPTS[3]], greedy(40, frequency_penalty=2.0, presence_penalty=2.0))[0]
+        .outputs[0]
+        .token_ids
+    )
     assert penalised[0] == plain[0]  # nothing generated yet: no penalty on the first token
     assert max(Counter(penalised).values()) < max(Counter(plain).values())
 
@@ -138,8 +148,14 @@ def test_preemption_and_chunked_prefill_keep_greedy_outputs(tiny_model_dir: Path
     prompts = [p * 3 for p in PROMPTS] * 2
     expected = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, greedy(40))]
     # 24 blocks of 4 tokens: 8 requests of ~60 tokens cannot all stay resident.
-    small = LLM(str(tiny_model_dir), kv_cache_memory=24 * 4 * 2 * 3 * 2 * 16 * 4, block_size=4,
-                max_num_batched_tokens=16, max_num_seqs=8, max_model_len=96)
+    small = LLM(
+        str(tiny_model_dir),
+        kv_cache_memory=24 * 4 * 2 * 3 * 2 * 16 * 4,
+        block_size=4,
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        max_model_len=96,
+    )
     assert small.stats()["kv_blocks_total"] == 24
     outs = small.generate(prompts, greedy(40))
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -162,7 +178,9 @@ def test_async_engine_streams_deltas_and_abort_frees_blocks(tiny_model_dir: Path
         engine = AsyncEngine.from_options(str(tiny_model_dir), kv_cache_memory=4 << 20)
         try:
             text, ids, finals = "", [], []
-            async for out in engine.generate(GenerationRequest("r1", prompt=PROMPTS[0], sampling_params=greedy(20))):
+            async for out in engine.generate(
+                GenerationRequest("r1", prompt=PROMPTS[0], sampling_params=greedy(20))
+            ):
                 text += out.outputs[0].delta_text
                 ids += out.outputs[0].delta_token_ids
                 finals.append(out.finished)
@@ -175,7 +193,9 @@ def test_async_engine_streams_deltas_and_abort_frees_blocks(tiny_model_dir: Path
                     break
             await stream.aclose()  # what a client disconnect does: aborts r2
             # Any request that completes afterwards ran after the abort was applied.
-            async for _ in engine.generate(GenerationRequest("r3", prompt=PROMPTS[2], sampling_params=greedy(2))):
+            async for _ in engine.generate(
+                GenerationRequest("r3", prompt=PROMPTS[2], sampling_params=greedy(2))
+            ):
                 pass
             assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["num_running"] == 0
 

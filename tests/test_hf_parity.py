@@ -52,12 +52,19 @@ def our_prefill_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     try:
         table = engine.kv_manager.block_table(rid).block_ids
         meta = build_attention_metadata(
-            [table], [len(token_ids)], [len(token_ids)], engine.kv_manager.block_size,
-            engine.runner.kv_spec.num_kv_heads, engine.device,
+            [table],
+            [len(token_ids)],
+            [len(token_ids)],
+            engine.kv_manager.block_size,
+            engine.runner.kv_spec.num_kv_heads,
+            engine.device,
         )
         with torch.inference_mode():
             return engine.runner.model(
-                torch.tensor(token_ids), torch.arange(len(token_ids)), engine.runner.kv_caches, meta,
+                torch.tensor(token_ids),
+                torch.arange(len(token_ids)),
+                engine.runner.kv_caches,
+                meta,
                 torch.arange(len(token_ids)),
             )
     finally:
@@ -88,7 +95,9 @@ def test_tiny_gqa_model_matches_hf(tiny_model_dir: Path) -> None:
     from transformers import LlamaForCausalLM
 
     hf_model = LlamaForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-    llm = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, block_size=4, max_num_batched_tokens=64, max_num_seqs=8)
+    llm = LLM(
+        str(tiny_model_dir), kv_cache_memory=4 << 20, block_size=4, max_num_batched_tokens=64, max_num_seqs=8
+    )
     prompts = [p for p in PROMPTS if len(llm.tokenizer.encode(p)) > 1]
     check_parity(llm, hf_model, prompts, max_new=24)
     ids = llm.tokenizer.encode(PROMPTS[2])
@@ -97,9 +106,19 @@ def test_tiny_gqa_model_matches_hf(tiny_model_dir: Path) -> None:
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("scaling", [{"rope_type": "linear", "factor": 2.0},
-                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "linear", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)
 def test_rope_scaling_and_tied_embeddings_match_hf(tmp_path: Path, scaling: dict) -> None:
     from transformers import LlamaForCausalLM
 
@@ -107,7 +126,9 @@ def test_rope_scaling_and_tied_embeddings_match_hf(tmp_path: Path, scaling: dict
     hf_model = LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     llm = LLM(str(folder), kv_cache_memory=2 << 20, block_size=8)
     ids = llm.tokenizer.encode(" ".join(PROMPTS))[:200]
-    torch.testing.assert_close(our_prefill_logits(llm, ids), hf_model(torch.tensor([ids])).logits[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        our_prefill_logits(llm, ids), hf_model(torch.tensor([ids])).logits[0], atol=1e-4, rtol=1e-4
+    )
 
 
 @pytest.mark.slow

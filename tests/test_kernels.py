@@ -27,10 +27,17 @@ def test_paged_attention_matches_dense_for_mixed_batch(block_size: int) -> None:
     # write the cached prefixes as earlier steps would have
     for (cached, _), table, k, v in zip(shapes, tables, full_k, full_v, strict=True):
         if cached:
-            meta = build_attention_metadata([table], [cached], [cached], block_size, num_kv_heads, torch.device("cpu"))
+            meta = build_attention_metadata(
+                [table], [cached], [cached], block_size, num_kv_heads, torch.device("cpu")
+            )
             write_kv(k[:cached], v[:cached], k_cache, v_cache, meta.slot_mapping)
     meta = build_attention_metadata(
-        tables, [n for _, n in shapes], [c + n for c, n in shapes], block_size, num_kv_heads, torch.device("cpu")
+        tables,
+        [n for _, n in shapes],
+        [c + n for c, n in shapes],
+        block_size,
+        num_kv_heads,
+        torch.device("cpu"),
     )
     q = torch.randn(sum(n for _, n in shapes), num_heads, head_dim)
     k_new = torch.cat([k[c:] for (c, _), k in zip(shapes, full_k, strict=True)])

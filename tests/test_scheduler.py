@@ -14,15 +14,28 @@ from tandem.engine.scheduler import RunnerResult, Scheduler, SchedulerOutput
 EOS = 0
 
 
-def make_scheduler(num_blocks: int = 16, block_size: int = 4, budget: int = 32, max_seqs: int = 8) -> Scheduler:
+def make_scheduler(
+    num_blocks: int = 16, block_size: int = 4, budget: int = 32, max_seqs: int = 8
+) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, watermark=0.0)
     return Scheduler(kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=64)
 
 
-def make_request(rid: str, num_prompt: int, max_tokens: int = 4, priority: Priority = Priority.INTERACTIVE,
-                 arrival: float = 0.0) -> Request:
-    return Request(rid, list(range(1, num_prompt + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                   eos_token_ids=frozenset({EOS}), priority=priority, arrival_time=arrival)
+def make_request(
+    rid: str,
+    num_prompt: int,
+    max_tokens: int = 4,
+    priority: Priority = Priority.INTERACTIVE,
+    arrival: float = 0.0,
+) -> Request:
+    return Request(
+        rid,
+        list(range(1, num_prompt + 1)),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        eos_token_ids=frozenset({EOS}),
+        priority=priority,
+        arrival_time=arrival,
+    )
 
 
 def fake_run(out: SchedulerOutput, token: int = 7) -> RunnerResult:
@@ -34,10 +47,16 @@ def test_chunked_prefill_and_decode_share_one_budget() -> None:
     sched.add_request(make_request("a", 3, arrival=0))
     sched.add_request(make_request("b", 20, arrival=1))
     out = sched.schedule()
-    assert [(s.request_id, len(s.token_ids), s.sample) for s in out.scheduled] == [("a", 3, True), ("b", 7, False)]
+    assert [(s.request_id, len(s.token_ids), s.sample) for s in out.scheduled] == [
+        ("a", 3, True),
+        ("b", 7, False),
+    ]
     sched.update_from_output(out, fake_run(out))
     out = sched.schedule()  # a decodes 1, b continues its prompt with the other 9
-    assert [(s.request_id, s.start_position, len(s.token_ids)) for s in out.scheduled] == [("a", 3, 1), ("b", 7, 9)]
+    assert [(s.request_id, s.start_position, len(s.token_ids)) for s in out.scheduled] == [
+        ("a", 3, 1),
+        ("b", 7, 9),
+    ]
     assert out.num_scheduled_tokens == 10
 
 

@@ -18,8 +18,12 @@ TEXTS = [
 ]
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"},
-     {"role": "assistant", "content": "Rayleigh scattering."}, {"role": "user", "content": "More?"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Why is the sky blue?"},
+        {"role": "assistant", "content": "Rayleigh scattering."},
+        {"role": "user", "content": "More?"},
+    ],
 ]
 
 
@@ -42,7 +46,9 @@ def test_gguf_tokenizer_matches_transformers(ours, default_model_path: Path) -> 
 def test_chat_template_renders_like_transformers(ours) -> None:  # type: ignore[no-untyped-def]
     from transformers import PreTrainedTokenizerFast
 
-    ref = PreTrainedTokenizerFast(tokenizer_object=ours.backend, eos_token=ours.eos_token, bos_token=ours.bos_token)
+    ref = PreTrainedTokenizerFast(
+        tokenizer_object=ours.backend, eos_token=ours.eos_token, bos_token=ours.bos_token
+    )
     ref.chat_template = ours.chat_template
     for conv in CONVERSATIONS:
         for add in (True, False):

@@ -71,7 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args)
     except TandemError as exc:
-        print(json.dumps({"error": {"message": exc.message, "type": exc.error_type, "param": exc.param}}), file=sys.stderr)
+        print(
+            json.dumps({"error": {"message": exc.message, "type": exc.error_type, "param": exc.param}}),
+            file=sys.stderr,
+        )
         return 2
     return 1
 

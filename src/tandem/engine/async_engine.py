@@ -59,10 +59,14 @@ class AsyncEngine:
         with self._cv:
             if self._stopped:
                 raise RuntimeError("engine is shut down")
-            if request.request_id in self._streams or any(r.request_id == request.request_id for r, _ in self._pending_adds):
+            if request.request_id in self._streams or any(
+                r.request_id == request.request_id for r, _ in self._pending_adds
+            ):
                 from tandem.platform.errors import InvalidRequestError
 
-                raise InvalidRequestError(f"request id {request.request_id!r} is already running", param="request_id")
+                raise InvalidRequestError(
+                    f"request id {request.request_id!r} is already running", param="request_id"
+                )
             self._pending_adds.append((request, stream))
             self._cv.notify()
         finished = False
@@ -100,7 +104,12 @@ class AsyncEngine:
         engine = self.engine
         while True:
             with self._cv:
-                while not (self._stopped or self._pending_adds or self._pending_aborts or engine.has_unfinished_requests()):
+                while not (
+                    self._stopped
+                    or self._pending_adds
+                    or self._pending_aborts
+                    or engine.has_unfinished_requests()
+                ):
                     self._cv.wait()
                 if self._stopped:
                     break

@@ -47,18 +47,28 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = _resolve_device(config.device)
-        dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
+        dtype_name = (
+            config.dtype
+            if config.dtype != "auto"
+            else ("bfloat16" if self.device.type == "cuda" else "float32")
+        )
         self.dtype = _DTYPES[dtype_name]
 
         loaded = load_model(config.model)
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer: Tokenizer = loaded.tokenizer
-        self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(
+            loaded.tokenizer.eos_token_ids
+        )
 
         cfg = loaded.config
-        kv_spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, config.block_size, self.dtype)
-        budget = config.kv_cache_memory or int(config.kv_cache_memory_fraction * _available_memory_bytes(self.device))
+        kv_spec = KVCacheSpec(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, config.block_size, self.dtype
+        )
+        budget = config.kv_cache_memory or int(
+            config.kv_cache_memory_fraction * _available_memory_bytes(self.device)
+        )
         num_blocks = budget // kv_spec.bytes_per_block
         if num_blocks < 2:
             raise InvalidRequestError(
@@ -118,7 +128,9 @@ class LLMEngine:
         """Validate and tokenise; raises `InvalidRequestError` before anything is allocated."""
         given = [x is not None for x in (gen.prompt, gen.prompt_token_ids, gen.messages)]
         if sum(given) != 1:
-            raise InvalidRequestError("give exactly one of prompt, prompt_token_ids or messages", param="prompt")
+            raise InvalidRequestError(
+                "give exactly one of prompt, prompt_token_ids or messages", param="prompt"
+            )
         prompt = gen.prompt
         if gen.messages is not None:
             if not gen.messages:
@@ -159,7 +171,9 @@ class LLMEngine:
         self.output_processor.add(request, prompt, stream_text)
         return request
 
-    def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> RequestOutput | None:
+    def abort_request(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> RequestOutput | None:
         """Finish a request now; its KV blocks are free when this returns."""
         request = self.scheduler.finish_request(request_id, status)
         if request is None:

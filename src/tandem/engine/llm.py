@@ -59,7 +59,9 @@ class LLM:
         )
         requests = [
             GenerationRequest(request_id=self.engine.new_request_id(), messages=conv, sampling_params=sp)
-            for conv, sp in zip(conversations, self._params_per_prompt(sampling_params, len(conversations)), strict=True)
+            for conv, sp in zip(
+                conversations, self._params_per_prompt(sampling_params, len(conversations)), strict=True
+            )
         ]
         return self._run(requests, None)
 
@@ -67,7 +69,9 @@ class LLM:
         return self.engine.stats()
 
     @staticmethod
-    def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    def _params_per_prompt(
+        params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
         if params is None:
             return [SamplingParams() for _ in range(n)]
         if isinstance(params, SamplingParams):
@@ -76,7 +80,9 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
         return list(params)
 
-    def _run(self, requests: list[GenerationRequest], on_output: Callable[[RequestOutput], None] | None) -> list[RequestOutput]:
+    def _run(
+        self, requests: list[GenerationRequest], on_output: Callable[[RequestOutput], None] | None
+    ) -> list[RequestOutput]:
         for request in requests:  # validate everything first
             self.engine.make_request(request)
         order = {r.request_id: i for i, r in enumerate(requests)}

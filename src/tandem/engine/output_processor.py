@@ -57,10 +57,9 @@ class OutputProcessor:
             if state.logprobs is not None and update.new_logprobs:
                 state.logprobs.extend(update.new_logprobs)
             finished = update.finished
-            if state.stream_text or finished:
-                if self._apply_stop_strings(state):
-                    finished = True
-                    stopped.append(update.request.request_id)
+            if (state.stream_text or finished) and self._apply_stop_strings(state):
+                finished = True
+                stopped.append(update.request.request_id)
             outputs.append(self._make_output(state, finished, now))
         return outputs, stopped
 

@@ -45,7 +45,10 @@ class ModelRunner:
         self.block_size = kv_spec.block_size
         shape = (num_blocks, kv_spec.block_size, kv_spec.num_kv_heads, kv_spec.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=kv_spec.dtype, device=device), torch.zeros(shape, dtype=kv_spec.dtype, device=device))
+            (
+                torch.zeros(shape, dtype=kv_spec.dtype, device=device),
+                torch.zeros(shape, dtype=kv_spec.dtype, device=device),
+            )
             for _ in range(kv_spec.num_layers)
         ]
         self.vocab_size = model.config.vocab_size
@@ -113,7 +116,9 @@ class ModelRunner:
             sub = logits.index_select(0, rows) / torch.tensor(
                 [params[r].temperature for r in random_rows], device=logits.device
             ).unsqueeze(1)
-            if any(params[r].top_k > 0 or params[r].top_p < 1.0 or params[r].min_p > 0.0 for r in random_rows):
+            if any(
+                params[r].top_k > 0 or params[r].top_p < 1.0 or params[r].min_p > 0.0 for r in random_rows
+            ):
                 sub = filter_logits(
                     sub,
                     torch.tensor([params[r].top_k for r in random_rows], device=logits.device),
@@ -129,7 +134,9 @@ class ModelRunner:
         if logprob_rows:
             num_top = max(params[r].logprobs or 0 for r in logprob_rows)
             rows = torch.tensor(logprob_rows, dtype=torch.int64, device=logits.device)
-            chosen_lp, top_ids, top_vals = top_logprobs(raw_logits.index_select(0, rows), chosen[rows], num_top)
+            chosen_lp, top_ids, top_vals = top_logprobs(
+                raw_logits.index_select(0, rows), chosen[rows], num_top
+            )
             for i, row in enumerate(logprob_rows):
                 n = params[row].logprobs or 0
                 entry = {chosen_list[row]: float(chosen_lp[i])}

@@ -12,9 +12,8 @@ from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
-from tokenizers import AddedToken
 
 from tandem.platform.errors import InvalidRequestError, ModelLoadError
 
@@ -48,9 +47,9 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
-            if not ids or ids[0] != self.bos_token_id:
-                ids = [self.bos_token_id, *ids]
+        wants_bos = add_special_tokens and self.add_bos and self.bos_token_id is not None
+        if wants_bos and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
         return ids
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
@@ -59,7 +58,9 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+    ) -> str:
         """Render messages the way HF `apply_chat_template` does (sandboxed jinja2)."""
         if self.chat_template is None:
             raise InvalidRequestError("this model has no chat template; use completions", param="messages")
@@ -102,7 +103,11 @@ class Tokenizer:
         bos = _token_str(config.get("bos_token"))
         eos = _token_str(config.get("eos_token"))
         eos_ids = list(eos_token_ids)
-        if eos is not None and backend.token_to_id(eos) is not None and backend.token_to_id(eos) not in eos_ids:
+        if (
+            eos is not None
+            and backend.token_to_id(eos) is not None
+            and backend.token_to_id(eos) not in eos_ids
+        ):
             eos_ids.append(backend.token_to_id(eos))
         return cls(
             backend,
@@ -117,7 +122,9 @@ class Tokenizer:
     def from_gguf_fields(cls, fields: dict[str, Any]) -> Tokenizer:
         model_kind = fields.get("tokenizer.ggml.model")
         if model_kind != "gpt2":
-            raise ModelLoadError(f"GGUF tokenizer model {model_kind!r} unsupported (only byte-level BPE 'gpt2')")
+            raise ModelLoadError(
+                f"GGUF tokenizer model {model_kind!r} unsupported (only byte-level BPE 'gpt2')"
+            )
         tokens: list[str] = fields["tokenizer.ggml.tokens"]
         token_types: list[int] = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
@@ -126,7 +133,9 @@ class Tokenizer:
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         pre = fields.get("tokenizer.ggml.pre", "default")
         if pre in ("smollm", "starcoder", "refact", "codeshell"):  # llama.cpp: digits split one by one
-            backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level]
+            )
         else:
             backend.pre_tokenizer = byte_level
         backend.decoder = decoders.ByteLevel()

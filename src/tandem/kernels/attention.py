@@ -167,7 +167,9 @@ def paged_attention(
         o_seg = F.scaled_dot_product_attention(
             q_seg, k_seg, v_seg, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scale, enable_gqa=True
         )
-        out[seg.query_start : seg.query_end] = o_seg.squeeze(0).transpose(0, 1).reshape(n, num_heads, head_dim)
+        out[seg.query_start : seg.query_end] = (
+            o_seg.squeeze(0).transpose(0, 1).reshape(n, num_heads, head_dim)
+        )
     return out
 
 

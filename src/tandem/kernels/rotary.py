@@ -34,7 +34,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled), 1.0
-    raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: default, linear, dynamic, llama3")
+    raise ValueError(
+        f"unsupported rope_scaling type {rope_type!r}; supported: default, linear, dynamic, llama3"
+    )
 
 
 def rope_cos_sin(

@@ -65,5 +65,7 @@ def top_logprobs(
     """(chosen_logprob [B], top_ids [B, num_top], top_logprobs [B, num_top])."""
     logprobs = logits.float().log_softmax(dim=-1)
     chosen_lp = logprobs.gather(-1, chosen[:, None]).squeeze(-1)
-    top_vals, top_ids = logprobs.topk(num_top, dim=-1) if num_top > 0 else (logprobs[:, :0], chosen[:, None][:, :0])
+    top_vals, top_ids = (
+        logprobs.topk(num_top, dim=-1) if num_top > 0 else (logprobs[:, :0], chosen[:, None][:, :0])
+    )
     return chosen_lp, top_ids, top_vals

@@ -37,7 +37,9 @@ class LlamaConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
         arch = cfg.get("model_type", "llama")
-        if arch not in ("llama", "mistral", "qwen2") and "LlamaForCausalLM" not in cfg.get("architectures", []):
+        if arch not in ("llama", "mistral", "qwen2") and "LlamaForCausalLM" not in cfg.get(
+            "architectures", []
+        ):
             raise ValueError(f"unsupported model_type {arch!r}: only Llama-family models load")
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -65,7 +67,6 @@ class LlamaConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         )
-
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json an HF `LlamaForCausalLM` (and `from_hf_dict`) reads back."""
@@ -206,7 +207,9 @@ class LlamaForCausalLM(nn.Module):
 
         def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
             if tuple(param.shape) != tuple(value.shape):
-                raise ValueError(f"weight {name!r}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
+                raise ValueError(
+                    f"weight {name!r}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}"
+                )
             with torch.no_grad():
                 param.copy_(value)
 
@@ -225,4 +228,8 @@ class LlamaForCausalLM(nn.Module):
             put(layer.mlp.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj")
             put(layer.mlp.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj")
             put(layer.input_layernorm, take(p + "input_layernorm.weight"), p + "input_layernorm")
-            put(layer.post_attention_layernorm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")
+            put(
+                layer.post_attention_layernorm,
+                take(p + "post_attention_layernorm.weight"),
+                p + "post_attention_layernorm",
+            )

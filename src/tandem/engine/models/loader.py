@@ -100,7 +100,9 @@ def gguf_to_hf_folder(path: Path, cache_dir: Path) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
     try:
-        weights = {k: v for k, v in loaded.weights.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+        weights = {
+            k: v for k, v in loaded.weights.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")
+        }
         save_file(weights, str(tmp / "model.safetensors"))
         (tmp / "tokenizer.json").write_text(loaded.tokenizer.backend.to_str())
         tok = loaded.tokenizer
@@ -146,7 +148,9 @@ def _load_hf_folder(name: str, folder: Path) -> LoadedModel:
                 config.eos_token_ids.append(token_id)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"{folder}: no *.safetensors weights (pickle checkpoints are not loaded)", param="model")
+        raise ModelLoadError(
+            f"{folder}: no *.safetensors weights (pickle checkpoints are not loaded)", param="model"
+        )
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         try:
@@ -178,7 +182,11 @@ def _gguf_field_value(field: Any) -> Any:
 def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's convert-time q/k permutation (interleaved -> HF rotate_half layout)."""
     rows = weight.shape[0]
-    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def _read_gguf(path: Path) -> LoadedModel:
@@ -224,7 +232,9 @@ def _read_gguf(path: Path) -> LoadedModel:
         try:
             array = gguf.quants.dequantize(np.asarray(tensor.data).view(np.ndarray), tensor.tensor_type)
         except (NotImplementedError, ValueError) as exc:
-            raise ModelLoadError(f"{path}: tensor {tensor.name}: cannot dequantise ({exc})", param="model") from exc
+            raise ModelLoadError(
+                f"{path}: tensor {tensor.name}: cannot dequantise ({exc})", param="model"
+            ) from exc
         array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
         hf_name = _gguf_to_hf_name(tensor.name)
         if hf_name is None:
@@ -252,7 +262,12 @@ def _gguf_to_hf_name(name: str) -> str | None:
 
 
 def build_model(
-    loaded: LoadedModel, *, dtype: torch.dtype, device: torch.device, max_positions: int, pack_weights: bool = True
+    loaded: LoadedModel,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    pack_weights: bool = True,
 ) -> LlamaForCausalLM:
     """Build on 'meta' (no random init), load the weights, and optionally prepack the linears."""
     with torch.device("meta"):
