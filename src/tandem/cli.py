@@ -14,6 +14,7 @@ from tandem.platform.errors import TandemError
 
 def _generate(args: argparse.Namespace) -> int:
     from tandem.engine.llm import LLM
+    from tandem.engine.protocol import RequestOutput
     from tandem.engine.sampling_params import SamplingParams
 
     started = time.monotonic()
@@ -23,7 +24,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
 
-    def show(output):  # type: ignore[no-untyped-def]
+    def show(output: RequestOutput) -> None:
         sys.stdout.write(output.outputs[0].delta_text)
         sys.stdout.flush()
 

@@ -22,6 +22,7 @@ from typing import Any
 from tandem.engine.engine import LLMEngine
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import RequestStatus
+from tandem.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("tandem.engine")
 
@@ -49,7 +50,7 @@ class AsyncEngine:
         return cls(LLMEngine.from_options(model, **options))
 
     @property
-    def tokenizer(self):  # type: ignore[no-untyped-def]
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:

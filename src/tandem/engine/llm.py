@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from tandem.engine.engine import LLMEngine
 from tandem.engine.protocol import GenerationRequest, RequestOutput
@@ -40,7 +40,7 @@ class LLM:
             GenerationRequest(
                 request_id=self.engine.new_request_id(),
                 prompt=p if isinstance(p, str) else None,
-                prompt_token_ids=None if isinstance(p, str) else list(p),
+                prompt_token_ids=None if isinstance(p, str) else list(cast(list[int], p)),
                 sampling_params=sp,
                 priority=priority,
             )

@@ -184,15 +184,15 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             total = request.num_computed_tokens + num_new
             if not self.kv.allocate_slots(request.request_id, total, admission=True):
-                victim = self._lower_priority_victim(request)
-                if victim is None:
+                lower = self._lower_priority_victim(request)
+                if lower is None:
                     break
-                if victim.request_id in scheduled_ids:  # give back its share of this step
-                    index = next(i for i, s in enumerate(scheduled) if s.request_id == victim.request_id)
+                if lower.request_id in scheduled_ids:  # give back its share of this step
+                    index = next(i for i, s in enumerate(scheduled) if s.request_id == lower.request_id)
                     budget += len(scheduled.pop(index).token_ids)
-                    scheduled_ids.discard(victim.request_id)
-                self._preempt(victim)
-                preempted.append(victim.request_id)
+                    scheduled_ids.discard(lower.request_id)
+                self._preempt(lower)
+                preempted.append(lower.request_id)
                 continue
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING

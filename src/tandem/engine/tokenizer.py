@@ -47,9 +47,9 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=False).ids
-        wants_bos = add_special_tokens and self.add_bos and self.bos_token_id is not None
-        if wants_bos and (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id, *ids]
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
         return ids
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
@@ -103,12 +103,9 @@ class Tokenizer:
         bos = _token_str(config.get("bos_token"))
         eos = _token_str(config.get("eos_token"))
         eos_ids = list(eos_token_ids)
-        if (
-            eos is not None
-            and backend.token_to_id(eos) is not None
-            and backend.token_to_id(eos) not in eos_ids
-        ):
-            eos_ids.append(backend.token_to_id(eos))
+        eos_id = backend.token_to_id(eos) if eos is not None else None
+        if eos_id is not None and eos_id not in eos_ids:
+            eos_ids.append(eos_id)
         return cls(
             backend,
             chat_template=template,

@@ -146,7 +146,14 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x, cos, sin, kv_cache, metadata):  # type: ignore[no-untyped-def]
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         h = x + self.self_attn(rms_norm(x, self.input_layernorm, self.eps), cos, sin, kv_cache, metadata)
         return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
 
@@ -219,7 +226,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         else:
             put(self.lm_head.weight, weights["lm_head.weight"], "lm_head.weight")
-        for i, layer in enumerate(self.layers):
+        layers: list[LlamaDecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        for i, layer in enumerate(layers):
             p = f"layers.{i}."
             qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
             put(layer.self_attn.qkv_proj.weight, qkv, p + "self_attn.qkv_proj")
