@@ -50,6 +50,10 @@ class AsyncEngine:
         return cls(LLMEngine.from_options(model, **options))
 
     @property
+    def model_name(self) -> str:
+        return self.engine.served_model_name
+
+    @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 

@@ -21,6 +21,9 @@ class EngineConfig(BaseModel):
         DEFAULT_MODEL,
         description="Model name of a bundled model, an HF Llama-family folder, or a .gguf file.",
     )
+    served_model_name: str | None = Field(
+        None, description="Model id in the API; defaults to the bundled name or the path's last part."
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Compute dtype of weights and activations; 'auto' is float32 on CPU."
     )

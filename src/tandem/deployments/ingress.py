@@ -1,0 +1,127 @@
+"""FastAPI app with the OpenAI routes, and the Ray Serve ingress deployment that serves it.
+
+Routes read the `OpenAIServer` from `app.state.server`, so the same app runs under Serve
+(`OpenAIIngress.__init__` installs a server backed by a deployment handle) and in tests
+(`create_app(server)` with a local `AsyncEngine`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from tandem.deployments.openai_server import OpenAIServer, reject_unsupported
+from tandem.platform.errors import TandemError
+from tandem.platform.openai_schemas import ChatCompletionRequest, CompletionRequest
+from tandem.platform.tenancy import RateLimitError
+
+logger = logging.getLogger("tandem.api")
+
+MAX_BODY_BYTES = 4 << 20
+
+
+def error_response(status: int, message: str, error_type: str, param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _server(request: Request) -> OpenAIServer:
+    server: OpenAIServer | None = getattr(request.app.state, "server", None)
+    if server is None:
+        raise TandemError("server is starting; retry shortly", code="not_ready")
+    return server
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise _PayloadTooLarge(f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _BadJSON(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise _BadJSON("request body must be a JSON object")
+    return body
+
+
+class _BadJSON(TandemError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class _PayloadTooLarge(TandemError):
+    status_code = 413
+    error_type = "invalid_request_error"
+
+
+def create_app(server: OpenAIServer | None = None) -> FastAPI:
+    app = FastAPI(title="Tandem", version="0.1.0")
+    app.state.server = server
+
+    @app.exception_handler(TandemError)
+    async def _tandem_error(_: Request, exc: TandemError) -> JSONResponse:
+        headers = {"Retry-After": str(int(exc.retry_after_s))} if isinstance(exc, RateLimitError) else None
+        return error_response(exc.status_code, exc.message, exc.error_type, exc.param, exc.code, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        return error_response(422, f"{param}: {first.get('msg')}", "invalid_request_error", param)
+
+    def _parse(model: type[ChatCompletionRequest] | type[CompletionRequest], body: dict[str, Any]) -> Any:
+        reject_unsupported(body)
+        try:
+            return model.model_validate(body)
+        except Exception as exc:  # pydantic.ValidationError -> 422 via the handler above
+            from pydantic import ValidationError
+
+            if isinstance(exc, ValidationError):
+                raise RequestValidationError(exc.errors()) from exc
+            raise
+
+    async def _respond(result: Any) -> Any:
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        server = _server(request)
+        tenant = server.tenants.authenticate(request.headers.get("authorization"))
+        req = _parse(ChatCompletionRequest, await _json_body(request))
+        return await _respond(await server.chat(req, tenant))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        server = _server(request)
+        tenant = server.tenants.authenticate(request.headers.get("authorization"))
+        req = _parse(CompletionRequest, await _json_body(request))
+        return await _respond(await server.completions(req, tenant))
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Any:
+        server = _server(request)
+        server.tenants.authenticate(request.headers.get("authorization"))
+        return server.models()
+
+    @app.get("/health")
+    async def health(request: Request) -> Any:
+        _server(request)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        from tandem.platform.telemetry import prometheus_text
+
+        return PlainTextResponse(prometheus_text(), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,133 @@
+"""API keys -> tenants, stored hashed; per-tenant concurrency and tokens-per-minute limits.
+
+Keys come from `TANDEM_API_KEYS` ("key1=tenant1,key2=tenant2") or a keys file with one
+`key=tenant` per line. Only SHA-256 digests of keys are kept in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tandem.platform.errors import TandemError
+
+
+class AuthenticationError(TandemError):
+    status_code = 401
+    error_type = "authentication_error"
+
+
+class RateLimitError(TandemError):
+    status_code = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after_s: float, code: str = "rate_limit_exceeded") -> None:
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    max_concurrent_requests: int | None = None
+    tokens_per_minute: int | None = None
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def parse_keys(spec: str) -> dict[str, str]:
+    """"k1=t1,k2=t2" (or one pair per line) -> {sha256(k): tenant}. Raises on malformed pairs."""
+    hashed: dict[str, str] = {}
+    for raw in spec.replace("\n", ",").split(","):
+        pair = raw.strip()
+        if not pair or pair.startswith("#"):
+            continue
+        key, sep, tenant = pair.partition("=")
+        if not sep or not key.strip() or not tenant.strip():
+            raise ValueError(f"API key entry {pair[:4]}... must look like KEY=TENANT")
+        hashed[hash_key(key.strip())] = tenant.strip()
+    return hashed
+
+
+@dataclass
+class _Usage:
+    in_flight: int = 0
+    token_events: deque[tuple[float, int]] = field(default_factory=deque)  # (time, tokens)
+
+
+class TenantRegistry:
+    """Authenticates bearer keys and enforces per-tenant limits (thread-safe)."""
+
+    def __init__(self, hashed_keys: dict[str, str], limits: TenantLimits | None = None,
+                 per_tenant_limits: dict[str, TenantLimits] | None = None) -> None:
+        self._keys = dict(hashed_keys)
+        self._default_limits = limits or TenantLimits()
+        self._limits = per_tenant_limits or {}
+        self._usage: dict[str, _Usage] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls, keys_file: Path | None = None, limits: TenantLimits | None = None) -> TenantRegistry:
+        spec = os.environ.get("TANDEM_API_KEYS", "")
+        if keys_file is not None:
+            spec = keys_file.read_text() + "," + spec
+        return cls(parse_keys(spec), limits)
+
+    @property
+    def num_keys(self) -> int:
+        return len(self._keys)
+
+    def authenticate(self, authorization: str | None) -> str:
+        """'Bearer KEY' -> tenant id, or AuthenticationError (401)."""
+        if not authorization or not authorization.lower().startswith("bearer "):
+            raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        digest = hash_key(authorization[7:].strip())
+        for known, tenant in self._keys.items():
+            if hmac.compare_digest(known, digest):
+                return tenant
+        raise AuthenticationError("invalid API key", code="invalid_api_key")
+
+    def limits_for(self, tenant: str) -> TenantLimits:
+        return self._limits.get(tenant, self._default_limits)
+
+    def acquire(self, tenant: str, *, now: float | None = None) -> None:
+        """Admit one request or raise RateLimitError (429 with a retry-after hint)."""
+        now = time.monotonic() if now is None else now
+        limits = self.limits_for(tenant)
+        with self._lock:
+            usage = self._usage.setdefault(tenant, _Usage())
+            if limits.max_concurrent_requests is not None and usage.in_flight >= limits.max_concurrent_requests:
+                raise RateLimitError(
+                    f"tenant {tenant!r} has {usage.in_flight} requests in flight "
+                    f"(limit {limits.max_concurrent_requests}); retry when one finishes",
+                    retry_after_s=1.0,
+                )
+            if limits.tokens_per_minute is not None:
+                while usage.token_events and usage.token_events[0][0] <= now - 60.0:
+                    usage.token_events.popleft()
+                used = sum(tokens for _, tokens in usage.token_events)
+                if used >= limits.tokens_per_minute:
+                    retry = 60.0 - (now - usage.token_events[0][0])
+                    raise RateLimitError(
+                        f"tenant {tenant!r} used {used} tokens in the last minute "
+                        f"(limit {limits.tokens_per_minute})",
+                        retry_after_s=max(1.0, math.ceil(retry)),
+                        code="tokens_per_minute_exceeded",
+                    )
+            usage.in_flight += 1
+
+    def release(self, tenant: str, num_tokens: int, *, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            usage = self._usage.setdefault(tenant, _Usage())
+            usage.in_flight = max(0, usage.in_flight - 1)
+            if num_tokens:
+                usage.token_events.append((now, num_tokens))

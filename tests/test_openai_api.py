@@ -1,0 +1,117 @@
+"""The OpenAI API in-process: the official `openai` client over FastAPI's TestClient transport,
+a real AsyncEngine on a small model, no cluster."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from tandem import AsyncEngine
+from tandem.deployments.ingress import create_app
+from tandem.deployments.openai_server import OpenAIServer
+from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys
+
+KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Iterator[AsyncEngine]:
+    eng = AsyncEngine.from_options(str(tiny_model_dir), kv_cache_memory=4 << 20, served_model_name="tiny")
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture()
+def http(engine: AsyncEngine) -> Iterator[TestClient]:
+    tenants = TenantRegistry(parse_keys(f"{KEY_A}=acme,{KEY_B}=globex"),
+                             per_tenant_limits={"globex": TenantLimits(max_concurrent_requests=0)})
+    server = OpenAIServer(engine, tenants, decode_token=lambda t: engine.tokenizer.decode([t]))
+    with TestClient(create_app(server)) as client:
+        yield client
+
+
+@pytest.fixture()
+def client(http: TestClient) -> openai.OpenAI:
+    return openai.OpenAI(base_url="http://testserver/v1", api_key=KEY_A, http_client=http, max_retries=0)
+
+
+def test_models_and_chat_completion(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello there"}],
+                                          max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    choice = resp.choices[0]
+    assert choice.finish_reason == "length" and choice.message.role == "assistant" and choice.message.content
+    assert resp.usage is not None and resp.usage.completion_tokens == 6 and resp.usage.prompt_tokens > 0
+
+
+def test_streamed_text_equals_non_streamed_for_greedy(client: openai.OpenAI) -> None:
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "The quick brown fox"}], max_tokens=12,
+                  temperature=0, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == full
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_completions_stream_and_not(client: openai.OpenAI) -> None:
+    full = client.completions.create(model="tiny", prompt="Paged attention", max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="Paged attention", max_tokens=8, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert full.choices[0].text == streamed and full.usage is not None and full.usage.completion_tokens == 8
+
+
+def test_logprobs(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = resp.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.logprob == t.top_logprobs[0].logprob for t in content)  # greedy picks the top token
+
+
+@pytest.mark.parametrize(
+    ("call", "status", "param"),
+    [
+        (lambda c: c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}]), 404, "model"),
+        (lambda c: c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2), 400, "n"),
+        (lambda c: c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                             logit_bias={"1": 5}), 400, "logit_bias"),
+        (lambda c: c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                             temperature=5), 422, "temperature"),
+        (lambda c: c.chat.completions.create(model="tiny", messages=[]), 422, "messages"),
+        (lambda c: c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": ""}]), 400, "messages"),
+        (lambda c: c.completions.create(model="tiny", prompt="word " * 600), 400, "prompt"),
+        (lambda c: c.completions.create(model="tiny", prompt="x", max_tokens=0), 422, "max_tokens"),
+    ],
+)
+def test_bad_requests_get_openai_errors(client: openai.OpenAI, call, status: int, param: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(openai.APIStatusError) as info:
+        call(client)
+    assert info.value.status_code == status
+    body = info.value.body
+    assert isinstance(body, dict) and body.get("param") == param and body.get("message")
+
+
+def test_auth_and_rate_limits(http: TestClient) -> None:
+    bad = openai.OpenAI(base_url="http://testserver/v1", api_key="sk-wrong", http_client=http, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert http.get("/v1/models").status_code == 401
+    limited = openai.OpenAI(base_url="http://testserver/v1", api_key=KEY_B, http_client=http, max_retries=0)
+    with pytest.raises(openai.RateLimitError) as info:
+        limited.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+    assert info.value.response.headers.get("retry-after")
+
+
+def test_malformed_json_and_server_keeps_serving(http: TestClient, client: openai.OpenAI) -> None:
+    resp = http.post("/v1/chat/completions", content=b"{not json", headers={"Authorization": f"Bearer {KEY_A}"})
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
+    assert http.get("/health").json() == {"status": "ok"}
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=1).choices[0].finish_reason
