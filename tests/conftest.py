@@ -110,3 +110,26 @@ def hf_default_model(default_model_path: Path):  # type: ignore[no-untyped-def]
         str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def ray_serve():  # type: ignore[no-untyped-def]
+    """A local Ray instance (started once per session) with Serve's HTTP proxy on loopback."""
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    ray.init(address="local", include_dashboard=False, num_cpus=2, log_to_driver=False,
+             configure_logging=False, namespace="tandem-tests")
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()

@@ -31,8 +31,19 @@ def error_response(status: int, message: str, error_type: str, param: str | None
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+_installed_server: OpenAIServer | None = None
+
+
+def install_server(server: OpenAIServer) -> None:
+    """Make `server` answer this process's requests. Under Serve the app that handles requests is
+    a deserialised copy of the one passed to `@serve.ingress`, so its `state` is not ours to set;
+    this module (imported once per process) is shared by both."""
+    global _installed_server
+    _installed_server = server
+
+
 def _server(request: Request) -> OpenAIServer:
-    server: OpenAIServer | None = getattr(request.app.state, "server", None)
+    server: OpenAIServer | None = getattr(request.app.state, "server", None) or _installed_server
     if server is None:
         raise TandemError("server is starting; retry shortly", code="not_ready")
     return server

@@ -98,6 +98,9 @@ class AsyncEngine:
         """Snapshot taken by the loop thread after the latest step."""
         return dict(self._stats)
 
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
     def shutdown(self) -> None:
         with self._cv:
             self._stopped = True

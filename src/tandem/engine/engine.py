@@ -56,8 +56,7 @@ class LLMEngine:
 
         loaded = load_model(config.model)
         self.model_name = loaded.name
-        # The id clients use in "model": the bundled name, or the folder/file name of a path.
-        self.served_model_name = config.served_model_name or os.path.basename(os.path.normpath(loaded.name))
+        self.served_model_name = config.api_model_name
         self.model_config = loaded.config
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(

@@ -48,6 +48,13 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, description="Seed of the engine's default random generator.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU.")
 
+    @property
+    def api_model_name(self) -> str:
+        """The model id clients send: `served_model_name`, else the bundled name or path's last part."""
+        import os.path
+
+        return self.served_model_name or os.path.basename(os.path.normpath(self.model))
+
     @model_validator(mode="after")
     def _check_budget(self) -> EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -1,0 +1,83 @@
+"""Builders for the Serve application, used by `tandem serve` and by `serve run`/`serve deploy`
+(infra/serve_config.yaml points at `tandem.deployments.app:build_app`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from tandem.deployments.ingress import create_app, install_server
+from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.replicas import LLMReplica
+from tandem.engine.protocol import GenerationRequest, RequestOutput
+from tandem.platform.config import EngineConfig
+from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys
+
+
+class AppConfig(BaseModel):
+    """Everything `build_app` takes (also the `args:` of a Serve config file)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig fields")
+    api_keys: str | None = Field(None, description="'key=tenant,...'; default: $TANDEM_API_KEYS")
+    keys_file: str | None = Field(None, description="file of key=tenant lines")
+    max_concurrent_requests_per_tenant: int | None = None
+    tokens_per_minute_per_tenant: int | None = None
+    max_tokens_default: int = 256
+    num_replicas: int = 1
+    replica_num_cpus: float = 1.0
+    max_ongoing_requests: int = 64
+    max_queued_requests: int = 128
+
+
+fastapi_app = create_app()
+
+
+class HandleEngineClient:
+    """`EngineClient` over a Serve deployment handle to `LLMReplica` (streaming)."""
+
+    def __init__(self, handle: DeploymentHandle, model_name: str) -> None:
+        self.handle = handle.options(stream=True)
+        self.model_name = model_name
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        response = self.handle.generate.remote(request)
+        try:
+            async for output in response:
+                yield output
+        finally:
+            response.cancel()  # no-op when finished; otherwise aborts the request on the replica
+
+
+@serve.deployment(name="OpenAIIngress")
+@serve.ingress(fastapi_app)
+class OpenAIIngress:
+    def __init__(self, llm: DeploymentHandle, config: dict[str, Any]) -> None:
+        cfg = AppConfig(**config)
+        spec = cfg.api_keys if cfg.api_keys is not None else os.environ.get("TANDEM_API_KEYS", "")
+        if cfg.keys_file:
+            with open(cfg.keys_file) as f:
+                spec = f.read() + "," + spec
+        tenants = TenantRegistry(parse_keys(spec), TenantLimits(cfg.max_concurrent_requests_per_tenant,
+                                                                cfg.tokens_per_minute_per_tenant))
+        model_name = EngineConfig(**cfg.engine).api_model_name
+        install_server(OpenAIServer(HandleEngineClient(llm, model_name), tenants,
+                                    max_tokens_default=cfg.max_tokens_default))
+
+
+def build_app(args: dict[str, Any] | None = None) -> serve.Application:
+    cfg = AppConfig(**(args or {}))
+    replica = serve.deployment(LLMReplica, name="LLMReplica").options(
+        num_replicas=cfg.num_replicas,
+        ray_actor_options={"num_cpus": cfg.replica_num_cpus},
+        max_ongoing_requests=cfg.max_ongoing_requests,
+        max_queued_requests=cfg.max_queued_requests,
+    )
+    ingress = OpenAIIngress.options(ray_actor_options={"num_cpus": 0})
+    return ingress.bind(replica.bind(cfg.engine), cfg.model_dump())
