@@ -30,7 +30,13 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 
 def make_tiny_model(
-    folder: Path, *, num_kv_heads: int = 2, tie: bool = False, seed: int = 0, rope_scaling: dict | None = None
+    folder: Path,
+    *,
+    num_kv_heads: int = 2,
+    tie: bool = False,
+    seed: int = 0,
+    rope_scaling: dict | None = None,
+    max_positions: int = 512,
 ) -> Path:
     """Random-weight HF LlamaForCausalLM (GQA 4/num_kv_heads) with a BPE tokenizer trained here."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -59,7 +65,7 @@ def make_tiny_model(
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=num_kv_heads,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         rope_theta=10000.0,
         rope_scaling=rope_scaling,
         tie_word_embeddings=tie,

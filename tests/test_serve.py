@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import openai
 import pytest
+
+from .conftest import make_tiny_model
 
 pytestmark = pytest.mark.ray
 
@@ -13,13 +13,15 @@ KEY = "sk-serve-test"
 
 
 @pytest.fixture(scope="module")
-def served(ray_serve: str, tiny_model_dir: Path) -> str:
+def served(ray_serve: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     from ray import serve
 
     from tandem.deployments.app import build_app
 
+    # A long context so a streamed request is still running when the client goes away.
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny-long"), max_positions=4096)
     app = build_app({
-        "engine": {"model": str(tiny_model_dir), "kv_cache_memory": 4 << 20, "served_model_name": "tiny"},
+        "engine": {"model": str(model_dir), "kv_cache_memory": 8 << 20, "served_model_name": "tiny"},
         "api_keys": f"{KEY}=acme",
         "replica_num_cpus": 0,
     })
@@ -46,7 +48,34 @@ def test_errors_through_serve(served: str) -> None:
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError) as info:  # raised inside the replica, mapped at the ingress
-        client.completions.create(model="tiny", prompt="word " * 600)
+        client.completions.create(model="tiny", prompt="word " * 5000)
     assert info.value.body.get("code") == "context_length_exceeded"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{served}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_client_disconnect_frees_kv_blocks(served: str) -> None:
+    import time
+
+    import httpx
+    from ray import serve
+
+    replica = serve.get_deployment_handle("LLMReplica", app_name="tandem")
+    body = {"model": "tiny", "prompt": "Paged attention", "max_tokens": 4000, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=30) as http, http.stream(
+        "POST", f"{served}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+    ) as resp:
+        events = 0
+        for line in resp.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                during = replica.stats.remote().result()
+                assert during["kv_blocks_used"] > 0 and during["num_running"] == 1, during  # still generating
+                break
+    closed_at = time.monotonic()
+    # The requirement is "free within a second": check the condition until that deadline.
+    while replica.stats.remote().result()["kv_blocks_used"] > 0:
+        assert time.monotonic() - closed_at < 1.0, "aborted request still holds KV blocks after 1 s"
+    stats = replica.stats.remote().result()
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0

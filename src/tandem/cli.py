@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -53,6 +54,59 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import secrets
+    import signal
+    import threading
+
+    import ray
+    from ray import serve
+
+    from tandem.deployments.app import build_app
+
+    api_keys = os.environ.get("TANDEM_API_KEYS")
+    dev_key = None
+    if not api_keys and not args.keys_file:
+        dev_key = "sk-dev-" + secrets.token_hex(12)
+        api_keys = f"{dev_key}=dev"
+    engine: dict[str, object] = {"model": args.model}
+    if args.max_model_len:
+        engine["max_model_len"] = args.max_model_len
+    if args.kv_cache_memory:
+        engine["kv_cache_memory"] = args.kv_cache_memory
+    app = build_app({
+        "engine": engine,
+        "api_keys": api_keys,
+        "keys_file": args.keys_file,
+        "num_replicas": args.num_replicas,
+        "replica_num_cpus": 0 if args.address is None else 1,
+    })
+    if args.address:
+        ray.init(address=args.address)
+    else:
+        os.makedirs(args.data_dir, exist_ok=True)
+        ray.init(include_dashboard=False, configure_logging=False)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(app, name="tandem", route_prefix="/")
+    base = f"http://{args.host}:{args.port}"
+    print(f"[tandem] serving {args.model} at {base}/v1", file=sys.stderr)
+    if dev_key:
+        print(f"[tandem] dev API key (this run only): {dev_key}", file=sys.stderr)
+    print(f"[tandem] try: curl {base}/v1/models -H 'Authorization: Bearer <key>'", file=sys.stderr)
+    def _stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        print("[tandem] shutting down", file=sys.stderr)
+    finally:
+        serve.shutdown()
+        ray.shutdown()  # stops the local Ray processes this command started
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM inference platform")
     parser.add_argument("--log-level", default="WARNING")
@@ -66,11 +120,23 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="plain completion, no chat template")
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve")
+    srv.add_argument("--model", default=DEFAULT_MODEL)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--address", default=None, help="join an existing Ray cluster (default: start a local one)")
+    srv.add_argument("--data-dir", default=os.path.expanduser("~/.local/share/tandem"))
+    srv.add_argument("--keys-file", default=None, help="file of KEY=TENANT lines (else $TANDEM_API_KEYS)")
+    srv.add_argument("--num-replicas", type=int, default=1)
+    srv.add_argument("--max-model-len", type=int, default=None)
+    srv.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(message)s")
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
     except TandemError as exc:
         print(
             json.dumps({"error": {"message": exc.message, "type": exc.error_type, "param": exc.param}}),

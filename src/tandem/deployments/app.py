@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from tandem.deployments.autoscaling import ScalingTargets
 from tandem.deployments.ingress import create_app, install_server
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.deployments.replicas import LLMReplica
@@ -31,6 +33,9 @@ class AppConfig(BaseModel):
     tokens_per_minute_per_tenant: int | None = None
     max_tokens_default: int = 256
     num_replicas: int = 1
+    autoscaling: dict[str, Any] | None = Field(
+        None, description="ScalingTargets fields; when set, replicas scale on KV occupancy and queue depth"
+    )
     replica_num_cpus: float = 1.0
     max_ongoing_requests: int = 64
     max_queued_requests: int = 128
@@ -73,11 +78,24 @@ class OpenAIIngress:
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     cfg = AppConfig(**(args or {}))
+    scaling: dict[str, Any] = {"num_replicas": cfg.num_replicas}
+    if cfg.autoscaling is not None:
+        targets = ScalingTargets(**cfg.autoscaling)  # validates before anything is deployed
+        scaling = {
+            "autoscaling_config": {
+                "min_replicas": targets.min_replicas,
+                "max_replicas": targets.max_replicas,
+                "policy": {
+                    "policy_function": "tandem.deployments.autoscaling:KVOccupancyPolicy",
+                    "policy_kwargs": asdict(targets),
+                },
+            }
+        }
     replica = serve.deployment(LLMReplica, name="LLMReplica").options(
-        num_replicas=cfg.num_replicas,
         ray_actor_options={"num_cpus": cfg.replica_num_cpus},
         max_ongoing_requests=cfg.max_ongoing_requests,
         max_queued_requests=cfg.max_queued_requests,
+        **scaling,
     )
     ingress = OpenAIIngress.options(ray_actor_options={"num_cpus": 0})
     return ingress.bind(replica.bind(cfg.engine), cfg.model_dump())
