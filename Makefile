@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= What is the capital of France?
 PYTEST_ARGS ?=
 
-.PHONY: install run test lint bench
+.PHONY: install run generate test lint bench
 
 install: $(VENV)/.installed
 
@@ -19,6 +19,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 run: install
+	$(VENV)/bin/tandem serve
+
+generate: install
 	$(VENV)/bin/tandem generate --prompt "$(PROMPT)"
 
 test: install

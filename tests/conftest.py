@@ -132,8 +132,14 @@ def ray_serve():  # type: ignore[no-untyped-def]
     ray = pytest.importorskip("ray")
     from ray import serve
 
-    ray.init(address="local", include_dashboard=False, num_cpus=2, log_to_driver=False,
-             configure_logging=False, namespace="tandem-tests")
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        num_cpus=2,
+        log_to_driver=False,
+        configure_logging=False,
+        namespace="tandem-tests",
+    )
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"

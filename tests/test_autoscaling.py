@@ -8,8 +8,14 @@ import pytest
 
 from tandem.deployments.autoscaling import KVOccupancyPolicy, ScalingTargets, apply_delays, desired_replicas
 
-T = ScalingTargets(target_kv_occupancy=0.7, target_waiting_per_replica=2.0, min_replicas=1, max_replicas=4,
-                   upscale_delay_s=5.0, downscale_delay_s=30.0)
+T = ScalingTargets(
+    target_kv_occupancy=0.7,
+    target_waiting_per_replica=2.0,
+    min_replicas=1,
+    max_replicas=4,
+    upscale_delay_s=5.0,
+    downscale_delay_s=30.0,
+)
 
 
 @pytest.mark.parametrize(
@@ -49,8 +55,11 @@ def test_serve_adapter_reads_replica_metrics() -> None:
     policy = KVOccupancyPolicy(upscale_delay_s=0.0, max_replicas=8)
     ctx = SimpleNamespace(
         aggregated_metrics={"kv_occupancy": {"r1": 0.9, "r2": 0.95}, "num_waiting": {"r1": 1.0, "r2": 0.0}},
-        current_num_replicas=2, capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=8,
-        current_time=10.0, policy_state={},
+        current_num_replicas=2,
+        capacity_adjusted_min_replicas=1,
+        capacity_adjusted_max_replicas=8,
+        current_time=10.0,
+        policy_state={},
     )
     target, _ = policy(ctx)
     assert target == 3

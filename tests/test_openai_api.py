@@ -27,8 +27,10 @@ def engine(tiny_model_dir: Path) -> Iterator[AsyncEngine]:
 
 @pytest.fixture()
 def http(engine: AsyncEngine) -> Iterator[TestClient]:
-    tenants = TenantRegistry(parse_keys(f"{KEY_A}=acme,{KEY_B}=globex"),
-                             per_tenant_limits={"globex": TenantLimits(max_concurrent_requests=0)})
+    tenants = TenantRegistry(
+        parse_keys(f"{KEY_A}=acme,{KEY_B}=globex"),
+        per_tenant_limits={"globex": TenantLimits(max_concurrent_requests=0)},
+    )
     server = OpenAIServer(engine, tenants, decode_token=lambda t: engine.tokenizer.decode([t]))
     with TestClient(create_app(server)) as client:
         yield client
@@ -41,36 +43,66 @@ def client(http: TestClient) -> openai.OpenAI:
 
 def test_models_and_chat_completion(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == ["tiny"]
-    resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello there"}],
-                                          max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    resp = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     choice = resp.choices[0]
     assert choice.finish_reason == "length" and choice.message.role == "assistant" and choice.message.content
     assert resp.usage is not None and resp.usage.completion_tokens == 6 and resp.usage.prompt_tokens > 0
 
 
 def test_streamed_text_equals_non_streamed_for_greedy(client: openai.OpenAI) -> None:
-    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "The quick brown fox"}], max_tokens=12,
-                  temperature=0, extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "The quick brown fox"}],
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     full = client.chat.completions.create(**kwargs).choices[0].message.content
-    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    chunks = list(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == full
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+    assert (
+        chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+    )
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
 def test_completions_stream_and_not(client: openai.OpenAI) -> None:
-    full = client.completions.create(model="tiny", prompt="Paged attention", max_tokens=8, temperature=0,
-                                     extra_body={"ignore_eos": True})
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny", prompt="Paged attention", max_tokens=8, temperature=0, stream=True,
-        extra_body={"ignore_eos": True}))
+    full = client.completions.create(
+        model="tiny", prompt="Paged attention", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="tiny",
+            prompt="Paged attention",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert full.choices[0].text == streamed and full.usage is not None and full.usage.completion_tokens == 8
 
 
 def test_logprobs(client: openai.OpenAI) -> None:
-    resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
-                                          temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    resp = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     content = resp.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
     assert all(t.logprob == t.top_logprobs[0].logprob for t in content)  # greedy picks the top token
@@ -79,14 +111,38 @@ def test_logprobs(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(
     ("call", "status", "param"),
     [
-        (lambda c: c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}]), 404, "model"),
-        (lambda c: c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2), 400, "n"),
-        (lambda c: c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                             logit_bias={"1": 5}), 400, "logit_bias"),
-        (lambda c: c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                             temperature=5), 422, "temperature"),
+        (
+            lambda c: c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}]),
+            404,
+            "model",
+        ),
+        (
+            lambda c: c.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "x"}], n=2
+            ),
+            400,
+            "n",
+        ),
+        (
+            lambda c: c.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "x"}], logit_bias={"1": 5}
+            ),
+            400,
+            "logit_bias",
+        ),
+        (
+            lambda c: c.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "x"}], temperature=5
+            ),
+            422,
+            "temperature",
+        ),
         (lambda c: c.chat.completions.create(model="tiny", messages=[]), 422, "messages"),
-        (lambda c: c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": ""}]), 400, "messages"),
+        (
+            lambda c: c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": ""}]),
+            400,
+            "messages",
+        ),
         (lambda c: c.completions.create(model="tiny", prompt="word " * 600), 400, "prompt"),
         (lambda c: c.completions.create(model="tiny", prompt="x", max_tokens=0), 422, "max_tokens"),
     ],
@@ -111,7 +167,9 @@ def test_auth_and_rate_limits(http: TestClient) -> None:
 
 
 def test_malformed_json_and_server_keeps_serving(http: TestClient, client: openai.OpenAI) -> None:
-    resp = http.post("/v1/chat/completions", content=b"{not json", headers={"Authorization": f"Bearer {KEY_A}"})
+    resp = http.post(
+        "/v1/chat/completions", content=b"{not json", headers={"Authorization": f"Bearer {KEY_A}"}
+    )
     assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
     assert http.get("/health").json() == {"status": "ok"}
     assert client.completions.create(model="tiny", prompt="x", max_tokens=1).choices[0].finish_reason

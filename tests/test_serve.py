@@ -20,11 +20,13 @@ def served(ray_serve: str, tmp_path_factory: pytest.TempPathFactory) -> str:
 
     # A long context so a streamed request is still running when the client goes away.
     model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny-long"), max_positions=4096)
-    app = build_app({
-        "engine": {"model": str(model_dir), "kv_cache_memory": 8 << 20, "served_model_name": "tiny"},
-        "api_keys": f"{KEY}=acme",
-        "replica_num_cpus": 0,
-    })
+    app = build_app(
+        {
+            "engine": {"model": str(model_dir), "kv_cache_memory": 8 << 20, "served_model_name": "tiny"},
+            "api_keys": f"{KEY}=acme",
+            "replica_num_cpus": 0,
+        }
+    )
     serve.run(app, name="tandem", route_prefix="/")
     yield ray_serve
     serve.delete("tandem")
@@ -33,11 +35,19 @@ def served(ray_serve: str, tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_openai_client_through_serve(served: str) -> None:
     client = openai.OpenAI(base_url=f"{served}/v1", api_key=KEY, max_retries=0)
     assert [m.id for m in client.models.list().data] == ["tiny"]
-    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Hello there"}], max_tokens=10,
-                  temperature=0, extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     full = client.chat.completions.create(**kwargs)
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
-                       if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(stream=True, **kwargs)
+        if c.choices
+    )
     assert full.choices[0].message.content == streamed and full.usage.completion_tokens == 10
     text = client.completions.create(model="tiny", prompt="Paged attention", max_tokens=4, temperature=0)
     assert text.choices[0].finish_reason in ("length", "stop")
@@ -61,11 +71,20 @@ def test_client_disconnect_frees_kv_blocks(served: str) -> None:
     from ray import serve
 
     replica = serve.get_deployment_handle("LLMReplica", app_name="tandem")
-    body = {"model": "tiny", "prompt": "Paged attention", "max_tokens": 4000, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    with httpx.Client(timeout=30) as http, http.stream(
-        "POST", f"{served}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
-    ) as resp:
+    body = {
+        "model": "tiny",
+        "prompt": "Paged attention",
+        "max_tokens": 4000,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream(
+            "POST", f"{served}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+        ) as resp,
+    ):
         events = 0
         for line in resp.iter_lines():
             events += line.startswith("data: ")

@@ -74,13 +74,15 @@ def _serve(args: argparse.Namespace) -> int:
         engine["max_model_len"] = args.max_model_len
     if args.kv_cache_memory:
         engine["kv_cache_memory"] = args.kv_cache_memory
-    app = build_app({
-        "engine": engine,
-        "api_keys": api_keys,
-        "keys_file": args.keys_file,
-        "num_replicas": args.num_replicas,
-        "replica_num_cpus": 0 if args.address is None else 1,
-    })
+    app = build_app(
+        {
+            "engine": engine,
+            "api_keys": api_keys,
+            "keys_file": args.keys_file,
+            "num_replicas": args.num_replicas,
+            "replica_num_cpus": 0 if args.address is None else 1,
+        }
+    )
     if args.address:
         ray.init(address=args.address)
     else:
@@ -93,6 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
     if dev_key:
         print(f"[tandem] dev API key (this run only): {dev_key}", file=sys.stderr)
     print(f"[tandem] try: curl {base}/v1/models -H 'Authorization: Bearer <key>'", file=sys.stderr)
+
     def _stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
@@ -124,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--model", default=DEFAULT_MODEL)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--address", default=None, help="join an existing Ray cluster (default: start a local one)")
+    srv.add_argument(
+        "--address", default=None, help="join an existing Ray cluster (default: start a local one)"
+    )
     srv.add_argument("--data-dir", default=os.path.expanduser("~/.local/share/tandem"))
     srv.add_argument("--keys-file", default=None, help="file of KEY=TENANT lines (else $TANDEM_API_KEYS)")
     srv.add_argument("--num-replicas", type=int, default=1)

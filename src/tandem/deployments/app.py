@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncGenerator
 from dataclasses import asdict
-from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from tandem.deployments.autoscaling import ScalingTargets
 from tandem.deployments.ingress import create_app, install_server
@@ -51,8 +51,8 @@ class HandleEngineClient:
         self.handle = handle.options(stream=True)
         self.model_name = model_name
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        response = self.handle.generate.remote(request)
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
+        response = cast(DeploymentResponseGenerator, self.handle.generate.remote(request))
         try:
             async for output in response:
                 yield output
@@ -69,11 +69,16 @@ class OpenAIIngress:
         if cfg.keys_file:
             with open(cfg.keys_file) as f:
                 spec = f.read() + "," + spec
-        tenants = TenantRegistry(parse_keys(spec), TenantLimits(cfg.max_concurrent_requests_per_tenant,
-                                                                cfg.tokens_per_minute_per_tenant))
+        tenants = TenantRegistry(
+            parse_keys(spec),
+            TenantLimits(cfg.max_concurrent_requests_per_tenant, cfg.tokens_per_minute_per_tenant),
+        )
         model_name = EngineConfig(**cfg.engine).api_model_name
-        install_server(OpenAIServer(HandleEngineClient(llm, model_name), tenants,
-                                    max_tokens_default=cfg.max_tokens_default))
+        install_server(
+            OpenAIServer(
+                HandleEngineClient(llm, model_name), tenants, max_tokens_default=cfg.max_tokens_default
+            )
+        )
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
@@ -91,11 +96,11 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
                 },
             }
         }
-    replica = serve.deployment(LLMReplica, name="LLMReplica").options(
+    replica = serve.deployment(name="LLMReplica")(LLMReplica).options(
         ray_actor_options={"num_cpus": cfg.replica_num_cpus},
         max_ongoing_requests=cfg.max_ongoing_requests,
         max_queued_requests=cfg.max_queued_requests,
         **scaling,
     )
-    ingress = OpenAIIngress.options(ray_actor_options={"num_cpus": 0})
+    ingress = cast(serve.Deployment, OpenAIIngress).options(ray_actor_options={"num_cpus": 0})
     return ingress.bind(replica.bind(cfg.engine), cfg.model_dump())

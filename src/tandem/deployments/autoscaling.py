@@ -36,10 +36,14 @@ class ScalingTargets:
         if self.target_waiting_per_replica <= 0:
             raise ValueError("target_waiting_per_replica must be > 0")
         if not 0 <= self.min_replicas <= self.max_replicas:
-            raise ValueError(f"need 0 <= min_replicas ({self.min_replicas}) <= max_replicas ({self.max_replicas})")
+            raise ValueError(
+                f"need 0 <= min_replicas ({self.min_replicas}) <= max_replicas ({self.max_replicas})"
+            )
 
 
-def desired_replicas(current: int, kv_occupancy: list[float], num_waiting: list[float], targets: ScalingTargets) -> int:
+def desired_replicas(
+    current: int, kv_occupancy: list[float], num_waiting: list[float], targets: ScalingTargets
+) -> int:
     """Replicas wanted now, from per-replica KV occupancy (0..1) and waiting-request counts."""
     mean_kv = sum(kv_occupancy) / len(kv_occupancy) if kv_occupancy else 0.0
     by_kv = math.ceil(max(current, 1) * mean_kv / targets.target_kv_occupancy - 1e-9) if mean_kv > 0 else 0
@@ -48,8 +52,9 @@ def desired_replicas(current: int, kv_occupancy: list[float], num_waiting: list[
     return min(max(desired, targets.min_replicas), targets.max_replicas)
 
 
-def apply_delays(current: int, desired: int, state: dict[str, Any], now: float,
-                 targets: ScalingTargets) -> tuple[int, dict[str, Any]]:
+def apply_delays(
+    current: int, desired: int, state: dict[str, Any], now: float, targets: ScalingTargets
+) -> tuple[int, dict[str, Any]]:
     """Hold a change until it has been wanted continuously for the delay of its direction."""
     state = dict(state)
     direction = (desired > current) - (desired < current)
@@ -79,9 +84,13 @@ class KVOccupancyPolicy:
         metrics = ctx.aggregated_metrics or {}
         kv = [float(v) for v in metrics.get("kv_occupancy", {}).values()]
         waiting = [float(v) for v in metrics.get("num_waiting", {}).values()]
-        bounds = ScalingTargets(**{**asdict(self.targets),
-                                   "min_replicas": ctx.capacity_adjusted_min_replicas,
-                                   "max_replicas": ctx.capacity_adjusted_max_replicas})
+        bounds = ScalingTargets(
+            **{
+                **asdict(self.targets),
+                "min_replicas": ctx.capacity_adjusted_min_replicas,
+                "max_replicas": ctx.capacity_adjusted_max_replicas,
+            }
+        )
         desired = desired_replicas(ctx.current_num_replicas, kv, waiting, bounds)
         now = ctx.current_time if ctx.current_time is not None else time.time()
         return apply_delays(ctx.current_num_replicas, desired, ctx.policy_state or {}, now, bounds)

@@ -25,8 +25,14 @@ logger = logging.getLogger("tandem.api")
 MAX_BODY_BYTES = 4 << 20
 
 
-def error_response(status: int, message: str, error_type: str, param: str | None = None,
-                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    error_type: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -101,8 +107,11 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
     async def _respond(result: Any) -> Any:
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            result,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
 
 from tandem.engine.protocol import GenerationRequest, RequestOutput
@@ -44,18 +44,22 @@ class EngineClient(Protocol):
 
     model_name: str
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]: ...
 
 
 def reject_unsupported(body: dict[str, Any]) -> None:
     for name in UNSUPPORTED_FIELDS:
         if body.get(name) is not None:
-            raise InvalidRequestError(f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
+            raise InvalidRequestError(
+                f"'{name}' is not supported by this server", param=name, code="unsupported_parameter"
+            )
     if body.get("n", 1) not in (1, None):
         raise InvalidRequestError("only n=1 is supported", param="n", code="unsupported_parameter")
 
 
-def sampling_params_from(req: ChatCompletionRequest | CompletionRequest, max_tokens_default: int) -> SamplingParams:
+def sampling_params_from(
+    req: ChatCompletionRequest | CompletionRequest, max_tokens_default: int
+) -> SamplingParams:
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or max_tokens_default
     if isinstance(req, ChatCompletionRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -78,8 +82,14 @@ def sampling_params_from(req: ChatCompletionRequest | CompletionRequest, max_tok
 
 
 class OpenAIServer:
-    def __init__(self, client: EngineClient, tenants: TenantRegistry, *, max_tokens_default: int = 256,
-                 decode_token: Any = None) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        tenants: TenantRegistry,
+        *,
+        max_tokens_default: int = 256,
+        decode_token: Any = None,
+    ) -> None:
         self.client = client
         self.tenants = tenants
         self.model_name = client.model_name
@@ -93,15 +103,19 @@ class OpenAIServer:
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
             raise ModelNotFoundError(
-                f"model {model!r} not found; available: {self.model_name!r}", param="model", code="model_not_found"
+                f"model {model!r} not found; available: {self.model_name!r}",
+                param="model",
+                code="model_not_found",
             )
 
     async def chat(self, req: ChatCompletionRequest, tenant: str) -> dict[str, Any] | AsyncIterator[str]:
         self._check_model(req.model)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         gen = GenerationRequest(
-            request_id=new_id("chatcmpl"), messages=messages,
-            sampling_params=sampling_params_from(req, self.max_tokens_default), tenant_id=tenant,
+            request_id=new_id("chatcmpl"),
+            messages=messages,
+            sampling_params=sampling_params_from(req, self.max_tokens_default),
+            tenant_id=tenant,
         )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self._run(gen, tenant, stream=req.stream, chat=True, include_usage=include_usage)
@@ -113,14 +127,16 @@ class OpenAIServer:
             request_id=new_id("cmpl"),
             prompt=req.prompt if prompt_is_text else None,  # type: ignore[arg-type]
             prompt_token_ids=None if prompt_is_text else list(req.prompt),  # type: ignore[arg-type]
-            sampling_params=sampling_params_from(req, self.max_tokens_default), tenant_id=tenant,
+            sampling_params=sampling_params_from(req, self.max_tokens_default),
+            tenant_id=tenant,
         )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self._run(gen, tenant, stream=req.stream, chat=False, include_usage=include_usage)
 
     # -- running a request --------------------------------------------------------------
-    async def _run(self, gen: GenerationRequest, tenant: str, *, stream: bool, chat: bool,
-                   include_usage: bool) -> dict[str, Any] | AsyncIterator[str]:
+    async def _run(
+        self, gen: GenerationRequest, tenant: str, *, stream: bool, chat: bool, include_usage: bool
+    ) -> dict[str, Any] | AsyncIterator[str]:
         self.tenants.acquire(tenant)
         outputs = self.client.generate(gen)
         try:
@@ -137,80 +153,162 @@ class OpenAIServer:
                 last = out
         finally:
             self.tenants.release(tenant, _num_tokens(last))
-        logger.info("request finished", extra={"tenant": tenant, "request_id": gen.request_id,
-                                               "finish_reason": last.outputs[0].finish_reason})
+        logger.info(
+            "request finished",
+            extra={
+                "tenant": tenant,
+                "request_id": gen.request_id,
+                "finish_reason": last.outputs[0].finish_reason,
+            },
+        )
         completion = last.outputs[0]
         usage = _usage(last)
         if chat:
-            return chat_completion(request_id=gen.request_id, model=self.model_name, text=completion.text,
-                                   finish_reason=completion.finish_reason, usage=usage,
-                                   logprobs=self._chat_logprobs(completion.token_ids, completion.logprobs,
-                                                                   gen.sampling_params.logprobs or 0))
-        return text_completion(request_id=gen.request_id, model=self.model_name, created=now(), text=completion.text,
-                               finish_reason=completion.finish_reason, usage=usage,
-                               logprobs=self._completion_logprobs(completion.token_ids, completion.logprobs))
+            return chat_completion(
+                request_id=gen.request_id,
+                model=self.model_name,
+                text=completion.text,
+                finish_reason=completion.finish_reason,
+                usage=usage,
+                logprobs=self._chat_logprobs(
+                    completion.token_ids, completion.logprobs, gen.sampling_params.logprobs or 0
+                ),
+            )
+        return text_completion(
+            request_id=gen.request_id,
+            model=self.model_name,
+            created=now(),
+            text=completion.text,
+            finish_reason=completion.finish_reason,
+            usage=usage,
+            logprobs=self._completion_logprobs(completion.token_ids, completion.logprobs),
+        )
 
-    async def _sse(self, gen: GenerationRequest, tenant: str, first: RequestOutput,
-                   outputs: AsyncIterator[RequestOutput], *, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    async def _sse(
+        self,
+        gen: GenerationRequest,
+        tenant: str,
+        first: RequestOutput,
+        outputs: AsyncGenerator[RequestOutput, None],
+        *,
+        chat: bool,
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
         created = now()
         last = first
         try:
             if chat:
-                yield _event(chat_chunk(request_id=gen.request_id, model=self.model_name, created=created,
-                                        delta={"role": "assistant", "content": ""}, finish_reason=None))
+                yield _event(
+                    chat_chunk(
+                        request_id=gen.request_id,
+                        model=self.model_name,
+                        created=created,
+                        delta={"role": "assistant", "content": ""},
+                        finish_reason=None,
+                    )
+                )
             out: RequestOutput | None = first
             while out is not None:
                 last = out
-                yield _event(self._chunk(gen.request_id, created, out, chat, gen.sampling_params.logprobs or 0))
+                yield _event(
+                    self._chunk(gen.request_id, created, out, chat, gen.sampling_params.logprobs or 0)
+                )
                 out = await anext(outputs, None)
             if include_usage:
                 usage = _usage(last)
                 if chat:
-                    yield _event(chat_chunk(request_id=gen.request_id, model=self.model_name, created=created,
-                                            delta={}, finish_reason=None, usage=usage, no_choices=True))
+                    yield _event(
+                        chat_chunk(
+                            request_id=gen.request_id,
+                            model=self.model_name,
+                            created=created,
+                            delta={},
+                            finish_reason=None,
+                            usage=usage,
+                            no_choices=True,
+                        )
+                    )
                 else:
-                    yield _event(text_completion(request_id=gen.request_id, model=self.model_name, created=created,
-                                                 text="", finish_reason=None, usage=usage, no_choices=True))
+                    yield _event(
+                        text_completion(
+                            request_id=gen.request_id,
+                            model=self.model_name,
+                            created=created,
+                            text="",
+                            finish_reason=None,
+                            usage=usage,
+                            no_choices=True,
+                        )
+                    )
             yield "data: [DONE]\n\n"
         except TandemError as exc:  # the stream has started: report in-band
-            yield _event({"error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}})
+            yield _event(
+                {
+                    "error": {
+                        "message": exc.message,
+                        "type": exc.error_type,
+                        "param": exc.param,
+                        "code": exc.code,
+                    }
+                }
+            )
         finally:
             await outputs.aclose()  # on client disconnect this aborts the request in the engine
             self.tenants.release(tenant, _num_tokens(last))
 
-    def _chunk(self, request_id: str, created: int, out: RequestOutput, chat: bool, num_top: int) -> dict[str, Any]:
+    def _chunk(
+        self, request_id: str, created: int, out: RequestOutput, chat: bool, num_top: int
+    ) -> dict[str, Any]:
         completion = out.outputs[0]
         finish = completion.finish_reason
         if chat:
             delta = {"content": completion.delta_text} if completion.delta_text or finish is None else {}
-            return chat_chunk(request_id=request_id, model=self.model_name, created=created, delta=delta,
-                              finish_reason=finish,
-                              logprobs=self._chat_logprobs(completion.delta_token_ids, completion.delta_logprobs, num_top))
-        return text_completion(request_id=request_id, model=self.model_name, created=created,
-                               text=completion.delta_text, finish_reason=finish, usage=None,
-                               logprobs=self._completion_logprobs(completion.delta_token_ids, completion.delta_logprobs))
+            return chat_chunk(
+                request_id=request_id,
+                model=self.model_name,
+                created=created,
+                delta=delta,
+                finish_reason=finish,
+                logprobs=self._chat_logprobs(completion.delta_token_ids, completion.delta_logprobs, num_top),
+            )
+        return text_completion(
+            request_id=request_id,
+            model=self.model_name,
+            created=created,
+            text=completion.delta_text,
+            finish_reason=finish,
+            usage=None,
+            logprobs=self._completion_logprobs(completion.delta_token_ids, completion.delta_logprobs),
+        )
 
     # -- logprobs in OpenAI's two shapes --------------------------------------------------
     def _token_text(self, token_id: int) -> str:
         return self.decode_token(token_id) if self.decode_token is not None else str(token_id)
 
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None,
-                       num_top: int) -> dict[str, Any] | None:
+    def _chat_logprobs(
+        self, token_ids: list[int], logprobs: list[dict[int, float]] | None, num_top: int
+    ) -> dict[str, Any] | None:
         """OpenAI chat shape. Each engine entry holds the chosen token plus the top-n alternatives."""
         if logprobs is None:
             return None
         content = []
         for token_id, entry in zip(token_ids, logprobs, strict=False):
             ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
-            content.append({
-                "token": self._token_text(token_id),
-                "logprob": entry.get(token_id, 0.0),
-                "bytes": None,
-                "top_logprobs": [{"token": self._token_text(t), "logprob": v, "bytes": None} for t, v in ranked],
-            })
+            content.append(
+                {
+                    "token": self._token_text(token_id),
+                    "logprob": entry.get(token_id, 0.0),
+                    "bytes": None,
+                    "top_logprobs": [
+                        {"token": self._token_text(t), "logprob": v, "bytes": None} for t, v in ranked
+                    ],
+                }
+            )
         return {"content": content}
 
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None) -> dict[str, Any] | None:
+    def _completion_logprobs(
+        self, token_ids: list[int], logprobs: list[dict[int, float]] | None
+    ) -> dict[str, Any] | None:
         if logprobs is None:
             return None
         return {

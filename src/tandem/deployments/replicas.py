@@ -15,8 +15,11 @@ from tandem.engine.protocol import GenerationRequest, RequestOutput
 
 
 class LLMReplica:
-    def __init__(self, engine_options: dict[str, Any] | None = None,
-                 engine_factory: Callable[[], AsyncEngine] | None = None) -> None:
+    def __init__(
+        self,
+        engine_options: dict[str, Any] | None = None,
+        engine_factory: Callable[[], AsyncEngine] | None = None,
+    ) -> None:
         if engine_factory is not None:
             self.engine = engine_factory()
         else:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +57,7 @@ class AsyncEngine:
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         # Validate in the caller's thread so bad input raises here, before anything is queued.
         self.engine.make_request(request)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())

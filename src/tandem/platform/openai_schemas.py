@@ -130,7 +130,12 @@ class ModelList(BaseModel):
 
 
 def chat_completion(
-    *, request_id: str, model: str, text: str, finish_reason: str | None, usage: Usage,
+    *,
+    request_id: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    usage: Usage,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
@@ -151,8 +156,15 @@ def chat_completion(
 
 
 def chat_chunk(
-    *, request_id: str, model: str, created: int, delta: dict[str, Any], finish_reason: str | None,
-    logprobs: dict[str, Any] | None = None, usage: Usage | None = None, no_choices: bool = False,
+    *,
+    request_id: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any],
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+    usage: Usage | None = None,
+    no_choices: bool = False,
 ) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": request_id,
@@ -169,8 +181,15 @@ def chat_chunk(
 
 
 def text_completion(
-    *, request_id: str, model: str, created: int, text: str, finish_reason: str | None,
-    usage: Usage | None, logprobs: dict[str, Any] | None = None, no_choices: bool = False,
+    *,
+    request_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None,
+    usage: Usage | None,
+    logprobs: dict[str, Any] | None = None,
+    no_choices: bool = False,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "id": request_id,

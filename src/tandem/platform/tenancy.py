@@ -44,7 +44,7 @@ def hash_key(key: str) -> str:
 
 
 def parse_keys(spec: str) -> dict[str, str]:
-    """"k1=t1,k2=t2" (or one pair per line) -> {sha256(k): tenant}. Raises on malformed pairs."""
+    """ "k1=t1,k2=t2" (or one pair per line) -> {sha256(k): tenant}. Raises on malformed pairs."""
     hashed: dict[str, str] = {}
     for raw in spec.replace("\n", ",").split(","):
         pair = raw.strip()
@@ -66,8 +66,12 @@ class _Usage:
 class TenantRegistry:
     """Authenticates bearer keys and enforces per-tenant limits (thread-safe)."""
 
-    def __init__(self, hashed_keys: dict[str, str], limits: TenantLimits | None = None,
-                 per_tenant_limits: dict[str, TenantLimits] | None = None) -> None:
+    def __init__(
+        self,
+        hashed_keys: dict[str, str],
+        limits: TenantLimits | None = None,
+        per_tenant_limits: dict[str, TenantLimits] | None = None,
+    ) -> None:
         self._keys = dict(hashed_keys)
         self._default_limits = limits or TenantLimits()
         self._limits = per_tenant_limits or {}
@@ -88,7 +92,9 @@ class TenantRegistry:
     def authenticate(self, authorization: str | None) -> str:
         """'Bearer KEY' -> tenant id, or AuthenticationError (401)."""
         if not authorization or not authorization.lower().startswith("bearer "):
-            raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+            raise AuthenticationError(
+                "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
         digest = hash_key(authorization[7:].strip())
         for known, tenant in self._keys.items():
             if hmac.compare_digest(known, digest):
@@ -104,7 +110,10 @@ class TenantRegistry:
         limits = self.limits_for(tenant)
         with self._lock:
             usage = self._usage.setdefault(tenant, _Usage())
-            if limits.max_concurrent_requests is not None and usage.in_flight >= limits.max_concurrent_requests:
+            if (
+                limits.max_concurrent_requests is not None
+                and usage.in_flight >= limits.max_concurrent_requests
+            ):
                 raise RateLimitError(
                     f"tenant {tenant!r} has {usage.in_flight} requests in flight "
                     f"(limit {limits.max_concurrent_requests}); retry when one finishes",
