@@ -98,3 +98,52 @@ def test_client_disconnect_frees_kv_blocks(served: str) -> None:
         assert time.monotonic() - closed_at < 1.0, "aborted request still holds KV blocks after 1 s"
     stats = replica.stats.remote().result()
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+def test_backpressure_is_429_not_a_hang(served: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    import asyncio
+
+    from ray import serve
+
+    from tandem.deployments.app import build_app
+
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny-bp"), max_positions=4096)
+    app = build_app(
+        {
+            "engine": {"model": str(model_dir), "kv_cache_memory": 8 << 20, "served_model_name": "tiny"},
+            "api_keys": f"{KEY}=acme",
+            "replica_num_cpus": 0,
+            "max_ongoing_requests": 1,
+            "max_queued_requests": 1,
+        }
+    )
+    serve.run(app, name="tandem-bp", route_prefix="/bp")
+    try:
+        client = openai.AsyncOpenAI(base_url=f"{served}/bp/v1", api_key=KEY, max_retries=0, timeout=120)
+
+        async def one() -> str:
+            try:
+                stream = await client.completions.create(
+                    model="tiny",
+                    prompt="x",
+                    max_tokens=300,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                async for _ in stream:
+                    pass
+                return "ok"
+            except openai.InternalServerError as exc:
+                raise AssertionError(exc.response.text) from exc
+            except openai.RateLimitError as exc:
+                assert exc.response.headers.get("retry-after")
+                return "429"
+
+        async def many() -> list[str]:
+            return await asyncio.wait_for(asyncio.gather(*(one() for _ in range(5))), timeout=120)
+
+        results = asyncio.run(many())
+        assert results.count("ok") >= 1 and results.count("429") >= 1, results
+    finally:
+        serve.delete("tandem-bp")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncGenerator
 from dataclasses import asdict
@@ -10,6 +11,7 @@ from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from tandem.deployments.autoscaling import ScalingTargets
@@ -18,6 +20,7 @@ from tandem.deployments.openai_server import OpenAIServer
 from tandem.deployments.replicas import LLMReplica
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.config import EngineConfig
+from tandem.platform.errors import OverloadedError
 from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys
 
 
@@ -39,6 +42,7 @@ class AppConfig(BaseModel):
     replica_num_cpus: float = 1.0
     max_ongoing_requests: int = 64
     max_queued_requests: int = 128
+    ingress_max_ongoing_requests: int = 1024
 
 
 fastapi_app = create_app()
@@ -52,12 +56,23 @@ class HandleEngineClient:
         self.model_name = model_name
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
-        response = cast(DeploymentResponseGenerator, self.handle.generate.remote(request))
+        response: DeploymentResponseGenerator | None = None
         try:
+            # Inside a replica, `.remote()` itself may raise BackPressureError; outside, iterating does.
+            response = cast(DeploymentResponseGenerator, self.handle.generate.remote(request))
             async for output in response:
                 yield output
+        except BackPressureError as exc:  # every replica's queue is full: 429, never a hang
+            raise OverloadedError(
+                f"all replicas are busy ({exc.message}); retry shortly",
+                retry_after_s=exc.retry_after_s or 1.0,
+            ) from exc
         finally:
-            response.cancel()  # no-op when finished; otherwise aborts the request on the replica
+            if response is not None:
+                # Aborts the request on the replica if it is still running. On a response that
+                # failed to be assigned, cancel() re-raises that failure: it must not replace ours.
+                with contextlib.suppress(Exception):
+                    response.cancel()
 
 
 @serve.deployment(name="OpenAIIngress")
@@ -102,5 +117,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         max_queued_requests=cfg.max_queued_requests,
         **scaling,
     )
-    ingress = cast(serve.Deployment, OpenAIIngress).options(ray_actor_options={"num_cpus": 0})
+    ingress = cast(serve.Deployment, OpenAIIngress).options(
+        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=cfg.ingress_max_ongoing_requests
+    )
     return ingress.bind(replica.bind(cfg.engine), cfg.model_dump())

@@ -18,7 +18,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from tandem.deployments.openai_server import OpenAIServer, reject_unsupported
 from tandem.platform.errors import TandemError
 from tandem.platform.openai_schemas import ChatCompletionRequest, CompletionRequest
-from tandem.platform.tenancy import RateLimitError
 
 logger = logging.getLogger("tandem.api")
 
@@ -84,7 +83,8 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
 
     @app.exception_handler(TandemError)
     async def _tandem_error(_: Request, exc: TandemError) -> JSONResponse:
-        headers = {"Retry-After": str(int(exc.retry_after_s))} if isinstance(exc, RateLimitError) else None
+        retry_after = getattr(exc, "retry_after_s", None)
+        headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
         return error_response(exc.status_code, exc.message, exc.error_type, exc.param, exc.code, headers)
 
     @app.exception_handler(RequestValidationError)

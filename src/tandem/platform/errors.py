@@ -30,6 +30,17 @@ class ContextLengthExceededError(InvalidRequestError):
         super().__init__(message, param=param, code="context_length_exceeded")
 
 
+class OverloadedError(TandemError):
+    """Every replica's queue is full (HTTP 429 with Retry-After): back off and retry."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message, code="server_overloaded")
+        self.retry_after_s = retry_after_s
+
+
 class ModelLoadError(TandemError):
     """A model path is missing, or a weight or tokenizer file is corrupt or unsupported."""
 
