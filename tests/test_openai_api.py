@@ -173,3 +173,38 @@ def test_malformed_json_and_server_keeps_serving(http: TestClient, client: opena
     assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
     assert http.get("/health").json() == {"status": "ok"}
     assert client.completions.create(model="tiny", prompt="x", max_tokens=1).choices[0].finish_reason
+
+
+def test_metrics_and_traces_per_tenant(http: TestClient, client: openai.OpenAI) -> None:
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tandem.platform.telemetry import get_telemetry
+
+    spans = InMemorySpanExporter()
+    get_telemetry().add_span_processor(SimpleSpanProcessor(spans))
+    client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    text = http.get("/metrics").text
+    ttft = [
+        line
+        for line in text.splitlines()
+        if line.startswith("tandem_time_to_first_token_seconds_count") and 'tenant="acme"' in line
+    ]
+    assert ttft and float(ttft[0].split()[-1]) >= 1
+    assert any(
+        line.startswith("tandem_generation_tokens") and 'tenant="acme"' in line for line in text.splitlines()
+    )
+    assert any(
+        line.startswith("tandem_kv_cache_occupancy") and 'model="tiny"' in line for line in text.splitlines()
+    ), [l for l in text.splitlines() if "kv" in l]
+    finished = spans.get_finished_spans()
+    root = next(s for s in finished if s.name == "llm.request")
+    assert root.attributes["tandem.tenant"] == "acme"
+    children = {s.name for s in finished if s.parent is not None and s.parent.span_id == root.context.span_id}
+    assert children == {"llm.queue", "llm.prefill", "llm.decode"}

@@ -52,8 +52,13 @@ class HandleEngineClient:
     """`EngineClient` over a Serve deployment handle to `LLMReplica` (streaming)."""
 
     def __init__(self, handle: DeploymentHandle, model_name: str) -> None:
+        self.unary = handle
         self.handle = handle.options(stream=True)
         self.model_name = model_name
+
+    async def stats(self) -> dict[str, Any]:
+        """Stats of whichever replica answers (complete with one replica per model)."""
+        return cast(dict[str, Any], await self.unary.stats.remote())
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         response: DeploymentResponseGenerator | None = None

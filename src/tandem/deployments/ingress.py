@@ -139,9 +139,12 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    async def metrics(request: Request) -> PlainTextResponse:
         from tandem.platform.telemetry import prometheus_text
 
+        server = getattr(request.app.state, "server", None) or _installed_server
+        if server is not None:
+            await server.refresh_engine_stats()
         return PlainTextResponse(prometheus_text(), media_type="text/plain; version=0.0.4")
 
     return app

@@ -8,9 +8,11 @@ errors; a stream that has started ends with an error event instead.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any, Protocol
 
 from tandem.engine.protocol import GenerationRequest, RequestOutput
@@ -29,6 +31,7 @@ from tandem.platform.openai_schemas import (
     now,
     text_completion,
 )
+from tandem.platform.telemetry import get_telemetry
 from tandem.platform.tenancy import TenantRegistry
 
 logger = logging.getLogger("tandem.api")
@@ -45,6 +48,8 @@ class EngineClient(Protocol):
     model_name: str
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]: ...
+
+    def stats(self) -> dict[str, Any] | Awaitable[dict[str, Any]]: ...
 
 
 def reject_unsupported(body: dict[str, Any]) -> None:
@@ -96,6 +101,45 @@ class OpenAIServer:
         self.max_tokens_default = max_tokens_default
         self.decode_token = decode_token  # token id -> text, for logprobs (optional)
 
+    async def refresh_engine_stats(self) -> None:
+        """Pull the engine's gauges (KV occupancy, queue) into telemetry; called on each scrape."""
+        stats = self.client.stats()
+        if inspect.isawaitable(stats):
+            stats = await stats
+        get_telemetry().set_engine_stats(self.model_name, stats)
+
+    def _record(
+        self,
+        gen: GenerationRequest,
+        tenant: str,
+        last: RequestOutput,
+        started: float,
+        started_ns: int,
+        first_at: float,
+    ) -> None:
+        completion = last.outputs[0]
+        get_telemetry().record_request(
+            tenant=tenant,
+            model=self.model_name,
+            request_id=gen.request_id,
+            finish_reason=completion.finish_reason,
+            num_prompt_tokens=len(last.prompt_token_ids),
+            num_output_tokens=len(completion.token_ids),
+            ttft_s=first_at - started,
+            e2e_s=time.monotonic() - started,
+            phases=last.metrics.phase_durations(),
+            started_ns=started_ns,
+        )
+        logger.info(
+            "request finished",
+            extra={
+                "tenant": tenant,
+                "request_id": gen.request_id,
+                "finish_reason": completion.finish_reason,
+                "completion_tokens": len(completion.token_ids),
+            },
+        )
+
     # -- routes ---------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:
         return ModelList(data=[ModelCard(id=self.model_name)]).model_dump()
@@ -138,29 +182,27 @@ class OpenAIServer:
         self, gen: GenerationRequest, tenant: str, *, stream: bool, chat: bool, include_usage: bool
     ) -> dict[str, Any] | AsyncIterator[str]:
         self.tenants.acquire(tenant)
+        started, started_ns = time.monotonic(), time.time_ns()
         outputs = self.client.generate(gen)
         try:
             first = await anext(outputs)  # validation errors surface here, before any byte is sent
+            first_at = time.monotonic()
         except BaseException:
             self.tenants.release(tenant, 0)
             await outputs.aclose()
             raise
         if stream:
-            return self._sse(gen, tenant, first, outputs, chat=chat, include_usage=include_usage)
+            timing = (started, started_ns, first_at)
+            return self._sse(
+                gen, tenant, first, outputs, chat=chat, include_usage=include_usage, timing=timing
+            )
         last = first
         try:
             async for out in outputs:
                 last = out
         finally:
             self.tenants.release(tenant, _num_tokens(last))
-        logger.info(
-            "request finished",
-            extra={
-                "tenant": tenant,
-                "request_id": gen.request_id,
-                "finish_reason": last.outputs[0].finish_reason,
-            },
-        )
+        self._record(gen, tenant, last, started, started_ns, first_at)
         completion = last.outputs[0]
         usage = _usage(last)
         if chat:
@@ -193,6 +235,7 @@ class OpenAIServer:
         *,
         chat: bool,
         include_usage: bool,
+        timing: tuple[float, int, float],
     ) -> AsyncIterator[str]:
         created = now()
         last = first
@@ -255,6 +298,8 @@ class OpenAIServer:
         finally:
             await outputs.aclose()  # on client disconnect this aborts the request in the engine
             self.tenants.release(tenant, _num_tokens(last))
+            if last.finished:
+                self._record(gen, tenant, last, *timing)
 
     def _chunk(
         self, request_id: str, created: int, out: RequestOutput, chat: bool, num_top: int

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from typing import Any
 
@@ -193,6 +194,9 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
+        self.output_processor.mark_scheduled(
+            [s.request_id for s in scheduled.scheduled if s.is_new], time.monotonic()
+        )
         result = self.runner.execute(scheduled)
         updates = self.scheduler.update_from_output(scheduled, result)
         outputs, stopped_ids = self.output_processor.process(updates)

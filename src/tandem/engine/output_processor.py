@@ -63,6 +63,12 @@ class OutputProcessor:
             outputs.append(self._make_output(state, finished, now))
         return outputs, stopped
 
+    def mark_scheduled(self, request_ids: list[str], now: float) -> None:
+        for request_id in request_ids:
+            state = self.states.get(request_id)
+            if state is not None and state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+
     def finish(self, request: Request) -> RequestOutput | None:
         """Final output of a request ended from outside (abort, error)."""
         state = self.states.get(request.request_id)

@@ -25,6 +25,7 @@ class GenerationRequest:
 @dataclass
 class RequestMetrics:
     arrival_time: float  # time.monotonic()
+    first_scheduled_time: float | None = None  # when the engine first computed any of its tokens
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
@@ -32,6 +33,17 @@ class RequestMetrics:
     @property
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    def phase_durations(self) -> dict[str, float]:
+        """Seconds spent queued, in prefill (to the first token) and decoding, as far as known."""
+        out: dict[str, float] = {}
+        if self.first_scheduled_time is not None:
+            out["queue"] = self.first_scheduled_time - self.arrival_time
+            if self.first_token_time is not None:
+                out["prefill"] = self.first_token_time - self.first_scheduled_time
+                if self.finished_time is not None:
+                    out["decode"] = self.finished_time - self.first_token_time
+        return out
 
 
 @dataclass

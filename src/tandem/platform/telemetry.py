@@ -1,9 +1,204 @@
-"""Telemetry: Prometheus exposition for /metrics. (OpenTelemetry spans and metrics: next step.)"""
+"""Telemetry: OpenTelemetry metrics (exported as Prometheus text on /metrics) and traces.
+
+One `Telemetry` per process (`get_telemetry()`). Request metrics are recorded where the request
+ends (the ingress) with `tenant` and `model` labels; engine gauges (KV occupancy, running,
+waiting, preemptions) are read from the engine when /metrics is scraped. Each request gets a
+span with `queue`, `prefill` and `decode` children built from the engine's phase durations.
+Traces go to OTLP when `OTEL_EXPORTER_OTLP_ENDPOINT` is set and the OTLP exporter is installed;
+tests may add their own span processor.
+"""
 
 from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SpanProcessor
+
+logger = logging.getLogger("tandem.telemetry")
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TOKEN_LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)
+
+
+class Telemetry:
+    def __init__(self, service_name: str = "tandem") -> None:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+
+        resource = Resource.create({"service.name": service_name})
+        views = [
+            View(
+                instrument_name="tandem_time_to_first_token_seconds",
+                aggregation=ExplicitBucketHistogramAggregation(LATENCY_BUCKETS_S),
+            ),
+            View(
+                instrument_name="tandem_e2e_request_latency_seconds",
+                aggregation=ExplicitBucketHistogramAggregation(LATENCY_BUCKETS_S),
+            ),
+            View(
+                instrument_name="tandem_time_per_output_token_seconds",
+                aggregation=ExplicitBucketHistogramAggregation(TOKEN_LATENCY_BUCKETS_S),
+            ),
+        ]
+        self.meter_provider = MeterProvider(
+            resource=resource, metric_readers=[PrometheusMetricReader()], views=views
+        )
+        self.tracer_provider = TracerProvider(resource=resource)
+        self._maybe_add_otlp()
+        meter = self.meter_provider.get_meter("tandem")
+        self.tracer = self.tracer_provider.get_tracer("tandem")
+        self.ttft = meter.create_histogram(
+            "tandem_time_to_first_token_seconds", unit="s", description="Time to first token"
+        )
+        self.tpot = meter.create_histogram(
+            "tandem_time_per_output_token_seconds",
+            unit="s",
+            description="Mean time per output token after the first",
+        )
+        self.e2e = meter.create_histogram(
+            "tandem_e2e_request_latency_seconds",
+            unit="s",
+            description="Request latency from arrival to last token",
+        )
+        self.prompt_tokens = meter.create_counter(
+            "tandem_prompt_tokens", description="Prompt tokens processed"
+        )
+        self.generation_tokens = meter.create_counter(
+            "tandem_generation_tokens", description="Tokens generated"
+        )
+        self.requests = meter.create_counter(
+            "tandem_requests", description="Finished requests by finish reason"
+        )
+        self._engine_stats: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        for name, key, description in (
+            ("tandem_kv_cache_occupancy", "kv_occupancy", "KV blocks used / total"),
+            ("tandem_num_requests_running", "num_running", "Requests in the running batch"),
+            ("tandem_num_requests_waiting", "num_waiting", "Requests waiting for admission"),
+        ):
+            meter.create_observable_gauge(name, callbacks=[self._observer(key)], description=description)
+        meter.create_observable_counter(
+            "tandem_num_preemptions",
+            callbacks=[self._observer("num_preemptions")],
+            description="Requests preempted (recomputed) so far",
+        )
+
+    def _maybe_add_otlp(self) -> None:
+        if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+            return
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        except ImportError:
+            logger.warning(
+                "OTEL_EXPORTER_OTLP_ENDPOINT is set but opentelemetry-exporter-otlp is not installed"
+            )
+            return
+        self.tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+
+    def add_span_processor(self, processor: SpanProcessor) -> None:
+        self.tracer_provider.add_span_processor(processor)
+
+    def _observer(self, key: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(_: CallbackOptions) -> Iterable[Observation]:
+            with self._lock:
+                snapshot = dict(self._engine_stats)
+            for labels, stats in snapshot.items():
+                if key in stats:
+                    yield Observation(float(stats[key]), {"model": labels})
+
+        return observe
+
+    def set_engine_stats(self, model: str, stats: dict[str, Any]) -> None:
+        with self._lock:
+            self._engine_stats[model] = dict(stats)
+
+    def record_request(
+        self,
+        *,
+        tenant: str,
+        model: str,
+        request_id: str,
+        finish_reason: str | None,
+        num_prompt_tokens: int,
+        num_output_tokens: int,
+        ttft_s: float | None,
+        e2e_s: float,
+        phases: dict[str, float],
+        started_ns: int,
+    ) -> None:
+        labels = {"tenant": tenant, "model": model}
+        if ttft_s is not None:
+            self.ttft.record(ttft_s, labels)
+            if num_output_tokens > 1:
+                self.tpot.record((e2e_s - ttft_s) / (num_output_tokens - 1), labels)
+        self.e2e.record(e2e_s, labels)
+        self.prompt_tokens.add(num_prompt_tokens, labels)
+        self.generation_tokens.add(num_output_tokens, labels)
+        self.requests.add(1, {**labels, "finish_reason": finish_reason or "unknown"})
+        self._record_spans(labels, request_id, finish_reason, phases, started_ns)
+
+    def _record_spans(
+        self,
+        labels: dict[str, str],
+        request_id: str,
+        finish_reason: str | None,
+        phases: dict[str, float],
+        started_ns: int,
+    ) -> None:
+        """Root span over the whole request; phase children laid back-to-back ending at its end.
+
+        Phase durations come from the engine's clock (possibly another process), so only their
+        lengths are used, not absolute times."""
+        from opentelemetry import trace
+
+        end_ns = time.time_ns()
+        root = self.tracer.start_span(
+            "llm.request",
+            start_time=started_ns,
+            attributes={
+                "tandem.tenant": labels["tenant"],
+                "tandem.model": labels["model"],
+                "tandem.request_id": request_id,
+                "tandem.finish_reason": finish_reason or "",
+            },
+        )
+        ctx = trace.set_span_in_context(root)
+        cursor = end_ns
+        for phase in ("decode", "prefill", "queue"):
+            if phase in phases:
+                length = int(max(phases[phase], 0.0) * 1e9)
+                child = self.tracer.start_span(
+                    f"llm.{phase}", context=ctx, start_time=max(started_ns, cursor - length)
+                )
+                child.end(end_time=cursor)
+                cursor = max(started_ns, cursor - length)
+        root.end(end_time=end_ns)
+
+
+_telemetry: Telemetry | None = None
+_telemetry_lock = threading.Lock()
+
+
+def get_telemetry() -> Telemetry:
+    global _telemetry
+    with _telemetry_lock:
+        if _telemetry is None:
+            _telemetry = Telemetry()
+        return _telemetry
 
 
 def prometheus_text() -> str:
     from prometheus_client import REGISTRY, generate_latest
 
+    get_telemetry()  # make sure our reader is registered
     return generate_latest(REGISTRY).decode()
