@@ -202,7 +202,7 @@ def test_metrics_and_traces_per_tenant(http: TestClient, client: openai.OpenAI) 
     )
     assert any(
         line.startswith("tandem_kv_cache_occupancy") and 'model="tiny"' in line for line in text.splitlines()
-    ), [l for l in text.splitlines() if "kv" in l]
+    ), [ln for ln in text.splitlines() if "kv" in ln]
     finished = spans.get_finished_spans()
     root = next(s for s in finished if s.name == "llm.request")
     assert root.attributes["tandem.tenant"] == "acme"
