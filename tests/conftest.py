@@ -132,6 +132,9 @@ def ray_serve():  # type: ignore[no-untyped-def]
     ray = pytest.importorskip("ray")
     from ray import serve
 
+    # Replicas push autoscaling metrics often enough for a test to see scaling within seconds.
+    os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
+
     ray.init(
         address="local",
         include_dashboard=False,

@@ -6,15 +6,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from tandem.deployments.autoscaling import KVOccupancyPolicy, ScalingTargets, apply_delays, desired_replicas
+from tandem.deployments.autoscaling import KVOccupancyPolicy, ScalingTargets, desired_replicas
 
 T = ScalingTargets(
     target_kv_occupancy=0.7,
     target_waiting_per_replica=2.0,
     min_replicas=1,
     max_replicas=4,
-    upscale_delay_s=5.0,
-    downscale_delay_s=30.0,
 )
 
 
@@ -34,25 +32,8 @@ def test_desired_replicas(current: int, kv: list[float], waiting: list[float], w
     assert desired_replicas(current, kv, waiting, T) == want
 
 
-def test_delays_hold_changes_until_they_persist() -> None:
-    state: dict = {}
-    target, state = apply_delays(1, 3, state, now=100.0, targets=T)
-    assert target == 1  # wanted since 100
-    target, state = apply_delays(1, 3, state, now=104.0, targets=T)
-    assert target == 1
-    target, state = apply_delays(1, 3, state, now=105.0, targets=T)
-    assert target == 3 and "pending_direction" not in state
-    target, state = apply_delays(3, 1, state, now=110.0, targets=T)
-    target, state = apply_delays(3, 3, state, now=120.0, targets=T)  # load came back: reset
-    target, state = apply_delays(3, 1, state, now=125.0, targets=T)
-    target, state = apply_delays(3, 1, state, now=150.0, targets=T)
-    assert target == 3  # only 25 s of continuous wish to shrink
-    target, state = apply_delays(3, 1, state, now=155.0, targets=T)
-    assert target == 1
-
-
 def test_serve_adapter_reads_replica_metrics() -> None:
-    policy = KVOccupancyPolicy(upscale_delay_s=0.0, max_replicas=8)
+    policy = KVOccupancyPolicy(max_replicas=8)
     ctx = SimpleNamespace(
         aggregated_metrics={"kv_occupancy": {"r1": 0.9, "r2": 0.95}, "num_waiting": {"r1": 1.0, "r2": 0.0}},
         current_num_replicas=2,
@@ -65,3 +46,25 @@ def test_serve_adapter_reads_replica_metrics() -> None:
     assert target == 3
     with pytest.raises(ValueError, match="target_kv_occupancy"):
         KVOccupancyPolicy(target_kv_occupancy=1.5)
+
+
+def test_app_hands_delays_to_serve_and_targets_to_the_policy() -> None:
+    from ray.serve.config import AutoscalingConfig
+
+    from tandem.deployments.app import AppConfig, replica_options
+
+    options = replica_options(
+        AppConfig(autoscaling={"max_replicas": 3, "target_kv_occupancy": 0.5, "downscale_delay_s": 7})
+    )
+    assert "num_replicas" not in options
+    config = AutoscalingConfig(**options["autoscaling_config"])  # Serve accepts it
+    assert (config.min_replicas, config.max_replicas) == (1, 3)
+    assert (config.upscale_delay_s, config.downscale_delay_s) == (5.0, 7.0)
+    assert config.policy.policy_kwargs == {
+        "target_kv_occupancy": 0.5,
+        "target_waiting_per_replica": 2.0,
+        "min_replicas": 1,
+        "max_replicas": 3,
+    }
+    with pytest.raises(ValueError, match="target_kv_occupancy"):
+        replica_options(AppConfig(autoscaling={"target_kv_occupancy": 2.0}))

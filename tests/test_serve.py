@@ -147,3 +147,71 @@ def test_backpressure_is_429_not_a_hang(served: str, tmp_path_factory: pytest.Te
         assert results.count("ok") >= 1 and results.count("429") >= 1, results
     finally:
         serve.delete("tandem-bp")
+
+
+def test_autoscaling_on_queue_depth_goes_up_and_back_down(
+    served: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    import threading
+    import time
+
+    from ray import serve
+
+    from tandem.deployments.app import build_app
+
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny-as"), max_positions=4096)
+    app = build_app(
+        {
+            "engine": {
+                "model": str(model_dir),
+                "kv_cache_memory": 8 << 20,
+                "served_model_name": "tiny",
+                "max_num_seqs": 2,
+            },
+            "api_keys": f"{KEY}=acme",
+            "replica_num_cpus": 0,
+            "autoscaling": {
+                "min_replicas": 1,
+                "max_replicas": 2,
+                "target_waiting_per_replica": 1.0,
+                "upscale_delay_s": 0.5,
+                "downscale_delay_s": 1.0,
+                "metrics_interval_s": 0.5,
+                "look_back_period_s": 1.0,
+            },
+        }
+    )
+    serve.run(app, name="tandem-as", route_prefix="/as")
+
+    def num_running_replicas() -> int:
+        states = serve.status().applications["tandem-as"].deployments["LLMReplica"].replica_states
+        return int(states.get("RUNNING", 0))
+
+    def wait_for(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.2)  # polling Serve's controller, which acts on its own schedule
+
+    stop = threading.Event()
+
+    def load() -> None:
+        client = openai.OpenAI(base_url=f"{served}/as/v1", api_key=KEY, max_retries=0, timeout=120)
+        while not stop.is_set():
+            client.completions.create(
+                model="tiny", prompt="x", max_tokens=300, temperature=0, extra_body={"ignore_eos": True}
+            )
+
+    try:
+        assert num_running_replicas() == 1
+        workers = [threading.Thread(target=load, daemon=True) for _ in range(8)]  # 2 run, 6 wait
+        for worker in workers:
+            worker.start()
+        wait_for(lambda: num_running_replicas() >= 2, 90, "scale-up to 2 replicas")
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=120)
+        wait_for(lambda: num_running_replicas() == 1, 120, "scale-down to 1 replica")
+    finally:
+        stop.set()
+        serve.delete("tandem-as")

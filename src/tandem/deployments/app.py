@@ -37,7 +37,10 @@ class AppConfig(BaseModel):
     max_tokens_default: int = 256
     num_replicas: int = 1
     autoscaling: dict[str, Any] | None = Field(
-        None, description="ScalingTargets fields; when set, replicas scale on KV occupancy and queue depth"
+        None,
+        description="ScalingTargets fields plus Serve's upscale_delay_s, downscale_delay_s, "
+        "metrics_interval_s, look_back_period_s; "
+        "when set, replicas scale on KV occupancy and queue depth",
     )
     replica_num_cpus: float = 1.0
     max_ongoing_requests: int = 64
@@ -101,27 +104,42 @@ class OpenAIIngress:
         )
 
 
+# Serve's own autoscaling fields (it applies the delays around any policy), with our defaults;
+# everything else in `autoscaling` is a ScalingTargets field.
+_SERVE_AUTOSCALING_DEFAULTS = {"upscale_delay_s": 5.0, "downscale_delay_s": 30.0}
+_SERVE_AUTOSCALING_FIELDS = {"metrics_interval_s", "look_back_period_s", *_SERVE_AUTOSCALING_DEFAULTS}
+
+
+def replica_options(cfg: AppConfig) -> dict[str, Any]:
+    """Serve options of the `LLMReplica` deployment: resources, backpressure and scaling."""
+    options: dict[str, Any] = {
+        "ray_actor_options": {"num_cpus": cfg.replica_num_cpus},
+        "max_ongoing_requests": cfg.max_ongoing_requests,
+        "max_queued_requests": cfg.max_queued_requests,
+    }
+    if cfg.autoscaling is None:
+        options["num_replicas"] = cfg.num_replicas
+        return options
+    serve_fields = {**_SERVE_AUTOSCALING_DEFAULTS}
+    serve_fields.update({k: v for k, v in cfg.autoscaling.items() if k in _SERVE_AUTOSCALING_FIELDS})
+    targets = ScalingTargets(
+        **{k: v for k, v in cfg.autoscaling.items() if k not in _SERVE_AUTOSCALING_FIELDS}
+    )
+    options["autoscaling_config"] = {
+        "min_replicas": targets.min_replicas,
+        "max_replicas": targets.max_replicas,
+        **serve_fields,
+        "policy": {
+            "policy_function": "tandem.deployments.autoscaling:KVOccupancyPolicy",
+            "policy_kwargs": asdict(targets),
+        },
+    }
+    return options
+
+
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     cfg = AppConfig(**(args or {}))
-    scaling: dict[str, Any] = {"num_replicas": cfg.num_replicas}
-    if cfg.autoscaling is not None:
-        targets = ScalingTargets(**cfg.autoscaling)  # validates before anything is deployed
-        scaling = {
-            "autoscaling_config": {
-                "min_replicas": targets.min_replicas,
-                "max_replicas": targets.max_replicas,
-                "policy": {
-                    "policy_function": "tandem.deployments.autoscaling:KVOccupancyPolicy",
-                    "policy_kwargs": asdict(targets),
-                },
-            }
-        }
-    replica = serve.deployment(name="LLMReplica")(LLMReplica).options(
-        ray_actor_options={"num_cpus": cfg.replica_num_cpus},
-        max_ongoing_requests=cfg.max_ongoing_requests,
-        max_queued_requests=cfg.max_queued_requests,
-        **scaling,
-    )
+    replica = serve.deployment(name="LLMReplica")(LLMReplica).options(**replica_options(cfg))
     ingress = cast(serve.Deployment, OpenAIIngress).options(
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=cfg.ingress_max_ongoing_requests
     )

@@ -7,16 +7,16 @@ queue while occupancy is still low), so the policy also scales on waiting reques
     by_queue = ceil(total_waiting / target_waiting_per_replica)
     desired  = clamp(max(by_kv, by_queue, min_replicas), min_replicas, max_replicas)
 
-A change takes effect only after it has been wanted continuously for `upscale_delay_s`
-(growing) or `downscale_delay_s` (shrinking); the pending decision lives in the policy state.
-`desired_replicas` and `apply_delays` are pure functions; `KVOccupancyPolicy` adapts them to
-Serve's `AutoscalingContext` and reads the metrics `LLMReplica.record_autoscaling_stats` reports.
+Serve applies `upscale_delay_s` / `downscale_delay_s` (and its smoothing factors) on top of any
+custom policy, so the policy only says how many replicas it wants; the delays are Serve config
+(`build_app` passes them through). `desired_replicas` is a pure function; `KVOccupancyPolicy`
+adapts it to Serve's `AutoscalingContext` and reads what `LLMReplica.record_autoscaling_stats`
+reports.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -27,8 +27,6 @@ class ScalingTargets:
     target_waiting_per_replica: float = 2.0
     min_replicas: int = 1
     max_replicas: int = 4
-    upscale_delay_s: float = 5.0
-    downscale_delay_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.target_kv_occupancy <= 1.0:
@@ -52,27 +50,6 @@ def desired_replicas(
     return min(max(desired, targets.min_replicas), targets.max_replicas)
 
 
-def apply_delays(
-    current: int, desired: int, state: dict[str, Any], now: float, targets: ScalingTargets
-) -> tuple[int, dict[str, Any]]:
-    """Hold a change until it has been wanted continuously for the delay of its direction."""
-    state = dict(state)
-    direction = (desired > current) - (desired < current)
-    if direction == 0:
-        state.pop("pending_direction", None)
-        state.pop("pending_since", None)
-        return current, state
-    if state.get("pending_direction") != direction:
-        state["pending_direction"] = direction
-        state["pending_since"] = now
-    delay = targets.upscale_delay_s if direction > 0 else targets.downscale_delay_s
-    if now - state["pending_since"] >= delay:
-        state.pop("pending_direction")
-        state.pop("pending_since")
-        return desired, state
-    return current, state
-
-
 class KVOccupancyPolicy:
     """Serve class-callable policy: `policy_function="tandem.deployments.autoscaling:KVOccupancyPolicy"`,
     `policy_kwargs` = `ScalingTargets` fields."""
@@ -91,6 +68,4 @@ class KVOccupancyPolicy:
                 "max_replicas": ctx.capacity_adjusted_max_replicas,
             }
         )
-        desired = desired_replicas(ctx.current_num_replicas, kv, waiting, bounds)
-        now = ctx.current_time if ctx.current_time is not None else time.time()
-        return apply_delays(ctx.current_num_replicas, desired, ctx.policy_state or {}, now, bounds)
+        return desired_replicas(ctx.current_num_replicas, kv, waiting, bounds), dict(ctx.policy_state or {})
