@@ -27,7 +27,7 @@ class LLMReplica:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         async for output in self.engine.generate(request):
-            yield output
+            yield output.without_cumulative()  # cumulative fields cross processes once, at the end
 
     async def model_name(self) -> str:
         return self.engine.model_name

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.engine.engine import LLMEngine
-from tandem.engine.protocol import GenerationRequest, RequestOutput
+from tandem.engine.protocol import GenerationRequest, RequestOutput, merge_deltas
 from tandem.engine.request import RequestStatus
 from tandem.engine.tokenizer import Tokenizer
 
@@ -75,12 +75,22 @@ class AsyncEngine:
             self._pending_adds.append((request, stream))
             self._cv.notify()
         finished = False
+        pending: RequestOutput | BaseException | None = None
         try:
             while True:
-                item = await stream.queue.get()
+                item = pending if pending is not None else await stream.queue.get()
+                pending = None
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                # Coalesce updates that queued up while the consumer was busy into one.
+                while not item.finished and not stream.queue.empty():
+                    following = stream.queue.get_nowait()
+                    if isinstance(following, BaseException):
+                        pending = following
+                        break
+                    merge_deltas(item.outputs[0], following.outputs[0])
+                    item = following
                 finished = item.finished
                 yield item
                 if finished:

@@ -63,6 +63,15 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+def merge_deltas(earlier: CompletionOutput, later: CompletionOutput) -> CompletionOutput:
+    """`later` with `earlier`'s deltas prepended: one update carrying both steps' new tokens."""
+    later.delta_text = earlier.delta_text + later.delta_text
+    later.delta_token_ids = earlier.delta_token_ids + later.delta_token_ids
+    if earlier.delta_logprobs is not None and later.delta_logprobs is not None:
+        later.delta_logprobs = earlier.delta_logprobs + later.delta_logprobs
+    return later
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -72,3 +81,14 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
+
+    def without_cumulative(self) -> RequestOutput:
+        """A copy for streaming between processes: deltas only (the final output keeps all)."""
+        if self.finished:
+            return self
+        c = self.outputs[0]
+        slim = CompletionOutput(
+            index=c.index, text="", token_ids=[], finish_reason=None, logprobs=None,
+            delta_text=c.delta_text, delta_token_ids=c.delta_token_ids, delta_logprobs=c.delta_logprobs,
+        )
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [slim], False, self.metrics)
