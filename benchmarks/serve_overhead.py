@@ -35,12 +35,19 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarise(ttfts: list[float], tokens: int, wall: float) -> dict[str, float]:
-    return {"ttft_p50_ms": percentile(ttfts, 0.5) * 1000, "ttft_p99_ms": percentile(ttfts, 0.99) * 1000,
-            "ttft_mean_ms": statistics.mean(ttfts) * 1000, "tokens": tokens, "wall_s": wall,
-            "tokens_per_s": tokens / wall}
+    return {
+        "ttft_p50_ms": percentile(ttfts, 0.5) * 1000,
+        "ttft_p99_ms": percentile(ttfts, 0.99) * 1000,
+        "ttft_mean_ms": statistics.mean(ttfts) * 1000,
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+    }
 
 
-async def run_direct(engine_options: dict[str, Any], prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+async def run_direct(
+    engine_options: dict[str, Any], prompts: list[list[int]], new_tokens: int
+) -> dict[str, float]:
     from tandem import AsyncEngine, GenerationRequest, SamplingParams
 
     engine = AsyncEngine.from_options(**engine_options)
@@ -49,7 +56,9 @@ async def run_direct(engine_options: dict[str, Any], prompts: list[list[int]], n
     async def one(i: int, prompt: list[int], tag: str) -> tuple[float, int]:
         start = time.perf_counter()
         ttft, count = 0.0, 0
-        async for out in engine.generate(GenerationRequest(f"{tag}{i}", prompt_token_ids=prompt, sampling_params=params)):
+        async for out in engine.generate(
+            GenerationRequest(f"{tag}{i}", prompt_token_ids=prompt, sampling_params=params)
+        ):
             if not count and out.outputs[0].delta_token_ids:
                 ttft = time.perf_counter() - start
             count = len(out.outputs[0].token_ids)
@@ -71,8 +80,15 @@ async def run_http(base_url: str, model: str, prompts: list[list[int]], new_toke
     headers = {"Authorization": "Bearer sk-bench"}
 
     async def one(client: httpx.AsyncClient, prompt: list[int]) -> tuple[float, int]:
-        body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
-                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": new_tokens,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
         start = time.perf_counter()
         ttft, tokens = 0.0, 0
         async with client.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers) as resp:
@@ -103,16 +119,24 @@ def free_port() -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--kv-cache-memory", type=int, default=512 << 20)
-    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "serve_overhead.json")
+    parser.add_argument(
+        "--output", type=Path, default=Path(__file__).parent / "results" / "serve_overhead.json"
+    )
     args = parser.parse_args()
 
-    engine_options = {"model": args.model, "kv_cache_memory": args.kv_cache_memory, "served_model_name": "bench"}
+    engine_options = {
+        "model": args.model,
+        "kv_cache_memory": args.kv_cache_memory,
+        "served_model_name": "bench",
+    }
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(100, 40000, (args.streams, args.prompt_len), generator=gen).tolist()
 
@@ -130,8 +154,11 @@ def main() -> None:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build_app({"engine": engine_options, "api_keys": "sk-bench=bench", "replica_num_cpus": 0}),
-                  name="bench", route_prefix="/")
+        serve.run(
+            build_app({"engine": engine_options, "api_keys": "sk-bench=bench", "replica_num_cpus": 0}),
+            name="bench",
+            route_prefix="/",
+        )
         log(f"phase 2: HTTP through Serve, {args.streams} streams x {args.new_tokens} tokens")
         http = asyncio.run(run_http(f"http://127.0.0.1:{port}", "bench", prompts, args.new_tokens))
         log(f"http: ttft p50 {http['ttft_p50_ms']:.0f} ms, {http['tokens_per_s']:.1f} tok/s")

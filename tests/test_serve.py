@@ -12,22 +12,35 @@ pytestmark = pytest.mark.ray
 KEY = "sk-serve-test"
 
 
-@pytest.fixture(scope="module")
-def served(ray_serve: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+def deploy(
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    route_prefix: str,
+    *,
+    engine: dict | None = None,
+    **app_args: object,
+) -> None:
+    """Deploy the app on a tiny model with a long context (so streams outlive a client)."""
     from ray import serve
 
     from tandem.deployments.app import build_app
 
-    # A long context so a streamed request is still running when the client goes away.
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny-long"), max_positions=4096)
-    app = build_app(
-        {
-            "engine": {"model": str(model_dir), "kv_cache_memory": 8 << 20, "served_model_name": "tiny"},
-            "api_keys": f"{KEY}=acme",
-            "replica_num_cpus": 0,
-        }
-    )
-    serve.run(app, name="tandem", route_prefix="/")
+    model_dir = make_tiny_model(tmp_path_factory.mktemp(name), max_positions=4096)
+    engine_args = {
+        "model": str(model_dir),
+        "kv_cache_memory": 8 << 20,
+        "served_model_name": "tiny",
+        **(engine or {}),
+    }
+    app = build_app({"engine": engine_args, "api_keys": f"{KEY}=acme", "replica_num_cpus": 0, **app_args})
+    serve.run(app, name=name, route_prefix=route_prefix)
+
+
+@pytest.fixture(scope="module")
+def served(ray_serve: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    from ray import serve
+
+    deploy(tmp_path_factory, "tandem", "/")
     yield ray_serve
     serve.delete("tandem")
 
@@ -105,19 +118,7 @@ def test_backpressure_is_429_not_a_hang(served: str, tmp_path_factory: pytest.Te
 
     from ray import serve
 
-    from tandem.deployments.app import build_app
-
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny-bp"), max_positions=4096)
-    app = build_app(
-        {
-            "engine": {"model": str(model_dir), "kv_cache_memory": 8 << 20, "served_model_name": "tiny"},
-            "api_keys": f"{KEY}=acme",
-            "replica_num_cpus": 0,
-            "max_ongoing_requests": 1,
-            "max_queued_requests": 1,
-        }
-    )
-    serve.run(app, name="tandem-bp", route_prefix="/bp")
+    deploy(tmp_path_factory, "tandem-bp", "/bp", max_ongoing_requests=1, max_queued_requests=1)
     try:
         client = openai.AsyncOpenAI(base_url=f"{served}/bp/v1", api_key=KEY, max_retries=0, timeout=120)
 
@@ -157,31 +158,19 @@ def test_autoscaling_on_queue_depth_goes_up_and_back_down(
 
     from ray import serve
 
-    from tandem.deployments.app import build_app
-
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny-as"), max_positions=4096)
-    app = build_app(
-        {
-            "engine": {
-                "model": str(model_dir),
-                "kv_cache_memory": 8 << 20,
-                "served_model_name": "tiny",
-                "max_num_seqs": 2,
-            },
-            "api_keys": f"{KEY}=acme",
-            "replica_num_cpus": 0,
-            "autoscaling": {
-                "min_replicas": 1,
-                "max_replicas": 2,
-                "target_waiting_per_replica": 1.0,
-                "upscale_delay_s": 0.5,
-                "downscale_delay_s": 1.0,
-                "metrics_interval_s": 0.5,
-                "look_back_period_s": 1.0,
-            },
-        }
+    deploy(
+        tmp_path_factory,
+        "tandem-as",
+        "/as",
+        engine={"max_num_seqs": 2},  # 2 run, the rest wait: queue pressure
+        autoscaling={
+            "min_replicas": 1,
+            "max_replicas": 2,
+            "target_waiting_per_replica": 1.0,
+            "upscale_delay_s": 0.5,
+            "downscale_delay_s": 1.0,
+        },
     )
-    serve.run(app, name="tandem-as", route_prefix="/as")
 
     def num_running_replicas() -> int:
         states = serve.status().applications["tandem-as"].deployments["LLMReplica"].replica_states

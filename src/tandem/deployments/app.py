@@ -39,7 +39,7 @@ class AppConfig(BaseModel):
     autoscaling: dict[str, Any] | None = Field(
         None,
         description="ScalingTargets fields plus Serve's upscale_delay_s, downscale_delay_s, "
-        "metrics_interval_s, look_back_period_s; "
+        "look_back_period_s; "
         "when set, replicas scale on KV occupancy and queue depth",
     )
     replica_num_cpus: float = 1.0
@@ -107,7 +107,7 @@ class OpenAIIngress:
 # Serve's own autoscaling fields (it applies the delays around any policy), with our defaults;
 # everything else in `autoscaling` is a ScalingTargets field.
 _SERVE_AUTOSCALING_DEFAULTS = {"upscale_delay_s": 5.0, "downscale_delay_s": 30.0}
-_SERVE_AUTOSCALING_FIELDS = {"metrics_interval_s", "look_back_period_s", *_SERVE_AUTOSCALING_DEFAULTS}
+_SERVE_AUTOSCALING_FIELDS = {"look_back_period_s", *_SERVE_AUTOSCALING_DEFAULTS}
 
 
 def replica_options(cfg: AppConfig) -> dict[str, Any]:

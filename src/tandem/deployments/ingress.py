@@ -54,6 +54,12 @@ def _server(request: Request) -> OpenAIServer:
     return server
 
 
+def _authenticated(request: Request) -> tuple[OpenAIServer, str]:
+    """The server and the caller's tenant; 401 without a valid key."""
+    server = _server(request)
+    return server, server.tenants.authenticate(request.headers.get("authorization"))
+
+
 async def _json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
@@ -115,22 +121,19 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        server = _server(request)
-        tenant = server.tenants.authenticate(request.headers.get("authorization"))
+        server, tenant = _authenticated(request)
         req = _parse(ChatCompletionRequest, await _json_body(request))
         return await _respond(await server.chat(req, tenant))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        server = _server(request)
-        tenant = server.tenants.authenticate(request.headers.get("authorization"))
+        server, tenant = _authenticated(request)
         req = _parse(CompletionRequest, await _json_body(request))
         return await _respond(await server.completions(req, tenant))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
-        server = _server(request)
-        server.tenants.authenticate(request.headers.get("authorization"))
+        server, _ = _authenticated(request)
         return server.models()
 
     @app.get("/health")

@@ -88,7 +88,13 @@ class RequestOutput:
             return self
         c = self.outputs[0]
         slim = CompletionOutput(
-            index=c.index, text="", token_ids=[], finish_reason=None, logprobs=None,
-            delta_text=c.delta_text, delta_token_ids=c.delta_token_ids, delta_logprobs=c.delta_logprobs,
+            index=c.index,
+            text="",
+            token_ids=[],
+            finish_reason=None,
+            logprobs=None,
+            delta_text=c.delta_text,
+            delta_token_ids=c.delta_token_ids,
+            delta_logprobs=c.delta_logprobs,
         )
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [slim], False, self.metrics)
