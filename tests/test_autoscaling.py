@@ -68,3 +68,15 @@ def test_app_hands_delays_to_serve_and_targets_to_the_policy() -> None:
     }
     with pytest.raises(ValueError, match="target_kv_occupancy"):
         replica_options(AppConfig(autoscaling={"target_kv_occupancy": 2.0}))
+
+
+def test_replicas_get_an_explicit_thread_count() -> None:
+    """Ray sets OMP_NUM_THREADS to an actor's CPUs (1 when it reserves none): the engine must not
+    silently run on one thread."""
+    import os
+
+    from tandem.deployments.app import AppConfig, replica_engine_options
+
+    assert replica_engine_options(AppConfig(replica_num_cpus=0))["num_threads"] == (os.cpu_count() or 1)
+    assert replica_engine_options(AppConfig(replica_num_cpus=4))["num_threads"] == 4
+    assert replica_engine_options(AppConfig(engine={"num_threads": 3}))["num_threads"] == 3

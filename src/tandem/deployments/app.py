@@ -137,10 +137,21 @@ def replica_options(cfg: AppConfig) -> dict[str, Any]:
     return options
 
 
+def replica_engine_options(cfg: AppConfig) -> dict[str, Any]:
+    """Engine options for replicas. Ray sets OMP_NUM_THREADS to an actor's CPUs (1 when it
+    reserves none), which silently halves a CPU replica on 2 cores; so the thread count is
+    explicit: the replica's CPUs, or every core of this machine when it reserves none."""
+    engine = dict(cfg.engine)
+    if engine.get("num_threads") is None:
+        cpus = int(cfg.replica_num_cpus)
+        engine["num_threads"] = cpus if cpus >= 1 else (os.cpu_count() or 1)
+    return engine
+
+
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     cfg = AppConfig(**(args or {}))
     replica = serve.deployment(name="LLMReplica")(LLMReplica).options(**replica_options(cfg))
     ingress = cast(serve.Deployment, OpenAIIngress).options(
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=cfg.ingress_max_ongoing_requests
     )
-    return ingress.bind(replica.bind(cfg.engine), cfg.model_dump())
+    return ingress.bind(replica.bind(replica_engine_options(cfg)), cfg.model_dump())
