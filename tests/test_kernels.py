@@ -83,3 +83,16 @@ def test_seeded_sampling_is_reproducible_and_follows_the_distribution() -> None:
     draws = sample_rows(probs, [torch.Generator().manual_seed(1)] * 4000)
     freq = torch.bincount(draws, minlength=3).float() / 4000
     torch.testing.assert_close(freq, probs[0], atol=0.03, rtol=0)
+
+
+def test_packed_linear_matches_reference() -> None:
+    from tandem.kernels.linear import PackedLinear, onednn_available, reference_linear
+
+    if not onednn_available(torch.device("cpu"), torch.float32):
+        pytest.skip("oneDNN not available")
+    torch.manual_seed(0)
+    weight = torch.randn(96, 40)
+    packed = PackedLinear(weight)
+    for rows in (1, 7, 33, 200):  # any M works, not only the packing hint
+        x = torch.randn(rows, 40)
+        torch.testing.assert_close(packed(x), reference_linear(x, weight), atol=1e-4, rtol=1e-4)

@@ -21,7 +21,7 @@ from typing import Any
 
 from tandem.engine.engine import LLMEngine
 from tandem.engine.protocol import GenerationRequest, RequestOutput, merge_deltas
-from tandem.engine.request import RequestStatus
+from tandem.engine.request import Request, RequestStatus
 from tandem.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("tandem.engine")
@@ -37,7 +37,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._cv = threading.Condition()
-        self._pending_adds: list[tuple[GenerationRequest, _Stream]] = []
+        self._pending_adds: list[tuple[tuple[Request, str | None], _Stream]] = []
         self._pending_aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
@@ -58,21 +58,21 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
-        # Validate in the caller's thread so bad input raises here, before anything is queued.
-        self.engine.make_request(request)
+        # Validate and tokenise in the caller's thread: bad input raises here, before anything is queued.
+        prepared = self.engine.make_request(request)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._cv:
             if self._stopped:
                 raise RuntimeError("engine is shut down")
             if request.request_id in self._streams or any(
-                r.request_id == request.request_id for r, _ in self._pending_adds
+                r.request_id == request.request_id for (r, _), _ in self._pending_adds
             ):
                 from tandem.platform.errors import InvalidRequestError
 
                 raise InvalidRequestError(
                     f"request id {request.request_id!r} is already running", param="request_id"
                 )
-            self._pending_adds.append((request, stream))
+            self._pending_adds.append((prepared, stream))
             self._cv.notify()
         finished = False
         pending: RequestOutput | BaseException | None = None
@@ -133,9 +133,9 @@ class AsyncEngine:
                     break
                 adds, self._pending_adds = self._pending_adds, []
                 aborts, self._pending_aborts = self._pending_aborts, []
-            for request, stream in adds:
+            for (request, prompt), stream in adds:
                 try:
-                    engine.add_request(request, stream_text=True)
+                    engine.add_prepared(request, prompt, stream_text=True)
                     self._streams[request.request_id] = stream
                 except Exception as exc:  # validated already; a race (duplicate id) lands here
                     stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)

@@ -166,9 +166,15 @@ class LLMEngine:
         return request, prompt
 
     def add_request(self, gen: GenerationRequest, *, stream_text: bool = False) -> Request:
-        if gen.request_id in self.scheduler.requests:
-            raise InvalidRequestError(f"request id {gen.request_id!r} is already running", param="request_id")
         request, prompt = self.make_request(gen)
+        return self.add_prepared(request, prompt, stream_text=stream_text)
+
+    def add_prepared(self, request: Request, prompt: str | None, *, stream_text: bool = False) -> Request:
+        """Queue a request built by `make_request` (validated and tokenised once, by the caller)."""
+        if request.request_id in self.scheduler.requests:
+            raise InvalidRequestError(
+                f"request id {request.request_id!r} is already running", param="request_id"
+            )
         self.scheduler.add_request(request)
         self.output_processor.add(request, prompt, stream_text)
         return request

@@ -83,11 +83,10 @@ class LLM:
     def _run(
         self, requests: list[GenerationRequest], on_output: Callable[[RequestOutput], None] | None
     ) -> list[RequestOutput]:
-        for request in requests:  # validate everything first
-            self.engine.make_request(request)
+        prepared = [self.engine.make_request(r) for r in requests]  # all validated before any is queued
         order = {r.request_id: i for i, r in enumerate(requests)}
-        for request in requests:
-            self.engine.add_request(request, stream_text=on_output is not None)
+        for request, prompt in prepared:
+            self.engine.add_prepared(request, prompt, stream_text=on_output is not None)
         results: list[RequestOutput | None] = [None] * len(requests)
         try:
             while self.engine.has_unfinished_requests():
@@ -97,7 +96,7 @@ class LLM:
                     if output.finished:
                         results[order[output.request_id]] = output
         finally:
-            for request in requests:  # interrupted (e.g. KeyboardInterrupt): free the blocks
-                if results[order[request.request_id]] is None:
-                    self.engine.abort_request(request.request_id)
+            for request_id, index in order.items():  # interrupted (e.g. KeyboardInterrupt): free the blocks
+                if results[index] is None:
+                    self.engine.abort_request(request_id)
         return [r for r in results if r is not None]

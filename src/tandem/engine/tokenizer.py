@@ -55,9 +55,6 @@ class Tokenizer:
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def id_to_token(self, token_id: int) -> str | None:
-        return self.backend.id_to_token(token_id)
-
     def apply_chat_template(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
     ) -> str:

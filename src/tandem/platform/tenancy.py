@@ -85,10 +85,6 @@ class TenantRegistry:
             spec = keys_file.read_text() + "," + spec
         return cls(parse_keys(spec), limits)
 
-    @property
-    def num_keys(self) -> int:
-        return len(self._keys)
-
     def authenticate(self, authorization: str | None) -> str:
         """'Bearer KEY' -> tenant id, or AuthenticationError (401)."""
         if not authorization or not authorization.lower().startswith("bearer "):

@@ -175,10 +175,6 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def _gguf_field_value(field: Any) -> Any:
-    return field.contents()
-
-
 def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's convert-time q/k permutation (interleaved -> HF rotate_half layout)."""
     rows = weight.shape[0]
@@ -196,7 +192,7 @@ def _read_gguf(path: Path) -> LoadedModel:
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises ValueError/struct.error/IndexError on junk
         raise ModelLoadError(f"{path}: corrupt or unsupported GGUF file ({exc})", param="model") from exc
-    fields = {key: _gguf_field_value(field) for key, field in reader.fields.items()}
+    fields = {key: field.contents() for key, field in reader.fields.items()}
     arch = fields.get("general.architecture")
     if arch != "llama":
         raise ModelLoadError(f"{path}: GGUF architecture {arch!r} unsupported (only 'llama')", param="model")
