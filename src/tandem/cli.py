@@ -1,4 +1,5 @@
-"""`tandem` command line: `tandem generate --prompt "..."` streams tokens to the terminal."""
+"""`tandem` command line: `generate` (stream one prompt), `serve` (the API on Ray Serve), `batch`
+(submit / status / results / cancel batch jobs, or run a standalone batch worker)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import sys
 import time
 
+from tandem.batch_cli import add_batch_parser, run_batch_command
 from tandem.platform.config import DEFAULT_MODEL
 from tandem.platform.errors import TandemError
 
@@ -81,6 +83,8 @@ def _serve(args: argparse.Namespace) -> int:
             "keys_file": args.keys_file,
             "num_replicas": args.num_replicas,
             "replica_num_cpus": 0 if args.address is None else 1,
+            "object_store": args.object_store
+            or "file://" + os.path.join(os.path.abspath(args.data_dir), "objects"),
         }
     )
     if args.address:
@@ -135,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--num-replicas", type=int, default=1)
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
+    srv.add_argument(
+        "--object-store",
+        default=None,
+        help="file:///path or s3://bucket/prefix for files and batches (default: DATA_DIR/objects)",
+    )
+    add_batch_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(message)s")
     try:
@@ -142,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "batch":
+            return run_batch_command(args)
     except TandemError as exc:
         print(
             json.dumps({"error": {"message": exc.message, "type": exc.error_type, "param": exc.param}}),

@@ -14,13 +14,16 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from tandem.deployments.autoscaling import ScalingTargets
+from tandem.batch.service import BatchLimits, BatchService
+from tandem.deployments.autoscaling import BatchQueueTargets, ScalingTargets
+from tandem.deployments.batch_worker import BatchWorkerReplica
 from tandem.deployments.ingress import create_app, install_server
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.deployments.replicas import LLMReplica
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.config import EngineConfig
 from tandem.platform.errors import OverloadedError
+from tandem.platform.object_store import open_object_store
 from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys
 
 
@@ -46,6 +49,17 @@ class AppConfig(BaseModel):
     max_ongoing_requests: int = 64
     max_queued_requests: int = 128
     ingress_max_ongoing_requests: int = 1024
+    object_store: str | None = Field(
+        None,
+        description="file:///path or s3://bucket/prefix for files, batches and adapters; "
+        "None disables the files and batches API",
+    )
+    batch: dict[str, Any] = Field(default_factory=dict, description="BatchLimits fields")
+    batch_workers: dict[str, Any] = Field(
+        default_factory=dict,
+        description="BatchQueueTargets fields (min_replicas, max_replicas, target_shards_per_replica)",
+    )
+    batch_poll_interval_s: float = 1.0
 
 
 fastapi_app = create_app()
@@ -86,7 +100,9 @@ class HandleEngineClient:
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress(fastapi_app)
 class OpenAIIngress:
-    def __init__(self, llm: DeploymentHandle, config: dict[str, Any]) -> None:
+    def __init__(
+        self, llm: DeploymentHandle, config: dict[str, Any], batch_worker: DeploymentHandle | None = None
+    ) -> None:
         cfg = AppConfig(**config)
         spec = cfg.api_keys if cfg.api_keys is not None else os.environ.get("TANDEM_API_KEYS", "")
         if cfg.keys_file:
@@ -97,11 +113,23 @@ class OpenAIIngress:
             TenantLimits(cfg.max_concurrent_requests_per_tenant, cfg.tokens_per_minute_per_tenant),
         )
         model_name = EngineConfig(**cfg.engine).api_model_name
-        install_server(
-            OpenAIServer(
-                HandleEngineClient(llm, model_name), tenants, max_tokens_default=cfg.max_tokens_default
-            )
+        batches = None
+        if cfg.object_store is not None:
+            store = open_object_store(cfg.object_store)
+            batches = BatchService(store, {model_name}, BatchLimits(**cfg.batch))
+        server = OpenAIServer(
+            HandleEngineClient(llm, model_name),
+            tenants,
+            max_tokens_default=cfg.max_tokens_default,
+            batches=batches,
         )
+        if batch_worker is not None:
+
+            def wake_worker() -> None:
+                batch_worker.wake.remote()
+
+            server.on_batch_created = wake_worker
+        install_server(server)
 
 
 # Serve's own autoscaling fields (it applies the delays around any policy), with our defaults;
@@ -148,10 +176,36 @@ def replica_engine_options(cfg: AppConfig) -> dict[str, Any]:
     return engine
 
 
+def batch_worker_options(cfg: AppConfig) -> dict[str, Any]:
+    """Serve options of the `BatchWorker` deployment: no CPU reserved (it waits on the LLM replicas
+    and the object store), scaled on queued shards."""
+    targets = BatchQueueTargets(**cfg.batch_workers)
+    return {
+        "ray_actor_options": {"num_cpus": 0},
+        "autoscaling_config": {
+            "min_replicas": targets.min_replicas,
+            "max_replicas": targets.max_replicas,
+            **_SERVE_AUTOSCALING_DEFAULTS,
+            "policy": {
+                "policy_function": "tandem.deployments.autoscaling:BatchQueuePolicy",
+                "policy_kwargs": asdict(targets),
+            },
+        },
+    }
+
+
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     cfg = AppConfig(**(args or {}))
     replica = serve.deployment(name="LLMReplica")(LLMReplica).options(**replica_options(cfg))
+    llm = replica.bind(replica_engine_options(cfg))
     ingress = cast(serve.Deployment, OpenAIIngress).options(
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=cfg.ingress_max_ongoing_requests
     )
-    return ingress.bind(replica.bind(replica_engine_options(cfg)), cfg.model_dump())
+    if cfg.object_store is None:
+        return ingress.bind(llm, cfg.model_dump())
+    worker = serve.deployment(name="BatchWorker")(BatchWorkerReplica).options(**batch_worker_options(cfg))
+    model_name = EngineConfig(**cfg.engine).api_model_name
+    batch_worker = worker.bind(
+        llm, cfg.object_store, model_name, cfg.batch, cfg.batch_poll_interval_s, cfg.max_tokens_default
+    )
+    return ingress.bind(llm, cfg.model_dump(), batch_worker)

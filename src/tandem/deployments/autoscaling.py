@@ -69,3 +69,33 @@ class KVOccupancyPolicy:
             }
         )
         return desired_replicas(ctx.current_num_replicas, kv, waiting, bounds), dict(ctx.policy_state or {})
+
+
+@dataclass(frozen=True)
+class BatchQueueTargets:
+    target_shards_per_replica: float = 4.0
+    min_replicas: int = 1
+    max_replicas: int = 4
+
+
+def desired_batch_workers(queued_shards: float, targets: BatchQueueTargets) -> int:
+    """Batch workers wanted for `queued_shards` uncommitted shards (the queue is global, so every
+    worker reports the same number: callers pass one value, not a sum)."""
+    desired = math.ceil(queued_shards / targets.target_shards_per_replica - 1e-9)
+    return min(max(desired, targets.min_replicas), targets.max_replicas)
+
+
+class BatchQueuePolicy:
+    """Serve policy for `BatchWorkerReplica`, on what its `record_autoscaling_stats` reports."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.targets = BatchQueueTargets(**kwargs)
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        reported = [float(v) for v in (ctx.aggregated_metrics or {}).get("queued_shards", {}).values()]
+        bounds = BatchQueueTargets(
+            self.targets.target_shards_per_replica,
+            ctx.capacity_adjusted_min_replicas,
+            ctx.capacity_adjusted_max_replicas,
+        )
+        return desired_batch_workers(max(reported, default=0.0), bounds), dict(ctx.policy_state or {})

@@ -15,9 +15,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from tandem.deployments.openai_server import OpenAIServer, reject_unsupported
-from tandem.platform.errors import TandemError
-from tandem.platform.openai_schemas import ChatCompletionRequest, CompletionRequest
+from tandem.deployments.batch_routes import batch_router
+from tandem.deployments.openai_server import OpenAIServer
+from tandem.platform.errors import PayloadTooLargeError, TandemError
+from tandem.platform.openai_schemas import ChatCompletionRequest, CompletionRequest, reject_unsupported
 
 logger = logging.getLogger("tandem.api")
 
@@ -60,10 +61,10 @@ def _authenticated(request: Request) -> tuple[OpenAIServer, str]:
     return server, server.tenants.authenticate(request.headers.get("authorization"))
 
 
-async def _json_body(request: Request) -> dict[str, Any]:
+async def json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
-        raise _PayloadTooLarge(f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
+        raise PayloadTooLargeError(f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -75,11 +76,6 @@ async def _json_body(request: Request) -> dict[str, Any]:
 
 class _BadJSON(TandemError):
     status_code = 400
-    error_type = "invalid_request_error"
-
-
-class _PayloadTooLarge(TandemError):
-    status_code = 413
     error_type = "invalid_request_error"
 
 
@@ -122,14 +118,16 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         server, tenant = _authenticated(request)
-        req = _parse(ChatCompletionRequest, await _json_body(request))
+        req = _parse(ChatCompletionRequest, await json_body(request))
         return await _respond(await server.chat(req, tenant))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         server, tenant = _authenticated(request)
-        req = _parse(CompletionRequest, await _json_body(request))
+        req = _parse(CompletionRequest, await json_body(request))
         return await _respond(await server.completions(req, tenant))
+
+    app.include_router(batch_router(_authenticated, json_body))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Any:

@@ -12,14 +12,18 @@ import inspect
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
+from pydantic import ValidationError
+
+from tandem.batch.service import BatchService
+from tandem.batch.worker import ExecutedRequest
 from tandem.engine.protocol import GenerationRequest, RequestOutput
+from tandem.engine.request import Priority
 from tandem.engine.sampling_params import SamplingParams
 from tandem.platform.errors import InvalidRequestError, TandemError
 from tandem.platform.openai_schemas import (
-    UNSUPPORTED_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
@@ -29,6 +33,7 @@ from tandem.platform.openai_schemas import (
     chat_completion,
     new_id,
     now,
+    reject_unsupported,
     text_completion,
 )
 from tandem.platform.telemetry import get_telemetry
@@ -45,21 +50,12 @@ class ModelNotFoundError(TandemError):
 class EngineClient(Protocol):
     """What the server needs from an engine: a streaming generate and a model name."""
 
-    model_name: str
+    @property
+    def model_name(self) -> str: ...
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]: ...
 
     def stats(self) -> dict[str, Any] | Awaitable[dict[str, Any]]: ...
-
-
-def reject_unsupported(body: dict[str, Any]) -> None:
-    for name in UNSUPPORTED_FIELDS:
-        if body.get(name) is not None:
-            raise InvalidRequestError(
-                f"'{name}' is not supported by this server", param=name, code="unsupported_parameter"
-            )
-    if body.get("n", 1) not in (1, None):
-        raise InvalidRequestError("only n=1 is supported", param="n", code="unsupported_parameter")
 
 
 def sampling_params_from(
@@ -94,12 +90,15 @@ class OpenAIServer:
         *,
         max_tokens_default: int = 256,
         decode_token: Any = None,
+        batches: BatchService | None = None,
     ) -> None:
         self.client = client
         self.tenants = tenants
         self.model_name = client.model_name
         self.max_tokens_default = max_tokens_default
         self.decode_token = decode_token  # token id -> text, for logprobs (optional)
+        self.batches = batches  # files + batches API; None when no object store is configured
+        self.on_batch_created: Callable[[], None] | None = None  # e.g. wake a batch worker
 
     async def refresh_engine_stats(self) -> None:
         """Pull the engine's gauges (KV occupancy, queue) into telemetry; called on each scrape."""
@@ -152,7 +151,9 @@ class OpenAIServer:
                 code="model_not_found",
             )
 
-    async def chat(self, req: ChatCompletionRequest, tenant: str) -> dict[str, Any] | AsyncIterator[str]:
+    async def chat(
+        self, req: ChatCompletionRequest, tenant: str, priority: Priority = Priority.INTERACTIVE
+    ) -> dict[str, Any] | AsyncIterator[str]:
         self._check_model(req.model)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         gen = GenerationRequest(
@@ -160,11 +161,14 @@ class OpenAIServer:
             messages=messages,
             sampling_params=sampling_params_from(req, self.max_tokens_default),
             tenant_id=tenant,
+            priority=priority,
         )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self._run(gen, tenant, stream=req.stream, chat=True, include_usage=include_usage)
 
-    async def completions(self, req: CompletionRequest, tenant: str) -> dict[str, Any] | AsyncIterator[str]:
+    async def completions(
+        self, req: CompletionRequest, tenant: str, priority: Priority = Priority.INTERACTIVE
+    ) -> dict[str, Any] | AsyncIterator[str]:
         self._check_model(req.model)
         prompt_is_text = isinstance(req.prompt, str)
         gen = GenerationRequest(
@@ -173,22 +177,61 @@ class OpenAIServer:
             prompt_token_ids=None if prompt_is_text else list(req.prompt),  # type: ignore[arg-type]
             sampling_params=sampling_params_from(req, self.max_tokens_default),
             tenant_id=tenant,
+            priority=priority,
         )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self._run(gen, tenant, stream=req.stream, chat=False, include_usage=include_usage)
+
+    async def execute_batch_request(
+        self, endpoint: str, body: dict[str, Any], tenant: str
+    ) -> ExecutedRequest:
+        """Run one line of a batch file at batch priority: the same code path and response body
+        as the real-time endpoint, with errors captured in OpenAI's shape instead of raised."""
+        try:
+            reject_unsupported(body)
+            if endpoint == "/v1/chat/completions":
+                result = await self.chat(ChatCompletionRequest.model_validate(body), tenant, Priority.BATCH)
+            elif endpoint == "/v1/completions":
+                result = await self.completions(
+                    CompletionRequest.model_validate(body), tenant, Priority.BATCH
+                )
+            else:
+                raise InvalidRequestError(f"endpoint {endpoint!r} is not supported", param="url")
+        except TandemError as exc:
+            error = {"code": exc.code or exc.error_type, "message": exc.message, "param": exc.param}
+            body_out = {"error": {**error, "type": exc.error_type}}
+            return ExecutedRequest(exc.status_code, new_id("req"), body_out, error)
+        except ValidationError as exc:
+            error = {"code": "invalid_request", "message": str(exc.errors()[0]["msg"]), "param": None}
+            return ExecutedRequest(
+                400, new_id("req"), {"error": {**error, "type": "invalid_request_error"}}, error
+            )
+        assert isinstance(result, dict), "batch requests never stream"
+        usage = result.get("usage") or {}
+        return ExecutedRequest(
+            200,
+            str(result["id"]),
+            result,
+            None,
+            input_tokens=int(usage.get("prompt_tokens", 0)),
+            output_tokens=int(usage.get("completion_tokens", 0)),
+        )
 
     # -- running a request --------------------------------------------------------------
     async def _run(
         self, gen: GenerationRequest, tenant: str, *, stream: bool, chat: bool, include_usage: bool
     ) -> dict[str, Any] | AsyncIterator[str]:
-        self.tenants.acquire(tenant)
+        accounted = gen.priority is Priority.INTERACTIVE  # batch work has its own flow control
+        if accounted:
+            self.tenants.acquire(tenant)
         started, started_ns = time.monotonic(), time.time_ns()
         outputs = self.client.generate(gen)
         try:
             first = await anext(outputs)  # validation errors surface here, before any byte is sent
             first_at = time.monotonic()
         except BaseException:
-            self.tenants.release(tenant, 0)
+            if accounted:
+                self.tenants.release(tenant, 0)
             await outputs.aclose()
             raise
         if stream:
@@ -201,7 +244,8 @@ class OpenAIServer:
             async for out in outputs:
                 last = out
         finally:
-            self.tenants.release(tenant, _num_tokens(last))
+            if accounted:
+                self.tenants.release(tenant, _num_tokens(last))
         self._record(gen, tenant, last, started, started_ns, first_at)
         completion = last.outputs[0]
         usage = _usage(last)

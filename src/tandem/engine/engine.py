@@ -104,6 +104,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            batch_kv_occupancy_limit=config.batch_kv_occupancy_limit,
+            batch_max_prefill_tokens=config.batch_max_prefill_tokens,
         )
         self.runner = ModelRunner(model, kv_spec, num_blocks, self.device, seed=config.seed)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -7,7 +7,9 @@ preempted request simply restarts from `num_computed_tokens = 0` (recompute).
 
 Order of service: running requests first (by priority, then arrival), then waiting ones by
 priority (`interactive` before `batch`) and arrival. When a running request needs a block and
-none is free, the lowest-priority, latest-arriving running request is preempted.
+none is free, the lowest-priority, latest-arriving running request is preempted. Batch requests
+are admitted only while the KV cache stays under `batch_kv_occupancy_limit` with their whole
+prompt counted, and their prefill chunks are capped at `batch_max_prefill_tokens`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from tandem.engine.kv_cache import KVCacheManager
-from tandem.engine.request import Request, RequestStatus
+from tandem.engine.request import Priority, Request, RequestStatus
 from tandem.engine.sampling_params import SamplingParams
 
 
@@ -72,8 +74,15 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        batch_kv_occupancy_limit: float = 0.8,
+        batch_max_prefill_tokens: int | None = None,
     ) -> None:
         self.kv = kv_manager
+        # Batch-priority requests fill idle capacity only: one is admitted while the KV cache,
+        # counting its whole prompt, stays under this occupancy, and each batch prefill chunk is
+        # capped so that a step holding interactive decodes stays short.
+        self.batch_kv_occupancy_limit = batch_kv_occupancy_limit
+        self.batch_max_prefill_tokens = batch_max_prefill_tokens or max(1, max_num_batched_tokens // 4)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -163,6 +172,8 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.priority is Priority.BATCH:
+                num_new = min(num_new, self.batch_max_prefill_tokens)
             while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -182,6 +193,10 @@ class Scheduler:
         while not memory_tight and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.priority is Priority.BATCH:
+                if not self._batch_has_room(request):
+                    break  # the queue is in priority order: everything after is batch too
+                num_new = min(num_new, self.batch_max_prefill_tokens)
             total = request.num_computed_tokens + num_new
             if not self.kv.allocate_slots(request.request_id, total, admission=True):
                 lower = self._lower_priority_victim(request)
@@ -208,6 +223,13 @@ class Scheduler:
             preempted_request_ids=preempted,
             finished_request_ids=finished_ids,
         )
+
+    def _batch_has_room(self, request: Request) -> bool:
+        pool = self.kv.pool
+        need = self.kv.num_new_blocks_needed(request.request_id, request.num_tokens)
+        if pool.num_used_blocks == 0:
+            return True  # alone it always runs, however long its prompt
+        return pool.num_used_blocks + need <= self.batch_kv_occupancy_limit * pool.num_blocks
 
     def _lower_priority_victim(self, request: Request) -> Request | None:
         """The running request of strictly lower priority that arrived last, if any."""

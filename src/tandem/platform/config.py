@@ -45,6 +45,15 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(
         None, ge=2, description="Context window; defaults to the model's, capped by KV capacity."
     )
+    batch_kv_occupancy_limit: float = Field(
+        0.8,
+        gt=0.0,
+        le=1.0,
+        description="Batch-priority requests are admitted only while KV occupancy stays under this.",
+    )
+    batch_max_prefill_tokens: int | None = Field(
+        None, ge=1, description="Cap on a batch request's prefill chunk per step; default budget/4."
+    )
     seed: int = Field(0, description="Seed of the engine's default random generator.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU.")
 

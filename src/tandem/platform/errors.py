@@ -46,3 +46,24 @@ class ModelLoadError(TandemError):
 
     status_code = 404
     error_type = "model_load_error"
+
+
+class NotFoundError(TandemError):
+    """The object does not exist, or belongs to another tenant (HTTP 404; the two look the same)."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+
+
+class ConflictError(TandemError):
+    """The object's state does not allow the operation (HTTP 409), e.g. cancelling a finished batch."""
+
+    status_code = 409
+    error_type = "invalid_request_error"
+
+
+class PayloadTooLargeError(TandemError):
+    """A body or file is over a size or line limit (HTTP 413)."""
+
+    status_code = 413
+    error_type = "invalid_request_error"

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tandem.platform.errors import InvalidRequestError
+
 UNSUPPORTED_FIELDS = {
     "logit_bias",
     "tools",
@@ -203,3 +205,13 @@ def text_completion(
     if usage is not None:
         body["usage"] = usage.model_dump()
     return body
+
+
+def reject_unsupported(body: dict[str, Any]) -> None:
+    for name in UNSUPPORTED_FIELDS:
+        if body.get(name) is not None:
+            raise InvalidRequestError(
+                f"'{name}' is not supported by this server", param=name, code="unsupported_parameter"
+            )
+    if body.get("n", 1) not in (1, None):
+        raise InvalidRequestError("only n=1 is supported", param="n", code="unsupported_parameter")

@@ -1,0 +1,343 @@
+"""Files and batches on the object store: what the API routes and the workers share.
+
+Every call takes the caller's tenant and only looks under that tenant's prefix, so another
+tenant's file or batch id is simply not found (404). Batch records change only by
+compare-and-swap (`update_batch`), so the API (cancel) and any number of workers (progress,
+finalizing) never overwrite each other's changes.
+
+Creating a batch writes its record (`validating`) and a queue pointer first, then validates the
+input file and writes it as Parquet shards, then moves the record to `in_progress` (or `failed`
+with every invalid line listed). If the process dies in between, a worker finds the pointer and
+finishes the validation (`validate_batch` is idempotent).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from tandem.batch.records import (
+    ENDPOINTS,
+    QUEUE_PREFIX,
+    BatchError,
+    BatchRecord,
+    FileRecord,
+    batch_key,
+    file_data_key,
+    file_key,
+    input_shard_key,
+    new_object_id,
+    queue_key,
+    tenant_prefix,
+)
+from tandem.batch.shards import encode_inputs
+from tandem.batch.validation import validate_batch_file
+from tandem.platform.errors import (
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+)
+from tandem.platform.object_store import ObjectNotFound, ObjectStore, PreconditionFailed
+
+logger = logging.getLogger("tandem.batch")
+
+UPLOAD_PURPOSES = ("batch",)
+COMPLETION_WINDOWS = ("24h",)
+
+
+class BatchLimits(BaseModel):
+    """Limits and timings of the batch API (also `AppConfig.batch`)."""
+
+    max_file_bytes: int = Field(default=100 << 20, gt=0, description="Largest upload; more is 413.")
+    max_file_lines: int = Field(
+        default=50_000, gt=0, description="Most requests per input file; more is 413."
+    )
+    shard_size: int = Field(default=32, gt=0, description="Requests per Parquet shard (one lease each).")
+    lease_ttl_s: float = Field(default=60.0, gt=0, description="A dead worker's shard runs again after this.")
+    completion_window_s: float = Field(
+        default=86400.0, gt=0, description="What '24h' means (tests shorten it)."
+    )
+    max_list_limit: int = 100
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class BatchService:
+    def __init__(
+        self, store: ObjectStore, served_models: set[str], limits: BatchLimits | None = None
+    ) -> None:
+        self.store = store
+        self.served_models = served_models
+        self.limits = limits or BatchLimits()
+
+    # -- files -----------------------------------------------------------------------------
+    def create_file(self, tenant: str, filename: str, purpose: str, data: bytes) -> FileRecord:
+        if purpose not in UPLOAD_PURPOSES:
+            raise InvalidRequestError(
+                f"purpose {purpose!r} is not supported; use one of {list(UPLOAD_PURPOSES)}", param="purpose"
+            )
+        self.check_file_size(len(data))
+        num_lines = data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)
+        if num_lines > self.limits.max_file_lines:
+            raise PayloadTooLargeError(
+                f"the file has {num_lines} lines; a batch file may hold at most "
+                f"{self.limits.max_file_lines} requests: split it into several batches",
+                param="file",
+                code="too_many_lines",
+            )
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidRequestError(
+                f"a batch file must be UTF-8 JSONL text: {exc}", param="file", code="invalid_file_format"
+            ) from exc
+        record = FileRecord(
+            id=new_object_id("file-"),
+            tenant=tenant,
+            bytes=len(data),
+            created_at=_now(),
+            filename=filename,
+            purpose=purpose,
+            num_lines=num_lines,
+        )
+        self.write_file(record, data)
+        return record
+
+    def check_file_size(self, num_bytes: int) -> None:
+        if num_bytes > self.limits.max_file_bytes:
+            raise PayloadTooLargeError(
+                f"the file is {num_bytes} bytes; the limit is {self.limits.max_file_bytes}",
+                param="file",
+                code="file_too_large",
+            )
+
+    def write_file(self, record: FileRecord, data: bytes) -> None:
+        # Data first, record second: a listed file always has its content.
+        self.store.put(file_data_key(record.tenant, record.id), data)
+        self.store.put(file_key(record.tenant, record.id), record.model_dump_json().encode())
+
+    def get_file(self, tenant: str, file_id: str) -> FileRecord:
+        try:
+            return FileRecord.model_validate_json(self.store.get(file_key(tenant, file_id)).data)
+        except (ObjectNotFound, ValueError) as exc:
+            raise NotFoundError(f"No such File object: {file_id}", param="file_id") from exc
+
+    def file_content(self, tenant: str, file_id: str) -> bytes:
+        self.get_file(tenant, file_id)
+        return self.store.get(file_data_key(tenant, file_id)).data
+
+    def delete_file(self, tenant: str, file_id: str) -> None:
+        self.get_file(tenant, file_id)
+        self.store.delete(file_key(tenant, file_id))
+        self.store.delete(file_data_key(tenant, file_id))
+
+    def list_files(
+        self,
+        tenant: str,
+        *,
+        purpose: str | None = None,
+        after: str | None = None,
+        limit: int = 100,
+        order: str = "desc",
+    ) -> tuple[list[FileRecord], bool]:
+        keys = self.store.list(f"{tenant_prefix(tenant)}files/")
+        ids = [k.rsplit("/", 1)[1].removesuffix(".json") for k in keys]
+        records = [self.get_file(tenant, i) for i in self._page_ids(ids, after, order)]
+        if purpose is not None:
+            records = [r for r in records if r.purpose == purpose]
+        return self._page(records, limit)
+
+    # -- batches: API side -------------------------------------------------------------------
+    def create_batch(
+        self,
+        tenant: str,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: dict[str, str] | None = None,
+    ) -> BatchRecord:
+        if endpoint not in ENDPOINTS:
+            raise InvalidRequestError(
+                f"endpoint {endpoint!r} is not supported; use one of {list(ENDPOINTS)}", param="endpoint"
+            )
+        if completion_window not in COMPLETION_WINDOWS:
+            raise InvalidRequestError(
+                f"completion_window must be one of {list(COMPLETION_WINDOWS)}", param="completion_window"
+            )
+        _check_metadata(metadata)
+        input_file = self.get_file(tenant, input_file_id)
+        if input_file.purpose != "batch":
+            raise InvalidRequestError(
+                f"file {input_file_id} has purpose {input_file.purpose!r}; a batch needs purpose 'batch'",
+                param="input_file_id",
+            )
+        created = _now()
+        record = BatchRecord(
+            id=new_object_id("batch_"),
+            tenant=tenant,
+            endpoint=endpoint,
+            input_file_id=input_file_id,
+            completion_window=completion_window,
+            status="validating",
+            created_at=created,
+            expires_at=created + int(self.limits.completion_window_s),
+            metadata=metadata,
+        )
+        self.store.put(batch_key(tenant, record.id), record.model_dump_json().encode(), if_none_match=True)
+        self.store.put(queue_key(record.id), json.dumps({"tenant": tenant, "batch_id": record.id}).encode())
+        return self.validate_batch(tenant, record.id)
+
+    def validate_batch(self, tenant: str, batch_id: str) -> BatchRecord:
+        """Validate the input and write its shards; `validating` -> `in_progress` or `failed`.
+        Idempotent: shards are a pure function of the input file, and the record moves on once."""
+        record = self.get_batch(tenant, batch_id)
+        if record.status != "validating":
+            return record
+        try:
+            data = self.store.get(file_data_key(tenant, record.input_file_id)).data
+        except ObjectNotFound:
+            data = None
+        if data is None:
+            errors = [
+                BatchError(code="file_not_found", message=f"input file {record.input_file_id} was deleted")
+            ]
+            return self._fail(tenant, batch_id, errors)
+        checked = validate_batch_file(data, record.endpoint, self.served_models)
+        if checked.errors:
+            return self._fail(tenant, batch_id, checked.errors)
+        size = self.limits.shard_size
+        shards = [checked.inputs[i : i + size] for i in range(0, len(checked.inputs), size)]
+        for index, rows in enumerate(shards):
+            self.store.put(input_shard_key(tenant, batch_id, index), encode_inputs(rows))
+
+        def start(r: BatchRecord) -> bool:
+            if r.status != "validating":
+                return False
+            r.status, r.in_progress_at = "in_progress", _now()
+            r.model, r.num_requests, r.num_shards = checked.model, len(checked.inputs), len(shards)
+            return True
+
+        record = self.update_batch(tenant, batch_id, start)
+        logger.info(
+            "batch validated",
+            extra={
+                "tenant": tenant,
+                "batch_id": batch_id,
+                "requests": record.num_requests,
+                "shards": len(shards),
+            },
+        )
+        return record
+
+    def _fail(self, tenant: str, batch_id: str, errors: list[BatchError]) -> BatchRecord:
+        def fail(r: BatchRecord) -> bool:
+            if r.status != "validating":
+                return False
+            r.status, r.failed_at, r.errors = "failed", _now(), errors
+            return True
+
+        record = self.update_batch(tenant, batch_id, fail)
+        self.store.delete(queue_key(batch_id))
+        logger.info(
+            "batch failed validation", extra={"tenant": tenant, "batch_id": batch_id, "errors": len(errors)}
+        )
+        return record
+
+    def get_batch(self, tenant: str, batch_id: str) -> BatchRecord:
+        return self.load_batch(tenant, batch_id)[0]
+
+    def list_batches(
+        self, tenant: str, *, after: str | None = None, limit: int = 20
+    ) -> tuple[list[BatchRecord], bool]:
+        keys = self.store.list(f"{tenant_prefix(tenant)}batches/")
+        ids = [k.rsplit("/", 1)[1].removesuffix(".json") for k in keys]
+        page_ids = self._page_ids(ids, after, "desc")[: self._limit(limit) + 1]
+        return self._page([self.get_batch(tenant, i) for i in page_ids], limit)
+
+    def cancel_batch(self, tenant: str, batch_id: str) -> BatchRecord:
+        def cancel(r: BatchRecord) -> bool:
+            if r.status in ("cancelling", "cancelled"):
+                return False
+            if r.is_terminal or r.status == "finalizing":
+                raise ConflictError(
+                    f"Cannot cancel a batch with status {r.status!r}.",
+                    param="batch_id",
+                    code="batch_not_cancellable",
+                )
+            r.status, r.cancelling_at = "cancelling", _now()
+            return True
+
+        return self.update_batch(tenant, batch_id, cancel)
+
+    # -- records ------------------------------------------------------------------------------
+    def load_batch(self, tenant: str, batch_id: str) -> tuple[BatchRecord, str]:
+        try:
+            stored = self.store.get(batch_key(tenant, batch_id))
+        except (ObjectNotFound, ValueError) as exc:
+            raise NotFoundError(f"No such Batch object: {batch_id}", param="batch_id") from exc
+        return BatchRecord.model_validate_json(stored.data), stored.etag
+
+    def update_batch(self, tenant: str, batch_id: str, mutate: Callable[[BatchRecord], bool]) -> BatchRecord:
+        """Apply `mutate` by compare-and-swap, re-reading on conflict. `mutate` edits the record in
+        place and returns False to leave it unchanged (it may raise to refuse)."""
+        while True:
+            record, etag = self.load_batch(tenant, batch_id)
+            if not mutate(record):
+                return record
+            try:
+                self.store.put(batch_key(tenant, batch_id), record.model_dump_json().encode(), if_match=etag)
+                return record
+            except PreconditionFailed:
+                continue  # someone else changed it: re-read and re-apply
+
+    def queued_batches(self) -> list[tuple[str, str]]:
+        """(tenant, batch_id) of every batch not yet final, oldest first."""
+        out = []
+        for key in self.store.list(QUEUE_PREFIX):
+            try:
+                pointer = json.loads(self.store.get(key).data)
+            except ObjectNotFound:
+                continue
+            out.append((pointer["tenant"], pointer["batch_id"]))
+        return out
+
+    # -- paging -----------------------------------------------------------------------------
+    def _limit(self, limit: int) -> int:
+        if not 1 <= limit <= self.limits.max_list_limit:
+            raise InvalidRequestError(
+                f"limit must be between 1 and {self.limits.max_list_limit}", param="limit"
+            )
+        return limit
+
+    @staticmethod
+    def _page_ids(ids: list[str], after: str | None, order: str) -> list[str]:
+        if order not in ("asc", "desc"):
+            raise InvalidRequestError("order must be 'asc' or 'desc'", param="order")
+        ordered = sorted(ids, reverse=order == "desc")
+        if after is not None:
+            ordered = [i for i in ordered if (i < after if order == "desc" else i > after)]
+        return ordered
+
+    def _page(self, records: list[Any], limit: int) -> tuple[list[Any], bool]:
+        limit = self._limit(limit)
+        return records[:limit], len(records) > limit
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    if metadata is None:
+        return
+    if len(metadata) > 16:
+        raise InvalidRequestError("metadata holds at most 16 pairs", param="metadata")
+    for key, value in metadata.items():
+        if not isinstance(value, str) or len(key) > 64 or len(value) > 512:
+            raise InvalidRequestError(
+                "metadata keys are strings of at most 64 characters, values of at most 512", param="metadata"
+            )

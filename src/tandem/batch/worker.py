@@ -1,0 +1,409 @@
+"""Batch workers: claim a shard, run its requests, commit the results exactly once.
+
+A worker loops over the queue (oldest batch first). For a batch `in_progress` it takes the lease
+of the first shard that has no committed result and no live lease, runs the shard's requests
+concurrently through `execute` (the same code path as the real-time API, at batch priority),
+renews the lease while they run, then commits the shard's results with put-if-absent and releases
+the lease. Exactly-once follows from the commit, not from the lease: if a slow worker's lease
+expired and a second worker re-ran the shard, whichever commits first wins and the other's copy
+is discarded, so every request appears in the output exactly once. A crashed worker leaves a lease
+that expires; the shard is then claimed again and only uncommitted shards ever run twice.
+
+When every shard is committed, one worker (holding the `finalize` lease) merges the result
+shards into the output and error files (OpenAI's JSONL line format) and marks the batch
+`completed`. Cancel stops new claims, in-flight shards commit what finished, and the batch ends
+`cancelled` with those partial results. Past `expires_at` the same happens and every request
+that never ran gets a `batch_expired` line in the error file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.batch.leases import Lease, LeaseManager
+from tandem.batch.records import (
+    BatchRecord,
+    FileRecord,
+    ShardCounts,
+    batch_data_prefix,
+    input_shard_key,
+    lease_key,
+    queue_key,
+    result_shard_key,
+)
+from tandem.batch.service import BatchService
+from tandem.batch.shards import BatchInput, BatchResult, decode_inputs, decode_results, encode_results
+from tandem.platform.errors import NotFoundError
+from tandem.platform.object_store import ObjectNotFound, PreconditionFailed
+
+logger = logging.getLogger("tandem.batch")
+
+
+@dataclass
+class ExecutedRequest:
+    """What `execute` returns for one request: a response body or an OpenAI error object."""
+
+    status_code: int
+    request_id: str
+    body: dict[str, Any] | None
+    error: dict[str, Any] | None
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+Execute = Callable[[str, dict[str, Any], str], Awaitable[ExecutedRequest]]  # (endpoint, body, tenant)
+
+
+def _shard_counts(rows: list[BatchResult]) -> ShardCounts:
+    return ShardCounts(
+        completed=sum(r.ok for r in rows),
+        failed=sum(not r.ok for r in rows),
+        input_tokens=sum(r.input_tokens for r in rows),
+        output_tokens=sum(r.output_tokens for r in rows),
+    )
+
+
+def batch_request_id(batch_id: str, line: int) -> str:
+    """Stable id of one request of a batch (the `id` of its output line)."""
+    return f"batch_req_{batch_id.removeprefix('batch_')}_{line}"
+
+
+class BatchWorker:
+    def __init__(
+        self,
+        service: BatchService,
+        execute: Execute,
+        *,
+        worker_id: str | None = None,
+        poll_interval_s: float = 1.0,
+    ) -> None:
+        self.service = service
+        self.store = service.store
+        self.execute = execute
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{id(self):x}"
+        self.leases = LeaseManager(self.store, self.worker_id, service.limits.lease_ttl_s)
+        self.poll_interval_s = poll_interval_s
+        self.num_shards_run = 0
+        self.num_duplicate_commits = 0
+        self._wake = asyncio.Event()
+
+    # -- loop ------------------------------------------------------------------------------
+    async def run_forever(self) -> None:
+        """Work until cancelled; idle polls wait `poll_interval_s` or until `wake()`."""
+        while True:
+            try:
+                did_work = await self.run_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("batch worker step failed; retrying", extra={"worker": self.worker_id})
+                did_work = False
+            if not did_work:
+                self._wake.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.poll_interval_s)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run_once(self) -> bool:
+        """One pass over the queue; True when it ran or finished something."""
+        for tenant, batch_id in await asyncio.to_thread(self.service.queued_batches):
+            if await self._advance(tenant, batch_id):
+                return True
+        return False
+
+    def queued_shards(self) -> int:
+        """Shards not yet committed over every running batch (the autoscaling signal)."""
+        total = 0
+        for tenant, batch_id in self.service.queued_batches():
+            with contextlib.suppress(NotFoundError):
+                record = self.service.get_batch(tenant, batch_id)
+                if record.status == "in_progress":
+                    total += record.num_shards - len(record.shard_counts)
+        return total
+
+    async def _advance(self, tenant: str, batch_id: str) -> bool:
+        try:
+            record = await asyncio.to_thread(self.service.get_batch, tenant, batch_id)
+        except NotFoundError:
+            await asyncio.to_thread(self.store.delete, queue_key(batch_id))
+            return False
+        if record.is_terminal:
+            await asyncio.to_thread(self.store.delete, queue_key(batch_id))
+            return False
+        if record.status == "validating":
+            return await asyncio.to_thread(self._resume_validation, record)
+        if record.status == "in_progress" and time.time() < record.expires_at:
+            lease_and_shard = await asyncio.to_thread(self._claim_shard, record)
+            if lease_and_shard is not None:
+                await self._run_shard(record, *lease_and_shard)
+                return True
+        return await asyncio.to_thread(self._try_finalize, record)
+
+    def _resume_validation(self, record: BatchRecord) -> bool:
+        """Finish a validation whose API process died (only after a lease period, so the API
+        process, which validates right away, is not raced)."""
+        if time.time() - record.created_at < self.leases.ttl_s:
+            return False
+        lease = self.leases.try_claim(lease_key(record.tenant, record.id, "validate"))
+        if lease is None:
+            return False
+        try:
+            self.service.validate_batch(record.tenant, record.id)
+        finally:
+            self.leases.release(lease)
+        return True
+
+    # -- shards ----------------------------------------------------------------------------
+    def _claim_shard(self, record: BatchRecord) -> tuple[Lease, int] | None:
+        committed = self._committed_shards(record)
+        for shard in range(record.num_shards):
+            if shard in committed:
+                continue
+            lease = self.leases.try_claim(lease_key(record.tenant, record.id, f"shard-{shard:05d}"))
+            if lease is None:
+                continue
+            if self.store.exists(result_shard_key(record.tenant, record.id, shard)):
+                self.leases.release(lease)  # committed between our listing and the claim
+                continue
+            return lease, shard
+        return None
+
+    def _committed_shards(self, record: BatchRecord) -> set[int]:
+        keys = self.store.list(f"{batch_data_prefix(record.tenant, record.id)}results/")
+        return {int(k.rsplit("/", 1)[1].removesuffix(".parquet")) for k in keys}
+
+    async def _run_shard(self, record: BatchRecord, lease: Lease, shard: int) -> None:
+        tenant, batch_id = record.tenant, record.id
+        data = await asyncio.to_thread(self.store.get, input_shard_key(tenant, batch_id, shard))
+        inputs = decode_inputs(data.data)
+        log = {"tenant": tenant, "batch_id": batch_id, "shard": shard, "worker": self.worker_id}
+        logger.info("shard claimed", extra={**log, "requests": len(inputs)})
+        tasks = [asyncio.ensure_future(self._run_one(record, row)) for row in inputs]
+        stop_reason = await self._supervise(tenant, batch_id, lease, tasks)
+        if stop_reason == "lease_lost":
+            logger.warning("lease lost; shard left to its new owner", extra=log)
+            return
+        rows = [t.result() for t in tasks if t.done() and not t.cancelled() and t.exception() is None]
+        rows.sort(key=lambda r: r.line)
+        await asyncio.to_thread(self._commit, record, shard, rows, lease)
+        self.num_shards_run += 1
+        logger.info("shard committed", extra={**log, "results": len(rows), "stopped": stop_reason})
+
+    async def _supervise(
+        self, tenant: str, batch_id: str, lease: Lease, tasks: list[asyncio.Task[BatchResult]]
+    ) -> str | None:
+        """Renew the lease until the tasks finish. Stops early (cancelling the unfinished ones) when
+        the lease is lost or the batch is cancelled or expires; returns why, or None."""
+        renew_every = self.leases.ttl_s / 3
+        check_every = min(renew_every, self.poll_interval_s)  # how fast a cancel takes effect
+        renewed_at = time.monotonic()
+        pending: set[asyncio.Task[BatchResult]] = set(tasks)
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=check_every)
+            if not pending:
+                break
+            reason: str | None = None
+            if time.monotonic() - renewed_at >= renew_every:
+                renewed_at = time.monotonic()
+                if not await asyncio.to_thread(self.leases.renew, lease):
+                    reason = "lease_lost"
+            if reason is None:
+                record = await asyncio.to_thread(self.service.get_batch, tenant, batch_id)
+                if record.status == "cancelling":
+                    reason = "cancelled"
+                elif time.time() >= record.expires_at:
+                    reason = "expired"
+            if reason is not None:
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                return reason
+        return None
+
+    async def _run_one(self, record: BatchRecord, row: BatchInput) -> BatchResult:
+        request_id = batch_request_id(record.id, row.line)
+        try:
+            done = await self.execute(record.endpoint, row.body, record.tenant)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an engine failure must not lose the rest of the shard
+            logger.exception(
+                "batch request failed", extra={"batch_id": record.id, "custom_id": row.custom_id}
+            )
+            done = ExecutedRequest(500, request_id, None, {"code": "internal_error", "message": str(exc)})
+        return BatchResult(
+            line=row.line,
+            custom_id=row.custom_id,
+            request_id=done.request_id,
+            status_code=done.status_code,
+            body=done.body,
+            error=done.error,
+            input_tokens=done.input_tokens,
+            output_tokens=done.output_tokens,
+        )
+
+    def _commit(self, record: BatchRecord, shard: int, rows: list[BatchResult], lease: Lease) -> None:
+        try:
+            self.store.put(
+                result_shard_key(record.tenant, record.id, shard), encode_results(rows), if_none_match=True
+            )
+        except PreconditionFailed:
+            # Another worker committed this shard first (our lease had expired): keep theirs.
+            self.num_duplicate_commits += 1
+            logger.warning(
+                "shard already committed; discarding duplicate", extra={"batch_id": record.id, "shard": shard}
+            )
+            committed = decode_results(self.store.get(result_shard_key(record.tenant, record.id, shard)).data)
+            rows = committed
+        counts = _shard_counts(rows)
+
+        def add(r: BatchRecord) -> bool:
+            if shard in r.shard_counts:
+                return False
+            r.shard_counts[shard] = counts
+            return True
+
+        self.service.update_batch(record.tenant, record.id, add)
+        self.leases.release(lease)
+
+    # -- the end of a batch ----------------------------------------------------------------------
+    def _try_finalize(self, record: BatchRecord) -> bool:
+        """Finish `record` when nothing is left to run: every shard committed, or (cancelling /
+        expired) no shard lease still live. Returns True when this call finished it."""
+        if record.status in ("in_progress", "finalizing") and time.time() < record.expires_at:
+            committed = self._committed_shards(record)
+            if len(committed) < record.num_shards:
+                return False
+            final = "completed"
+        elif record.status == "cancelling":
+            final = "cancelled"
+        elif record.status in ("in_progress", "finalizing"):
+            final = "expired"
+        else:
+            return False
+        if final != "completed" and self._any_live_shard_lease(record):
+            return False  # in-flight shards will stop at their next renewal and commit
+        lease = self.leases.try_claim(lease_key(record.tenant, record.id, "finalize"))
+        if lease is None:
+            return False
+        try:
+            self._finalize(record, final)
+        finally:
+            self.leases.release(lease)
+        return True
+
+    def _any_live_shard_lease(self, record: BatchRecord) -> bool:
+        prefix = f"{batch_data_prefix(record.tenant, record.id)}leases/shard-"
+        return any(self.leases.is_live(key) for key in self.store.list(prefix))
+
+    def _finalize(self, record: BatchRecord, final: str) -> None:
+        tenant, batch_id = record.tenant, record.id
+        if final == "completed":
+
+            def finalizing(r: BatchRecord) -> bool:
+                if r.status != "in_progress":
+                    return False
+                r.status, r.finalizing_at = "finalizing", int(time.time())
+                return True
+
+            record = self.service.update_batch(tenant, batch_id, finalizing)
+        committed = sorted(self._committed_shards(record))
+        results: list[BatchResult] = []
+        shard_counts: dict[int, ShardCounts] = {}
+        for shard in committed:
+            rows = decode_results(self.store.get(result_shard_key(tenant, batch_id, shard)).data)
+            shard_counts[shard] = _shard_counts(rows)
+            results.extend(rows)
+        if final == "expired":
+            results.extend(self._expired_results(record, {r.line for r in results}))
+        results.sort(key=lambda r: r.line)
+        ok = [r for r in results if r.ok]
+        failed = [r for r in results if not r.ok]
+        output_id = self._write_result_file(record, "output", ok)
+        error_id = self._write_result_file(record, "error", failed)
+        now = int(time.time())
+
+        def finish(r: BatchRecord) -> bool:
+            if r.is_terminal:
+                return False
+            r.status = final  # type: ignore[assignment]
+            r.output_file_id, r.error_file_id = output_id, error_id
+            r.shard_counts = shard_counts
+            if final == "completed":
+                r.completed_at = now
+            elif final == "cancelled":
+                r.cancelled_at = now
+            else:
+                r.expired_at = now
+            return True
+
+        self.service.update_batch(tenant, batch_id, finish)
+        self.store.delete(queue_key(batch_id))
+        logger.info(
+            "batch finished",
+            extra={
+                "tenant": tenant,
+                "batch_id": batch_id,
+                "status": final,
+                "ok": len(ok),
+                "failed": len(failed),
+            },
+        )
+
+    def _expired_results(self, record: BatchRecord, done_lines: set[int]) -> list[BatchResult]:
+        out = []
+        for shard in range(record.num_shards):
+            try:
+                rows = decode_inputs(self.store.get(input_shard_key(record.tenant, record.id, shard)).data)
+            except ObjectNotFound:
+                continue
+            for row in rows:
+                if row.line in done_lines:
+                    continue
+                out.append(
+                    BatchResult(
+                        line=row.line,
+                        custom_id=row.custom_id,
+                        request_id="",
+                        status_code=0,
+                        body=None,
+                        error={
+                            "code": "batch_expired",
+                            "message": "This request could not be executed before the completion window expired.",
+                        },
+                    )
+                )
+        return out
+
+    def _write_result_file(self, record: BatchRecord, kind: str, rows: list[BatchResult]) -> str | None:
+        """Write the output or error JSONL as a file of the batch's tenant (deterministic id, so a
+        finalizer that crashed and is re-run overwrites the same file)."""
+        if not rows and kind == "error":
+            return None
+        lines = [
+            json.dumps(r.output_line(batch_request_id(record.id, r.line)), separators=(",", ":"))
+            for r in rows
+        ]
+        data = ("\n".join(lines) + "\n").encode() if lines else b""
+        file = FileRecord(
+            id=f"file-{kind}-{record.id.removeprefix('batch_')}",
+            tenant=record.tenant,
+            bytes=len(data),
+            created_at=int(time.time()),
+            filename=f"{record.id}_{kind}.jsonl",
+            purpose="batch_output",
+            num_lines=len(lines),
+        )
+        self.service.write_file(file, data)
+        return file.id

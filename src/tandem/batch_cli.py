@@ -1,0 +1,140 @@
+"""`tandem batch ...`: submit, watch, fetch and cancel batch jobs with the official openai client,
+and `tandem batch worker` to run a standalone worker (own engine, no Ray) on an object store.
+
+Client commands read `--base-url` / `$TANDEM_BASE_URL` (default http://127.0.0.1:8000/v1) and
+`--api-key` / `$TANDEM_API_KEY`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from typing import Any
+
+TERMINAL = {"completed", "failed", "expired", "cancelled"}
+
+
+def add_batch_parser(sub: Any) -> None:
+    batch = sub.add_parser("batch", help="batch jobs: submit, status, results, cancel, worker")
+    batch.add_argument("--base-url", default=os.environ.get("TANDEM_BASE_URL", "http://127.0.0.1:8000/v1"))
+    batch.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"))
+    cmds = batch.add_subparsers(dest="batch_command", required=True)
+    submit = cmds.add_parser("submit", help="upload a JSONL file and start a batch")
+    submit.add_argument("file")
+    submit.add_argument("--endpoint", default="/v1/chat/completions")
+    submit.add_argument("--wait", action="store_true", help="show progress until the batch ends")
+    submit.add_argument("--poll-interval", type=float, default=2.0)
+    status = cmds.add_parser("status", help="show a batch")
+    status.add_argument("batch_id")
+    results = cmds.add_parser("results", help="download a batch's output (and errors)")
+    results.add_argument("batch_id")
+    results.add_argument("-o", "--output", required=True, help="output JSONL path")
+    results.add_argument("--errors", default=None, help="error JSONL path (default: OUTPUT.errors.jsonl)")
+    cancel = cmds.add_parser("cancel", help="cancel a batch (finished requests are kept)")
+    cancel.add_argument("batch_id")
+    worker = cmds.add_parser("worker", help="run a standalone batch worker with its own engine")
+    worker.add_argument("--object-store", required=True, help="file:///path or s3://bucket/prefix")
+    worker.add_argument("--model", default=None)
+    worker.add_argument("--served-model-name", default=None)
+    worker.add_argument("--kv-cache-memory", type=int, default=None)
+    worker.add_argument("--lease-ttl", type=float, default=60.0)
+    worker.add_argument("--shard-size", type=int, default=32)
+
+
+def run_batch_command(args: argparse.Namespace) -> int:
+    if args.batch_command == "worker":
+        return _worker(args)
+    import openai
+
+    if not args.api_key:
+        print("[tandem] set --api-key or $TANDEM_API_KEY (printed by `tandem serve`)", file=sys.stderr)
+        return 2
+    client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key)
+    if args.batch_command == "submit":
+        with open(args.file, "rb") as f:
+            uploaded = client.files.create(file=(os.path.basename(args.file), f), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint=args.endpoint, completion_window="24h"
+        )
+        print(batch.id)
+        if args.wait:
+            batch = _watch(client, batch.id, args.poll_interval)
+            return 0 if batch.status == "completed" else 1
+        return 0
+    if args.batch_command == "status":
+        print(client.batches.retrieve(args.batch_id).model_dump_json(indent=2))
+        return 0
+    if args.batch_command == "cancel":
+        print(client.batches.cancel(args.batch_id).status)
+        return 0
+    if args.batch_command == "results":
+        batch = client.batches.retrieve(args.batch_id)
+        if batch.status not in TERMINAL:
+            print(f"[tandem] batch is {batch.status}; results come when it ends", file=sys.stderr)
+            return 1
+        if batch.output_file_id:
+            client.files.content(batch.output_file_id).write_to_file(args.output)
+            print(f"[tandem] output: {args.output}", file=sys.stderr)
+        if batch.error_file_id:
+            path = args.errors or args.output + ".errors.jsonl"
+            client.files.content(batch.error_file_id).write_to_file(path)
+            print(f"[tandem] errors: {path}", file=sys.stderr)
+        if batch.errors and batch.errors.data:
+            for error in batch.errors.data:
+                print(f"[tandem] line {error.line}: {error.code}: {error.message}", file=sys.stderr)
+        return 0
+    return 1
+
+
+def _watch(client: Any, batch_id: str, poll_interval: float) -> Any:
+    """Redraw a progress bar on stderr until the batch reaches a terminal status."""
+    started = time.monotonic()
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        counts = batch.request_counts
+        total = counts.total if counts else 0
+        done = (counts.completed + counts.failed) if counts else 0
+        width = 30
+        filled = int(width * done / total) if total else 0
+        bar = "#" * filled + "-" * (width - filled)
+        sys.stderr.write(f"\r[{bar}] {done}/{total} {batch.status:<11} {time.monotonic() - started:6.0f}s")
+        sys.stderr.flush()
+        if batch.status in TERMINAL:
+            sys.stderr.write("\n")
+            if batch.errors and batch.errors.data:
+                for error in batch.errors.data:
+                    sys.stderr.write(f"[tandem] line {error.line}: {error.code}: {error.message}\n")
+            return batch
+        time.sleep(poll_interval)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from tandem.batch.service import BatchLimits, BatchService
+    from tandem.batch.worker import BatchWorker
+    from tandem.deployments.openai_server import OpenAIServer
+    from tandem.engine.async_engine import AsyncEngine
+    from tandem.platform.config import DEFAULT_MODEL
+    from tandem.platform.object_store import open_object_store
+    from tandem.platform.tenancy import TenantRegistry
+
+    options: dict[str, Any] = {}
+    if args.served_model_name:
+        options["served_model_name"] = args.served_model_name
+    if args.kv_cache_memory:
+        options["kv_cache_memory"] = args.kv_cache_memory
+    engine = AsyncEngine.from_options(args.model or DEFAULT_MODEL, **options)
+    limits = BatchLimits(lease_ttl_s=args.lease_ttl, shard_size=args.shard_size)
+    service = BatchService(open_object_store(args.object_store), {engine.model_name}, limits)
+    server = OpenAIServer(engine, TenantRegistry({}))
+    worker = BatchWorker(service, server.execute_batch_request)
+    print(f"[tandem] batch worker {worker.worker_id} on {args.object_store}", file=sys.stderr, flush=True)
+    try:
+        asyncio.run(worker.run_forever())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.shutdown()
+    return 0

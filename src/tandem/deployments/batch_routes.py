@@ -1,0 +1,167 @@
+"""OpenAI files + batches routes (`/v1/files`, `/v1/batches`), tenant-scoped.
+
+The routes only authenticate, parse and shape; `BatchService` does the work (in a thread, since
+the object store client is blocking). Every lookup is under the caller's tenant, so another
+tenant's ids answer 404 exactly like ids that never existed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from tandem.batch.service import BatchService
+from tandem.deployments.openai_server import OpenAIServer
+from tandem.platform.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
+
+MULTIPART_OVERHEAD_BYTES = 64 << 10
+
+
+class BatchCreateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+
+
+def _list(records: list[Any], has_more: bool) -> dict[str, Any]:
+    data = [r.api() for r in records]
+    return {
+        "object": "list",
+        "data": data,
+        "has_more": has_more,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+    }
+
+
+def _int_param(request: Request, name: str, default: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise InvalidRequestError(f"{name} must be an integer", param=name) from exc
+
+
+def batch_router(
+    authenticated: Callable[[Request], tuple[OpenAIServer, str]],
+    json_body: Callable[[Request], Awaitable[dict[str, Any]]],
+) -> APIRouter:
+    router = APIRouter()
+
+    def service_and_tenant(request: Request) -> tuple[BatchService, str]:
+        server, tenant = authenticated(request)
+        if server.batches is None:
+            raise NotFoundError("the files and batches API is not enabled on this server (no object store)")
+        return server.batches, tenant
+
+    @router.post("/v1/files")
+    async def create_file(request: Request) -> Any:
+        service, tenant = service_and_tenant(request)
+        declared = int(request.headers.get("content-length") or 0)
+        if declared > service.limits.max_file_bytes + MULTIPART_OVERHEAD_BYTES:
+            raise PayloadTooLargeError(
+                f"the upload is {declared} bytes; the file limit is {service.limits.max_file_bytes}",
+                param="file",
+                code="file_too_large",
+            )
+        form = await request.form(max_part_size=service.limits.max_file_bytes + 1)
+        upload, purpose = form.get("file"), form.get("purpose")
+        if upload is None or isinstance(upload, str):
+            raise InvalidRequestError(
+                "a multipart field 'file' with the JSONL file is required", param="file"
+            )
+        if not isinstance(purpose, str):
+            raise InvalidRequestError(
+                "a multipart field 'purpose' is required (use 'batch')", param="purpose"
+            )
+        data = await upload.read(service.limits.max_file_bytes + 1)
+        service.check_file_size(len(data))
+        record = await run_in_threadpool(
+            service.create_file, tenant, upload.filename or "upload.jsonl", purpose, data
+        )
+        return record.api()
+
+    @router.get("/v1/files")
+    async def list_files(request: Request) -> Any:
+        service, tenant = service_and_tenant(request)
+        records, has_more = await run_in_threadpool(
+            service.list_files,
+            tenant,
+            purpose=request.query_params.get("purpose"),
+            after=request.query_params.get("after"),
+            limit=_int_param(request, "limit", 100),
+            order=request.query_params.get("order", "desc"),
+        )
+        return _list(records, has_more)
+
+    @router.get("/v1/files/{file_id}")
+    async def get_file(file_id: str, request: Request) -> Any:
+        service, tenant = service_and_tenant(request)
+        return (await run_in_threadpool(service.get_file, tenant, file_id)).api()
+
+    @router.get("/v1/files/{file_id}/content")
+    async def file_content(file_id: str, request: Request) -> Response:
+        service, tenant = service_and_tenant(request)
+        data = await run_in_threadpool(service.file_content, tenant, file_id)
+        return Response(data, media_type="application/octet-stream")
+
+    @router.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str, request: Request) -> Any:
+        service, tenant = service_and_tenant(request)
+        await run_in_threadpool(service.delete_file, tenant, file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    @router.post("/v1/batches")
+    async def create_batch(request: Request) -> Any:
+        service, tenant = service_and_tenant(request)
+        body = await json_body(request)
+        for name in ("output_expires_after",):
+            if body.get(name) is not None:
+                raise InvalidRequestError(f"'{name}' is not supported by this server", param=name)
+            body.pop(name, None)
+        try:
+            req = BatchCreateRequest.model_validate(body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(p) for p in first["loc"])
+            raise InvalidRequestError(f"{param}: {first['msg']}", param=param) from exc
+        record = await run_in_threadpool(
+            service.create_batch, tenant, req.input_file_id, req.endpoint, req.completion_window, req.metadata
+        )
+        server, _ = authenticated(request)
+        if server.on_batch_created is not None and record.status == "in_progress":
+            server.on_batch_created()
+        return record.api()
+
+    @router.get("/v1/batches")
+    async def list_batches(request: Request) -> Any:
+        service, tenant = service_and_tenant(request)
+        records, has_more = await run_in_threadpool(
+            service.list_batches,
+            tenant,
+            after=request.query_params.get("after"),
+            limit=_int_param(request, "limit", 20),
+        )
+        return _list(records, has_more)
+
+    @router.get("/v1/batches/{batch_id}")
+    async def get_batch(batch_id: str, request: Request) -> Any:
+        service, tenant = service_and_tenant(request)
+        return (await run_in_threadpool(service.get_batch, tenant, batch_id)).api()
+
+    @router.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(batch_id: str, request: Request) -> Any:
+        service, tenant = service_and_tenant(request)
+        return (await run_in_threadpool(service.cancel_batch, tenant, batch_id)).api()
+
+    return router

@@ -1,0 +1,60 @@
+"""`BatchWorkerReplica`: the Serve deployment that runs batch shards against the LLM replicas.
+
+Each replica runs one `BatchWorker` loop in its event loop. Requests go to the `LLMReplica`
+deployment through the same `OpenAIServer` code as real-time traffic, at `priority=batch`, so the
+engine admits them only into idle capacity. The deployment autoscales on queued shards
+(`BatchQueuePolicy`); a killed replica's leases expire and its shards run elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
+
+from tandem.batch.service import BatchLimits, BatchService
+from tandem.batch.worker import BatchWorker
+from tandem.deployments.openai_server import OpenAIServer
+from tandem.platform.object_store import open_object_store
+from tandem.platform.tenancy import TenantRegistry
+
+
+class BatchWorkerReplica:
+    def __init__(
+        self,
+        llm: DeploymentHandle,
+        object_store: str,
+        model_name: str,
+        limits: dict[str, Any],
+        poll_interval_s: float = 1.0,
+        max_tokens_default: int = 256,
+    ) -> None:
+        from tandem.deployments.app import HandleEngineClient
+
+        service = BatchService(open_object_store(object_store), {model_name}, BatchLimits(**limits))
+        server = OpenAIServer(
+            HandleEngineClient(llm, model_name), TenantRegistry({}), max_tokens_default=max_tokens_default
+        )
+        self.worker = BatchWorker(service, server.execute_batch_request, poll_interval_s=poll_interval_s)
+        self._task = asyncio.get_event_loop().create_task(self.worker.run_forever())
+
+    async def wake(self) -> None:
+        """Look at the queue now instead of at the next poll (the ingress calls this on create)."""
+        self.worker.wake()
+
+    async def stats(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker.worker_id,
+            "pid": os.getpid(),
+            "num_shards_run": self.worker.num_shards_run,
+            "num_duplicate_commits": self.worker.num_duplicate_commits,
+        }
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        return {"queued_shards": float(await asyncio.to_thread(self.worker.queued_shards))}
+
+    async def check_health(self) -> None:
+        if self._task.done():
+            raise RuntimeError(f"batch worker loop stopped: {self._task.exception()!r}")
