@@ -80,3 +80,14 @@ def test_replicas_get_an_explicit_thread_count() -> None:
     assert replica_engine_options(AppConfig(replica_num_cpus=0))["num_threads"] == (os.cpu_count() or 1)
     assert replica_engine_options(AppConfig(replica_num_cpus=4))["num_threads"] == 4
     assert replica_engine_options(AppConfig(engine={"num_threads": 3}))["num_threads"] == 3
+
+
+def test_batch_workers_follow_queued_shards() -> None:
+    from tandem.deployments.autoscaling import BatchQueueTargets, desired_batch_workers
+
+    targets = BatchQueueTargets(target_shards_per_replica=4, min_replicas=1, max_replicas=3)
+    assert desired_batch_workers(0, targets) == 1  # idle: the floor
+    assert desired_batch_workers(4, targets) == 1
+    assert desired_batch_workers(5, targets) == 2
+    assert desired_batch_workers(100, targets) == 3  # the ceiling
+    assert desired_batch_workers(0, BatchQueueTargets(min_replicas=0)) == 0  # scale to zero

@@ -288,7 +288,7 @@ def test_batch_listing_errors_and_tenant_isolation(
 def test_cancel_keeps_partial_results(make_platform: Callable[..., Platform], tmp_path: Path) -> None:
     platform = make_platform(FileObjectStore(str(tmp_path / "objects")), shard_size=2)
     client = platform.client()
-    lines = [_line(f"c{i}", f"Count to {i}", max_tokens=24, ignore_eos=True) for i in range(16)]
+    lines = [_line(f"c{i}", f"Count to {i}", max_tokens=24, ignore_eos=True) for i in range(40)]
     batch = client.batches.create(
         input_file_id=_upload(client, lines), endpoint=CHAT, completion_window="24h"
     )
@@ -300,8 +300,8 @@ def test_cancel_keeps_partial_results(make_platform: Callable[..., Platform], tm
     batch = wait_for(client, batch.id, {"cancelled"})
     output = _output_lines(client, batch.output_file_id)
     ids = [o["custom_id"] for o in output]
-    assert len(ids) == len(set(ids)) and set(ids) <= {f"c{i}" for i in range(16)}
-    assert 2 <= len(ids) < 16, "partial results are kept and the rest never ran"
+    assert len(ids) == len(set(ids)) and set(ids) <= {f"c{i}" for i in range(40)}
+    assert 2 <= len(ids) < 40, "partial results are kept and the rest never ran"
     assert batch.request_counts.completed == len(ids) and batch.cancelled_at is not None
 
 

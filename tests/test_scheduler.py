@@ -177,3 +177,42 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_batch_requests_only_fill_idle_capacity() -> None:
+    """Batch work is admitted while KV occupancy (its whole prompt counted) stays under the limit,
+    its prefill chunks are capped, and interactive work is never held back by it."""
+    kv = KVCacheManager(10, 4, watermark=0.0)
+    sched = Scheduler(
+        kv, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64,
+        batch_kv_occupancy_limit=0.4, batch_max_prefill_tokens=6,
+    )  # fmt: skip
+    sched.add_request(make_request("b1", 12, priority=Priority.BATCH, arrival=0))  # 3 blocks
+    sched.add_request(make_request("b2", 12, priority=Priority.BATCH, arrival=1))  # 2 used + 3 > 4
+    out = sched.schedule()
+    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("b1", 6)]  # capped chunk
+    assert [r.request_id for r in sched.waiting] == ["b2"]
+    sched.update_from_output(out, fake_run(out))
+    sched.add_request(make_request("i1", 16, arrival=2))  # interactive: no cap, no occupancy limit
+    out = sched.schedule()
+    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("i1", 16), ("b1", 6)]
+    assert [r.request_id for r in sched.waiting] == ["b2"]  # 7 of 10 blocks used: b2 still waits
+    sched.check_integrity()
+
+
+def test_waiting_interactive_goes_before_running_batch_and_batch_is_throttled() -> None:
+    sched = Scheduler(
+        KVCacheManager(64, 4, watermark=0.0), max_num_seqs=16, max_num_batched_tokens=16,
+        max_model_len=64, batch_tokens_under_load=2, batch_max_prefill_tokens=16,
+    )  # fmt: skip
+    for i in range(4):
+        sched.add_request(make_request(f"b{i}", 2, max_tokens=8, priority=Priority.BATCH, arrival=i))
+    out = sched.schedule()  # no interactive traffic: batch may use the whole budget
+    assert [s.request_id for s in out.scheduled] == ["b0", "b1", "b2", "b3"]
+    sched.update_from_output(out, fake_run(out))
+    sched.add_request(make_request("i0", 14, arrival=10))
+    out = sched.schedule()  # the new interactive prompt first; batch shares 2 tokens
+    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("i0", 14), ("b0", 1), ("b1", 1)]
+    sched.update_from_output(out, fake_run(out))
+    assert all(r.status is RequestStatus.RUNNING for r in sched.running)  # paused, not preempted
+    sched.check_integrity()

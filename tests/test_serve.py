@@ -40,7 +40,15 @@ def deploy(
 def served(ray_serve: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     from ray import serve
 
-    deploy(tmp_path_factory, "tandem", "/")
+    store = tmp_path_factory.mktemp("serve-objects")
+    deploy(
+        tmp_path_factory,
+        "tandem",
+        "/",
+        object_store=f"file://{store}",
+        batch={"shard_size": 3, "lease_ttl_s": 2.0},
+        batch_poll_interval_s=0.1,
+    )
     yield ray_serve
     serve.delete("tandem")
 
@@ -204,3 +212,98 @@ def test_autoscaling_on_queue_depth_goes_up_and_back_down(
     finally:
         stop.set()
         serve.delete("tandem-as")
+
+
+def test_batch_survives_a_killed_worker_replica(served: str) -> None:
+    """The batch flow over HTTP with the BatchWorker deployment; its replica process is SIGKILLed
+    mid-job, Serve replaces it, and the job completes with each custom_id answered exactly once."""
+    import io
+    import json
+    import os
+    import signal
+    import time
+
+    from ray import serve
+
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key=KEY, max_retries=0)
+    lines = [
+        json.dumps(
+            {
+                "custom_id": f"s{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": f"Item {i}"}],
+                    "max_tokens": 16,
+                    "ignore_eos": True,
+                },
+            }
+        )
+        for i in range(15)
+    ]
+    data = io.BytesIO(("\n".join(lines) + "\n").encode())
+    file_id = client.files.create(file=("in.jsonl", data), purpose="batch").id
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    worker = serve.get_deployment_handle("BatchWorker", app_name="tandem")
+    pid = worker.stats.remote().result()["pid"]
+    deadline = time.monotonic() + 120
+    while client.batches.retrieve(batch.id).request_counts.completed == 0:  # mid-job: some done
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    while (batch := client.batches.retrieve(batch.id)).status != "completed":
+        assert batch.status in ("in_progress", "finalizing") and time.monotonic() < deadline + 120
+        time.sleep(0.1)
+    assert batch.request_counts.completed == 15 and batch.request_counts.failed == 0
+    output = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(o["custom_id"] for o in output) == sorted(f"s{i}" for i in range(15))
+    assert worker.stats.remote().result()["pid"] != pid, "a new worker replica finished the job"
+
+
+def test_batch_cli_submit_wait_and_results(
+    served: str, tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from tandem.cli import main
+
+    requests = tmp_path / "in.jsonl"  # type: ignore[operator]
+    requests.write_text(
+        "\n".join(
+            json.dumps(
+                {
+                    "custom_id": f"cli-{i}",
+                    "url": "/v1/completions",
+                    "body": {"model": "tiny", "prompt": f"Number {i}", "max_tokens": 3},
+                }
+            )
+            for i in range(4)
+        )
+    )
+    common = ["batch", "--base-url", f"{served}/v1", "--api-key", KEY]
+    assert (
+        main(
+            [
+                *common,
+                "submit",
+                str(requests),
+                "--endpoint",
+                "/v1/completions",
+                "--wait",
+                "--poll-interval",
+                "0.1",
+            ]
+        )
+        == 0
+    )
+    captured = capsys.readouterr()
+    batch_id = captured.out.strip()
+    assert batch_id.startswith("batch_") and "4/4 completed" in captured.err  # the progress bar's last frame
+    out = tmp_path / "out.jsonl"  # type: ignore[operator]
+    assert main([*common, "results", batch_id, "-o", str(out)]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(line["custom_id"] for line in lines) == [f"cli-{i}" for i in range(4)]
+    assert main([*common, "status", batch_id]) == 0 and '"completed"' in capsys.readouterr().out

@@ -5,8 +5,6 @@ the object store client is blocking). Every lookup is under the caller's tenant,
 tenant's ids answer 404 exactly like ids that never existed.
 """
 
-from __future__ import annotations
-
 from collections.abc import Awaitable, Callable
 from typing import Any
 

@@ -106,6 +106,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             batch_kv_occupancy_limit=config.batch_kv_occupancy_limit,
             batch_max_prefill_tokens=config.batch_max_prefill_tokens,
+            batch_tokens_under_load=config.batch_tokens_under_load,
         )
         self.runner = ModelRunner(model, kv_spec, num_blocks, self.device, seed=config.seed)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -5,11 +5,14 @@ One scheduling model, as in vLLM v1: each request has `num_computed_tokens`; eac
 chunks when the budget is short, decodes (one token) and prefill chunks share a batch, and a
 preempted request simply restarts from `num_computed_tokens = 0` (recompute).
 
-Order of service: running requests first (by priority, then arrival), then waiting ones by
-priority (`interactive` before `batch`) and arrival. When a running request needs a block and
-none is free, the lowest-priority, latest-arriving running request is preempted. Batch requests
-are admitted only while the KV cache stays under `batch_kv_occupancy_limit` with their whole
-prompt counted, and their prefill chunks are capped at `batch_max_prefill_tokens`.
+Order of service, per priority class (`interactive`, then `batch`): the class's running
+requests (by arrival), then its waiting ones; so a waiting interactive request gets tokens before
+any batch request does. When a running request needs a block and none is free, the
+lowest-priority, latest-arriving running request is preempted. Batch requests fill idle capacity
+only: one is admitted while the KV cache stays under `batch_kv_occupancy_limit` with its whole
+prompt counted, its prefill chunks are capped at `batch_max_prefill_tokens`, and while any
+interactive request runs or waits all batch requests together get at most
+`batch_tokens_under_load` tokens per step (the others keep their KV and wait a step).
 """
 
 from __future__ import annotations
@@ -34,6 +37,16 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     output_token_ids: list[int]  # generated so far (penalties)
     is_new: bool  # first time the runner sees this request (or first time since preemption)
+
+
+@dataclass
+class _Step:
+    """What one `schedule()` call has handed out so far."""
+
+    budget: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    scheduled_ids: set[str] = field(default_factory=set)
+    preempted: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -76,6 +89,7 @@ class Scheduler:
         max_model_len: int,
         batch_kv_occupancy_limit: float = 0.8,
         batch_max_prefill_tokens: int | None = None,
+        batch_tokens_under_load: int = 16,
     ) -> None:
         self.kv = kv_manager
         # Batch-priority requests fill idle capacity only: one is admitted while the KV cache,
@@ -83,6 +97,8 @@ class Scheduler:
         # capped so that a step holding interactive decodes stays short.
         self.batch_kv_occupancy_limit = batch_kv_occupancy_limit
         self.batch_max_prefill_tokens = batch_max_prefill_tokens or max(1, max_num_batched_tokens // 4)
+        # While interactive requests run or wait, batch requests share this many tokens per step.
+        self.batch_tokens_under_load = batch_tokens_under_load
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -162,67 +178,93 @@ class Scheduler:
         )
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        scheduled_ids: set[str] = set()
-        preempted: list[str] = []
+        """One step: per priority class (interactive, then batch), first its running requests,
+        then its waiting ones; so a waiting interactive request is admitted before any batch
+        request gets tokens. While interactive requests exist, batch requests share at most
+        `batch_tokens_under_load` tokens per step (the rest keep their KV and wait)."""
+        step = _Step(budget=self.max_num_batched_tokens)
+        interactive_active = any(r.priority is Priority.INTERACTIVE for r in self.running) or bool(
+            self.waiting and self.waiting[0].priority is Priority.INTERACTIVE
+        )
+        for priority in Priority:
+            cap = step.budget
+            if priority is Priority.BATCH and interactive_active:
+                cap = min(cap, self.batch_tokens_under_load)
+            cap = self._schedule_running(priority, step, cap)
+            if not step.preempted:  # memory is tight when running requests had to be preempted
+                self._admit_waiting(priority, step, cap)
 
-        # 1. Running requests, highest priority first; preempt from the back when blocks run out.
-        index = 0
-        while index < len(self.running) and budget > 0:
+        finished_ids, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            scheduled=step.scheduled,
+            num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
+            preempted_request_ids=step.preempted,
+            finished_request_ids=finished_ids,
+        )
+
+    def _chunk(self, request: Request, cap: int) -> int:
+        num_new = min(request.num_tokens - request.num_computed_tokens, cap)
+        if request.priority is Priority.BATCH:
+            num_new = min(num_new, self.batch_max_prefill_tokens)
+        return num_new
+
+    def _schedule_running(self, priority: Priority, step: _Step, cap: int) -> int:
+        """Schedule running requests of `priority` (arrival order) within `cap` tokens; preempt
+        from the back of `running` (lowest priority, latest arrival) when blocks run out.
+        Returns what is left of `cap`."""
+        index = next((i for i, r in enumerate(self.running) if r.priority is priority), len(self.running))
+        while index < len(self.running) and self.running[index].priority is priority and cap > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if request.priority is Priority.BATCH:
-                num_new = min(num_new, self.batch_max_prefill_tokens)
+            num_new = self._chunk(request, cap)
             while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
-                preempted.append(victim.request_id)
+                step.preempted.append(victim.request_id)
                 if victim is request:
                     break
             else:
-                self._schedule_one(request, num_new, scheduled)
-                scheduled_ids.add(request.request_id)
-                budget -= num_new
+                self._schedule_one(request, num_new, step.scheduled)
+                step.scheduled_ids.add(request.request_id)
+                step.budget -= num_new
+                cap -= num_new
                 index += 1
                 continue
             # `request` itself was preempted; the list shifted, `index` already points past it.
+        return cap
 
-        # 2. Waiting requests, unless step 1 had to preempt (memory is tight).
-        memory_tight = bool(preempted)
-        while not memory_tight and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+    def _admit_waiting(self, priority: Priority, step: _Step, cap: int) -> None:
+        """Admit waiting requests of `priority` (arrival order) within `cap` tokens, `max_num_seqs`
+        and free blocks; a waiting request may preempt a running one of lower priority."""
+        while (
+            self.waiting
+            and self.waiting[0].priority is priority
+            and cap > 0
+            and len(self.running) < self.max_num_seqs
+        ):
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if request.priority is Priority.BATCH:
-                if not self._batch_has_room(request):
-                    break  # the queue is in priority order: everything after is batch too
-                num_new = min(num_new, self.batch_max_prefill_tokens)
+            if priority is Priority.BATCH and not self._batch_has_room(request):
+                break
+            num_new = self._chunk(request, cap)
             total = request.num_computed_tokens + num_new
             if not self.kv.allocate_slots(request.request_id, total, admission=True):
                 lower = self._lower_priority_victim(request)
                 if lower is None:
                     break
-                if lower.request_id in scheduled_ids:  # give back its share of this step
-                    index = next(i for i, s in enumerate(scheduled) if s.request_id == lower.request_id)
-                    budget += len(scheduled.pop(index).token_ids)
-                    scheduled_ids.discard(lower.request_id)
+                if lower.request_id in step.scheduled_ids:  # give back its share of this step
+                    index = next(i for i, s in enumerate(step.scheduled) if s.request_id == lower.request_id)
+                    returned = len(step.scheduled.pop(index).token_ids)
+                    step.budget += returned
+                    step.scheduled_ids.discard(lower.request_id)
                 self._preempt(lower)
-                preempted.append(lower.request_id)
+                step.preempted.append(lower.request_id)
                 continue
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=Request.sort_key)
-            self._schedule_one(request, num_new, scheduled)
-            scheduled_ids.add(request.request_id)
-            budget -= num_new
-
-        finished_ids, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(
-            scheduled=scheduled,
-            num_scheduled_tokens=self.max_num_batched_tokens - budget,
-            preempted_request_ids=preempted,
-            finished_request_ids=finished_ids,
-        )
+            self._schedule_one(request, num_new, step.scheduled)
+            step.scheduled_ids.add(request.request_id)
+            step.budget -= num_new
+            cap -= num_new
 
     def _batch_has_room(self, request: Request) -> bool:
         pool = self.kv.pool

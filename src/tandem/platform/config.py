@@ -54,6 +54,11 @@ class EngineConfig(BaseModel):
     batch_max_prefill_tokens: int | None = Field(
         None, ge=1, description="Cap on a batch request's prefill chunk per step; default budget/4."
     )
+    batch_tokens_under_load: int = Field(
+        16,
+        ge=0,
+        description="Tokens per step that batch requests share while interactive requests run or wait.",
+    )
     seed: int = Field(0, description="Seed of the engine's default random generator.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU.")
 
