@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument("--batch-prompt-len", type=int, default=128)
     parser.add_argument("--batch-new-tokens", type=int, default=48)
     parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--batch-tokens-under-load", type=int, default=16, help="engine option")
+    parser.add_argument("--batch-tokens-under-load", type=int, default=4, help="engine option")
     parser.add_argument("--out", default="benchmarks/results/batch_interference.json")
     args = parser.parse_args()
     result = {

@@ -185,7 +185,7 @@ def test_batch_requests_only_fill_idle_capacity() -> None:
     kv = KVCacheManager(10, 4, watermark=0.0)
     sched = Scheduler(
         kv, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64,
-        batch_kv_occupancy_limit=0.4, batch_max_prefill_tokens=6,
+        batch_kv_occupancy_limit=0.4, batch_max_prefill_tokens=6, batch_tokens_under_load=32,
     )  # fmt: skip
     sched.add_request(make_request("b1", 12, priority=Priority.BATCH, arrival=0))  # 3 blocks
     sched.add_request(make_request("b2", 12, priority=Priority.BATCH, arrival=1))  # 2 used + 3 > 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tandem.engine.protocol import CompletionOutput, GenerationRequest, RequestOutput
+from tandem.engine.protocol import CompletionOutput, GenerationRequest, LoRARequest, RequestOutput
 from tandem.engine.request import Priority
 from tandem.engine.sampling_params import SamplingParams
 
@@ -17,6 +17,7 @@ __all__ = [
     "AsyncEngine",
     "CompletionOutput",
     "GenerationRequest",
+    "LoRARequest",
     "Priority",
     "RequestOutput",
     "SamplingParams",

@@ -198,14 +198,29 @@ class OpenAIServer:
             else:
                 raise InvalidRequestError(f"endpoint {endpoint!r} is not supported", param="url")
         except TandemError as exc:
-            error = {"code": exc.code or exc.error_type, "message": exc.message, "param": exc.param}
-            body_out = {"error": {**error, "type": exc.error_type}}
-            return ExecutedRequest(exc.status_code, new_id("req"), body_out, error)
+            # The request got an HTTP answer: like OpenAI, the line's `response` holds the error
+            # body and its top-level `error` stays null (that is for requests that never ran).
+            body_out = {
+                "error": {
+                    "message": exc.message,
+                    "type": exc.error_type,
+                    "param": exc.param,
+                    "code": exc.code,
+                }
+            }
+            return ExecutedRequest(exc.status_code, new_id("req"), body_out, None)
         except ValidationError as exc:
-            error = {"code": "invalid_request", "message": str(exc.errors()[0]["msg"]), "param": None}
-            return ExecutedRequest(
-                400, new_id("req"), {"error": {**error, "type": "invalid_request_error"}}, error
-            )
+            first = exc.errors()[0]
+            param = ".".join(str(p) for p in first["loc"])
+            body_out = {
+                "error": {
+                    "message": str(first["msg"]),
+                    "type": "invalid_request_error",
+                    "param": param,
+                    "code": None,
+                }
+            }
+            return ExecutedRequest(422, new_id("req"), body_out, None)
         assert isinstance(result, dict), "batch requests never stream"
         usage = result.get("usage") or {}
         return ExecutedRequest(

@@ -9,11 +9,13 @@ import logging
 import os
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from tandem.engine.kv_cache import KVCacheManager
+from tandem.engine.lora import LoRAAdapter, LoRALimits, LoRAManager, LoRAModelShape, parse_peft_adapter
 from tandem.engine.models.loader import build_model, load_model
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.protocol import GenerationRequest, RequestOutput
@@ -22,7 +24,7 @@ from tandem.engine.runner import KVCacheSpec, ModelRunner
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.tokenizer import Tokenizer
 from tandem.platform.config import EngineConfig
-from tandem.platform.errors import ContextLengthExceededError, InvalidRequestError
+from tandem.platform.errors import ContextLengthExceededError, InvalidRequestError, NotFoundError
 
 logger = logging.getLogger("tandem.engine")
 
@@ -107,8 +109,19 @@ class LLMEngine:
             batch_kv_occupancy_limit=config.batch_kv_occupancy_limit,
             batch_max_prefill_tokens=config.batch_max_prefill_tokens,
             batch_tokens_under_load=config.batch_tokens_under_load,
+            max_loras=config.max_loras if config.enable_lora else 0,
         )
-        self.runner = ModelRunner(model, kv_spec, num_blocks, self.device, seed=config.seed)
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = LoRAManager(
+                LoRAModelShape.from_config(cfg),
+                max_loras=config.max_loras,
+                max_cpu_loras=config.max_cpu_loras or 4 * config.max_loras,
+                limits=LoRALimits(max_lora_rank=config.max_lora_rank),
+                device=self.device,
+                dtype=self.dtype,
+            )
+        self.runner = ModelRunner(model, kv_spec, num_blocks, self.device, seed=config.seed, lora=self.lora)
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info(
             "engine ready",
@@ -158,6 +171,8 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens; this model's context is {self.max_model_len} tokens "
                 "and at least one must be left to generate"
             )
+        if gen.lora_name is not None:
+            self._check_lora(gen.lora_name)
         request = Request(
             request_id=gen.request_id,
             prompt_token_ids=token_ids,
@@ -165,8 +180,46 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             priority=gen.priority,
             tenant_id=gen.tenant_id,
+            lora_name=gen.lora_name,
         )
         return request, prompt
+
+    def _check_lora(self, name: str) -> None:
+        if self.lora is None:
+            raise InvalidRequestError(
+                "this engine serves no LoRA adapters; start it with enable_lora=True", param="model"
+            )
+        if not self.lora.has(name):
+            raise NotFoundError(f"LoRA adapter {name!r} is not loaded", param="model", code="model_not_found")
+
+    # -- LoRA adapters --------------------------------------------------------------------
+    def add_lora(self, name: str, source: str | LoRAAdapter) -> LoRAAdapter:
+        """Register an adapter by name: a PEFT folder (adapter_config.json +
+        adapter_model.safetensors) or an already parsed `LoRAAdapter`. Thread-safe."""
+        if self.lora is None:
+            raise InvalidRequestError("LoRA is not enabled; pass enable_lora=True", param="enable_lora")
+        if isinstance(source, LoRAAdapter):
+            adapter = source
+        else:
+            folder = Path(source)
+            config_path, weights_path = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+            if not config_path.is_file() or not weights_path.is_file():
+                raise NotFoundError(
+                    f"{folder} must hold adapter_config.json and adapter_model.safetensors "
+                    "(PEFT save_pretrained output; .bin checkpoints are refused)",
+                    param="lora",
+                )
+            adapter = parse_peft_adapter(
+                name, config_path.read_bytes(), weights_path.read_bytes(), self.lora.shape, self.lora.limits
+            )
+        self.lora.add(adapter)
+        return adapter
+
+    def remove_lora(self, name: str) -> bool:
+        return self.lora.remove(name) if self.lora is not None else False
+
+    def list_loras(self) -> list[str]:
+        return list(self.lora.adapters) if self.lora is not None else []
 
     def add_request(self, gen: GenerationRequest, *, stream_text: bool = False) -> Request:
         request, prompt = self.make_request(gen)
@@ -178,9 +231,17 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"request id {request.request_id!r} is already running", param="request_id"
             )
+        if request.lora_name is not None:
+            if self.lora is None:
+                raise InvalidRequestError("this engine serves no LoRA adapters", param="model")
+            self.lora.acquire(request.lora_name)  # raises when it was removed meanwhile
         self.scheduler.add_request(request)
         self.output_processor.add(request, prompt, stream_text)
         return request
+
+    def _release(self, request: Request) -> None:
+        if request.lora_name is not None and self.lora is not None:
+            self.lora.release(request.lora_name)
 
     def abort_request(
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -189,6 +250,7 @@ class LLMEngine:
         request = self.scheduler.finish_request(request_id, status)
         if request is None:
             return None
+        self._release(request)
         return self.output_processor.finish(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -209,8 +271,13 @@ class LLMEngine:
         result = self.runner.execute(scheduled)
         updates = self.scheduler.update_from_output(scheduled, result)
         outputs, stopped_ids = self.output_processor.process(updates)
+        for update in updates:
+            if update.finished:
+                self._release(update.request)
         for request_id in stopped_ids:  # a stop string matched: release the request's blocks
-            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+            stopped = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+            if stopped is not None:
+                self._release(stopped)
         return outputs
 
     def stats(self) -> dict[str, Any]:

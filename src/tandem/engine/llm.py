@@ -6,9 +6,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from tandem.engine.engine import LLMEngine
-from tandem.engine.protocol import GenerationRequest, RequestOutput
+from tandem.engine.protocol import GenerationRequest, LoRARequest, RequestOutput
 from tandem.engine.request import Priority
 from tandem.engine.sampling_params import SamplingParams
+from tandem.platform.errors import InvalidRequestError
 
 Messages = list[dict[str, Any]]
 
@@ -29,13 +30,17 @@ class LLM:
         *,
         priority: Priority = Priority.INTERACTIVE,
         on_output: Callable[[RequestOutput], None] | None = None,
+        lora: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); results are in input order.
 
-        All prompts are validated before any is queued, so one bad prompt adds nothing.
+        `lora`: one adapter for every prompt, or one (or None) per prompt; each is loaded from its
+        folder the first time its name is seen (needs `LLM(..., enable_lora=True)`). All prompts
+        are validated before any is queued, so one bad prompt adds nothing.
         """
         if isinstance(prompts, str):
             prompts = [prompts]
+        loras = self._loras_per_prompt(lora, len(prompts))
         requests = [
             GenerationRequest(
                 request_id=self.engine.new_request_id(),
@@ -43,10 +48,26 @@ class LLM:
                 prompt_token_ids=None if isinstance(p, str) else list(cast(list[int], p)),
                 sampling_params=sp,
                 priority=priority,
+                lora_name=adapter.name if adapter is not None else None,
             )
-            for p, sp in zip(prompts, self._params_per_prompt(sampling_params, len(prompts)), strict=True)
+            for p, sp, adapter in zip(
+                prompts, self._params_per_prompt(sampling_params, len(prompts)), loras, strict=True
+            )
         ]
         return self._run(requests, on_output)
+
+    def _loras_per_prompt(
+        self, lora: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+    ) -> list[LoRARequest | None]:
+        loras = [lora] * num_prompts if lora is None or isinstance(lora, LoRARequest) else list(lora)
+        if len(loras) != num_prompts:
+            raise InvalidRequestError(
+                f"got {len(loras)} LoRA requests for {num_prompts} prompts", param="lora"
+            )
+        for adapter in loras:
+            if adapter is not None and adapter.name not in self.engine.list_loras():
+                self.engine.add_lora(adapter.name, adapter.path)
+        return loras
 
     def chat(
         self,

@@ -9,6 +9,14 @@ from tandem.engine.request import Priority
 from tandem.engine.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter for offline generation: a name, and the PEFT folder to load it from once."""
+
+    name: str
+    path: str
+
+
 @dataclass
 class GenerationRequest:
     """One generation. Exactly one of `prompt`, `prompt_token_ids` or `messages` is set."""
@@ -20,6 +28,7 @@ class GenerationRequest:
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     priority: Priority = Priority.INTERACTIVE
     tenant_id: str | None = None
+    lora_name: str | None = None  # a LoRA adapter registered with the engine (`add_lora`)
 
 
 @dataclass

@@ -47,6 +47,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     priority: Priority = Priority.INTERACTIVE
     tenant_id: str | None = None
+    lora_name: str | None = None  # the LoRA adapter this request runs with, if any
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)

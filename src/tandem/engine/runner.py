@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.lora import LoRAManager, LoRAStep
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.scheduler import RunnerResult, ScheduledRequest, SchedulerOutput
 from tandem.kernels.attention import build_attention_metadata
@@ -38,8 +39,10 @@ class ModelRunner:
         num_blocks: int,
         device: torch.device,
         seed: int = 0,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
         self.kv_spec = kv_spec
         self.device = device
         self.block_size = kv_spec.block_size
@@ -67,8 +70,13 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
+        lora_names = {item.lora_name for item in items if item.lora_name is not None}
+        slot_of = self.lora.slots_for_step(lora_names) if self.lora is not None and lora_names else {}
+        token_slots: list[int] = []
         for item in items:
             n = len(item.token_ids)
+            if slot_of:
+                token_slots.extend([slot_of[item.lora_name] if item.lora_name else -1] * n)
             input_ids.extend(item.token_ids)
             positions.extend(range(item.start_position, item.start_position + n))
             if item.sample:
@@ -87,6 +95,9 @@ class ModelRunner:
             self.kv_caches,
             metadata,
             torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
+            lora=LoRAStep(self.lora.slots, torch.tensor(token_slots, device=self.device))
+            if slot_of and self.lora
+            else None,
         )
         sampling_items = [item for item in items if item.sample]
         return self.sample(logits, sampling_items)

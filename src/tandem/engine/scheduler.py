@@ -37,6 +37,7 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     output_token_ids: list[int]  # generated so far (penalties)
     is_new: bool  # first time the runner sees this request (or first time since preemption)
+    lora_name: str | None = None  # LoRA adapter of this request, if any
 
 
 @dataclass
@@ -89,7 +90,8 @@ class Scheduler:
         max_model_len: int,
         batch_kv_occupancy_limit: float = 0.8,
         batch_max_prefill_tokens: int | None = None,
-        batch_tokens_under_load: int = 16,
+        batch_tokens_under_load: int = 4,
+        max_loras: int = 0,
     ) -> None:
         self.kv = kv_manager
         # Batch-priority requests fill idle capacity only: one is admitted while the KV cache,
@@ -99,6 +101,8 @@ class Scheduler:
         self.batch_max_prefill_tokens = batch_max_prefill_tokens or max(1, max_num_batched_tokens // 4)
         # While interactive requests run or wait, batch requests share this many tokens per step.
         self.batch_tokens_under_load = batch_tokens_under_load
+        # At most this many distinct LoRA adapters among running requests (the device slots).
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -174,6 +178,7 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 output_token_ids=request.output_token_ids,
                 is_new=is_new,
+                lora_name=request.lora_name,
             )
         )
 
@@ -235,15 +240,21 @@ class Scheduler:
     def _admit_waiting(self, priority: Priority, step: _Step, cap: int) -> None:
         """Admit waiting requests of `priority` (arrival order) within `cap` tokens, `max_num_seqs`
         and free blocks; a waiting request may preempt a running one of lower priority."""
+        active_loras = {r.lora_name for r in self.running if r.lora_name is not None}
+        position = 0  # requests before it wait for a LoRA slot; later ones may still go ahead
         while (
-            self.waiting
-            and self.waiting[0].priority is priority
+            position < len(self.waiting)
+            and self.waiting[position].priority is priority
             and cap > 0
             and len(self.running) < self.max_num_seqs
         ):
-            request = self.waiting[0]
+            request = self.waiting[position]
             if priority is Priority.BATCH and not self._batch_has_room(request):
                 break
+            lora = request.lora_name
+            if lora is not None and lora not in active_loras and len(active_loras) >= self.max_loras:
+                position += 1  # every LoRA slot is taken by running requests' adapters
+                continue
             num_new = self._chunk(request, cap)
             total = request.num_computed_tokens + num_new
             if not self.kv.allocate_slots(request.request_id, total, admission=True):
@@ -257,10 +268,13 @@ class Scheduler:
                     step.scheduled_ids.discard(lower.request_id)
                 self._preempt(lower)
                 step.preempted.append(lower.request_id)
+                active_loras = {r.lora_name for r in self.running if r.lora_name is not None}
                 continue
-            self.waiting.pop(0)
+            self.waiting.pop(position)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=Request.sort_key)
+            if lora is not None:
+                active_loras.add(lora)
             self._schedule_one(request, num_new, step.scheduled)
             step.scheduled_ids.add(request.request_id)
             step.budget -= num_new
@@ -324,6 +338,8 @@ class Scheduler:
         assert live == set(self.requests), "queues disagree with the request map"
         assert len(self.running) + len(self.waiting) == len(self.requests), "request in two queues"
         assert len(self.running) <= self.max_num_seqs
+        num_loras = len({r.lora_name for r in self.running if r.lora_name is not None})
+        assert num_loras <= self.max_loras, "more running adapters than LoRA slots"
         for request in self.running:
             assert request.status is RequestStatus.RUNNING
             assert request.num_computed_tokens <= request.num_tokens

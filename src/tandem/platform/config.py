@@ -55,9 +55,15 @@ class EngineConfig(BaseModel):
         None, ge=1, description="Cap on a batch request's prefill chunk per step; default budget/4."
     )
     batch_tokens_under_load: int = Field(
-        16,
+        4,
         ge=0,
         description="Tokens per step that batch requests share while interactive requests run or wait.",
+    )
+    enable_lora: bool = Field(False, description="Serve LoRA adapters (reserves max_loras device slots).")
+    max_loras: int = Field(4, ge=1, description="Distinct adapters in one batch (device slots).")
+    max_lora_rank: int = Field(16, ge=1, le=256, description="Largest adapter rank accepted.")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="Adapters kept loaded in host memory (LRU); default 4 x max_loras."
     )
     seed: int = Field(0, description="Seed of the engine's default random generator.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU.")

@@ -147,7 +147,9 @@ class FileObjectStore(ObjectStore):
 
     def list(self, prefix: str) -> list[str]:
         keys = []
-        for directory, _, files in os.walk(self.root):
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = os.path.join(self.root, *base.split("/")) if base else self.root
+        for directory, _, files in os.walk(start):
             rel_dir = os.path.relpath(directory, self.root)
             for name in files:
                 if name.startswith("."):

@@ -7,7 +7,7 @@ load time. Attention reads and writes the paged KV cache through `tandem.kernels
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -94,9 +94,16 @@ class LlamaConfig:
         }
 
 
+class LoRAContext(Protocol):
+    """Per-step multi-LoRA state the layers call into (`engine.lora.LoRAStep`)."""
+
+    def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -113,38 +120,53 @@ class LlamaAttention(nn.Module):
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
+        lora: LoRAContext | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if lora is not None:
+            qkv = lora.apply(self.layer_idx, "qkv", x, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale).reshape(
+            num_tokens, self.q_size
+        )
+        if lora is None:
+            return self.o_proj(out)
+        return lora.apply(self.layer_idx, "o", out, self.o_proj(out))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoRAContext | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            gate_up = lora.apply(self.layer_idx, "gate_up", x, gate_up)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        act = F.silu(gate) * up
+        if lora is None:
+            return self.down_proj(act)
+        return lora.apply(self.layer_idx, "down", act, self.down_proj(act))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_idx)
+        self.mlp = LlamaMLP(cfg, layer_idx)
 
     def forward(
         self,
@@ -153,9 +175,11 @@ class LlamaDecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
+        lora: LoRAContext | None = None,
     ) -> torch.Tensor:
-        h = x + self.self_attn(rms_norm(x, self.input_layernorm, self.eps), cos, sin, kv_cache, metadata)
-        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+        normed = rms_norm(x, self.input_layernorm, self.eps)
+        h = x + self.self_attn(normed, cos, sin, kv_cache, metadata, lora)
+        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps), lora)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -169,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions
@@ -191,13 +215,14 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,  # [B] rows whose next-token logits are wanted
+        lora: LoRAContext | None = None,  # adapters of this step's rows, if any
     ) -> torch.Tensor:  # [B, vocab] float32
         x = self.embed_tokens(input_ids)
         dtype = x.dtype
         cos = self.rope_cos[positions].to(dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, metadata)
+            x = layer(x, cos, sin, kv_cache, metadata, lora)
         x = rms_norm(x.index_select(0, logits_indices), self.norm, self.config.rms_norm_eps)
         return self.lm_head(x).float()
 
