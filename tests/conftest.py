@@ -215,3 +215,31 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unty
     except subprocess.TimeoutExpired:
         proc.kill()
     log.close()
+
+
+ADAPTERS = {  # name -> LoraConfig fields; different ranks, targets and scalings
+    "all-r8": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                            "gate_proj", "up_proj", "down_proj"]},
+    "attn-r4": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+    "mlp-rslora": {"r": 16, "lora_alpha": 4, "target_modules": ["gate_proj", "down_proj"], "use_rslora": True},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def peft_adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaForCausalLM
+
+    out = {}
+    for seed, (name, fields) in enumerate(ADAPTERS.items()):
+        base = LlamaForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+        model = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **fields))
+        gen = torch.Generator().manual_seed(100 + seed)
+        with torch.no_grad():  # nonzero A and B, large enough to change greedy tokens
+            for param_name, param in model.named_parameters():
+                if "lora_" in param_name:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.15)
+        folder = tmp_path_factory.mktemp(f"adapter-{name}")
+        model.save_pretrained(str(folder))
+        out[name] = folder
+    return out

@@ -13,18 +13,14 @@ from tandem import LLM, LoRARequest, SamplingParams
 from tandem.engine.lora import AdapterError, LoRALimits, LoRAModelShape, parse_peft_adapter
 from tandem.kernels.lora import LoRAGroups, lora_apply, lora_apply_reference
 
+from .conftest import ADAPTERS
+
 PROMPTS = [
     "The quick brown fox",
     "Paged attention stores keys",
     "Continuous batching lets new requests",
     "0123456789 numbers and words",
 ]
-ADAPTERS = {  # name -> LoraConfig fields; different ranks, targets and scalings
-    "all-r8": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                            "gate_proj", "up_proj", "down_proj"]},
-    "attn-r4": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
-    "mlp-rslora": {"r": 16, "lora_alpha": 4, "target_modules": ["gate_proj", "down_proj"], "use_rslora": True},
-}  # fmt: skip
 
 
 def test_lora_apply_matches_per_row_definition() -> None:
@@ -39,26 +35,6 @@ def test_lora_apply_matches_per_row_definition() -> None:
     everyone = torch.zeros(9, dtype=torch.int64)  # one adapter for every row: no gather path
     got = lora_apply(y.clone(), x, lora_a, lora_b, LoRAGroups.from_token_slots(everyone))
     torch.testing.assert_close(got, lora_apply_reference(y, x, lora_a, lora_b, everyone))
-
-
-@pytest.fixture(scope="module")
-def peft_adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    peft = pytest.importorskip("peft")
-    from transformers import LlamaForCausalLM
-
-    out = {}
-    for seed, (name, fields) in enumerate(ADAPTERS.items()):
-        base = LlamaForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
-        model = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **fields))
-        gen = torch.Generator().manual_seed(100 + seed)
-        with torch.no_grad():  # nonzero A and B, large enough to change greedy tokens
-            for param_name, param in model.named_parameters():
-                if "lora_" in param_name:
-                    param.copy_(torch.randn(param.shape, generator=gen) * 0.15)
-        folder = tmp_path_factory.mktemp(f"adapter-{name}")
-        model.save_pretrained(str(folder))
-        out[name] = folder
-    return out
 
 
 def _peft_reference(

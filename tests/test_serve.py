@@ -307,3 +307,33 @@ def test_batch_cli_submit_wait_and_results(
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(line["custom_id"] for line in lines) == [f"cli-{i}" for i in range(4)]
     assert main([*common, "status", batch_id]) == 0 and '"completed"' in capsys.readouterr().out
+
+
+def test_adapter_upload_and_multiplexed_use_through_serve(served: str, peft_adapters: dict) -> None:
+    """Upload over HTTP, then a request naming `tiny:<adapter>` makes the replica fetch it from
+    the object store (`@serve.multiplexed`); the answer differs from the base model's and is the
+    same on every call."""
+    import httpx
+
+    folder = peft_adapters["all-r8"]
+    response = httpx.post(
+        f"{served}/v1/adapters",
+        headers={"Authorization": f"Bearer {KEY}"},
+        data={"name": "served-bot"},
+        files={
+            "adapter_config": ("adapter_config.json", (folder / "adapter_config.json").read_bytes()),
+            "adapter_model": (
+                "adapter_model.safetensors",
+                (folder / "adapter_model.safetensors").read_bytes(),
+            ),
+        },
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key=KEY, max_retries=0)
+    kwargs = dict(prompt="The quick brown fox", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    base = client.completions.create(model="tiny", **kwargs).choices[0].text
+    first = client.completions.create(model="tiny:served-bot", **kwargs)
+    second = client.completions.create(model="tiny:served-bot", **kwargs)
+    assert first.model == "tiny:served-bot" and first.choices[0].text == second.choices[0].text != base
+    assert "tiny:served-bot" in [m.id for m in client.models.list().data]

@@ -15,6 +15,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from tandem.batch.service import BatchLimits, BatchService
+from tandem.deployments.adapters import AdapterStore
 from tandem.deployments.autoscaling import BatchQueueTargets, ScalingTargets
 from tandem.deployments.batch_worker import BatchWorkerReplica
 from tandem.deployments.ingress import create_app, install_server
@@ -60,6 +61,11 @@ class AppConfig(BaseModel):
         description="BatchQueueTargets fields (min_replicas, max_replicas, target_shards_per_replica)",
     )
     batch_poll_interval_s: float = 1.0
+    adapter_source_prefixes: list[str] = Field(
+        default_factory=lambda: ["s3://"],
+        description="URI prefixes an adapter upload may name as 'source' (read with the server's credentials)",
+    )
+    max_adapter_bytes: int = 256 << 20
 
 
 fastapi_app = create_app()
@@ -77,11 +83,17 @@ class HandleEngineClient:
         """Stats of whichever replica answers (complete with one replica per model)."""
         return cast(dict[str, Any], await self.unary.stats.remote())
 
+    async def lora_info(self) -> dict[str, Any]:
+        return cast(dict[str, Any], await self.unary.lora_info.remote())
+
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         response: DeploymentResponseGenerator | None = None
         try:
             # Inside a replica, `.remote()` itself may raise BackPressureError; outside, iterating does.
-            response = cast(DeploymentResponseGenerator, self.handle.generate.remote(request))
+            handle = self.handle
+            if request.lora_name is not None:  # route to replicas that already hold the adapter
+                handle = handle.options(multiplexed_model_id=request.lora_name)
+            response = cast(DeploymentResponseGenerator, handle.generate.remote(request))
             async for output in response:
                 yield output
         except BackPressureError as exc:  # every replica's queue is full: 429, never a hang
@@ -113,15 +125,22 @@ class OpenAIIngress:
             TenantLimits(cfg.max_concurrent_requests_per_tenant, cfg.tokens_per_minute_per_tenant),
         )
         model_name = EngineConfig(**cfg.engine).api_model_name
-        batches = None
+        batches = adapters = None
         if cfg.object_store is not None:
             store = open_object_store(cfg.object_store)
             batches = BatchService(store, {model_name}, BatchLimits(**cfg.batch))
+            adapters = AdapterStore(
+                store,
+                model_name,
+                source_prefixes=tuple(cfg.adapter_source_prefixes),
+                max_adapter_bytes=cfg.max_adapter_bytes,
+            )
         server = OpenAIServer(
             HandleEngineClient(llm, model_name),
             tenants,
             max_tokens_default=cfg.max_tokens_default,
             batches=batches,
+            adapters=adapters,
         )
         if batch_worker is not None:
 
@@ -170,6 +189,8 @@ def replica_engine_options(cfg: AppConfig) -> dict[str, Any]:
     reserves none), which silently halves a CPU replica on 2 cores; so the thread count is
     explicit: the replica's CPUs, or every core of this machine when it reserves none."""
     engine = dict(cfg.engine)
+    if cfg.object_store is not None:
+        engine.setdefault("enable_lora", True)  # adapters can be uploaded: replicas serve them
     if engine.get("num_threads") is None:
         cpus = int(cfg.replica_num_cpus)
         engine["num_threads"] = cpus if cpus >= 1 else (os.cpu_count() or 1)
@@ -197,7 +218,7 @@ def batch_worker_options(cfg: AppConfig) -> dict[str, Any]:
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     cfg = AppConfig(**(args or {}))
     replica = serve.deployment(name="LLMReplica")(LLMReplica).options(**replica_options(cfg))
-    llm = replica.bind(replica_engine_options(cfg))
+    llm = replica.bind(replica_engine_options(cfg), None, cfg.object_store)
     ingress = cast(serve.Deployment, OpenAIIngress).options(
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=cfg.ingress_max_ongoing_requests
     )

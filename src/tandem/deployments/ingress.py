@@ -14,7 +14,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
+from tandem.deployments.adapter_routes import adapter_router
 from tandem.deployments.batch_routes import batch_router
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.errors import PayloadTooLargeError, TandemError
@@ -128,11 +130,12 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
         return await _respond(await server.completions(req, tenant))
 
     app.include_router(batch_router(_authenticated, json_body))
+    app.include_router(adapter_router(_authenticated, json_body))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
-        server, _ = _authenticated(request)
-        return server.models()
+        server, tenant = _authenticated(request)
+        return await run_in_threadpool(server.models, tenant)
 
     @app.get("/health")
     async def health(request: Request) -> Any:

@@ -8,6 +8,7 @@ errors; a stream that has started ends with an error event instead.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import logging
@@ -19,6 +20,7 @@ from pydantic import ValidationError
 
 from tandem.batch.service import BatchService
 from tandem.batch.worker import ExecutedRequest
+from tandem.deployments.adapters import AdapterStore
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Priority
 from tandem.engine.sampling_params import SamplingParams
@@ -57,6 +59,8 @@ class EngineClient(Protocol):
 
     def stats(self) -> dict[str, Any] | Awaitable[dict[str, Any]]: ...
 
+    def lora_info(self) -> dict[str, Any] | Awaitable[dict[str, Any]]: ...
+
 
 def sampling_params_from(
     req: ChatCompletionRequest | CompletionRequest, max_tokens_default: int
@@ -91,6 +95,7 @@ class OpenAIServer:
         max_tokens_default: int = 256,
         decode_token: Any = None,
         batches: BatchService | None = None,
+        adapters: AdapterStore | None = None,
     ) -> None:
         self.client = client
         self.tenants = tenants
@@ -99,6 +104,8 @@ class OpenAIServer:
         self.decode_token = decode_token  # token id -> text, for logprobs (optional)
         self.batches = batches  # files + batches API; None when no object store is configured
         self.on_batch_created: Callable[[], None] | None = None  # e.g. wake a batch worker
+        self.adapters = adapters  # per-tenant LoRA adapters; None when no object store is configured
+        self._lora_info: dict[str, Any] | None = None
 
     async def refresh_engine_stats(self) -> None:
         """Pull the engine's gauges (KV occupancy, queue) into telemetry; called on each scrape."""
@@ -140,21 +147,47 @@ class OpenAIServer:
         )
 
     # -- routes ---------------------------------------------------------------------------
-    def models(self) -> dict[str, Any]:
-        return ModelList(data=[ModelCard(id=self.model_name)]).model_dump()
+    def models(self, tenant: str) -> dict[str, Any]:
+        """The base model and this tenant's adapters (as `base:adapter`)."""
+        cards = [ModelCard(id=self.model_name)]
+        if self.adapters is not None:
+            cards += [
+                ModelCard(id=f"{self.model_name}:{a.name}", created=a.created_at, owned_by=tenant)
+                for a in self.adapters.list(tenant)
+            ]
+        return ModelList(data=cards).model_dump()
 
-    def _check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise ModelNotFoundError(
-                f"model {model!r} not found; available: {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+    def _resolve_model(self, model: str, tenant: str) -> str | None:
+        """The engine's LoRA id for `model`, None for the base model; 404 for anything else,
+        including another tenant's adapter."""
+        if model == self.model_name:
+            return None
+        base, sep, adapter = model.partition(":")
+        if sep and base == self.model_name and self.adapters is not None:
+            return self.adapters.get(tenant, adapter).lora_id
+        raise ModelNotFoundError(
+            f"The model {model!r} does not exist; available: {self.model_name!r} and your adapters "
+            f"as '{self.model_name}:<adapter>'",
+            param="model",
+            code="model_not_found",
+        )
+
+    def _api_model(self, gen: GenerationRequest) -> str:
+        if gen.lora_name is None:
+            return self.model_name
+        return f"{self.model_name}:{gen.lora_name.rpartition('@')[0].rpartition('/')[2]}"
+
+    async def lora_info(self) -> dict[str, Any]:
+        """The engine's LoRA limits and base-model shape (asked once, then cached)."""
+        if self._lora_info is None:
+            info = self.client.lora_info()
+            self._lora_info = await info if inspect.isawaitable(info) else info
+        return self._lora_info
 
     async def chat(
         self, req: ChatCompletionRequest, tenant: str, priority: Priority = Priority.INTERACTIVE
     ) -> dict[str, Any] | AsyncIterator[str]:
-        self._check_model(req.model)
+        lora_id = await asyncio.to_thread(self._resolve_model, req.model, tenant)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         gen = GenerationRequest(
             request_id=new_id("chatcmpl"),
@@ -162,6 +195,7 @@ class OpenAIServer:
             sampling_params=sampling_params_from(req, self.max_tokens_default),
             tenant_id=tenant,
             priority=priority,
+            lora_name=lora_id,
         )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self._run(gen, tenant, stream=req.stream, chat=True, include_usage=include_usage)
@@ -169,7 +203,7 @@ class OpenAIServer:
     async def completions(
         self, req: CompletionRequest, tenant: str, priority: Priority = Priority.INTERACTIVE
     ) -> dict[str, Any] | AsyncIterator[str]:
-        self._check_model(req.model)
+        lora_id = await asyncio.to_thread(self._resolve_model, req.model, tenant)
         prompt_is_text = isinstance(req.prompt, str)
         gen = GenerationRequest(
             request_id=new_id("cmpl"),
@@ -178,6 +212,7 @@ class OpenAIServer:
             sampling_params=sampling_params_from(req, self.max_tokens_default),
             tenant_id=tenant,
             priority=priority,
+            lora_name=lora_id,
         )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self._run(gen, tenant, stream=req.stream, chat=False, include_usage=include_usage)
@@ -267,7 +302,7 @@ class OpenAIServer:
         if chat:
             return chat_completion(
                 request_id=gen.request_id,
-                model=self.model_name,
+                model=self._api_model(gen),
                 text=completion.text,
                 finish_reason=completion.finish_reason,
                 usage=usage,
@@ -277,7 +312,7 @@ class OpenAIServer:
             )
         return text_completion(
             request_id=gen.request_id,
-            model=self.model_name,
+            model=self._api_model(gen),
             created=now(),
             text=completion.text,
             finish_reason=completion.finish_reason,
@@ -303,7 +338,7 @@ class OpenAIServer:
                 yield _event(
                     chat_chunk(
                         request_id=gen.request_id,
-                        model=self.model_name,
+                        model=self._api_model(gen),
                         created=created,
                         delta={"role": "assistant", "content": ""},
                         finish_reason=None,
@@ -312,9 +347,7 @@ class OpenAIServer:
             out: RequestOutput | None = first
             while out is not None:
                 last = out
-                yield _event(
-                    self._chunk(gen.request_id, created, out, chat, gen.sampling_params.logprobs or 0)
-                )
+                yield _event(self._chunk(gen, created, out, chat, gen.sampling_params.logprobs or 0))
                 out = await anext(outputs, None)
             if include_usage:
                 usage = _usage(last)
@@ -322,7 +355,7 @@ class OpenAIServer:
                     yield _event(
                         chat_chunk(
                             request_id=gen.request_id,
-                            model=self.model_name,
+                            model=self._api_model(gen),
                             created=created,
                             delta={},
                             finish_reason=None,
@@ -334,7 +367,7 @@ class OpenAIServer:
                     yield _event(
                         text_completion(
                             request_id=gen.request_id,
-                            model=self.model_name,
+                            model=self._api_model(gen),
                             created=created,
                             text="",
                             finish_reason=None,
@@ -361,23 +394,23 @@ class OpenAIServer:
                 self._record(gen, tenant, last, *timing)
 
     def _chunk(
-        self, request_id: str, created: int, out: RequestOutput, chat: bool, num_top: int
+        self, gen: GenerationRequest, created: int, out: RequestOutput, chat: bool, num_top: int
     ) -> dict[str, Any]:
         completion = out.outputs[0]
         finish = completion.finish_reason
         if chat:
             delta = {"content": completion.delta_text} if completion.delta_text or finish is None else {}
             return chat_chunk(
-                request_id=request_id,
-                model=self.model_name,
+                request_id=gen.request_id,
+                model=self._api_model(gen),
                 created=created,
                 delta=delta,
                 finish_reason=finish,
                 logprobs=self._chat_logprobs(completion.delta_token_ids, completion.delta_logprobs, num_top),
             )
         return text_completion(
-            request_id=request_id,
-            model=self.model_name,
+            request_id=gen.request_id,
+            model=self._api_model(gen),
             created=created,
             text=completion.delta_text,
             finish_reason=finish,

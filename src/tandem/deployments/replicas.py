@@ -7,11 +7,30 @@ cancels this generator, which aborts the request in the engine and frees its KV 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from ray import serve
+
+from tandem.deployments.adapters import AdapterStore, load_into_engine
 from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.protocol import GenerationRequest, RequestOutput
+from tandem.platform.object_store import open_object_store
+
+# Adapters Serve tracks per replica for routing; the engine's own LRU (`max_cpu_loras`) decides
+# what stays in memory, and unloading here only drops the engine's copy when no request uses it.
+MAX_ADAPTERS_PER_REPLICA = 16
+
+
+class _LoadedAdapter:
+    """What `@serve.multiplexed` caches per adapter; Serve calls `__del__` when it evicts one."""
+
+    def __init__(self, engine: AsyncEngine, lora_id: str) -> None:
+        self.engine, self.lora_id = engine, lora_id
+
+    def __del__(self) -> None:
+        self.engine.engine.remove_lora(self.lora_id)
 
 
 class LLMReplica:
@@ -19,13 +38,27 @@ class LLMReplica:
         self,
         engine_options: dict[str, Any] | None = None,
         engine_factory: Callable[[], AsyncEngine] | None = None,
+        object_store: str | None = None,
     ) -> None:
         if engine_factory is not None:
             self.engine = engine_factory()
         else:
             self.engine = AsyncEngine.from_options(**(engine_options or {}))
+        self.adapters = (
+            AdapterStore(open_object_store(object_store), self.engine.model_name) if object_store else None
+        )
+
+    @serve.multiplexed(max_num_models_per_replica=MAX_ADAPTERS_PER_REPLICA)
+    async def load_adapter(self, lora_id: str) -> _LoadedAdapter:
+        """Fetch an adapter from the object store into this replica's engine (first use only)."""
+        if self.adapters is None:
+            raise RuntimeError("this replica has no object store to load adapters from")
+        await asyncio.to_thread(load_into_engine, self.engine.engine, self.adapters, lora_id)
+        return _LoadedAdapter(self.engine, lora_id)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        if request.lora_name is not None:
+            await self.load_adapter(request.lora_name)
         async for output in self.engine.generate(request):
             yield output.without_cumulative()  # cumulative fields cross processes once, at the end
 
@@ -34,6 +67,9 @@ class LLMReplica:
 
     async def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    async def lora_info(self) -> dict[str, Any]:
+        return self.engine.lora_info()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom autoscaling metrics (Ray Serve calls this on each replica periodically)."""

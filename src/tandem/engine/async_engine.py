@@ -108,6 +108,9 @@ class AsyncEngine:
         """Snapshot taken by the loop thread after the latest step."""
         return dict(self._stats)
 
+    def lora_info(self) -> dict[str, Any]:
+        return self.engine.lora_info()
+
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._stopped
 

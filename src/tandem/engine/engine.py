@@ -218,6 +218,16 @@ class LLMEngine:
     def remove_lora(self, name: str) -> bool:
         return self.lora.remove(name) if self.lora is not None else False
 
+    def lora_info(self) -> dict[str, Any]:
+        """What an API needs to validate adapter uploads for this engine."""
+        if self.lora is None:
+            return {"enabled": False}
+        return {
+            "enabled": True,
+            "max_lora_rank": self.lora.limits.max_lora_rank,
+            "shape": dict(self.lora.shape.__dict__),
+        }
+
     def list_loras(self) -> list[str]:
         return list(self.lora.adapters) if self.lora is not None else []
 

@@ -1,0 +1,216 @@
+"""Per-tenant LoRA adapters in the object store, and loading them into an engine on demand.
+
+Layout (per tenant `t`, adapter `name`, upload `version`):
+
+    tenants/t/adapters/{name}.json                       AdapterRecord (the current version)
+    tenants/t/adapter-data/{name}/{version}/adapter_config.json
+    tenants/t/adapter-data/{name}/{version}/adapter_model.safetensors
+
+Requests name an adapter as `model="<base>:<name>"`; the engine knows it as the `lora_id`
+`"<tenant>/<name>@<version>"`, so a re-upload under the same name is a different adapter to every
+replica (no replica can answer with stale weights), and one tenant's name never resolves to
+another tenant's adapter. Replicas load adapters themselves from the store the first time a
+request for one arrives (`load_into_engine`; under Serve through `@serve.multiplexed`, so later
+requests are routed to replicas that already hold it).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+from urllib.parse import urlparse
+
+from pydantic import BaseModel
+
+from tandem.batch.records import tenant_prefix
+from tandem.engine.lora import LoRALimits, LoRAModelShape, parse_peft_adapter
+from tandem.engine.protocol import GenerationRequest, RequestOutput
+from tandem.platform.errors import ConflictError, InvalidRequestError, NotFoundError
+from tandem.platform.object_store import ObjectNotFound, ObjectStore, open_object_store
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
+class AdapterRecord(BaseModel):
+    name: str
+    tenant: str
+    version: str
+    base_model: str
+    created_at: int
+    rank: int
+    target_modules: list[str]
+    bytes: int
+
+    @property
+    def lora_id(self) -> str:
+        return f"{self.tenant}/{self.name}@{self.version}"
+
+    def api(self) -> dict[str, Any]:
+        return {
+            "id": self.name,
+            "object": "adapter",
+            "model": f"{self.base_model}:{self.name}",
+            "base_model": self.base_model,
+            "created_at": self.created_at,
+            "rank": self.rank,
+            "target_modules": self.target_modules,
+            "bytes": self.bytes,
+        }
+
+
+def _record_key(tenant: str, name: str) -> str:
+    return f"{tenant_prefix(tenant)}adapters/{name}.json"
+
+
+def _data_key(tenant: str, name: str, version: str, file: str) -> str:
+    return f"{tenant_prefix(tenant)}adapter-data/{name}/{version}/{file}"
+
+
+def parse_lora_id(lora_id: str) -> tuple[str, str, str]:
+    """`tenant/name@version` -> (tenant, name, version)."""
+    tenant_and_name, _, version = lora_id.rpartition("@")
+    tenant, _, name = tenant_and_name.rpartition("/")
+    return tenant, name, version
+
+
+class AdapterStore:
+    """Tenant-scoped adapter records and files. `source_prefixes` lists the URI prefixes an upload
+    may name as `source` instead of sending files (the server reads them with its own
+    credentials, so keep it to buckets meant for adapters)."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        base_model: str,
+        *,
+        source_prefixes: tuple[str, ...] = (),
+        max_adapter_bytes: int = 256 << 20,
+    ) -> None:
+        self.store = store
+        self.base_model = base_model
+        self.source_prefixes = source_prefixes
+        self.max_adapter_bytes = max_adapter_bytes
+
+    def create(
+        self,
+        tenant: str,
+        name: str,
+        config: bytes,
+        weights: bytes,
+        shape: LoRAModelShape,
+        max_lora_rank: int,
+    ) -> AdapterRecord:
+        """Validate (against the base model and limits) and store a new adapter; 409 if the name
+        is taken (delete it first)."""
+        if not NAME_PATTERN.match(name):
+            raise InvalidRequestError(
+                "name must be 1-64 characters of letters, digits, '_', '.', '-' (starting with a letter or digit)",
+                param="name",
+            )
+        if self.store.exists(_record_key(tenant, name)):
+            raise ConflictError(f"adapter {name!r} already exists; delete it first", param="name")
+        limits = LoRALimits(max_lora_rank=max_lora_rank, max_adapter_bytes=self.max_adapter_bytes)
+        adapter = parse_peft_adapter(name, config, weights, shape, limits)
+        record = AdapterRecord(
+            name=name,
+            tenant=tenant,
+            version=f"{int(time.time() * 1000):012x}{secrets.token_hex(4)}",
+            base_model=self.base_model,
+            created_at=int(time.time()),
+            rank=adapter.rank,
+            target_modules=list(adapter.target_modules),
+            bytes=len(weights),
+        )
+        self.store.put(_data_key(tenant, name, record.version, CONFIG_FILE), config)
+        self.store.put(_data_key(tenant, name, record.version, WEIGHTS_FILE), weights)
+        self.store.put(_record_key(tenant, name), record.model_dump_json().encode(), if_none_match=True)
+        return record
+
+    def fetch_source(self, source: str) -> tuple[bytes, bytes]:
+        """The two PEFT files under an allowed `s3://` or `file://` folder URI."""
+        if not any(source.startswith(prefix) for prefix in self.source_prefixes):
+            allowed = list(self.source_prefixes) or "none: upload the files instead"
+            raise InvalidRequestError(
+                f"source {source!r} is not allowed here (allowed prefixes: {allowed})", param="source"
+            )
+        parsed = urlparse(source)
+        if parsed.scheme not in ("s3", "file") or ".." in parsed.path.split("/"):
+            raise InvalidRequestError("source must be an s3:// or file:// folder URI", param="source")
+        folder = open_object_store(source.rstrip("/"))
+        try:
+            return folder.get(CONFIG_FILE).data, folder.get(WEIGHTS_FILE).data
+        except ObjectNotFound as exc:
+            raise NotFoundError(
+                f"{source} must hold {CONFIG_FILE} and {WEIGHTS_FILE}", param="source"
+            ) from exc
+
+    def get(self, tenant: str, name: str) -> AdapterRecord:
+        try:
+            return AdapterRecord.model_validate_json(self.store.get(_record_key(tenant, name)).data)
+        except (ObjectNotFound, ValueError) as exc:
+            raise NotFoundError(
+                f"The model '{self.base_model}:{name}' does not exist", param="model", code="model_not_found"
+            ) from exc
+
+    def list(self, tenant: str) -> list[AdapterRecord]:
+        keys = self.store.list(f"{tenant_prefix(tenant)}adapters/")
+        return [self.get(tenant, k.rsplit("/", 1)[1].removesuffix(".json")) for k in keys]
+
+    def delete(self, tenant: str, name: str) -> None:
+        record = self.get(tenant, name)
+        self.store.delete(_record_key(tenant, name))
+        for file in (CONFIG_FILE, WEIGHTS_FILE):
+            self.store.delete(_data_key(tenant, name, record.version, file))
+
+    def read(self, lora_id: str) -> tuple[bytes, bytes]:
+        """The files of one adapter version (what a replica loads)."""
+        tenant, name, version = parse_lora_id(lora_id)
+        try:
+            return (
+                self.store.get(_data_key(tenant, name, version, CONFIG_FILE)).data,
+                self.store.get(_data_key(tenant, name, version, WEIGHTS_FILE)).data,
+            )
+        except ObjectNotFound as exc:
+            raise NotFoundError(
+                f"adapter {name!r} was deleted", param="model", code="model_not_found"
+            ) from exc
+
+
+def load_into_engine(engine: Any, adapters: AdapterStore, lora_id: str) -> None:
+    """Fetch `lora_id` from the store and register it with `engine` (an `LLMEngine`)."""
+    if engine.lora is None:
+        raise InvalidRequestError("this replica serves no LoRA adapters (enable_lora is off)", param="model")
+    if engine.lora.has(lora_id):
+        return
+    config, weights = adapters.read(lora_id)
+    adapter = parse_peft_adapter(lora_id, config, weights, engine.lora.shape, engine.lora.limits)
+    engine.add_lora(lora_id, adapter)
+
+
+class LocalEngineClient:
+    """`EngineClient` over an in-process `AsyncEngine` that loads adapters from the store on first
+    use (what a Serve replica does through `@serve.multiplexed`); for tests and single-process use."""
+
+    def __init__(self, engine: Any, adapters: AdapterStore | None) -> None:  # engine: AsyncEngine
+        self.engine = engine
+        self.adapters = adapters
+
+    @property
+    def model_name(self) -> str:
+        return str(self.engine.model_name)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.engine.stats())
+
+    def lora_info(self) -> dict[str, Any]:
+        return dict(self.engine.engine.lora_info())
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
+        if request.lora_name is not None and self.adapters is not None:
+            load_into_engine(self.engine.engine, self.adapters, request.lora_name)
+        async for output in self.engine.generate(request):
+            yield output
