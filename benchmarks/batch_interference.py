@@ -44,7 +44,9 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 async def one(engine: AsyncEngine, rid: str, prompt: list[int], new_tokens: int, priority: Priority) -> dict:
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    request = GenerationRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=params, priority=priority)
+    request = GenerationRequest(
+        request_id=rid, prompt_token_ids=prompt, sampling_params=params, priority=priority
+    )
     start = time.perf_counter()
     first = None
     num_tokens = 0
@@ -57,7 +59,9 @@ async def one(engine: AsyncEngine, rid: str, prompt: list[int], new_tokens: int,
     return {"ttft_s": first - start, "tpot_s": (end - first) / max(1, new_tokens - 1), "end": end}
 
 
-async def scenario(engine: AsyncEngine, args: argparse.Namespace, batch_priority: Priority | None, tag: str) -> dict:
+async def scenario(
+    engine: AsyncEngine, args: argparse.Namespace, batch_priority: Priority | None, tag: str
+) -> dict:
     interactive = prompts(args.interactive, args.prompt_len, seed=1)
     batch = prompts(args.batch, args.batch_prompt_len, seed=2)
     start = time.perf_counter()
@@ -69,7 +73,9 @@ async def scenario(engine: AsyncEngine, args: argparse.Namespace, batch_priority
         ]
     results = []
     for i, prompt in enumerate(interactive):
-        results.append(asyncio.create_task(one(engine, f"{tag}-i{i}", prompt, args.new_tokens, Priority.INTERACTIVE)))
+        results.append(
+            asyncio.create_task(one(engine, f"{tag}-i{i}", prompt, args.new_tokens, Priority.INTERACTIVE))
+        )
         await asyncio.sleep(args.interval)  # the arrival process, not synchronisation
     done = await asyncio.gather(*results)
     interactive_end = time.perf_counter()
@@ -112,8 +118,12 @@ async def run(args: argparse.Namespace) -> dict:
         "with_batch_at_batch_priority": batch,
         "with_batch_at_interactive_priority": same,
         "ratios_vs_alone": {
-            "batch_priority": {k: ratio(batch, k) for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")},
-            "no_priority": {k: ratio(same, k) for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")},
+            "batch_priority": {
+                k: ratio(batch, k) for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
+            },
+            "no_priority": {
+                k: ratio(same, k) for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
+            },
         },
     }
 

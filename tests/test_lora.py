@@ -32,6 +32,10 @@ def test_lora_apply_matches_per_row_definition() -> None:
     token_slots = torch.tensor([2, 2, -1, 0, 0, 0, 2, -1, 1])
     got = lora_apply(y.clone(), x, lora_a, lora_b, LoRAGroups.from_token_slots(token_slots))
     torch.testing.assert_close(got, lora_apply_reference(y, x, lora_a, lora_b, token_slots))
+    padded = LoRAGroups.from_token_slots(token_slots, num_slots=3)  # few rows per adapter: bmm path
+    assert padded.padded_rows is not None
+    got = lora_apply(y.clone(), x, lora_a, lora_b, padded)
+    torch.testing.assert_close(got, lora_apply_reference(y, x, lora_a, lora_b, token_slots))
     everyone = torch.zeros(9, dtype=torch.int64)  # one adapter for every row: no gather path
     got = lora_apply(y.clone(), x, lora_a, lora_b, LoRAGroups.from_token_slots(everyone))
     torch.testing.assert_close(got, lora_apply_reference(y, x, lora_a, lora_b, everyone))

@@ -85,6 +85,7 @@ def _serve(args: argparse.Namespace) -> int:
             "replica_num_cpus": 0 if args.address is None else 1,
             "object_store": args.object_store
             or "file://" + os.path.join(os.path.abspath(args.data_dir), "objects"),
+            "adapter_source_prefixes": ["s3://", "file://"],  # a local server may read local folders
         }
     )
     if args.address:

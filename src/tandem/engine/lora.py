@@ -356,7 +356,7 @@ class LoRAStep:
 
     def __init__(self, slots: LoRASlots, token_slots: torch.Tensor) -> None:  # token_slots: [T]
         self.slots = slots
-        self.groups = LoRAGroups.from_token_slots(token_slots)
+        self.groups = LoRAGroups.from_token_slots(token_slots, num_slots=slots.max_loras)
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         key = (layer, module)
