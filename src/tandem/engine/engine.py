@@ -67,8 +67,13 @@ class LLMEngine:
         )
 
         cfg = loaded.config
+        kv_dtype = {
+            "auto": self.dtype,
+            "fp8_e4m3": torch.float8_e4m3fn,
+            **_DTYPES,
+        }[config.kv_cache_dtype]
         kv_spec = KVCacheSpec(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, config.block_size, self.dtype
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, config.block_size, kv_dtype
         )
         budget = config.kv_cache_memory or int(
             config.kv_cache_memory_fraction * _available_memory_bytes(self.device)
@@ -98,7 +103,14 @@ class LLMEngine:
         else:
             self.max_model_len = min(cfg.max_position_embeddings, capacity)
 
-        model = build_model(loaded, dtype=self.dtype, device=self.device, max_positions=self.max_model_len)
+        model = build_model(
+            loaded,
+            dtype=self.dtype,
+            device=self.device,
+            max_positions=self.max_model_len,
+            weight_dtype=config.weight_dtype,
+            int4_group_size=config.int4_group_size,
+        )
         del loaded
         self.kv_manager = KVCacheManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
@@ -294,6 +306,8 @@ class LLMEngine:
         pool = self.kv_manager.pool
         return {
             "kv_capacity_tokens": self.kv_manager.capacity_tokens,
+            "kv_cache_dtype": str(self.runner.kv_spec.dtype).removeprefix("torch."),
+            "weight_dtype": self.config.weight_dtype,
             "kv_blocks_total": pool.num_blocks,
             "kv_blocks_used": pool.num_used_blocks,
             "kv_occupancy": pool.num_used_blocks / pool.num_blocks,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.lora import LoRAManager, LoRAStep
-from tandem.engine.models.llama import LlamaForCausalLM
+from tandem.engine.models.llama import KVLayer, LlamaForCausalLM
 from tandem.engine.scheduler import RunnerResult, ScheduledRequest, SchedulerOutput
 from tandem.kernels.attention import build_attention_metadata
 from tandem.kernels.sampling import apply_penalties, filter_logits, sample_rows, top_logprobs
@@ -23,12 +23,18 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # element type of the cache (torch.float8_e4m3fn for FP8)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == torch.float8_e4m3fn
 
     @property
     def bytes_per_block(self) -> int:
+        """K and V of every layer for one block, including FP8's per-(token, head) float16 scales."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        per_vector = self.head_dim * element + (2 if self.is_fp8 else 0)
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * per_vector
 
 
 class ModelRunner:
@@ -47,13 +53,16 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_spec.block_size
         shape = (num_blocks, kv_spec.block_size, kv_spec.num_kv_heads, kv_spec.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=kv_spec.dtype, device=device),
-                torch.zeros(shape, dtype=kv_spec.dtype, device=device),
-            )
-            for _ in range(kv_spec.num_layers)
-        ]
+
+        def layer_cache() -> KVLayer:
+            k = torch.zeros(shape, dtype=kv_spec.dtype, device=device)
+            v = torch.zeros(shape, dtype=kv_spec.dtype, device=device)
+            if not kv_spec.is_fp8:
+                return (k, v, None, None)
+            k_scale = torch.zeros(shape[:3], dtype=torch.float16, device=device)
+            return (k, v, k_scale, torch.zeros_like(k_scale))
+
+        self.kv_caches = [layer_cache() for _ in range(kv_spec.num_layers)]
         self.vocab_size = model.config.vocab_size
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator(device=device)

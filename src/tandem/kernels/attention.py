@@ -1,7 +1,9 @@
 """Paged attention over a block-structured KV cache (plain-torch reference).
 
 Cache layout, per layer: `k_cache`, `v_cache`: [num_blocks, block_size, num_kv_heads, head_dim].
-Token slot `s` lives at block `s // block_size`, offset `s % block_size`.
+Token slot `s` lives at block `s // block_size`, offset `s % block_size`. An FP8 (e4m3) cache adds
+`k_scale`, `v_scale`: [num_blocks, block_size, num_kv_heads] float16, one scale per (token, head)
+vector: written with the vector, multiplied back in when it is gathered.
 
 Semantics (for each request i with query rows q[qs[i]:qs[i+1]] and context length L_i):
     K_i = k_cache.view(-1, Hk, D)[slots_i[:L_i]]          # slots from the block table
@@ -19,6 +21,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+FP8_E4M3_MAX = 448.0
+_MIN_SCALE = 1e-8
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (last dim) dynamic e4m3 quantisation: x ~= q.float() * scale[..., None].
+    x: [..., D] -> (q [..., D] float8_e4m3fn, scale [...] float16)."""
+    amax = x.abs().amax(dim=-1).float()
+    scale = (amax / FP8_E4M3_MAX).clamp(min=_MIN_SCALE).to(torch.float16)
+    q = (x.float() / scale.float().unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
 
 def write_kv(
     k: torch.Tensor,  # [T, Hk, D]
@@ -26,11 +40,37 @@ def write_kv(
     k_cache: torch.Tensor,  # [N, bs, Hk, D]
     v_cache: torch.Tensor,  # [N, bs, Hk, D]
     slot_mapping: torch.Tensor,  # [T] int64, flat slot index per token
+    k_scale: torch.Tensor | None = None,  # [N, bs, Hk] float16, only for an FP8 cache
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """k_cache.view(-1, Hk, D)[slot_mapping] = k (and the same for v)."""
+    """k_cache.view(-1, Hk, D)[slot_mapping] = k (and the same for v). An FP8 cache stores each
+    (token, head) vector quantised with its own scale (see `quantize_fp8`)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if k_scale is None or v_scale is None:
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        return
+    for values, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        q, scale = quantize_fp8(values)
+        # Copied as bytes: CPU torch has no index_copy_ for float8 dtypes.
+        cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(
+            0, slot_mapping, q.view(torch.uint8)
+        )
+        scales.view(-1, num_kv_heads).index_copy_(0, slot_mapping, scale)
+
+
+def _gather_rows(
+    rows: torch.Tensor,  # [N*bs*Hk, D] the cache's row view
+    scales: torch.Tensor | None,  # [N*bs*Hk] per-row scales of an FP8 cache
+    index: torch.Tensor,  # [n] rows to read
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [n, D] in `dtype`
+    if scales is None:
+        return rows.index_select(0, index).to(dtype)
+    gathered = rows.view(torch.uint8).index_select(0, index).view(rows.dtype)  # float8 has no CPU gather
+    return (gathered.to(torch.float32) * scales.index_select(0, index).to(torch.float32).unsqueeze(-1)).to(
+        dtype
+    )
 
 
 @dataclass
@@ -135,22 +175,27 @@ def paged_attention(
     v_cache: torch.Tensor,  # [N, bs, Hk, D]
     metadata: AttentionMetadata,
     scale: float,
+    k_scale: torch.Tensor | None = None,  # [N, bs, Hk] for an FP8 cache (dequantised on read)
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     k_rows = k_cache.view(-1, head_dim)
     v_rows = v_cache.view(-1, head_dim)
+    k_scale_rows = None if k_scale is None else k_scale.view(-1)
+    v_scale_rows = None if v_scale is None else v_scale.view(-1)
     out = torch.empty_like(q)
 
     if metadata.num_decodes:
         bd, length = metadata.num_decodes, metadata.decode_max_len
         # One query token per request: fold the GQA group into the query-length axis.
         q_dec = q.index_select(0, metadata.decode_rows).view(bd, num_kv_heads, group, head_dim)
-        k_dec = k_rows.index_select(0, metadata.decode_kv_index).view(bd, num_kv_heads, length, head_dim)
-        v_dec = v_rows.index_select(0, metadata.decode_kv_index).view(bd, num_kv_heads, length, head_dim)
+        index = metadata.decode_kv_index
+        k_dec = _gather_rows(k_rows, k_scale_rows, index, q.dtype).view(bd, num_kv_heads, length, head_dim)
+        v_dec = _gather_rows(v_rows, v_scale_rows, index, q.dtype).view(bd, num_kv_heads, length, head_dim)
         o_dec = F.scaled_dot_product_attention(
-            q_dec, k_dec.to(q.dtype), v_dec.to(q.dtype), attn_mask=metadata.decode_mask, scale=scale
+            q_dec, k_dec, v_dec, attn_mask=metadata.decode_mask, scale=scale
         )
         out.index_copy_(0, metadata.decode_rows, o_dec.reshape(bd, num_heads, head_dim))
 
@@ -162,8 +207,12 @@ def paged_attention(
             v_seg = v[seg.query_start : seg.query_end].transpose(0, 1).unsqueeze(0)
         else:
             length = seg.kv_index.numel() // num_kv_heads
-            k_seg = k_rows.index_select(0, seg.kv_index).view(1, num_kv_heads, length, head_dim).to(q.dtype)
-            v_seg = v_rows.index_select(0, seg.kv_index).view(1, num_kv_heads, length, head_dim).to(q.dtype)
+            k_seg = _gather_rows(k_rows, k_scale_rows, seg.kv_index, q.dtype).view(
+                1, num_kv_heads, length, head_dim
+            )
+            v_seg = _gather_rows(v_rows, v_scale_rows, seg.kv_index, q.dtype).view(
+                1, num_kv_heads, length, head_dim
+            )
         o_seg = F.scaled_dot_product_attention(
             q_seg, k_seg, v_seg, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scale, enable_gqa=True
         )

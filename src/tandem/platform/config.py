@@ -28,6 +28,22 @@ class EngineConfig(BaseModel):
         "auto", description="Compute dtype of weights and activations; 'auto' is float32 on CPU."
     )
     device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'.")
+    weight_dtype: Literal["auto", "int4"] = Field(
+        "auto",
+        description="'int4': group-wise INT4 linears (two values per byte; the default model's Q4_1 "
+        "weights load as they are); 'auto': the compute dtype.",
+    )
+    int4_group_size: int = Field(128, ge=32, le=256, description="INT4 group size along the input dim.")
+    role: Literal["colocated", "prefill", "decode"] = Field(
+        "colocated",
+        description="Quantisation preset: 'decode' defaults to INT4 weights + FP8 KV, 'prefill' to "
+        "16-bit weights and KV; explicit weight_dtype / kv_cache_dtype win.",
+    )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3"] = Field(
+        "auto",
+        description="KV-cache element type; 'auto' follows dtype. 'fp8_e4m3' stores e4m3 values with a "
+        "float16 scale per (token, head): about 2x the tokens of a 16-bit cache in the same memory.",
+    )
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV-cache block.")
     kv_cache_memory: int | None = Field(
         None, gt=0, description="KV-cache budget in bytes (takes precedence over the fraction)."
@@ -74,6 +90,15 @@ class EngineConfig(BaseModel):
         import os.path
 
         return self.served_model_name or os.path.basename(os.path.normpath(self.model))
+
+    @model_validator(mode="after")
+    def _apply_role(self) -> EngineConfig:
+        if self.role == "decode":
+            if "weight_dtype" not in self.model_fields_set:
+                self.weight_dtype = "int4"
+            if "kv_cache_dtype" not in self.model_fields_set:
+                self.kv_cache_dtype = "fp8_e4m3"
+        return self
 
     @model_validator(mode="after")
     def _check_budget(self) -> EngineConfig:

@@ -94,6 +94,10 @@ class LlamaConfig:
         }
 
 
+# One layer's cache: (k, v, k_scale, v_scale); the scales are None unless the cache is FP8.
+KVLayer = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
 class LoRAContext(Protocol):
     """Per-step multi-LoRA state the layers call into (`engine.lora.LoRAStep`)."""
 
@@ -118,7 +122,7 @@ class LlamaAttention(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,  # [T, 1, D]
         sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVLayer,
         metadata: AttentionMetadata,
         lora: LoRAContext | None = None,
     ) -> torch.Tensor:
@@ -130,11 +134,10 @@ class LlamaAttention(nn.Module):
         q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale).reshape(
-            num_tokens, self.q_size
-        )
+        k_cache, v_cache, k_scale, v_scale = kv_cache
+        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
+        out = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale, k_scale, v_scale)
+        out = out.reshape(num_tokens, self.q_size)
         if lora is None:
             return self.o_proj(out)
         return lora.apply(self.layer_idx, "o", out, self.o_proj(out))
@@ -173,7 +176,7 @@ class LlamaDecoderLayer(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVLayer,
         metadata: AttentionMetadata,
         lora: LoRAContext | None = None,
     ) -> torch.Tensor:
@@ -212,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer
+        kv_caches: list[KVLayer],  # per layer
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,  # [B] rows whose next-token logits are wanted
         lora: LoRAContext | None = None,  # adapters of this step's rows, if any

@@ -21,7 +21,8 @@ import torch
 
 from tandem.engine.models.llama import LlamaConfig, LlamaForCausalLM
 from tandem.engine.tokenizer import Tokenizer
-from tandem.kernels.linear import pack_linears
+from tandem.kernels.int4 import Int4Linear, Int4Weight, fit_group_size, quantize_int4
+from tandem.kernels.linear import Bf16Linear, pack_linears
 from tandem.platform.errors import ModelLoadError
 
 BUNDLED_MODELS = {
@@ -264,8 +265,11 @@ def build_model(
     device: torch.device,
     max_positions: int,
     pack_weights: bool = True,
+    weight_dtype: str = "auto",
+    int4_group_size: int = 128,
 ) -> LlamaForCausalLM:
-    """Build on 'meta' (no random init), load the weights, and optionally prepack the linears."""
+    """Build on 'meta' (no random init), load the weights, then either quantise the linears to
+    INT4 (`weight_dtype="int4"`) or prepack them for the device's GEMM."""
     with torch.device("meta"):
         model = LlamaForCausalLM(loaded.config, max_positions=max_positions)
     model = model.to_empty(device=device)
@@ -275,6 +279,79 @@ def build_model(
         raise ModelLoadError(f"{loaded.path}: {exc}", param="model") from exc
     model = model.to(dtype=dtype)
     model.init_rope()  # after the dtype cast: the cos/sin tables stay float32
-    if pack_weights:
+    if weight_dtype == "int4":
+        native = read_gguf_int4(loaded.path, loaded.config) if loaded.path.suffix == ".gguf" else {}
+        apply_int4(model, native, int4_group_size, device)
+    elif pack_weights:
         pack_linears(model)
     return model.eval()
+
+
+def read_gguf_int4(path: Path, config: LlamaConfig) -> dict[str, Int4Weight]:
+    """The Q4_1 tensors of a GGUF file as INT4 weights (HF names), without dequantising: a Q4_1
+    block is fp16 d, fp16 m and 16 bytes of nibbles (low nibbles = elements 0-15, high = 16-31),
+    w = d * q + m, which is `Int4Weight` with group 32 and zero = m + 8d."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    out: dict[str, Int4Weight] = {}
+    for tensor in reader.tensors:
+        hf_name = _gguf_to_hf_name(tensor.name)
+        if tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1 or hf_name is None:
+            continue
+        rows = int(tensor.shape[1]) if len(tensor.shape) > 1 else 1
+        cols = int(tensor.shape[0])
+        raw = np.asarray(tensor.data).view(np.uint8).reshape(rows, cols // 32, 20)
+        d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        nibbles = raw[..., 4:20]
+        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, cols)
+        scale, zero = d, m + 8 * d
+        if hf_name.endswith("q_proj.weight") or hf_name.endswith("k_proj.weight"):
+            heads = config.num_attention_heads if "q_proj" in hf_name else config.num_key_value_heads
+            q, scale, zero = (_unpermute_rope(a, heads) for a in (q, scale, zero))
+        out[hf_name] = Int4Weight(
+            torch.from_numpy(np.ascontiguousarray(q)),
+            torch.from_numpy(np.ascontiguousarray(scale)),
+            torch.from_numpy(np.ascontiguousarray(zero)),
+            32,
+        )
+    return out
+
+
+def _concat_int4(parts: list[Int4Weight]) -> Int4Weight | None:
+    if any(p.group_size != parts[0].group_size for p in parts):
+        return None
+    return Int4Weight(
+        torch.cat([p.q for p in parts]),
+        torch.cat([p.scale for p in parts]),
+        torch.cat([p.zero for p in parts]),
+        parts[0].group_size,
+    )
+
+
+def apply_int4(
+    model: LlamaForCausalLM, native: dict[str, Int4Weight], group_size: int, device: torch.device
+) -> None:
+    """Swap every decoder linear (fused q/k/v and gate/up, o, down) for an `Int4Linear`: from
+    `native` INT4 weights where the file had them, else quantised from the loaded weights. The
+    input embedding and the norms keep the model dtype; the LM head becomes bfloat16."""
+    fused_sources = {
+        "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "self_attn.o_proj": ("self_attn.o_proj",),
+        "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+        "mlp.down_proj": ("mlp.down_proj",),
+    }
+    for index, layer in enumerate(model.layers):
+        for fused, sources in fused_sources.items():
+            parent_name, attr = fused.split(".")
+            parent = getattr(layer, parent_name)
+            names = [f"model.layers.{index}.{src}.weight" for src in sources]
+            weight = _concat_int4([native[n] for n in names]) if all(n in native for n in names) else None
+            if weight is None:
+                linear = getattr(parent, attr)
+                weight = quantize_int4(linear.weight.detach(), fit_group_size(linear.in_features, group_size))
+            setattr(parent, attr, Int4Linear(weight, device))
+    # The LM head (often the tied embedding) stays 16-bit: INT4 there moved the default model's
+    # greedy tokens within a few steps, while INT4 everywhere else keeps most of them.
+    model.lm_head = Bf16Linear(model.lm_head.weight)  # type: ignore[assignment]

@@ -1,0 +1,141 @@
+"""Quantisation: FP8 (e4m3) KV cache and INT4 weights, against plain-torch references and the
+unquantised engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.kernels.attention import (
+    build_attention_metadata,
+    paged_attention,
+    quantize_fp8,
+    reference_attention,
+    write_kv,
+)
+from tandem.kernels.int4 import (
+    Int4Linear,
+    dequantize_int4,
+    fit_group_size,
+    int4_linear_reference,
+    quantize_int4,
+)
+
+PROMPTS = ["The quick brown fox", "Paged attention stores", "0123456789 numbers", "Hello there"]
+
+
+def test_fp8_quantisation_error_is_bounded() -> None:
+    x = torch.randn(64, 4, 32) * torch.logspace(-2, 2, 64)[:, None, None]  # rows of very different size
+    q, scale = quantize_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (64, 4)
+    back = q.float() * scale.float()[..., None]
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 of each row's largest value.
+    assert ((back - x).abs() <= x.abs().amax(-1, keepdim=True) * 2**-4 + 1e-6).all()
+
+
+def test_paged_attention_reads_fp8_cache_like_the_reference() -> None:
+    """Decode and chunked prefill over an FP8 cache equal dense attention over the dequantised
+    K/V that were written."""
+    gen = torch.Generator().manual_seed(0)
+    num_blocks, block_size, hk, hq, d = 8, 4, 2, 4, 16
+    k_cache = torch.zeros(num_blocks, block_size, hk, d, dtype=torch.float8_e4m3fn)
+    v_cache = torch.zeros_like(k_cache)
+    k_scale = torch.zeros(num_blocks, block_size, hk, dtype=torch.float16)
+    v_scale = torch.zeros_like(k_scale)
+    table, length = [5, 2, 7], 10
+    k_all = torch.randn(length, hk, d, generator=gen)
+    v_all = torch.randn(length, hk, d, generator=gen)
+    # Write the first 7 tokens (prefix), then run a 3-token chunk that reads them back.
+    meta = build_attention_metadata([table], [7], [7], block_size, hk, torch.device("cpu"))
+    write_kv(k_all[:7], v_all[:7], k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    q = torch.randn(3, hq, d, generator=gen)
+    meta = build_attention_metadata([table], [3], [10], block_size, hk, torch.device("cpu"))
+    write_kv(k_all[7:], v_all[7:], k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    got = paged_attention(q, k_all[7:], v_all[7:], k_cache, v_cache, meta, d**-0.5, k_scale, v_scale)
+
+    def dequant(x: torch.Tensor) -> torch.Tensor:
+        qx, s = quantize_fp8(x)
+        return qx.float() * s.float()[..., None]
+
+    want = reference_attention(q, dequant(k_all), dequant(v_all), d**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    meta = build_attention_metadata([table], [1], [10], block_size, hk, torch.device("cpu"))  # decode
+    got = paged_attention(q[2:], k_all[9:], v_all[9:], k_cache, v_cache, meta, d**-0.5, k_scale, v_scale)
+    torch.testing.assert_close(got, want[2:], atol=1e-4, rtol=1e-4)
+
+
+def test_fp8_cache_doubles_capacity_and_stays_close(tiny_model_dir: Path) -> None:
+    """Same KV budget: a 16-bit cache holds 2x the float32 tokens, FP8 2D/(D+2) x the 16-bit ones
+    (D = head dim; the float16 scale per vector is counted). Along the float32 run's greedy path,
+    the FP8 run's log-probs stay close (the random tiny model has near-ties, so its greedy tokens
+    are a poor yardstick; the default model's quality is measured by benchmarks/quant_quality.py)."""
+    budget = 4 << 20
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+    runs = {}
+    for kv_dtype in ("float32", "bfloat16", "fp8_e4m3"):
+        llm = LLM(str(tiny_model_dir), kv_cache_memory=budget, kv_cache_dtype=kv_dtype, max_model_len=512)
+        assert llm.stats()["kv_cache_dtype"] == {"fp8_e4m3": "float8_e4m3fn"}.get(kv_dtype, kv_dtype)
+        runs[kv_dtype] = (llm.stats()["kv_capacity_tokens"], llm.generate(PROMPTS, params))
+    cap32, cap16, cap8 = runs["float32"][0], runs["bfloat16"][0], runs["fp8_e4m3"][0]
+    head_dim = 16  # the tiny model: 64 hidden / 4 heads
+    assert cap16 == pytest.approx(2 * cap32, rel=0.02)
+    assert cap8 == pytest.approx(cap16 * 2 * head_dim / (head_dim + 2), rel=0.02)
+    for kv_dtype, tolerance in (("bfloat16", 0.1), ("fp8_e4m3", 0.4)):
+        diffs = []
+        for want, got in zip(runs["float32"][1], runs[kv_dtype][1], strict=True):
+            w, g = want.outputs[0], got.outputs[0]
+            assert g.token_ids[0] == w.token_ids[0]  # the first token comes from the prompt's own K/V
+            for step, (a, b) in enumerate(zip(w.token_ids, g.token_ids, strict=True)):
+                if a != b:
+                    break
+                diffs.append(abs(w.logprobs[step][a] - g.logprobs[step][b]))
+        assert max(diffs) < tolerance and len(diffs) >= len(PROMPTS) * 3, kv_dtype
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (40, 256)])
+def test_int4_linear_matches_reference(shape: tuple[int, int]) -> None:
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(*shape, generator=gen)
+    w = quantize_int4(weight, fit_group_size(shape[1], 128))
+    assert w.q.max() <= 15 and w.num_bytes < weight.numel() * 2 * 0.3  # < 0.3x of 16-bit
+    group_err = (dequantize_int4(w) - weight).abs()
+    assert (group_err <= (w.scale.repeat_interleave(w.group_size, 1) / 2 + 1e-5)).all()  # half a step
+    x = torch.randn(5, shape[1], generator=gen)
+    layer = Int4Linear(w, torch.device("cpu"))
+    want = int4_linear_reference(x, w)
+    torch.testing.assert_close(
+        layer(x), want, atol=0.05 * want.abs().max().item(), rtol=0.02
+    )  # bf16 activations
+
+
+def test_gguf_q4_1_loads_as_int4_without_a_round_trip(default_model_path: Path) -> None:
+    """Every Q4_1 tensor of the default model becomes INT4 weights whose dequantised values are
+    exactly what gguf's own dequantiser gives."""
+    import gguf
+
+    from tandem.engine.models.loader import _read_gguf, read_gguf_int4
+
+    loaded = _read_gguf(default_model_path)
+    native = read_gguf_int4(default_model_path, loaded.config)
+    assert len(native) == 7 * loaded.config.num_hidden_layers
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):
+        np.testing.assert_allclose(
+            dequantize_int4(native[name]).numpy(), loaded.weights[name].numpy(), atol=1e-6
+        )
+    assert gguf  # the reference dequantiser is gguf's (used by _read_gguf)
+
+
+@pytest.mark.slow
+def test_int4_default_model_keeps_most_greedy_tokens(default_model_path: Path) -> None:
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    full = LLM("smollm2-135m-instruct", kv_cache_memory=64 << 20)
+    int4 = LLM("smollm2-135m-instruct", kv_cache_memory=64 << 20, weight_dtype="int4")
+    assert int4.stats()["weight_dtype"] == "int4"
+    want = [o.outputs[0].token_ids for o in full.generate(PROMPTS, params)]
+    got = [o.outputs[0].token_ids for o in int4.generate(PROMPTS, params)]
+    same = sum(a == b for w, g in zip(want, got, strict=True) for a, b in zip(w, g, strict=True))
+    assert same / (24 * len(PROMPTS)) >= 0.6
