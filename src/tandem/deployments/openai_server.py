@@ -24,12 +24,13 @@ from tandem.deployments.adapters import AdapterStore
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Priority
 from tandem.engine.sampling_params import SamplingParams
-from tandem.platform.errors import InvalidRequestError, TandemError
+from tandem.platform.errors import InvalidRequestError, KVIntegrityError, TandemError
 from tandem.platform.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     Usage,
     chat_chunk,
     chat_completion,
@@ -298,6 +299,8 @@ class OpenAIServer:
                 self.tenants.release(tenant, _num_tokens(last))
         self._record(gen, tenant, last, started, started_ns, first_at)
         completion = last.outputs[0]
+        if completion.finish_reason == "error":
+            raise KVIntegrityError(last.error or "the request failed in the engine; retry it")
         usage = _usage(last)
         if chat:
             return chat_completion(
@@ -347,6 +350,8 @@ class OpenAIServer:
             out: RequestOutput | None = first
             while out is not None:
                 last = out
+                if out.outputs[0].finish_reason == "error":  # no text from corrupted KV: end in-band
+                    raise KVIntegrityError(out.error or "the request failed in the engine; retry it")
                 yield _event(self._chunk(gen, created, out, chat, gen.sampling_params.logprobs or 0))
                 out = await anext(outputs, None)
             if include_usage:
@@ -459,7 +464,12 @@ class OpenAIServer:
 def _usage(out: RequestOutput) -> Usage:
     prompt = len(out.prompt_token_ids)
     completion = len(out.outputs[0].token_ids)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=out.metrics.num_cached_tokens),
+    )
 
 
 def _num_tokens(out: RequestOutput) -> int:

@@ -21,7 +21,7 @@ from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import KVCacheSpec, ModelRunner
-from tandem.engine.scheduler import Scheduler
+from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.tokenizer import Tokenizer
 from tandem.platform.config import EngineConfig
 from tandem.platform.errors import ContextLengthExceededError, InvalidRequestError, NotFoundError
@@ -112,7 +112,10 @@ class LLMEngine:
             int4_group_size=config.int4_group_size,
         )
         del loaded
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size)
+        self.kv_manager = KVCacheManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.num_kv_integrity_aborts = 0
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_seqs=config.max_num_seqs,
@@ -122,6 +125,7 @@ class LLMEngine:
             batch_max_prefill_tokens=config.batch_max_prefill_tokens,
             batch_tokens_under_load=config.batch_tokens_under_load,
             max_loras=config.max_loras if config.enable_lora else 0,
+            share_prefix_cache_across_tenants=config.share_prefix_cache_across_tenants,
         )
         self.lora: LoRAManager | None = None
         if config.enable_lora:
@@ -285,8 +289,11 @@ class LLMEngine:
     # -- the loop -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
+        aborted: list[RequestOutput] = []
+        if self.config.kv_integrity_check and not scheduled.is_empty:
+            aborted = self._abort_stale(scheduled)
         if scheduled.is_empty:
-            return []
+            return aborted
         self.output_processor.mark_scheduled(
             [s.request_id for s in scheduled.scheduled if s.is_new], time.monotonic()
         )
@@ -300,13 +307,52 @@ class LLMEngine:
             stopped = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
             if stopped is not None:
                 self._release(stopped)
+        return aborted + outputs
+
+    def _abort_stale(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+        """KV-page integrity: a scheduled request holding a block whose generation changed (the
+        block was reassigned: an allocator bug, a late KV transfer) is aborted alone, before the
+        step could compute or answer anything from someone else's KV."""
+        stale = self.kv_manager.stale_requests([s.request_id for s in scheduled.scheduled])
+        if not stale:
+            return []
+        outputs = []
+        for request_id in stale:
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                request.error = "kv_integrity: a KV block of this request was reassigned; retry the request"
+            logger.error("kv integrity violation; aborting request", extra={"request_id": request_id})
+            self.num_kv_integrity_aborts += 1
+            output = self.abort_request(request_id, RequestStatus.FINISHED_ERROR)
+            if output is not None:
+                outputs.append(output)
+        stale_ids = set(stale)
+        scheduled.scheduled = [s for s in scheduled.scheduled if s.request_id not in stale_ids]
         return outputs
+
+    def inject_kv_fault(self, request_id: str, block_index: int = 0, *, overwrite: bool = False) -> int:
+        """Test hook: act as a buggy allocator (or a late KV transfer) on a running request's
+        block: hand it out again (its generation changes) and, with `overwrite`, scribble over its
+        KV. Returns the physical block id."""
+        block_id = self.kv_manager.block_table(request_id).block_ids[block_index]
+        self.kv_manager.pool.generations[block_id] += 1
+        if overwrite:
+            for layer in self.runner.kv_caches:
+                layer[0][block_id].view(torch.uint8).fill_(0x7F)
+                layer[1][block_id].view(torch.uint8).fill_(0x7F)
+        return block_id
 
     def stats(self) -> dict[str, Any]:
         pool = self.kv_manager.pool
         return {
             "kv_capacity_tokens": self.kv_manager.capacity_tokens,
             "kv_cache_dtype": str(self.runner.kv_spec.dtype).removeprefix("torch."),
+            "prefix_cache_queries": self.kv_manager.num_prefix_queries,
+            "prefix_cache_hits": self.kv_manager.num_prefix_hits,
+            "prefix_cache_hit_rate": self.kv_manager.num_prefix_hits
+            / max(1, self.kv_manager.num_prefix_queries),
+            "prefix_cache_evictions": self.kv_manager.pool.num_evictions,
+            "num_kv_integrity_aborts": self.num_kv_integrity_aborts,
             "weight_dtype": self.config.weight_dtype,
             "kv_blocks_total": pool.num_blocks,
             "kv_blocks_used": pool.num_used_blocks,

@@ -8,13 +8,25 @@ Invariants (checked by `check_integrity()`):
 - the sum of ref counts equals the number of block-table entries of live requests;
 - a block's generation tag changes every time it is handed out, so a holder of a stale
   (block id, generation) pair can tell that the block was reassigned;
-- block tables are append-only while a request runs, and freed as a whole.
+- block tables are append-only while a request runs, and freed as a whole;
+- prefix cache: a full block may carry a hash (of its parent block's hash, its tokens and the
+  request's cache salt: adapter and tenant); `cached` maps each hash to exactly one block with that
+  hash. A cached block stays cached while free (it is only evicted when the free list hands it
+  out again, oldest-freed first), so a new request with the same prefix reuses it without
+  recomputing. Reusing a cached block does not change its generation (its contents are the same);
+  handing it out for new contents does.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+
+TokenSlice = Callable[[int, int], list[int]]  # (start, end) -> token ids [start, end) of a request
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -35,6 +47,9 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         self.generations = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -51,10 +66,35 @@ class BlockPool:
         block_ids = []
         for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)
+            old_hash = self.block_hash[block_id]
+            if old_hash is not None:  # evict its cached contents
+                self.block_hash[block_id] = None
+                if self.cached.get(old_hash) == block_id:
+                    del self.cached[old_hash]
+                self.num_evictions += 1
             self.ref_counts[block_id] = 1
             self.generations[block_id] += 1
             block_ids.append(block_id)
         return block_ids
+
+    def touch(self, block_id: int) -> None:
+        """Take one more reference to a cached block (a prefix-cache hit); a free one leaves the
+        free list without changing its generation."""
+        if self.ref_counts[block_id] == 0:
+            del self._free[block_id]
+        self.ref_counts[block_id] += 1
+
+    def cache(self, block_id: int, block_hash: int) -> None:
+        """Record that `block_id` (full, in use) holds the contents named by `block_hash`."""
+        if block_hash in self.cached or self.block_hash[block_id] is not None:
+            return  # the same contents are cached in another block already, or this one is
+        self.block_hash[block_id] = block_hash
+        self.cached[block_hash] = block_id
+
+    def reset_prefix_cache(self) -> None:
+        for block_hash, block_id in list(self.cached.items()):
+            self.block_hash[block_id] = None
+            del self.cached[block_hash]
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference to each block; blocks reaching zero go to the free list's tail.
@@ -75,6 +115,9 @@ class BlockPool:
         for block_id, ref in enumerate(self.ref_counts):
             assert ref >= 0, f"negative ref count on block {block_id}"
             assert (ref == 0) == (block_id in free), f"block {block_id}: ref {ref} vs free list"
+        for block_hash, block_id in self.cached.items():
+            assert self.block_hash[block_id] == block_hash, f"cache map and block {block_id} disagree"
+        assert sum(h is not None for h in self.block_hash) == len(self.cached), "stray block hash"
 
 
 @dataclass
@@ -86,14 +129,20 @@ class BlockTable:
 
 
 class KVCacheManager:
-    """Owns the block pool and one `BlockTable` per live request."""
+    """Owns the block pool and one `BlockTable` per live request (plus the prefix cache)."""
 
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_prefix_caching: bool = False
+    ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.tables: dict[str, BlockTable] = {}
         # Admission keeps this many blocks spare so just-admitted requests do not preempt at once.
         self.num_watermark_blocks = int(watermark * num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._block_hashes: dict[str, list[int]] = {}  # request -> hashes of its full blocks so far
+        self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # of which found cached
 
     @property
     def capacity_tokens(self) -> int:
@@ -109,6 +158,55 @@ class KVCacheManager:
         table = self.tables.get(request_id)
         have = len(table.block_ids) if table is not None else 0
         return max(0, self.num_blocks_for(num_total_tokens) - have)
+
+    def _hashes(self, request_id: str, tokens: TokenSlice, num_full_blocks: int, salt: object) -> list[int]:
+        """Hashes of the first `num_full_blocks` blocks (parent hash, block tokens, salt), kept
+        per request so each block is hashed once. `tokens(start, end)` gives token ids."""
+        hashes = self._block_hashes.setdefault(request_id, [])
+        bs = self.block_size
+        for index in range(len(hashes), num_full_blocks):
+            parent = hashes[index - 1] if index else None
+            hashes.append(hash((parent, tuple(tokens(index * bs, (index + 1) * bs)), salt)))
+        return hashes[:num_full_blocks]
+
+    def allocate_cached_prefix(
+        self, request_id: str, num_tokens: int, tokens: TokenSlice, salt: object
+    ) -> int:
+        """For a request about to be admitted (no blocks yet): take every cached block matching
+        the start of `token_ids` (at least one token is always left to compute) and return how
+        many tokens they hold. Undo with `free(request_id)` if admission then fails."""
+        if not self.enable_prefix_caching or request_id in self.tables:
+            return 0
+        max_blocks = (num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for block_hash in self._hashes(request_id, tokens, max_blocks, salt):
+            block_id = self.pool.cached.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        self.num_prefix_queries += num_tokens
+        self.num_prefix_hits += len(hits) * self.block_size
+        if not hits:
+            return 0
+        for block_id in hits:
+            self.pool.touch(block_id)
+        self.tables[request_id] = BlockTable(hits, [self.pool.generations[b] for b in hits])
+        return len(hits) * self.block_size
+
+    def cache_full_blocks(
+        self, request_id: str, tokens: TokenSlice, num_computed_tokens: int, salt: object
+    ) -> None:
+        """Publish the request's blocks that are now full of computed tokens to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.tables.get(request_id)
+        if table is None:
+            return
+        num_full = min(num_computed_tokens // self.block_size, len(table.block_ids))
+        for block_id, block_hash in zip(
+            table.block_ids, self._hashes(request_id, tokens, num_full, salt), strict=False
+        ):
+            self.pool.cache(block_id, block_hash)
 
     def allocate_slots(self, request_id: str, num_total_tokens: int, *, admission: bool = False) -> bool:
         """Grow the request's table to hold `num_total_tokens` tokens. False if blocks are short.
@@ -128,8 +226,25 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         table = self.tables.pop(request_id, None)
+        self._block_hashes.pop(request_id, None)
         if table is not None:
             self.pool.free(table.block_ids)
+
+    def stale_requests(self, request_ids: list[str]) -> list[str]:
+        """Of `request_ids`, those holding a block whose generation changed since they got it:
+        one vectorised comparison over all their (block, generation) pairs."""
+        tables = [self.tables.get(r) for r in request_ids]
+        lengths = [len(t.block_ids) if t is not None else 0 for t in tables]
+        total = sum(lengths)
+        if total == 0:
+            return []
+        block_ids = np.fromiter(chain.from_iterable(t.block_ids for t in tables if t), np.int64, total)
+        expected = np.fromiter(chain.from_iterable(t.generations for t in tables if t), np.int64, total)
+        mismatch = np.asarray(self.pool.generations, dtype=np.int64)[block_ids] != expected
+        if not mismatch.any():
+            return []
+        owner = np.repeat(np.arange(len(request_ids)), lengths)
+        return [request_ids[i] for i in np.unique(owner[mismatch])]
 
     def is_table_current(self, request_id: str) -> bool:
         """True when every block of the request still carries the generation it was given."""

@@ -110,6 +110,7 @@ class OutputProcessor:
             delta_logprobs = state.logprobs[state.num_emitted_tokens :]
         state.num_emitted_tokens = len(token_ids)
         finish_reason = request.status.finish_reason if finished else None
+        state.metrics.num_cached_tokens = request.num_cached_tokens
         if finished:
             state.metrics.finished_time = now
             state.metrics.num_preemptions = request.num_preemptions
@@ -132,7 +133,9 @@ class OutputProcessor:
             outputs=[completion],
             finished=finished,
             metrics=state.metrics,
-            error="request failed" if request.status is RequestStatus.FINISHED_ERROR else None,
+            error=(request.error or "request failed")
+            if request.status is RequestStatus.FINISHED_ERROR
+            else None,
         )
 
     def _hold_back(self, text: str, request: Request) -> str:

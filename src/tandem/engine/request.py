@@ -54,6 +54,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is written; invariant: <= num_tokens
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    error: str | None = None  # why it finished with FINISHED_ERROR
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     @property

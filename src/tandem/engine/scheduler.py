@@ -92,6 +92,7 @@ class Scheduler:
         batch_max_prefill_tokens: int | None = None,
         batch_tokens_under_load: int = 4,
         max_loras: int = 0,
+        share_prefix_cache_across_tenants: bool = False,
     ) -> None:
         self.kv = kv_manager
         # Batch-priority requests fill idle capacity only: one is admitted while the KV cache,
@@ -103,6 +104,7 @@ class Scheduler:
         self.batch_tokens_under_load = batch_tokens_under_load
         # At most this many distinct LoRA adapters among running requests (the device slots).
         self.max_loras = max_loras
+        self.share_prefix_cache_across_tenants = share_prefix_cache_across_tenants
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -255,11 +257,20 @@ class Scheduler:
             if lora is not None and lora not in active_loras and len(active_loras) >= self.max_loras:
                 position += 1  # every LoRA slot is taken by running requests' adapters
                 continue
+            if request.num_computed_tokens == 0 and request.request_id not in self.kv.tables:
+                cached = self.kv.allocate_cached_prefix(
+                    request.request_id, request.num_tokens, request.token_ids_slice, self._cache_salt(request)
+                )
+                request.num_computed_tokens = cached
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = cached
             num_new = self._chunk(request, cap)
             total = request.num_computed_tokens + num_new
             if not self.kv.allocate_slots(request.request_id, total, admission=True):
                 lower = self._lower_priority_victim(request)
                 if lower is None:
+                    self.kv.free(request.request_id)  # give back any prefix-cache hits
+                    request.num_computed_tokens = 0
                     break
                 if lower.request_id in step.scheduled_ids:  # give back its share of this step
                     index = next(i for i, s in enumerate(step.scheduled) if s.request_id == lower.request_id)
@@ -279,6 +290,12 @@ class Scheduler:
             step.scheduled_ids.add(request.request_id)
             step.budget -= num_new
             cap -= num_new
+
+    def _cache_salt(self, request: Request) -> tuple[str | None, str | None]:
+        """What besides the tokens keys a cached block: the adapter, and the tenant unless
+        tenants are configured to share cached prefixes."""
+        tenant = None if self.share_prefix_cache_across_tenants else request.tenant_id
+        return (request.lora_name, tenant)
 
     def _batch_has_room(self, request: Request) -> bool:
         pool = self.kv.pool
@@ -301,7 +318,15 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None:  # finished while the step ran (abort)
                 continue
+            before = request.num_computed_tokens
             request.num_computed_tokens += len(item.token_ids)
+            if before // self.kv.block_size != request.num_computed_tokens // self.kv.block_size:
+                self.kv.cache_full_blocks(
+                    request.request_id,
+                    request.token_ids_slice,
+                    request.num_computed_tokens,
+                    self._cache_salt(request),
+                )
             token_id = result.sampled_token_ids.get(item.request_id)
             if token_id is None:
                 continue

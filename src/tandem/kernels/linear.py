@@ -17,6 +17,8 @@ _PACK_BATCH_HINT = 32  # oneDNN picks its blocking for this M; any M works at ru
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False  # oneDNN's bf16 prepack needs AVX-512 or AVX-NE-CONVERT
     return (
         device.type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)

@@ -81,6 +81,14 @@ class EngineConfig(BaseModel):
     max_cpu_loras: int | None = Field(
         None, ge=1, description="Adapters kept loaded in host memory (LRU); default 4 x max_loras."
     )
+    enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of shared prompt prefixes.")
+    share_prefix_cache_across_tenants: bool = Field(
+        False, description="Let tenants reuse each other's cached prefixes (off: the tenant salts the key)."
+    )
+    kv_integrity_check: bool = Field(
+        True,
+        description="Before each step, abort any scheduled request whose KV blocks were reassigned.",
+    )
     seed: int = Field(0, description="Seed of the engine's default random generator.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU.")
 

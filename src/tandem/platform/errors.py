@@ -67,3 +67,14 @@ class PayloadTooLargeError(TandemError):
 
     status_code = 413
     error_type = "invalid_request_error"
+
+
+class KVIntegrityError(TandemError):
+    """The request's KV blocks were reassigned while it ran; it was aborted rather than answered
+    from someone else's KV (HTTP 500, code `kv_integrity`). Retrying is safe."""
+
+    status_code = 500
+    error_type = "server_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="kv_integrity")

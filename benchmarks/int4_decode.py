@@ -1,0 +1,110 @@
+"""INT4 weights vs 16-bit (and float32) on the default model, in one run: weight bytes, and decode
+tokens/s at batch 1 and batch 16 (`--prompt-len` prompt, `--new-tokens` generated, greedy, EOS
+ignored; decode rate = tokens after the first / time after the first token).
+
+    python benchmarks/int4_decode.py        # -> benchmarks/results/int4_decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tandem import LLM, SamplingParams
+from tandem.kernels.int4 import Int4Linear
+from tandem.kernels.linear import Bf16Linear, PackedLinear
+
+VARIANTS = {
+    "float32": {},
+    "bfloat16": {"dtype": "bfloat16"},
+    "int4": {"weight_dtype": "int4"},
+}
+
+
+def log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of the decoder linears, of the LM head, and of everything (embedding, norms)."""
+    linears = head = other = 0
+    for name, module in model.named_modules():
+        size = 0
+        if isinstance(module, Int4Linear):
+            size = module.num_weight_bytes
+        elif isinstance(module, PackedLinear):
+            size = module.in_features * module.out_features * module.packed.element_size()
+        elif isinstance(module, Bf16Linear | nn.Linear):
+            size = module.weight.numel() * module.weight.element_size()
+        elif isinstance(module, nn.Embedding):
+            other += module.weight.numel() * module.weight.element_size()
+        if name == "lm_head":
+            head += size
+        else:
+            linears += size
+    other += sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n)
+    return {"decoder_linears": linears, "lm_head": head, "total": linears + head + other}
+
+
+def decode_rate(llm: LLM, batch: int, prompt_len: int, new_tokens: int) -> float:
+    gen = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(100, 40000, (batch, prompt_len), generator=gen).tolist()
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - start
+    first = max(o.metrics.ttft or 0.0 for o in outs)
+    return batch * (new_tokens - 1) / (wall - first)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--out", default="benchmarks/results/int4_decode.json")
+    args = parser.parse_args()
+    results: dict[str, dict] = {}
+    for name, options in VARIANTS.items():
+        llm = LLM(args.model, kv_cache_memory=128 << 20, **options)
+        decode_rate(llm, 1, 8, 4)  # warm-up
+        entry: dict = {"weight_bytes": weight_bytes(llm.engine.runner.model)}
+        for batch in args.batches:
+            entry[f"decode_tokens_per_s_b{batch}"] = decode_rate(llm, batch, args.prompt_len, args.new_tokens)
+        results[name] = entry
+        log(f"{name}: {entry}")
+        del llm
+    base = results["bfloat16"]
+    for entry in results.values():
+        entry["vs_16bit"] = {
+            "decoder_linear_bytes": entry["weight_bytes"]["decoder_linears"]
+            / base["weight_bytes"]["decoder_linears"],
+            "total_bytes": entry["weight_bytes"]["total"] / base["weight_bytes"]["total"],
+            **{
+                f"decode_b{b}": entry[f"decode_tokens_per_s_b{b}"] / base[f"decode_tokens_per_s_b{b}"]
+                for b in args.batches
+            },
+        }
+    summary = {
+        "benchmark": "int4_decode",
+        "config": vars(args),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+        "results": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(summary, indent=2))
+    log(f"wrote {args.out}")
+    print(json.dumps({name: entry["vs_16bit"] for name, entry in results.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

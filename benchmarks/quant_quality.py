@@ -1,0 +1,143 @@
+"""Quality cost of quantisation on the default model, each variant against the unquantised model
+(float32 weights, float32 KV), in one run:
+
+- perplexity on a held-out text (`benchmarks/data/heldout.txt`, written for this repo), computed
+  teacher-forced in chunks of `--chunk` tokens so that attention reads earlier context back from
+  the KV cache (which is where FP8 KV acts);
+- mean KL(P_base || P_variant) of the next-token distributions over the same positions;
+- greedy agreement on 32 prompts x 64 new tokens: the fraction of positions whose token equals the
+  base model's, and the mean length of the identical prefix.
+
+Variants: FP8 KV, INT4 weights, both (and a 16-bit KV for scale).
+
+    python benchmarks/quant_quality.py      # -> benchmarks/results/quant_quality.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.kernels.attention import build_attention_metadata
+
+VARIANTS = {
+    "base_fp32": {},
+    "kv_bf16": {"kv_cache_dtype": "bfloat16"},
+    "kv_fp8": {"kv_cache_dtype": "fp8_e4m3"},
+    "int4": {"weight_dtype": "int4"},
+    "int4_kv_fp8": {"weight_dtype": "int4", "kv_cache_dtype": "fp8_e4m3"},
+}
+TOPICS = [
+    "the history of the printing press", "how volcanoes form", "a recipe for tomato soup",
+    "the rules of chess", "why the sky is blue", "how to plant a tree", "the life of honey bees",
+    "the water cycle", "how a bicycle works", "the first moon landing", "how to write a good email",
+    "the causes of the seasons", "what a compiler does", "the Roman aqueducts", "how bread rises",
+    "the migration of birds", "how to tie a bowline knot", "what makes music sound sad",
+    "how vaccines work", "the invention of the telephone", "how glaciers move", "the game of cricket",
+    "how a refrigerator keeps food cold", "the architecture of cathedrals", "how to learn to swim",
+    "the structure of an atom", "why cats purr", "how rivers shape valleys", "the basics of saving money",
+    "how lighthouses guide ships", "what a database index is", "how tides are caused by the moon",
+]  # fmt: skip
+
+
+def log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+@torch.inference_mode()
+def teacher_forced_logprobs(llm: LLM, token_ids: list[int], chunk: int) -> torch.Tensor:
+    """[N-1, V] log-probs of each next token, computed through the engine's own model, paged KV
+    cache and attention (blocks 0.. of the cache, which is otherwise idle)."""
+    engine = llm.engine
+    runner, block_size = engine.runner, engine.kv_manager.block_size
+    num_blocks = -(-len(token_ids) // block_size)
+    table = list(range(num_blocks))
+    rows = []
+    for start in range(0, len(token_ids) - 1, chunk):
+        end = min(start + chunk, len(token_ids) - 1)
+        ids = torch.tensor(token_ids[start:end])
+        metadata = build_attention_metadata(
+            [table], [end - start], [end], block_size, runner.kv_spec.num_kv_heads, runner.device
+        )
+        logits = runner.model(
+            ids, torch.arange(start, end), runner.kv_caches, metadata, torch.arange(end - start)
+        )
+        rows.append(torch.log_softmax(logits.float(), dim=-1))
+    return torch.cat(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--text", default=str(Path(__file__).parent / "data" / "heldout.txt"))
+    parser.add_argument("--chunk", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--out", default="benchmarks/results/quant_quality.json")
+    args = parser.parse_args()
+
+    text = Path(args.text).read_text()
+    prompts = [[{"role": "user", "content": f"Explain {topic} in a few sentences."}] for topic in TOPICS]
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    base_logprobs: torch.Tensor | None = None
+    base_tokens: list[list[int]] = []
+    results = {}
+    for name, options in VARIANTS.items():
+        started = time.perf_counter()
+        llm = LLM(args.model, kv_cache_memory=256 << 20, **options)
+        token_ids = llm.tokenizer.encode(text)
+        logprobs = teacher_forced_logprobs(llm, token_ids, args.chunk)
+        targets = torch.tensor(token_ids[1:])
+        nll = -logprobs.gather(1, targets[:, None]).squeeze(1)
+        outs = llm.chat(prompts, params)
+        tokens = [o.outputs[0].token_ids for o in outs]
+        entry: dict[str, float] = {
+            "perplexity": math.exp(nll.mean().item()),
+            "num_text_tokens": len(token_ids),
+        }
+        if base_logprobs is None:
+            base_logprobs, base_tokens = logprobs, tokens
+        else:
+            kl = (base_logprobs.exp() * (base_logprobs - logprobs)).sum(-1)
+            same = [
+                sum(a == b for a, b in zip(w, g, strict=True)) / len(w)
+                for w, g in zip(base_tokens, tokens, strict=True)
+            ]
+            prefix = [
+                next((i for i, (a, b) in enumerate(zip(w, g, strict=True)) if a != b), len(w))
+                for w, g in zip(base_tokens, tokens, strict=True)
+            ]
+            entry.update(
+                {
+                    "perplexity_vs_base": entry["perplexity"] / results["base_fp32"]["perplexity"],
+                    "mean_kl": kl.mean().item(),
+                    "greedy_token_agreement": sum(same) / len(same),
+                    "greedy_identical_prefix_mean": sum(prefix) / len(prefix),
+                    "greedy_fully_identical": sum(p == args.new_tokens for p in prefix) / len(prefix),
+                }
+            )  # fmt: skip
+        entry["seconds"] = time.perf_counter() - started
+        results[name] = entry
+        log(f"{name}: " + ", ".join(f"{k}={v:.4f}" for k, v in entry.items()))
+        del llm
+    summary = {
+        "benchmark": "quant_quality",
+        "config": vars(args) | {"num_prompts": len(prompts)},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+        "results": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(summary, indent=2))
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
