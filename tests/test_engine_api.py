@@ -185,7 +185,8 @@ def test_async_engine_streams_deltas_and_abort_frees_blocks(tiny_model_dir: Path
                 ids += out.outputs[0].delta_token_ids
                 finals.append(out.finished)
             assert ids == expected.token_ids and text == expected.text
-            assert finals[-1] and not any(finals[:-1]) and len(finals) == 20
+            # One output per token unless the consumer lagged and updates were merged.
+            assert finals[-1] and not any(finals[:-1]) and 1 < len(finals) <= 20
 
             stream = engine.generate(GenerationRequest("r2", prompt=PROMPTS[1], sampling_params=greedy(200)))
             async for out in stream:

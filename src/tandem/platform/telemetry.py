@@ -84,13 +84,27 @@ class Telemetry:
             ("tandem_kv_cache_occupancy", "kv_occupancy", "KV blocks used / total"),
             ("tandem_num_requests_running", "num_running", "Requests in the running batch"),
             ("tandem_num_requests_waiting", "num_waiting", "Requests waiting for admission"),
+            (
+                "tandem_prefix_cache_hit_rate",
+                "prefix_cache_hit_rate",
+                "Prompt tokens found in the prefix cache / looked up",
+            ),
         ):
             meter.create_observable_gauge(name, callbacks=[self._observer(key)], description=description)
-        meter.create_observable_counter(
-            "tandem_num_preemptions",
-            callbacks=[self._observer("num_preemptions")],
-            description="Requests preempted (recomputed) so far",
-        )
+        for name, key, description in (
+            ("tandem_num_preemptions", "num_preemptions", "Requests preempted (recomputed) so far"),
+            (
+                "tandem_prefix_cache_hit_tokens",
+                "prefix_cache_hits",
+                "Prompt tokens served from the prefix cache",
+            ),
+            (
+                "tandem_kv_integrity_aborts",
+                "num_kv_integrity_aborts",
+                "Requests aborted by the KV-page integrity check",
+            ),
+        ):
+            meter.create_observable_counter(name, callbacks=[self._observer(key)], description=description)
 
     def _maybe_add_otlp(self) -> None:
         if not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
