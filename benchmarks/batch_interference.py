@@ -100,7 +100,10 @@ async def scenario(
 
 async def run(args: argparse.Namespace) -> dict:
     engine = AsyncEngine.from_options(
-        args.model, max_num_seqs=args.max_num_seqs, batch_tokens_under_load=args.batch_tokens_under_load
+        args.model,
+        max_num_seqs=args.max_num_seqs,
+        batch_tokens_under_load=args.batch_tokens_under_load,
+        enable_prefix_caching=False,  # scenarios repeat prompts: measure scheduling, not cache hits
     )
     try:
         await scenario(engine, argparse.Namespace(**{**vars(args), "interactive": 2}), None, "warmup")

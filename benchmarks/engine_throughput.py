@@ -84,6 +84,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--weight-dtype",
+        default="auto",
+        choices=["auto", "int4"],
+        help="engine weights (int4: the GGUF's Q4_1 as is)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--output", type=Path, default=Path(__file__).parent / "results" / "engine_throughput.json"
@@ -93,7 +99,13 @@ def main() -> None:
     threads = torch.get_num_threads()
     log(f"loading tandem engine ({args.model}), torch threads {threads}")
     max_n = max(args.concurrency)
-    llm = LLM(args.model, kv_cache_memory=None, max_num_seqs=max(64, max_n))
+    llm = LLM(
+        args.model,
+        kv_cache_memory=None,
+        max_num_seqs=max(64, max_n),
+        weight_dtype=args.weight_dtype,
+        enable_prefix_caching=False,
+    )
     vocab = llm.engine.model_config.vocab_size
     llm.generate([[100] * 8], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
 

@@ -75,7 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     results: dict[str, dict] = {}
     for name, options in VARIANTS.items():
-        llm = LLM(args.model, kv_cache_memory=128 << 20, **options)
+        llm = LLM(args.model, kv_cache_memory=128 << 20, enable_prefix_caching=False, **options)
         decode_rate(llm, 1, 8, 4)  # warm-up
         entry: dict = {"weight_bytes": weight_bytes(llm.engine.runner.model)}
         for batch in args.batches:

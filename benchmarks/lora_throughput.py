@@ -73,6 +73,7 @@ def main() -> None:
     llm = LLM(
         args.model, enable_lora=True, max_loras=max_adapters, max_lora_rank=args.rank,
         max_num_seqs=args.requests, max_cpu_loras=max_adapters,
+        enable_prefix_caching=False,  # the runs repeat prompts: measure compute, not cache hits
     )  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(100, 40000, (args.requests, args.prompt_len), generator=gen).tolist()

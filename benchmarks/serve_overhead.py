@@ -136,6 +136,7 @@ def main() -> None:
         "model": args.model,
         "kv_cache_memory": args.kv_cache_memory,
         "served_model_name": "bench",
+        "enable_prefix_caching": False,  # warm-ups repeat prompts: compare the paths, not cache hits
     }
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(100, 40000, (args.streams, args.prompt_len), generator=gen).tolist()

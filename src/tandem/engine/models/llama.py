@@ -220,8 +220,8 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [B] rows whose next-token logits are wanted
         lora: LoRAContext | None = None,  # adapters of this step's rows, if any
     ) -> torch.Tensor:  # [B, vocab] float32
-        x = self.embed_tokens(input_ids)
-        dtype = x.dtype
+        dtype = self.norm.dtype  # the compute dtype (the embedding may be stored narrower)
+        x = self.embed_tokens(input_ids).to(dtype)
         cos = self.rope_cos[positions].to(dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -335,7 +335,7 @@ def apply_int4(
 ) -> None:
     """Swap every decoder linear (fused q/k/v and gate/up, o, down) for an `Int4Linear`: from
     `native` INT4 weights where the file had them, else quantised from the loaded weights. The
-    input embedding and the norms keep the model dtype; the LM head becomes bfloat16."""
+    norms keep the model dtype; the LM head and the input embedding become bfloat16."""
     fused_sources = {
         "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
         "self_attn.o_proj": ("self_attn.o_proj",),
@@ -355,3 +355,4 @@ def apply_int4(
     # The LM head (often the tied embedding) stays 16-bit: INT4 there moved the default model's
     # greedy tokens within a few steps, while INT4 everywhere else keeps most of them.
     model.lm_head = Bf16Linear(model.lm_head.weight)  # type: ignore[assignment]
+    model.embed_tokens.to(torch.bfloat16)  # rows are looked up, then cast to the compute dtype
