@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -207,3 +208,33 @@ def test_async_engine_streams_deltas_and_abort_frees_blocks(tiny_model_dir: Path
             engine.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_async_engine_survives_a_consumer_whose_event_loop_closed(tiny_model_dir: Path) -> None:
+    """A caller's event loop closes while its request still runs (a test client torn down, a
+    worker killed mid-request): the engine aborts that request and keeps serving others."""
+    import asyncio
+
+    engine = AsyncEngine.from_options(str(tiny_model_dir), kv_cache_memory=4 << 20)
+    try:
+        loop = asyncio.new_event_loop()
+        orphan = engine.generate(GenerationRequest("orphan", prompt=PROMPTS[0], sampling_params=greedy(300)))
+        loop.run_until_complete(anext(orphan))  # running; its consumer then disappears
+        loop.close()
+
+        async def next_request() -> list[int]:
+            ids: list[int] = []
+            async for out in engine.generate(
+                GenerationRequest("next", prompt=PROMPTS[1], sampling_params=greedy(5))
+            ):
+                ids += out.outputs[0].delta_token_ids
+            return ids
+
+        assert len(asyncio.run(asyncio.wait_for(next_request(), 60))) == 5  # a dead engine loop would hang
+        assert engine.is_alive()
+        deadline = time.monotonic() + 30
+        while engine.stats()["num_running"] or engine.stats()["num_waiting"]:  # the orphan gets aborted
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        engine.shutdown()

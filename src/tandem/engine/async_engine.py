@@ -136,25 +136,44 @@ class AsyncEngine:
                     break
                 adds, self._pending_adds = self._pending_adds, []
                 aborts, self._pending_aborts = self._pending_aborts, []
-            for (request, prompt), stream in adds:
-                try:
-                    engine.add_prepared(request, prompt, stream_text=True)
-                    self._streams[request.request_id] = stream
-                except Exception as exc:  # validated already; a race (duplicate id) lands here
-                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
-            for request_id in aborts:
-                engine.abort_request(request_id)
-                self._streams.pop(request_id, None)
-            if engine.has_unfinished_requests():
-                try:
-                    outputs = engine.step()
-                except Exception as exc:
-                    logger.exception("engine step failed; failing its requests")
-                    self._fail_all(exc)
-                    outputs = []
-                self._deliver(outputs)
+            try:
+                self._iterate(adds, aborts)
+            except Exception as exc:  # the loop thread must outlive any one failure
+                logger.exception("engine loop iteration failed; failing the running requests")
+                self._fail_all(exc)
             self._stats = engine.stats()
         self._fail_all(RuntimeError("engine is shut down"))
+
+    def _iterate(self, adds: list[tuple[tuple[Request, str | None], _Stream]], aborts: list[str]) -> None:
+        """Apply queued adds and aborts, then run one step and deliver its outputs."""
+        engine = self.engine
+        for (request, prompt), stream in adds:
+            try:
+                engine.add_prepared(request, prompt, stream_text=True)
+                self._streams[request.request_id] = stream
+            except Exception as exc:  # validated already; a race (duplicate id) lands here
+                self._send(request.request_id, stream, exc)
+        for request_id in aborts:
+            engine.abort_request(request_id)
+            self._streams.pop(request_id, None)
+        if engine.has_unfinished_requests():
+            try:
+                outputs = engine.step()
+            except Exception as exc:
+                logger.exception("engine step failed; failing its requests")
+                self._fail_all(exc)
+                outputs = []
+            self._deliver(outputs)
+
+    def _send(self, request_id: str, stream: _Stream, item: RequestOutput | BaseException) -> None:
+        """Hand `item` to the consumer's event loop. A consumer whose loop is gone (closed without
+        leaving its stream) is treated like a disconnect: its request is aborted."""
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # "Event loop is closed"
+            self._streams.pop(request_id, None)
+            if request_id in self.engine.scheduler.requests:
+                self.engine.abort_request(request_id)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -162,10 +181,15 @@ class AsyncEngine:
             if output.finished:
                 self._streams.pop(output.request_id, None)
             if stream is not None:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+                self._send(output.request_id, stream, output)
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):
-            self.engine.abort_request(request_id, RequestStatus.FINISHED_ERROR)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+            try:
+                self.engine.abort_request(request_id, RequestStatus.FINISHED_ERROR)
+            except Exception:
+                logger.exception(
+                    "could not abort request after a failed step", extra={"request_id": request_id}
+                )
+            self._send(request_id, stream, exc)
         self._streams.clear()
