@@ -208,3 +208,22 @@ def test_metrics_and_traces_per_tenant(http: TestClient, client: openai.OpenAI) 
     assert root.attributes["tandem.tenant"] == "acme"
     children = {s.name for s in finished if s.parent is not None and s.parent.span_id == root.context.span_id}
     assert children == {"llm.queue", "llm.prefill", "llm.decode"}
+
+
+def test_health_is_503_until_an_engine_answers(engine: AsyncEngine) -> None:
+    import asyncio
+
+    class StartingEngine:  # a replica still loading its model: stats never come back
+        model_name = "tiny"
+
+        async def stats(self) -> dict:
+            await asyncio.Event().wait()
+            return {}
+
+    server = OpenAIServer(StartingEngine(), TenantRegistry({}))  # type: ignore[arg-type]
+    with TestClient(create_app(server)) as starting:
+        response = starting.get("/health")
+        assert response.status_code == 503 and response.json()["error"]["code"] == "not_ready"
+    ready = OpenAIServer(engine, TenantRegistry({}))
+    with TestClient(create_app(ready)) as http:
+        assert http.get("/health").json() == {"status": "ok"}

@@ -7,6 +7,7 @@ Routes read the `OpenAIServer` from `app.state.server`, so the same app runs und
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any
@@ -25,6 +26,7 @@ from tandem.platform.openai_schemas import ChatCompletionRequest, CompletionRequ
 logger = logging.getLogger("tandem.api")
 
 MAX_BODY_BYTES = 4 << 20
+HEALTH_TIMEOUT_S = 2.0
 
 
 def error_response(
@@ -139,7 +141,17 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> Any:
-        _server(request)
+        """Ready when an engine answers: 503 while the model replicas are still starting."""
+        server = _server(request)
+        try:
+            await asyncio.wait_for(server.refresh_engine_stats(), HEALTH_TIMEOUT_S)
+        except Exception as exc:
+            return error_response(
+                503,
+                f"no engine is ready yet ({type(exc).__name__}); retry shortly",
+                "server_error",
+                code="not_ready",
+            )
         return {"status": "ok"}
 
     @app.get("/metrics")
