@@ -14,27 +14,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
+from common import log, percentile, write_result
 from tandem import AsyncEngine, SamplingParams
 from tandem.engine.protocol import GenerationRequest
 from tandem.engine.request import Priority
-
-
-def log(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -148,12 +136,9 @@ def main() -> None:
     result = {
         "benchmark": "batch_interference",
         "config": vars(args),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
         **asyncio.run(run(args)),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    log(f"wrote {args.out}")
+    write_result(args.out, result)
     print(json.dumps(result["ratios_vs_alone"], indent=2))
 
 

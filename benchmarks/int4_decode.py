@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from common import log, write_result
 from tandem import LLM, SamplingParams
 from tandem.kernels.int4 import Int4Linear
 from tandem.kernels.linear import Bf16Linear, PackedLinear
@@ -27,10 +24,6 @@ VARIANTS = {
     "bfloat16": {"dtype": "bfloat16"},
     "int4": {"weight_dtype": "int4"},
 }
-
-
-def log(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
 def weight_bytes(model: nn.Module) -> dict[str, int]:
@@ -97,12 +90,9 @@ def main() -> None:
     summary = {
         "benchmark": "int4_decode",
         "config": vars(args),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
         "results": results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(summary, indent=2))
-    log(f"wrote {args.out}")
+    write_result(args.out, summary)
     print(json.dumps({name: entry["vs_16bit"] for name, entry in results.items()}, indent=2))
 
 

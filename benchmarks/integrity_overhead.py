@@ -9,25 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
+from common import log, percentile, write_result
 from tandem import LLM, SamplingParams
-
-
-def log(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def main() -> None:
@@ -91,16 +79,13 @@ def main() -> None:
     result = {
         "benchmark": "integrity_overhead",
         "config": vars(args),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
         "runs": runs,
         "mean": summary_runs,
         "throughput_on_over_off": summary_runs["on"]["tokens_per_s"] / summary_runs["off"]["tokens_per_s"],
         "p99_on_over_off": summary_runs["on"]["p99_e2e_s"] / summary_runs["off"]["p99_e2e_s"],
         "check_share_of_step_time": check_seconds / step_seconds,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    log(f"wrote {args.out}")
+    write_result(args.out, result)
     print(
         json.dumps(
             {k: result[k] for k in ("throughput_on_over_off", "p99_on_over_off", "check_share_of_step_time")},

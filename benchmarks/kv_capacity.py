@@ -11,21 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
+from common import log, write_result
 from tandem import LLM, SamplingParams
 from tandem.engine.runner import KVCacheSpec
-
-
-def log(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
 def run(llm: LLM, concurrency: int, args: argparse.Namespace) -> dict:
@@ -98,7 +91,6 @@ def main() -> None:
     summary = {
         "benchmark": "kv_capacity",
         "config": vars(args) | {"kv_cache_memory": budget},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
         "results": results,
         "fp8_vs_16bit": {
             "capacity_tokens": fp8["kv_capacity_tokens"] / b16["kv_capacity_tokens"],
@@ -106,9 +98,7 @@ def main() -> None:
             "peak_tokens_per_s": fp8["peak_tokens_per_s"] / b16["peak_tokens_per_s"],
         },
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(summary, indent=2))
-    log(f"wrote {args.out}")
+    write_result(args.out, summary)
     print(json.dumps(summary["fp8_vs_16bit"], indent=2))
 
 

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,14 +19,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from common import log, write_result
 from tandem import LLM, LoRARequest, SamplingParams
 
 MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
-
-
-def log(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
 def write_adapter(folder: Path, llm: LLM, rank: int, seed: int) -> None:
@@ -110,12 +104,9 @@ def main() -> None:
     summary = {
         "benchmark": "lora_throughput",
         "config": vars(args),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
         "results": results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(summary, indent=2))
-    log(f"wrote {args.out}")
+    write_result(args.out, summary)
 
 
 if __name__ == "__main__":

@@ -12,21 +12,13 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
+from common import log, write_result
 from tandem import LLM, SamplingParams
-
-
-def log(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
 def random_tokens(n: int, seed: int) -> list[int]:
@@ -108,13 +100,10 @@ def main() -> None:
     summary = {
         "benchmark": "prefix_cache",
         "config": vars(args),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
         "ttft_shared_system_prompt": ttft_result,
         "multi_turn_chat": chat,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(summary, indent=2))
-    log(f"wrote {args.out}")
+    write_result(args.out, summary)
 
 
 if __name__ == "__main__":

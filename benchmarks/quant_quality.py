@@ -16,16 +16,13 @@ Variants: FP8 KV, INT4 weights, both (and a 16-bit KV for scale).
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from common import log, write_result
 from tandem import LLM, SamplingParams
 from tandem.kernels.attention import build_attention_metadata
 
@@ -47,10 +44,6 @@ TOPICS = [
     "the structure of an atom", "why cats purr", "how rivers shape valleys", "the basics of saving money",
     "how lighthouses guide ships", "what a database index is", "how tides are caused by the moon",
 ]  # fmt: skip
-
-
-def log(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
 @torch.inference_mode()
@@ -131,12 +124,9 @@ def main() -> None:
     summary = {
         "benchmark": "quant_quality",
         "config": vars(args) | {"num_prompts": len(prompts)},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
         "results": results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(summary, indent=2))
-    log(f"wrote {args.out}")
+    write_result(args.out, summary)
 
 
 if __name__ == "__main__":

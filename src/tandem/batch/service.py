@@ -148,11 +148,14 @@ class BatchService:
         limit: int = 100,
         order: str = "desc",
     ) -> tuple[list[FileRecord], bool]:
-        keys = self.store.list(f"{tenant_prefix(tenant)}files/")
-        ids = [k.rsplit("/", 1)[1].removesuffix(".json") for k in keys]
-        records = [self.get_file(tenant, i) for i in self._page_ids(ids, after, order)]
-        if purpose is not None:
-            records = [r for r in records if r.purpose == purpose]
+        limit = self._limit(limit)
+        records: list[FileRecord] = []
+        for file_id in self._page_ids(self._ids(f"{tenant_prefix(tenant)}files/"), after, order):
+            record = self.get_file(tenant, file_id)  # read only as many records as the page needs
+            if purpose is None or record.purpose == purpose:
+                records.append(record)
+                if len(records) > limit:
+                    break
         return self._page(records, limit)
 
     # -- batches: API side -------------------------------------------------------------------
@@ -257,8 +260,7 @@ class BatchService:
     def list_batches(
         self, tenant: str, *, after: str | None = None, limit: int = 20
     ) -> tuple[list[BatchRecord], bool]:
-        keys = self.store.list(f"{tenant_prefix(tenant)}batches/")
-        ids = [k.rsplit("/", 1)[1].removesuffix(".json") for k in keys]
+        ids = self._ids(f"{tenant_prefix(tenant)}batches/")
         page_ids = self._page_ids(ids, after, "desc")[: self._limit(limit) + 1]
         return self._page([self.get_batch(tenant, i) for i in page_ids], limit)
 
@@ -310,6 +312,10 @@ class BatchService:
         return out
 
     # -- paging -----------------------------------------------------------------------------
+    def _ids(self, prefix: str) -> list[str]:
+        """Ids of the `<id>.json` records under `prefix`."""
+        return [k.rsplit("/", 1)[1].removesuffix(".json") for k in self.store.list(prefix)]
+
     def _limit(self, limit: int) -> int:
         if not 1 <= limit <= self.limits.max_list_limit:
             raise InvalidRequestError(

@@ -19,10 +19,9 @@ from starlette.concurrency import run_in_threadpool
 
 from tandem.deployments.adapters import AdapterStore
 from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.uploads import reject_declared_oversize
 from tandem.engine.lora import LoRAModelShape
 from tandem.platform.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
-
-MULTIPART_OVERHEAD_BYTES = 64 << 10
 
 
 def adapter_router(
@@ -44,10 +43,7 @@ def adapter_router(
         if not info.get("enabled"):
             raise InvalidRequestError("the replicas serve no LoRA adapters (engine enable_lora is off)")
         limit = store.max_adapter_bytes
-        if int(request.headers.get("content-length") or 0) > limit + MULTIPART_OVERHEAD_BYTES:
-            raise PayloadTooLargeError(
-                f"the upload is over the adapter limit of {limit} bytes", param="adapter_model"
-            )
+        reject_declared_oversize(request, limit, "adapter_model")
         if request.headers.get("content-type", "").startswith("application/json"):
             body = await json_body(request)
             name, source, config, weights = body.get("name"), body.get("source"), None, None

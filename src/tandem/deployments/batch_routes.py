@@ -15,9 +15,8 @@ from starlette.concurrency import run_in_threadpool
 
 from tandem.batch.service import BatchService
 from tandem.deployments.openai_server import OpenAIServer
-from tandem.platform.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
-
-MULTIPART_OVERHEAD_BYTES = 64 << 10
+from tandem.deployments.uploads import reject_declared_oversize
+from tandem.platform.errors import InvalidRequestError, NotFoundError
 
 
 class BatchCreateRequest(BaseModel):
@@ -65,13 +64,7 @@ def batch_router(
     @router.post("/v1/files")
     async def create_file(request: Request) -> Any:
         service, tenant = service_and_tenant(request)
-        declared = int(request.headers.get("content-length") or 0)
-        if declared > service.limits.max_file_bytes + MULTIPART_OVERHEAD_BYTES:
-            raise PayloadTooLargeError(
-                f"the upload is {declared} bytes; the file limit is {service.limits.max_file_bytes}",
-                param="file",
-                code="file_too_large",
-            )
+        reject_declared_oversize(request, service.limits.max_file_bytes, "file")
         form = await request.form(max_part_size=service.limits.max_file_bytes + 1)
         upload, purpose = form.get("file"), form.get("purpose")
         if upload is None or isinstance(upload, str):

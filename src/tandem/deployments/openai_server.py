@@ -24,7 +24,7 @@ from tandem.deployments.adapters import AdapterStore
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Priority
 from tandem.engine.sampling_params import SamplingParams
-from tandem.platform.errors import InvalidRequestError, KVIntegrityError, TandemError
+from tandem.platform.errors import InvalidRequestError, KVIntegrityError, NotFoundError, TandemError
 from tandem.platform.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,11 +43,6 @@ from tandem.platform.telemetry import get_telemetry
 from tandem.platform.tenancy import TenantRegistry
 
 logger = logging.getLogger("tandem.api")
-
-
-class ModelNotFoundError(TandemError):
-    status_code = 404
-    error_type = "invalid_request_error"
 
 
 class EngineClient(Protocol):
@@ -158,15 +153,16 @@ class OpenAIServer:
             ]
         return ModelList(data=cards).model_dump()
 
-    def _resolve_model(self, model: str, tenant: str) -> str | None:
+    async def _resolve_model(self, model: str, tenant: str) -> str | None:
         """The engine's LoRA id for `model`, None for the base model; 404 for anything else,
-        including another tenant's adapter."""
+        including another tenant's adapter. Only adapters cost a (threaded) store lookup."""
         if model == self.model_name:
             return None
         base, sep, adapter = model.partition(":")
         if sep and base == self.model_name and self.adapters is not None:
-            return self.adapters.get(tenant, adapter).lora_id
-        raise ModelNotFoundError(
+            record = await asyncio.to_thread(self.adapters.get, tenant, adapter)
+            return record.lora_id
+        raise NotFoundError(
             f"The model {model!r} does not exist; available: {self.model_name!r} and your adapters "
             f"as '{self.model_name}:<adapter>'",
             param="model",
@@ -188,7 +184,7 @@ class OpenAIServer:
     async def chat(
         self, req: ChatCompletionRequest, tenant: str, priority: Priority = Priority.INTERACTIVE
     ) -> dict[str, Any] | AsyncIterator[str]:
-        lora_id = await asyncio.to_thread(self._resolve_model, req.model, tenant)
+        lora_id = await self._resolve_model(req.model, tenant)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         gen = GenerationRequest(
             request_id=new_id("chatcmpl"),
@@ -204,7 +200,7 @@ class OpenAIServer:
     async def completions(
         self, req: CompletionRequest, tenant: str, priority: Priority = Priority.INTERACTIVE
     ) -> dict[str, Any] | AsyncIterator[str]:
-        lora_id = await asyncio.to_thread(self._resolve_model, req.model, tenant)
+        lora_id = await self._resolve_model(req.model, tenant)
         prompt_is_text = isinstance(req.prompt, str)
         gen = GenerationRequest(
             request_id=new_id("cmpl"),

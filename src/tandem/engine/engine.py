@@ -258,8 +258,8 @@ class LLMEngine:
                 f"request id {request.request_id!r} is already running", param="request_id"
             )
         if request.lora_name is not None:
-            if self.lora is None:
-                raise InvalidRequestError("this engine serves no LoRA adapters", param="model")
+            self._check_lora(request.lora_name)
+            assert self.lora is not None
             self.lora.acquire(request.lora_name)  # raises when it was removed meanwhile
         self.scheduler.add_request(request)
         self.output_processor.add(request, prompt, stream_text)

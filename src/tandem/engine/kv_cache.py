@@ -248,9 +248,7 @@ class KVCacheManager:
 
     def is_table_current(self, request_id: str) -> bool:
         """True when every block of the request still carries the generation it was given."""
-        table = self.tables[request_id]
-        generations = self.pool.generations
-        return all(generations[b] == g for b, g in zip(table.block_ids, table.generations, strict=True))
+        return not self.stale_requests([request_id])
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
@@ -260,5 +258,5 @@ class KVCacheManager:
             for block_id in table.block_ids:
                 refs[block_id] += 1
         assert refs == self.pool.ref_counts, "ref counts differ from block-table references"
-        for request_id in self.tables:
-            assert self.is_table_current(request_id), f"{request_id} holds a reassigned block"
+        stale = self.stale_requests(list(self.tables))
+        assert not stale, f"{stale} hold reassigned blocks"

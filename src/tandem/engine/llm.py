@@ -64,9 +64,11 @@ class LLM:
             raise InvalidRequestError(
                 f"got {len(loras)} LoRA requests for {num_prompts} prompts", param="lora"
             )
+        loaded = set(self.engine.list_loras())
         for adapter in loras:
-            if adapter is not None and adapter.name not in self.engine.list_loras():
+            if adapter is not None and adapter.name not in loaded:
                 self.engine.add_lora(adapter.name, adapter.path)
+                loaded.add(adapter.name)
         return loras
 
     def chat(

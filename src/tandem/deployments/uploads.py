@@ -1,0 +1,16 @@
+"""Checks shared by the routes that take multipart uploads (files, adapters)."""
+
+from fastapi import Request
+
+from tandem.platform.errors import PayloadTooLargeError
+
+MULTIPART_OVERHEAD_BYTES = 64 << 10  # form boundaries and headers around the file itself
+
+
+def reject_declared_oversize(request: Request, limit: int, param: str) -> None:
+    """413 before reading the body when Content-Length already says the upload is over `limit`."""
+    declared = int(request.headers.get("content-length") or 0)
+    if declared > limit + MULTIPART_OVERHEAD_BYTES:
+        raise PayloadTooLargeError(
+            f"the upload is {declared} bytes; the limit is {limit}", param=param, code="file_too_large"
+        )
