@@ -87,8 +87,12 @@ def main() -> None:
     parser.add_argument(
         "--weight-dtype",
         default="auto",
-        choices=["auto", "int4"],
-        help="engine weights (int4: the GGUF's Q4_1 as is)",
+        choices=["auto", "int4", "hybrid"],
+        help="engine weights (int4: the GGUF's Q4_1 as is; hybrid: INT4 for small decode steps, "
+        "float32 for prefill and large batches)",
+    )
+    parser.add_argument(
+        "--compile-decode", action="store_true", help="torch.compile the decode steps (compiles at start)"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -104,8 +108,10 @@ def main() -> None:
         kv_cache_memory=None,
         max_num_seqs=max(64, max_n),
         weight_dtype=args.weight_dtype,
+        compile_decode=args.compile_decode,
         enable_prefix_caching=False,
     )
+    log(f"engine ready; decode compiled: {llm.engine.runner.compiles_decode}")
     vocab = llm.engine.model_config.vocab_size
     llm.generate([[100] * 8], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
 
@@ -159,7 +165,13 @@ def main() -> None:
             "processor": platform.processor() or platform.machine(),
         },
         "engine": {
-            k: v for k, v in llm.stats().items() if k in ("kv_capacity_tokens", "block_size", "max_model_len")
+            **{
+                k: v
+                for k, v in llm.stats().items()
+                if k in ("kv_capacity_tokens", "block_size", "max_model_len")
+            },
+            "weight_dtype": args.weight_dtype,
+            "compile_decode": llm.engine.runner.compiles_decode,
         },
         "results": rows,
     }

@@ -106,6 +106,26 @@ def test_tiny_gqa_model_matches_hf(tiny_model_dir: Path) -> None:
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
+def test_compiled_decode_matches_hf(tiny_model_dir: Path) -> None:
+    """`compile_decode=True` runs decode-only steps through torch.compile; answers stay HF's."""
+    from transformers import LlamaForCausalLM
+
+    hf_model = LlamaForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    llm = LLM(
+        str(tiny_model_dir),
+        kv_cache_memory=4 << 20,
+        block_size=4,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        compile_decode=True,
+    )
+    assert llm.engine.runner.compiles_decode, "compilation failed and fell back to eager"
+    prompts = [p for p in PROMPTS if len(llm.tokenizer.encode(p)) > 1]
+    check_parity(llm, hf_model, prompts, max_new=24)
+    assert llm.engine.runner.num_compiled_steps > 0
+
+
 @pytest.mark.parametrize(
     "scaling",
     [

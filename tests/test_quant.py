@@ -12,6 +12,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.kernels.attention import (
     build_attention_metadata,
+    e4m3_to_float,
     paged_attention,
     quantize_fp8,
     reference_attention,
@@ -28,6 +29,9 @@ from tandem.kernels.int4 import (
 PROMPTS = ["The quick brown fox", "Paged attention stores", "0123456789 numbers", "Hello there"]
 
 
+HYBRID_LOGPROB_TOLERANCE = 1.0  # INT4 decode vs float32 on the random tiny model, same path
+
+
 def test_fp8_quantisation_error_is_bounded() -> None:
     x = torch.randn(64, 4, 32) * torch.logspace(-2, 2, 64)[:, None, None]  # rows of very different size
     q, scale = quantize_fp8(x)
@@ -35,6 +39,16 @@ def test_fp8_quantisation_error_is_bounded() -> None:
     back = q.float() * scale.float()[..., None]
     # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 of each row's largest value.
     assert ((back - x).abs() <= x.abs().amax(-1, keepdim=True) * 2**-4 + 1e-6).all()
+
+
+def test_e4m3_bit_conversion_matches_torch_for_every_code() -> None:
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    want = codes.view(torch.float8_e4m3fn).float()
+    got = e4m3_to_float(codes)
+    finite = ~want.isnan()
+    assert int(finite.sum()) == 254
+    assert torch.equal(got[finite], want[finite])  # exact, subnormals and signed zero included
+    assert torch.equal(got[finite].signbit(), want[finite].signbit())
 
 
 def test_paged_attention_reads_fp8_cache_like_the_reference() -> None:
@@ -94,6 +108,44 @@ def test_fp8_cache_doubles_capacity_and_stays_close(tiny_model_dir: Path) -> Non
                     break
                 diffs.append(abs(w.logprobs[step][a] - g.logprobs[step][b]))
         assert max(diffs) < tolerance and len(diffs) >= len(PROMPTS) * 3, kv_dtype
+
+
+def test_hybrid_weights_route_small_decode_steps_to_int4(tiny_model_dir: Path) -> None:
+    """weight_dtype="hybrid": prompt chunks run the float32 copy, decode steps of at most
+    hybrid_int4_max_batch requests the INT4 copy, larger decode batches the float32 copy; both
+    copies read and write the same KV cache."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
+    options = {"kv_cache_memory": 4 << 20, "max_model_len": 512}
+    dense = LLM(str(tiny_model_dir), **options)
+    hybrid = LLM(str(tiny_model_dir), weight_dtype="hybrid", hybrid_int4_max_batch=2, **options)
+    runner = hybrid.engine.runner
+    assert runner.decode_model is not runner.model
+    prompts = PROMPTS[:3]
+
+    # One request at a time: the first token comes from the float32 prefill (identical to the
+    # float32 engine), every later one from an INT4 decode step reading the prefill's KV.
+    diffs = []
+    for prompt in prompts:
+        want = dense.generate([prompt], params)[0].outputs[0]
+        got = hybrid.generate([prompt], params)[0].outputs[0]
+        assert got.token_ids[0] == want.token_ids[0]
+        assert got.logprobs[0] == want.logprobs[0]
+        for step in range(1, len(want.token_ids)):
+            if got.token_ids[step - 1] != want.token_ids[step - 1]:
+                break
+            token = want.token_ids[step]
+            if token in got.logprobs[step]:
+                diffs.append(abs(want.logprobs[step][token] - got.logprobs[step][token]))
+    assert runner.num_decode_model_steps == len(prompts) * (params.max_tokens - 1)
+    assert diffs and 0 < max(diffs) < HYBRID_LOGPROB_TOLERANCE  # INT4 is in use, and reads good KV
+
+    # Three requests admitted in one step: every decode step has 3 rows > 2, so the float32 copy
+    # runs them and the answers are the float32 engine's, token for token.
+    before = runner.num_decode_model_steps
+    together = hybrid.generate(prompts, params)
+    assert runner.num_decode_model_steps == before
+    expected = dense.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in expected]
 
 
 @pytest.mark.parametrize("shape", [(96, 64), (40, 256)])

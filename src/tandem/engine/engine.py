@@ -103,14 +103,27 @@ class LLMEngine:
         else:
             self.max_model_len = min(cfg.max_position_embeddings, capacity)
 
+        hybrid = config.weight_dtype == "hybrid"
         model = build_model(
             loaded,
             dtype=self.dtype,
             device=self.device,
             max_positions=self.max_model_len,
-            weight_dtype=config.weight_dtype,
+            # inductor cannot lower oneDNN's prepacked (opaque) weights; it plans its own GEMMs
+            pack_weights=hybrid or not config.compile_decode,
+            weight_dtype="auto" if hybrid else config.weight_dtype,
             int4_group_size=config.int4_group_size,
         )
+        decode_model = None
+        if hybrid:
+            decode_model = build_model(
+                loaded,
+                dtype=self.dtype,
+                device=self.device,
+                max_positions=self.max_model_len,
+                weight_dtype="int4",
+                int4_group_size=config.int4_group_size,
+            )
         del loaded
         self.kv_manager = KVCacheManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
@@ -137,7 +150,18 @@ class LLMEngine:
                 device=self.device,
                 dtype=self.dtype,
             )
-        self.runner = ModelRunner(model, kv_spec, num_blocks, self.device, seed=config.seed, lora=self.lora)
+        self.runner = ModelRunner(
+            model,
+            kv_spec,
+            num_blocks,
+            self.device,
+            seed=config.seed,
+            lora=self.lora,
+            compile_decode=config.compile_decode,
+            decode_model=decode_model,
+            decode_model_max_batch=config.hybrid_int4_max_batch,
+        )
+        self.runner.warmup_decode()
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info(
             "engine ready",

@@ -6,7 +6,10 @@ Owns everything torch: the model, the paged KV tensors and per-request sampling 
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -15,6 +18,8 @@ from tandem.engine.models.llama import KVLayer, LlamaForCausalLM
 from tandem.engine.scheduler import RunnerResult, ScheduledRequest, SchedulerOutput
 from tandem.kernels.attention import build_attention_metadata
 from tandem.kernels.sampling import apply_penalties, filter_logits, sample_rows, top_logprobs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,8 +51,22 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         lora: LoRAManager | None = None,
+        compile_decode: bool = False,
+        decode_model: LlamaForCausalLM | None = None,
+        decode_model_max_batch: int = 0,
     ) -> None:
+        """`decode_model` (optional, e.g. an INT4 copy of `model` sharing nothing but the cache)
+        runs decode-only steps of at most `decode_model_max_batch` requests; `model` runs the rest.
+        With `compile_decode`, those decode steps go through one compiled graph: at small batch
+        the eager step is dominated by per-op dispatch, not by the matmuls."""
         self.model = model
+        self.decode_model = decode_model or model
+        self.decode_model_max_batch = decode_model_max_batch if decode_model is not None else 1 << 30
+        self._decode_forward: Any = (
+            torch.compile(self.decode_model.forward, dynamic=True) if compile_decode else None
+        )
+        self.num_compiled_steps = 0
+        self.num_decode_model_steps = 0
         self.lora = lora
         self.kv_spec = kv_spec
         self.device = device
@@ -98,18 +117,66 @@ class ModelRunner:
             self.kv_spec.num_kv_heads,
             self.device,
         )
-        logits = self.model(
+        lora_step = (
+            LoRAStep(self.lora.slots, torch.tensor(token_slots, device=self.device))
+            if slot_of and self.lora
+            else None
+        )
+        forward = self.model.forward
+        if not metadata.prefills and len(items) <= self.decode_model_max_batch:
+            forward = self.decode_model.forward
+            self.num_decode_model_steps += 1
+            if self._decode_forward is not None and lora_step is None:
+                forward = self._decode_forward
+                self.num_compiled_steps += 1
+        logits = forward(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             self.kv_caches,
             metadata,
             torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
-            lora=LoRAStep(self.lora.slots, torch.tensor(token_slots, device=self.device))
-            if slot_of and self.lora
-            else None,
+            lora=lora_step,
         )
         sampling_items = [item for item in items if item.sample]
         return self.sample(logits, sampling_items)
+
+    @property
+    def compiles_decode(self) -> bool:
+        return self._decode_forward is not None
+
+    @torch.inference_mode()
+    def warmup_decode(self, batch_sizes: tuple[int, ...] = (1, 2)) -> None:
+        """Compile the decode graph before the first request (batch 1 and batch >= 2 are separate
+        graphs: torch specialises sizes 0 and 1). Writes one dummy token into block 0, which holds
+        no request's KV before the engine starts. On any compile error, decode stays eager."""
+        if self._decode_forward is None:
+            return
+        started = time.perf_counter()
+        try:
+            for batch in batch_sizes:
+                metadata = build_attention_metadata(
+                    [[0, 0]] * batch,
+                    [1] * batch,
+                    [2] * batch,
+                    self.block_size,
+                    self.kv_spec.num_kv_heads,
+                    self.device,
+                )
+                self._decode_forward(
+                    torch.zeros(batch, dtype=torch.int64, device=self.device),
+                    torch.ones(batch, dtype=torch.int64, device=self.device),
+                    self.kv_caches,
+                    metadata,
+                    torch.arange(batch, dtype=torch.int64, device=self.device),
+                )
+        except Exception as exc:  # noqa: BLE001 - any backend failure means: stay eager
+            logger.warning(
+                "decode compilation failed; decode steps run eagerly",
+                extra={"error": f"{type(exc).__name__}: {exc}"[:500]},
+            )
+            self._decode_forward = None
+            return
+        logger.info("decode graph compiled", extra={"seconds": round(time.perf_counter() - started, 1)})
 
     def sample(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> RunnerResult:
         """logits: [B, V] float32, one row per item (in order)."""

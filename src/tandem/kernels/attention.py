@@ -59,6 +59,28 @@ def write_kv(
         scales.view(-1, num_kv_heads).index_copy_(0, slot_mapping, scale)
 
 
+# e4m3 bits placed in a bfloat16's exponent/mantissa fields read as the same value times 2^-120
+# (exponent bias 127 instead of 7), subnormals included; the factor is folded into the scale.
+_E4M3_AS_BF16_FACTOR = 2.0**120
+
+
+def e4m3_to_float(raw: torch.Tensor) -> torch.Tensor:
+    """[...] uint8 e4m3 codes -> [...] float32 values, exactly `raw.view(float8_e4m3fn).float()`
+    for every code but NaN (0x7f/0xff, never written: `quantize_fp8` clamps to +-448).
+
+    CPU torch converts float8 element by element (about 4x slower than this); here the sign
+    moves to bit 15 and exponent+mantissa to bits 4..10 of an int16, which read as bfloat16 is
+    the value / 2^120, and bfloat16 -> float32 is a shift."""
+    return _e4m3_bits_as_bf16(raw).float().mul_(_E4M3_AS_BF16_FACTOR)
+
+
+def _e4m3_bits_as_bf16(raw: torch.Tensor) -> torch.Tensor:
+    codes = raw.view(torch.int8).to(torch.int16)  # sign-extended: bit 7 lands in bits 7..15
+    bits = (codes & 0x7F) << 4
+    bits |= (codes & -128) << 8
+    return bits.view(torch.bfloat16)
+
+
 def _gather_rows(
     rows: torch.Tensor,  # [N*bs*Hk, D] the cache's row view
     scales: torch.Tensor | None,  # [N*bs*Hk] per-row scales of an FP8 cache
@@ -67,10 +89,12 @@ def _gather_rows(
 ) -> torch.Tensor:  # [n, D] in `dtype`
     if scales is None:
         return rows.index_select(0, index).to(dtype)
-    gathered = rows.view(torch.uint8).index_select(0, index).view(rows.dtype)  # float8 has no CPU gather
-    return (gathered.to(torch.float32) * scales.index_select(0, index).to(torch.float32).unsqueeze(-1)).to(
-        dtype
-    )
+    gathered = rows.view(torch.uint8).index_select(0, index)  # float8 has no CPU gather
+    if gathered.device.type != "cpu":
+        values = gathered.view(rows.dtype).to(torch.float32)
+        return (values * scales.index_select(0, index).to(torch.float32).unsqueeze(-1)).to(dtype)
+    row_scales = scales.index_select(0, index).to(torch.float32).mul_(_E4M3_AS_BF16_FACTOR)
+    return _e4m3_bits_as_bf16(gathered).float().mul_(row_scales.unsqueeze(-1)).to(dtype)
 
 
 @dataclass

@@ -28,10 +28,16 @@ class EngineConfig(BaseModel):
         "auto", description="Compute dtype of weights and activations; 'auto' is float32 on CPU."
     )
     device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'.")
-    weight_dtype: Literal["auto", "int4"] = Field(
+    weight_dtype: Literal["auto", "int4", "hybrid"] = Field(
         "auto",
         description="'int4': group-wise INT4 linears (two values per byte; the default model's Q4_1 "
-        "weights load as they are); 'auto': the compute dtype.",
+        "weights load as they are); 'auto': the compute dtype; 'hybrid': both copies, INT4 for "
+        "decode steps of at most hybrid_int4_max_batch requests (memory-bound: INT4 reads an eighth "
+        "of float32's bytes), the compute dtype for prefill and larger batches (compute-bound: the "
+        "CPU INT4 kernel is slower than oneDNN there). Costs the memory of both copies.",
+    )
+    hybrid_int4_max_batch: int = Field(
+        8, ge=1, description="With weight_dtype='hybrid': largest decode batch that uses the INT4 copy."
     )
     int4_group_size: int = Field(128, ge=32, le=256, description="INT4 group size along the input dim.")
     role: Literal["colocated", "prefill", "decode"] = Field(
@@ -88,6 +94,12 @@ class EngineConfig(BaseModel):
     kv_integrity_check: bool = Field(
         True,
         description="Before each step, abort any scheduled request whose KV blocks were reassigned.",
+    )
+    compile_decode: bool = Field(
+        False,
+        description="Run decode-only steps through torch.compile (inductor): one fused graph per step "
+        "instead of thousands of small ops. Compiled at start-up (minutes on a small CPU; cached on "
+        "disk under TORCHINDUCTOR_CACHE_DIR); falls back to eager if compilation fails.",
     )
     seed: int = Field(0, description="Seed of the engine's default random generator.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU.")
