@@ -22,7 +22,9 @@ from tandem.kernels.linear import Bf16Linear, PackedLinear
 VARIANTS = {
     "float32": {},
     "bfloat16": {"dtype": "bfloat16"},
-    "int4": {"weight_dtype": "int4"},
+    "int4": {"weight_dtype": "int4"},  # a Q4_1 GGUF as stored: group 32
+    "int4_g128": {"weight_dtype": "int4", "int4_group_size": 128},  # requantised: fewer bytes
+    "int4_compiled": {"weight_dtype": "int4", "compile_decode": True},
 }
 
 
@@ -65,9 +67,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--out", default="benchmarks/results/int4_decode.json")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     args = parser.parse_args()
+    if "bfloat16" not in args.variants:
+        args.variants.insert(0, "bfloat16")  # the baseline of every ratio
     results: dict[str, dict] = {}
-    for name, options in VARIANTS.items():
+    for name in args.variants:
+        options = VARIANTS[name]
         llm = LLM(args.model, kv_cache_memory=128 << 20, enable_prefix_caching=False, **options)
         decode_rate(llm, 1, 8, 4)  # warm-up
         entry: dict = {"weight_bytes": weight_bytes(llm.engine.runner.model)}

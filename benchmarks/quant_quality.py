@@ -31,6 +31,7 @@ VARIANTS = {
     "kv_bf16": {"kv_cache_dtype": "bfloat16"},
     "kv_fp8": {"kv_cache_dtype": "fp8_e4m3"},
     "int4": {"weight_dtype": "int4"},
+    "int4_g128": {"weight_dtype": "int4", "int4_group_size": 128},
     "int4_kv_fp8": {"weight_dtype": "int4", "kv_cache_dtype": "fp8_e4m3"},
 }
 TOPICS = [
@@ -75,7 +76,9 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--out", default="benchmarks/results/quant_quality.json")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     args = parser.parse_args()
+    variants = ["base_fp32"] + [v for v in args.variants if v != "base_fp32"]  # the reference first
 
     text = Path(args.text).read_text()
     prompts = [[{"role": "user", "content": f"Explain {topic} in a few sentences."}] for topic in TOPICS]
@@ -83,7 +86,8 @@ def main() -> None:
     base_logprobs: torch.Tensor | None = None
     base_tokens: list[list[int]] = []
     results = {}
-    for name, options in VARIANTS.items():
+    for name in variants:
+        options = VARIANTS[name]
         started = time.perf_counter()
         llm = LLM(args.model, kv_cache_memory=256 << 20, **options)
         token_ids = llm.tokenizer.encode(text)

@@ -181,6 +181,22 @@ def test_gguf_q4_1_loads_as_int4_without_a_round_trip(default_model_path: Path) 
     assert gguf  # the reference dequantiser is gguf's (used by _read_gguf)
 
 
+def test_int4_group_size_unset_keeps_q4_1_and_set_requantises(default_model_path: Path) -> None:
+    def layer0(llm: LLM) -> list[Int4Linear]:
+        layer = llm.engine.runner.model.layers[0]
+        return [layer.self_attn.qkv_proj, layer.mlp.down_proj]
+
+    native = LLM(str(default_model_path), weight_dtype="int4", kv_cache_memory=16 << 20)
+    assert [m.group_size for m in layer0(native)] == [32, 32]  # Q4_1's blocks, as stored
+    requantised = LLM(
+        str(default_model_path), weight_dtype="int4", int4_group_size=128, kv_cache_memory=16 << 20
+    )
+    assert [m.group_size for m in layer0(requantised)] == [64, 128]  # 576 inputs: 64 divides, 128 not
+    assert sum(m.num_weight_bytes for m in layer0(requantised)) < sum(
+        m.num_weight_bytes for m in layer0(native)
+    )
+
+
 def _next_token_logprobs(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     """[N-1, V] teacher-forced next-token log-probs through the engine's model and paged KV."""
     from tandem.kernels.attention import build_attention_metadata

@@ -39,7 +39,14 @@ class EngineConfig(BaseModel):
     hybrid_int4_max_batch: int = Field(
         8, ge=1, description="With weight_dtype='hybrid': largest decode batch that uses the INT4 copy."
     )
-    int4_group_size: int = Field(128, ge=32, le=256, description="INT4 group size along the input dim.")
+    int4_group_size: int | None = Field(
+        None,
+        ge=32,
+        le=256,
+        description="INT4 group size along the input dim. Unset: a Q4_1 GGUF's tensors load as they "
+        "are (group 32) and other weights are quantised with groups of 128. Set: every linear is "
+        "quantised at this size (from the dequantised file for a GGUF: fewer bytes, a second rounding).",
+    )
     role: Literal["colocated", "prefill", "decode"] = Field(
         "colocated",
         description="Quantisation preset: 'decode' defaults to INT4 weights + FP8 KV, 'prefill' to "

@@ -266,7 +266,7 @@ def build_model(
     max_positions: int,
     pack_weights: bool = True,
     weight_dtype: str = "auto",
-    int4_group_size: int = 128,
+    int4_group_size: int | None = None,
 ) -> LlamaForCausalLM:
     """Build on 'meta' (no random init), load the weights, then either quantise the linears to
     INT4 (`weight_dtype="int4"`) or prepack them for the device's GEMM."""
@@ -280,11 +280,15 @@ def build_model(
     model = model.to(dtype=dtype)
     model.init_rope()  # after the dtype cast: the cos/sin tables stay float32
     if weight_dtype == "int4":
-        native = read_gguf_int4(loaded.path, loaded.config) if loaded.path.suffix == ".gguf" else {}
-        apply_int4(model, native, int4_group_size, device)
+        use_native = loaded.path.suffix == ".gguf" and int4_group_size is None
+        native = read_gguf_int4(loaded.path, loaded.config) if use_native else {}
+        apply_int4(model, native, int4_group_size or DEFAULT_INT4_GROUP_SIZE, device)
     elif pack_weights:
         pack_linears(model)
     return model.eval()
+
+
+DEFAULT_INT4_GROUP_SIZE = 128  # for weights without native INT4 tensors
 
 
 def read_gguf_int4(path: Path, config: LlamaConfig) -> dict[str, Int4Weight]:
