@@ -97,6 +97,47 @@ def _gather_rows(
     return _e4m3_bits_as_bf16(gathered).float().mul_(row_scales.unsqueeze(-1)).to(dtype)
 
 
+def _gather_unscaled(
+    rows: torch.Tensor,  # [N*bs*Hk, D] the cache's row view
+    scales: torch.Tensor | None,  # [N*bs*Hk] per-row scales of an FP8 cache
+    index: torch.Tensor,  # [n] rows to read
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows as `dtype` and, for FP8, their scales kept apart ([n]: value = row * scale), so
+    attention can apply them to scores and probabilities ([.., L]) instead of to K and V ([.., L, D])."""
+    if scales is None:
+        return rows.index_select(0, index).to(dtype), None
+    gathered = rows.view(torch.uint8).index_select(0, index)
+    row_scales = scales.index_select(0, index).to(torch.float32)
+    if gathered.device.type != "cpu":
+        return gathered.view(rows.dtype).to(dtype), row_scales
+    return _e4m3_bits_as_bf16(gathered).to(dtype), row_scales.mul_(_E4M3_AS_BF16_FACTOR)
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [B, Hk, G, D] one token per request, the GQA group as query rows
+    k: tuple[torch.Tensor, torch.Tensor | None],  # [B*Hk*L, D] rows, optional [B*Hk*L] scales
+    v: tuple[torch.Tensor, torch.Tensor | None],
+    mask: torch.Tensor,  # [B, 1, 1, L] True = valid key
+    scale: float,
+) -> torch.Tensor:  # [B, Hk, G, D]
+    """softmax(q K^T * scale, masked) V with per-key scales s_k, s_v folded in:
+    (q . k_l s_k[l]) = (q . k_l) s_k[l] and sum_l p_l s_v[l] v_l. Plain matmuls: at one query per
+    request they beat CPU flash attention, and the FP8 scales cost an [.., L] multiply each."""
+    batch, num_kv_heads, _, head_dim = q.shape
+    k_rows, k_scales = k
+    v_rows, v_scales = v
+    shape = (batch, num_kv_heads, -1, head_dim)
+    scores = torch.matmul(q, k_rows.view(shape).transpose(-1, -2))  # [B, Hk, G, L]
+    if k_scales is not None:
+        scores.mul_(k_scales.view(batch, num_kv_heads, 1, -1))
+    scores.mul_(scale).masked_fill_(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    if v_scales is not None:
+        probs.mul_(v_scales.view(batch, num_kv_heads, 1, -1))
+    return torch.matmul(probs, v_rows.view(shape))
+
+
 @dataclass
 class PrefillSegment:
     """A request computing more than one token this step (a prompt chunk)."""
@@ -215,11 +256,12 @@ def paged_attention(
         bd, length = metadata.num_decodes, metadata.decode_max_len
         # One query token per request: fold the GQA group into the query-length axis.
         q_dec = q.index_select(0, metadata.decode_rows).view(bd, num_kv_heads, group, head_dim)
-        index = metadata.decode_kv_index
-        k_dec = _gather_rows(k_rows, k_scale_rows, index, q.dtype).view(bd, num_kv_heads, length, head_dim)
-        v_dec = _gather_rows(v_rows, v_scale_rows, index, q.dtype).view(bd, num_kv_heads, length, head_dim)
-        o_dec = F.scaled_dot_product_attention(
-            q_dec, k_dec, v_dec, attn_mask=metadata.decode_mask, scale=scale
+        o_dec = _decode_attention(
+            q_dec,
+            _gather_unscaled(k_rows, k_scale_rows, metadata.decode_kv_index, q.dtype),
+            _gather_unscaled(v_rows, v_scale_rows, metadata.decode_kv_index, q.dtype),
+            metadata.decode_mask,
+            scale,
         )
         out.index_copy_(0, metadata.decode_rows, o_dec.reshape(bd, num_heads, head_dim))
 
