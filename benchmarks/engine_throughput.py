@@ -14,21 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from common import log, write_result
 from tandem import LLM, SamplingParams
 from tandem.engine.models.loader import resolve_model_path
-
-
-def log(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -157,13 +151,7 @@ def main() -> None:
         "model": args.model,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "torch_threads": threads,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "processor": platform.processor() or platform.machine(),
-        },
+        "torch_threads": threads,
         "engine": {
             **{
                 k: v
@@ -175,9 +163,7 @@ def main() -> None:
         },
         "results": rows,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2))
-    log(f"wrote {args.output}")
+    write_result(args.output, report)
     print(json.dumps(report, indent=2))
 
 

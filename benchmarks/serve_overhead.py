@@ -14,24 +14,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-
-def log(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+from common import log, percentile, write_result
 
 
 def summarise(ttfts: list[float], tokens: int, wall: float) -> dict[str, float]:
@@ -173,16 +164,14 @@ def main() -> None:
         "streams": args.streams,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
-        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "torch_threads": torch.get_num_threads(),
         "direct": direct,
         "http": http,
         "added_ttft_p50_ms": http["ttft_p50_ms"] - direct["ttft_p50_ms"],
         "added_ttft_p99_ms": http["ttft_p99_ms"] - direct["ttft_p99_ms"],
         "throughput_ratio_http_over_direct": http["tokens_per_s"] / direct["tokens_per_s"],
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2))
-    log(f"wrote {args.output}")
+    write_result(args.output, report)
     print(json.dumps(report, indent=2))
 
 

@@ -5,6 +5,7 @@ Single-threaded; `AsyncEngine` (async_engine.py) drives it from a background thr
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -104,26 +105,20 @@ class LLMEngine:
             self.max_model_len = min(cfg.max_position_embeddings, capacity)
 
         hybrid = config.weight_dtype == "hybrid"
-        model = build_model(
+        build = functools.partial(
+            build_model,
             loaded,
             dtype=self.dtype,
             device=self.device,
             max_positions=self.max_model_len,
+            int4_group_size=config.int4_group_size,
+        )
+        model = build(
             # inductor cannot lower oneDNN's prepacked (opaque) weights; it plans its own GEMMs
             pack_weights=hybrid or not config.compile_decode,
             weight_dtype="auto" if hybrid else config.weight_dtype,
-            int4_group_size=config.int4_group_size,
         )
-        decode_model = None
-        if hybrid:
-            decode_model = build_model(
-                loaded,
-                dtype=self.dtype,
-                device=self.device,
-                max_positions=self.max_model_len,
-                weight_dtype="int4",
-                int4_group_size=config.int4_group_size,
-            )
+        decode_model = build(weight_dtype="int4") if hybrid else None
         del loaded
         self.kv_manager = KVCacheManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching

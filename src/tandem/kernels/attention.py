@@ -81,37 +81,34 @@ def _e4m3_bits_as_bf16(raw: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.bfloat16)
 
 
-def _gather_rows(
-    rows: torch.Tensor,  # [N*bs*Hk, D] the cache's row view
-    scales: torch.Tensor | None,  # [N*bs*Hk] per-row scales of an FP8 cache
-    index: torch.Tensor,  # [n] rows to read
-    dtype: torch.dtype,
-) -> torch.Tensor:  # [n, D] in `dtype`
-    if scales is None:
-        return rows.index_select(0, index).to(dtype)
-    gathered = rows.view(torch.uint8).index_select(0, index)  # float8 has no CPU gather
-    if gathered.device.type != "cpu":
-        values = gathered.view(rows.dtype).to(torch.float32)
-        return (values * scales.index_select(0, index).to(torch.float32).unsqueeze(-1)).to(dtype)
-    row_scales = scales.index_select(0, index).to(torch.float32).mul_(_E4M3_AS_BF16_FACTOR)
-    return _e4m3_bits_as_bf16(gathered).float().mul_(row_scales.unsqueeze(-1)).to(dtype)
-
-
 def _gather_unscaled(
     rows: torch.Tensor,  # [N*bs*Hk, D] the cache's row view
     scales: torch.Tensor | None,  # [N*bs*Hk] per-row scales of an FP8 cache
     index: torch.Tensor,  # [n] rows to read
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Rows as `dtype` and, for FP8, their scales kept apart ([n]: value = row * scale), so
-    attention can apply them to scores and probabilities ([.., L]) instead of to K and V ([.., L, D])."""
+    """Rows as `dtype` and, for FP8, their scales kept apart ([n] float32: value = row * scale), so
+    decode attention can apply them to scores and probabilities ([.., L]) instead of K and V."""
     if scales is None:
         return rows.index_select(0, index).to(dtype), None
-    gathered = rows.view(torch.uint8).index_select(0, index)
+    gathered = rows.view(torch.uint8).index_select(0, index)  # float8 has no CPU gather
     row_scales = scales.index_select(0, index).to(torch.float32)
-    if gathered.device.type != "cpu":
-        return gathered.view(rows.dtype).to(dtype), row_scales
-    return _e4m3_bits_as_bf16(gathered).to(dtype), row_scales.mul_(_E4M3_AS_BF16_FACTOR)
+    if gathered.device.type == "cpu" and dtype != torch.float16:
+        # bfloat16 and float32 hold value / 2^120 (float16 would underflow); the factor joins the scale
+        return _e4m3_bits_as_bf16(gathered).to(dtype), row_scales.mul_(_E4M3_AS_BF16_FACTOR)
+    return gathered.view(rows.dtype).to(dtype), row_scales
+
+
+def _gather_rows(
+    rows: torch.Tensor,  # [N*bs*Hk, D] the cache's row view
+    scales: torch.Tensor | None,  # [N*bs*Hk] per-row scales of an FP8 cache
+    index: torch.Tensor,  # [n] rows to read
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [n, D] in `dtype`, scales applied
+    values, row_scales = _gather_unscaled(rows, scales, index, dtype)
+    if row_scales is None:
+        return values
+    return (values.float() * row_scales.unsqueeze(-1)).to(dtype)
 
 
 def _decode_attention(
