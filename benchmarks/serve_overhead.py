@@ -1,71 +1,108 @@
 """What Ray Serve + HTTP add on top of the engine: TTFT and throughput, side by side in one run.
 
-Phase 1 drives an in-process `AsyncEngine` with N concurrent streams; phase 2 drives the same
-engine options deployed with `tandem.deployments.app.build_app` on a local Ray, over HTTP with
-streaming completions (the same prompt token ids, greedy, EOS ignored). The phases run one after
-the other so they do not compete for CPUs. Reports p50/p99 TTFT, tokens/s and the differences.
+One process holds an in-process `AsyncEngine` ("direct") and starts a local Ray with the Serve
+app (`tandem.deployments.app.build_app`, the same engine options) once per `--stream-intervals`
+value, plus once with the engine's admission wait off (what a burst's TTFT was before it). Rounds alternate: the direct engine, then each app over HTTP (streaming completions,
+the same prompt token ids, greedy, EOS ignored). Only one phase runs at a time, and idle engines
+sleep, so phases do not compete for CPUs. Alternating rounds and reporting medians keeps a noisy
+shared machine from favouring whichever phase ran in a quiet minute.
 
-    python benchmarks/serve_overhead.py                  # 16 streams -> benchmarks/results/
-    python benchmarks/serve_overhead.py --streams 4 --new-tokens 32 --model /path/to/model
+Each phase runs every `--streams` value (all requests start together) and reports p50/p99 TTFT,
+tokens/s, and two diagnostics:
+- `engine_step_wall_s` vs `engine_step_cpu_s`: the engine thread's wall and CPU seconds inside
+  steps. Wall above CPU is time the step waited: for its other OpenMP thread or for the GIL,
+  because something else ran on its cores.
+- `cpu_s_by_process`: CPU seconds each process of this machine used during the phase (replica,
+  ingress, HTTP proxy, Ray's own, the load generator).
+
+    python benchmarks/serve_overhead.py                  # 16 and 1 streams, 3 rounds -> results/
+    python benchmarks/serve_overhead.py --streams 16 --rounds 1 --stream-intervals 1
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
+import os
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from common import log, percentile, write_result
+
+STEP_KEYS = ("num_steps", "step_wall_s", "step_thread_cpu_s")
 
 
 def summarise(ttfts: list[float], tokens: int, wall: float) -> dict[str, float]:
     return {
         "ttft_p50_ms": percentile(ttfts, 0.5) * 1000,
         "ttft_p99_ms": percentile(ttfts, 0.99) * 1000,
-        "ttft_mean_ms": statistics.mean(ttfts) * 1000,
         "tokens": tokens,
         "wall_s": wall,
         "tokens_per_s": tokens / wall,
     }
 
 
-async def run_direct(
-    engine_options: dict[str, Any], prompts: list[list[int]], new_tokens: int
-) -> dict[str, float]:
-    from tandem import AsyncEngine, GenerationRequest, SamplingParams
+def process_role(proc: psutil.Process) -> str:
+    cmdline = " ".join(proc.cmdline())
+    for marker, role in (
+        ("LLMReplica", "replica"),
+        ("OpenAIIngress", "ingress"),
+        ("ProxyActor", "http_proxy"),
+        ("ServeController", "serve_controller"),
+    ):
+        if marker in cmdline:
+            return role
+    return "load_generator" if proc.pid == os.getpid() else "ray_other"
 
-    engine = AsyncEngine.from_options(**engine_options)
+
+def cpu_seconds_by_role() -> dict[str, float]:
+    """CPU seconds so far of this process and every process under the same Ray session."""
+    me = psutil.Process()
+    out: dict[str, float] = {}
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != me.pid and "ray" not in " ".join(proc.cmdline()):
+                continue
+            times = proc.cpu_times()
+            role = process_role(proc)
+            out[role] = out.get(role, 0.0) + times.user + times.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+async def drive_direct(engine: Any, prompts: list[list[int]], new_tokens: int, tag: str) -> dict[str, float]:
+    from tandem import GenerationRequest, SamplingParams
+
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
-    async def one(i: int, prompt: list[int], tag: str) -> tuple[float, int]:
+    async def one(i: int, prompt: list[int]) -> tuple[float, int]:
         start = time.perf_counter()
         ttft, count = 0.0, 0
-        async for out in engine.generate(
-            GenerationRequest(f"{tag}{i}", prompt_token_ids=prompt, sampling_params=params)
-        ):
-            if not count and out.outputs[0].delta_token_ids:
+        request = GenerationRequest(f"{tag}-{i}", prompt_token_ids=prompt, sampling_params=params)
+        async for out in engine.generate(request):
+            if not ttft and out.outputs[0].delta_token_ids:
                 ttft = time.perf_counter() - start
-            count = len(out.outputs[0].token_ids)
+            count += len(out.outputs[0].delta_token_ids)
         return ttft, count
 
-    try:
-        await asyncio.gather(*(one(i, p[:8], "warm") for i, p in enumerate(prompts[:2])))
-        start = time.perf_counter()
-        results = await asyncio.gather(*(one(i, p, "r") for i, p in enumerate(prompts)))
-        wall = time.perf_counter() - start
-    finally:
-        engine.shutdown()
-    return summarise([r[0] for r in results], sum(r[1] for r in results), wall)
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    return summarise([r[0] for r in results], sum(r[1] for r in results), time.perf_counter() - start)
 
 
-async def run_http(base_url: str, model: str, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+async def drive_http(
+    base_url: str, model: str, prompts: list[list[int]], new_tokens: int
+) -> dict[str, float]:
     import httpx
 
     headers = {"Authorization": "Bearer sk-bench"}
@@ -96,11 +133,26 @@ async def run_http(base_url: str, model: str, prompts: list[list[int]], new_toke
 
     limits = httpx.Limits(max_connections=len(prompts) + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await asyncio.gather(*(one(client, p[:8]) for p in prompts[:2]))
         start = time.perf_counter()
         results = await asyncio.gather(*(one(client, p) for p in prompts))
         wall = time.perf_counter() - start
     return summarise([r[0] for r in results], sum(r[1] for r in results), wall)
+
+
+def measured(
+    run: Callable[[], dict[str, float]], engine_stats: Callable[[], dict[str, Any]]
+) -> dict[str, Any]:
+    """`run()`'s figures plus the engine's step time and every process's CPU over it."""
+    stats_before, cpu_before = engine_stats(), cpu_seconds_by_role()
+    result: dict[str, Any] = dict(run())
+    stats_after, cpu_after = engine_stats(), cpu_seconds_by_role()
+    result["engine_steps"] = stats_after["num_steps"] - stats_before["num_steps"]
+    result["engine_step_wall_s"] = stats_after["step_wall_s"] - stats_before["step_wall_s"]
+    result["engine_step_cpu_s"] = stats_after["step_thread_cpu_s"] - stats_before["step_thread_cpu_s"]
+    result["cpu_s_by_process"] = {
+        role: round(cpu_after[role] - cpu_before.get(role, 0.0), 2) for role in sorted(cpu_after)
+    }
+    return result
 
 
 def free_port() -> int:
@@ -109,70 +161,133 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def median_of(rounds: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in rounds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--streams", type=int, nargs="+", default=[16, 1])
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--stream-intervals", type=int, nargs="+", default=[1, 4])
+    parser.add_argument(
+        "--no-admission-wait-app",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also deploy an app whose engine starts steps at once (admission_wait_ms=0)",
+    )
     parser.add_argument("--kv-cache-memory", type=int, default=512 << 20)
     parser.add_argument(
         "--output", type=Path, default=Path(__file__).parent / "results" / "serve_overhead.json"
     )
     args = parser.parse_args()
 
+    num_threads = os.cpu_count() or 1  # what build_app gives a replica that reserves no CPUs
     engine_options = {
         "model": args.model,
         "kv_cache_memory": args.kv_cache_memory,
         "served_model_name": "bench",
-        "enable_prefix_caching": False,  # warm-ups repeat prompts: compare the paths, not cache hits
+        "num_threads": num_threads,
+        "enable_prefix_caching": False,  # rounds repeat prompts: compare the paths, not cache hits
     }
     gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(100, 40000, (args.streams, args.prompt_len), generator=gen).tolist()
-
-    log(f"phase 1: engine directly, {args.streams} streams x {args.new_tokens} tokens")
-    direct = asyncio.run(run_direct(engine_options, prompts, args.new_tokens))
-    log(f"direct: ttft p50 {direct['ttft_p50_ms']:.0f} ms, {direct['tokens_per_s']:.1f} tok/s")
+    prompts = torch.randint(100, 40000, (max(args.streams), args.prompt_len), generator=gen).tolist()
 
     import ray
     from ray import serve
 
+    from tandem import AsyncEngine
     from tandem.deployments.app import build_app
 
-    log("phase 2: starting local Ray + Serve")
+    log("loading the direct engine")
+    direct_engine = AsyncEngine.from_options(**engine_options)
+    log("starting local Ray + Serve")
     ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    phases: dict[str, dict[str, Any]] = {}
     try:
-        serve.run(
-            build_app({"engine": engine_options, "api_keys": "sk-bench=bench", "replica_num_cpus": 0}),
-            name="bench",
-            route_prefix="/",
-        )
-        log(f"phase 2: HTTP through Serve, {args.streams} streams x {args.new_tokens} tokens")
-        http = asyncio.run(run_http(f"http://127.0.0.1:{port}", "bench", prompts, args.new_tokens))
-        log(f"http: ttft p50 {http['ttft_p50_ms']:.0f} ms, {http['tokens_per_s']:.1f} tok/s")
+        stats_of: dict[str, Callable[[], dict[str, Any]]] = {"direct": direct_engine.stats}
+        apps = [(f"http_stream_interval_{k}", engine_options, k) for k in args.stream_intervals]
+        if args.no_admission_wait_app:
+            apps.append(("http_no_admission_wait", {**engine_options, "admission_wait_ms": 0.0}, 1))
+        for name, options, interval in apps:
+            app_config = {
+                "engine": options,
+                "api_keys": "sk-bench=bench",
+                "replica_num_cpus": 0,
+                "stream_interval": interval,
+            }
+            serve.run(build_app(app_config), name=name, route_prefix=f"/{name}")
+            handle = serve.get_deployment_handle("LLMReplica", name)
+            stats_of[name] = lambda handle=handle: handle.stats.remote().result()
+
+        def run_phase(phase: str, num_streams: int, tag: str) -> dict[str, float]:
+            batch = prompts[:num_streams]
+            if phase == "direct":
+                return asyncio.run(drive_direct(direct_engine, batch, args.new_tokens, tag))
+            base_url = f"http://127.0.0.1:{port}/{phase}"
+            return asyncio.run(drive_http(base_url, "bench", batch, args.new_tokens))
+
+        for phase in stats_of:  # warm-up: first requests pay one-off costs (allocation, imports)
+            for num_streams in args.streams:
+                run_phase(phase, min(num_streams, 2), f"warm-{phase}-{num_streams}")
+        for round_index in range(args.rounds):
+            for phase, engine_stats in stats_of.items():
+                for num_streams in args.streams:
+                    tag = f"r{round_index}-{phase}-{num_streams}"
+                    result = measured(functools.partial(run_phase, phase, num_streams, tag), engine_stats)
+                    key = f"{phase}/streams_{num_streams}"
+                    phases.setdefault(key, {"rounds": []})["rounds"].append(result)
+                    log(
+                        f"round {round_index + 1}/{args.rounds} {key}: ttft p50 "
+                        f"{result['ttft_p50_ms']:.0f} ms, {result['tokens_per_s']:.1f} tok/s, engine step "
+                        f"wall/cpu {result['engine_step_wall_s']:.1f}/{result['engine_step_cpu_s']:.1f} s"
+                    )
     finally:
+        direct_engine.shutdown()
         serve.shutdown()
         ray.shutdown()
 
+    for summary in phases.values():
+        rounds = summary["rounds"]
+        for key in ("ttft_p50_ms", "ttft_p99_ms", "tokens_per_s", "engine_step_wall_s", "engine_step_cpu_s"):
+            summary[f"median_{key}"] = median_of(rounds, key)
+    comparisons = {}
+    for key, summary in phases.items():
+        phase, streams = key.split("/")
+        if phase == "direct":
+            continue
+        direct = phases[f"direct/{streams}"]
+        per_round = [
+            h["tokens_per_s"] / d["tokens_per_s"]
+            for h, d in zip(summary["rounds"], direct["rounds"], strict=True)
+        ]
+        comparisons[key] = {
+            "added_ttft_p50_ms": summary["median_ttft_p50_ms"] - direct["median_ttft_p50_ms"],
+            "added_ttft_p99_ms": summary["median_ttft_p99_ms"] - direct["median_ttft_p99_ms"],
+            "throughput_ratio_http_over_direct": summary["median_tokens_per_s"]
+            / direct["median_tokens_per_s"],
+            "throughput_ratio_per_round": per_round,
+        }
     report = {
         "benchmark": "serve_overhead",
         "model": args.model,
         "streams": args.streams,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
-        "torch_threads": torch.get_num_threads(),
-        "direct": direct,
-        "http": http,
-        "added_ttft_p50_ms": http["ttft_p50_ms"] - direct["ttft_p50_ms"],
-        "added_ttft_p99_ms": http["ttft_p99_ms"] - direct["ttft_p99_ms"],
-        "throughput_ratio_http_over_direct": http["tokens_per_s"] / direct["tokens_per_s"],
+        "rounds": args.rounds,
+        "torch_threads": num_threads,
+        "phases": phases,
+        "comparisons": comparisons,
     }
     write_result(args.output, report)
-    print(json.dumps(report, indent=2))
+    print(json.dumps(comparisons, indent=2))
 
 
 if __name__ == "__main__":

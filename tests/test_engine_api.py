@@ -238,3 +238,47 @@ def test_async_engine_survives_a_consumer_whose_event_loop_closed(tiny_model_dir
             time.sleep(0.01)
     finally:
         engine.shutdown()
+
+
+def test_requests_reaching_an_idle_engine_together_are_prefilled_in_one_step(tiny_model_dir: Path) -> None:
+    """A burst reaches the engine spread over time (HTTP parsing, routing). With the admission
+    window, a request arriving 0.2 s after the first joins its first step; without it the first
+    request's step would start alone at once. The window also stays bounded."""
+
+    async def first_scheduled(engine: AsyncEngine, request_id: str, delay_s: float) -> float:
+        await asyncio.sleep(delay_s)  # the arrival gap under test, not synchronisation
+        last = None
+        async for out in engine.generate(
+            GenerationRequest(request_id, prompt=PROMPTS[0], sampling_params=greedy(2))
+        ):
+            last = out
+        assert last is not None and last.metrics.first_scheduled_time is not None
+        return last.metrics.first_scheduled_time - last.metrics.arrival_time + delay_s
+
+    async def burst(engine: AsyncEngine) -> list[float]:
+        return list(
+            await asyncio.gather(first_scheduled(engine, "a", 0.0), first_scheduled(engine, "b", 0.2))
+        )
+
+    engine = AsyncEngine.from_options(
+        str(tiny_model_dir), kv_cache_memory=4 << 20, admission_wait_ms=3000, admission_max_wait_ms=3000
+    )
+    try:
+        steps_before = engine.engine.num_steps
+        started_a, started_b = asyncio.run(burst(engine))
+        # Both first scheduled by one step: the same moment, measured from a's arrival.
+        assert abs(started_a - started_b) < 0.1 and started_a >= 0.2
+        assert engine.engine.num_steps - steps_before == 2  # one joint prefill step, one decode step
+        stats = engine.stats()
+        assert stats["step_wall_s"] > 0 and 0 < stats["step_thread_cpu_s"] <= stats["step_wall_s"] * 1.5
+    finally:
+        engine.shutdown()
+
+    bounded = AsyncEngine.from_options(
+        str(tiny_model_dir), kv_cache_memory=4 << 20, admission_wait_ms=60_000, admission_max_wait_ms=100
+    )
+    try:  # a quiet window of a minute is cut at the 0.1 s cap
+        queued = asyncio.run(asyncio.wait_for(first_scheduled(bounded, "c", 0.0), 30))
+        assert 0.09 <= queued < 10
+    finally:
+        bounded.shutdown()

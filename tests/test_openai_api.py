@@ -227,3 +227,37 @@ def test_health_is_503_until_an_engine_answers(engine: AsyncEngine) -> None:
     ready = OpenAIServer(engine, TenantRegistry({}))
     with TestClient(create_app(ready)) as http:
         assert http.get("/health").json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("stream_interval", [1, 4])
+def test_replica_stream_interval_groups_tokens_into_fewer_messages(
+    engine: AsyncEngine, stream_interval: int
+) -> None:
+    """`LLMReplica(stream_interval=k)` sends the first token at once, then one message per k new
+    tokens, then the end; the tokens and text joined are the same as with one message per token."""
+    import asyncio
+
+    from tandem import GenerationRequest, SamplingParams
+    from tandem.deployments.replicas import LLMReplica
+
+    replica = LLMReplica(engine_factory=lambda: engine, stream_interval=stream_interval)
+    params = SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True)
+
+    async def messages() -> list:  # type: ignore[type-arg]
+        request = GenerationRequest(
+            f"interval-{stream_interval}", prompt="Hello there", sampling_params=params
+        )
+        return [out async for out in replica.generate(request)]
+
+    sent = asyncio.run(messages())
+    sizes = [len(out.outputs[0].delta_token_ids) for out in sent]
+    final = sent[-1]
+    assert final.finished and not any(out.finished for out in sent[:-1])
+    assert [t for out in sent for t in out.outputs[0].delta_token_ids] == final.outputs[0].token_ids
+    assert "".join(out.outputs[0].delta_text for out in sent) == final.outputs[0].text
+    assert sizes[0] == 1 and sum(sizes) == 11
+    # Between the first and the last message, each carries at least k tokens (more only when the
+    # consumer lagged and the engine merged updates).
+    assert all(size >= stream_interval for size in sizes[1:-1])
+    if stream_interval == 4:
+        assert len(sent) <= 4  # 1 + 4 + 4 + 2 at most, where one message per token would be 11

@@ -82,6 +82,7 @@ def _serve(args: argparse.Namespace) -> int:
             "api_keys": api_keys,
             "keys_file": args.keys_file,
             "num_replicas": args.num_replicas,
+            "stream_interval": args.stream_interval,
             "replica_num_cpus": 0 if args.address is None else 1,
             "object_store": args.object_store
             or "file://" + os.path.join(os.path.abspath(args.data_dir), "objects"),
@@ -140,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--num-replicas", type=int, default=1)
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
+    srv.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="tokens per streamed message (first token and end at once); >1 saves CPU per token",
+    )
     srv.add_argument(
         "--object-store",
         default=None,

@@ -3,6 +3,11 @@
 Serve calls `generate` as a streaming method; cancelling the caller (client disconnect)
 cancels this generator, which aborts the request in the engine and frees its KV blocks.
 `record_autoscaling_stats` feeds the KV-occupancy/queue-depth autoscaling policy.
+
+Every message a replica streams costs CPU in three processes (this one, the ingress, the HTTP
+proxy), and on a small CPU node that CPU comes out of the model's cores. `stream_interval` sends
+one message per that many new tokens (the first token and the end always go at once), the
+knob SGLang and vLLM call `--stream-interval`.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from ray import serve
 
 from tandem.deployments.adapters import AdapterStore, load_into_engine
 from tandem.engine.async_engine import AsyncEngine
-from tandem.engine.protocol import GenerationRequest, RequestOutput
+from tandem.engine.protocol import GenerationRequest, RequestOutput, merge_deltas
 from tandem.platform.object_store import open_object_store
 
 # Adapters Serve tracks per replica for routing; the engine's own LRU (`max_cpu_loras`) decides
@@ -39,7 +44,11 @@ class LLMReplica:
         engine_options: dict[str, Any] | None = None,
         engine_factory: Callable[[], AsyncEngine] | None = None,
         object_store: str | None = None,
+        stream_interval: int = 1,
     ) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.stream_interval = stream_interval
         if engine_factory is not None:
             self.engine = engine_factory()
         else:
@@ -59,8 +68,19 @@ class LLMReplica:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         if request.lora_name is not None:
             await self.load_adapter(request.lora_name)
+        held: RequestOutput | None = None  # updates not sent yet, merged into one
+        num_sent = 0
         async for output in self.engine.generate(request):
-            yield output.without_cumulative()  # cumulative fields cross processes once, at the end
+            if held is not None:
+                merge_deltas(held.outputs[0], output.outputs[0])
+            held = output
+            if (
+                output.finished
+                or num_sent == 0  # the first token (and any error) goes at once: TTFT
+                or len(output.outputs[0].delta_token_ids) >= self.stream_interval
+            ):
+                yield output.without_cumulative()  # cumulative fields cross processes once, at the end
+                held, num_sent = None, num_sent + 1
 
     async def model_name(self) -> str:
         return self.engine.model_name

@@ -124,6 +124,12 @@ class LLMEngine:
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
         self.num_kv_integrity_aborts = 0
+        # Steps that ran the model, their wall seconds, and the CPU seconds of the calling thread
+        # over them: wall well above CPU means the step waited (other processes on its cores, or
+        # other threads holding the GIL), which is how serving overhead shows up inside the engine.
+        self.num_steps = 0
+        self.step_wall_s = 0.0
+        self.step_thread_cpu_s = 0.0
         self.scheduler = Scheduler(
             self.kv_manager,
             max_num_seqs=config.max_num_seqs,
@@ -316,6 +322,7 @@ class LLMEngine:
         self.output_processor.mark_scheduled(
             [s.request_id for s in scheduled.scheduled if s.is_new], time.monotonic()
         )
+        started_wall, started_cpu = time.perf_counter(), time.thread_time()
         result = self.runner.execute(scheduled)
         updates = self.scheduler.update_from_output(scheduled, result)
         outputs, stopped_ids = self.output_processor.process(updates)
@@ -326,6 +333,9 @@ class LLMEngine:
             stopped = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
             if stopped is not None:
                 self._release(stopped)
+        self.num_steps += 1
+        self.step_wall_s += time.perf_counter() - started_wall
+        self.step_thread_cpu_s += time.thread_time() - started_cpu
         return aborted + outputs
 
     def _abort_stale(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
@@ -381,4 +391,7 @@ class LLMEngine:
             "num_waiting": self.scheduler.num_waiting,
             "num_preemptions": self.scheduler.num_preemptions_total,
             "max_model_len": self.max_model_len,
+            "num_steps": self.num_steps,
+            "step_wall_s": self.step_wall_s,
+            "step_thread_cpu_s": self.step_thread_cpu_s,
         }

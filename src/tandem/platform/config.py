@@ -108,6 +108,16 @@ class EngineConfig(BaseModel):
         "instead of thousands of small ops. Compiled at start-up (minutes on a small CPU; cached on "
         "disk under TORCHINDUCTOR_CACHE_DIR); falls back to eager if compilation fails.",
     )
+    admission_wait_ms: float = Field(
+        5.0,
+        ge=0.0,
+        description="When a request reaches an idle engine, wait until no other request has arrived "
+        "for this long before the first step, so a burst of arrivals is prefilled in one step instead "
+        "of queueing behind a step of its first few. 0 starts at once.",
+    )
+    admission_max_wait_ms: float = Field(
+        50.0, ge=0.0, description="Upper bound on that wait, however steadily requests keep arriving."
+    )
     seed: int = Field(0, description="Seed of the engine's default random generator.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU.")
 
