@@ -203,6 +203,8 @@ def test_metrics_and_traces_per_tenant(http: TestClient, client: openai.OpenAI) 
     assert any(
         line.startswith("tandem_kv_cache_occupancy") and 'model="tiny"' in line for line in text.splitlines()
     ), [ln for ln in text.splitlines() if "kv" in ln]
+    steps = [ln for ln in text.splitlines() if ln.startswith("tandem_engine_steps_total")]
+    assert steps and float(steps[0].split()[-1]) >= 5  # one prefill and four decode steps at least
     finished = spans.get_finished_spans()
     root = next(s for s in finished if s.name == "llm.request")
     assert root.attributes["tandem.tenant"] == "acme"

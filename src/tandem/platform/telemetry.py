@@ -103,6 +103,13 @@ class Telemetry:
                 "num_kv_integrity_aborts",
                 "Requests aborted by the KV-page integrity check",
             ),
+            ("tandem_engine_steps", "num_steps", "Engine steps that ran the model"),
+            ("tandem_engine_step_wall_seconds", "step_wall_s", "Wall seconds inside engine steps"),
+            (
+                "tandem_engine_step_cpu_seconds",
+                "step_thread_cpu_s",
+                "CPU seconds of the engine thread inside steps (below wall: steps waited for cores)",
+            ),
         ):
             meter.create_observable_counter(name, callbacks=[self._observer(key)], description=description)
 
