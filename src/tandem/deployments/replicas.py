@@ -7,7 +7,7 @@ cancels this generator, which aborts the request in the engine and frees its KV 
 Every message a replica streams costs CPU in three processes (this one, the ingress, the HTTP
 proxy), and on a small CPU node that CPU comes out of the model's cores. `stream_interval` sends
 one message per that many new tokens (the first token and the end always go at once), the
-knob SGLang and vLLM call `--stream-interval`.
+knob SGLang calls `--stream-interval`.
 """
 
 from __future__ import annotations
