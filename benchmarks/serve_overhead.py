@@ -51,8 +51,7 @@ def summarise(ttfts: list[float], tokens: int, wall: float) -> dict[str, float]:
     }
 
 
-def process_role(proc: psutil.Process) -> str:
-    cmdline = " ".join(proc.cmdline())
+def process_role(proc: psutil.Process, cmdline: str) -> str:
     for marker, role in (
         ("LLMReplica", "replica"),
         ("OpenAIIngress", "ingress"),
@@ -70,10 +69,11 @@ def cpu_seconds_by_role() -> dict[str, float]:
     out: dict[str, float] = {}
     for proc in psutil.process_iter():
         try:
-            if proc.pid != me.pid and "ray" not in " ".join(proc.cmdline()):
+            cmdline = " ".join(proc.cmdline())
+            if proc.pid != me.pid and "ray" not in cmdline:
                 continue
             times = proc.cpu_times()
-            role = process_role(proc)
+            role = process_role(proc, cmdline)
             out[role] = out.get(role, 0.0) + times.user + times.system
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue

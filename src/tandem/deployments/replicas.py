@@ -20,7 +20,7 @@ from ray import serve
 
 from tandem.deployments.adapters import AdapterStore, load_into_engine
 from tandem.engine.async_engine import AsyncEngine
-from tandem.engine.protocol import GenerationRequest, RequestOutput, merge_deltas
+from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.object_store import open_object_store
 
 # Adapters Serve tracks per replica for routing; the engine's own LRU (`max_cpu_loras`) decides
@@ -68,19 +68,8 @@ class LLMReplica:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         if request.lora_name is not None:
             await self.load_adapter(request.lora_name)
-        held: RequestOutput | None = None  # updates not sent yet, merged into one
-        num_sent = 0
-        async for output in self.engine.generate(request):
-            if held is not None:
-                merge_deltas(held.outputs[0], output.outputs[0])
-            held = output
-            if (
-                output.finished
-                or num_sent == 0  # the first token (and any error) goes at once: TTFT
-                or len(output.outputs[0].delta_token_ids) >= self.stream_interval
-            ):
-                yield output.without_cumulative()  # cumulative fields cross processes once, at the end
-                held, num_sent = None, num_sent + 1
+        async for output in self.engine.generate(request, self.stream_interval):
+            yield output.without_cumulative()  # cumulative fields cross processes once, at the end
 
     async def model_name(self) -> str:
         return self.engine.model_name
