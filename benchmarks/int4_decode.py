@@ -22,9 +22,12 @@ from tandem.kernels.linear import Bf16Linear, PackedLinear
 VARIANTS = {
     "float32": {},
     "bfloat16": {"dtype": "bfloat16"},
+    "bfloat16_compiled": {"dtype": "bfloat16", "compile_decode": True},  # like for like with int4_compiled
     "int4": {"weight_dtype": "int4"},  # a Q4_1 GGUF as stored: group 32
     "int4_g128": {"weight_dtype": "int4", "int4_group_size": 128},  # requantised: fewer bytes
+    "int4_dq": {"weight_dtype": "int4", "int4_double_quant": True},  # Q4_1 codes, int8 group params
     "int4_compiled": {"weight_dtype": "int4", "compile_decode": True},
+    "int4_dq_compiled": {"weight_dtype": "int4", "int4_double_quant": True, "compile_decode": True},
 }
 
 

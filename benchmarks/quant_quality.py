@@ -32,6 +32,7 @@ VARIANTS = {
     "kv_fp8": {"kv_cache_dtype": "fp8_e4m3"},
     "int4": {"weight_dtype": "int4"},
     "int4_g128": {"weight_dtype": "int4", "int4_group_size": 128},
+    "int4_dq": {"weight_dtype": "int4", "int4_double_quant": True},
     "int4_kv_fp8": {"weight_dtype": "int4", "kv_cache_dtype": "fp8_e4m3"},
 }
 TOPICS = [

@@ -21,6 +21,7 @@ from tandem.kernels.attention import (
 from tandem.kernels.int4 import (
     Int4Linear,
     dequantize_int4,
+    double_quantize_int4,
     fit_group_size,
     int4_linear_reference,
     quantize_int4,
@@ -164,6 +165,34 @@ def test_int4_linear_matches_reference(shape: tuple[int, int]) -> None:
     )  # bf16 activations
 
 
+def test_double_quantised_int4_stores_int8_group_params_and_keeps_the_values() -> None:
+    """Group 32 with bfloat16 (scale, zero) is 5 bits per weight; with int8 codes under per-
+    super-block scales it is under 0.3x of 16-bit, the expanded parameters are exactly the weight's
+    (scale, zero), the re-rounded values stay within a fraction of a step of the originals, and the
+    layer keeps only the codes resident while matching the reference."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 576, generator=gen) * torch.logspace(-1, 1, 576)  # groups of unequal size
+    w = quantize_int4(weight, 32)
+    dq = double_quantize_int4(w)
+    assert dq.int8_params is not None and dq.int8_params.groups_per_superblock == 6  # 18 groups per row
+    assert w.num_bytes / (weight.numel() * 2) == 0.3125
+    assert dq.num_bytes / (weight.numel() * 2) < 0.3
+    expanded = dq.int8_params.expand().float()
+    assert torch.equal(expanded[..., 0], dq.scale) and torch.equal(expanded[..., 1], dq.zero)
+    moved = (dequantize_int4(dq) - dequantize_int4(w)).abs()
+    step = w.scale.repeat_interleave(32, 1)
+    assert (moved <= step).all() and moved.mean() < 0.1 * step.mean()
+    assert not torch.equal(dq.scale, w.scale)  # the parameters did move: the check above is not vacuous
+
+    layer = Int4Linear(dq, torch.device("cpu"))
+    assert layer.scales_and_zeros is None
+    resident = sum(b.numel() * b.element_size() for b in layer.buffers())
+    assert resident < weight.numel() * 2 * 0.3
+    x = torch.randn(5, 576, generator=gen)
+    want = int4_linear_reference(x, dq)
+    torch.testing.assert_close(layer(x), want, atol=0.05 * want.abs().max().item(), rtol=0.02)
+
+
 def test_gguf_q4_1_loads_as_int4_without_a_round_trip(default_model_path: Path) -> None:
     """Every Q4_1 tensor of the default model becomes INT4 weights whose dequantised values are
     exactly what gguf's own dequantiser gives."""
@@ -195,6 +224,14 @@ def test_int4_group_size_unset_keeps_q4_1_and_set_requantises(default_model_path
     assert sum(m.num_weight_bytes for m in layer0(requantised)) < sum(
         m.num_weight_bytes for m in layer0(native)
     )
+    double_quantised = LLM(
+        str(default_model_path), weight_dtype="int4", int4_double_quant=True, kv_cache_memory=16 << 20
+    )
+    layers = layer0(double_quantised)
+    assert [m.group_size for m in layers] == [32, 32]  # the Q4_1 blocks, int8 group parameters
+    assert all(m.param_codes is not None for m in layers)
+    bf16_bytes = sum(2 * m.in_features * m.out_features for m in layers)
+    assert sum(m.num_weight_bytes for m in layers) < 0.3 * bf16_bytes
 
 
 def _next_token_logprobs(llm: LLM, token_ids: list[int]) -> torch.Tensor:
@@ -222,7 +259,8 @@ def _next_token_logprobs(llm: LLM, token_ids: list[int]) -> torch.Tensor:
 @pytest.mark.slow
 def test_int4_and_fp8_keep_the_default_model_close(default_model_path: Path) -> None:
     """Teacher-forced over a paragraph: next-token argmax mostly unchanged and small KL against the
-    unquantised model, for INT4 weights (the GGUF's Q4_1 as is) and for an FP8 KV cache."""
+    unquantised model, for INT4 weights (the GGUF's Q4_1 as is, and with int8 group parameters)
+    and for an FP8 KV cache."""
     text = (
         "The lighthouse keeper kept a notebook of every ship that passed the point, and over forty "
         "years the notebook grew into a small library. He wrote down the name of each vessel when he "
@@ -231,7 +269,11 @@ def test_int4_and_fp8_keep_the_default_model_close(default_model_path: Path) -> 
     base = LLM("smollm2-135m-instruct", kv_cache_memory=64 << 20)
     ids = base.tokenizer.encode(text)
     want = _next_token_logprobs(base, ids)
-    for options in ({"weight_dtype": "int4"}, {"kv_cache_dtype": "fp8_e4m3"}):
+    for options in (
+        {"weight_dtype": "int4"},
+        {"weight_dtype": "int4", "int4_double_quant": True},
+        {"kv_cache_dtype": "fp8_e4m3"},
+    ):
         llm = LLM("smollm2-135m-instruct", kv_cache_memory=64 << 20, **options)
         got = _next_token_logprobs(llm, ids)
         agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()

@@ -112,6 +112,7 @@ class LLMEngine:
             device=self.device,
             max_positions=self.max_model_len,
             int4_group_size=config.int4_group_size,
+            int4_double_quant=config.int4_double_quant,
         )
         model = build(
             # inductor cannot lower oneDNN's prepacked (opaque) weights; it plans its own GEMMs
