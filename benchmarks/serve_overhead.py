@@ -17,6 +17,7 @@ tokens/s, and two diagnostics:
 
     python benchmarks/serve_overhead.py                  # 16 and 1 streams, 3 rounds -> results/
     python benchmarks/serve_overhead.py --streams 16 --rounds 1 --stream-intervals 1
+    python benchmarks/serve_overhead.py --engine-threads 1   # a core left to Serve (2-core machine)
 """
 
 from __future__ import annotations
@@ -183,11 +184,19 @@ def main() -> None:
     )
     parser.add_argument("--kv-cache-memory", type=int, default=512 << 20)
     parser.add_argument(
+        "--engine-threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads of every engine, direct and served (default: all cores, what build_app "
+        "gives a replica that reserves no CPUs). Fewer than the cores leaves the rest to Serve's "
+        "processes, as on a GPU node where the engine does not compute on the CPU",
+    )
+    parser.add_argument(
         "--output", type=Path, default=Path(__file__).parent / "results" / "serve_overhead.json"
     )
     args = parser.parse_args()
 
-    num_threads = os.cpu_count() or 1  # what build_app gives a replica that reserves no CPUs
+    num_threads = args.engine_threads
     engine_options = {
         "model": args.model,
         "kv_cache_memory": args.kv_cache_memory,

@@ -19,7 +19,7 @@ a bfloat16 scale and zero per group of 32 cost 1 bit per weight (Q4_1: 5 bits, 0
 Storing each group's (scale, zero) as int8 codes times a bfloat16 scale per super-block of up to 8
 consecutive groups of a row brings that to about 0.6 bit (0.29x). The codes are re-rounded against
 the quantised (scale, zero), and `Int4Linear` expands them to the kernel's bfloat16 layout inside
-`forward` (one cast and one multiply per linear), so resident memory holds only the codes.
+`forward` (one int8 x bfloat16 multiply per linear), so resident memory holds only the codes.
 """
 
 from __future__ import annotations
