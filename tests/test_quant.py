@@ -52,6 +52,20 @@ def test_e4m3_bit_conversion_matches_torch_for_every_code() -> None:
     assert torch.equal(got[finite].signbit(), want[finite].signbit())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_e4m3_bits_placed_in_a_wide_type_read_as_the_value_over_2_to_120(dtype: torch.dtype) -> None:
+    """The decode gather's conversion (no factor applied: it joins the per-row scale)."""
+    from tandem.kernels.attention import _e4m3_bits_as
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    want = codes.view(torch.float8_e4m3fn).float()
+    got = _e4m3_bits_as(codes, dtype)
+    finite = ~want.isnan()
+    assert got.dtype == dtype
+    assert torch.equal(got.float()[finite] * 2.0**120, want[finite])
+    assert torch.equal(got.float()[finite].signbit(), want[finite].signbit())
+
+
 def test_paged_attention_reads_fp8_cache_like_the_reference() -> None:
     """Decode and chunked prefill over an FP8 cache equal dense attention over the dequantised
     K/V that were written."""

@@ -59,26 +59,33 @@ def write_kv(
         scales.view(-1, num_kv_heads).index_copy_(0, slot_mapping, scale)
 
 
-# e4m3 bits placed in a bfloat16's exponent/mantissa fields read as the same value times 2^-120
-# (exponent bias 127 instead of 7), subnormals included; the factor is folded into the scale.
-_E4M3_AS_BF16_FACTOR = 2.0**120
+# e4m3 bits placed in a float32's (or bfloat16's) sign, exponent and mantissa fields read as the same
+# value times 2^-120 (exponent bias 127 instead of 7), subnormals included; the factor is folded
+# into the scale.
+_E4M3_AS_WIDE_FACTOR = 2.0**120
 
 
 def e4m3_to_float(raw: torch.Tensor) -> torch.Tensor:
     """[...] uint8 e4m3 codes -> [...] float32 values, exactly `raw.view(float8_e4m3fn).float()`
     for every code but NaN (0x7f/0xff, never written: `quantize_fp8` clamps to +-448).
 
-    CPU torch converts float8 element by element (about 4x slower than this); here the sign
-    moves to bit 15 and exponent+mantissa to bits 4..10 of an int16, which read as bfloat16 is
-    the value / 2^120, and bfloat16 -> float32 is a shift."""
-    return _e4m3_bits_as_bf16(raw).float().mul_(_E4M3_AS_BF16_FACTOR)
+    CPU torch converts float8 element by element (about 4x slower than this)."""
+    return _e4m3_bits_as(raw, torch.float32).mul_(_E4M3_AS_WIDE_FACTOR)
 
 
-def _e4m3_bits_as_bf16(raw: torch.Tensor) -> torch.Tensor:
-    codes = raw.view(torch.int8).to(torch.int16)  # sign-extended: bit 7 lands in bits 7..15
-    bits = (codes & 0x7F) << 4
-    bits |= (codes & -128) << 8
-    return bits.view(torch.bfloat16)
+def _e4m3_bits_as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[...] uint8 e4m3 codes -> [...] float32 or bfloat16 holding value / 2^120: the code,
+    sign-extended to the width, shifted so that its exponent and mantissa land in the wide type's
+    (bits 20..30 of a float32, 4..14 of a bfloat16), then masked to those bits and the sign. Three
+    passes, the last two in place: as cheap as reading a 16-bit cache (the earlier version, seven
+    allocating bit operations through bfloat16, cost 2.5-3x that per gather)."""
+    if dtype == torch.float32:
+        bits = raw.view(torch.int8).to(torch.int32)
+        bits.bitwise_left_shift_(20).bitwise_and_(-0x78100000)  # 0x87F00000: sign | exp+mantissa
+    else:
+        bits = raw.view(torch.int8).to(torch.int16)
+        bits.bitwise_left_shift_(4).bitwise_and_(-0x7810)  # 0x87F0
+    return bits.view(dtype)
 
 
 def _gather_unscaled(
@@ -93,9 +100,9 @@ def _gather_unscaled(
         return rows.index_select(0, index).to(dtype), None
     gathered = rows.view(torch.uint8).index_select(0, index)  # float8 has no CPU gather
     row_scales = scales.index_select(0, index).to(torch.float32)
-    if gathered.device.type == "cpu" and dtype != torch.float16:
-        # bfloat16 and float32 hold value / 2^120 (float16 would underflow); the factor joins the scale
-        return _e4m3_bits_as_bf16(gathered).to(dtype), row_scales.mul_(_E4M3_AS_BF16_FACTOR)
+    if gathered.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        # they hold value / 2^120 (float16's exponent would underflow); the factor joins the scale
+        return _e4m3_bits_as(gathered, dtype), row_scales.mul_(_E4M3_AS_WIDE_FACTOR)
     return gathered.view(rows.dtype).to(dtype), row_scales
 
 
