@@ -75,8 +75,9 @@ def e4m3_to_float(raw: torch.Tensor) -> torch.Tensor:
 
 def _e4m3_bits_as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[...] uint8 e4m3 codes -> [...] float32 or bfloat16 holding value / 2^120: the code,
-    sign-extended to the width, shifted so that its exponent and mantissa land in the wide type's
-    (bits 20..30 of a float32, 4..14 of a bfloat16), then masked to those bits and the sign. Three
+    sign-extended to the width, shifted so that its 4 exponent and 3 mantissa bits land on the wide
+    type's lowest exponent and highest mantissa bits (bits 20..26 of a float32, 4..10 of a
+    bfloat16), then masked to those bits and the sign (the sign-extension fills bit 31/15). Three
     passes, the last two in place: as cheap as reading a 16-bit cache (the earlier version, seven
     allocating bit operations through bfloat16, cost 2.5-3x that per gather)."""
     if dtype == torch.float32:
