@@ -39,7 +39,12 @@ import torch
 
 from common import log, percentile, write_result
 
-STEP_KEYS = ("num_steps", "step_wall_s", "step_thread_cpu_s")
+# result key -> the engine stats() counter it is the difference of, over a phase
+STEP_COUNTERS = {
+    "engine_steps": "num_steps",
+    "engine_step_wall_s": "step_wall_s",
+    "engine_step_cpu_s": "step_thread_cpu_s",
+}
 
 
 def summarise(ttfts: list[float], tokens: int, wall: float) -> dict[str, float]:
@@ -147,9 +152,8 @@ def measured(
     stats_before, cpu_before = engine_stats(), cpu_seconds_by_role()
     result: dict[str, Any] = dict(run())
     stats_after, cpu_after = engine_stats(), cpu_seconds_by_role()
-    result["engine_steps"] = stats_after["num_steps"] - stats_before["num_steps"]
-    result["engine_step_wall_s"] = stats_after["step_wall_s"] - stats_before["step_wall_s"]
-    result["engine_step_cpu_s"] = stats_after["step_thread_cpu_s"] - stats_before["step_thread_cpu_s"]
+    for key, counter in STEP_COUNTERS.items():
+        result[key] = stats_after[counter] - stats_before[counter]
     result["cpu_s_by_process"] = {
         role: round(cpu_after[role] - cpu_before.get(role, 0.0), 2) for role in sorted(cpu_after)
     }
