@@ -28,6 +28,15 @@ VARIANTS = {
     "int4_dq": {"weight_dtype": "int4", "int4_double_quant": True},  # Q4_1 codes, int8 group params
     "int4_compiled": {"weight_dtype": "int4", "compile_decode": True},
     "int4_dq_compiled": {"weight_dtype": "int4", "int4_double_quant": True, "compile_decode": True},
+    # torch's int4 kernel instead of the native one ("auto" picks native on an AVX2 CPU)
+    "int4_torch": {"weight_dtype": "int4", "int4_kernel": "torch"},
+    "int4_dq_torch": {"weight_dtype": "int4", "int4_double_quant": True, "int4_kernel": "torch"},
+    "int4_dq_torch_compiled": {
+        "weight_dtype": "int4",
+        "int4_double_quant": True,
+        "int4_kernel": "torch",
+        "compile_decode": True,
+    },
 }
 
 
@@ -79,7 +88,9 @@ def main() -> None:
         options = VARIANTS[name]
         llm = LLM(args.model, kv_cache_memory=128 << 20, enable_prefix_caching=False, **options)
         decode_rate(llm, 1, 8, 4)  # warm-up
-        entry: dict = {"weight_bytes": weight_bytes(llm.engine.runner.model)}
+        model = llm.engine.runner.model
+        kernels = sorted({m.kernel for m in model.modules() if isinstance(m, Int4Linear)})
+        entry: dict = {"weight_bytes": weight_bytes(model), "int4_kernel": kernels}
         for batch in args.batches:
             entry[f"decode_tokens_per_s_b{batch}"] = decode_rate(llm, batch, args.prompt_len, args.new_tokens)
         results[name] = entry

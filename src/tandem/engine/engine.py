@@ -113,6 +113,7 @@ class LLMEngine:
             max_positions=self.max_model_len,
             int4_group_size=config.int4_group_size,
             int4_double_quant=config.int4_double_quant,
+            int4_kernel=config.int4_kernel,
         )
         model = build(
             # inductor cannot lower oneDNN's prepacked (opaque) weights; it plans its own GEMMs

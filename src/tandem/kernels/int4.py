@@ -8,27 +8,44 @@ Semantics, for weight W [N, K] split along K into groups of `group_size`:
 int4-pack convention and, with `zero = m + 8 * d`, exactly GGUF's Q4_1 (`w = d * q + m`, groups
 of 32), so a Q4_1 tensor loads without a dequantise/requantise round trip.
 
-`Int4Linear` stores q packed two per byte in the layout of torch's int4 matmul for the device
-(`_convert_weight_to_int4pack_for_cpu` / `_convert_weight_to_int4pack`) and calls
-`_weight_int4pack_mm_for_cpu` / `_weight_int4pack_mm` with bfloat16 activations (the CPU kernel
-is an order of magnitude faster in bfloat16 than in float32 on AVX2). `int4_linear_reference`
-dequantises and uses `F.linear`.
+`Int4Linear` has two kernels, chosen at construction (`kernel="auto"` takes the first that works):
+- "native" (CPU with AVX2, FMA, F16C and a C compiler; `int4_native`): q packed two per byte in
+  row runs of 32, the group parameters read as stored (float16, or int8 codes), float32 activations
+  scaled to int16 per run of 32 for an exact integer dot product. Up to `NATIVE_GEMV_MAX_ROWS`
+  rows it is a GEMV-style kernel that reads each weight once per 4 rows; above that it dequantises
+  the weight to float32 once and calls torch's GEMM.
+- "torch": q in the layout of torch's int4 matmul for the device
+  (`_convert_weight_to_int4pack_for_cpu` / `_convert_weight_to_int4pack`), called with bfloat16
+  activations and bfloat16 (scale, zero) (`_weight_int4pack_mm_for_cpu` / `_weight_int4pack_mm`).
+  The only choice on CUDA.
+`int4_linear_reference` dequantises and uses `F.linear`.
 
 Double quantisation (`double_quantize_int4`, as in llama.cpp's K-quant super-blocks and QLoRA):
 a bfloat16 scale and zero per group of 32 cost 1 bit per weight (Q4_1: 5 bits, 0.3125x of 16-bit).
 Storing each group's (scale, zero) as int8 codes times a bfloat16 scale per super-block of up to 8
-consecutive groups of a row brings that to about 0.6 bit (0.29x). The codes are re-rounded against
-the quantised (scale, zero), and `Int4Linear` expands them to the kernel's bfloat16 layout inside
-`forward` (one int8 x bfloat16 multiply per linear), so resident memory holds only the codes.
+consecutive groups of a row brings that to about 0.6 bit (0.29x). Scale and zero are then exactly
+code x super-block scale in float32 (8-bit times 8-bit significands), and the codes are re-rounded
+against those values. The native kernel reads the int8 codes directly; the torch kernel needs
+bfloat16 (scale, zero), so `Int4Linear` multiplies them out at each forward (rounding them to
+bfloat16, as it does its activations). Either way resident memory holds only the codes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tandem.kernels import int4_native
+
+Int4Kernel = Literal["auto", "native", "torch"]
+# Above this many rows (tokens) the native kernel dequantises the weight once and runs torch's
+# float32 GEMM, which reuses each weight across rows better than a GEMV does (measured crossover
+# on an AVX2 EPYC: benchmarks/int4_decode.py and the kernel tests).
+NATIVE_GEMV_MAX_ROWS = 16
 
 
 @dataclass
@@ -36,16 +53,16 @@ class Int8GroupParams:
     """Each group's (scale, zero) as int8 codes times a bfloat16 scale per super-block.
 
     Invariant: `expand()` equals the owning `Int4Weight`'s (scale, zero) exactly, so the reference
-    and the kernel dequantise to the same values."""
+    and the native kernel dequantise to the same values."""
 
     codes: torch.Tensor  # [N, G, 2] int8; scale codes in 1..127, zero codes in -127..127
     superblock_scales: torch.Tensor  # [N, G // groups_per_superblock, 2] bfloat16
     groups_per_superblock: int
 
-    def expand(self) -> torch.Tensor:  # -> [N, G, 2] bfloat16
+    def expand(self) -> torch.Tensor:  # -> [N, G, 2] float32, exact
         rows, num_groups, _ = self.codes.shape
-        codes = self.codes.view(rows, -1, self.groups_per_superblock, 2)
-        return (codes * self.superblock_scales.unsqueeze(2)).view(rows, num_groups, 2)  # -> bf16
+        codes = self.codes.view(rows, -1, self.groups_per_superblock, 2).float()
+        return (codes * self.superblock_scales.float().unsqueeze(2)).view(rows, num_groups, 2)
 
     @property
     def num_bytes(self) -> int:
@@ -111,7 +128,7 @@ def double_quantize_int4(w: Int4Weight, groups_per_superblock: int = 8) -> Int4W
     int8_params = Int8GroupParams(
         codes.to(torch.int8).view(rows, num_groups, 2).contiguous(), superblock_scales, per_block
     )
-    expanded = int8_params.expand().float()  # [N, G, 2]
+    expanded = int8_params.expand()  # [N, G, 2]
     scale, zero = expanded[..., 0], expanded[..., 1]
     groups = target.view(rows, num_groups, w.group_size)
     q = torch.round((groups - zero.unsqueeze(-1)) / scale.unsqueeze(-1) + 8).clamp(0, 15)
@@ -123,14 +140,38 @@ def int4_linear_reference(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 
 
 class Int4Linear(nn.Module):
-    """`y = x @ W.T` with W stored as group-wise INT4 (see the module docstring)."""
+    """`y = x @ W.T` with W stored as group-wise INT4 (see the module docstring for the kernels).
 
-    def __init__(self, w: Int4Weight, device: torch.device) -> None:
+    `kernel`: "auto" (native where it can be built for this CPU, else torch's), "native" (raises
+    if it cannot be used) or "torch". `self.kernel` says which one runs."""
+
+    def __init__(self, w: Int4Weight, device: torch.device, kernel: Int4Kernel = "auto") -> None:
         super().__init__()
         self.out_features, self.in_features = w.q.shape
         self.group_size = w.group_size
         self.num_weight_bytes = w.num_bytes
-        padded_rows = -self.out_features % 16  # the int4 kernels need N % 16 == 0: zero rows pad it
+        self.kernel = _choose_kernel(kernel, device, w.group_size)
+        self.packed: torch.Tensor
+        # Group parameters: (scale, zero) as float16 (native) or bfloat16 (torch), or (with int8
+        # params) the int8 codes and bfloat16 super-block scales; the unused ones are None.
+        self.scales_and_zeros: torch.Tensor | None
+        self.param_codes: torch.Tensor | None
+        self.superblock_scales: torch.Tensor | None
+        for name in ("scales_and_zeros", "param_codes", "superblock_scales"):
+            self.register_buffer(name, None)
+        params = w.int8_params
+        if self.kernel == "native":  # row-major parameters, [N, ...]
+            self.register_buffer("packed", int4_native.pack_rows(w.q).to(device))
+            if params is None:
+                # float16, as GGUF's Q4_1 stores them: 3 more mantissa bits than bfloat16, the same bytes
+                scales_and_zeros = torch.stack([w.scale, w.zero], dim=-1).to(torch.float16)  # [N, G, 2]
+                self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(device))
+            else:
+                self.register_buffer("param_codes", params.codes.contiguous().to(device))  # [N, G, 2]
+                self.register_buffer("superblock_scales", params.superblock_scales.contiguous().to(device))
+            return
+
+        padded_rows = -self.out_features % 16  # torch's int4 kernels need N % 16 == 0: zero rows pad it
 
         def pad(t: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [N + padded_rows, ...]
             return torch.cat([t, t.new_zeros(padded_rows, *t.shape[1:])]) if padded_rows else t
@@ -140,26 +181,18 @@ class Int4Linear(nn.Module):
             packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         else:
             packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), 8)
-        self.packed: torch.Tensor
         self.register_buffer("packed", packed)
-        # The kernel takes (scale, zero) as [G, N, 2] bfloat16. Without int8 params that tensor is
-        # stored; with them, the int8 codes [G, N, 2] and super-block scales [S, 1, N, 2] are, and
-        # forward multiplies them out (exactly `Int8GroupParams.expand`, transposed).
-        self.scales_and_zeros: torch.Tensor | None
-        self.param_codes: torch.Tensor | None
-        self.superblock_scales: torch.Tensor | None
-        for name in ("scales_and_zeros", "param_codes", "superblock_scales"):
-            self.register_buffer(name, None)
-        if w.int8_params is None:
+        # torch's kernel takes (scale, zero) as [G, N, 2] bfloat16: stored as such, or as int8 codes
+        # [G, N, 2] and super-block scales [S, 1, N, 2] that `group_params` multiplies out.
+        if params is None:
             scales_and_zeros = pad(torch.stack([w.scale, w.zero], dim=-1)).transpose(0, 1).contiguous()
             self.register_buffer("scales_and_zeros", scales_and_zeros.to(device=device, dtype=torch.bfloat16))
         else:
-            p = w.int8_params
-            self.register_buffer("param_codes", pad(p.codes).transpose(0, 1).contiguous().to(device))
-            superblock_scales = pad(p.superblock_scales).transpose(0, 1).unsqueeze(1).contiguous()
+            self.register_buffer("param_codes", pad(params.codes).transpose(0, 1).contiguous().to(device))
+            superblock_scales = pad(params.superblock_scales).transpose(0, 1).unsqueeze(1).contiguous()
             self.register_buffer("superblock_scales", superblock_scales.to(device))
 
-    def group_params(self) -> torch.Tensor:  # -> [G, N, 2] bfloat16, the kernel's layout
+    def group_params(self) -> torch.Tensor:  # torch kernel only: -> [G, N, 2] bfloat16
         if self.scales_and_zeros is not None:
             return self.scales_and_zeros
         assert self.param_codes is not None and self.superblock_scales is not None
@@ -168,13 +201,52 @@ class Int4Linear(nn.Module):
         return (codes * self.superblock_scales).view(num_groups, rows, 2)  # int8 * bf16 -> bf16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        if self.kernel == "native":
+            params = self.scales_and_zeros if self.param_codes is None else self.param_codes
+            assert params is not None
+            x32 = x.to(torch.float32).contiguous()
+            if x.shape[0] <= NATIVE_GEMV_MAX_ROWS:
+                if torch.compiler.is_compiling():  # an opaque op to inductor, not a graph break
+                    y = torch.ops.tandem.int4_mm(
+                        x32, self.packed, params, self.superblock_scales, self.group_size
+                    )
+                else:
+                    y = int4_native.int4_mm(x32, self.packed, params, self.superblock_scales, self.group_size)
+            else:
+                if torch.compiler.is_compiling():
+                    weight = torch.ops.tandem.int4_dequantize(
+                        self.packed, params, self.superblock_scales, self.group_size
+                    )
+                else:
+                    weight = int4_native.int4_dequantize(
+                        self.packed, params, self.superblock_scales, self.group_size
+                    )
+                y = F.linear(x32, weight)
+            return y.to(x.dtype)
         x16 = x.to(torch.bfloat16)
-        params = self.group_params()
+        group_params = self.group_params()
         if x.device.type == "cpu":
-            y = torch._weight_int4pack_mm_for_cpu(x16, self.packed, self.group_size, params)
+            y = torch._weight_int4pack_mm_for_cpu(x16, self.packed, self.group_size, group_params)
         else:
-            y = torch._weight_int4pack_mm(x16, self.packed, self.group_size, params)
+            y = torch._weight_int4pack_mm(x16, self.packed, self.group_size, group_params)
         return y[:, : self.out_features].to(x.dtype)
+
+
+def _choose_kernel(kernel: Int4Kernel, device: torch.device, group_size: int) -> Literal["native", "torch"]:
+    if kernel == "torch":
+        return "torch"
+    why_not = None
+    if device.type != "cpu":
+        why_not = f"it runs on CPU only (device {device})"
+    elif group_size not in int4_native.GROUP_SIZES:
+        why_not = f"group size {group_size} is not one of {int4_native.GROUP_SIZES}"
+    elif int4_native.load() is None:
+        why_not = f"it could not be built or loaded here ({int4_native.unavailable_reason()})"
+    if why_not is None:
+        return "native"
+    if kernel == "native":
+        raise RuntimeError(f"int4_kernel='native' cannot be used: {why_not}; use 'auto' or 'torch'")
+    return "torch"
 
 
 def quantize_linears(

@@ -52,7 +52,14 @@ class EngineConfig(BaseModel):
         description="Store each INT4 group's scale and zero as int8 codes with a bfloat16 scale per "
         "super-block of up to 8 groups (llama.cpp K-quant / QLoRA style), the 4-bit codes re-rounded "
         "to match: 4.6 bits per weight instead of 5 at group 32 (0.29x of 16-bit instead of 0.31x). "
-        "They are expanded to bfloat16 per linear at each forward.",
+        "The native CPU kernel reads the codes as they are; torch's kernel (CUDA, or int4_kernel='torch') "
+        "needs them multiplied out to bfloat16 at each forward.",
+    )
+    int4_kernel: Literal["auto", "native", "torch"] = Field(
+        "auto",
+        description="INT4 matmul: 'native' is Tandem's AVX2 CPU kernel (built with the system C compiler on "
+        "first use, cached under $TANDEM_CACHE_DIR or ~/.cache/tandem), 'torch' is torch's int4 kernel "
+        "(the only one on CUDA), 'auto' takes native where it can be built and torch's otherwise.",
     )
     role: Literal["colocated", "prefill", "decode"] = Field(
         "colocated",

@@ -21,7 +21,14 @@ import torch
 
 from tandem.engine.models.llama import LlamaConfig, LlamaForCausalLM
 from tandem.engine.tokenizer import Tokenizer
-from tandem.kernels.int4 import Int4Linear, Int4Weight, double_quantize_int4, fit_group_size, quantize_int4
+from tandem.kernels.int4 import (
+    Int4Kernel,
+    Int4Linear,
+    Int4Weight,
+    double_quantize_int4,
+    fit_group_size,
+    quantize_int4,
+)
 from tandem.kernels.linear import Bf16Linear, pack_linears
 from tandem.platform.errors import ModelLoadError
 
@@ -268,6 +275,7 @@ def build_model(
     weight_dtype: str = "auto",
     int4_group_size: int | None = None,
     int4_double_quant: bool = False,
+    int4_kernel: Int4Kernel = "auto",
 ) -> LlamaForCausalLM:
     """Build on 'meta' (no random init), load the weights, then either quantise the linears to
     INT4 (`weight_dtype="int4"`) or prepack them for the device's GEMM."""
@@ -284,7 +292,7 @@ def build_model(
         use_native = loaded.path.suffix == ".gguf" and int4_group_size is None
         native = read_gguf_int4(loaded.path, loaded.config) if use_native else {}
         group_size = int4_group_size or DEFAULT_INT4_GROUP_SIZE
-        apply_int4(model, native, group_size, device, double_quant=int4_double_quant)
+        apply_int4(model, native, group_size, device, double_quant=int4_double_quant, kernel=int4_kernel)
     elif pack_weights:
         pack_linears(model)
     return model.eval()
@@ -342,11 +350,13 @@ def apply_int4(
     group_size: int,
     device: torch.device,
     double_quant: bool = False,
+    kernel: Int4Kernel = "auto",
 ) -> None:
     """Swap every decoder linear (fused q/k/v and gate/up, o, down) for an `Int4Linear`: from
-    `native` INT4 weights where the file had them, else quantised from the loaded weights; with
-    `double_quant`, their group scales and zeros then become int8 codes (`double_quantize_int4`). The
-    norms keep the model dtype; the LM head and the input embedding become bfloat16."""
+        `native` INT4 weights where the file had them, else quantised from the loaded weights; with
+        `double_quant`, their group scales and zeros then become int8 codes (`double_quantize_int4`);
+    `kernel` picks the INT4 matmul (`Int4Linear`). The
+        norms keep the model dtype; the LM head and the input embedding become bfloat16."""
     fused_sources = {
         "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
         "self_attn.o_proj": ("self_attn.o_proj",),
@@ -364,7 +374,7 @@ def apply_int4(
                 weight = quantize_int4(linear.weight.detach(), fit_group_size(linear.in_features, group_size))
             if double_quant:
                 weight = double_quantize_int4(weight)
-            setattr(parent, attr, Int4Linear(weight, device))
+            setattr(parent, attr, Int4Linear(weight, device, kernel))
     # The LM head (often the tied embedding) stays 16-bit: INT4 there moved the default model's
     # greedy tokens within a few steps, while INT4 everywhere else keeps most of them.
     model.lm_head = Bf16Linear(model.lm_head.weight)  # type: ignore[assignment]

@@ -1,0 +1,224 @@
+"""The native CPU INT4 matmul (`csrc/int4_cpu.c`): built on first use, called through ctypes.
+
+Why: torch's `_weight_int4pack_mm_for_cpu` takes each group's (scale, zero) as a bfloat16 tensor,
+so double-quantised parameters had to be multiplied out before every call, and at batch 1 the
+kernel itself moves about 3.4 GB/s of weights. This kernel reads the packed nibbles and the int8
+parameter codes directly (exact integer dot products on int16-scaled activations, AVX2), and for large M dequantises the
+weight once and leaves the GEMM to torch.
+
+Build: `cc -O3 -march=native -fopenmp -shared` into `$TANDEM_CACHE_DIR` (default
+`~/.cache/tandem`), keyed by the source's hash and the CPU's flags, written to a temporary name
+and renamed so that concurrent replicas never load a half-written file. `load()` returns None,
+once logged, when there is no compiler, the CPU lacks AVX2/FMA, `TANDEM_NATIVE_INT4=0`, or the
+build fails (`unavailable_reason()` says which): callers then use torch's kernel. The OpenMP
+runtime it links is the libgomp torch has already loaded (same soname), so both share one thread
+pool.
+
+`int4_mm` / `int4_dequantize` call the library directly (eager); `torch.ops.tandem.int4_mm` /
+`torch.ops.tandem.int4_dequantize` are the same functions registered as custom ops, so that
+`torch.compile` keeps them as opaque calls inside one graph. Inputs: CPU tensors, contiguous.
+"""
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+GROUP_SIZES = (32, 64, 128, 256)  # what the kernel is specialised for
+
+SOURCE = Path(__file__).parent / "csrc" / "int4_cpu.c"
+MODE_F16_PARAMS = 0  # params: float16 [N, G, 2] (scale, zero)
+MODE_INT8_PARAMS = 1  # params: int8 codes [N, G, 2], with bfloat16 super-block scales [N, S, 2]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem") / "kernels"
+
+
+def _build(flags: set[str]) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(sorted(flags)).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"int4_cpu-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        command = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", tmp, str(SOURCE)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+_unavailable: list[str] = []
+
+
+def unavailable_reason() -> str:
+    """Why `load()` returned None ("" if it did not, or was not called yet)."""
+    return _unavailable[0] if _unavailable else ""
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The built library, or None (logged once) when it cannot be used here."""
+    reason = None
+    if os.environ.get("TANDEM_NATIVE_INT4", "1") == "0":
+        reason = "disabled by TANDEM_NATIVE_INT4=0"
+    elif platform.machine() not in ("x86_64", "AMD64"):
+        reason = f"it is x86-64 only (this is {platform.machine()})"
+    elif not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        reason = "the CPU lacks AVX2, FMA or F16C"
+    if reason is not None:
+        _unavailable.append(reason)
+        log.info("native INT4 kernel not used: %s", reason)
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(_cpu_flags())))
+    except (OSError, RuntimeError) as error:
+        _unavailable.append(str(error))
+        log.warning("native INT4 kernel unavailable, using torch's int4 kernel: %s", error)
+        return None
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.tandem_int4_mm.argtypes = [p, p, i32, p, p, i64, i64, i64, i64, i64, p, i32]
+    lib.tandem_int4_mm.restype = i32
+    lib.tandem_int4_dequantize.argtypes = [p, i32, p, p, i64, i64, i64, i64, p, i32]
+    lib.tandem_int4_dequantize.restype = None
+    return lib
+
+
+def pack_rows(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] uint8 in 0..15 (K % 32 == 0) -> [N, K / 2] uint8 in the kernel's row-chunked
+    layout: in each run of 32 values, byte i = q[i] | q[i + 16] << 4."""
+    rows, cols = q.shape
+    chunks = q.reshape(rows, cols // 32, 2, 16)
+    return (chunks[:, :, 0] | chunks[:, :, 1] << 4).reshape(rows, cols // 2).contiguous()
+
+
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:  # inverse of pack_rows
+    rows, half = packed.shape
+    chunks = packed.reshape(rows, half // 16, 1, 16)
+    return torch.cat([chunks & 0x0F, chunks >> 4], dim=2).reshape(rows, half * 2)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _mode(params: torch.Tensor, superblock_scales: torch.Tensor | None) -> tuple[int, int]:
+    """(mode, groups per super-block) for the C functions, after checking the parameter dtypes."""
+    if superblock_scales is None:
+        assert params.dtype == torch.float16, "without super-block scales, params are float16 (scale, zero)"
+        return MODE_F16_PARAMS, 1
+    assert params.dtype == torch.int8 and superblock_scales.dtype == torch.bfloat16
+    return MODE_INT8_PARAMS, params.shape[1] // superblock_scales.shape[1]
+
+
+def int4_mm(
+    x: torch.Tensor,  # [M, K] float32, contiguous
+    packed: torch.Tensor,  # [N, K / 2] uint8 (pack_rows)
+    params: torch.Tensor,  # [N, G, 2]: float16 (scale, zero), or int8 codes
+    superblock_scales: torch.Tensor | None,  # [N, S, 2] bfloat16, with int8 codes
+    group_size: int,
+) -> torch.Tensor:  # -> [M, N] float32
+    lib = load()
+    assert lib is not None, "native INT4 kernel unavailable: " + unavailable_reason()
+    rows, half = packed.shape
+    num_tokens, cols = x.shape
+    assert cols == 2 * half and x.dtype == torch.float32 and x.is_contiguous()
+    mode, groups_per_superblock = _mode(params, superblock_scales)
+    y = torch.empty(num_tokens, rows, dtype=torch.float32)
+    status = lib.tandem_int4_mm(
+        x.data_ptr(), packed.data_ptr(), mode, params.data_ptr(), _ptr(superblock_scales),
+        groups_per_superblock, num_tokens, rows, cols, group_size, y.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status == -2:
+        raise ValueError(f"native INT4 kernel: group size {group_size} is not one of {GROUP_SIZES}")
+    if status != 0:
+        raise MemoryError(
+            f"native INT4 kernel could not allocate scratch for {num_tokens}x{cols} activations"
+        )
+    return y
+
+
+def int4_dequantize(
+    packed: torch.Tensor,  # [N, K / 2] uint8 (pack_rows)
+    params: torch.Tensor,
+    superblock_scales: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:  # -> [N, K] float32
+    lib = load()
+    assert lib is not None, "native INT4 kernel unavailable: " + unavailable_reason()
+    rows, half = packed.shape
+    mode, groups_per_superblock = _mode(params, superblock_scales)
+    out = torch.empty(rows, 2 * half, dtype=torch.float32)
+    lib.tandem_int4_dequantize(
+        packed.data_ptr(), mode, params.data_ptr(), _ptr(superblock_scales), groups_per_superblock,
+        rows, 2 * half, group_size, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+# The same two functions as custom ops, for torch.compile (see the module docstring).
+@torch.library.custom_op("tandem::int4_mm", mutates_args=())
+def _int4_mm_op(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    params: torch.Tensor,
+    superblock_scales: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    return int4_mm(x, packed, params, superblock_scales, group_size)
+
+
+@_int4_mm_op.register_fake
+def _(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    params: torch.Tensor,
+    superblock_scales: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+@torch.library.custom_op("tandem::int4_dequantize", mutates_args=())
+def _int4_dequantize_op(
+    packed: torch.Tensor, params: torch.Tensor, superblock_scales: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
+    return int4_dequantize(packed, params, superblock_scales, group_size)
+
+
+@_int4_dequantize_op.register_fake
+def _(
+    packed: torch.Tensor, params: torch.Tensor, superblock_scales: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
+    return packed.new_empty(packed.shape[0], 2 * packed.shape[1], dtype=torch.float32)
