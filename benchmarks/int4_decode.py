@@ -2,6 +2,10 @@
 tokens/s at batch 1 and batch 16 (`--prompt-len` prompt, `--new-tokens` generated, greedy, EOS
 ignored; decode rate = tokens after the first / time after the first token).
 
+Every variant is loaded first; then `--rounds` rounds each measure every variant in turn, so that
+load on a shared machine hits all variants alike. Rates are medians over rounds, and each ratio
+to bfloat16 is also given per round (measured next to each other).
+
     python benchmarks/int4_decode.py        # -> benchmarks/results/int4_decode.json
 """
 
@@ -9,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -79,23 +84,33 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--out", default="benchmarks/results/int4_decode.json")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; rates are medians")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     args = parser.parse_args()
     if "bfloat16" not in args.variants:
         args.variants.insert(0, "bfloat16")  # the baseline of every ratio
+    llms: dict[str, LLM] = {}
     results: dict[str, dict] = {}
     for name in args.variants:
-        options = VARIANTS[name]
-        llm = LLM(args.model, kv_cache_memory=128 << 20, enable_prefix_caching=False, **options)
+        llm = LLM(args.model, kv_cache_memory=128 << 20, enable_prefix_caching=False, **VARIANTS[name])
         decode_rate(llm, 1, 8, 4)  # warm-up
         model = llm.engine.runner.model
         kernels = sorted({m.kernel for m in model.modules() if isinstance(m, Int4Linear)})
-        entry: dict = {"weight_bytes": weight_bytes(model), "int4_kernel": kernels}
-        for batch in args.batches:
-            entry[f"decode_tokens_per_s_b{batch}"] = decode_rate(llm, batch, args.prompt_len, args.new_tokens)
-        results[name] = entry
-        log(f"{name}: {entry}")
-        del llm
+        results[name] = {"weight_bytes": weight_bytes(model), "int4_kernel": kernels, "rounds": []}
+        llms[name] = llm
+        log(f"loaded {name} ({len(llms)}/{len(args.variants)})")
+    for round_index in range(args.rounds):
+        for name, llm in llms.items():
+            rates = {
+                f"decode_tokens_per_s_b{b}": decode_rate(llm, b, args.prompt_len, args.new_tokens)
+                for b in args.batches
+            }
+            results[name]["rounds"].append(rates)
+            log(f"round {round_index + 1}/{args.rounds} {name}: {rates}")
+    for entry in results.values():
+        for b in args.batches:
+            key = f"decode_tokens_per_s_b{b}"
+            entry[key] = statistics.median(r[key] for r in entry["rounds"])
     base = results["bfloat16"]
     for entry in results.values():
         entry["vs_16bit"] = {
@@ -104,6 +119,13 @@ def main() -> None:
             "total_bytes": entry["weight_bytes"]["total"] / base["weight_bytes"]["total"],
             **{
                 f"decode_b{b}": entry[f"decode_tokens_per_s_b{b}"] / base[f"decode_tokens_per_s_b{b}"]
+                for b in args.batches
+            },
+            **{
+                f"decode_b{b}_per_round": [
+                    mine[f"decode_tokens_per_s_b{b}"] / theirs[f"decode_tokens_per_s_b{b}"]
+                    for mine, theirs in zip(entry["rounds"], base["rounds"], strict=True)
+                ]
                 for b in args.batches
             },
         }

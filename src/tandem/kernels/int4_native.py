@@ -3,16 +3,17 @@
 Why: torch's `_weight_int4pack_mm_for_cpu` takes each group's (scale, zero) as a bfloat16 tensor,
 so double-quantised parameters had to be multiplied out before every call, and at batch 1 the
 kernel itself moves about 3.4 GB/s of weights. This kernel reads the packed nibbles and the int8
-parameter codes directly (exact integer dot products on int16-scaled activations, AVX2), and for large M dequantises the
-weight once and leaves the GEMM to torch.
+parameter codes directly (exact integer dot products on int16-scaled activations, AVX2), and for
+large M dequantises the weight once and leaves the GEMM to torch.
 
-Build: `cc -O3 -march=native -fopenmp -shared` into `$TANDEM_CACHE_DIR` (default
-`~/.cache/tandem`), keyed by the source's hash and the CPU's flags, written to a temporary name
-and renamed so that concurrent replicas never load a half-written file. `load()` returns None,
-once logged, when there is no compiler, the CPU lacks AVX2/FMA, `TANDEM_NATIVE_INT4=0`, or the
-build fails (`unavailable_reason()` says which): callers then use torch's kernel. The OpenMP
-runtime it links is the libgomp torch has already loaded (same soname), so both share one thread
-pool.
+Build: `cc -O3 -march=native -fopenmp -shared` into `$TANDEM_CACHE_DIR/kernels` (default
+`~/.cache/tandem/kernels`), keyed by the source's hash and the CPU's flags, written to a temporary
+name and renamed so that concurrent replicas never load a half-written file. `load()` returns
+None, once logged, when the CPU is not x86-64 with AVX2, FMA and F16C, `TANDEM_NATIVE_INT4=0`,
+there is no compiler or the build fails (`unavailable_reason()` says which): callers then use
+torch's kernel. The library needs `libgomp.so.1`; torch's CPU build bundles a libgomp with that
+soname and loads it first, so the dynamic loader binds both to one OpenMP runtime and one thread
+pool (a torch linked to another OpenMP would mean two pools on the same cores).
 
 `int4_mm` / `int4_dequantize` call the library directly (eager); `torch.ops.tandem.int4_mm` /
 `torch.ops.tandem.int4_dequantize` are the same functions registered as custom ops, so that
