@@ -43,8 +43,9 @@ from tandem.kernels import int4_native
 
 Int4Kernel = Literal["auto", "native", "torch"]
 # Above this many rows (tokens) the native kernel dequantises the weight once and runs torch's
-# float32 GEMM, which reuses each weight across rows better than a GEMV does (measured crossover
-# on an AVX2 EPYC: benchmarks/int4_decode.py and the kernel tests).
+# float32 GEMM, which reuses each weight across rows better than a GEMV does. Per call on the
+# 2-core AVX2 dev machine the GEMV kernel wins up to 16 rows and dequantise + GEMM from about 32
+# (docs/architecture.md, Quantisation).
 NATIVE_GEMV_MAX_ROWS = 16
 
 
@@ -202,27 +203,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         if self.kernel == "native":
-            params = self.scales_and_zeros if self.param_codes is None else self.param_codes
-            assert params is not None
-            x32 = x.to(torch.float32).contiguous()
-            if x.shape[0] <= NATIVE_GEMV_MAX_ROWS:
-                if torch.compiler.is_compiling():  # an opaque op to inductor, not a graph break
-                    y = torch.ops.tandem.int4_mm(
-                        x32, self.packed, params, self.superblock_scales, self.group_size
-                    )
-                else:
-                    y = int4_native.int4_mm(x32, self.packed, params, self.superblock_scales, self.group_size)
-            else:
-                if torch.compiler.is_compiling():
-                    weight = torch.ops.tandem.int4_dequantize(
-                        self.packed, params, self.superblock_scales, self.group_size
-                    )
-                else:
-                    weight = int4_native.int4_dequantize(
-                        self.packed, params, self.superblock_scales, self.group_size
-                    )
-                y = F.linear(x32, weight)
-            return y.to(x.dtype)
+            return self._forward_native(x)
         x16 = x.to(torch.bfloat16)
         group_params = self.group_params()
         if x.device.type == "cpu":
@@ -230,6 +211,20 @@ class Int4Linear(nn.Module):
         else:
             y = torch._weight_int4pack_mm(x16, self.packed, self.group_size, group_params)
         return y[:, : self.out_features].to(x.dtype)
+
+    def _forward_native(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        params = self.scales_and_zeros if self.param_codes is None else self.param_codes
+        assert params is not None
+        x32 = x.to(torch.float32).contiguous()
+        # Eager calls go straight to the library; under torch.compile the same functions are custom
+        # ops, opaque to inductor, so the graph does not break around them.
+        compiling = torch.compiler.is_compiling()
+        if x.shape[0] <= NATIVE_GEMV_MAX_ROWS:
+            mm = torch.ops.tandem.int4_mm if compiling else int4_native.int4_mm
+            return mm(x32, self.packed, params, self.superblock_scales, self.group_size).to(x.dtype)
+        dequantize = torch.ops.tandem.int4_dequantize if compiling else int4_native.int4_dequantize
+        weight = dequantize(self.packed, params, self.superblock_scales, self.group_size)  # [N, K] float32
+        return F.linear(x32, weight).to(x.dtype)
 
 
 def _choose_kernel(kernel: Int4Kernel, device: torch.device, group_size: int) -> Literal["native", "torch"]:
