@@ -1,4 +1,4 @@
-/* Group-wise INT4 matmul for x86-64 CPUs with AVX2 and FMA, called through ctypes by
+/* Group-wise INT4 matmul for x86-64 CPUs with AVX2, FMA and F16C, called through ctypes by
  * tandem/kernels/int4_native.py (its docstring states the contract; this file the layouts).
  *
  * Weight layout ("row-chunked"): packed[N, K/2] uint8. Row n, values k..k+31 (k a multiple of 32)
@@ -16,8 +16,9 @@
  * 4-bit codes are multiplied by it exactly in int32 (vpmaddwd), and each run's integer dot
  * product is scaled back in float32. The zero term uses float32 sums of x.
  *
- * Threads: OpenMP over rows. Built with -fopenmp, the library binds to the libgomp torch has
- * already loaded (same soname), so it shares torch's thread pool instead of adding another one.
+ * Threads: OpenMP over rows, as many as torch uses. Built with -fopenmp, the library needs
+ * libgomp.so.1; torch's CPU build has already loaded a libgomp with that soname, so both share one
+ * OpenMP runtime and thread pool.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -32,7 +33,8 @@ static inline float bf16_to_float(uint16_t bits) {
     return f;
 }
 
-/* Row n's (scale, zero - 8 * scale) per group into out[2 * G]. */
+/* Row n's (scale, zero - 8 * scale) per group into out[2 * G] (for tandem_int4_dequantize; the
+ * matmul's row kernels read the parameters inline). */
 static inline void row_params(int mode, const void *params, const uint16_t *superblock_scales,
                               int64_t groups_per_superblock, int64_t n, int64_t num_groups,
                               float *out) {
