@@ -130,6 +130,13 @@ def unpack_rows(packed: torch.Tensor) -> torch.Tensor:  # inverse of pack_rows
     return torch.cat([chunks & 0x0F, chunks >> 4], dim=2).reshape(rows, half * 2)
 
 
+def _library() -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError("native INT4 kernel unavailable: " + unavailable_reason())
+    return lib
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -150,8 +157,7 @@ def int4_mm(
     superblock_scales: torch.Tensor | None,  # [N, S, 2] bfloat16, with int8 codes
     group_size: int,
 ) -> torch.Tensor:  # -> [M, N] float32
-    lib = load()
-    assert lib is not None, "native INT4 kernel unavailable: " + unavailable_reason()
+    lib = _library()
     rows, half = packed.shape
     num_tokens, cols = x.shape
     assert cols == 2 * half and x.dtype == torch.float32 and x.is_contiguous()
@@ -176,8 +182,7 @@ def int4_dequantize(
     superblock_scales: torch.Tensor | None,
     group_size: int,
 ) -> torch.Tensor:  # -> [N, K] float32
-    lib = load()
-    assert lib is not None, "native INT4 kernel unavailable: " + unavailable_reason()
+    lib = _library()
     rows, half = packed.shape
     mode, groups_per_superblock = _mode(params, superblock_scales)
     out = torch.empty(rows, 2 * half, dtype=torch.float32)
@@ -188,38 +193,17 @@ def int4_dequantize(
     return out
 
 
-# The same two functions as custom ops, for torch.compile (see the module docstring).
-@torch.library.custom_op("tandem::int4_mm", mutates_args=())
-def _int4_mm_op(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    params: torch.Tensor,
-    superblock_scales: torch.Tensor | None,
-    group_size: int,
-) -> torch.Tensor:
-    return int4_mm(x, packed, params, superblock_scales, group_size)
+# The same two functions as custom ops, for torch.compile (see the module docstring); the fakes
+# give inductor the output shapes.
+_int4_mm_op = torch.library.custom_op("tandem::int4_mm", int4_mm, mutates_args=())
+_int4_dequantize_op = torch.library.custom_op("tandem::int4_dequantize", int4_dequantize, mutates_args=())
 
 
 @_int4_mm_op.register_fake
-def _(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    params: torch.Tensor,
-    superblock_scales: torch.Tensor | None,
-    group_size: int,
-) -> torch.Tensor:
+def _(x: torch.Tensor, packed: torch.Tensor, *_: object) -> torch.Tensor:
     return x.new_empty(x.shape[0], packed.shape[0])
 
 
-@torch.library.custom_op("tandem::int4_dequantize", mutates_args=())
-def _int4_dequantize_op(
-    packed: torch.Tensor, params: torch.Tensor, superblock_scales: torch.Tensor | None, group_size: int
-) -> torch.Tensor:
-    return int4_dequantize(packed, params, superblock_scales, group_size)
-
-
 @_int4_dequantize_op.register_fake
-def _(
-    packed: torch.Tensor, params: torch.Tensor, superblock_scales: torch.Tensor | None, group_size: int
-) -> torch.Tensor:
+def _(packed: torch.Tensor, *_: object) -> torch.Tensor:
     return packed.new_empty(packed.shape[0], 2 * packed.shape[1], dtype=torch.float32)
