@@ -2,7 +2,10 @@
 
 One process holds an in-process `AsyncEngine` ("direct") and starts a local Ray with the Serve
 app (`tandem.deployments.app.build_app`, the same engine options) once per `--stream-intervals`
-value, plus once with the engine's admission wait off (what a burst's TTFT was before it). Rounds alternate: the direct engine, then each app over HTTP (streaming completions,
+value and `--topologies` value ("ingress": proxy -> ingress deployment -> LLM replica;
+"direct": proxy -> LLM replica serving HTTP itself, `direct_streaming`), plus once with the
+engine's admission wait off (what a burst's TTFT was before it). Rounds alternate: the direct
+engine, then each app over HTTP (streaming completions,
 the same prompt token ids, greedy, EOS ignored). Only one phase runs at a time, and idle engines
 sleep, so phases do not compete for CPUs. Alternating rounds and reporting medians keeps a noisy
 shared machine from favouring whichever phase ran in a quiet minute.
@@ -18,6 +21,7 @@ tokens/s, and two diagnostics:
     python benchmarks/serve_overhead.py                  # 16 and 1 streams, 3 rounds -> results/
     python benchmarks/serve_overhead.py --streams 16 --rounds 1 --stream-intervals 1
     python benchmarks/serve_overhead.py --engine-threads 1   # a core left to Serve (2-core machine)
+    python benchmarks/serve_overhead.py --topologies ingress direct --no-no-admission-wait-app
 """
 
 from __future__ import annotations
@@ -181,6 +185,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--stream-intervals", type=int, nargs="+", default=[1, 4])
     parser.add_argument(
+        "--topologies",
+        nargs="+",
+        choices=["ingress", "direct"],
+        default=["ingress", "direct"],
+        help="ingress: a separate ingress deployment calls the LLM replicas; direct: the replicas "
+        "serve HTTP themselves (direct_streaming)",
+    )
+    parser.add_argument(
         "--no-admission-wait-app",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -226,15 +238,20 @@ def main() -> None:
     phases: dict[str, dict[str, Any]] = {}
     try:
         stats_of: dict[str, Callable[[], dict[str, Any]]] = {"direct": direct_engine.stats}
-        apps = [(f"http_stream_interval_{k}", engine_options, k) for k in args.stream_intervals]
+        apps = [
+            (f"http_{topology}_stream_interval_{k}", engine_options, k, topology == "direct")
+            for topology in args.topologies
+            for k in args.stream_intervals
+        ]
         if args.no_admission_wait_app:
-            apps.append(("http_no_admission_wait", {**engine_options, "admission_wait_ms": 0.0}, 1))
-        for name, options, interval in apps:
+            apps.append(("http_no_admission_wait", {**engine_options, "admission_wait_ms": 0.0}, 1, False))
+        for name, options, interval, direct_streaming in apps:
             app_config = {
                 "engine": options,
                 "api_keys": "sk-bench=bench",
                 "replica_num_cpus": 0,
                 "stream_interval": interval,
+                "direct_streaming": direct_streaming,
             }
             serve.run(build_app(app_config), name=name, route_prefix=f"/{name}")
             handle = serve.get_deployment_handle("LLMReplica", name)
@@ -296,6 +313,7 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,
         "torch_threads": num_threads,
+        "topologies": args.topologies,
         "phases": phases,
         "comparisons": comparisons,
     }

@@ -85,13 +85,13 @@ def test_errors_through_serve(served: str) -> None:
         openai.OpenAI(base_url=f"{served}/v1", api_key="wrong", max_retries=0).models.list()
 
 
-def test_client_disconnect_frees_kv_blocks(served: str) -> None:
+def check_disconnect_frees_kv_blocks(base_url: str, app_name: str) -> None:
     import time
 
     import httpx
     from ray import serve
 
-    replica = serve.get_deployment_handle("LLMReplica", app_name="tandem")
+    replica = serve.get_deployment_handle("LLMReplica", app_name=app_name)
     body = {
         "model": "tiny",
         "prompt": "Paged attention",
@@ -103,7 +103,7 @@ def test_client_disconnect_frees_kv_blocks(served: str) -> None:
     with (
         httpx.Client(timeout=30) as http,
         http.stream(
-            "POST", f"{served}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+            "POST", f"{base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
         ) as resp,
     ):
         events = 0
@@ -121,38 +121,48 @@ def test_client_disconnect_frees_kv_blocks(served: str) -> None:
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
 
 
-def test_backpressure_is_429_not_a_hang(served: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_client_disconnect_frees_kv_blocks(served: str) -> None:
+    check_disconnect_frees_kv_blocks(served, "tandem")
+
+
+def five_streams_at_once(base_url: str) -> list[str]:
+    """Five concurrent streamed completions: "ok" or "429" each (anything else fails)."""
     import asyncio
 
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+    async def one() -> str:
+        try:
+            stream = await client.completions.create(
+                model="tiny",
+                prompt="x",
+                max_tokens=300,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            async for _ in stream:
+                pass
+            return "ok"
+        except openai.InternalServerError as exc:
+            raise AssertionError(exc.response.text) from exc
+        except openai.RateLimitError as exc:
+            assert exc.response.headers.get("retry-after")
+            assert exc.body.get("code") == "server_overloaded", exc.body
+            return "429"
+
+    async def many() -> list[str]:
+        return await asyncio.wait_for(asyncio.gather(*(one() for _ in range(5))), timeout=120)
+
+    return asyncio.run(many())
+
+
+def test_backpressure_is_429_not_a_hang(served: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     from ray import serve
 
     deploy(tmp_path_factory, "tandem-bp", "/bp", max_ongoing_requests=1, max_queued_requests=1)
     try:
-        client = openai.AsyncOpenAI(base_url=f"{served}/bp/v1", api_key=KEY, max_retries=0, timeout=120)
-
-        async def one() -> str:
-            try:
-                stream = await client.completions.create(
-                    model="tiny",
-                    prompt="x",
-                    max_tokens=300,
-                    temperature=0,
-                    stream=True,
-                    extra_body={"ignore_eos": True},
-                )
-                async for _ in stream:
-                    pass
-                return "ok"
-            except openai.InternalServerError as exc:
-                raise AssertionError(exc.response.text) from exc
-            except openai.RateLimitError as exc:
-                assert exc.response.headers.get("retry-after")
-                return "429"
-
-        async def many() -> list[str]:
-            return await asyncio.wait_for(asyncio.gather(*(one() for _ in range(5))), timeout=120)
-
-        results = asyncio.run(many())
+        results = five_streams_at_once(f"{served}/bp")
         assert results.count("ok") >= 1 and results.count("429") >= 1, results
     finally:
         serve.delete("tandem-bp")
@@ -337,3 +347,91 @@ def test_adapter_upload_and_multiplexed_use_through_serve(served: str, peft_adap
     second = client.completions.create(model="tiny:served-bot", **kwargs)
     assert first.model == "tiny:served-bot" and first.choices[0].text == second.choices[0].text != base
     assert "tiny:served-bot" in [m.id for m in client.models.list().data]
+
+
+@pytest.fixture(scope="module")
+def direct_served(served: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The same app with `direct_streaming`: the LLM replicas are the HTTP ingress. At most
+    2 requests in flight per replica (1 running + 1 queued), so a burst of 5 must see 429s."""
+    from ray import serve
+
+    store = tmp_path_factory.mktemp("direct-objects")
+    deploy(
+        tmp_path_factory,
+        "tandem-direct",
+        "/direct",
+        direct_streaming=True,
+        max_ongoing_requests=1,
+        max_queued_requests=1,
+        object_store=f"file://{store}",
+        batch_poll_interval_s=60.0,  # only the replica's wake-up can start a batch in time
+    )
+    yield f"{served}/direct"
+    serve.delete("tandem-direct")
+
+
+def test_direct_streaming_serves_the_api_from_the_replica(direct_served: str) -> None:
+    """No ingress deployment; the openai client gets the same greedy text streamed and not."""
+    from ray import serve
+
+    deployments = serve.status().applications["tandem-direct"].deployments
+    assert sorted(deployments) == ["BatchWorker", "LLMReplica"]
+    client = openai.OpenAI(base_url=f"{direct_served}/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    kwargs = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert full.choices[0].message.content == streamed and chunks[-1].usage.completion_tokens == 10
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError) as info:  # raised by the engine, in the same process
+        client.completions.create(model="tiny", prompt="word " * 5000)
+    assert info.value.body.get("code") == "context_length_exceeded"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{direct_served}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_direct_streaming_disconnect_and_backpressure(direct_served: str) -> None:
+    check_disconnect_frees_kv_blocks(direct_served, "tandem-direct")
+    results = five_streams_at_once(direct_served)
+    assert results.count("ok") >= 1 and results.count("429") >= 1, results
+
+
+def test_direct_streaming_runs_batches(direct_served: str) -> None:
+    """The batch worker reaches replicas it is not bound to, and the replica that took the
+    upload wakes it (its poll interval is a minute)."""
+    import io
+    import json
+    import time
+
+    client = openai.OpenAI(base_url=f"{direct_served}/v1", api_key=KEY, max_retries=0)
+    lines = [
+        json.dumps(
+            {
+                "custom_id": f"d{i}",
+                "url": "/v1/completions",
+                "body": {"model": "tiny", "prompt": f"Number {i}", "max_tokens": 3},
+            }
+        )
+        for i in range(3)
+    ]
+    file_id = client.files.create(
+        file=("in.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch"
+    ).id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 45  # well inside the worker's 60 s poll interval
+    while (batch := client.batches.retrieve(batch.id)).status != "completed":
+        assert batch.status in ("validating", "in_progress", "finalizing") and time.monotonic() < deadline, (
+            batch
+        )
+        time.sleep(0.1)
+    assert batch.request_counts.completed == 3

@@ -19,8 +19,8 @@ from tandem.deployments.adapters import AdapterStore
 from tandem.deployments.autoscaling import BatchQueueTargets, ScalingTargets
 from tandem.deployments.batch_worker import BatchWorkerReplica
 from tandem.deployments.ingress import create_app, install_server
-from tandem.deployments.openai_server import OpenAIServer
-from tandem.deployments.replicas import LLMReplica
+from tandem.deployments.openai_server import EngineClient, OpenAIServer
+from tandem.deployments.replicas import LLMReplica, LocalEngineClient
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.config import EngineConfig
 from tandem.platform.errors import OverloadedError
@@ -53,6 +53,12 @@ class AppConfig(BaseModel):
         description="Tokens per streamed message from a replica (first token and end always at once); "
         "higher costs less CPU per token on small nodes, at coarser streaming",
     )
+    direct_streaming: bool = Field(
+        False,
+        description="The LLM replicas are the HTTP ingress (no separate ingress deployment): one "
+        "process hop less per streamed message; adapter requests are not routed to replicas "
+        "holding the adapter, and per-tenant limits count per replica",
+    )
     max_ongoing_requests: int = 64
     max_queued_requests: int = 128
     ingress_max_ongoing_requests: int = 1024
@@ -75,6 +81,7 @@ class AppConfig(BaseModel):
 
 
 fastapi_app = create_app()
+direct_fastapi_app = create_app()  # a second app object: `serve.ingress` takes one per class
 
 
 class HandleEngineClient:
@@ -122,39 +129,60 @@ class OpenAIIngress:
         self, llm: DeploymentHandle, config: dict[str, Any], batch_worker: DeploymentHandle | None = None
     ) -> None:
         cfg = AppConfig(**config)
-        spec = cfg.api_keys if cfg.api_keys is not None else os.environ.get("TANDEM_API_KEYS", "")
-        if cfg.keys_file:
-            with open(cfg.keys_file) as f:
-                spec = f.read() + "," + spec
-        tenants = TenantRegistry(
-            parse_keys(spec),
-            TenantLimits(cfg.max_concurrent_requests_per_tenant, cfg.tokens_per_minute_per_tenant),
-        )
         model_name = EngineConfig(**cfg.engine).api_model_name
-        batches = adapters = None
-        if cfg.object_store is not None:
-            store = open_object_store(cfg.object_store)
-            batches = BatchService(store, {model_name}, BatchLimits(**cfg.batch))
-            adapters = AdapterStore(
-                store,
-                model_name,
-                source_prefixes=tuple(cfg.adapter_source_prefixes),
-                max_adapter_bytes=cfg.max_adapter_bytes,
-            )
-        server = OpenAIServer(
-            HandleEngineClient(llm, model_name),
-            tenants,
-            max_tokens_default=cfg.max_tokens_default,
-            batches=batches,
-            adapters=adapters,
+        install_server(openai_server(cfg, HandleEngineClient(llm, model_name), batch_worker))
+
+
+def openai_server(
+    cfg: AppConfig, client: EngineClient, batch_worker: DeploymentHandle | None
+) -> OpenAIServer:
+    """The OpenAI routes' server over `client`: tenants and keys, files, batches and adapters."""
+    spec = cfg.api_keys if cfg.api_keys is not None else os.environ.get("TANDEM_API_KEYS", "")
+    if cfg.keys_file:
+        with open(cfg.keys_file) as f:
+            spec = f.read() + "," + spec
+    tenants = TenantRegistry(
+        parse_keys(spec),
+        TenantLimits(cfg.max_concurrent_requests_per_tenant, cfg.tokens_per_minute_per_tenant),
+    )
+    batches = adapters = None
+    if cfg.object_store is not None:
+        store = open_object_store(cfg.object_store)
+        batches = BatchService(store, {client.model_name}, BatchLimits(**cfg.batch))
+        adapters = AdapterStore(
+            store,
+            client.model_name,
+            source_prefixes=tuple(cfg.adapter_source_prefixes),
+            max_adapter_bytes=cfg.max_adapter_bytes,
         )
-        if batch_worker is not None:
+    server = OpenAIServer(
+        client, tenants, max_tokens_default=cfg.max_tokens_default, batches=batches, adapters=adapters
+    )
+    if batch_worker is not None:
+        worker = batch_worker
 
-            def wake_worker() -> None:
-                batch_worker.wake.remote()
+        def wake_worker() -> None:
+            worker.wake.remote()
 
-            server.on_batch_created = wake_worker
-        install_server(server)
+        server.on_batch_created = wake_worker
+    return server
+
+
+@serve.ingress(direct_fastapi_app)
+class DirectLLMServer(LLMReplica):
+    """An `LLMReplica` that is also the HTTP ingress (`direct_streaming`): the proxy sends each
+    request straight to a replica, whose OpenAI routes call its engine in-process.
+
+    What it trades for the saved hop: the proxy picks replicas by queue length only, so requests
+    for an adapter do not prefer replicas that already hold it (any replica loads it on first use);
+    per-tenant limits count per replica; and backpressure is `LocalEngineClient`'s 429.
+    """
+
+    def __init__(self, config: dict[str, Any], batch_worker: DeploymentHandle | None = None) -> None:
+        cfg = AppConfig(**config)
+        super().__init__(replica_engine_options(cfg), None, cfg.object_store, cfg.stream_interval)
+        client = LocalEngineClient(self, cfg.max_ongoing_requests + cfg.max_queued_requests)
+        install_server(openai_server(cfg, client, batch_worker))
 
 
 # Serve's own autoscaling fields (it applies the delays around any policy), with our defaults;
@@ -223,6 +251,19 @@ def batch_worker_options(cfg: AppConfig) -> dict[str, Any]:
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     cfg = AppConfig(**(args or {}))
+    model_name = EngineConfig(**cfg.engine).api_model_name
+    worker = serve.deployment(name="BatchWorker")(BatchWorkerReplica).options(**batch_worker_options(cfg))
+    if cfg.direct_streaming:
+        # The replica is the root; the worker finds it by name (a bound handle would be a cycle).
+        options = replica_options(cfg)
+        options.update(max_ongoing_requests=cfg.ingress_max_ongoing_requests, max_queued_requests=-1)
+        direct = serve.deployment(name="LLMReplica")(DirectLLMServer).options(**options)
+        if cfg.object_store is None:
+            return direct.bind(cfg.model_dump())
+        batch_worker = worker.bind(
+            None, cfg.object_store, model_name, cfg.batch, cfg.batch_poll_interval_s, cfg.max_tokens_default
+        )
+        return direct.bind(cfg.model_dump(), batch_worker)
     replica = serve.deployment(name="LLMReplica")(LLMReplica).options(**replica_options(cfg))
     llm = replica.bind(replica_engine_options(cfg), None, cfg.object_store, cfg.stream_interval)
     ingress = cast(serve.Deployment, OpenAIIngress).options(
@@ -230,8 +271,6 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     )
     if cfg.object_store is None:
         return ingress.bind(llm, cfg.model_dump())
-    worker = serve.deployment(name="BatchWorker")(BatchWorkerReplica).options(**batch_worker_options(cfg))
-    model_name = EngineConfig(**cfg.engine).api_model_name
     batch_worker = worker.bind(
         llm, cfg.object_store, model_name, cfg.batch, cfg.batch_poll_interval_s, cfg.max_tokens_default
     )

@@ -24,15 +24,19 @@ from tandem.platform.tenancy import TenantRegistry
 class BatchWorkerReplica:
     def __init__(
         self,
-        llm: DeploymentHandle,
+        llm: DeploymentHandle | None,
         object_store: str,
         model_name: str,
         limits: dict[str, Any],
         poll_interval_s: float = 1.0,
         max_tokens_default: int = 256,
     ) -> None:
+        from ray import serve
+
         from tandem.deployments.app import HandleEngineClient
 
+        if llm is None:  # direct streaming: the replicas are the app's root, found by name
+            llm = serve.get_deployment_handle("LLMReplica", serve.get_replica_context().app_name)
         service = BatchService(open_object_store(object_store), {model_name}, BatchLimits(**limits))
         server = OpenAIServer(
             HandleEngineClient(llm, model_name), TenantRegistry({}), max_tokens_default=max_tokens_default

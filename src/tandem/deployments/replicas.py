@@ -8,12 +8,16 @@ Every message a replica streams costs CPU in three processes (this one, the ingr
 proxy), and on a small CPU node that CPU comes out of the model's cores. `stream_interval` sends
 one message per that many new tokens (the first token and the end always go at once), the
 knob SGLang calls `--stream-interval`.
+
+With `direct_streaming` (see `tandem.deployments.app`) the replica is also the HTTP ingress: its
+OpenAI routes call the engine through `LocalEngineClient`, in this process, so tokens cross one
+process boundary (replica -> HTTP proxy) instead of two.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from ray import serve
@@ -21,6 +25,7 @@ from ray import serve
 from tandem.deployments.adapters import AdapterStore, load_into_engine
 from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.protocol import GenerationRequest, RequestOutput
+from tandem.platform.errors import OverloadedError
 from tandem.platform.object_store import open_object_store
 
 # Adapters Serve tracks per replica for routing; the engine's own LRU (`max_cpu_loras`) decides
@@ -65,10 +70,16 @@ class LLMReplica:
         await asyncio.to_thread(load_into_engine, self.engine.engine, self.adapters, lora_id)
         return _LoadedAdapter(self.engine, lora_id)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """The request's outputs, every `stream_interval` tokens, after loading its adapter."""
         if request.lora_name is not None:
             await self.load_adapter(request.lora_name)
         async for output in self.engine.generate(request, self.stream_interval):
+            yield output
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """`stream` for callers in other processes (ingress, batch workers)."""
+        async for output in self.stream(request):
             yield output.without_cumulative()  # cumulative fields cross processes once, at the end
 
     async def model_name(self) -> str:
@@ -92,3 +103,41 @@ class LLMReplica:
     def check_health(self) -> None:
         if not self.engine.is_alive():
             raise RuntimeError("engine loop thread has stopped")
+
+
+class LocalEngineClient:
+    """`EngineClient` over the `LLMReplica` of this process: no Ray hop per message.
+
+    Serve's own queue in front of a direct-streaming replica is sized for the HTTP proxy, which
+    answers an overflow with a plain-text 503; so this client is the backpressure instead: at most
+    `max_in_flight` requests run or wait here, and one more gets an OpenAI-shaped 429.
+    """
+
+    def __init__(self, replica: LLMReplica, max_in_flight: int) -> None:
+        self.replica = replica
+        self.max_in_flight = max_in_flight
+        self.num_in_flight = 0  # touched only from this replica's event loop
+
+    @property
+    def model_name(self) -> str:
+        return self.replica.engine.model_name
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
+        if self.num_in_flight >= self.max_in_flight:
+            raise OverloadedError(
+                f"this replica has {self.num_in_flight} requests in flight (limit {self.max_in_flight}); "
+                "retry shortly",
+                retry_after_s=1.0,
+            )
+        self.num_in_flight += 1
+        try:
+            async for output in self.replica.stream(request):
+                yield output
+        finally:
+            self.num_in_flight -= 1
+
+    def stats(self) -> dict[str, Any]:
+        return self.replica.engine.stats()
+
+    def lora_info(self) -> dict[str, Any]:
+        return self.replica.engine.lora_info()
