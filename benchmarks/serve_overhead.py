@@ -90,7 +90,10 @@ def cpu_seconds_by_role() -> dict[str, float]:
     return out
 
 
-async def drive_direct(engine: Any, prompts: list[list[int]], new_tokens: int, tag: str) -> dict[str, float]:
+Wave = tuple[list[float], int, float]  # TTFTs, tokens, wall seconds of requests started together
+
+
+async def drive_direct(engine: Any, prompts: list[list[int]], new_tokens: int, tag: str) -> Wave:
     from tandem import GenerationRequest, SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -107,12 +110,10 @@ async def drive_direct(engine: Any, prompts: list[list[int]], new_tokens: int, t
 
     start = time.perf_counter()
     results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    return summarise([r[0] for r in results], sum(r[1] for r in results), time.perf_counter() - start)
+    return [r[0] for r in results], sum(r[1] for r in results), time.perf_counter() - start
 
 
-async def drive_http(
-    base_url: str, model: str, prompts: list[list[int]], new_tokens: int
-) -> dict[str, float]:
+async def drive_http(base_url: str, model: str, prompts: list[list[int]], new_tokens: int) -> Wave:
     import httpx
 
     headers = {"Authorization": "Bearer sk-bench"}
@@ -146,7 +147,7 @@ async def drive_http(
         start = time.perf_counter()
         results = await asyncio.gather(*(one(client, p) for p in prompts))
         wall = time.perf_counter() - start
-    return summarise([r[0] for r in results], sum(r[1] for r in results), wall)
+    return [r[0] for r in results], sum(r[1] for r in results), wall
 
 
 def measured(
@@ -183,6 +184,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--lone-requests",
+        type=int,
+        default=5,
+        help="a 1-stream phase sends this many requests one after another (its TTFT p50 is theirs)",
+    )
     parser.add_argument("--stream-intervals", type=int, nargs="+", default=[1, 4])
     parser.add_argument(
         "--topologies",
@@ -199,6 +206,13 @@ def main() -> None:
         help="also deploy an app whose engine starts steps at once (admission_wait_ms=0)",
     )
     parser.add_argument("--kv-cache-memory", type=int, default=512 << 20)
+    parser.add_argument(
+        "--worker-niceness",
+        type=int,
+        default=0,
+        help="niceness of Ray's workers (replicas, ingress, proxy): 0 as `tandem serve` sets, the "
+        "same as this process and its direct engine; Ray's own default is 15",
+    )
     parser.add_argument(
         "--engine-threads",
         type=int,
@@ -221,7 +235,8 @@ def main() -> None:
         "enable_prefix_caching": False,  # rounds repeat prompts: compare the paths, not cache hits
     }
     gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(100, 40000, (max(args.streams), args.prompt_len), generator=gen).tolist()
+    num_prompts = max(*args.streams, args.lone_requests)
+    prompts = torch.randint(100, 40000, (num_prompts, args.prompt_len), generator=gen).tolist()
 
     import ray
     from ray import serve
@@ -232,6 +247,7 @@ def main() -> None:
     log("loading the direct engine")
     direct_engine = AsyncEngine.from_options(**engine_options)
     log("starting local Ray + Serve")
+    os.environ["RAY_worker_niceness"] = str(args.worker_niceness)  # noqa: SIM112 (Ray reads this case)
     ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -258,11 +274,19 @@ def main() -> None:
             stats_of[name] = lambda handle=handle: handle.stats.remote().result()
 
         def run_phase(phase: str, num_streams: int, tag: str) -> dict[str, float]:
-            batch = prompts[:num_streams]
-            if phase == "direct":
-                return asyncio.run(drive_direct(direct_engine, batch, args.new_tokens, tag))
-            base_url = f"http://127.0.0.1:{port}/{phase}"
-            return asyncio.run(drive_http(base_url, "bench", batch, args.new_tokens))
+            """One wave of `num_streams` requests; a lone stream is `--lone-requests` waves in turn."""
+            ttfts: list[float] = []
+            tokens, wall = 0, 0.0
+            for wave in range(args.lone_requests if num_streams == 1 else 1):
+                batch = prompts[wave : wave + num_streams]
+                if phase == "direct":
+                    result = asyncio.run(drive_direct(direct_engine, batch, args.new_tokens, f"{tag}-{wave}"))
+                else:
+                    base_url = f"http://127.0.0.1:{port}/{phase}"
+                    result = asyncio.run(drive_http(base_url, "bench", batch, args.new_tokens))
+                ttfts += result[0]
+                tokens, wall = tokens + result[1], wall + result[2]
+            return summarise(ttfts, tokens, wall)
 
         for phase in stats_of:  # warm-up: first requests pay one-off costs (allocation, imports)
             for num_streams in args.streams:
@@ -312,8 +336,10 @@ def main() -> None:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,
+        "lone_requests": args.lone_requests,
         "torch_threads": num_threads,
         "topologies": args.topologies,
+        "worker_niceness": args.worker_niceness,
         "phases": phases,
         "comparisons": comparisons,
     }

@@ -83,6 +83,7 @@ def _serve(args: argparse.Namespace) -> int:
             "keys_file": args.keys_file,
             "num_replicas": args.num_replicas,
             "stream_interval": args.stream_interval,
+            "direct_streaming": args.direct_streaming,
             "replica_num_cpus": 0 if args.address is None else 1,
             "object_store": args.object_store
             or "file://" + os.path.join(os.path.abspath(args.data_dir), "objects"),
@@ -93,6 +94,9 @@ def _serve(args: argparse.Namespace) -> int:
         ray.init(address=args.address)
     else:
         os.makedirs(args.data_dir, exist_ok=True)
+        # Ray starts workers, and so the engine, at niceness 15 below its own processes and any
+        # other program; on a node that exists to run the model, the engine should not yield.
+        os.environ.setdefault("RAY_worker_niceness", str(args.worker_niceness))
         ray.init(include_dashboard=False, configure_logging=False)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, name="tandem", route_prefix="/")
@@ -146,6 +150,20 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="tokens per streamed message (first token and end at once); >1 saves CPU per token",
+    )
+    srv.add_argument(
+        "--direct-streaming",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replicas serve HTTP themselves (no ingress deployment hop); --no-direct-streaming adds "
+        "the ingress, which routes adapter requests to replicas that hold them",
+    )
+    srv.add_argument(
+        "--worker-niceness",
+        type=int,
+        default=0,
+        help="niceness of the local Ray's workers, the engine's included (Ray's default is 15); "
+        "$RAY_worker_niceness wins; ignored with --address",
     )
     srv.add_argument(
         "--object-store",
