@@ -4,11 +4,12 @@ One process holds an in-process `AsyncEngine` ("direct") and starts a local Ray 
 app (`tandem.deployments.app.build_app`, the same engine options) once per `--stream-intervals`
 value and `--topologies` value ("ingress": proxy -> ingress deployment -> LLM replica;
 "direct": proxy -> LLM replica serving HTTP itself, `direct_streaming`), plus once with the
-engine's admission wait off (what a burst's TTFT was before it). Rounds alternate: the direct
-engine, then each app over HTTP (streaming completions,
-the same prompt token ids, greedy, EOS ignored). Only one phase runs at a time, and idle engines
-sleep, so phases do not compete for CPUs. Alternating rounds and reporting medians keeps a noisy
-shared machine from favouring whichever phase ran in a quiet minute.
+engine's admission wait off (what a burst's TTFT was before it). Each round runs every phase once,
+in a shuffled order: the direct engine and each app over HTTP (streaming completions, the same
+prompt token ids, greedy, EOS ignored). Only one phase runs at a time, and idle engines sleep, so
+phases do not compete for CPUs. Rounds and medians keep a noisy shared machine from favouring
+whichever phase ran in a quiet minute; Ray's workers run at `--worker-niceness` (0, as `tandem
+serve` starts them), the same as this process's direct engine.
 
 Each phase runs every `--streams` value (all requests start together) and reports p50/p99 TTFT,
 tokens/s, and two diagnostics:
@@ -31,6 +32,7 @@ import asyncio
 import functools
 import json
 import os
+import random
 import socket
 import statistics
 import time
@@ -185,6 +187,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
+        "--shuffle",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run each round's phases in a different (seeded) order",
+    )
+    parser.add_argument(
         "--lone-requests",
         type=int,
         default=5,
@@ -292,7 +300,10 @@ def main() -> None:
             for num_streams in args.streams:
                 run_phase(phase, min(num_streams, 2), f"warm-{phase}-{num_streams}")
         for round_index in range(args.rounds):
-            for phase, engine_stats in stats_of.items():
+            order = list(stats_of.items())
+            if args.shuffle:  # no phase always follows the same one (or comes first after a pause)
+                random.Random(round_index).shuffle(order)
+            for phase, engine_stats in order:
                 for num_streams in args.streams:
                     tag = f"r{round_index}-{phase}-{num_streams}"
                     result = measured(functools.partial(run_phase, phase, num_streams, tag), engine_stats)
@@ -337,6 +348,7 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,
         "lone_requests": args.lone_requests,
+        "shuffled_phase_order": args.shuffle,
         "torch_threads": num_threads,
         "topologies": args.topologies,
         "worker_niceness": args.worker_niceness,
