@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import openai
 import pytest
 
@@ -320,12 +322,15 @@ def test_batch_cli_submit_wait_and_results(
 
 
 def test_adapter_upload_and_multiplexed_use_through_serve(served: str, peft_adapters: dict) -> None:
+    check_adapter_upload_and_use(served, peft_adapters["all-r8"])
+
+
+def check_adapter_upload_and_use(served: str, folder: Path) -> None:
     """Upload over HTTP, then a request naming `tiny:<adapter>` makes the replica fetch it from
     the object store (`@serve.multiplexed`); the answer differs from the base model's and is the
     same on every call."""
     import httpx
 
-    folder = peft_adapters["all-r8"]
     response = httpx.post(
         f"{served}/v1/adapters",
         headers={"Authorization": f"Bearer {KEY}"},
@@ -404,6 +409,10 @@ def test_direct_streaming_disconnect_and_backpressure(direct_served: str) -> Non
     check_disconnect_frees_kv_blocks(direct_served, "tandem-direct")
     results = five_streams_at_once(direct_served)
     assert results.count("ok") >= 1 and results.count("429") >= 1, results
+
+
+def test_direct_streaming_loads_uploaded_adapters(direct_served: str, peft_adapters: dict) -> None:
+    check_adapter_upload_and_use(direct_served, peft_adapters["all-r8"])
 
 
 def test_direct_streaming_runs_batches(direct_served: str) -> None:

@@ -20,7 +20,7 @@ from tandem.deployments.autoscaling import BatchQueueTargets, ScalingTargets
 from tandem.deployments.batch_worker import BatchWorkerReplica
 from tandem.deployments.ingress import create_app, install_server
 from tandem.deployments.openai_server import EngineClient, OpenAIServer
-from tandem.deployments.replicas import LLMReplica, LocalEngineClient
+from tandem.deployments.replicas import InProcessReplicaClient, LLMReplica
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.config import EngineConfig
 from tandem.platform.errors import OverloadedError
@@ -175,13 +175,13 @@ class DirectLLMServer(LLMReplica):
 
     What it trades for the saved hop: the proxy picks replicas by queue length only, so requests
     for an adapter do not prefer replicas that already hold it (any replica loads it on first use);
-    per-tenant limits count per replica; and backpressure is `LocalEngineClient`'s 429.
+    per-tenant limits count per replica; and backpressure is `InProcessReplicaClient`'s 429.
     """
 
     def __init__(self, config: dict[str, Any], batch_worker: DeploymentHandle | None = None) -> None:
         cfg = AppConfig(**config)
         super().__init__(replica_engine_options(cfg), None, cfg.object_store, cfg.stream_interval)
-        client = LocalEngineClient(self, cfg.max_ongoing_requests + cfg.max_queued_requests)
+        client = InProcessReplicaClient(self, cfg.max_ongoing_requests + cfg.max_queued_requests)
         install_server(openai_server(cfg, client, batch_worker))
 
 

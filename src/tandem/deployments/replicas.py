@@ -10,7 +10,7 @@ one message per that many new tokens (the first token and the end always go at o
 knob SGLang calls `--stream-interval`.
 
 With `direct_streaming` (see `tandem.deployments.app`) the replica is also the HTTP ingress: its
-OpenAI routes call the engine through `LocalEngineClient`, in this process, so tokens cross one
+OpenAI routes call the engine through `InProcessReplicaClient`, in this process, so tokens cross one
 process boundary (replica -> HTTP proxy) instead of two.
 """
 
@@ -105,7 +105,7 @@ class LLMReplica:
             raise RuntimeError("engine loop thread has stopped")
 
 
-class LocalEngineClient:
+class InProcessReplicaClient:
     """`EngineClient` over the `LLMReplica` of this process: no Ray hop per message.
 
     Serve's own queue in front of a direct-streaming replica is sized for the HTTP proxy, which
