@@ -53,8 +53,9 @@ STEP_COUNTERS = {
 }
 
 
-def summarise(ttfts: list[float], tokens: int, wall: float) -> dict[str, float]:
+def summarise(ttfts: list[float], tokens: int, wall: float) -> dict[str, Any]:
     return {
+        "ttfts_ms": sorted(round(t * 1000) for t in ttfts),  # a burst split over steps shows here
         "ttft_p50_ms": percentile(ttfts, 0.5) * 1000,
         "ttft_p99_ms": percentile(ttfts, 0.99) * 1000,
         "tokens": tokens,
@@ -152,9 +153,7 @@ async def drive_http(base_url: str, model: str, prompts: list[list[int]], new_to
     return [r[0] for r in results], sum(r[1] for r in results), wall
 
 
-def measured(
-    run: Callable[[], dict[str, float]], engine_stats: Callable[[], dict[str, Any]]
-) -> dict[str, Any]:
+def measured(run: Callable[[], dict[str, Any]], engine_stats: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """`run()`'s figures plus the engine's step time and every process's CPU over it."""
     stats_before, cpu_before = engine_stats(), cpu_seconds_by_role()
     result: dict[str, Any] = dict(run())
@@ -165,6 +164,10 @@ def measured(
         role: round(cpu_after[role] - cpu_before.get(role, 0.0), 2) for role in sorted(cpu_after)
     }
     return result
+
+
+def replica_stats(handle: Any) -> dict[str, Any]:
+    return dict(handle.stats.remote().result())
 
 
 def free_port() -> int:
@@ -215,6 +218,14 @@ def main() -> None:
     )
     parser.add_argument("--kv-cache-memory", type=int, default=512 << 20)
     parser.add_argument(
+        "--admission-wait-ms",
+        type=float,
+        nargs=2,
+        default=None,
+        metavar=("QUIET", "MAX"),
+        help="every engine's admission_wait_ms and admission_max_wait_ms (default: the engine's)",
+    )
+    parser.add_argument(
         "--worker-niceness",
         type=int,
         default=0,
@@ -242,6 +253,8 @@ def main() -> None:
         "num_threads": num_threads,
         "enable_prefix_caching": False,  # rounds repeat prompts: compare the paths, not cache hits
     }
+    if args.admission_wait_ms is not None:
+        engine_options["admission_wait_ms"], engine_options["admission_max_wait_ms"] = args.admission_wait_ms
     gen = torch.Generator().manual_seed(0)
     num_prompts = max(*args.streams, args.lone_requests)
     prompts = torch.randint(100, 40000, (num_prompts, args.prompt_len), generator=gen).tolist()
@@ -279,9 +292,9 @@ def main() -> None:
             }
             serve.run(build_app(app_config), name=name, route_prefix=f"/{name}")
             handle = serve.get_deployment_handle("LLMReplica", name)
-            stats_of[name] = lambda handle=handle: handle.stats.remote().result()
+            stats_of[name] = functools.partial(replica_stats, handle)
 
-        def run_phase(phase: str, num_streams: int, tag: str) -> dict[str, float]:
+        def run_phase(phase: str, num_streams: int, tag: str) -> dict[str, Any]:
             """One wave of `num_streams` requests; a lone stream is `--lone-requests` waves in turn."""
             ttfts: list[float] = []
             tokens, wall = 0, 0.0
@@ -352,6 +365,7 @@ def main() -> None:
         "torch_threads": num_threads,
         "topologies": args.topologies,
         "worker_niceness": args.worker_niceness,
+        "engine_options": engine_options,
         "phases": phases,
         "comparisons": comparisons,
     }
