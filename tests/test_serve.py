@@ -55,8 +55,9 @@ def served(ray_serve: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     serve.delete("tandem")
 
 
-def test_openai_client_through_serve(served: str) -> None:
-    client = openai.OpenAI(base_url=f"{served}/v1", api_key=KEY, max_retries=0)
+def check_openai_client(base_url: str) -> None:
+    """Models, greedy chat streamed (with the usage chunk) and not, and completions."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0)
     assert [m.id for m in client.models.list().data] == ["tiny"]
     kwargs = dict(
         model="tiny",
@@ -66,25 +67,34 @@ def test_openai_client_through_serve(served: str) -> None:
         extra_body={"ignore_eos": True},
     )
     full = client.chat.completions.create(**kwargs)
-    streamed = "".join(
-        c.choices[0].delta.content or ""
-        for c in client.chat.completions.create(stream=True, **kwargs)
-        if c.choices
+    chunks = list(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
     )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert full.choices[0].message.content == streamed and full.usage.completion_tokens == 10
+    assert chunks[-1].usage.completion_tokens == 10
     text = client.completions.create(model="tiny", prompt="Paged attention", max_tokens=4, temperature=0)
     assert text.choices[0].finish_reason in ("length", "stop")
 
 
-def test_errors_through_serve(served: str) -> None:
-    client = openai.OpenAI(base_url=f"{served}/v1", api_key=KEY, max_retries=0)
+def check_errors(base_url: str) -> None:
+    """404 for an unknown model, 400 from the engine (context length), 401 for a wrong key."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
-    with pytest.raises(openai.BadRequestError) as info:  # raised inside the replica, mapped at the ingress
+    with pytest.raises(openai.BadRequestError) as info:  # raised by the engine, mapped by the routes
         client.completions.create(model="tiny", prompt="word " * 5000)
     assert info.value.body.get("code") == "context_length_exceeded"
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{served}/v1", api_key="wrong", max_retries=0).models.list()
+        openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_openai_client_through_serve(served: str) -> None:
+    check_openai_client(served)
+
+
+def test_errors_through_serve(served: str) -> None:
+    check_errors(served)
 
 
 def check_disconnect_frees_kv_blocks(base_url: str, app_name: str) -> None:
@@ -376,33 +386,13 @@ def direct_served(served: str, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_direct_streaming_serves_the_api_from_the_replica(direct_served: str) -> None:
-    """No ingress deployment; the openai client gets the same greedy text streamed and not."""
+    """No ingress deployment; the same API, answers and errors as through the ingress."""
     from ray import serve
 
     deployments = serve.status().applications["tandem-direct"].deployments
     assert sorted(deployments) == ["BatchWorker", "LLMReplica"]
-    client = openai.OpenAI(base_url=f"{direct_served}/v1", api_key=KEY, max_retries=0)
-    assert [m.id for m in client.models.list().data] == ["tiny"]
-    kwargs = dict(
-        model="tiny",
-        messages=[{"role": "user", "content": "Hello there"}],
-        max_tokens=10,
-        temperature=0,
-        extra_body={"ignore_eos": True},
-    )
-    full = client.chat.completions.create(**kwargs)
-    chunks = list(
-        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
-    )
-    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert full.choices[0].message.content == streamed and chunks[-1].usage.completion_tokens == 10
-    with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
-    with pytest.raises(openai.BadRequestError) as info:  # raised by the engine, in the same process
-        client.completions.create(model="tiny", prompt="word " * 5000)
-    assert info.value.body.get("code") == "context_length_exceeded"
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{direct_served}/v1", api_key="wrong", max_retries=0).models.list()
+    check_openai_client(direct_served)
+    check_errors(direct_served)
 
 
 def test_direct_streaming_disconnect_and_backpressure(direct_served: str) -> None:

@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="replicas serve HTTP themselves (no ingress deployment hop); --no-direct-streaming adds "
-        "the ingress, which routes adapter requests to replicas that hold them",
+        "the ingress, which routes adapter requests to replicas that hold them and keeps tenant "
+        "limits and /metrics in one place (it matters with --num-replicas above 1)",
     )
     srv.add_argument(
         "--worker-niceness",

@@ -57,7 +57,7 @@ class AppConfig(BaseModel):
         False,
         description="The LLM replicas are the HTTP ingress (no separate ingress deployment): one "
         "process hop less per streamed message; adapter requests are not routed to replicas "
-        "holding the adapter, and per-tenant limits count per replica",
+        "holding the adapter, and per-tenant limits and /metrics count per replica",
     )
     max_ongoing_requests: int = 64
     max_queued_requests: int = 128
@@ -175,7 +175,8 @@ class DirectLLMServer(LLMReplica):
 
     What it trades for the saved hop: the proxy picks replicas by queue length only, so requests
     for an adapter do not prefer replicas that already hold it (any replica loads it on first use);
-    per-tenant limits count per replica; and backpressure is `InProcessReplicaClient`'s 429.
+    per-tenant limits and `/metrics` count per replica; and backpressure is
+    `InProcessReplicaClient`'s 429.
     """
 
     def __init__(self, config: dict[str, Any], batch_worker: DeploymentHandle | None = None) -> None:
