@@ -386,13 +386,19 @@ def direct_served(served: str, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_direct_streaming_serves_the_api_from_the_replica(direct_served: str) -> None:
-    """No ingress deployment; the same API, answers and errors as through the ingress."""
+    """No ingress deployment; the same API, answers and errors as through the ingress, and the
+    replica's own health and metrics routes."""
+    import httpx
     from ray import serve
 
     deployments = serve.status().applications["tandem-direct"].deployments
     assert sorted(deployments) == ["BatchWorker", "LLMReplica"]
     check_openai_client(direct_served)
     check_errors(direct_served)
+    assert httpx.get(f"{direct_served}/health", timeout=10).json() == {"status": "ok"}
+    metrics = httpx.get(f"{direct_served}/metrics", timeout=10).text  # recorded in the replica itself
+    assert "tandem_requests_total{" in metrics and 'tenant="acme"' in metrics
+    assert "tandem_kv_cache_occupancy" in metrics
 
 
 def test_direct_streaming_disconnect_and_backpressure(direct_served: str) -> None:
