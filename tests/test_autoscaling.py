@@ -91,3 +91,21 @@ def test_batch_workers_follow_queued_shards() -> None:
     assert desired_batch_workers(5, targets) == 2
     assert desired_batch_workers(100, targets) == 3  # the ceiling
     assert desired_batch_workers(0, BatchQueueTargets(min_replicas=0)) == 0  # scale to zero
+
+
+@pytest.mark.parametrize("direct_streaming", [False, True])
+def test_serve_config_file_is_a_valid_app(direct_streaming: bool) -> None:
+    """infra/serve_config.yaml's args are AppConfig fields (extra fields are refused), and the app
+    builds with and without direct streaming (composition only: nothing is deployed)."""
+    from pathlib import Path
+
+    import yaml
+
+    from tandem.deployments.app import AppConfig, build_app
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "infra" / "serve_config.yaml").read_text())
+    args = {**config["applications"][0]["args"], "direct_streaming": direct_streaming}
+    assert AppConfig(**args).direct_streaming is direct_streaming
+    build_app(args)
+    with pytest.raises(ValueError, match="direct_streamin"):
+        AppConfig(**{**args, "direct_streamin": True})
