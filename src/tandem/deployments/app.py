@@ -20,7 +20,7 @@ from tandem.deployments.autoscaling import BatchQueueTargets, ScalingTargets
 from tandem.deployments.batch_worker import BatchWorkerReplica
 from tandem.deployments.ingress import create_app, install_server
 from tandem.deployments.openai_server import EngineClient, OpenAIServer
-from tandem.deployments.replicas import InProcessReplicaClient, LLMReplica
+from tandem.deployments.replicas import LLM_DEPLOYMENT, InProcessReplicaClient, LLMReplica
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.config import EngineConfig
 from tandem.platform.errors import OverloadedError
@@ -159,10 +159,9 @@ def openai_server(
         client, tenants, max_tokens_default=cfg.max_tokens_default, batches=batches, adapters=adapters
     )
     if batch_worker is not None:
-        worker = batch_worker
 
         def wake_worker() -> None:
-            worker.wake.remote()
+            batch_worker.wake.remote()
 
         server.on_batch_created = wake_worker
     return server
@@ -258,14 +257,14 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         # The replica is the root; the worker finds it by name (a bound handle would be a cycle).
         options = replica_options(cfg)
         options.update(max_ongoing_requests=cfg.ingress_max_ongoing_requests, max_queued_requests=-1)
-        direct = serve.deployment(name="LLMReplica")(DirectLLMServer).options(**options)
+        direct = serve.deployment(name=LLM_DEPLOYMENT)(DirectLLMServer).options(**options)
         if cfg.object_store is None:
             return direct.bind(cfg.model_dump())
         batch_worker = worker.bind(
             None, cfg.object_store, model_name, cfg.batch, cfg.batch_poll_interval_s, cfg.max_tokens_default
         )
         return direct.bind(cfg.model_dump(), batch_worker)
-    replica = serve.deployment(name="LLMReplica")(LLMReplica).options(**replica_options(cfg))
+    replica = serve.deployment(name=LLM_DEPLOYMENT)(LLMReplica).options(**replica_options(cfg))
     llm = replica.bind(replica_engine_options(cfg), None, cfg.object_store, cfg.stream_interval)
     ingress = cast(serve.Deployment, OpenAIIngress).options(
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=cfg.ingress_max_ongoing_requests

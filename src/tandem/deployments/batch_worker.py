@@ -17,6 +17,7 @@ from ray.serve.handle import DeploymentHandle
 from tandem.batch.service import BatchLimits, BatchService
 from tandem.batch.worker import BatchWorker
 from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.replicas import LLM_DEPLOYMENT
 from tandem.platform.object_store import open_object_store
 from tandem.platform.tenancy import TenantRegistry
 
@@ -36,7 +37,7 @@ class BatchWorkerReplica:
         from tandem.deployments.app import HandleEngineClient
 
         if llm is None:  # direct streaming: the replicas are the app's root, found by name
-            llm = serve.get_deployment_handle("LLMReplica", serve.get_replica_context().app_name)
+            llm = serve.get_deployment_handle(LLM_DEPLOYMENT, serve.get_replica_context().app_name)
         service = BatchService(open_object_store(object_store), {model_name}, BatchLimits(**limits))
         server = OpenAIServer(
             HandleEngineClient(llm, model_name), TenantRegistry({}), max_tokens_default=max_tokens_default

@@ -22,11 +22,14 @@ from typing import Any
 
 from ray import serve
 
-from tandem.deployments.adapters import AdapterStore, load_into_engine
+from tandem.deployments.adapters import AdapterStore, LocalEngineClient, load_into_engine
 from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.errors import OverloadedError
 from tandem.platform.object_store import open_object_store
+
+# The Serve deployment name of the LLM replicas, in both topologies (the batch worker looks it up).
+LLM_DEPLOYMENT = "LLMReplica"
 
 # Adapters Serve tracks per replica for routing; the engine's own LRU (`max_cpu_loras`) decides
 # what stays in memory, and unloading here only drops the engine's copy when no request uses it.
@@ -105,8 +108,9 @@ class LLMReplica:
             raise RuntimeError("engine loop thread has stopped")
 
 
-class InProcessReplicaClient:
-    """`EngineClient` over the `LLMReplica` of this process: no Ray hop per message.
+class InProcessReplicaClient(LocalEngineClient):
+    """`EngineClient` over the `LLMReplica` of this process: no Ray hop per message; adapters load
+    through the replica (`@serve.multiplexed`), so Serve knows which replica holds which.
 
     Serve's own queue in front of a direct-streaming replica is sized for the HTTP proxy, which
     answers an overflow with a plain-text 503; so this client is the backpressure instead: at most
@@ -114,13 +118,10 @@ class InProcessReplicaClient:
     """
 
     def __init__(self, replica: LLMReplica, max_in_flight: int) -> None:
+        super().__init__(replica.engine, adapters=None)  # model_name, stats, lora_info
         self.replica = replica
         self.max_in_flight = max_in_flight
         self.num_in_flight = 0  # touched only from this replica's event loop
-
-    @property
-    def model_name(self) -> str:
-        return self.replica.engine.model_name
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         if self.num_in_flight >= self.max_in_flight:
@@ -135,9 +136,3 @@ class InProcessReplicaClient:
                 yield output
         finally:
             self.num_in_flight -= 1
-
-    def stats(self) -> dict[str, Any]:
-        return self.replica.engine.stats()
-
-    def lora_info(self) -> dict[str, Any]:
-        return self.replica.engine.lora_info()

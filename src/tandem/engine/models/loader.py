@@ -353,10 +353,10 @@ def apply_int4(
     kernel: Int4Kernel = "auto",
 ) -> None:
     """Swap every decoder linear (fused q/k/v and gate/up, o, down) for an `Int4Linear`: from
-        `native` INT4 weights where the file had them, else quantised from the loaded weights; with
-        `double_quant`, their group scales and zeros then become int8 codes (`double_quantize_int4`);
-    `kernel` picks the INT4 matmul (`Int4Linear`). The
-        norms keep the model dtype; the LM head and the input embedding become bfloat16."""
+    `native` INT4 weights where the file had them, else quantised from the loaded weights; with
+    `double_quant`, their group scales and zeros then become int8 codes (`double_quantize_int4`);
+    `kernel` picks the INT4 matmul (`Int4Linear`). The norms keep the model dtype; the LM head and
+    the input embedding become bfloat16."""
     fused_sources = {
         "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
         "self_attn.o_proj": ("self_attn.o_proj",),
