@@ -3,7 +3,8 @@
 One process holds an in-process `AsyncEngine` ("direct") and starts a local Ray with the Serve
 app (`tandem.deployments.app.build_app`, the same engine options) once per `--stream-intervals`
 value and `--topologies` value ("ingress": proxy -> ingress deployment -> LLM replica;
-"direct": proxy -> LLM replica serving HTTP itself, `direct_streaming`), plus once with the
+"direct": proxy -> LLM replica serving HTTP itself, `direct_streaming`; "direct_ingress": the
+same app called on the replica's own port, with no proxy, as `tandem serve` runs it), plus once with the
 engine's admission wait off (what a burst's TTFT was before it). Each round runs every phase once,
 in a shuffled order: the direct engine and each app over HTTP (streaming completions, the same
 prompt token ids, greedy, EOS ignored). Only one phase runs at a time, and idle engines sleep, so
@@ -23,6 +24,10 @@ tokens/s, and two diagnostics:
     python benchmarks/serve_overhead.py --streams 16 --rounds 1 --stream-intervals 1
     python benchmarks/serve_overhead.py --engine-threads 1   # a core left to Serve (2-core machine)
     python benchmarks/serve_overhead.py --topologies ingress direct --no-no-admission-wait-app
+
+With "direct_ingress" among the topologies, Ray starts with Serve's direct ingress on (every app's
+ingress replica also listens on a port of its own); the other topologies still go through the
+proxy.
 """
 
 from __future__ import annotations
@@ -170,6 +175,25 @@ def replica_stats(handle: Any) -> dict[str, Any]:
     return dict(handle.stats.remote().result())
 
 
+def replica_base_url(app_name: str, proxy_port: int) -> str:
+    """The app's ingress replica's own HTTP address on this node under Serve's direct ingress (one replica)."""
+    import ray
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client()
+    assert client is not None, "serve.start() first"
+    controller = client._controller
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # a replica reports its port once it is initialised
+        for group in ray.get(controller.get_target_groups.remote(app_name=app_name)):
+            if group.protocol == "HTTP" and len(group.targets) == 1:
+                target = group.targets[0]
+                if target.port != proxy_port:
+                    return f"http://127.0.0.1:{target.port}{group.route_prefix}"  # this node
+        time.sleep(0.5)
+    raise RuntimeError(f"no direct-ingress port for {app_name}: is Serve's direct ingress on?")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -205,10 +229,11 @@ def main() -> None:
     parser.add_argument(
         "--topologies",
         nargs="+",
-        choices=["ingress", "direct"],
-        default=["ingress", "direct"],
+        choices=["ingress", "direct", "direct_ingress"],
+        default=["ingress", "direct", "direct_ingress"],
         help="ingress: a separate ingress deployment calls the LLM replicas; direct: the replicas "
-        "serve HTTP themselves (direct_streaming)",
+        "serve HTTP themselves (direct_streaming); direct_ingress: direct_streaming called on the "
+        "replica's own port, not through Serve's proxy (`tandem serve`'s default)",
     )
     parser.add_argument(
         "--no-admission-wait-app",
@@ -269,6 +294,12 @@ def main() -> None:
     direct_engine = AsyncEngine.from_options(**engine_options)
     log("starting local Ray + Serve")
     os.environ["RAY_worker_niceness"] = str(args.worker_niceness)  # noqa: SIM112 (Ray reads this case)
+    if "direct_ingress" in args.topologies:
+        from tandem.cli import direct_ingress_env
+
+        first_port = free_port()  # a range from here: one port per app's ingress replica
+        os.environ.update(direct_ingress_env(first_port))
+        os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] = str(first_port + 64)
     ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -276,7 +307,7 @@ def main() -> None:
     try:
         stats_of: dict[str, Callable[[], dict[str, Any]]] = {"direct": direct_engine.stats}
         apps = [
-            (f"http_{topology}_stream_interval_{k}", engine_options, k, topology == "direct")
+            (f"http_{topology}_stream_interval_{k}", engine_options, k, topology != "ingress")
             for topology in args.topologies
             for k in args.stream_intervals
         ]
@@ -293,6 +324,12 @@ def main() -> None:
             serve.run(build_app(app_config), name=name, route_prefix=f"/{name}")
             handle = serve.get_deployment_handle("LLMReplica", name)
             stats_of[name] = functools.partial(replica_stats, handle)
+        base_url_of = {
+            name: replica_base_url(name, port)
+            if "direct_ingress" in name
+            else f"http://127.0.0.1:{port}/{name}"
+            for name, *_ in apps
+        }
 
         def run_phase(phase: str, num_streams: int, tag: str) -> dict[str, Any]:
             """One wave of `num_streams` requests; a lone stream is `--lone-requests` waves in turn."""
@@ -303,8 +340,7 @@ def main() -> None:
                 if phase == "direct":
                     result = asyncio.run(drive_direct(direct_engine, batch, args.new_tokens, f"{tag}-{wave}"))
                 else:
-                    base_url = f"http://127.0.0.1:{port}/{phase}"
-                    result = asyncio.run(drive_http(base_url, "bench", batch, args.new_tokens))
+                    result = asyncio.run(drive_http(base_url_of[phase], "bench", batch, args.new_tokens))
                 ttfts += result[0]
                 tokens, wall = tokens + result[1], wall + result[2]
             return summarise(ttfts, tokens, wall)

@@ -12,7 +12,7 @@ import time
 
 from tandem.batch_cli import add_batch_parser, run_batch_command
 from tandem.platform.config import DEFAULT_MODEL
-from tandem.platform.errors import TandemError
+from tandem.platform.errors import InvalidRequestError, TandemError
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -56,6 +56,46 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def direct_ingress_env(port: int) -> dict[str, str]:
+    """Environment for a local Ray in which the one ingress replica serves HTTP on `port` itself.
+
+    Ray Serve's direct ingress (experimental in Ray 2.60) starts an HTTP server inside each
+    ingress replica on a port from a range, next to the proxy. A range of exactly `port` gives the
+    one replica the user's port; with no quarantine a restarted replica gets the same port back
+    as soon as the old one has released it. With no load balancer in front to deregister it from,
+    a stopping replica waits only for its in-flight requests, not Serve's 30 s minimum drain. Read
+    by Serve's controller and replicas at import, so it must be in the environment before Ray
+    starts.
+    """
+    return {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # exclusive
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    }
+
+
+def _use_direct_ingress(args: argparse.Namespace) -> bool:
+    """--direct-ingress unless told otherwise, where it can work: a local Ray, one replica."""
+    possible = args.address is None and args.num_replicas == 1
+    if args.direct_ingress and not possible:
+        raise InvalidRequestError(
+            "--direct-ingress needs a local Ray (no --address) and --num-replicas 1: each replica "
+            "would listen on a port of its own; leave it off, or put a load balancer in front",
+            param="direct_ingress",
+        )
+    return possible if args.direct_ingress is None else bool(args.direct_ingress)
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
 def _serve(args: argparse.Namespace) -> int:
     import secrets
     import signal
@@ -72,6 +112,8 @@ def _serve(args: argparse.Namespace) -> int:
         dev_key = "sk-dev-" + secrets.token_hex(12)
         api_keys = f"{dev_key}=dev"
     engine: dict[str, object] = {"model": args.model}
+    if args.served_model_name:
+        engine["served_model_name"] = args.served_model_name
     if args.max_model_len:
         engine["max_model_len"] = args.max_model_len
     if args.kv_cache_memory:
@@ -90,18 +132,31 @@ def _serve(args: argparse.Namespace) -> int:
             "adapter_source_prefixes": ["s3://", "file://"],  # a local server may read local folders
         }
     )
+    direct_ingress = _use_direct_ingress(args)
+    proxy_port = args.port
     if args.address:
         ray.init(address=args.address)
     else:
         os.makedirs(args.data_dir, exist_ok=True)
         # Ray starts workers, and so the engine, at niceness 15 below its own processes and any
         # other program; on a node that exists to run the model, the engine should not yield.
-        os.environ.setdefault("RAY_worker_niceness", str(args.worker_niceness))
-        ray.init(include_dashboard=False, configure_logging=False)
-    serve.start(http_options={"host": args.host, "port": args.port})
+        os.environ.setdefault("RAY_worker_niceness", str(args.worker_niceness))  # noqa: SIM112
+        if direct_ingress:
+            proxy_port = _free_port(args.host)
+            os.environ.update(direct_ingress_env(args.port))
+        # A Ray of its own ("local"), even with $RAY_ADDRESS set: the settings above apply only to
+        # processes this command starts; --address joins a cluster.
+        ray.init(address="local", include_dashboard=False, configure_logging=False)
+    serve.start(http_options={"host": args.host, "port": proxy_port})
     serve.run(app, name="tandem", route_prefix="/")
     base = f"http://{args.host}:{args.port}"
     print(f"[tandem] serving {args.model} at {base}/v1", file=sys.stderr)
+    if direct_ingress:
+        print(
+            f"[tandem] direct ingress: the replica listens on {args.port} itself; "
+            f"Serve's proxy is on {proxy_port}",
+            file=sys.stderr,
+        )
     if dev_key:
         print(f"[tandem] dev API key (this run only): {dev_key}", file=sys.stderr)
     print(f"[tandem] try: curl {base}/v1/models -H 'Authorization: Bearer <key>'", file=sys.stderr)
@@ -135,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve")
     srv.add_argument("--model", default=DEFAULT_MODEL)
+    srv.add_argument(
+        "--served-model-name", default=None, help="the model id clients send (default: from --model)"
+    )
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument(
@@ -158,6 +216,13 @@ def main(argv: list[str] | None = None) -> int:
         help="replicas serve HTTP themselves (no ingress deployment hop); --no-direct-streaming adds "
         "the ingress, which routes adapter requests to replicas that hold them and keeps tenant "
         "limits and /metrics in one place (it matters with --num-replicas above 1)",
+    )
+    srv.add_argument(
+        "--direct-ingress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the replica listens on --port itself, with no Serve proxy in the path (Ray Serve's "
+        "experimental direct ingress); default: on with a local Ray and one replica, else off",
     )
     srv.add_argument(
         "--worker-niceness",
