@@ -13,7 +13,9 @@ whichever phase ran in a quiet minute; Ray's workers run at `--worker-niceness` 
 serve` starts them), the same as this process's direct engine.
 
 Each phase runs every `--streams` value (all requests start together) and reports p50/p99 TTFT,
-tokens/s, and two diagnostics:
+tokens/s, each request's TTFT outside the engine (its TTFT minus the engine's arrival-to-first-token
+time, which the server sends in `Server-Timing`: what the path to the engine added, without the
+prefill's run-to-run noise), and two diagnostics:
 - `engine_step_wall_s` vs `engine_step_cpu_s`: the engine thread's wall and CPU seconds inside
   steps. Wall above CPU is time the step waited: for its other OpenMP thread or for the GIL,
   because something else ran on its cores.
@@ -58,11 +60,18 @@ STEP_COUNTERS = {
 }
 
 
-def summarise(ttfts: list[float], tokens: int, wall: float) -> dict[str, Any]:
+def summarise(ttfts: list[float], engine_ttfts: list[float], tokens: int, wall: float) -> dict[str, Any]:
+    """A phase's figures. Outside-engine time is each request's TTFT seen by the client minus its
+    TTFT inside the engine (arrival -> first token; from `Server-Timing` over HTTP): what the path
+    between client and engine added to that request, free of the prefill's own noise."""
+    outside = [t - e for t, e in zip(ttfts, engine_ttfts, strict=True)]
     return {
         "ttfts_ms": sorted(round(t * 1000) for t in ttfts),  # a burst split over steps shows here
         "ttft_p50_ms": percentile(ttfts, 0.5) * 1000,
         "ttft_p99_ms": percentile(ttfts, 0.99) * 1000,
+        "engine_ttft_p50_ms": percentile(engine_ttfts, 0.5) * 1000,
+        "outside_engine_ms": sorted(round(t * 1000, 1) for t in outside),
+        "outside_engine_p50_ms": percentile(outside, 0.5) * 1000,
         "tokens": tokens,
         "wall_s": wall,
         "tokens_per_s": tokens / wall,
@@ -98,7 +107,8 @@ def cpu_seconds_by_role() -> dict[str, float]:
     return out
 
 
-Wave = tuple[list[float], int, float]  # TTFTs, tokens, wall seconds of requests started together
+# TTFTs seen by the client, TTFTs inside the engine, tokens, wall seconds of requests started together
+Wave = tuple[list[float], list[float], int, float]
 
 
 async def drive_direct(engine: Any, prompts: list[list[int]], new_tokens: int, tag: str) -> Wave:
@@ -106,19 +116,29 @@ async def drive_direct(engine: Any, prompts: list[list[int]], new_tokens: int, t
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
-    async def one(i: int, prompt: list[int]) -> tuple[float, int]:
+    async def one(i: int, prompt: list[int]) -> tuple[float, float, int]:
         start = time.perf_counter()
-        ttft, count = 0.0, 0
+        ttft, engine_ttft, count = 0.0, 0.0, 0
         request = GenerationRequest(f"{tag}-{i}", prompt_token_ids=prompt, sampling_params=params)
         async for out in engine.generate(request):
             if not ttft and out.outputs[0].delta_token_ids:
-                ttft = time.perf_counter() - start
+                ttft, engine_ttft = time.perf_counter() - start, out.metrics.ttft
             count += len(out.outputs[0].delta_token_ids)
-        return ttft, count
+        return ttft, engine_ttft, count
 
     start = time.perf_counter()
     results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    return [r[0] for r in results], sum(r[1] for r in results), time.perf_counter() - start
+    wall = time.perf_counter() - start
+    return [r[0] for r in results], [r[1] for r in results], sum(r[2] for r in results), wall
+
+
+def server_timing_s(header: str, name: str) -> float:
+    """`name`'s duration in seconds from a `Server-Timing` header (`app;dur=12.5, ...`)."""
+    for part in header.split(","):
+        metric, _, duration = part.strip().partition(";dur=")
+        if metric == name:
+            return float(duration) / 1000
+    raise ValueError(f"no {name} in Server-Timing {header!r}")
 
 
 async def drive_http(base_url: str, model: str, prompts: list[list[int]], new_tokens: int) -> Wave:
@@ -126,7 +146,7 @@ async def drive_http(base_url: str, model: str, prompts: list[list[int]], new_to
 
     headers = {"Authorization": "Bearer sk-bench"}
 
-    async def one(client: httpx.AsyncClient, prompt: list[int]) -> tuple[float, int]:
+    async def one(client: httpx.AsyncClient, prompt: list[int]) -> tuple[float, float, int]:
         body = {
             "model": model,
             "prompt": prompt,
@@ -140,6 +160,7 @@ async def drive_http(base_url: str, model: str, prompts: list[list[int]], new_to
         ttft, tokens = 0.0, 0
         async with client.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers) as resp:
             resp.raise_for_status()
+            engine_ttft = server_timing_s(resp.headers["server-timing"], "engine-ttft")
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -148,14 +169,14 @@ async def drive_http(base_url: str, model: str, prompts: list[list[int]], new_to
                     ttft = time.perf_counter() - start
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
-        return ttft, tokens
+        return ttft, engine_ttft, tokens
 
     limits = httpx.Limits(max_connections=len(prompts) + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         start = time.perf_counter()
         results = await asyncio.gather(*(one(client, p) for p in prompts))
         wall = time.perf_counter() - start
-    return [r[0] for r in results], sum(r[1] for r in results), wall
+    return [r[0] for r in results], [r[1] for r in results], sum(r[2] for r in results), wall
 
 
 def measured(run: Callable[[], dict[str, Any]], engine_stats: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -334,6 +355,7 @@ def main() -> None:
         def run_phase(phase: str, num_streams: int, tag: str) -> dict[str, Any]:
             """One wave of `num_streams` requests; a lone stream is `--lone-requests` waves in turn."""
             ttfts: list[float] = []
+            engine_ttfts: list[float] = []
             tokens, wall = 0, 0.0
             for wave in range(args.lone_requests if num_streams == 1 else 1):
                 batch = prompts[wave : wave + num_streams]
@@ -342,8 +364,9 @@ def main() -> None:
                 else:
                     result = asyncio.run(drive_http(base_url_of[phase], "bench", batch, args.new_tokens))
                 ttfts += result[0]
-                tokens, wall = tokens + result[1], wall + result[2]
-            return summarise(ttfts, tokens, wall)
+                engine_ttfts += result[1]
+                tokens, wall = tokens + result[2], wall + result[3]
+            return summarise(ttfts, engine_ttfts, tokens, wall)
 
         for phase in stats_of:  # warm-up: first requests pay one-off costs (allocation, imports)
             for num_streams in args.streams:
@@ -370,7 +393,15 @@ def main() -> None:
 
     for summary in phases.values():
         rounds = summary["rounds"]
-        for key in ("ttft_p50_ms", "ttft_p99_ms", "tokens_per_s", "engine_step_wall_s", "engine_step_cpu_s"):
+        for key in (
+            "ttft_p50_ms",
+            "ttft_p99_ms",
+            "engine_ttft_p50_ms",
+            "outside_engine_p50_ms",
+            "tokens_per_s",
+            "engine_step_wall_s",
+            "engine_step_cpu_s",
+        ):
             summary[f"median_{key}"] = median_of(rounds, key)
     comparisons = {}
     for key, summary in phases.items():
@@ -385,6 +416,11 @@ def main() -> None:
         comparisons[key] = {
             "added_ttft_p50_ms": summary["median_ttft_p50_ms"] - direct["median_ttft_p50_ms"],
             "added_ttft_p99_ms": summary["median_ttft_p99_ms"] - direct["median_ttft_p99_ms"],
+            # per request, outside the engine: the path's own cost, without the prefill's noise
+            "added_outside_engine_p50_ms": summary["median_outside_engine_p50_ms"]
+            - direct["median_outside_engine_p50_ms"],
+            "added_engine_ttft_p50_ms": summary["median_engine_ttft_p50_ms"]
+            - direct["median_engine_ttft_p50_ms"],
             "throughput_ratio_http_over_direct": summary["median_tokens_per_s"]
             / direct["median_tokens_per_s"],
             "throughput_ratio_per_round": per_round,

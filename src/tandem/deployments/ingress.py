@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from tandem.deployments.adapter_routes import adapter_router
 from tandem.deployments.batch_routes import batch_router
-from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.openai_server import OpenAIServer, ResponseTiming
 from tandem.platform.errors import PayloadTooLargeError, TandemError
 from tandem.platform.openai_schemas import ChatCompletionRequest, CompletionRequest, reject_unsupported
 
@@ -110,26 +111,26 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
                 raise RequestValidationError(exc.errors()) from exc
             raise
 
-    async def _respond(result: Any) -> Any:
+    def _respond(result: Any, timing: ResponseTiming) -> Any:
+        headers = {"Server-Timing": timing.header()}
         if isinstance(result, dict):
-            return JSONResponse(result)
-        return StreamingResponse(
-            result,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+            return JSONResponse(result, headers=headers)
+        headers |= {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(result, media_type="text/event-stream", headers=headers)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
+        timing = ResponseTiming(started=time.monotonic())
         server, tenant = _authenticated(request)
         req = _parse(ChatCompletionRequest, await json_body(request))
-        return await _respond(await server.chat(req, tenant))
+        return _respond(await server.chat(req, tenant, timing=timing), timing)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
+        timing = ResponseTiming(started=time.monotonic())
         server, tenant = _authenticated(request)
         req = _parse(CompletionRequest, await json_body(request))
-        return await _respond(await server.completions(req, tenant))
+        return _respond(await server.completions(req, tenant, timing=timing), timing)
 
     app.include_router(batch_router(_authenticated, json_body))
     app.include_router(adapter_router(_authenticated, json_body))

@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pydantic import ValidationError
@@ -43,6 +44,32 @@ from tandem.platform.telemetry import get_telemetry
 from tandem.platform.tenancy import TenantRegistry
 
 logger = logging.getLogger("tandem.api")
+
+
+@dataclass
+class ResponseTiming:
+    """Where a response's time to first token went, for its `Server-Timing` header.
+
+    The route sets `started` when the request reaches it; `OpenAIServer._run` fills the rest once
+    the engine's first output is in (before any byte of the response is sent). A client's TTFT
+    minus `app` is what the path between client and route cost (HTTP, Serve's proxy and calls).
+    """
+
+    started: float  # time.monotonic() at the route
+    first_output_at: float | None = None  # the first engine output reached the route
+    engine_queue_s: float | None = None  # engine arrival -> first scheduled (same engine clock)
+    engine_ttft_s: float | None = None  # engine arrival -> first token
+
+    def header(self) -> str:
+        """`app;dur=<ms>, engine-queue;dur=<ms>, engine-ttft;dur=<ms>` (W3C Server-Timing)."""
+        parts = []
+        if self.first_output_at is not None:
+            parts.append(f"app;dur={(self.first_output_at - self.started) * 1000:.1f}")
+        if self.engine_queue_s is not None:
+            parts.append(f"engine-queue;dur={self.engine_queue_s * 1000:.1f}")
+        if self.engine_ttft_s is not None:
+            parts.append(f"engine-ttft;dur={self.engine_ttft_s * 1000:.1f}")
+        return ", ".join(parts)
 
 
 class EngineClient(Protocol):
@@ -182,7 +209,11 @@ class OpenAIServer:
         return self._lora_info
 
     async def chat(
-        self, req: ChatCompletionRequest, tenant: str, priority: Priority = Priority.INTERACTIVE
+        self,
+        req: ChatCompletionRequest,
+        tenant: str,
+        priority: Priority = Priority.INTERACTIVE,
+        timing: ResponseTiming | None = None,
     ) -> dict[str, Any] | AsyncIterator[str]:
         lora_id = await self._resolve_model(req.model, tenant)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -195,10 +226,16 @@ class OpenAIServer:
             lora_name=lora_id,
         )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await self._run(gen, tenant, stream=req.stream, chat=True, include_usage=include_usage)
+        return await self._run(
+            gen, tenant, stream=req.stream, chat=True, include_usage=include_usage, timing=timing
+        )
 
     async def completions(
-        self, req: CompletionRequest, tenant: str, priority: Priority = Priority.INTERACTIVE
+        self,
+        req: CompletionRequest,
+        tenant: str,
+        priority: Priority = Priority.INTERACTIVE,
+        timing: ResponseTiming | None = None,
     ) -> dict[str, Any] | AsyncIterator[str]:
         lora_id = await self._resolve_model(req.model, tenant)
         prompt_is_text = isinstance(req.prompt, str)
@@ -212,7 +249,9 @@ class OpenAIServer:
             lora_name=lora_id,
         )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await self._run(gen, tenant, stream=req.stream, chat=False, include_usage=include_usage)
+        return await self._run(
+            gen, tenant, stream=req.stream, chat=False, include_usage=include_usage, timing=timing
+        )
 
     async def execute_batch_request(
         self, endpoint: str, body: dict[str, Any], tenant: str
@@ -266,8 +305,17 @@ class OpenAIServer:
 
     # -- running a request --------------------------------------------------------------
     async def _run(
-        self, gen: GenerationRequest, tenant: str, *, stream: bool, chat: bool, include_usage: bool
+        self,
+        gen: GenerationRequest,
+        tenant: str,
+        *,
+        stream: bool,
+        chat: bool,
+        include_usage: bool,
+        timing: ResponseTiming | None = None,
     ) -> dict[str, Any] | AsyncIterator[str]:
+        """Start `gen` and await its first output (so errors are HTTP errors); then a JSON body,
+        or the SSE events to stream. `timing`, when given, is filled at the first output."""
         accounted = gen.priority is Priority.INTERACTIVE  # batch work has its own flow control
         if accounted:
             self.tenants.acquire(tenant)
@@ -281,10 +329,19 @@ class OpenAIServer:
                 self.tenants.release(tenant, 0)
             await outputs.aclose()
             raise
+        if timing is not None:
+            timing.first_output_at = first_at
+            timing.engine_queue_s = first.metrics.phase_durations().get("queue")
+            timing.engine_ttft_s = first.metrics.ttft
         if stream:
-            timing = (started, started_ns, first_at)
             return self._sse(
-                gen, tenant, first, outputs, chat=chat, include_usage=include_usage, timing=timing
+                gen,
+                tenant,
+                first,
+                outputs,
+                chat=chat,
+                include_usage=include_usage,
+                times=(started, started_ns, first_at),
             )
         last = first
         try:
@@ -328,7 +385,7 @@ class OpenAIServer:
         *,
         chat: bool,
         include_usage: bool,
-        timing: tuple[float, int, float],
+        times: tuple[float, int, float],  # started (monotonic), started (ns since epoch), first output
     ) -> AsyncIterator[str]:
         created = now()
         last = first
@@ -392,7 +449,7 @@ class OpenAIServer:
             await outputs.aclose()  # on client disconnect this aborts the request in the engine
             self.tenants.release(tenant, _num_tokens(last))
             if last.finished:
-                self._record(gen, tenant, last, *timing)
+                self._record(gen, tenant, last, *times)
 
     def _chunk(
         self, gen: GenerationRequest, created: int, out: RequestOutput, chat: bool, num_top: int
