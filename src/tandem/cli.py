@@ -88,11 +88,19 @@ def _use_direct_ingress(args: argparse.Namespace) -> bool:
     return possible if args.direct_ingress is None else bool(args.direct_ingress)
 
 
-def _free_port(host: str) -> int:
+def _free_port(host: str, port: int = 0) -> int:
+    """`port` on `host` if it is free (a free one of the system's choosing for 0)."""
     import socket
 
     with socket.socket() as sock:
-        sock.bind((host, 0))
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise InvalidRequestError(
+                f"cannot listen on {host}:{port} ({exc.strerror}): choose another --port, or stop "
+                "what is listening there",
+                param="port",
+            ) from exc
         return int(sock.getsockname()[1])
 
 
@@ -106,6 +114,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     from tandem.deployments.app import build_app
 
+    direct_ingress = _use_direct_ingress(args)
+    if args.address is None:
+        _free_port(args.host, args.port)  # fail now, not after minutes of Ray and model start-up
     api_keys = os.environ.get("TANDEM_API_KEYS")
     dev_key = None
     if not api_keys and not args.keys_file:
@@ -132,7 +143,6 @@ def _serve(args: argparse.Namespace) -> int:
             "adapter_source_prefixes": ["s3://", "file://"],  # a local server may read local folders
         }
     )
-    direct_ingress = _use_direct_ingress(args)
     proxy_port = args.port
     if args.address:
         ray.init(address=args.address)

@@ -232,15 +232,19 @@ class KVCacheManager:
 
     def stale_requests(self, request_ids: list[str]) -> list[str]:
         """Of `request_ids`, those holding a block whose generation changed since they got it:
-        one vectorised comparison over all their (block, generation) pairs."""
+        one vectorised comparison over all their (block, generation) pairs. Costs O(their blocks),
+        not O(the pool): it runs every step, and a GPU's pool holds 10^5 blocks or more."""
         tables = [self.tables.get(r) for r in request_ids]
         lengths = [len(t.block_ids) if t is not None else 0 for t in tables]
         total = sum(lengths)
         if total == 0:
             return []
-        block_ids = np.fromiter(chain.from_iterable(t.block_ids for t in tables if t), np.int64, total)
+        pool_generations = self.pool.generations
+        current = np.fromiter(
+            (pool_generations[b] for t in tables if t for b in t.block_ids), np.int64, total
+        )
         expected = np.fromiter(chain.from_iterable(t.generations for t in tables if t), np.int64, total)
-        mismatch = np.asarray(self.pool.generations, dtype=np.int64)[block_ids] != expected
+        mismatch = current != expected
         if not mismatch.any():
             return []
         owner = np.repeat(np.arange(len(request_ids)), lengths)
