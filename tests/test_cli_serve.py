@@ -15,7 +15,13 @@ import psutil
 import pytest
 
 from .conftest import free_port, make_tiny_model
-from .test_serve import KEY, check_disconnect_frees_kv_blocks, check_errors, check_openai_client
+from .test_serve import (
+    KEY,
+    check_disconnect_frees_kv_blocks,
+    check_errors,
+    check_openai_client,
+    scraped_engine_stats,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -28,22 +34,6 @@ def listener_cmdline(port: int) -> str:
         if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
             return " ".join(psutil.Process(conn.pid).cmdline())
     raise AssertionError(f"nothing listens on port {port}")
-
-
-def scraped_engine_stats(base_url: str) -> dict[str, float]:
-    """The engine gauges of the replica's own `/metrics` (refreshed on every scrape)."""
-    import httpx
-
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    gauges = {"tandem_kv_cache_occupancy": "kv_occupancy", "tandem_num_requests_running": "num_running"}
-    gauges["tandem_num_requests_waiting"] = "num_waiting"
-    stats = {}
-    for line in text.splitlines():
-        name = line.split("{")[0].split(" ")[0]
-        if name in gauges:
-            stats[gauges[name]] = float(line.rsplit(" ", 1)[1])
-    assert set(stats) == set(gauges.values()), text
-    return stats
 
 
 def read_lines(stream: object, lines: queue.Queue[str]) -> None:

@@ -53,8 +53,15 @@ def install_server(server: OpenAIServer) -> None:
     _installed_server = server
 
 
+def _server_or_none(request: Request) -> OpenAIServer | None:
+    """The server for `request`. Routes call this module-level function rather than reading
+    `_installed_server` themselves: Serve ships the routes (closures) to the replica by value, with
+    a copy of the module globals they name taken before any server was installed."""
+    return getattr(request.app.state, "server", None) or _installed_server
+
+
 def _server(request: Request) -> OpenAIServer:
-    server: OpenAIServer | None = getattr(request.app.state, "server", None) or _installed_server
+    server = _server_or_none(request)
     if server is None:
         raise TandemError("server is starting; retry shortly", code="not_ready")
     return server
@@ -159,7 +166,7 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
     async def metrics(request: Request) -> PlainTextResponse:
         from tandem.platform.telemetry import prometheus_text
 
-        server = getattr(request.app.state, "server", None) or _installed_server
+        server = _server_or_none(request)
         if server is not None:
             await server.refresh_engine_stats()
         return PlainTextResponse(prometheus_text(), media_type="text/plain; version=0.0.4")
