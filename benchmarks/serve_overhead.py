@@ -60,11 +60,17 @@ STEP_COUNTERS = {
 }
 
 
-def summarise(ttfts: list[float], engine_ttfts: list[float], tokens: int, wall: float) -> dict[str, Any]:
+def summarise(
+    ttfts: list[float], app_ttfts: list[float], engine_ttfts: list[float], tokens: int, wall: float
+) -> dict[str, Any]:
     """A phase's figures. Outside-engine time is each request's TTFT seen by the client minus its
     TTFT inside the engine (arrival -> first token; from `Server-Timing` over HTTP): what the path
-    between client and engine added to that request, free of the prefill's own noise."""
+    between client and engine added to that request, free of the prefill's own noise. It splits
+    into time in the route (`app` minus `engine-ttft`: our code, and the event loop taking the
+    request to the engine and the first output back) and before and after it (client, HTTP and
+    Serve, up to the route and from it back to the client)."""
     outside = [t - e for t, e in zip(ttfts, engine_ttfts, strict=True)]
+    in_route = [a - e for a, e in zip(app_ttfts, engine_ttfts, strict=True)]
     return {
         "ttfts_ms": sorted(round(t * 1000) for t in ttfts),  # a burst split over steps shows here
         "ttft_p50_ms": percentile(ttfts, 0.5) * 1000,
@@ -72,6 +78,9 @@ def summarise(ttfts: list[float], engine_ttfts: list[float], tokens: int, wall: 
         "engine_ttft_p50_ms": percentile(engine_ttfts, 0.5) * 1000,
         "outside_engine_ms": sorted(round(t * 1000, 1) for t in outside),
         "outside_engine_p50_ms": percentile(outside, 0.5) * 1000,
+        "in_route_p50_ms": percentile(in_route, 0.5) * 1000,
+        "outside_route_p50_ms": percentile([o - r for o, r in zip(outside, in_route, strict=True)], 0.5)
+        * 1000,
         "tokens": tokens,
         "wall_s": wall,
         "tokens_per_s": tokens / wall,
@@ -107,8 +116,9 @@ def cpu_seconds_by_role() -> dict[str, float]:
     return out
 
 
-# TTFTs seen by the client, TTFTs inside the engine, tokens, wall seconds of requests started together
-Wave = tuple[list[float], list[float], int, float]
+# TTFTs seen by the client, by the route (the engine's for the in-process engine), inside the engine;
+# tokens; wall seconds of requests started together
+Wave = tuple[list[float], list[float], list[float], int, float]
 
 
 async def drive_direct(engine: Any, prompts: list[list[int]], new_tokens: int, tag: str) -> Wave:
@@ -129,7 +139,8 @@ async def drive_direct(engine: Any, prompts: list[list[int]], new_tokens: int, t
     start = time.perf_counter()
     results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     wall = time.perf_counter() - start
-    return [r[0] for r in results], [r[1] for r in results], sum(r[2] for r in results), wall
+    engine_ttfts = [r[1] for r in results]
+    return [r[0] for r in results], engine_ttfts, engine_ttfts, sum(r[2] for r in results), wall
 
 
 def server_timing_s(header: str, name: str) -> float:
@@ -146,7 +157,7 @@ async def drive_http(base_url: str, model: str, prompts: list[list[int]], new_to
 
     headers = {"Authorization": "Bearer sk-bench"}
 
-    async def one(client: httpx.AsyncClient, prompt: list[int]) -> tuple[float, float, int]:
+    async def one(client: httpx.AsyncClient, prompt: list[int]) -> tuple[float, float, float, int]:
         body = {
             "model": model,
             "prompt": prompt,
@@ -160,6 +171,7 @@ async def drive_http(base_url: str, model: str, prompts: list[list[int]], new_to
         ttft, tokens = 0.0, 0
         async with client.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers) as resp:
             resp.raise_for_status()
+            app_ttft = server_timing_s(resp.headers["server-timing"], "app")
             engine_ttft = server_timing_s(resp.headers["server-timing"], "engine-ttft")
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -169,14 +181,20 @@ async def drive_http(base_url: str, model: str, prompts: list[list[int]], new_to
                     ttft = time.perf_counter() - start
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
-        return ttft, engine_ttft, tokens
+        return ttft, app_ttft, engine_ttft, tokens
 
     limits = httpx.Limits(max_connections=len(prompts) + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         start = time.perf_counter()
         results = await asyncio.gather(*(one(client, p) for p in prompts))
         wall = time.perf_counter() - start
-    return [r[0] for r in results], [r[1] for r in results], sum(r[2] for r in results), wall
+    return (
+        [r[0] for r in results],
+        [r[1] for r in results],
+        [r[2] for r in results],
+        sum(r[3] for r in results),
+        wall,
+    )
 
 
 def measured(run: Callable[[], dict[str, Any]], engine_stats: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -355,6 +373,7 @@ def main() -> None:
         def run_phase(phase: str, num_streams: int, tag: str) -> dict[str, Any]:
             """One wave of `num_streams` requests; a lone stream is `--lone-requests` waves in turn."""
             ttfts: list[float] = []
+            app_ttfts: list[float] = []
             engine_ttfts: list[float] = []
             tokens, wall = 0, 0.0
             for wave in range(args.lone_requests if num_streams == 1 else 1):
@@ -364,9 +383,10 @@ def main() -> None:
                 else:
                     result = asyncio.run(drive_http(base_url_of[phase], "bench", batch, args.new_tokens))
                 ttfts += result[0]
-                engine_ttfts += result[1]
-                tokens, wall = tokens + result[2], wall + result[3]
-            return summarise(ttfts, engine_ttfts, tokens, wall)
+                app_ttfts += result[1]
+                engine_ttfts += result[2]
+                tokens, wall = tokens + result[3], wall + result[4]
+            return summarise(ttfts, app_ttfts, engine_ttfts, tokens, wall)
 
         for phase in stats_of:  # warm-up: first requests pay one-off costs (allocation, imports)
             for num_streams in args.streams:
@@ -398,6 +418,8 @@ def main() -> None:
             "ttft_p99_ms",
             "engine_ttft_p50_ms",
             "outside_engine_p50_ms",
+            "in_route_p50_ms",
+            "outside_route_p50_ms",
             "tokens_per_s",
             "engine_step_wall_s",
             "engine_step_cpu_s",
