@@ -336,9 +336,8 @@ def main() -> None:
     if "direct_ingress" in args.topologies:
         from tandem.cli import direct_ingress_env
 
-        first_port = free_port()  # a range from here: one port per app's ingress replica
-        os.environ.update(direct_ingress_env(first_port))
-        os.environ["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] = str(first_port + 64)
+        # a range from a free port: one port per app's ingress replica
+        os.environ.update(direct_ingress_env(free_port(), num_ports=64))
     ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -56,8 +56,9 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def direct_ingress_env(port: int) -> dict[str, str]:
-    """Environment for a local Ray in which the one ingress replica serves HTTP on `port` itself.
+def direct_ingress_env(port: int, num_ports: int = 1) -> dict[str, str]:
+    """Environment for a local Ray in which the one ingress replica serves HTTP on `port` itself
+    (`num_ports` above 1: ingress replicas take ports from `port` on, one each).
 
     Ray Serve's direct ingress (experimental in Ray 2.60) starts an HTTP server inside each
     ingress replica on a port from a range, next to the proxy. A range of exactly `port` gives the
@@ -70,7 +71,7 @@ def direct_ingress_env(port: int) -> dict[str, str]:
     return {
         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # exclusive
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + num_ports),  # exclusive
         "RAY_SERVE_PORT_QUARANTINE_S": "0",
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
     }

@@ -253,6 +253,8 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     cfg = AppConfig(**(args or {}))
     model_name = EngineConfig(**cfg.engine).api_model_name
     worker = serve.deployment(name="BatchWorker")(BatchWorkerReplica).options(**batch_worker_options(cfg))
+    # after the LLM handle (None: the worker looks the replicas up by name)
+    worker_args = (cfg.object_store, model_name, cfg.batch, cfg.batch_poll_interval_s, cfg.max_tokens_default)
     if cfg.direct_streaming:
         # The replica is the root; the worker finds it by name (a bound handle would be a cycle).
         options = replica_options(cfg)
@@ -260,10 +262,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         direct = serve.deployment(name=LLM_DEPLOYMENT)(DirectLLMServer).options(**options)
         if cfg.object_store is None:
             return direct.bind(cfg.model_dump())
-        batch_worker = worker.bind(
-            None, cfg.object_store, model_name, cfg.batch, cfg.batch_poll_interval_s, cfg.max_tokens_default
-        )
-        return direct.bind(cfg.model_dump(), batch_worker)
+        return direct.bind(cfg.model_dump(), worker.bind(None, *worker_args))
     replica = serve.deployment(name=LLM_DEPLOYMENT)(LLMReplica).options(**replica_options(cfg))
     llm = replica.bind(replica_engine_options(cfg), None, cfg.object_store, cfg.stream_interval)
     ingress = cast(serve.Deployment, OpenAIIngress).options(
@@ -271,7 +270,5 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     )
     if cfg.object_store is None:
         return ingress.bind(llm, cfg.model_dump())
-    batch_worker = worker.bind(
-        llm, cfg.object_store, model_name, cfg.batch, cfg.batch_poll_interval_s, cfg.max_tokens_default
-    )
+    batch_worker = worker.bind(llm, *worker_args)
     return ingress.bind(llm, cfg.model_dump(), batch_worker)

@@ -62,14 +62,9 @@ class ResponseTiming:
 
     def header(self) -> str:
         """`app;dur=<ms>, engine-queue;dur=<ms>, engine-ttft;dur=<ms>` (W3C Server-Timing)."""
-        parts = []
-        if self.first_output_at is not None:
-            parts.append(f"app;dur={(self.first_output_at - self.started) * 1000:.1f}")
-        if self.engine_queue_s is not None:
-            parts.append(f"engine-queue;dur={self.engine_queue_s * 1000:.1f}")
-        if self.engine_ttft_s is not None:
-            parts.append(f"engine-ttft;dur={self.engine_ttft_s * 1000:.1f}")
-        return ", ".join(parts)
+        app_s = None if self.first_output_at is None else self.first_output_at - self.started
+        durations = {"app": app_s, "engine-queue": self.engine_queue_s, "engine-ttft": self.engine_ttft_s}
+        return ", ".join(f"{name};dur={s * 1000:.1f}" for name, s in durations.items() if s is not None)
 
 
 class EngineClient(Protocol):
