@@ -4,8 +4,12 @@ One process holds an in-process `AsyncEngine` ("direct") and starts a local Ray 
 app (`tandem.deployments.app.build_app`, the same engine options) once per `--stream-intervals`
 value and `--topologies` value ("ingress": proxy -> ingress deployment -> LLM replica;
 "direct": proxy -> LLM replica serving HTTP itself, `direct_streaming`; "direct_ingress": the
-same app called on the replica's own port, with no proxy, as `tandem serve` runs it), plus once with the
-engine's admission wait off (what a burst's TTFT was before it). Each round runs every phase once,
+same app called on the replica's own port, with no proxy, as `tandem serve` runs it; "uvicorn":
+the same app under plain uvicorn in a process of its own, no Ray, `plain_uvicorn_server.py`: what
+an HTTP server and our routes cost without Serve), plus once with the engine's admission wait off
+(what a burst's TTFT was before it). `--client raw` (the default) sends every request of a wave
+together from connections opened beforehand, so the load generator adds next to nothing;
+`--client httpx` calls as an application would. Each round runs every phase once,
 in a shuffled order: the direct engine and each app over HTTP (streaming completions, the same
 prompt token ids, greedy, EOS ignored). Only one phase runs at a time, and idle engines sleep, so
 phases do not compete for CPUs. Rounds and medians keep a noisy shared machine from favouring
@@ -42,10 +46,13 @@ import os
 import random
 import socket
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import psutil
 import torch
@@ -89,6 +96,7 @@ def summarise(
 
 def process_role(proc: psutil.Process, cmdline: str) -> str:
     for marker, role in (
+        ("plain_uvicorn_server", "uvicorn_server"),
         ("LLMReplica", "replica"),
         ("OpenAIIngress", "ingress"),
         ("ProxyActor", "http_proxy"),
@@ -106,7 +114,7 @@ def cpu_seconds_by_role() -> dict[str, float]:
     for proc in psutil.process_iter():
         try:
             cmdline = " ".join(proc.cmdline())
-            if proc.pid != me.pid and "ray" not in cmdline:
+            if proc.pid != me.pid and "ray" not in cmdline and "plain_uvicorn_server" not in cmdline:
                 continue
             times = proc.cpu_times()
             role = process_role(proc, cmdline)
@@ -152,21 +160,26 @@ def server_timing_s(header: str, name: str) -> float:
     raise ValueError(f"no {name} in Server-Timing {header!r}")
 
 
+def completion_body(model: str, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+    """A streamed greedy completion of exactly `new_tokens` tokens, with the usage chunk."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": new_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
 async def drive_http(base_url: str, model: str, prompts: list[list[int]], new_tokens: int) -> Wave:
     import httpx
 
     headers = {"Authorization": "Bearer sk-bench"}
 
     async def one(client: httpx.AsyncClient, prompt: list[int]) -> tuple[float, float, float, int]:
-        body = {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": new_tokens,
-            "temperature": 0,
-            "stream": True,
-            "ignore_eos": True,
-            "stream_options": {"include_usage": True},
-        }
+        body = completion_body(model, prompt, new_tokens)
         start = time.perf_counter()
         ttft, tokens = 0.0, 0
         async with client.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers) as resp:
@@ -188,6 +201,70 @@ async def drive_http(base_url: str, model: str, prompts: list[list[int]], new_to
         start = time.perf_counter()
         results = await asyncio.gather(*(one(client, p) for p in prompts))
         wall = time.perf_counter() - start
+    return (
+        [r[0] for r in results],
+        [r[1] for r in results],
+        [r[2] for r in results],
+        sum(r[3] for r in results),
+        wall,
+    )
+
+
+async def drive_http_raw(base_url: str, model: str, prompts: list[list[int]], new_tokens: int) -> Wave:
+    """The same requests as `drive_http`, from a load generator that costs next to nothing, as
+    `wrk` would: the connections are open before the clock starts, every request's bytes are built
+    beforehand, and one write sends each. All requests of a wave are on the wire within about a
+    millisecond, so what is left of a request's TTFT outside the engine is the server's: HTTP,
+    Serve and our route. (httpx spends about 3 ms of CPU per request on this machine's shared
+    cores: in a burst of 16 the last request leaves the client tens of milliseconds after the
+    first.) Reads HTTP/1.1 with chunked transfer encoding, as uvicorn streams."""
+    url = urlsplit(base_url)
+    host, port = url.hostname or "127.0.0.1", url.port or 80
+    requests = []
+    for prompt in prompts:
+        body = json.dumps(completion_body(model, prompt, new_tokens)).encode()
+        head = (
+            f"POST {url.path}/v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Authorization: Bearer sk-bench\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
+        requests.append(head.encode() + body)
+
+    async def one(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes
+    ) -> tuple[float, float, float, int]:
+        start = time.perf_counter()
+        writer.write(request)
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        if head[0].split()[1] != "200":
+            raise RuntimeError(f"{base_url}: {head[0]}")
+        headers = {name.lower(): value for name, value in (line.split(": ", 1) for line in head[1:] if line)}
+        if headers.get("transfer-encoding") != "chunked":
+            raise RuntimeError(f"{base_url}: expected a chunked stream, got headers {headers}")
+        app_ttft = server_timing_s(headers["server-timing"], "app")
+        engine_ttft = server_timing_s(headers["server-timing"], "engine-ttft")
+        ttft, tokens, pending = 0.0, 0, b""
+        while size := int(await reader.readline(), 16):
+            pending += (await reader.readexactly(size + 2))[:-2]
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                if not event.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(event[6:])
+                if not ttft and chunk.get("choices"):
+                    ttft = time.perf_counter() - start
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        await reader.readline()  # the terminating chunk's CRLF
+        writer.close()
+        return ttft, app_ttft, engine_ttft, tokens
+
+    connections = [await asyncio.open_connection(host, port) for _ in prompts]
+    start = time.perf_counter()
+    results = await asyncio.gather(
+        *(one(r, w, req) for (r, w), req in zip(connections, requests, strict=True))
+    )
+    wall = time.perf_counter() - start
     return (
         [r[0] for r in results],
         [r[1] for r in results],
@@ -233,6 +310,47 @@ def replica_base_url(app_name: str, proxy_port: int) -> str:
     raise RuntimeError(f"no direct-ingress port for {app_name}: is Serve's direct ingress on?")
 
 
+def variant_arg(text: str) -> tuple[str, dict[str, str]]:
+    """`NAME:VAR=VALUE[,VAR=VALUE]` -> (NAME, {VAR: VALUE})."""
+    name, sep, assignments = text.partition(":")
+    env = dict(a.split("=", 1) for a in assignments.split(",") if "=" in a)
+    if not sep or not name.isidentifier() or not env:
+        raise argparse.ArgumentTypeError(f"expected NAME:VAR=VALUE[,VAR=VALUE], got {text!r}")
+    return name, env
+
+
+def start_plain_server(port: int, app_config: dict[str, Any], niceness: int) -> subprocess.Popen[bytes]:
+    """`plain_uvicorn_server.py` serving `app_config` on `port`, at `niceness` as Ray's workers run."""
+    script = Path(__file__).parent / "plain_uvicorn_server.py"
+    command = [sys.executable, str(script), "--port", str(port), "--config", json.dumps(app_config)]
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,  # its access log: written, as Serve's, but not kept
+        preexec_fn=lambda: os.nice(niceness) and None,
+    )
+
+
+def wait_until_healthy(base_url: str, timeout_s: float = 600.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{base_url} did not become healthy in {timeout_s:.0f} s")
+
+
+def plain_server_stats(base_url: str) -> dict[str, Any]:
+    import httpx
+
+    return dict(httpx.get(f"{base_url}/bench/stats", timeout=30).json())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -268,11 +386,32 @@ def main() -> None:
     parser.add_argument(
         "--topologies",
         nargs="+",
-        choices=["ingress", "direct", "direct_ingress"],
-        default=["ingress", "direct", "direct_ingress"],
-        help="ingress: a separate ingress deployment calls the LLM replicas; direct: the replicas "
-        "serve HTTP themselves (direct_streaming); direct_ingress: direct_streaming called on the "
-        "replica's own port, not through Serve's proxy (`tandem serve`'s default)",
+        choices=["uvicorn", "ingress", "direct", "direct_ingress"],
+        default=["uvicorn", "ingress", "direct", "direct_ingress"],
+        help="uvicorn: our app under plain uvicorn, no Ray (benchmarks/plain_uvicorn_server.py: what "
+        "any Python HTTP server and our routes add); ingress: a separate ingress deployment calls the "
+        "LLM replicas; direct: the replicas serve HTTP themselves (direct_streaming); direct_ingress: "
+        "direct_streaming called on the replica's own port, not through Serve's proxy (`tandem "
+        "serve`'s default)",
+    )
+    parser.add_argument(
+        "--direct-ingress-variant",
+        dest="direct_ingress_variants",
+        type=variant_arg,
+        action="append",
+        default=[],
+        metavar="NAME:VAR=VALUE[,VAR=VALUE]",
+        help="also run direct ingress with these environment variables in the replica's process "
+        "(AppConfig.replica_env_vars), as phase http_direct_ingress_NAME_*; repeatable. Example: "
+        "same_loop:RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0",
+    )
+    parser.add_argument(
+        "--client",
+        choices=["raw", "httpx"],
+        default="raw",
+        help="raw: pre-built requests on connections opened beforehand, sent together (what the "
+        "server adds); httpx: an httpx.AsyncClient per wave, as an application would call (adds "
+        "the client's own CPU time, which on a small shared machine delays a burst's later requests)",
     )
     parser.add_argument(
         "--no-admission-wait-app",
@@ -333,7 +472,7 @@ def main() -> None:
     direct_engine = AsyncEngine.from_options(**engine_options)
     log("starting local Ray + Serve")
     os.environ["RAY_worker_niceness"] = str(args.worker_niceness)  # noqa: SIM112 (Ray reads this case)
-    if "direct_ingress" in args.topologies:
+    if "direct_ingress" in args.topologies or args.direct_ingress_variants:
         from tandem.cli import direct_ingress_env
 
         # a range from a free port: one port per app's ingress replica
@@ -342,6 +481,7 @@ def main() -> None:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     phases: dict[str, dict[str, Any]] = {}
+    plain_servers: list[subprocess.Popen[bytes]] = []
     try:
         stats_of: dict[str, Callable[[], dict[str, Any]]] = {"direct": direct_engine.stats}
         apps = [
@@ -351,6 +491,13 @@ def main() -> None:
         ]
         if args.no_admission_wait_app:
             apps.append(("http_no_admission_wait", {**engine_options, "admission_wait_ms": 0.0}, 1, False))
+        replica_env_of = {}
+        for variant, env in args.direct_ingress_variants:
+            for k in args.stream_intervals:
+                name = f"http_direct_ingress_{variant}_stream_interval_{k}"
+                apps.append((name, engine_options, k, True))
+                replica_env_of[name] = env
+        base_url_of: dict[str, str] = {}
         for name, options, interval, direct_streaming in apps:
             app_config = {
                 "engine": options,
@@ -358,16 +505,24 @@ def main() -> None:
                 "replica_num_cpus": 0,
                 "stream_interval": interval,
                 "direct_streaming": direct_streaming,
+                "replica_env_vars": replica_env_of.get(name, {}),
             }
+            if "uvicorn" in name:
+                server_port = free_port()
+                plain_servers.append(start_plain_server(server_port, app_config, args.worker_niceness))
+                base_url_of[name] = f"http://127.0.0.1:{server_port}"
+                stats_of[name] = functools.partial(plain_server_stats, base_url_of[name])
+                continue
             serve.run(build_app(app_config), name=name, route_prefix=f"/{name}")
             handle = serve.get_deployment_handle("LLMReplica", name)
             stats_of[name] = functools.partial(replica_stats, handle)
-        base_url_of = {
-            name: replica_base_url(name, port)
-            if "direct_ingress" in name
-            else f"http://127.0.0.1:{port}/{name}"
-            for name, *_ in apps
-        }
+            if "direct_ingress" in name:
+                base_url_of[name] = replica_base_url(name, port)
+            else:
+                base_url_of[name] = f"http://127.0.0.1:{port}/{name}"
+        for name, url in base_url_of.items():
+            if "uvicorn" in name:
+                wait_until_healthy(url)
 
         def run_phase(phase: str, num_streams: int, tag: str) -> dict[str, Any]:
             """One wave of `num_streams` requests; a lone stream is `--lone-requests` waves in turn."""
@@ -380,7 +535,8 @@ def main() -> None:
                 if phase == "direct":
                     result = asyncio.run(drive_direct(direct_engine, batch, args.new_tokens, f"{tag}-{wave}"))
                 else:
-                    result = asyncio.run(drive_http(base_url_of[phase], "bench", batch, args.new_tokens))
+                    drive = drive_http_raw if args.client == "raw" else drive_http
+                    result = asyncio.run(drive(base_url_of[phase], "bench", batch, args.new_tokens))
                 ttfts += result[0]
                 app_ttfts += result[1]
                 engine_ttfts += result[2]
@@ -406,6 +562,9 @@ def main() -> None:
                         f"wall/cpu {result['engine_step_wall_s']:.1f}/{result['engine_step_cpu_s']:.1f} s"
                     )
     finally:
+        for server in plain_servers:  # ours, by PID
+            server.terminate()
+            server.wait(60)
         direct_engine.shutdown()
         serve.shutdown()
         ray.shutdown()
@@ -457,6 +616,7 @@ def main() -> None:
         "shuffled_phase_order": args.shuffle,
         "torch_threads": num_threads,
         "topologies": args.topologies,
+        "client": args.client,
         "worker_niceness": args.worker_niceness,
         "engine_options": engine_options,
         "phases": phases,

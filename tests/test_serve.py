@@ -393,7 +393,8 @@ def check_adapter_upload_and_use(served: str, folder: Path) -> None:
 @pytest.fixture(scope="module")
 def direct_served(served: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     """The same app with `direct_streaming`: the LLM replicas are the HTTP ingress. At most
-    2 requests in flight per replica (1 running + 1 queued), so a burst of 5 must see 429s."""
+    2 requests in flight per replica (1 running + 1 queued), so a burst of 5 must see 429s.
+    The replicas get an environment variable of their own (`replica_env_vars`)."""
     from ray import serve
 
     store = tmp_path_factory.mktemp("direct-objects")
@@ -406,6 +407,7 @@ def direct_served(served: str, tmp_path_factory: pytest.TempPathFactory) -> str:
         max_queued_requests=1,
         object_store=f"file://{store}",
         batch_poll_interval_s=60.0,  # only the replica's wake-up can start a batch in time
+        replica_env_vars={"TANDEM_TEST_REPLICA_ENV": "direct"},
     )
     yield f"{served}/direct"
     serve.delete("tandem-direct")
@@ -424,6 +426,23 @@ def test_direct_streaming_serves_the_api_from_the_replica(direct_served: str) ->
     metrics = httpx.get(f"{direct_served}/metrics", timeout=10).text  # recorded in the replica itself
     assert "tandem_requests_total{" in metrics and 'tenant="acme"' in metrics
     assert httpx.get(f"{direct_served}/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_replica_env_vars_reach_the_replica_process_only(direct_served: str) -> None:
+    """`replica_env_vars` is the environment of the LLM replica's process, not of the others."""
+    import psutil
+
+    env_by_process = {}
+    for proc in psutil.process_iter():
+        try:
+            cmdline = " ".join(proc.cmdline())
+            if "ServeReplica:tandem-direct:" in cmdline:
+                env_by_process[cmdline.split(":")[-1].split()[0]] = proc.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    assert sorted(env_by_process) == ["BatchWorker", "LLMReplica"], sorted(env_by_process)
+    assert env_by_process["LLMReplica"].get("TANDEM_TEST_REPLICA_ENV") == "direct"
+    assert "TANDEM_TEST_REPLICA_ENV" not in env_by_process["BatchWorker"]
 
 
 def test_direct_streaming_disconnect_and_backpressure(direct_served: str) -> None:

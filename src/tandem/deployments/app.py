@@ -47,6 +47,11 @@ class AppConfig(BaseModel):
         "when set, replicas scale on KV occupancy and queue depth",
     )
     replica_num_cpus: float = 1.0
+    replica_env_vars: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment of the LLM replicas' processes (Ray's runtime_env env_vars), for "
+        "settings read at process start: Ray Serve's RAY_SERVE_* flags, OMP_* and the like",
+    )
     stream_interval: int = Field(
         1,
         ge=1,
@@ -193,8 +198,11 @@ _SERVE_AUTOSCALING_FIELDS = {"look_back_period_s", *_SERVE_AUTOSCALING_DEFAULTS}
 
 def replica_options(cfg: AppConfig) -> dict[str, Any]:
     """Serve options of the `LLMReplica` deployment: resources, backpressure and scaling."""
+    actor_options: dict[str, Any] = {"num_cpus": cfg.replica_num_cpus}
+    if cfg.replica_env_vars:
+        actor_options["runtime_env"] = {"env_vars": dict(cfg.replica_env_vars)}
     options: dict[str, Any] = {
-        "ray_actor_options": {"num_cpus": cfg.replica_num_cpus},
+        "ray_actor_options": actor_options,
         "max_ongoing_requests": cfg.max_ongoing_requests,
         "max_queued_requests": cfg.max_queued_requests,
     }
