@@ -3,8 +3,10 @@ a real AsyncEngine on a small model, no cluster."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -263,3 +265,41 @@ def test_replica_stream_interval_groups_tokens_into_fewer_messages(
     assert all(size >= stream_interval for size in sizes[1:-1])
     if stream_interval == 4:
         assert len(sent) <= 4  # 1 + 4 + 4 + 2 at most, where one message per token would be 11
+
+
+def test_spans_are_built_only_for_a_span_processor() -> None:
+    """With no span processor (no OTLP endpoint) a finished request builds no spans; once one is
+    added, each request gives a root span and its phases."""
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tandem.platform.telemetry import Telemetry
+
+    telemetry = Telemetry("spans-test")
+    started: list[str] = []
+    start_span = telemetry.tracer.start_span
+
+    def counting_start_span(name: str, *args: Any, **kwargs: Any) -> Any:
+        started.append(name)
+        return start_span(name, *args, **kwargs)
+
+    telemetry.tracer.start_span = counting_start_span
+    request = {
+        "tenant": "acme",
+        "model": "tiny",
+        "request_id": "cmpl-1",
+        "finish_reason": "length",
+        "num_prompt_tokens": 3,
+        "num_output_tokens": 2,
+        "ttft_s": 0.01,
+        "e2e_s": 0.02,
+        "phases": {"queue": 0.001, "prefill": 0.009, "decode": 0.01},
+        "started_ns": time.time_ns(),
+    }
+    telemetry.record_request(**request)
+    assert started == []
+    spans = InMemorySpanExporter()
+    telemetry.add_span_processor(SimpleSpanProcessor(spans))
+    telemetry.record_request(**request)
+    assert sorted(started) == ["llm.decode", "llm.prefill", "llm.queue", "llm.request"]
+    assert sorted(s.name for s in spans.get_finished_spans()) == sorted(started)

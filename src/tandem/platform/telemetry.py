@@ -53,6 +53,7 @@ class Telemetry:
             resource=resource, metric_readers=[PrometheusMetricReader()], views=views
         )
         self.tracer_provider = TracerProvider(resource=resource)
+        self._num_span_processors = 0  # spans are built only when something receives them
         self._maybe_add_otlp()
         meter = self.meter_provider.get_meter("tandem")
         self.tracer = self.tracer_provider.get_tracer("tandem")
@@ -124,10 +125,11 @@ class Telemetry:
                 "OTEL_EXPORTER_OTLP_ENDPOINT is set but opentelemetry-exporter-otlp is not installed"
             )
             return
-        self.tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        self.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
 
     def add_span_processor(self, processor: SpanProcessor) -> None:
         self.tracer_provider.add_span_processor(processor)
+        self._num_span_processors += 1
 
     def _observer(self, key: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def observe(_: CallbackOptions) -> Iterable[Observation]:
@@ -179,7 +181,11 @@ class Telemetry:
         """Root span over the whole request; phase children laid back-to-back ending at its end.
 
         Phase durations come from the engine's clock (possibly another process), so only their
-        lengths are used, not absolute times."""
+        lengths are used, not absolute times. Without a span processor (no OTLP endpoint) nothing
+        would receive the spans, so none are built: that is about 0.1 ms of the event loop per
+        request."""
+        if not self._num_span_processors:
+            return
         from opentelemetry import trace
 
         end_ns = time.time_ns()
