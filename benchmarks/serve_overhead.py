@@ -173,6 +173,27 @@ def completion_body(model: str, prompt: list[int], new_tokens: int) -> dict[str,
     }
 
 
+def after_chunk(chunk: dict[str, Any], start: float, ttft: float, tokens: int) -> tuple[float, int]:
+    """A stream's (TTFT, tokens) after one streamed chunk: the first chunk with choices sets the
+    TTFT (seconds since `start`), the usage chunk the token count."""
+    if not ttft and chunk.get("choices"):
+        ttft = time.perf_counter() - start
+    if chunk.get("usage"):
+        tokens = chunk["usage"]["completion_tokens"]
+    return ttft, tokens
+
+
+def http_wave(results: list[tuple[float, float, float, int]], wall: float) -> Wave:
+    """Per request (client TTFT, route TTFT, engine TTFT, tokens) -> the wave's figures."""
+    return (
+        [r[0] for r in results],
+        [r[1] for r in results],
+        [r[2] for r in results],
+        sum(r[3] for r in results),
+        wall,
+    )
+
+
 async def drive_http(base_url: str, model: str, prompts: list[list[int]], new_tokens: int) -> Wave:
     import httpx
 
@@ -189,11 +210,7 @@ async def drive_http(base_url: str, model: str, prompts: list[list[int]], new_to
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[6:])
-                if not ttft and chunk.get("choices"):
-                    ttft = time.perf_counter() - start
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
+                ttft, tokens = after_chunk(json.loads(line[6:]), start, ttft, tokens)
         return ttft, app_ttft, engine_ttft, tokens
 
     limits = httpx.Limits(max_connections=len(prompts) + 4)
@@ -201,13 +218,7 @@ async def drive_http(base_url: str, model: str, prompts: list[list[int]], new_to
         start = time.perf_counter()
         results = await asyncio.gather(*(one(client, p) for p in prompts))
         wall = time.perf_counter() - start
-    return (
-        [r[0] for r in results],
-        [r[1] for r in results],
-        [r[2] for r in results],
-        sum(r[3] for r in results),
-        wall,
-    )
+    return http_wave(results, wall)
 
 
 async def drive_http_raw(base_url: str, model: str, prompts: list[list[int]], new_tokens: int) -> Wave:
@@ -250,11 +261,7 @@ async def drive_http_raw(base_url: str, model: str, prompts: list[list[int]], ne
             for event in events:
                 if not event.startswith(b"data: {"):
                     continue
-                chunk = json.loads(event[6:])
-                if not ttft and chunk.get("choices"):
-                    ttft = time.perf_counter() - start
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
+                ttft, tokens = after_chunk(json.loads(event[6:]), start, ttft, tokens)
         await reader.readline()  # the terminating chunk's CRLF
         writer.close()
         return ttft, app_ttft, engine_ttft, tokens
@@ -265,13 +272,7 @@ async def drive_http_raw(base_url: str, model: str, prompts: list[list[int]], ne
         *(one(r, w, req) for (r, w), req in zip(connections, requests, strict=True))
     )
     wall = time.perf_counter() - start
-    return (
-        [r[0] for r in results],
-        [r[1] for r in results],
-        [r[2] for r in results],
-        sum(r[3] for r in results),
-        wall,
-    )
+    return http_wave(results, wall)
 
 
 def measured(run: Callable[[], dict[str, Any]], engine_stats: Callable[[], dict[str, Any]]) -> dict[str, Any]:
