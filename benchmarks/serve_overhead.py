@@ -323,13 +323,10 @@ def variant_arg(text: str) -> tuple[str, dict[str, str]]:
 def start_plain_server(port: int, app_config: dict[str, Any], niceness: int) -> subprocess.Popen[bytes]:
     """`plain_uvicorn_server.py` serving `app_config` on `port`, at `niceness` as Ray's workers run."""
     script = Path(__file__).parent / "plain_uvicorn_server.py"
-    command = [sys.executable, str(script), "--port", str(port), "--config", json.dumps(app_config)]
-    return subprocess.Popen(
-        command,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,  # its access log: written, as Serve's, but not kept
-        preexec_fn=lambda: os.nice(niceness) and None,
-    )
+    command = ["nice", "-n", str(niceness), sys.executable, str(script), "--port", str(port)]
+    command += ["--config", json.dumps(app_config)]
+    # its access log is written, as Serve's is, but not kept
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def wait_until_healthy(base_url: str, timeout_s: float = 600.0) -> None:

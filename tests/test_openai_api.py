@@ -296,10 +296,14 @@ def test_spans_are_built_only_for_a_span_processor() -> None:
         "phases": {"queue": 0.001, "prefill": 0.009, "decode": 0.01},
         "started_ns": time.time_ns(),
     }
-    telemetry.record_request(**request)
-    assert started == []
-    spans = InMemorySpanExporter()
-    telemetry.add_span_processor(SimpleSpanProcessor(spans))
-    telemetry.record_request(**request)
-    assert sorted(started) == ["llm.decode", "llm.prefill", "llm.queue", "llm.request"]
-    assert sorted(s.name for s in spans.get_finished_spans()) == sorted(started)
+    try:
+        telemetry.record_request(**request)
+        assert started == []
+        spans = InMemorySpanExporter()
+        telemetry.add_span_processor(SimpleSpanProcessor(spans))
+        telemetry.record_request(**request)
+        assert sorted(started) == ["llm.decode", "llm.prefill", "llm.queue", "llm.request"]
+        assert sorted(s.name for s in spans.get_finished_spans()) == sorted(started)
+    finally:  # its Prometheus reader leaves the process-wide registry that /metrics reads
+        telemetry.meter_provider.shutdown()
+        telemetry.tracer_provider.shutdown()
