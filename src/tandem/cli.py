@@ -143,7 +143,8 @@ def _free_port(host: str, port: int = 0) -> int:
 
 
 def _free_port_range(num_ports: int, attempts: int = 50) -> int:
-    """The first of `num_ports` consecutive free ports on this machine (above 20000)."""
+    """The first of `2 * num_ports` consecutive free ports on this machine (above 20000): HTTP
+    ports for `num_ports` replicas, then as many gRPC ports."""
     import random
 
     for _ in range(attempts):
@@ -158,6 +159,7 @@ def _free_port_range(num_ports: int, attempts: int = 50) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import atexit
     import secrets
     import shutil
     import signal
@@ -199,7 +201,6 @@ def _serve(args: argparse.Namespace) -> int:
         }
     )
     proxy_port = args.port
-    run_dir: str | None = None  # HAProxy's files, with several replicas behind direct ingress
     if args.address:
         ray.init(address=args.address)
     else:
@@ -210,6 +211,7 @@ def _serve(args: argparse.Namespace) -> int:
         if direct_ingress and args.num_replicas > 1:  # HAProxy on --port, replicas behind it
             # A short path: HAProxy's admin socket (under a 56-character node id) must fit 97 bytes.
             run_dir = tempfile.mkdtemp(prefix="tandem-", dir="/tmp" if os.path.isdir("/tmp") else None)
+            atexit.register(shutil.rmtree, run_dir, True)  # also when start-up fails
             os.environ.update(
                 haproxy_ingress_env(_free_port_range(args.num_replicas), args.num_replicas, run_dir)
             )
@@ -250,8 +252,6 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         serve.shutdown()
         ray.shutdown()  # stops the local Ray processes this command started
-        if run_dir is not None:
-            shutil.rmtree(run_dir, ignore_errors=True)
     return 0
 
 
