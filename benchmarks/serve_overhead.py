@@ -496,6 +496,7 @@ def main() -> None:
                 apps.append((name, engine_options, k, True))
                 replica_env_of[name] = env
         base_url_of: dict[str, str] = {}
+        plain_urls: list[str] = []
         for name, options, interval, direct_streaming in apps:
             app_config = {
                 "engine": options,
@@ -505,10 +506,11 @@ def main() -> None:
                 "direct_streaming": direct_streaming,
                 "replica_env_vars": replica_env_of.get(name, {}),
             }
-            if "uvicorn" in name:
+            if "uvicorn" in name:  # loads while the Serve apps deploy; waited for below
                 server_port = free_port()
                 plain_servers.append(start_plain_server(server_port, app_config, args.worker_niceness))
                 base_url_of[name] = f"http://127.0.0.1:{server_port}"
+                plain_urls.append(base_url_of[name])
                 stats_of[name] = functools.partial(plain_server_stats, base_url_of[name])
                 continue
             serve.run(build_app(app_config), name=name, route_prefix=f"/{name}")
@@ -518,9 +520,10 @@ def main() -> None:
                 base_url_of[name] = replica_base_url(name, port)
             else:
                 base_url_of[name] = f"http://127.0.0.1:{port}/{name}"
-        for name, url in base_url_of.items():
-            if "uvicorn" in name:
-                wait_until_healthy(url)
+        for url in plain_urls:
+            wait_until_healthy(url)
+
+        drive_http_wave = drive_http_raw if args.client == "raw" else drive_http
 
         def run_phase(phase: str, num_streams: int, tag: str) -> dict[str, Any]:
             """One wave of `num_streams` requests; a lone stream is `--lone-requests` waves in turn."""
@@ -533,8 +536,7 @@ def main() -> None:
                 if phase == "direct":
                     result = asyncio.run(drive_direct(direct_engine, batch, args.new_tokens, f"{tag}-{wave}"))
                 else:
-                    drive = drive_http_raw if args.client == "raw" else drive_http
-                    result = asyncio.run(drive(base_url_of[phase], "bench", batch, args.new_tokens))
+                    result = asyncio.run(drive_http_wave(base_url_of[phase], "bench", batch, args.new_tokens))
                 ttfts += result[0]
                 app_ttfts += result[1]
                 engine_ttfts += result[2]

@@ -21,6 +21,7 @@ from .test_serve import (
     check_errors,
     check_openai_client,
     scraped_engine_stats,
+    scraped_samples,
 )
 
 pytestmark = pytest.mark.ray
@@ -65,13 +66,10 @@ def replica_http_ports() -> list[int]:
 
 def requests_served(base_url: str) -> float:
     """Finished requests of tenant acme counted by the replica answering at `base_url`."""
-    import httpx
-
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
     return sum(
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith("tandem_requests_total{") and 'tenant="acme"' in line
+        value
+        for name, labels, value in scraped_samples(base_url)
+        if name == "tandem_requests_total" and 'tenant="acme"' in labels
     )
 
 

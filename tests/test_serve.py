@@ -105,19 +105,26 @@ def test_errors_through_serve(served: str) -> None:
     check_errors(served)
 
 
-def scraped_engine_stats(base_url: str) -> dict[str, float]:
-    """The engine gauges of `/metrics`, which every scrape reads from the engine (one replica)."""
+def scraped_samples(base_url: str) -> list[tuple[str, str, float]]:
+    """`base_url`'s `/metrics` as (metric name, labels text, value) samples."""
     import httpx
 
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    samples = []
+    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            series, value = line.rsplit(" ", 1)
+            name, _, labels = series.partition("{")
+            samples.append((name, labels, float(value)))
+    return samples
+
+
+def scraped_engine_stats(base_url: str) -> dict[str, float]:
+    """The engine gauges of `/metrics`, which every scrape reads from the engine (one replica)."""
     gauges = {"tandem_kv_cache_occupancy": "kv_occupancy", "tandem_num_requests_running": "num_running"}
     gauges["tandem_num_requests_waiting"] = "num_waiting"
-    stats = {}
-    for line in text.splitlines():
-        name = line.split("{")[0].split(" ")[0]
-        if name in gauges:
-            stats[gauges[name]] = float(line.rsplit(" ", 1)[1])
-    assert set(stats) == set(gauges.values()), text
+    samples = scraped_samples(base_url)
+    stats = {gauges[name]: value for name, _, value in samples if name in gauges}
+    assert set(stats) == set(gauges.values()), samples
     return stats
 
 

@@ -172,6 +172,7 @@ def _serve(args: argparse.Namespace) -> int:
     from tandem.deployments.app import build_app
 
     direct_ingress = _use_direct_ingress(args)
+    behind_haproxy = direct_ingress and args.num_replicas > 1  # HAProxy on --port, replicas behind it
     if args.address is None:
         _free_port(args.host, args.port)  # fail now, not after minutes of Ray and model start-up
     api_keys = os.environ.get("TANDEM_API_KEYS")
@@ -208,7 +209,7 @@ def _serve(args: argparse.Namespace) -> int:
         # Ray starts workers, and so the engine, at niceness 15 below its own processes and any
         # other program; on a node that exists to run the model, the engine should not yield.
         os.environ.setdefault("RAY_worker_niceness", str(args.worker_niceness))  # noqa: SIM112
-        if direct_ingress and args.num_replicas > 1:  # HAProxy on --port, replicas behind it
+        if behind_haproxy:
             # A short path: HAProxy's admin socket (under a 56-character node id) must fit 97 bytes.
             run_dir = tempfile.mkdtemp(prefix="tandem-", dir="/tmp" if os.path.isdir("/tmp") else None)
             atexit.register(shutil.rmtree, run_dir, True)  # also when start-up fails
@@ -225,7 +226,7 @@ def _serve(args: argparse.Namespace) -> int:
     serve.run(app, name="tandem", route_prefix="/")
     base = f"http://{args.host}:{args.port}"
     print(f"[tandem] serving {args.model} at {base}/v1", file=sys.stderr)
-    if direct_ingress and args.num_replicas > 1:
+    if behind_haproxy:
         print(
             f"[tandem] direct ingress: HAProxy on {args.port} balances over {args.num_replicas} "
             "replicas, each listening on a port of its own",
