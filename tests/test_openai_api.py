@@ -177,6 +177,99 @@ def test_malformed_json_and_server_keeps_serving(http: TestClient, client: opena
     assert client.completions.create(model="tiny", prompt="x", max_tokens=1).choices[0].finish_reason
 
 
+def test_body_over_the_limit_is_413_and_server_keeps_serving(http: TestClient, client: openai.OpenAI) -> None:
+    from tandem.deployments.completion_routes import MAX_BODY_BYTES
+
+    padding = "x" * (MAX_BODY_BYTES + 1)
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        resp = http.post(
+            path,
+            json={"model": "tiny", "prompt": padding},
+            headers={"Authorization": f"Bearer {KEY_A}"},
+        )
+        assert resp.status_code == 413, resp.text
+        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+        assert str(MAX_BODY_BYTES) in resp.json()["error"]["message"]
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=1).choices[0].finish_reason
+
+
+def test_disconnect_before_the_first_token_aborts_the_request() -> None:
+    """A client that leaves while its request waits for the engine (queued, or in a long prefill)
+    ends the request there, without waiting for a first token that nobody will read."""
+    import asyncio
+    import json
+
+    from tandem.engine.protocol import GenerationRequest, RequestOutput
+
+    class NeverAnswers:
+        """An engine whose first token never comes; it records that its stream was closed."""
+
+        model_name = "tiny"
+
+        def __init__(self) -> None:
+            self.started = asyncio.Event()
+            self.closed = asyncio.Event()
+
+        async def generate(self, request: GenerationRequest) -> Any:
+            self.started.set()
+            try:
+                await asyncio.Event().wait()
+                yield RequestOutput(request.request_id, None, [], [], False, None)  # type: ignore[arg-type]
+            finally:
+                self.closed.set()
+
+        def stats(self) -> dict[str, Any]:
+            return {}
+
+        def lora_info(self) -> dict[str, Any]:
+            return {}
+
+    async def scenario() -> tuple[list[dict[str, Any]], int]:
+        engine = NeverAnswers()
+        tenants = TenantRegistry(parse_keys(f"{KEY_A}=acme"), TenantLimits(max_concurrent_requests=1))
+        app = create_app(OpenAIServer(engine, tenants))  # type: ignore[arg-type]
+        body = json.dumps({"model": "tiny", "prompt": "hi", "stream": True}).encode()
+        gone = asyncio.Event()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop()
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/completions",
+            "raw_path": b"/v1/completions",
+            "root_path": "",
+            "query_string": b"",
+            "headers": [(b"authorization", f"Bearer {KEY_A}".encode())],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 2),
+        }
+        call = asyncio.create_task(app(scope, receive, send))
+        await asyncio.wait_for(engine.started.wait(), 5)
+        gone.set()
+        await asyncio.wait_for(call, 5)  # the route ends instead of waiting on the engine
+        await asyncio.wait_for(engine.closed.wait(), 5)  # and it closed the engine stream
+        tenants.acquire("acme")  # the tenant's one concurrent slot was given back
+        return sent, len(asyncio.all_tasks())
+
+    sent, num_tasks = asyncio.run(scenario())
+    assert sent == []  # nothing was answered to a client that is gone
+    assert num_tasks == 1  # no watcher task left behind: only the scenario itself
+
+
 def test_metrics_and_traces_per_tenant(http: TestClient, client: openai.OpenAI) -> None:
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter

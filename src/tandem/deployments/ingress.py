@@ -8,25 +8,28 @@ Routes read the `OpenAIServer` from `app.state.server`, so the same app runs und
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import time
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
 from tandem.deployments.adapter_routes import adapter_router
 from tandem.deployments.batch_routes import batch_router
-from tandem.deployments.openai_server import OpenAIServer, ResponseTiming
-from tandem.platform.errors import PayloadTooLargeError, TandemError
-from tandem.platform.openai_schemas import ChatCompletionRequest, CompletionRequest, reject_unsupported
+from tandem.deployments.completion_routes import (
+    CompletionRoutes,
+    error_body,
+    parse_json_object,
+    tandem_error_reply,
+    validation_error_reply,
+)
+from tandem.deployments.openai_server import OpenAIServer
+from tandem.platform.errors import TandemError
 
 logger = logging.getLogger("tandem.api")
 
-MAX_BODY_BYTES = 4 << 20
 HEALTH_TIMEOUT_S = 2.0
 
 
@@ -38,8 +41,7 @@ def error_response(
     code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(message, error_type, param, code), status_code=status, headers=headers)
 
 
 _installed_server: OpenAIServer | None = None
@@ -53,11 +55,15 @@ def install_server(server: OpenAIServer) -> None:
     _installed_server = server
 
 
+def server_for_app(app: Any) -> OpenAIServer | None:
+    """The server answering for the Starlette `app`. Routes call this module-level function rather
+    than reading `_installed_server` themselves: Serve ships the routes (closures) to the replica by
+    value, with a copy of the module globals they name taken before any server was installed."""
+    return getattr(app.state, "server", None) or _installed_server
+
+
 def _server_or_none(request: Request) -> OpenAIServer | None:
-    """The server for `request`. Routes call this module-level function rather than reading
-    `_installed_server` themselves: Serve ships the routes (closures) to the replica by value, with
-    a copy of the module globals they name taken before any server was installed."""
-    return getattr(request.app.state, "server", None) or _installed_server
+    return server_for_app(request.app)
 
 
 def _server(request: Request) -> OpenAIServer:
@@ -74,70 +80,25 @@ def _authenticated(request: Request) -> tuple[OpenAIServer, str]:
 
 
 async def json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise PayloadTooLargeError(f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise _BadJSON(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise _BadJSON("request body must be a JSON object")
-    return body
-
-
-class _BadJSON(TandemError):
-    status_code = 400
-    error_type = "invalid_request_error"
+    return parse_json_object(await request.body())
 
 
 def create_app(server: OpenAIServer | None = None) -> FastAPI:
+    """The OpenAI app. `POST /v1/chat/completions` and `POST /v1/completions` are answered by
+    `CompletionRoutes` in front of FastAPI's routing (they are the hot path); the rest are routes."""
     app = FastAPI(title="Tandem", version="0.1.0")
     app.state.server = server
+    app.add_middleware(CompletionRoutes, server_of=server_for_app)
 
     @app.exception_handler(TandemError)
     async def _tandem_error(_: Request, exc: TandemError) -> JSONResponse:
-        retry_after = getattr(exc, "retry_after_s", None)
-        headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
-        return error_response(exc.status_code, exc.message, exc.error_type, exc.param, exc.code, headers)
+        status, body, headers = tandem_error_reply(exc)
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        return error_response(422, f"{param}: {first.get('msg')}", "invalid_request_error", param)
-
-    def _parse(model: type[ChatCompletionRequest] | type[CompletionRequest], body: dict[str, Any]) -> Any:
-        reject_unsupported(body)
-        try:
-            return model.model_validate(body)
-        except Exception as exc:  # pydantic.ValidationError -> 422 via the handler above
-            from pydantic import ValidationError
-
-            if isinstance(exc, ValidationError):
-                raise RequestValidationError(exc.errors()) from exc
-            raise
-
-    def _respond(result: Any, timing: ResponseTiming) -> Any:
-        headers = {"Server-Timing": timing.header()}
-        if isinstance(result, dict):
-            return JSONResponse(result, headers=headers)
-        headers |= {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(result, media_type="text/event-stream", headers=headers)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
-        timing = ResponseTiming(started=time.monotonic())
-        server, tenant = _authenticated(request)
-        req = _parse(ChatCompletionRequest, await json_body(request))
-        return _respond(await server.chat(req, tenant, timing=timing), timing)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
-        timing = ResponseTiming(started=time.monotonic())
-        server, tenant = _authenticated(request)
-        req = _parse(CompletionRequest, await json_body(request))
-        return _respond(await server.completions(req, tenant, timing=timing), timing)
+        status, body, headers = validation_error_reply(list(exc.errors()))
+        return JSONResponse(body, status_code=status, headers=headers)
 
     app.include_router(batch_router(_authenticated, json_body))
     app.include_router(adapter_router(_authenticated, json_body))

@@ -1,0 +1,228 @@
+"""`POST /v1/chat/completions` and `POST /v1/completions` as plain ASGI, in front of FastAPI.
+
+These two routes carry nearly all traffic, and at 16 concurrent streams on a small node every
+request's trip through FastAPI (its middleware stack, route matching, dependency solving, and
+`StreamingResponse`'s anyio task group with a disconnect listener) was paid one request after
+another on the event loop before the engine saw the request and again before its first token
+left: about 0.5 ms of a request's 0.9 ms (see docs/operations.md, "Serving overhead").
+`CompletionRoutes` answers them itself and hands every other request to the app behind it.
+
+Contract, the same as FastAPI routes would give: OpenAI's error body with the status of the
+`TandemError` (and `Retry-After` where it has one), 422 naming the field for a schema violation,
+400 for a body that is not a JSON object, 413 for one over `MAX_BODY_BYTES` (refused from its
+`Content-Length` before it is read); a JSON body or an SSE stream with `Server-Timing`. Anything
+else raised propagates to the app's outer error middleware (a 500). A client that disconnects
+while its stream waits or runs cancels the stream, which aborts its request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from tandem.deployments.openai_server import OpenAIServer, ResponseTiming
+from tandem.platform.errors import InvalidRequestError, PayloadTooLargeError, TandemError
+from tandem.platform.openai_schemas import ChatCompletionRequest, CompletionRequest, reject_unsupported
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+MAX_BODY_BYTES = 4 << 20
+
+# route path -> whether it is the chat route
+ROUTES: dict[str, bool] = {"/v1/chat/completions": True, "/v1/completions": False}
+
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+class BadJSONError(InvalidRequestError):
+    """The body is not a JSON object (HTTP 400)."""
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; `BadJSONError` (400) otherwise, `PayloadTooLargeError`
+    (413) above `MAX_BODY_BYTES`."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise PayloadTooLargeError(f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadJSONError(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadJSONError("request body must be a JSON object")
+    return body
+
+
+def error_body(message: str, error_type: str, param: str | None, code: str | None) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def tandem_error_reply(exc: TandemError) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """Status, body and extra headers (`Retry-After` for errors that carry a retry hint)."""
+    retry_after = getattr(exc, "retry_after_s", None)
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else {}
+    body = error_body(exc.message, exc.error_type, exc.param, exc.code)
+    return exc.status_code, body, headers
+
+
+def validation_error_reply(errors: list[Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """422 naming the first offending field (`messages.0.content`), as FastAPI's handler does."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    return 422, error_body(f"{param}: {first.get('msg')}", "invalid_request_error", param, None), {}
+
+
+class _Disconnected(Exception):
+    """The client went away before its request body was complete."""
+
+
+class CompletionRoutes:
+    """ASGI middleware: serves the two completion routes, passes everything else to `app`.
+
+    `server_of(app)` returns the `OpenAIServer` answering for the Starlette app in
+    `scope["app"]` (None while it starts: 500 `not_ready`, as the FastAPI routes give).
+    """
+
+    def __init__(self, app: ASGIApp, server_of: Callable[[Any], OpenAIServer | None]) -> None:
+        self.app = app
+        self.server_of = server_of
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        chat = None
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path, root = scope["path"], scope.get("root_path", "")
+            chat = ROUTES.get(path[len(root) :] if root and path.startswith(root) else path)
+        if chat is None:
+            await self.app(scope, receive, send)
+            return
+        timing = ResponseTiming(started=time.monotonic())
+        try:
+            server, tenant, body = await self._read_request(scope, receive)
+            async with _CancelOnDisconnect(receive):
+                if chat:
+                    chat_req = ChatCompletionRequest.model_validate(body)
+                    result = await server.chat(chat_req, tenant, timing=timing)
+                else:
+                    completion_req = CompletionRequest.model_validate(body)
+                    result = await server.completions(completion_req, tenant, timing=timing)
+                headers = {"Server-Timing": timing.header()}
+                if isinstance(result, dict):
+                    await _send_json(send, 200, result, headers)
+                else:
+                    await _stream(result, headers, send)
+        except _Disconnected:
+            return
+        except TandemError as exc:  # raised before the response started (a stream reports in-band)
+            await _send_json(send, *tandem_error_reply(exc))
+        except ValidationError as exc:
+            await _send_json(send, *validation_error_reply(exc.errors()))
+
+    async def _read_request(self, scope: Scope, receive: Receive) -> tuple[OpenAIServer, str, dict[str, Any]]:
+        """The server, the caller's tenant (401 without a valid key) and the body as a JSON object
+        with no unsupported field (400), refused from its `Content-Length` when too large (413)."""
+        server = self.server_of(scope.get("app"))
+        if server is None:
+            raise TandemError("server is starting; retry shortly", code="not_ready")
+        authorization = None
+        declared_length = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif name == b"content-length" and value.isdigit():
+                declared_length = int(value)
+        tenant = server.tenants.authenticate(authorization)
+        if declared_length is not None and declared_length > MAX_BODY_BYTES:
+            raise PayloadTooLargeError(
+                f"request body is {declared_length} bytes; the limit is {MAX_BODY_BYTES}"
+            )
+        body = parse_json_object(await _read_body(receive))
+        reject_unsupported(body)
+        return server, tenant, body
+
+
+async def _read_body(receive: Receive) -> bytes:
+    """The whole request body, at most one chunk over `MAX_BODY_BYTES` (the caller refuses it)."""
+    chunks: list[bytes] = []
+    num_bytes = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _Disconnected
+        chunk = message.get("body", b"")
+        chunks.append(chunk)
+        num_bytes += len(chunk)
+        if num_bytes > MAX_BODY_BYTES or not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class _CancelOnDisconnect:
+    """`async with` block that a client disconnect cancels, and that then ends quietly.
+
+    After the body is read, `receive()` only answers `http.disconnect`; a watcher task waits for
+    it and cancels the task running the block. Whatever the block awaits at that moment (the
+    engine's first output, the next one, a send) gets the cancellation: `OpenAIServer` closes the
+    engine stream, which aborts the request and frees its KV blocks.
+    """
+
+    def __init__(self, receive: Receive) -> None:
+        self.receive = receive
+        self.disconnected = False
+
+    async def __aenter__(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None, "runs in a task"
+        self.task = task
+        self.watcher = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self.receive())["type"] != "http.disconnect":
+            pass
+        self.disconnected = True
+        self.task.cancel()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> bool:
+        self.watcher.cancel()
+        if exc_type is not None and issubclass(exc_type, asyncio.CancelledError) and self.disconnected:
+            self.task.uncancel()
+            return True
+        return False
+
+
+def _raw_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
+
+
+async def _send_json(send: Send, status: int, payload: dict[str, Any], headers: dict[str, str]) -> None:
+    body = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    raw_headers = [*_JSON_HEADERS, (b"content-length", str(len(body)).encode()), *_raw_headers(headers)]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _stream(events: AsyncIterator[str], headers: dict[str, str], send: Send) -> None:
+    """Send `events` as an SSE body; `events` is closed however this ends (a cancellation closes
+    the engine stream under it, aborting the request)."""
+    try:
+        start_headers = [*_SSE_HEADERS, *_raw_headers(headers)]
+        await send({"type": "http.response.start", "status": 200, "headers": start_headers})
+        async for event in events:
+            await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
