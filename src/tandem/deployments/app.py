@@ -50,7 +50,8 @@ class AppConfig(BaseModel):
     replica_env_vars: dict[str, str] = Field(
         default_factory=dict,
         description="Environment of the LLM replicas' processes (Ray's runtime_env env_vars), for "
-        "settings read at process start: Ray Serve's RAY_SERVE_* flags, OMP_* and the like",
+        "settings read at process start: Ray Serve's RAY_SERVE_* flags, OMP_* and the like. "
+        "Direct-streaming replicas also get RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 unless set here",
     )
     stream_interval: int = Field(
         1,
@@ -196,11 +197,23 @@ _SERVE_AUTOSCALING_DEFAULTS = {"upscale_delay_s": 5.0, "downscale_delay_s": 30.0
 _SERVE_AUTOSCALING_FIELDS = {"look_back_period_s", *_SERVE_AUTOSCALING_DEFAULTS}
 
 
+# Environment of a direct-streaming replica's process, under `replica_env_vars` (which wins).
+# Serve runs a replica's user code on an event loop of its own, in a second thread, so every ASGI
+# message of a directly served request crosses threads twice (request in, each chunk out). Our
+# routes never block their loop (the engine steps in its own thread; object-store calls go to
+# worker threads), so they run on Serve's loop instead, as Serve's throughput-optimized mode
+# (`RAY_SERVE_THROUGHPUT_OPTIMIZED`) does: 16-stream bursts reached the first token 4-6 ms sooner
+# (docs/operations.md, "Serving overhead").
+DIRECT_STREAMING_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+
+
 def replica_options(cfg: AppConfig) -> dict[str, Any]:
-    """Serve options of the `LLMReplica` deployment: resources, backpressure and scaling."""
+    """Serve options of the `LLMReplica` deployment: resources, environment, backpressure and
+    scaling."""
     actor_options: dict[str, Any] = {"num_cpus": cfg.replica_num_cpus}
-    if cfg.replica_env_vars:
-        actor_options["runtime_env"] = {"env_vars": dict(cfg.replica_env_vars)}
+    env_vars = {**(DIRECT_STREAMING_ENV_VARS if cfg.direct_streaming else {}), **cfg.replica_env_vars}
+    if env_vars:
+        actor_options["runtime_env"] = {"env_vars": env_vars}
     options: dict[str, Any] = {
         "ray_actor_options": actor_options,
         "max_ongoing_requests": cfg.max_ongoing_requests,
