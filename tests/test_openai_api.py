@@ -177,7 +177,9 @@ def test_malformed_json_and_server_keeps_serving(http: TestClient, client: opena
     assert client.completions.create(model="tiny", prompt="x", max_tokens=1).choices[0].finish_reason
 
 
-def test_body_over_the_limit_is_413_and_server_keeps_serving(http: TestClient, client: openai.OpenAI) -> None:
+def test_body_over_the_limit_is_413_wrong_method_405_and_server_keeps_serving(
+    http: TestClient, client: openai.OpenAI
+) -> None:
     from tandem.deployments.completion_routes import MAX_BODY_BYTES
 
     padding = "x" * (MAX_BODY_BYTES + 1)
@@ -191,6 +193,9 @@ def test_body_over_the_limit_is_413_and_server_keeps_serving(http: TestClient, c
         assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
         assert str(MAX_BODY_BYTES) in resp.json()["error"]["message"]
     assert client.completions.create(model="tiny", prompt="x", max_tokens=1).choices[0].finish_reason
+    wrong_method = http.get("/v1/chat/completions", headers={"Authorization": f"Bearer {KEY_A}"})
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    assert wrong_method.json()["error"]["code"] == "method_not_allowed"
 
 
 def test_disconnect_before_the_first_token_aborts_the_request() -> None:

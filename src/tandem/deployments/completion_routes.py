@@ -10,7 +10,7 @@ left: about 0.5 ms of a request's 0.9 ms (see docs/operations.md, "Serving overh
 Contract, the same as FastAPI routes would give: OpenAI's error body with the status of the
 `TandemError` (and `Retry-After` where it has one), 422 naming the field for a schema violation,
 400 for a body that is not a JSON object, 413 for one over `MAX_BODY_BYTES` (refused from its
-`Content-Length` before it is read); a JSON body or an SSE stream with `Server-Timing`. Anything
+`Content-Length` before it is read), 405 for another method; a JSON body or an SSE stream with `Server-Timing`. Anything
 else raised propagates to the app's outer error middleware (a 500). A client that disconnects
 while its stream waits or runs cancels the stream, which aborts its request in the engine.
 """
@@ -103,11 +103,16 @@ class CompletionRoutes:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         chat = None
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] == "http":
             path, root = scope["path"], scope.get("root_path", "")
             chat = ROUTES.get(path[len(root) :] if root and path.startswith(root) else path)
         if chat is None:
             await self.app(scope, receive, send)
+            return
+        if scope["method"] != "POST":
+            message = f"{scope['method']} is not allowed here: send POST"
+            body = error_body(message, "invalid_request_error", None, "method_not_allowed")
+            await _send_json(send, 405, body, {"Allow": "POST"})
             return
         timing = ResponseTiming(started=time.monotonic())
         try:

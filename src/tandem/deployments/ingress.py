@@ -1,5 +1,9 @@
 """FastAPI app with the OpenAI routes, and the Ray Serve ingress deployment that serves it.
 
+The two completion routes are answered by `CompletionRoutes` (ASGI middleware in this app, in
+front of FastAPI's routing); the files, batches, adapters, models, health and metrics routes are
+FastAPI routes.
+
 Routes read the `OpenAIServer` from `app.state.server`, so the same app runs under Serve
 (`OpenAIIngress.__init__` installs a server backed by a deployment handle) and in tests
 (`create_app(server)` with a local `AsyncEngine`).
