@@ -202,8 +202,8 @@ _SERVE_AUTOSCALING_FIELDS = {"look_back_period_s", *_SERVE_AUTOSCALING_DEFAULTS}
 # message of a directly served request crosses threads twice (request in, each chunk out). Our
 # routes never block their loop (the engine steps in its own thread; object-store calls go to
 # worker threads), so they run on Serve's loop instead, as Serve's throughput-optimized mode
-# (`RAY_SERVE_THROUGHPUT_OPTIMIZED`) does: 16-stream bursts reached the first token 4-6 ms sooner
-# (docs/operations.md, "Serving overhead").
+# (`RAY_SERVE_THROUGHPUT_OPTIMIZED`) does: bursts of 16 short streamed requests got their first
+# token to the client 4-6 ms sooner (docs/operations.md, "Serving overhead").
 DIRECT_STREAMING_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 

@@ -4,15 +4,17 @@ These two routes carry nearly all traffic, and at 16 concurrent streams on a sma
 request's trip through FastAPI (its middleware stack, route matching, dependency solving, and
 `StreamingResponse`'s anyio task group with a disconnect listener) was paid one request after
 another on the event loop before the engine saw the request and again before its first token
-left: about 0.5 ms of a request's 0.9 ms (see docs/operations.md, "Serving overhead").
+left: more than half of the 0.95 ms a streamed request cost the loop (see docs/operations.md,
+"Serving overhead").
 `CompletionRoutes` answers them itself and hands every other request to the app behind it.
 
 Contract, the same as FastAPI routes would give: OpenAI's error body with the status of the
 `TandemError` (and `Retry-After` where it has one), 422 naming the field for a schema violation,
 400 for a body that is not a JSON object, 413 for one over `MAX_BODY_BYTES` (refused from its
-`Content-Length` before it is read), 405 for another method; a JSON body or an SSE stream with `Server-Timing`. Anything
-else raised propagates to the app's outer error middleware (a 500). A client that disconnects
-while its stream waits or runs cancels the stream, which aborts its request in the engine.
+`Content-Length` before it is read), 405 for another method; a JSON body or an SSE stream with
+`Server-Timing`. Anything else raised propagates to the app's outer error middleware (a 500). A
+client that disconnects once its body is read, while its request waits for the first token or
+streams, cancels the request, which aborts it in the engine.
 """
 
 from __future__ import annotations
@@ -202,7 +204,9 @@ class _CancelOnDisconnect:
     async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> bool:
         self.watcher.cancel()
         if exc_type is not None and issubclass(exc_type, asyncio.CancelledError) and self.disconnected:
-            self.task.uncancel()
+            uncancel = getattr(self.task, "uncancel", None)  # Python 3.11+: the task is not cancelling
+            if uncancel is not None:
+                uncancel()
             return True
         return False
 
