@@ -3,8 +3,7 @@ Ray Serve's topologies with, so what Serve itself adds can be told apart from wh
 server and our routes add.
 
 The app is built as a direct-streaming replica builds it (`DirectLLMServer`): an `LLMReplica`
-engine in this process, `InProcessReplicaClient` for backpressure, `openai_server` for tenants, and
-`create_app` for the routes. uvicorn writes its access log, as Serve's replica writes one per request.
+engine in this process, `in_process_openai_server` over it, and `create_app` for the routes. uvicorn writes its access log, as Serve's replica writes one per request.
 `GET /bench/stats` answers the engine's `stats()` (step counters for the benchmark).
 
     python benchmarks/plain_uvicorn_server.py --port 8001 --config '{"engine": {...}, "api_keys": "k=t"}'
@@ -18,9 +17,9 @@ from typing import Any
 
 import uvicorn
 
-from tandem.deployments.app import AppConfig, openai_server, replica_engine_options
+from tandem.deployments.app import AppConfig, in_process_openai_server, replica_engine_options
 from tandem.deployments.ingress import create_app
-from tandem.deployments.replicas import InProcessReplicaClient, LLMReplica
+from tandem.deployments.replicas import LLMReplica
 
 
 def main() -> None:
@@ -34,8 +33,7 @@ def main() -> None:
 
     cfg = AppConfig(**json.loads(args.config))
     replica = LLMReplica(replica_engine_options(cfg), None, None, cfg.stream_interval)
-    client = InProcessReplicaClient(replica, cfg.max_ongoing_requests + cfg.max_queued_requests)
-    app = create_app(openai_server(cfg, client, None))
+    app = create_app(in_process_openai_server(cfg, replica, None))
 
     @app.get("/bench/stats")
     async def stats() -> dict[str, Any]:

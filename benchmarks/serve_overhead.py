@@ -496,7 +496,6 @@ def main() -> None:
                 apps.append((name, engine_options, k, True))
                 replica_env_of[name] = env
         base_url_of: dict[str, str] = {}
-        plain_urls: list[str] = []
         for name, options, interval, direct_streaming in apps:
             app_config = {
                 "engine": options,
@@ -510,7 +509,6 @@ def main() -> None:
                 server_port = free_port()
                 plain_servers.append(start_plain_server(server_port, app_config, args.worker_niceness))
                 base_url_of[name] = f"http://127.0.0.1:{server_port}"
-                plain_urls.append(base_url_of[name])
                 stats_of[name] = functools.partial(plain_server_stats, base_url_of[name])
                 continue
             serve.run(build_app(app_config), name=name, route_prefix=f"/{name}")
@@ -520,8 +518,9 @@ def main() -> None:
                 base_url_of[name] = replica_base_url(name, port)
             else:
                 base_url_of[name] = f"http://127.0.0.1:{port}/{name}"
-        for url in plain_urls:
-            wait_until_healthy(url)
+        for name, url in base_url_of.items():
+            if "uvicorn" in name:
+                wait_until_healthy(url)
 
         drive_http_wave = drive_http_raw if args.client == "raw" else drive_http
 

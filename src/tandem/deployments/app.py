@@ -173,6 +173,15 @@ def openai_server(
     return server
 
 
+def in_process_openai_server(
+    cfg: AppConfig, replica: LLMReplica, batch_worker: DeploymentHandle | None
+) -> OpenAIServer:
+    """The OpenAI routes' server over `replica`'s engine in this process, as a direct-streaming
+    replica serves them: at most `max_ongoing_requests + max_queued_requests` in flight, then 429."""
+    client = InProcessReplicaClient(replica, cfg.max_ongoing_requests + cfg.max_queued_requests)
+    return openai_server(cfg, client, batch_worker)
+
+
 @serve.ingress(direct_fastapi_app)
 class DirectLLMServer(LLMReplica):
     """An `LLMReplica` that is also the HTTP ingress (`direct_streaming`): the proxy sends each
@@ -187,8 +196,7 @@ class DirectLLMServer(LLMReplica):
     def __init__(self, config: dict[str, Any], batch_worker: DeploymentHandle | None = None) -> None:
         cfg = AppConfig(**config)
         super().__init__(replica_engine_options(cfg), None, cfg.object_store, cfg.stream_interval)
-        client = InProcessReplicaClient(self, cfg.max_ongoing_requests + cfg.max_queued_requests)
-        install_server(openai_server(cfg, client, batch_worker))
+        install_server(in_process_openai_server(cfg, self, batch_worker))
 
 
 # Serve's own autoscaling fields (it applies the delays around any policy), with our defaults;

@@ -48,6 +48,10 @@ def error_response(
     return JSONResponse(error_body(message, error_type, param, code), status_code=status, headers=headers)
 
 
+def _reply_response(status: int, body: dict[str, Any], headers: dict[str, str]) -> JSONResponse:
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 _installed_server: OpenAIServer | None = None
 
 
@@ -96,13 +100,11 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
 
     @app.exception_handler(TandemError)
     async def _tandem_error(_: Request, exc: TandemError) -> JSONResponse:
-        status, body, headers = tandem_error_reply(exc)
-        return JSONResponse(body, status_code=status, headers=headers)
+        return _reply_response(*tandem_error_reply(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        status, body, headers = validation_error_reply(list(exc.errors()))
-        return JSONResponse(body, status_code=status, headers=headers)
+        return _reply_response(*validation_error_reply(list(exc.errors())))
 
     app.include_router(batch_router(_authenticated, json_body))
     app.include_router(adapter_router(_authenticated, json_body))
