@@ -73,6 +73,20 @@ def requests_served(base_url: str) -> float:
     )
 
 
+def completion_request_id(base_url: str) -> str:
+    """Whether a completion's `X-Request-ID` is the completion's own id or another one."""
+    import httpx
+
+    reply = httpx.post(
+        f"{base_url}/v1/completions",
+        json={"model": "tiny", "prompt": "Paged attention", "max_tokens": 2},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
+    return "completion id" if reply.headers["x-request-id"] == reply.json()["id"] else "another id"
+
+
 class ServeProcess:
     """`tandem serve` on a tiny model in a subprocess with a Ray of its own; its stderr lines are
     read as they come."""
@@ -126,7 +140,12 @@ def test_serve_answers_on_the_replica_itself_and_stops_on_sigterm(tmp_path: Path
         check_openai_client(base_url)
         check_errors(base_url)
         check_disconnect_frees_kv_blocks(base_url, lambda: scraped_engine_stats(base_url))
-        check_openai_client(f"http://127.0.0.1:{proxy_port}")  # the proxy path still works
+        # The replica answers completions in front of Serve's request handling (its request id
+        # is the completion's); through the proxy, Serve's handling runs and gives its own id.
+        assert completion_request_id(base_url) == "completion id"
+        proxy_url = f"http://127.0.0.1:{proxy_port}"
+        assert completion_request_id(proxy_url) == "another id"
+        check_openai_client(proxy_url)  # the proxy path still works
 
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=90) == 0

@@ -437,7 +437,8 @@ def test_direct_streaming_serves_the_api_from_the_replica(direct_served: str) ->
 
 def test_replica_env_vars_reach_the_replica_process_only(direct_served: str) -> None:
     """`replica_env_vars` is the environment of the LLM replica's process, not of the others; a
-    direct-streaming replica also runs its routes on Serve's own event loop."""
+    direct-streaming replica also runs its routes on Serve's own event loop. (Its completions still
+    go through Serve's handling here, behind the proxy: `test_direct_streaming_*` below.)"""
     import psutil
 
     env_by_process = {}
@@ -453,6 +454,10 @@ def test_replica_env_vars_reach_the_replica_process_only(direct_served: str) -> 
     assert "TANDEM_TEST_REPLICA_ENV" not in env_by_process["BatchWorker"]
     assert env_by_process["LLMReplica"].get("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD") == "0"
     assert "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD" not in env_by_process["BatchWorker"]
+    # and, with Serve's direct ingress, answers completions in front of Serve's request handling
+    callback = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+    assert env_by_process["LLMReplica"].get(callback) == "tandem.deployments.direct_ingress:http_middlewares"
+    assert callback not in env_by_process["BatchWorker"]
 
 
 def test_direct_streaming_disconnect_and_backpressure(direct_served: str) -> None:

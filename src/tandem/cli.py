@@ -136,7 +136,8 @@ def _free_port(host: str, port: int = 0) -> int:
         except OSError as exc:
             raise InvalidRequestError(
                 f"cannot listen on {host}:{port} ({exc.strerror}): choose another --port, or stop "
-                "what is listening there",
+                "what is listening there (a server that stopped a moment ago holds its port for "
+                "up to a minute: Ray Serve's replica servers bind without SO_REUSEADDR)",
                 param="port",
             ) from exc
         return int(sock.getsockname()[1])

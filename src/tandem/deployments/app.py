@@ -18,6 +18,7 @@ from tandem.batch.service import BatchLimits, BatchService
 from tandem.deployments.adapters import AdapterStore
 from tandem.deployments.autoscaling import BatchQueueTargets, ScalingTargets
 from tandem.deployments.batch_worker import BatchWorkerReplica
+from tandem.deployments.direct_ingress import DIRECT_INGRESS_ENV_VARS
 from tandem.deployments.ingress import create_app, install_server
 from tandem.deployments.openai_server import EngineClient, OpenAIServer
 from tandem.deployments.replicas import LLM_DEPLOYMENT, InProcessReplicaClient, LLMReplica
@@ -51,7 +52,8 @@ class AppConfig(BaseModel):
         default_factory=dict,
         description="Environment of the LLM replicas' processes (Ray's runtime_env env_vars), for "
         "settings read at process start: Ray Serve's RAY_SERVE_* flags, OMP_* and the like. "
-        "Direct-streaming replicas also get RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 unless set here",
+        "Direct-streaming replicas also get RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 and "
+        "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH (tandem.deployments.direct_ingress) unless set here",
     )
     stream_interval: int = Field(
         1,
@@ -212,7 +214,9 @@ _SERVE_AUTOSCALING_FIELDS = {"look_back_period_s", *_SERVE_AUTOSCALING_DEFAULTS}
 # worker threads), so they run on Serve's loop instead, as Serve's throughput-optimized mode
 # (`RAY_SERVE_THROUGHPUT_OPTIMIZED`) does: bursts of 16 short streamed requests got their first
 # token to the client 4-6 ms sooner (docs/operations.md, "Serving overhead").
-DIRECT_STREAMING_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+# With Serve's direct ingress, the completion routes are also answered in front of Serve's
+# per-request handling (`DIRECT_INGRESS_ENV_VARS`; inert without direct ingress).
+DIRECT_STREAMING_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", **DIRECT_INGRESS_ENV_VARS}
 
 
 def replica_options(cfg: AppConfig) -> dict[str, Any]:

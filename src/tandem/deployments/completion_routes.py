@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
@@ -29,7 +30,14 @@ from pydantic import ValidationError
 
 from tandem.deployments.openai_server import OpenAIServer, ResponseTiming
 from tandem.platform.errors import InvalidRequestError, PayloadTooLargeError, TandemError
-from tandem.platform.openai_schemas import ChatCompletionRequest, CompletionRequest, reject_unsupported
+from tandem.platform.openai_schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    new_id,
+    reject_unsupported,
+)
+
+logger = logging.getLogger("tandem.api")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -97,11 +105,19 @@ class CompletionRoutes:
 
     `server_of(app)` returns the `OpenAIServer` answering for the Starlette app in
     `scope["app"]` (None while it starts: 500 `not_ready`, as the FastAPI routes give).
+    With `request_id_header`, every answer carries `X-Request-ID`: the client's own, else the
+    completion's id, else (a refused request) a new `req-` id; for where nothing in front adds one.
     """
 
-    def __init__(self, app: ASGIApp, server_of: Callable[[Any], OpenAIServer | None]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        server_of: Callable[[Any], OpenAIServer | None],
+        request_id_header: bool = False,
+    ) -> None:
         self.app = app
         self.server_of = server_of
+        self.request_id_header = request_id_header
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         chat = None
@@ -110,11 +126,19 @@ class CompletionRoutes:
             chat = ROUTES.get(path[len(root) :] if root and path.startswith(root) else path)
         if chat is None:
             await self.app(scope, receive, send)
-            return
+        else:
+            await self.answer(scope, receive, send, chat)
+
+    async def answer(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
+        """Answer `scope`'s request as the chat route (`chat`) or the completions route."""
+        headers: dict[str, str] = {}
+        client_request_id = None
+        if self.request_id_header:
+            client_request_id = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
         if scope["method"] != "POST":
             message = f"{scope['method']} is not allowed here: send POST"
             body = error_body(message, "invalid_request_error", None, "method_not_allowed")
-            await _send_json(send, 405, body, {"Allow": "POST"})
+            await _send_json(send, 405, body, self._with_request_id({"Allow": "POST"}, client_request_id))
             return
         timing = ResponseTiming(started=time.monotonic())
         try:
@@ -126,7 +150,8 @@ class CompletionRoutes:
                 else:
                     completion_req = CompletionRequest.model_validate(body)
                     result = await server.completions(completion_req, tenant, timing=timing)
-                headers = {"Server-Timing": timing.header()}
+                headers["Server-Timing"] = timing.header()
+                headers = self._with_request_id(headers, client_request_id, timing.request_id)
                 if isinstance(result, dict):
                     await _send_json(send, 200, result, headers)
                 else:
@@ -134,9 +159,43 @@ class CompletionRoutes:
         except _Disconnected:
             return
         except TandemError as exc:  # raised before the response started (a stream reports in-band)
-            await _send_json(send, *tandem_error_reply(exc))
+            await self._refuse(scope, send, tandem_error_reply(exc), client_request_id, timing.request_id)
         except ValidationError as exc:
-            await _send_json(send, *validation_error_reply(exc.errors()))
+            reply = validation_error_reply(exc.errors())
+            await self._refuse(scope, send, reply, client_request_id, timing.request_id)
+
+    def _with_request_id(
+        self, headers: dict[str, str], client_request_id: bytes | None, request_id: str | None = None
+    ) -> dict[str, str]:
+        if self.request_id_header:
+            if client_request_id is not None:
+                headers["X-Request-ID"] = client_request_id.decode("latin-1")
+            else:
+                headers["X-Request-ID"] = request_id or new_id("req")
+        return headers
+
+    async def _refuse(
+        self,
+        scope: Scope,
+        send: Send,
+        reply: tuple[int, dict[str, Any], dict[str, str]],
+        client_request_id: bytes | None,
+        request_id: str | None,
+    ) -> None:
+        """Send an error reply, and log it: nothing else logs a refused request where Serve's
+        access log is not in front (plain uvicorn without its access log, direct ingress)."""
+        status, body, headers = reply
+        headers = self._with_request_id(headers, client_request_id, request_id)
+        logger.info(
+            "request refused",
+            extra={
+                "path": scope["path"],
+                "status": status,
+                "code": body["error"]["code"],
+                "request_id": headers.get("X-Request-ID"),
+            },
+        )
+        await _send_json(send, status, body, headers)
 
     async def _read_request(self, scope: Scope, receive: Receive) -> tuple[OpenAIServer, str, dict[str, Any]]:
         """The server, the caller's tenant (401 without a valid key) and the body as a JSON object

@@ -48,7 +48,8 @@ logger = logging.getLogger("tandem.api")
 
 @dataclass
 class ResponseTiming:
-    """Where a response's time to first token went, for its `Server-Timing` header.
+    """Where a response's time to first token went, for its `Server-Timing` header (and the id of
+    the engine request behind it).
 
     The route sets `started` when the request reaches it; `OpenAIServer._run` fills the rest once
     the engine's first output is in (before any byte of the response is sent). A client's TTFT
@@ -59,6 +60,7 @@ class ResponseTiming:
     first_output_at: float | None = None  # the first engine output reached the route
     engine_queue_s: float | None = None  # engine arrival -> first scheduled (same engine clock)
     engine_ttft_s: float | None = None  # engine arrival -> first token
+    request_id: str | None = None  # the engine request's id (the completion's `id`), once it starts
 
     def header(self) -> str:
         """`app;dur=<ms>, engine-queue;dur=<ms>, engine-ttft;dur=<ms>` (W3C Server-Timing)."""
@@ -311,6 +313,8 @@ class OpenAIServer:
     ) -> dict[str, Any] | AsyncIterator[str]:
         """Start `gen` and await its first output (so errors are HTTP errors); then a JSON body,
         or the SSE events to stream. `timing`, when given, is filled at the first output."""
+        if timing is not None:
+            timing.request_id = gen.request_id
         accounted = gen.priority is Priority.INTERACTIVE  # batch work has its own flow control
         if accounted:
             self.tenants.acquire(tenant)

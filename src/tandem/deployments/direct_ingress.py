@@ -1,0 +1,94 @@
+"""The completion routes in front of Ray Serve's per-request handling, on a direct-ingress replica.
+
+With Serve's direct ingress (`tandem serve`), each LLM replica runs an HTTP server of Serve's, and
+Serve wraps every request it receives (`Replica._direct_ingress_asgi`) before our app sees it:
+request metadata and ids, a receive proxy with a disconnect-watch task and a second task for the
+request, `asyncio.wait` on both, queue and ongoing-request accounting, route matching over the
+FastAPI routes for its metrics, its request metrics and an access-log line. On the 2-core dev
+machine that cost the replica's event loop about 0.8 ms per streamed completion, paid one request
+after another in a burst, on top of our app's own (see docs/operations.md, "Serving overhead").
+
+Serve lets a replica's process add ASGI middleware around that server, by import path in
+`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` (read when the server starts; Serve's proxy reads the
+same variable, so it is set in the LLM replica's environment only: `DIRECT_INGRESS_ENV_VARS`).
+`http_middlewares` is that callback. Its middleware answers `POST /v1/chat/completions` and
+`POST /v1/completions` under the replica's route prefix with `CompletionRoutes` before Serve's
+wrapper, and hands everything else (health checks, `/-/routes`, the other API routes) to it.
+
+What Serve's wrapper did for those two routes, and what does it here:
+- client disconnects: `CompletionRoutes`' own watcher aborts the request in the engine;
+- backpressure: `InProcessReplicaClient`'s in-flight limit (429 with `Retry-After`), as before;
+- `X-Request-ID`: echoed when the client sends one, else the completion's id (`CompletionRoutes`
+  with `request_id_header`);
+- the access log: our "request finished" and "request refused" lines (tenant, request id, status);
+- request metrics: ours (TTFT, e2e, tokens per tenant on `/metrics`). Serve's own HTTP request
+  metrics no longer count these two routes;
+- graceful shutdown: when Serve stops the replica's server, uvicorn waits for open responses;
+- Serve's `request_timeout_s` is not applied to them (`tandem serve` sets none).
+
+The replica's route prefix is read from the handler the middleware wraps (a private attribute of
+Serve's replica). Where it cannot be found (another Ray version), the middleware passes every
+request on, so the routes still work, through Serve's wrapper and FastAPI.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from starlette.middleware import Middleware
+
+from tandem.deployments.completion_routes import ROUTES, ASGIApp, CompletionRoutes, Receive, Scope, Send
+from tandem.deployments.ingress import server_for_app
+
+logger = logging.getLogger("tandem.api")
+
+CALLBACK_ENV_VAR = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+DIRECT_INGRESS_ENV_VARS = {CALLBACK_ENV_VAR: "tandem.deployments.direct_ingress:http_middlewares"}
+
+
+def serve_route_prefix(app: Any, max_depth: int = 8) -> str | None:
+    """The route prefix of the Serve replica whose request handler `app` is or wraps (through
+    middlewares that keep the next app as `app` or `_app`); None if there is none to find."""
+    for _ in range(max_depth):
+        prefix = getattr(getattr(app, "__self__", None), "_route_prefix", None)
+        if isinstance(prefix, str):
+            return prefix
+        app = getattr(app, "_app", None) or getattr(app, "app", None)
+        if app is None:
+            return None
+    return None
+
+
+class DirectIngressCompletionRoutes:
+    """ASGI middleware around Serve's direct-ingress request handler `app`: answers the two
+    completion routes under the replica's route prefix itself, passes everything else to `app`."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.routes = CompletionRoutes(app, server_of=server_for_app, request_id_header=True)
+        prefix = serve_route_prefix(app)
+        if prefix is None:
+            logger.warning(
+                "direct ingress: Serve's route prefix was not found (another Ray version?); the "
+                "completion routes go through Serve's request handling"
+            )
+            self.paths: dict[str, bool] = {}
+        else:
+            mount = prefix.rstrip("/")
+            self.paths = {mount + path: chat for path, chat in ROUTES.items()}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        chat = None
+        if scope["type"] == "http":
+            path, root = scope["path"], scope.get("root_path", "")
+            chat = self.paths.get(path[len(root) :] if root and path.startswith(root) else path)
+        if chat is None:
+            await self.app(scope, receive, send)
+        else:
+            await self.routes.answer(scope, receive, send, chat)
+
+
+def http_middlewares() -> list[Middleware]:
+    """Serve's HTTP middleware callback (`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`)."""
+    return [Middleware(DirectIngressCompletionRoutes)]
