@@ -401,7 +401,9 @@ def main() -> None:
         metavar="NAME:VAR=VALUE[,VAR=VALUE]",
         help="also run direct ingress with these environment variables in the replica's process "
         "(AppConfig.replica_env_vars), as phase http_direct_ingress_NAME_*; repeatable. Example: "
-        "separate_thread:RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=1 (Serve's default; ours is 0)",
+        "separate_thread:RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=1 (Serve's default; ours is 0), "
+        "or serve_wrapper:RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH= (completions through Serve's "
+        "per-request handling, as before tandem.deployments.direct_ingress)",
     )
     parser.add_argument(
         "--client",

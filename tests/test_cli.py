@@ -61,3 +61,45 @@ def test_serve_refuses_a_port_in_use(tiny_model_dir: Path) -> None:
         result = run_serve(tiny_model_dir, "--port", str(port))
     assert result.returncode == 2
     assert '"param": "port"' in result.stderr and "choose another --port" in result.stderr
+
+
+def test_haproxy_replicas_up_counts_serve_replicas_that_are_up(tmp_path: Path) -> None:
+    """`tandem serve` waits on this before saying it is ready: replicas only, the fallback proxy
+    and replicas still DOWN not counted (HAProxy's `show stat` CSV, as its admin socket answers)."""
+    import socket
+    import threading
+
+    from tandem.cli import haproxy_replicas_up, wait_for_haproxy
+
+    stats = (
+        b"# pxname,svname,qcur,qmax,scur,smax,slim,stot,bin,bout,dreq,dresp,ereq,econ,eresp,wretr,"
+        b"wredis,status\n"
+        b"http_frontend,FRONTEND,,,0,0,,0,0,0,0,0,0,,,,,OPEN\n"
+        b"http-tandem,SERVE_REPLICA_tandem-LLMReplica-a,0,0,0,0,,0,0,0,,0,,0,0,0,0,UP\n"
+        b"http-tandem,SERVE_REPLICA_tandem-LLMReplica-b,0,0,0,0,,0,0,0,,0,,0,0,0,0,DOWN\n"
+        b"http-tandem,SERVE_PROXY_ACTOR-fallback-x,0,0,0,0,,0,0,0,,0,,0,0,0,0,UP\n"
+        b"http-tandem,BACKEND,0,0,0,0,,0,0,0,0,0,,0,0,0,0,UP\n\n"
+    )
+    (tmp_path / "node").mkdir()
+    path = str(tmp_path / "node" / "admin.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen()
+
+    def answer() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                if conn.recv(64) == b"show stat\n":
+                    conn.sendall(stats)
+
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        assert haproxy_replicas_up(path) == 1
+        assert wait_for_haproxy(str(tmp_path), 1, timeout_s=5)
+        assert not wait_for_haproxy(str(tmp_path), 2, timeout_s=0.5)
+    finally:
+        server.close()

@@ -112,6 +112,46 @@ def haproxy_ingress_env(first_replica_port: int, num_ports: int, run_dir: str) -
     }
 
 
+def haproxy_replicas_up(socket_path: str) -> int:
+    """How many Serve replicas (servers named `SERVE_REPLICA...`, not the fallback proxy) HAProxy's
+    stats on its admin socket `socket_path` list as UP."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(5)
+        sock.connect(socket_path)
+        sock.sendall(b"show stat\n")
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    lines = b"".join(chunks).decode().splitlines()
+    if not lines:
+        return 0
+    header = lines[0].lstrip("# ").split(",")
+    name_at, status_at = header.index("svname"), header.index("status")
+    rows = [line.split(",") for line in lines[1:] if line]
+    return sum(1 for row in rows if row[name_at].startswith("SERVE_REPLICA") and row[status_at] == "UP")
+
+
+def wait_for_haproxy(run_dir: str, num_replicas: int, timeout_s: float = 60.0) -> bool:
+    """Wait until HAProxy, started by Serve with its admin socket under `run_dir`, balances over
+    `num_replicas` replicas. Serve adds a replica to HAProxy's configuration (a reload) only after
+    the replica's own server is up, which can be after `serve.run` returns; until then every
+    request goes to the replicas already listed. False if that did not happen in `timeout_s`."""
+    import glob
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for path in glob.glob(os.path.join(run_dir, "**", "admin.sock"), recursive=True):
+            try:
+                if haproxy_replicas_up(path) >= num_replicas:
+                    return True
+            except (OSError, ValueError):  # reloading, or not answering yet
+                continue
+        time.sleep(0.2)
+    return False
+
+
 def _use_direct_ingress(args: argparse.Namespace) -> bool:
     """--direct-ingress unless told otherwise, where it can work: a local Ray, and one replica or
     HAProxy to balance over several."""
@@ -225,6 +265,12 @@ def _serve(args: argparse.Namespace) -> int:
         ray.init(address="local", include_dashboard=False, configure_logging=False)
     serve.start(http_options={"host": args.host, "port": proxy_port})
     serve.run(app, name="tandem", route_prefix="/")
+    if behind_haproxy and not wait_for_haproxy(run_dir, args.num_replicas):
+        print(
+            f"[tandem] warning: HAProxy does not list all {args.num_replicas} replicas as up yet; "
+            "requests go to those it lists",
+            file=sys.stderr,
+        )
     base = f"http://{args.host}:{args.port}"
     print(f"[tandem] serving {args.model} at {base}/v1", file=sys.stderr)
     if behind_haproxy:

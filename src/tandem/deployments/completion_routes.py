@@ -14,7 +14,8 @@ Contract, the same as FastAPI routes would give: OpenAI's error body with the st
 `Content-Length` before it is read), 405 for another method; a JSON body or an SSE stream with
 `Server-Timing`. Anything else raised propagates to the app's outer error middleware (a 500). A
 client that disconnects once its body is read, while its request waits for the first token or
-streams, cancels the request, which aborts it in the engine.
+streams, cancels the request, which aborts it in the engine. A refused request is logged ("request
+refused": path, status, error code, request id).
 """
 
 from __future__ import annotations
@@ -131,14 +132,13 @@ class CompletionRoutes:
 
     async def answer(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
         """Answer `scope`'s request as the chat route (`chat`) or the completions route."""
-        headers: dict[str, str] = {}
         client_request_id = None
         if self.request_id_header:
             client_request_id = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
         if scope["method"] != "POST":
             message = f"{scope['method']} is not allowed here: send POST"
             body = error_body(message, "invalid_request_error", None, "method_not_allowed")
-            await _send_json(send, 405, body, self._with_request_id({"Allow": "POST"}, client_request_id))
+            await self._refuse(scope, send, (405, body, {"Allow": "POST"}), client_request_id, None)
             return
         timing = ResponseTiming(started=time.monotonic())
         try:
@@ -150,8 +150,8 @@ class CompletionRoutes:
                 else:
                     completion_req = CompletionRequest.model_validate(body)
                     result = await server.completions(completion_req, tenant, timing=timing)
-                headers["Server-Timing"] = timing.header()
-                headers = self._with_request_id(headers, client_request_id, timing.request_id)
+                headers = {"Server-Timing": timing.header()}
+                self._with_request_id(headers, client_request_id, timing.request_id)
                 if isinstance(result, dict):
                     await _send_json(send, 200, result, headers)
                 else:
@@ -165,14 +165,14 @@ class CompletionRoutes:
             await self._refuse(scope, send, reply, client_request_id, timing.request_id)
 
     def _with_request_id(
-        self, headers: dict[str, str], client_request_id: bytes | None, request_id: str | None = None
-    ) -> dict[str, str]:
+        self, headers: dict[str, str], client_request_id: bytes | None, request_id: str | None
+    ) -> None:
+        """Add `X-Request-ID` to `headers` when this route sets it."""
         if self.request_id_header:
             if client_request_id is not None:
                 headers["X-Request-ID"] = client_request_id.decode("latin-1")
             else:
                 headers["X-Request-ID"] = request_id or new_id("req")
-        return headers
 
     async def _refuse(
         self,
@@ -185,7 +185,7 @@ class CompletionRoutes:
         """Send an error reply, and log it: nothing else logs a refused request where Serve's
         access log is not in front (plain uvicorn without its access log, direct ingress)."""
         status, body, headers = reply
-        headers = self._with_request_id(headers, client_request_id, request_id)
+        self._with_request_id(headers, client_request_id, request_id)
         logger.info(
             "request refused",
             extra={
