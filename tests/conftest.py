@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from tandem import AsyncEngine
 
 TINY_CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -84,6 +89,17 @@ def make_tiny_model(
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Iterator[AsyncEngine]:
+    """An `AsyncEngine` on the tiny model, served as "tiny", one per test module (modules that
+    need other engine options define their own `engine`)."""
+    from tandem import AsyncEngine
+
+    eng = AsyncEngine.from_options(str(tiny_model_dir), kv_cache_memory=4 << 20, served_model_name="tiny")
+    yield eng
+    eng.shutdown()
 
 
 @pytest.fixture(scope="session")

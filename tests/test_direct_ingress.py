@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -33,13 +32,6 @@ class ServeReplicaStandIn:
         self.paths.append(scope["path"])
         await send({"type": "http.response.start", "status": 299, "headers": []})
         await send({"type": "http.response.body", "body": b"serve"})
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path) -> Iterator[AsyncEngine]:
-    eng = AsyncEngine.from_options(str(tiny_model_dir), kv_cache_memory=4 << 20, served_model_name="tiny")
-    yield eng
-    eng.shutdown()
 
 
 @pytest.fixture()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -18,13 +17,6 @@ from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys
 
 KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path) -> Iterator[AsyncEngine]:
-    eng = AsyncEngine.from_options(str(tiny_model_dir), kv_cache_memory=4 << 20, served_model_name="tiny")
-    yield eng
-    eng.shutdown()
 
 
 @pytest.fixture()
