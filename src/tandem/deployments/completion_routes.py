@@ -24,8 +24,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
@@ -101,9 +101,30 @@ class _Disconnected(Exception):
     """The client went away before its request body was complete."""
 
 
+class _RequestHeaders(NamedTuple):
+    """The request headers the routes read, from one pass over them."""
+
+    authorization: str | None
+    content_length: int | None
+    request_id: bytes | None  # the client's X-Request-ID
+
+    @classmethod
+    def of(cls, scope: Scope) -> _RequestHeaders:
+        authorization = content_length = request_id = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif name == b"content-length" and value.isdigit():
+                content_length = int(value)
+            elif name == b"x-request-id":
+                request_id = value
+        return cls(authorization, content_length, request_id)
+
+
 class CompletionRoutes:
     """ASGI middleware: serves the two completion routes, passes everything else to `app`.
 
+    `routes` maps a path (after the scope's `root_path`) to whether it is the chat route.
     `server_of(app)` returns the `OpenAIServer` answering for the Starlette app in
     `scope["app"]` (None while it starts: 500 `not_ready`, as the FastAPI routes give).
     With `request_id_header`, every answer carries `X-Request-ID`: the client's own, else the
@@ -115,26 +136,27 @@ class CompletionRoutes:
         app: ASGIApp,
         server_of: Callable[[Any], OpenAIServer | None],
         request_id_header: bool = False,
+        routes: Mapping[str, bool] = ROUTES,
     ) -> None:
         self.app = app
         self.server_of = server_of
         self.request_id_header = request_id_header
+        self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         chat = None
         if scope["type"] == "http":
             path, root = scope["path"], scope.get("root_path", "")
-            chat = ROUTES.get(path[len(root) :] if root and path.startswith(root) else path)
+            chat = self.routes.get(path[len(root) :] if root and path.startswith(root) else path)
         if chat is None:
             await self.app(scope, receive, send)
         else:
-            await self.answer(scope, receive, send, chat)
+            await self._answer(scope, receive, send, chat)
 
-    async def answer(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
+    async def _answer(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
         """Answer `scope`'s request as the chat route (`chat`) or the completions route."""
-        client_request_id = None
-        if self.request_id_header:
-            client_request_id = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        headers = _RequestHeaders.of(scope)
+        client_request_id = headers.request_id
         if scope["method"] != "POST":
             message = f"{scope['method']} is not allowed here: send POST"
             body = error_body(message, "invalid_request_error", None, "method_not_allowed")
@@ -142,7 +164,7 @@ class CompletionRoutes:
             return
         timing = ResponseTiming(started=time.monotonic())
         try:
-            server, tenant, body = await self._read_request(scope, receive)
+            server, tenant, body = await self._read_request(scope, headers, receive)
             async with _CancelOnDisconnect(receive):
                 if chat:
                     chat_req = ChatCompletionRequest.model_validate(body)
@@ -150,12 +172,12 @@ class CompletionRoutes:
                 else:
                     completion_req = CompletionRequest.model_validate(body)
                     result = await server.completions(completion_req, tenant, timing=timing)
-                headers = {"Server-Timing": timing.header()}
-                self._with_request_id(headers, client_request_id, timing.request_id)
+                reply_headers = {"Server-Timing": timing.header()}
+                self._with_request_id(reply_headers, client_request_id, timing.request_id)
                 if isinstance(result, dict):
-                    await _send_json(send, 200, result, headers)
+                    await _send_json(send, 200, result, reply_headers)
                 else:
-                    await _stream(result, headers, send)
+                    await _stream(result, reply_headers, send)
         except _Disconnected:
             return
         except TandemError as exc:  # raised before the response started (a stream reports in-band)
@@ -197,23 +219,18 @@ class CompletionRoutes:
         )
         await _send_json(send, status, body, headers)
 
-    async def _read_request(self, scope: Scope, receive: Receive) -> tuple[OpenAIServer, str, dict[str, Any]]:
+    async def _read_request(
+        self, scope: Scope, headers: _RequestHeaders, receive: Receive
+    ) -> tuple[OpenAIServer, str, dict[str, Any]]:
         """The server, the caller's tenant (401 without a valid key) and the body as a JSON object
         with no unsupported field (400), refused from its `Content-Length` when too large (413)."""
         server = self.server_of(scope.get("app"))
         if server is None:
             raise TandemError("server is starting; retry shortly", code="not_ready")
-        authorization = None
-        declared_length = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                authorization = value.decode("latin-1")
-            elif name == b"content-length" and value.isdigit():
-                declared_length = int(value)
-        tenant = server.tenants.authenticate(authorization)
-        if declared_length is not None and declared_length > MAX_BODY_BYTES:
+        tenant = server.tenants.authenticate(headers.authorization)
+        if headers.content_length is not None and headers.content_length > MAX_BODY_BYTES:
             raise PayloadTooLargeError(
-                f"request body is {declared_length} bytes; the limit is {MAX_BODY_BYTES}"
+                f"request body is {headers.content_length} bytes; the limit is {MAX_BODY_BYTES}"
             )
         body = parse_json_object(await _read_body(receive))
         reject_unsupported(body)

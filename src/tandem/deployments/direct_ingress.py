@@ -39,7 +39,7 @@ from typing import Any
 
 from starlette.middleware import Middleware
 
-from tandem.deployments.completion_routes import ROUTES, ASGIApp, CompletionRoutes, Receive, Scope, Send
+from tandem.deployments.completion_routes import ROUTES, ASGIApp, CompletionRoutes
 from tandem.deployments.ingress import server_for_app
 
 logger = logging.getLogger("tandem.api")
@@ -61,35 +61,21 @@ def serve_route_prefix(app: Any, max_depth: int = 8) -> str | None:
     return None
 
 
-class DirectIngressCompletionRoutes:
-    """ASGI middleware around Serve's direct-ingress request handler `app`: answers the two
-    completion routes under the replica's route prefix itself, passes everything else to `app`."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-        self.routes = CompletionRoutes(app, server_of=server_for_app, request_id_header=True)
-        prefix = serve_route_prefix(app)
-        if prefix is None:
-            logger.warning(
-                "direct ingress: Serve's route prefix was not found (another Ray version?); the "
-                "completion routes go through Serve's request handling"
-            )
-            self.paths: dict[str, bool] = {}
-        else:
-            mount = prefix.rstrip("/")
-            self.paths = {mount + path: chat for path, chat in ROUTES.items()}
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        chat = None
-        if scope["type"] == "http":
-            path, root = scope["path"], scope.get("root_path", "")
-            chat = self.paths.get(path[len(root) :] if root and path.startswith(root) else path)
-        if chat is None:
-            await self.app(scope, receive, send)
-        else:
-            await self.routes.answer(scope, receive, send, chat)
+def completion_routes_in_front(app: ASGIApp) -> ASGIApp:
+    """`CompletionRoutes` around Serve's direct-ingress request handler `app`, for the two
+    completion routes under the replica's route prefix; `app` itself where the prefix is not found."""
+    prefix = serve_route_prefix(app)
+    if prefix is None:
+        logger.warning(
+            "direct ingress: Serve's route prefix was not found (another Ray version?); the "
+            "completion routes go through Serve's request handling"
+        )
+        return app
+    mount = prefix.rstrip("/")
+    routes = {mount + path: chat for path, chat in ROUTES.items()}
+    return CompletionRoutes(app, server_of=server_for_app, request_id_header=True, routes=routes)
 
 
 def http_middlewares() -> list[Middleware]:
     """Serve's HTTP middleware callback (`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`)."""
-    return [Middleware(DirectIngressCompletionRoutes)]
+    return [Middleware(completion_routes_in_front)]

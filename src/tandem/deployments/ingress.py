@@ -71,12 +71,8 @@ def server_for_app(app: Any) -> OpenAIServer | None:
     return getattr(getattr(app, "state", None), "server", None) or _installed_server
 
 
-def _server_or_none(request: Request) -> OpenAIServer | None:
-    return server_for_app(request.app)
-
-
 def _server(request: Request) -> OpenAIServer:
-    server = _server_or_none(request)
+    server = server_for_app(request.app)
     if server is None:
         raise TandemError("server is starting; retry shortly", code="not_ready")
     return server
@@ -134,7 +130,7 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
     async def metrics(request: Request) -> PlainTextResponse:
         from tandem.platform.telemetry import prometheus_text
 
-        server = _server_or_none(request)
+        server = server_for_app(request.app)
         if server is not None:
             await server.refresh_engine_stats()
         return PlainTextResponse(prometheus_text(), media_type="text/plain; version=0.0.4")
