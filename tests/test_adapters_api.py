@@ -3,6 +3,8 @@ other requests stream; tenant isolation; validation errors."""
 
 from __future__ import annotations
 
+import shutil
+
 import json
 import threading
 from collections.abc import Iterator
@@ -41,7 +43,7 @@ def http(engine: AsyncEngine, tmp_path: Path, peft_adapters: dict[str, Path]) ->
     adapters = AdapterStore(
         FileObjectStore(str(tmp_path / "objects")),
         "tiny",
-        source_prefixes=(f"file://{peft_adapters['attn-r4']}",),
+        source_prefixes=(f"file://{tmp_path}/sources/{{tenant}}/",),
     )
     tenants = TenantRegistry(parse_keys(f"{KEY_A}=acme,{KEY_B}=globex"))
     server = OpenAIServer(LocalEngineClient(engine, adapters), tenants, adapters=adapters)
@@ -169,9 +171,10 @@ def test_bad_uploads_get_clear_errors(
     assert missing.status_code == 400
     assert post("dup", config, weights).status_code == 200
     assert post("dup", config, weights).status_code == 409
-    # A source URI works only under the allowed prefixes.
+    # A source URI works only under the caller's own folder of the allowed prefixes.
+    shutil.copytree(peft_adapters["attn-r4"], tmp_path / "sources" / "acme" / "attn")
     ok = http.post(
-        "/v1/adapters", headers=headers, json={"name": "src", "source": f"file://{peft_adapters['attn-r4']}"}
+        "/v1/adapters", headers=headers, json={"name": "src", "source": f"file://{tmp_path}/sources/acme/attn"}
     )
     assert ok.status_code == 200, ok.text
     denied = http.post("/v1/adapters", headers=headers, json={"name": "src2", "source": f"file://{tmp_path}"})

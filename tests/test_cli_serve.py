@@ -17,6 +17,7 @@ import pytest
 from .conftest import free_port, make_tiny_model
 from .test_serve import (
     KEY,
+    OPERATOR_KEY,
     check_disconnect_frees_kv_blocks,
     check_errors,
     check_openai_client,
@@ -96,6 +97,7 @@ class ServeProcess:
         self.port = free_port()
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         env["TANDEM_API_KEYS"] = f"{KEY}=acme"
+        env["TANDEM_OPERATOR_KEYS"] = OPERATOR_KEY
         command = [sys.executable, "-m", "tandem.cli", "serve", "--model", str(model_dir)]
         command += ["--served-model-name", "tiny", "--port", str(self.port)]
         command += ["--data-dir", str(tmp_path / "data"), "--kv-cache-memory", str(8 << 20), *args]

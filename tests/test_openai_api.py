@@ -14,9 +14,10 @@ from fastapi.testclient import TestClient
 from tandem import AsyncEngine
 from tandem.deployments.ingress import create_app
 from tandem.deployments.openai_server import OpenAIServer
-from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys
+from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys, parse_operator_keys
 
 KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
+OPERATOR_KEY = "sk-operator"
 
 
 @pytest.fixture()
@@ -24,6 +25,7 @@ def http(engine: AsyncEngine) -> Iterator[TestClient]:
     tenants = TenantRegistry(
         parse_keys(f"{KEY_A}=acme,{KEY_B}=globex"),
         per_tenant_limits={"globex": TenantLimits(max_concurrent_requests=0)},
+        operator_keys=parse_operator_keys(OPERATOR_KEY),
     )
     server = OpenAIServer(engine, tenants, decode_token=lambda t: engine.tokenizer.decode([t]))
     with TestClient(create_app(server)) as client:
@@ -128,17 +130,17 @@ def test_logprobs(client: openai.OpenAI) -> None:
             lambda c: c.chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": "x"}], temperature=5
             ),
-            422,
+            400,
             "temperature",
         ),
-        (lambda c: c.chat.completions.create(model="tiny", messages=[]), 422, "messages"),
+        (lambda c: c.chat.completions.create(model="tiny", messages=[]), 400, "messages"),
         (
             lambda c: c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": ""}]),
             400,
             "messages",
         ),
         (lambda c: c.completions.create(model="tiny", prompt="word " * 600), 400, "prompt"),
-        (lambda c: c.completions.create(model="tiny", prompt="x", max_tokens=0), 422, "max_tokens"),
+        (lambda c: c.completions.create(model="tiny", prompt="x", max_tokens=0), 400, "max_tokens"),
     ],
 )
 def test_bad_requests_get_openai_errors(client: openai.OpenAI, call, status: int, param: str) -> None:  # type: ignore[no-untyped-def]
@@ -282,7 +284,9 @@ def test_metrics_and_traces_per_tenant(http: TestClient, client: openai.OpenAI) 
         temperature=0,
         extra_body={"ignore_eos": True},
     )
-    text = http.get("/metrics").text
+    assert http.get("/metrics").status_code == 401  # operators only
+    assert http.get("/metrics", headers={"Authorization": f"Bearer {KEY_A}"}).status_code == 403
+    text = http.get("/metrics", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}).text
     ttft = [
         line
         for line in text.splitlines()

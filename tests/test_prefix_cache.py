@@ -123,7 +123,7 @@ def test_reassigned_block_aborts_only_its_request(pair: tuple[LLM, LLM], overwri
         if steps == 4:  # mid-decode
             engine.inject_kv_fault(ids[1], 0, overwrite=overwrite)
     victim = finished[ids[1]]
-    assert victim.outputs[0].finish_reason == "error" and "kv_integrity" in (victim.error or "")
+    assert victim.outputs[0].finish_reason == "error" and victim.error_code == "kv_integrity"
     assert len(victim.outputs[0].token_ids) < 16  # nothing generated after the fault
     assert victim.outputs[0].token_ids == clean[1][: len(victim.outputs[0].token_ids)]
     for i in (0, 2):

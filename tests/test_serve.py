@@ -13,6 +13,7 @@ from .conftest import make_tiny_model
 pytestmark = pytest.mark.ray
 
 KEY = "sk-serve-test"
+OPERATOR_KEY = "sk-serve-test-operator"
 
 
 def deploy(
@@ -35,7 +36,15 @@ def deploy(
         "served_model_name": "tiny",
         **(engine or {}),
     }
-    app = build_app({"engine": engine_args, "api_keys": f"{KEY}=acme", "replica_num_cpus": 0, **app_args})
+    app = build_app(
+        {
+            "engine": engine_args,
+            "api_keys": f"{KEY}=acme",
+            "operator_keys": OPERATOR_KEY,
+            "replica_num_cpus": 0,
+            **app_args,
+        }
+    )
     serve.run(app, name=name, route_prefix=route_prefix)
 
 
@@ -110,7 +119,9 @@ def scraped_samples(base_url: str) -> list[tuple[str, str, float]]:
     import httpx
 
     samples = []
-    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
+    response = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}, timeout=10)
+    response.raise_for_status()
+    for line in response.text.splitlines():
         if line and not line.startswith("#"):
             series, value = line.rsplit(" ", 1)
             name, _, labels = series.partition("{")
@@ -430,7 +441,8 @@ def test_direct_streaming_serves_the_api_from_the_replica(direct_served: str) ->
     assert sorted(deployments) == ["BatchWorker", "LLMReplica"]
     check_openai_client(direct_served)
     check_errors(direct_served)
-    metrics = httpx.get(f"{direct_served}/metrics", timeout=10).text  # recorded in the replica itself
+    operator = {"Authorization": f"Bearer {OPERATOR_KEY}"}
+    metrics = httpx.get(f"{direct_served}/metrics", headers=operator, timeout=10).text  # in the replica itself
     assert "tandem_requests_total{" in metrics and 'tenant="acme"' in metrics
     assert httpx.get(f"{direct_served}/health", timeout=10).json() == {"status": "ok"}
 

@@ -221,6 +221,11 @@ def _serve(args: argparse.Namespace) -> int:
     if not api_keys and not args.keys_file:
         dev_key = "sk-dev-" + secrets.token_hex(12)
         api_keys = f"{dev_key}=dev"
+    operator_keys = os.environ.get("TANDEM_OPERATOR_KEYS")
+    dev_operator_key = None
+    if not operator_keys:
+        dev_operator_key = "sk-op-dev-" + secrets.token_hex(12)
+        operator_keys = dev_operator_key
     engine: dict[str, object] = {"model": args.model}
     if args.served_model_name:
         engine["served_model_name"] = args.served_model_name
@@ -239,7 +244,8 @@ def _serve(args: argparse.Namespace) -> int:
             "replica_num_cpus": 0 if args.address is None else 1,
             "object_store": args.object_store
             or "file://" + os.path.join(os.path.abspath(args.data_dir), "objects"),
-            "adapter_source_prefixes": ["s3://", "file://"],  # a local server may read local folders
+            "operator_keys": operator_keys,
+            "adapter_source_prefixes": args.adapter_source_prefix,
         }
     )
     proxy_port = args.port
@@ -287,6 +293,8 @@ def _serve(args: argparse.Namespace) -> int:
         )
     if dev_key:
         print(f"[tandem] dev API key (this run only): {dev_key}", file=sys.stderr)
+    if dev_operator_key:
+        print(f"[tandem] dev operator key for /metrics (this run only): {dev_operator_key}", file=sys.stderr)
     print(f"[tandem] try: curl {base}/v1/models -H 'Authorization: Bearer <key>'", file=sys.stderr)
 
     def _stop(signum: int, frame: object) -> None:
@@ -328,6 +336,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     srv.add_argument("--data-dir", default=os.path.expanduser("~/.local/share/tandem"))
     srv.add_argument("--keys-file", default=None, help="file of KEY=TENANT lines (else $TANDEM_API_KEYS)")
+    srv.add_argument(
+        "--adapter-source-prefix",
+        action="append",
+        default=[],
+        metavar="URI",
+        help="a per-tenant folder adapter uploads may name as 'source' instead of sending files, "
+        "with {tenant} in it (e.g. s3://adapters/{tenant}/); repeatable; default: none (uploads only)",
+    )
     srv.add_argument("--num-replicas", type=int, default=1)
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")

@@ -2,9 +2,10 @@
 
 `POST /v1/adapters` takes a multipart form with `name` and either the two PEFT files
 (`adapter_config`: adapter_config.json, `adapter_model`: adapter_model.safetensors) or a `source`
-folder URI (`s3://...` or `file://...`, only under the server's allowed prefixes); a JSON body
-`{"name", "source"}` works too. The adapter is validated against the served base model (shapes,
-rank limit, supported modules) before it is stored; nothing is loaded into any replica until a
+folder URI (`s3://...` or `file://...`, only under the caller's own folder of the operator's
+`adapter_source_prefixes`; none by default); a JSON body `{"name", "source"}` works too. The
+adapter is validated against the served base model (shapes, rank limit, supported modules) and
+numerically (finite weights, bounded scaling and update norm) before it is stored; nothing is loaded into any replica until a
 request names it (`model="<base>:<name>"`).
 """
 
@@ -62,7 +63,7 @@ def adapter_router(
         if isinstance(source, str) and source:
             if config is not None or weights is not None:
                 raise InvalidRequestError("send either the two files or 'source', not both", param="source")
-            config, weights = await run_in_threadpool(store.fetch_source, source)
+            config, weights = await run_in_threadpool(store.fetch_source, tenant, source)
         if config is None or weights is None:
             raise InvalidRequestError(
                 "send file fields 'adapter_config' (adapter_config.json) and 'adapter_model' "

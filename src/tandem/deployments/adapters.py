@@ -16,12 +16,15 @@ requests are routed to replicas that already hold it).
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import secrets
 import time
 from collections.abc import AsyncGenerator
+from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import quote, urlparse
 
 from pydantic import BaseModel
 
@@ -29,9 +32,11 @@ from tandem.batch.records import tenant_prefix
 from tandem.engine.lora import LoRALimits, LoRAModelShape, parse_peft_adapter
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.errors import ConflictError, InvalidRequestError, NotFoundError
-from tandem.platform.object_store import ObjectNotFound, ObjectStore, open_object_store
+from tandem.platform.object_store import ObjectNotFound, ObjectStore, S3ObjectStore
 
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+logger = logging.getLogger("tandem.api")
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # matched whole (fullmatch)
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
@@ -78,9 +83,9 @@ def parse_lora_id(lora_id: str) -> tuple[str, str, str]:
 
 
 class AdapterStore:
-    """Tenant-scoped adapter records and files. `source_prefixes` lists the URI prefixes an upload
-    may name as `source` instead of sending files (the server reads them with its own
-    credentials, so keep it to buckets meant for adapters)."""
+    """Tenant-scoped adapter records and files. `source_prefixes` lists the folder URIs, each with
+    `{tenant}` in it, that an upload may name as `source` instead of sending files: a tenant reads
+    only under its own (the server reads them with its own credentials)."""
 
     def __init__(
         self,
@@ -92,7 +97,7 @@ class AdapterStore:
     ) -> None:
         self.store = store
         self.base_model = base_model
-        self.source_prefixes = source_prefixes
+        self.source_prefixes = tuple(check_source_prefix(p) for p in source_prefixes)
         self.max_adapter_bytes = max_adapter_bytes
 
     def create(
@@ -106,7 +111,7 @@ class AdapterStore:
     ) -> AdapterRecord:
         """Validate (against the base model and limits) and store a new adapter; 409 if the name
         is taken (delete it first)."""
-        if not NAME_PATTERN.match(name):
+        if not NAME_PATTERN.fullmatch(name):
             raise InvalidRequestError(
                 "name must be 1-64 characters of letters, digits, '_', '.', '-' (starting with a letter or digit)",
                 param="name",
@@ -130,25 +135,30 @@ class AdapterStore:
         self.store.put(_record_key(tenant, name), record.model_dump_json().encode(), if_none_match=True)
         return record
 
-    def fetch_source(self, source: str) -> tuple[bytes, bytes]:
-        """The two PEFT files under an allowed `s3://` or `file://` folder URI."""
-        if not any(source.startswith(prefix) for prefix in self.source_prefixes):
-            allowed = list(self.source_prefixes) or "none: upload the files instead"
-            raise InvalidRequestError(
-                f"source {source!r} is not allowed here (allowed prefixes: {allowed})", param="source"
-            )
-        parsed = urlparse(source)
-        if parsed.scheme not in ("s3", "file") or ".." in parsed.path.split("/"):
-            raise InvalidRequestError("source must be an s3:// or file:// folder URI", param="source")
-        folder = open_object_store(source.rstrip("/"))
+    def fetch_source(self, tenant: str, source: str) -> tuple[bytes, bytes]:
+        """The two PEFT files of the folder `source`, which must lie under one of `tenant`'s own
+        source prefixes (`source_prefixes` with `{tenant}` filled in). Nothing is created, and
+        nothing outside those folders is read."""
+        folder = resolve_source(source, [p.format(tenant=quote(tenant, safe="")) for p in self.source_prefixes])
         try:
-            return folder.get(CONFIG_FILE).data, folder.get(WEIGHTS_FILE).data
-        except ObjectNotFound as exc:
-            raise NotFoundError(
-                f"{source} must hold {CONFIG_FILE} and {WEIGHTS_FILE}", param="source"
+            if isinstance(folder, Path):
+                return _read_inside(folder, CONFIG_FILE), _read_inside(folder, WEIGHTS_FILE)
+            bucket, key_prefix = folder
+            store = S3ObjectStore(bucket, key_prefix)
+            return store.get(CONFIG_FILE).data, store.get(WEIGHTS_FILE).data
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError, ObjectNotFound) as exc:
+            raise NotFoundError(f"{source} must hold {CONFIG_FILE} and {WEIGHTS_FILE}", param="source") from exc
+        except Exception as exc:  # permissions, credentials, the network: the caller cannot fix those
+            logger.warning("adapter source unreadable", extra={"tenant": tenant, "error": repr(exc)[:300]})
+            raise InvalidRequestError(
+                f"{source} could not be read; upload the files instead", param="source", code="source_unreadable"
             ) from exc
 
     def get(self, tenant: str, name: str) -> AdapterRecord:
+        if not NAME_PATTERN.fullmatch(name):  # no such adapter can exist (and the key stays safe)
+            raise NotFoundError(
+                f"The model '{self.base_model}:{name}' does not exist", param="model", code="model_not_found"
+            )
         try:
             return AdapterRecord.model_validate_json(self.store.get(_record_key(tenant, name)).data)
         except (ObjectNotFound, ValueError) as exc:
@@ -178,6 +188,73 @@ class AdapterStore:
             raise NotFoundError(
                 f"adapter {name!r} was deleted", param="model", code="model_not_found"
             ) from exc
+
+
+def _read_inside(folder: Path, name: str) -> bytes:
+    """`folder/name`, unless it is a link to somewhere outside `folder`."""
+    path = Path(os.path.realpath(folder / name))
+    if path.parent != folder:
+        raise FileNotFoundError(name)
+    return path.read_bytes()
+
+
+def check_source_prefix(prefix: str) -> str:
+    """An operator's adapter source prefix: an `s3://bucket/...` or `file:///...` folder with
+    `{tenant}` as one whole path segment (so each tenant gets a folder of its own)."""
+    parsed = urlparse(prefix)
+    segments = parsed.path.split("/")
+    if (
+        parsed.scheme not in ("s3", "file")
+        or (parsed.scheme == "s3" and not parsed.netloc)
+        or (parsed.scheme == "file" and parsed.netloc not in ("", "localhost"))
+        or "{tenant}" not in segments
+        or prefix.count("{") != 1
+        or prefix.count("}") != 1
+        or any(part in (".", "..") for part in segments)
+    ):
+        raise ValueError(
+            f"adapter source prefix {prefix!r} must be s3://bucket/.../{{tenant}}/... or "
+            "file:///.../{tenant}/..., with {tenant} as a whole path segment"
+        )
+    return prefix
+
+
+def resolve_source(source: str, allowed: list[str]) -> Path | tuple[str, str]:
+    """The local folder (`Path`) or the (bucket, key prefix) that `source` names, if it lies under
+    one of the `allowed` folder URIs; `InvalidRequestError` otherwise (traversal, another scheme,
+    query strings, a symlink out of the folder)."""
+    parsed = urlparse(source)
+    segments = parsed.path.split("/")
+    if (
+        not allowed
+        or parsed.scheme not in ("s3", "file")
+        or parsed.query
+        or parsed.fragment
+        or parsed.params
+        or any(part in (".", "..") for part in segments)
+        or "\x00" in source
+        or "\\" in source
+    ):
+        shown = allowed or "none: upload the files instead"
+        raise InvalidRequestError(
+            f"source is not allowed here (allowed folders for you: {shown})", param="source"
+        )
+    for prefix in allowed:
+        base = urlparse(prefix.rstrip("/") + "/")
+        if parsed.scheme != base.scheme or parsed.netloc != base.netloc:
+            continue
+        path = parsed.path.rstrip("/") + "/"
+        if not path.startswith(base.path):
+            continue
+        if parsed.scheme == "s3":
+            return parsed.netloc, parsed.path.strip("/")
+        root = Path(os.path.realpath(base.path))
+        folder = Path(os.path.realpath(parsed.path))
+        if folder == root or root in folder.parents:
+            return folder
+    raise InvalidRequestError(
+        f"source is not allowed here (allowed folders for you: {allowed})", param="source"
+    )
 
 
 def load_into_engine(engine: Any, adapters: AdapterStore, lora_id: str) -> None:

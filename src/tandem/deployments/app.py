@@ -9,13 +9,13 @@ from collections.abc import AsyncGenerator
 from dataclasses import asdict
 from typing import Any, cast
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from tandem.batch.service import BatchLimits, BatchService
-from tandem.deployments.adapters import AdapterStore
+from tandem.deployments.adapters import AdapterStore, check_source_prefix
 from tandem.deployments.autoscaling import BatchQueueTargets, ScalingTargets
 from tandem.deployments.batch_worker import BatchWorkerReplica
 from tandem.deployments.direct_ingress import DIRECT_INGRESS_ENV_VARS
@@ -26,7 +26,7 @@ from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.config import EngineConfig
 from tandem.platform.errors import OverloadedError
 from tandem.platform.object_store import open_object_store
-from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys
+from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys, parse_operator_keys
 
 
 class AppConfig(BaseModel):
@@ -81,10 +81,24 @@ class AppConfig(BaseModel):
         description="BatchQueueTargets fields (min_replicas, max_replicas, target_shards_per_replica)",
     )
     batch_poll_interval_s: float = 1.0
-    adapter_source_prefixes: list[str] = Field(
-        default_factory=lambda: ["s3://"],
-        description="URI prefixes an adapter upload may name as 'source' (read with the server's credentials)",
+    operator_keys: str | None = Field(
+        None,
+        description="'key1,key2': keys that may read /metrics (tenant keys cannot); "
+        "default: $TANDEM_OPERATOR_KEYS; with none, /metrics is closed",
     )
+    adapter_source_prefixes: list[str] = Field(
+        default_factory=list,
+        description="Per-tenant folder URIs an adapter upload may name as 'source' instead of sending "
+        "files, each with '{tenant}' in it (s3://adapters/{tenant}/, file:///srv/adapters/{tenant}/); "
+        "read with the server's credentials, only under the caller's own folder. Default: none",
+    )
+
+    @field_validator("adapter_source_prefixes")
+    @classmethod
+    def _per_tenant_prefixes(cls, prefixes: list[str]) -> list[str]:
+        for prefix in prefixes:
+            check_source_prefix(prefix)
+        return prefixes
     max_adapter_bytes: int = 256 << 20
 
 
@@ -149,9 +163,11 @@ def openai_server(
     if cfg.keys_file:
         with open(cfg.keys_file) as f:
             spec = f.read() + "," + spec
+    operator_spec = cfg.operator_keys if cfg.operator_keys is not None else os.environ.get("TANDEM_OPERATOR_KEYS", "")
     tenants = TenantRegistry(
         parse_keys(spec),
         TenantLimits(cfg.max_concurrent_requests_per_tenant, cfg.tokens_per_minute_per_tenant),
+        operator_keys=parse_operator_keys(operator_spec),
     )
     batches = adapters = None
     if cfg.object_store is not None:

@@ -9,10 +9,11 @@ left: more than half of the 0.95 ms a streamed request cost the loop (see docs/o
 `CompletionRoutes` answers them itself and hands every other request to the app behind it.
 
 Contract, the same as FastAPI routes would give: OpenAI's error body with the status of the
-`TandemError` (and `Retry-After` where it has one), 422 naming the field for a schema violation,
+`TandemError` (and `Retry-After` where it has one), 400 naming the field for a schema violation,
 400 for a body that is not a JSON object, 413 for one over `MAX_BODY_BYTES` (refused from its
 `Content-Length` before it is read), 405 for another method; a JSON body or an SSE stream with
-`Server-Timing`. Anything else raised propagates to the app's outer error middleware (a 500). A
+`Server-Timing`. Anything else raised is logged with its traceback and a request id, and answered
+with a 500 in OpenAI's shape that names only that request id (a stream reports it in-band). A
 client that disconnects once its body is read, while its request waits for the first token or
 streams, cancels the request, which aborts it in the engine. A refused request is logged ("request
 refused": path, status, error code, request id).
@@ -24,7 +25,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import Any, NamedTuple
 
 from pydantic import ValidationError
@@ -34,8 +35,11 @@ from tandem.platform.errors import InvalidRequestError, PayloadTooLargeError, Ta
 from tandem.platform.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    error_body,
+    internal_error_body,
     new_id,
     reject_unsupported,
+    validation_error_body,
 )
 
 logger = logging.getLogger("tandem.api")
@@ -77,11 +81,6 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def error_body(message: str, error_type: str, param: str | None, code: str | None) -> dict[str, Any]:
-    """OpenAI's error shape."""
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
 def tandem_error_reply(exc: TandemError) -> tuple[int, dict[str, Any], dict[str, str]]:
     """Status, body and extra headers (`Retry-After` for errors that carry a retry hint)."""
     retry_after = getattr(exc, "retry_after_s", None)
@@ -90,11 +89,10 @@ def tandem_error_reply(exc: TandemError) -> tuple[int, dict[str, Any], dict[str,
     return exc.status_code, body, headers
 
 
-def validation_error_reply(errors: list[Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
-    """422 naming the first offending field (`messages.0.content`), as FastAPI's handler does."""
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-    return 422, error_body(f"{param}: {first.get('msg')}", "invalid_request_error", param, None), {}
+def validation_error_reply(errors: Sequence[Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """400 `invalid_request_error` naming the first offending field (`messages.0.content`), as
+    OpenAI answers (never FastAPI's 422)."""
+    return 400, validation_error_body(errors), {}
 
 
 class _Disconnected(Exception):
@@ -163,6 +161,13 @@ class CompletionRoutes:
             await self._refuse(scope, send, (405, body, {"Allow": "POST"}), client_request_id, None)
             return
         timing = ResponseTiming(started=time.monotonic())
+        response_started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal response_started
+            response_started = True
+            await send(message)
+
         try:
             server, tenant, body = await self._read_request(scope, headers, receive)
             async with _CancelOnDisconnect(receive):
@@ -175,9 +180,9 @@ class CompletionRoutes:
                 reply_headers = {"Server-Timing": timing.header()}
                 self._with_request_id(reply_headers, client_request_id, timing.request_id)
                 if isinstance(result, dict):
-                    await _send_json(send, 200, result, reply_headers)
+                    await _send_json(send_tracked, 200, result, reply_headers)
                 else:
-                    await _stream(result, reply_headers, send)
+                    await _stream(result, reply_headers, send_tracked)
         except _Disconnected:
             return
         except TandemError as exc:  # raised before the response started (a stream reports in-band)
@@ -185,6 +190,12 @@ class CompletionRoutes:
         except ValidationError as exc:
             reply = validation_error_reply(exc.errors())
             await self._refuse(scope, send, reply, client_request_id, timing.request_id)
+        except Exception:  # a bug: the traceback goes to the log under the request id, not to the client
+            request_id = timing.request_id or new_id("req")
+            logger.exception("request failed", extra={"path": scope["path"], "request_id": request_id})
+            if not response_started:
+                reply = (500, internal_error_body(request_id), {})
+                await self._refuse(scope, send, reply, client_request_id, request_id)
 
     def _with_request_id(
         self, headers: dict[str, str], client_request_id: bytes | None, request_id: str | None

@@ -19,18 +19,19 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.deployments.adapter_routes import adapter_router
 from tandem.deployments.batch_routes import batch_router
 from tandem.deployments.completion_routes import (
     CompletionRoutes,
-    error_body,
     parse_json_object,
     tandem_error_reply,
     validation_error_reply,
 )
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.errors import TandemError
+from tandem.platform.openai_schemas import error_body, internal_error_body, new_id
 
 logger = logging.getLogger("tandem.api")
 
@@ -103,6 +104,28 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         return _reply_response(*validation_error_reply(list(exc.errors())))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own answers (no such route: 404, another method: 405) in OpenAI's shape."""
+        error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return JSONResponse(
+            error_body(str(exc.detail), error_type, None, code),
+            status_code=exc.status_code,
+            headers=dict(exc.headers or {}),
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        """A bug: its traceback goes to the log under a request id; the client gets only that id."""
+        request_id = request.headers.get("x-request-id") or new_id("req")
+        logger.error(
+            "request failed",
+            exc_info=exc,
+            extra={"path": request.url.path, "method": request.method, "request_id": request_id},
+        )
+        return JSONResponse(internal_error_body(request_id), status_code=500, headers={"X-Request-ID": request_id})
+
     app.include_router(batch_router(_authenticated, json_body))
     app.include_router(adapter_router(_authenticated, json_body))
 
@@ -128,11 +151,13 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:
+        """Prometheus text, for operators only (its series are labelled by tenant): 401 without a
+        key, 403 with a tenant's key."""
         from tandem.platform.telemetry import prometheus_text
 
-        server = server_for_app(request.app)
-        if server is not None:
-            await server.refresh_engine_stats()
+        server = _server(request)
+        server.tenants.authenticate_operator(request.headers.get("authorization"))
+        await server.refresh_engine_stats()
         return PlainTextResponse(prometheus_text(), media_type="text/plain; version=0.0.4")
 
     return app

@@ -25,7 +25,7 @@ from tandem.deployments.adapters import AdapterStore
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Priority
 from tandem.engine.sampling_params import SamplingParams
-from tandem.platform.errors import InvalidRequestError, KVIntegrityError, NotFoundError, TandemError
+from tandem.platform.errors import InvalidRequestError, NotFoundError, RequestFailedError, TandemError
 from tandem.platform.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,10 +35,13 @@ from tandem.platform.openai_schemas import (
     Usage,
     chat_chunk,
     chat_completion,
+    error_body,
+    internal_error_body,
     new_id,
     now,
     reject_unsupported,
     text_completion,
+    validation_error_body,
 )
 from tandem.platform.telemetry import get_telemetry
 from tandem.platform.tenancy import TenantRegistry
@@ -268,27 +271,10 @@ class OpenAIServer:
         except TandemError as exc:
             # The request got an HTTP answer: like OpenAI, the line's `response` holds the error
             # body and its top-level `error` stays null (that is for requests that never ran).
-            body_out = {
-                "error": {
-                    "message": exc.message,
-                    "type": exc.error_type,
-                    "param": exc.param,
-                    "code": exc.code,
-                }
-            }
+            body_out = error_body(exc.message, exc.error_type, exc.param, exc.code)
             return ExecutedRequest(exc.status_code, new_id("req"), body_out, None)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            param = ".".join(str(p) for p in first["loc"])
-            body_out = {
-                "error": {
-                    "message": str(first["msg"]),
-                    "type": "invalid_request_error",
-                    "param": param,
-                    "code": None,
-                }
-            }
-            return ExecutedRequest(422, new_id("req"), body_out, None)
+            return ExecutedRequest(400, new_id("req"), validation_error_body(exc.errors()), None)
         assert isinstance(result, dict), "batch requests never stream"
         usage = result.get("usage") or {}
         return ExecutedRequest(
@@ -352,7 +338,7 @@ class OpenAIServer:
         self._record(gen, tenant, last, started, started_ns, first_at)
         completion = last.outputs[0]
         if completion.finish_reason == "error":
-            raise KVIntegrityError(last.error or "the request failed in the engine; retry it")
+            raise _engine_error(last)
         usage = _usage(last)
         if chat:
             return chat_completion(
@@ -402,8 +388,8 @@ class OpenAIServer:
             out: RequestOutput | None = first
             while out is not None:
                 last = out
-                if out.outputs[0].finish_reason == "error":  # no text from corrupted KV: end in-band
-                    raise KVIntegrityError(out.error or "the request failed in the engine; retry it")
+                if out.outputs[0].finish_reason == "error":  # the engine ended it: no more text
+                    raise _engine_error(out)
                 yield _event(self._chunk(gen, created, out, chat, gen.sampling_params.logprobs or 0))
                 out = await anext(outputs, None)
             if include_usage:
@@ -432,23 +418,17 @@ class OpenAIServer:
                             no_choices=True,
                         )
                     )
-            yield "data: [DONE]\n\n"
-        except TandemError as exc:  # the stream has started: report in-band
-            yield _event(
-                {
-                    "error": {
-                        "message": exc.message,
-                        "type": exc.error_type,
-                        "param": exc.param,
-                        "code": exc.code,
-                    }
-                }
-            )
+        except TandemError as exc:  # the stream has started: report in-band, then end it as usual
+            yield _event(error_body(exc.message, exc.error_type, exc.param, exc.code))
+        except Exception:
+            logger.exception("stream failed", extra={"tenant": tenant, "request_id": gen.request_id})
+            yield _event(internal_error_body(gen.request_id))
         finally:
             await outputs.aclose()  # on client disconnect this aborts the request in the engine
             self.tenants.release(tenant, _num_tokens(last))
             if last.finished:
                 self._record(gen, tenant, last, *times)
+        yield "data: [DONE]\n\n"  # after an error event too: every stream ends the same way
 
     def _chunk(
         self, gen: GenerationRequest, created: int, out: RequestOutput, chat: bool, num_top: int
@@ -511,6 +491,13 @@ class OpenAIServer:
             "top_logprobs": [{self._token_text(t): v for t, v in entry.items()} for entry in logprobs],
             "text_offset": [],
         }
+
+
+def _engine_error(out: RequestOutput) -> RequestFailedError:
+    return RequestFailedError(
+        f"{out.error or 'the engine could not compute this request'} (request id {out.request_id})",
+        code=out.error_code or "request_failed",
+    )
 
 
 def _usage(out: RequestOutput) -> Usage:

@@ -24,6 +24,7 @@ from tandem.engine.engine import LLMEngine
 from tandem.engine.protocol import GenerationRequest, RequestOutput, merge_deltas
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.tokenizer import Tokenizer
+from tandem.platform.errors import InvalidRequestError, RequestFailedError, ServiceUnavailableError
 
 logger = logging.getLogger("tandem.engine")
 
@@ -42,6 +43,7 @@ class AsyncEngine:
         self._pending_aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
+        self._broken = False  # a failure no single request explained: health checks fail from then on
         self._stats: dict[str, Any] = engine.stats()
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
@@ -67,13 +69,11 @@ class AsyncEngine:
         prepared = self.engine.make_request(request)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._cv:
-            if self._stopped:
-                raise RuntimeError("engine is shut down")
+            if self._stopped or self._broken:
+                raise ServiceUnavailableError("this engine is shut down or being replaced; retry the request")
             if request.request_id in self._streams or any(
                 r.request_id == request.request_id for (r, _), _ in self._pending_adds
             ):
-                from tandem.platform.errors import InvalidRequestError
-
                 raise InvalidRequestError(
                     f"request id {request.request_id!r} is already running", param="request_id"
                 )
@@ -126,7 +126,8 @@ class AsyncEngine:
         return self.engine.lora_info()
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopped
+        """False once the loop stopped or broke: the replica reports unhealthy and is replaced."""
+        return self._thread.is_alive() and not self._stopped and not self._broken
 
     def shutdown(self) -> None:
         with self._cv:
@@ -154,11 +155,27 @@ class AsyncEngine:
                 aborts, self._pending_aborts = self._pending_aborts, []
             try:
                 self._iterate(adds, aborts)
-            except Exception as exc:  # the loop thread must outlive any one failure
-                logger.exception("engine loop iteration failed; failing the running requests")
-                self._fail_all(exc)
+            except Exception:  # nothing runs on an engine that failed this way
+                self._break()
+                break
             self._stats = engine.stats()
-        self._fail_all(RuntimeError("engine is shut down"))
+        self._fail_all(ServiceUnavailableError("the engine was shut down; retry the request"))
+
+    def _break(self) -> None:
+        """Called from an `except` block in the loop thread: a failure that no single request
+        explains (the engine fails requests it can attribute itself). Every request in flight ends
+        with an error, new ones are refused, and `is_alive` turns False so the replica is replaced."""
+        logger.exception("engine loop failed; failing every request in flight and reporting unhealthy")
+        with self._cv:
+            self._broken = True
+            adds, self._pending_adds = self._pending_adds, []
+        error = RequestFailedError(
+            "the engine serving this request failed and is being replaced; retry the request",
+            code="engine_failed",
+        )
+        for (request, _), stream in adds:
+            self._send(request.request_id, stream, error)
+        self._fail_all(error)
 
     def _gather_burst(self) -> None:
         """Called with the condition held, when requests reach an idle engine: wait while more keep
@@ -192,13 +209,7 @@ class AsyncEngine:
             engine.abort_request(request_id)
             self._streams.pop(request_id, None)
         if engine.has_unfinished_requests():
-            try:
-                outputs = engine.step()
-            except Exception as exc:
-                logger.exception("engine step failed; failing its requests")
-                self._fail_all(exc)
-                outputs = []
-            self._deliver(outputs)
+            self._deliver(engine.step())  # raises only for failures no single request explains
 
     def _send(self, request_id: str, stream: _Stream, item: RequestOutput | BaseException) -> None:
         """Hand `item` to the consumer's event loop. A consumer whose loop is gone (closed without

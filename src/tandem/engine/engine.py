@@ -29,6 +29,14 @@ from tandem.platform.errors import ContextLengthExceededError, InvalidRequestErr
 
 logger = logging.getLogger("tandem.engine")
 
+# Steps in a row in which every scheduled request failed before the runner is declared broken
+# (one bad request fails alone; the same failure step after step is the runner, not a request).
+MAX_CONSECUTIVE_FAILED_STEPS = 3
+
+
+class EngineBrokenError(RuntimeError):
+    """The runner failed in a way no single request explains; the engine must be replaced."""
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -126,6 +134,8 @@ class LLMEngine:
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
         self.num_kv_integrity_aborts = 0
+        self.num_failed_requests = 0  # requests the runner could not compute (ended with an error)
+        self.num_consecutive_failed_steps = 0  # steps in a row in which every request failed
         # Steps that ran the model, their wall seconds, and the CPU seconds of the calling thread
         # over them: wall well above CPU means the step waited (other processes on its cores, or
         # other threads holding the GIL), which is how serving overhead shows up inside the engine.
@@ -326,6 +336,7 @@ class LLMEngine:
         )
         started_wall, started_cpu = time.perf_counter(), time.thread_time()
         result = self.runner.execute(scheduled)
+        aborted += self._fail_requests(result.failed, len(scheduled.scheduled))
         updates = self.scheduler.update_from_output(scheduled, result)
         outputs, stopped_ids = self.output_processor.process(updates)
         for update in updates:
@@ -340,6 +351,30 @@ class LLMEngine:
         self.step_thread_cpu_s += time.thread_time() - started_cpu
         return aborted + outputs
 
+    def _fail_requests(self, failed: dict[str, str], num_scheduled: int) -> list[RequestOutput]:
+        """End the requests the runner could not compute, before their step's results are applied
+        (so none of their tokens or KV blocks is kept). A step in which every request failed counts
+        towards `MAX_CONSECUTIVE_FAILED_STEPS`; past it the runner itself is taken to be broken."""
+        if failed and len(failed) >= num_scheduled:
+            self.num_consecutive_failed_steps += 1
+        else:
+            self.num_consecutive_failed_steps = 0
+        outputs = []
+        for request_id, message in failed.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is None:
+                continue
+            request.error, request.error_code = message, "request_failed"
+            self.num_failed_requests += 1
+            output = self.abort_request(request_id, RequestStatus.FINISHED_ERROR)
+            if output is not None:
+                outputs.append(output)
+        if self.num_consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+            raise EngineBrokenError(
+                f"{self.num_consecutive_failed_steps} steps in a row failed for every request they held"
+            )
+        return outputs
+
     def _abort_stale(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
         """KV-page integrity: a scheduled request holding a block whose generation changed (the
         block was reassigned: an allocator bug, a late KV transfer) is aborted alone, before the
@@ -351,7 +386,8 @@ class LLMEngine:
         for request_id in stale:
             request = self.scheduler.requests.get(request_id)
             if request is not None:
-                request.error = "kv_integrity: a KV block of this request was reassigned; retry the request"
+                request.error = "a KV block of this request was reassigned; retry the request"
+                request.error_code = "kv_integrity"
             logger.error("kv integrity violation; aborting request", extra={"request_id": request_id})
             self.num_kv_integrity_aborts += 1
             output = self.abort_request(request_id, RequestStatus.FINISHED_ERROR)
@@ -384,6 +420,7 @@ class LLMEngine:
             / max(1, self.kv_manager.num_prefix_queries),
             "prefix_cache_evictions": self.kv_manager.pool.num_evictions,
             "num_kv_integrity_aborts": self.num_kv_integrity_aborts,
+            "num_failed_requests": self.num_failed_requests,
             "weight_dtype": self.config.weight_dtype,
             "kv_blocks_total": pool.num_blocks,
             "kv_blocks_used": pool.num_used_blocks,

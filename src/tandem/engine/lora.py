@@ -80,8 +80,18 @@ class LoRAModelShape:
 
 @dataclass(frozen=True)
 class LoRALimits:
+    """What an adapter must stay within to be accepted (checked on upload and on load).
+
+    The numeric limits keep a tenant's adapter from producing non-finite or overflowing
+    activations: PEFT adapters have scalings (`lora_alpha / r`, or `/ sqrt(r)` with rsLoRA) of
+    about 0.5-4 and weights well under 1, so these bounds are orders of magnitude above any
+    trained adapter and far below float16's range (65504)."""
+
     max_lora_rank: int = 16
     max_adapter_bytes: int = 256 << 20
+    max_lora_scaling: float = 64.0  # lora_alpha / r (rsLoRA: / sqrt(r))
+    max_weight_abs: float = 100.0  # any entry of lora_A, or of lora_B times the scaling
+    max_update_norm: float = 1000.0  # ||scaling * B||_F * ||A||_F per module (bounds ||delta W||_2)
 
 
 @dataclass
@@ -158,9 +168,36 @@ def parse_peft_adapter(
     for (layer, module), pair in found.items():
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"layer {layer} {module}: lora_A and lora_B must both be present")
+        _check_numbers(layer, module, pair["A"], pair["B"] * scaling, limits)
     if not found:
         raise AdapterError("adapter_model holds no LoRA weights", param="adapter_model")
     return LoRAAdapter(name, rank, scaling, tuple(sorted(targets)), _fuse(found, rank, scaling, shape))
+
+
+def _check_numbers(layer: int, module: str, a: torch.Tensor, b_scaled: torch.Tensor, limits: LoRALimits) -> None:
+    """A: [r, in], B * scaling: [out, r] (float32): finite, and within `limits`."""
+    where = f"layer {layer} {module}"
+    for name, tensor in (("lora_A", a), ("lora_B", b_scaled)):
+        if not bool(torch.isfinite(tensor).all()):
+            raise AdapterError(
+                f"{where}: {name} holds NaN or infinite values", param="adapter_model", code="adapter_not_finite"
+            )
+        largest = float(tensor.abs().max())
+        if largest > limits.max_weight_abs:
+            raise AdapterError(
+                f"{where}: {name} has an entry of magnitude {largest:.4g} (scaling included); the limit "
+                f"is {limits.max_weight_abs:g}",
+                param="adapter_model",
+                code="adapter_weights_too_large",
+            )
+    norm = float(torch.linalg.matrix_norm(a)) * float(torch.linalg.matrix_norm(b_scaled))
+    if not norm <= limits.max_update_norm:
+        raise AdapterError(
+            f"{where}: the update's norm bound ||scaling*B||*||A|| is {norm:.4g}; the limit is "
+            f"{limits.max_update_norm:g}",
+            param="adapter_model",
+            code="adapter_weights_too_large",
+        )
 
 
 def _check_config(config: dict[str, Any], limits: LoRALimits) -> tuple[int, float, set[str]]:
@@ -186,9 +223,16 @@ def _check_config(config: dict[str, Any], limits: LoRALimits) -> tuple[int, floa
             code="rank_too_large",
         )
     alpha = config.get("lora_alpha", 8)
-    if not isinstance(alpha, int | float) or alpha <= 0:
-        raise AdapterError("lora_alpha must be a positive number", param="lora_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < alpha < math.inf:
+        raise AdapterError("lora_alpha must be a finite positive number", param="lora_alpha")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    if scaling > limits.max_lora_scaling:
+        raise AdapterError(
+            f"lora_alpha={alpha} with r={rank} scales updates by {scaling:.4g}; the limit is "
+            f"{limits.max_lora_scaling:g}",
+            param="lora_alpha",
+            code="adapter_scaling_too_large",
+        )
     targets_raw = config.get("target_modules")
     if targets_raw == "all-linear":
         targets = set(SUPPORTED_TARGETS)

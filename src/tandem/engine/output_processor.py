@@ -136,6 +136,9 @@ class OutputProcessor:
             error=(request.error or "request failed")
             if request.status is RequestStatus.FINISHED_ERROR
             else None,
+            error_code=(request.error_code or "request_failed")
+            if request.status is RequestStatus.FINISHED_ERROR
+            else None,
         )
 
     def _hold_back(self, text: str, request: Request) -> str:

@@ -90,7 +90,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
-    error: str | None = None
+    error: str | None = None  # set when finish_reason is "error": why, safe to show the client
+    error_code: str | None = None  # "kv_integrity", "request_failed", "engine_failed"
 
     def without_cumulative(self) -> RequestOutput:
         """A copy for streaming between processes: deltas only (the final output keeps all)."""

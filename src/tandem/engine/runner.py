@@ -21,6 +21,12 @@ from tandem.kernels.sampling import apply_penalties, filter_logits, sample_rows,
 
 logger = logging.getLogger(__name__)
 
+# What a client is told when its request failed in the runner (details go to the log only).
+REQUEST_FAILED = "this request could not be computed by the engine; the server log has the details"
+NON_FINITE_LOGITS = (
+    "the model produced non-finite logits for this request (an adapter with extreme weights?)"
+)
+
 
 @dataclass
 class KVCacheSpec:
@@ -93,8 +99,38 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerResult:
+        """Run one step. Failure is per request: a request whose rows break the step (its
+        sampling parameters, its adapter, its logits) is reported in `RunnerResult.failed` and the
+        others are computed. When the batched step raises, each request is rerun alone (its KV
+        slots are rewritten with the same values) to find the ones that fail; a step where every
+        request fails alone is reported as all failed, and the engine decides whether the runner
+        itself is broken."""
         self.forget(sched.finished_request_ids)
-        items = sched.scheduled
+        try:
+            return self._execute(sched.scheduled)
+        except Exception:
+            if len(sched.scheduled) == 1:
+                return self._failed_alone(sched.scheduled[0])
+            logger.warning(
+                "step failed; rerunning its requests one by one", extra={"num_requests": len(sched.scheduled)}
+            )
+        result = RunnerResult({})
+        for item in sched.scheduled:
+            try:
+                alone = self._execute([item])
+            except Exception:
+                alone = self._failed_alone(item)
+            result.sampled_token_ids.update(alone.sampled_token_ids)
+            result.logprobs.update(alone.logprobs)
+            result.failed.update(alone.failed)
+        return result
+
+    def _failed_alone(self, item: ScheduledRequest) -> RunnerResult:
+        """Called from an `except` block: the step of `item` alone raised."""
+        logger.exception("request failed in the model runner", extra={"request_id": item.request_id})
+        return RunnerResult({}, failed={item.request_id: REQUEST_FAILED})
+
+    def _execute(self, items: list[ScheduledRequest]) -> RunnerResult:
         input_ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
@@ -179,7 +215,38 @@ class ModelRunner:
         logger.info("decode graph compiled", extra={"seconds": round(time.perf_counter() - started, 1)})
 
     def sample(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> RunnerResult:
-        """logits: [B, V] float32, one row per item (in order)."""
+        """logits: [B, V] float32, one row per item (in order). A row with a non-finite logit
+        (an adapter's extreme weights) fails its request; sampling that raises for the batch is
+        redone row by row, so a request whose parameters break it fails alone."""
+        if not items:
+            return RunnerResult({})
+        finite_rows = torch.isfinite(logits).all(dim=-1).tolist()  # [B]
+        failed = {
+            item.request_id: NON_FINITE_LOGITS for item, ok in zip(items, finite_rows, strict=True) if not ok
+        }
+        if failed:
+            logger.error("non-finite logits; failing those requests", extra={"request_ids": sorted(failed)})
+            keep = [row for row, ok in enumerate(finite_rows) if ok]
+            items = [items[row] for row in keep]
+            logits = logits.index_select(0, torch.tensor(keep, dtype=torch.int64, device=logits.device))
+        try:
+            result = self._sample_rows(logits, items)
+        except Exception:
+            logger.warning("batched sampling failed; sampling row by row", exc_info=True)
+            result = RunnerResult({})
+            for row, item in enumerate(items):
+                try:
+                    alone = self._sample_rows(logits[row : row + 1], [item])
+                except Exception:
+                    result.failed.update(self._failed_alone(item).failed)
+                    continue
+                result.sampled_token_ids.update(alone.sampled_token_ids)
+                result.logprobs.update(alone.logprobs)
+        result.failed.update(failed)
+        return result
+
+    def _sample_rows(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> RunnerResult:
+        """logits: [B, V] finite float32, one row per item (in order)."""
         if not items:
             return RunnerResult({})
         raw_logits = logits

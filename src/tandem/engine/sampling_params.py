@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tandem.platform.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# A seed is what `torch.Generator.manual_seed` takes: any signed or unsigned 64-bit integer.
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
+# Integer fields that reach tensors (top_k, token ids) stay in the range of a signed 32-bit int.
+MAX_INT32 = (1 << 31) - 1
 
 
 @dataclass
@@ -44,26 +49,32 @@ class SamplingParams:
         def bad(param: str, message: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param} {message}", param=param)
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise bad(name, f"must be a finite number, got {value!r}")
+        if _not_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32:
+            raise bad("max_tokens", f"must be an integer in [1, {MAX_INT32}], got {self.max_tokens!r}")
         if self.temperature < 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
+        if _not_int(self.top_k) or not 0 <= self.top_k <= MAX_INT32:
             raise bad("top_k", f"must be 0 or -1 (disabled) or a positive integer, got {self.top_k}")
+        if self.seed is not None and (_not_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
+            raise bad("seed", f"must be an integer in [{MIN_SEED}, {MAX_SEED}], got {self.seed!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise bad(name, f"must be in [-2, 2], got {value}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+        if self.logprobs is not None and (_not_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative integers")
+        if any(_not_int(t) or not 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be integers in [0, {MAX_INT32}]")
 
     @property
     def greedy(self) -> bool:
@@ -72,3 +83,7 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _not_int(value: object) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int)

@@ -74,10 +74,12 @@ class RequestUpdate:
 
 @dataclass
 class RunnerResult:
-    """The runner's answer for one step: request_id -> sampled token (and its logprobs)."""
+    """The runner's answer for one step: request_id -> sampled token (and its logprobs), and the
+    requests it could not compute (the engine ends those with an error; the others go on)."""
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # request_id -> why it failed (client-safe)
 
 
 class Scheduler:

@@ -23,15 +23,33 @@ import torch.nn.functional as F
 
 FP8_E4M3_MAX = 448.0
 _MIN_SCALE = 1e-8
+_MAX_SCALE = float(torch.finfo(torch.float16).max)  # scales are stored as float16: keep them finite
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (last dim) dynamic e4m3 quantisation: x ~= q.float() * scale[..., None].
     x: [..., D] -> (q [..., D] float8_e4m3fn, scale [...] float16)."""
     amax = x.abs().amax(dim=-1).float()
-    scale = (amax / FP8_E4M3_MAX).clamp(min=_MIN_SCALE).to(torch.float16)
+    scale = (amax / FP8_E4M3_MAX).clamp(min=_MIN_SCALE, max=_MAX_SCALE).to(torch.float16)
     q = (x.float() / scale.float().unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale
+
+
+def finite_kv(
+    x: torch.Tensor,  # [T, Hk, D] keys or values about to be written
+    cache_dtype: torch.dtype,
+) -> torch.Tensor:  # [T, Hk, D] the same, non-finite entries set to 0
+    """Keys and values as the cache may hold them: finite, and within `cache_dtype`'s range.
+
+    Why: the cache is shared. Decode attention reads padding keys (the tail of a request's last
+    block, block 0 for shorter rows) with probability exactly 0, and 0 * NaN = NaN: one request's
+    non-finite KV, left in a block it no longer owns, would poison whoever reads that block next.
+    Finite entries are unchanged (clamped only where the cache type is narrower, float16)."""
+    out = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    if cache_dtype == torch.float16:
+        limit = torch.finfo(torch.float16).max
+        out = out.clamp_(-limit, limit)
+    return out
 
 
 def write_kv(

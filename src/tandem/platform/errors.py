@@ -69,12 +69,23 @@ class PayloadTooLargeError(TandemError):
     error_type = "invalid_request_error"
 
 
-class KVIntegrityError(TandemError):
-    """The request's KV blocks were reassigned while it ran; it was aborted rather than answered
-    from someone else's KV (HTTP 500, code `kv_integrity`). Retrying is safe."""
+class RequestFailedError(TandemError):
+    """The request was valid but could not be computed (HTTP 500, `server_error`): the engine
+    ended it alone (`request_failed`, `kv_integrity`) or its engine failed (`engine_failed`).
+    The message is safe to show the client; the details are in the server log."""
 
     status_code = 500
     error_type = "server_error"
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message, code="kv_integrity")
+    def __init__(self, message: str, *, code: str = "request_failed") -> None:
+        super().__init__(message, code=code)
+
+
+class ServiceUnavailableError(TandemError):
+    """No engine can take the request now (HTTP 503): it is starting or being replaced."""
+
+    status_code = 503
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, code: str = "engine_unavailable") -> None:
+        super().__init__(message, code=code)

@@ -7,11 +7,13 @@ ignoring it. vLLM-style extensions (`top_k`, `min_p`, `ignore_eos`, `stop_token_
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from tandem.platform.errors import InvalidRequestError
 
@@ -45,22 +47,93 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def error_body(
+    message: str, error_type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error shape: the body of an error response, or an error event in a stream."""
+    return ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=code)).model_dump()
+
+
+def validation_error_body(errors: Sequence[Any]) -> dict[str, Any]:
+    """An `invalid_request_error` naming the first field pydantic refused (`messages.0.content`)."""
+    if not errors:
+        return error_body("invalid request", "invalid_request_error")
+    # A union field reports one error per member: take the member that got furthest in.
+    field = errors[0].get("loc", ())[:1]
+    first = max((e for e in errors if e.get("loc", ())[:1] == field), key=lambda e: len(e.get("loc", ())))
+    param = _escape_surrogates(".".join(str(p) for p in first.get("loc", ()) if _is_field(p))) or None
+    message = str(first.get("msg", "invalid value"))
+    return error_body(f"{param}: {message}" if param else message, "invalid_request_error", param, None)
+
+
+def _escape_surrogates(text: str) -> str:
+    """`text` with lone surrogates written as `\\udXXX` (a dict key can carry one into an error)."""
+    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_field(part: Any) -> bool:
+    """A location part that names a field or an index, not a union member's type tag
+    (`function-after[...]`, `list[int]`, `TextContentPart`) or FastAPI's `body`."""
+    if isinstance(part, int):
+        return True
+    text = str(part)
+    return not (text == "body" or text in _TYPE_TAGS or "[" in text or text[:1].isupper())
+
+
+def internal_error_body(request_id: str) -> dict[str, Any]:
+    """The body for a failure with no `TandemError` behind it: nothing internal, only the request
+    id under which the traceback was logged."""
+    return error_body(
+        f"The server had an error while processing your request (request id {request_id}); "
+        "retry it, and report the request id if the error persists",
+        "server_error",
+        None,
+        "internal_error",
+    )
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+# The engine's integer limits (tandem.engine.sampling_params; platform imports no engine code).
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
+MAX_INT32 = (1 << 31) - 1
+
+
+def _unicode_text(value: str) -> str:
+    """JSON may escape half of a UTF-16 surrogate pair (`"\\ud83d"`) alone: no character, and
+    nothing downstream (tokenizer, logs, storage) can encode it."""
+    if _LONE_SURROGATE.search(value):
+        raise ValueError("the text holds a lone UTF-16 surrogate (half of an escaped emoji?): send valid Unicode")
+    return value
+
+
+# Every string a request carries is checked to be valid Unicode (NUL is valid text).
+Text = Annotated[str, AfterValidator(_unicode_text)]
+# Integers that reach tensors or counters stay within a signed 32-bit int.
+Int32 = Annotated[int, Field(ge=0, le=MAX_INT32)]
+
+
+class _Request(BaseModel):
+    """Base of request bodies: unknown fields, NaN and infinities are refused."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class TextContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextContentPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
+    content: Text | list[TextContentPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -68,40 +141,38 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
+class _SamplingRequest(_Request):
+    model: Text
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    n: int = Field(1, ge=1, le=MAX_INT32)
+    stop: Text | list[Text] | None = None
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    metadata: dict[str, str] | None = None
+    user: Text | None = None
+    metadata: dict[Text, Text] | None = None
     store: bool | None = None
-    service_tier: str | None = None
+    service_tier: Text | None = None
     # vLLM-style extensions
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int32] | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int]
+    prompt: Text | list[Int32]
     logprobs: int | None = Field(None, ge=0, le=20)
 
 

@@ -24,6 +24,11 @@ class AuthenticationError(TandemError):
     error_type = "authentication_error"
 
 
+class PermissionDeniedError(TandemError):
+    status_code = 403
+    error_type = "permission_denied_error"
+
+
 class RateLimitError(TandemError):
     status_code = 429
     error_type = "rate_limit_error"
@@ -57,6 +62,11 @@ def parse_keys(spec: str) -> dict[str, str]:
     return hashed
 
 
+def parse_operator_keys(spec: str) -> frozenset[str]:
+    """ "k1,k2" (or one key per line) -> their sha256 digests."""
+    return frozenset(hash_key(k.strip()) for k in spec.replace("\n", ",").split(",") if k.strip())
+
+
 @dataclass
 class _Usage:
     in_flight: int = 0
@@ -71,8 +81,12 @@ class TenantRegistry:
         hashed_keys: dict[str, str],
         limits: TenantLimits | None = None,
         per_tenant_limits: dict[str, TenantLimits] | None = None,
+        operator_keys: set[str] | frozenset[str] = frozenset(),
     ) -> None:
+        """`hashed_keys`: sha256(key) -> tenant. `operator_keys`: sha256 digests of the keys that
+        may read operator routes (`/metrics`); no tenant key can."""
         self._keys = dict(hashed_keys)
+        self._operator_keys = frozenset(operator_keys)
         self._default_limits = limits or TenantLimits()
         self._limits = per_tenant_limits or {}
         self._usage: dict[str, _Usage] = {}
@@ -96,6 +110,26 @@ class TenantRegistry:
             if hmac.compare_digest(known, digest):
                 return tenant
         raise AuthenticationError("invalid API key", code="invalid_api_key")
+
+    def authenticate_operator(self, authorization: str | None) -> None:
+        """Admit an operator key; 401 without a valid key, 403 for a tenant's key (or when no
+        operator key is configured: operator routes are then closed)."""
+        if not self._operator_keys:
+            raise PermissionDeniedError(
+                "this route needs an operator key, and none is configured: set TANDEM_OPERATOR_KEYS "
+                "(or AppConfig.operator_keys)",
+                code="operator_key_required",
+            )
+        if not authorization or not authorization.lower().startswith("bearer "):
+            raise AuthenticationError(
+                "missing operator key: send 'Authorization: Bearer <operator key>'", code="invalid_api_key"
+            )
+        digest = hash_key(authorization[7:].strip())
+        if any(hmac.compare_digest(known, digest) for known in self._operator_keys):
+            return
+        if any(hmac.compare_digest(known, digest) for known in self._keys):
+            raise PermissionDeniedError("this route is for operators; tenant keys cannot read it")
+        raise AuthenticationError("invalid operator key", code="invalid_api_key")
 
     def limits_for(self, tenant: str) -> TenantLimits:
         return self._limits.get(tenant, self._default_limits)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from tandem.kernels.attention import AttentionMetadata, finite_kv, paged_attention, write_kv
 from tandem.kernels.rotary import apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -135,6 +135,8 @@ class LlamaAttention(nn.Module):
         k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache, k_scale, v_scale = kv_cache
+        if lora is not None:  # an adapter's rows may be non-finite: never let them into the cache
+            k, v = finite_kv(k, k_cache.dtype), finite_kv(v, v_cache.dtype)
         write_kv(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
         out = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale, k_scale, v_scale)
         out = out.reshape(num_tokens, self.q_size)
