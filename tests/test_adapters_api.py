@@ -3,9 +3,8 @@ other requests stream; tenant isolation; validation errors."""
 
 from __future__ import annotations
 
-import shutil
-
 import json
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path

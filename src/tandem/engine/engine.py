@@ -22,14 +22,14 @@ from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import KVCacheSpec, ModelRunner
-from tandem.engine.scheduler import Scheduler, SchedulerOutput
+from tandem.engine.scheduler import RunnerResult, Scheduler, SchedulerOutput
 from tandem.engine.tokenizer import Tokenizer
 from tandem.platform.config import EngineConfig
 from tandem.platform.errors import ContextLengthExceededError, InvalidRequestError, NotFoundError
 
 logger = logging.getLogger("tandem.engine")
 
-# Steps in a row in which every scheduled request failed before the runner is declared broken
+# Single-request steps in a row whose model pass raised before the runner is declared broken
 # (one bad request fails alone; the same failure step after step is the runner, not a request).
 MAX_CONSECUTIVE_FAILED_STEPS = 3
 
@@ -135,7 +135,7 @@ class LLMEngine:
         )
         self.num_kv_integrity_aborts = 0
         self.num_failed_requests = 0  # requests the runner could not compute (ended with an error)
-        self.num_consecutive_failed_steps = 0  # steps in a row in which every request failed
+        self.num_consecutive_failed_steps = 0  # steps in a row whose model pass raised for every request
         # Steps that ran the model, their wall seconds, and the CPU seconds of the calling thread
         # over them: wall well above CPU means the step waited (other processes on its cores, or
         # other threads holding the GIL), which is how serving overhead shows up inside the engine.
@@ -336,7 +336,7 @@ class LLMEngine:
         )
         started_wall, started_cpu = time.perf_counter(), time.thread_time()
         result = self.runner.execute(scheduled)
-        aborted += self._fail_requests(result.failed, len(scheduled.scheduled))
+        aborted += self._fail_requests(result, len(scheduled.scheduled))
         updates = self.scheduler.update_from_output(scheduled, result)
         outputs, stopped_ids = self.output_processor.process(updates)
         for update in updates:
@@ -351,16 +351,23 @@ class LLMEngine:
         self.step_thread_cpu_s += time.thread_time() - started_cpu
         return aborted + outputs
 
-    def _fail_requests(self, failed: dict[str, str], num_scheduled: int) -> list[RequestOutput]:
+    def _fail_requests(self, result: RunnerResult, num_scheduled: int) -> list[RequestOutput]:
         """End the requests the runner could not compute, before their step's results are applied
-        (so none of their tokens or KV blocks is kept). A step in which every request failed counts
-        towards `MAX_CONSECUTIVE_FAILED_STEPS`; past it the runner itself is taken to be broken."""
-        if failed and len(failed) >= num_scheduled:
+        (so none of their tokens is kept). Non-finite logits and sampling errors are always the
+        request's own. A model pass that raised for every request alone is not: with several
+        requests, or `MAX_CONSECUTIVE_FAILED_STEPS` steps in a row, the runner itself is broken
+        (`EngineBrokenError`: the caller fails every request in flight and reports unhealthy)."""
+        if result.forward_failed:
             self.num_consecutive_failed_steps += 1
+            if num_scheduled > 1 or self.num_consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+                raise EngineBrokenError(
+                    f"the model pass failed for every request of the step ({num_scheduled}), each run alone; "
+                    f"{self.num_consecutive_failed_steps} such steps in a row"
+                )
         else:
             self.num_consecutive_failed_steps = 0
         outputs = []
-        for request_id, message in failed.items():
+        for request_id, message in result.failed.items():
             request = self.scheduler.requests.get(request_id)
             if request is None:
                 continue
@@ -369,10 +376,6 @@ class LLMEngine:
             output = self.abort_request(request_id, RequestStatus.FINISHED_ERROR)
             if output is not None:
                 outputs.append(output)
-        if self.num_consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
-            raise EngineBrokenError(
-                f"{self.num_consecutive_failed_steps} steps in a row failed for every request they held"
-            )
         return outputs
 
     def _abort_stale(self, scheduled: SchedulerOutput) -> list[RequestOutput]:

@@ -6,6 +6,7 @@ Owns everything torch: the model, the paged KV tensors and per-request sampling 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -102,27 +103,30 @@ class ModelRunner:
         """Run one step. Failure is per request: a request whose rows break the step (its
         sampling parameters, its adapter, its logits) is reported in `RunnerResult.failed` and the
         others are computed. When the batched step raises, each request is rerun alone (its KV
-        slots are rewritten with the same values) to find the ones that fail; a step where every
-        request fails alone is reported as all failed, and the engine decides whether the runner
-        itself is broken."""
+        slots are rewritten with the same values) to find the ones that fail. When the model pass
+        raised for every request alone, `forward_failed` says so, and the engine decides whether
+        the runner itself is broken."""
         self.forget(sched.finished_request_ids)
         try:
             return self._execute(sched.scheduled)
         except Exception:
             if len(sched.scheduled) == 1:
-                return self._failed_alone(sched.scheduled[0])
+                return dataclasses.replace(self._failed_alone(sched.scheduled[0]), forward_failed=True)
             logger.warning(
                 "step failed; rerunning its requests one by one", extra={"num_requests": len(sched.scheduled)}
             )
         result = RunnerResult({})
+        num_raised = 0
         for item in sched.scheduled:
             try:
                 alone = self._execute([item])
             except Exception:
                 alone = self._failed_alone(item)
+                num_raised += 1
             result.sampled_token_ids.update(alone.sampled_token_ids)
             result.logprobs.update(alone.logprobs)
             result.failed.update(alone.failed)
+        result.forward_failed = num_raised == len(sched.scheduled)
         return result
 
     def _failed_alone(self, item: ScheduledRequest) -> RunnerResult:

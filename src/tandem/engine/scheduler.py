@@ -80,6 +80,7 @@ class RunnerResult:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request_id -> why it failed (client-safe)
+    forward_failed: bool = False  # the model pass raised for every request of the step, each alone
 
 
 class Scheduler:
