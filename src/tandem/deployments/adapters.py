@@ -232,6 +232,7 @@ def resolve_source(source: str, allowed: list[str]) -> Path | tuple[str, str]:
         or parsed.fragment
         or parsed.params
         or any(part in (".", "..") for part in segments)
+        or "%" in parsed.path  # no percent-encoding: what is checked is what is read
         or "\x00" in source
         or "\\" in source
     ):

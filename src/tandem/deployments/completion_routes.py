@@ -76,6 +76,8 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadJSONError(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise BadJSONError("request body is nested too deeply") from exc
     if not isinstance(body, dict):
         raise BadJSONError("request body must be a JSON object")
     return body

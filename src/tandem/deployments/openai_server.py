@@ -314,6 +314,10 @@ class OpenAIServer:
                 self.tenants.release(tenant, 0)
             await outputs.aclose()
             raise
+        if first.outputs[0].finish_reason == "error":  # failed before its first token: an HTTP error
+            if accounted:
+                self.tenants.release(tenant, 0)
+            raise _engine_error(first)
         if timing is not None:
             timing.first_output_at = first_at
             timing.engine_queue_s = first.metrics.phase_durations().get("queue")
