@@ -62,15 +62,16 @@ class Platform:
         return httpx.post(f"{self.base_url}{path}", json=body, headers=headers, timeout=60, **kw)
 
 
-@pytest.fixture(scope="module")
-def platform(tmp_path_factory: pytest.TempPathFactory, peft_adapters: dict[str, Path]) -> Iterator[Platform]:
+@contextlib.contextmanager
+def start_platform(root: Path, peft_folder: Path, *, max_positions: int) -> Iterator[Platform]:
+    """The app under uvicorn on a free loopback port, a batch worker in its own event loop, and an
+    `AsyncEngine` on a small model with LoRA enabled (`max_positions` bounds every request)."""
     import uvicorn
 
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("isolation-model"), max_positions=4096)
+    model_dir = make_tiny_model(root / "model", max_positions=max_positions)
     engine = AsyncEngine.from_options(
         str(model_dir), kv_cache_memory=16 << 20, served_model_name="tiny", enable_lora=True, max_loras=2
     )
-    root = tmp_path_factory.mktemp("isolation")
     store = FileObjectStore(str(root / "objects"))
     adapters = AdapterStore(store, "tiny", source_prefixes=(f"file://{root}/sources/{{tenant}}/",))
     batches = BatchService(store, {"tiny"}, BatchLimits(shard_size=2, lease_ttl_s=30.0))
@@ -89,16 +90,26 @@ def platform(tmp_path_factory: pytest.TempPathFactory, peft_adapters: dict[str, 
     uv = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1", port=port, log_level="warning"))
     uv_thread = threading.Thread(target=uv.run, daemon=True)
     uv_thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:  # wait for the server to listen, not for a fixed time
-        assert uv_thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    yield Platform(f"http://127.0.0.1:{port}", engine, adapters, root / "sources", peft_adapters["attn-r4"])
-    uv.should_exit = True
-    uv_thread.join(timeout=30)
-    worker_loop.call_soon_threadsafe(worker_task.cancel)
-    worker_thread.join(timeout=30)
-    engine.shutdown()
+    try:
+        deadline = time.monotonic() + 30
+        while not uv.started:  # wait for the server to listen, not for a fixed time
+            assert uv_thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        yield Platform(f"http://127.0.0.1:{port}", engine, adapters, root / "sources", peft_folder)
+    finally:
+        uv.should_exit = True
+        uv_thread.join(timeout=30)
+        worker_loop.call_soon_threadsafe(worker_task.cancel)
+        worker_thread.join(timeout=30)
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory: pytest.TempPathFactory, peft_adapters: dict[str, Path]) -> Iterator[Platform]:
+    with start_platform(
+        tmp_path_factory.mktemp("isolation"), peft_adapters["attn-r4"], max_positions=4096
+    ) as started:
+        yield started
 
 
 @dataclass

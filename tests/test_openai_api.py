@@ -137,7 +137,7 @@ def test_logprobs(client: openai.OpenAI) -> None:
         (
             lambda c: c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": ""}]),
             400,
-            "messages",
+            "messages.0.content",
         ),
         (lambda c: c.completions.create(model="tiny", prompt="word " * 600), 400, "prompt"),
         (lambda c: c.completions.create(model="tiny", prompt="x", max_tokens=0), 400, "max_tokens"),

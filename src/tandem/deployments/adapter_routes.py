@@ -20,9 +20,16 @@ from starlette.concurrency import run_in_threadpool
 
 from tandem.deployments.adapters import AdapterStore
 from tandem.deployments.openai_server import OpenAIServer
-from tandem.deployments.uploads import reject_declared_oversize
+from tandem.deployments.uploads import json_request_body, reject_declared_oversize
 from tandem.engine.lora import LoRAModelShape
 from tandem.platform.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
+
+# The JSON form of an upload (the multipart form with the two files is the other).
+_SOURCE_BODY = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "source": {"type": "string"}},
+    "required": ["name", "source"],
+}
 
 
 def adapter_router(
@@ -37,7 +44,7 @@ def adapter_router(
             raise NotFoundError("the adapters API is not enabled on this server (no object store)")
         return server, server.adapters, tenant
 
-    @router.post("/v1/adapters")
+    @router.post("/v1/adapters", openapi_extra=json_request_body(_SOURCE_BODY))
     async def create_adapter(request: Request) -> Any:
         server, store, tenant = store_and_tenant(request)
         info = await server.lora_info()

@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from tandem.batch.service import BatchService
 from tandem.deployments.openai_server import OpenAIServer
-from tandem.deployments.uploads import reject_declared_oversize
+from tandem.deployments.uploads import json_request_body, reject_declared_oversize
 from tandem.platform.errors import InvalidRequestError, NotFoundError
 
 
@@ -112,7 +112,7 @@ def batch_router(
         await run_in_threadpool(service.delete_file, tenant, file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
-    @router.post("/v1/batches")
+    @router.post("/v1/batches", openapi_extra=json_request_body(BatchCreateRequest.model_json_schema()))
     async def create_batch(request: Request) -> Any:
         service, tenant = service_and_tenant(request)
         body = await json_body(request)

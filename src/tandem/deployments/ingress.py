@@ -17,6 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -31,7 +32,14 @@ from tandem.deployments.completion_routes import (
 )
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.errors import TandemError
-from tandem.platform.openai_schemas import error_body, internal_error_body, new_id
+from tandem.platform.openai_schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    error_body,
+    internal_error_body,
+    new_id,
+)
 
 logger = logging.getLogger("tandem.api")
 
@@ -89,6 +97,46 @@ async def json_body(request: Request) -> dict[str, Any]:
     return parse_json_object(await request.body())
 
 
+def _openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema of the routes, plus the two completion routes (`CompletionRoutes` answers
+    them in front of FastAPI, so FastAPI does not know them) and bearer-key security."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {})
+    models = components.setdefault("schemas", {})
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    for path, model in (
+        ("/v1/chat/completions", ChatCompletionRequest),
+        ("/v1/completions", CompletionRequest),
+    ):
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        models.update(body.pop("$defs", {}))
+        models[model.__name__] = body
+        schema["paths"][path] = {
+            "post": {
+                "summary": f"Create a {'chat ' if model is ChatCompletionRequest else ''}completion",
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+                    },
+                },
+                "responses": {
+                    "200": {"description": "A completion (JSON), or with `stream` its chunks (SSE)"},
+                    "400": {"description": "Invalid request", "content": error},
+                },
+            }
+        }
+    error_schema = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    models.update(error_schema.pop("$defs", {}))
+    models["ErrorResponse"] = error_schema
+    components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    schema["security"] = [{"bearer": []}]
+    app.openapi_schema = schema
+    return schema
+
+
 def create_app(server: OpenAIServer | None = None) -> FastAPI:
     """The OpenAI app. `POST /v1/chat/completions` and `POST /v1/completions` are answered by
     `CompletionRoutes` in front of FastAPI's routing (they are the hot path); the rest are routes."""
@@ -124,8 +172,11 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
             exc_info=exc,
             extra={"path": request.url.path, "method": request.method, "request_id": request_id},
         )
-        return JSONResponse(internal_error_body(request_id), status_code=500, headers={"X-Request-ID": request_id})
+        return JSONResponse(
+            internal_error_body(request_id), status_code=500, headers={"X-Request-ID": request_id}
+        )
 
+    app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
     app.include_router(batch_router(_authenticated, json_body))
     app.include_router(adapter_router(_authenticated, json_body))
 

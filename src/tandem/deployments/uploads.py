@@ -1,5 +1,7 @@
 """Checks shared by the routes that take multipart uploads (files, adapters)."""
 
+from typing import Any
+
 from fastapi import Request
 
 from tandem.platform.errors import PayloadTooLargeError
@@ -14,3 +16,8 @@ def reject_declared_oversize(request: Request, limit: int, param: str) -> None:
         raise PayloadTooLargeError(
             f"the upload is {declared} bytes; the limit is {limit}", param=param, code="file_too_large"
         )
+
+
+def json_request_body(schema: dict[str, Any]) -> dict[str, Any]:
+    """`openapi_extra` declaring a JSON request body (for routes that parse their body themselves)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}

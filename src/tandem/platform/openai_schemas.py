@@ -111,6 +111,7 @@ def _unicode_text(value: str) -> str:
 
 # Every string a request carries is checked to be valid Unicode (NUL is valid text).
 Text = Annotated[str, AfterValidator(_unicode_text)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_unicode_text)]
 # Integers that reach tensors or counters stay within a signed 32-bit int.
 Int32 = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
@@ -132,7 +133,7 @@ class TextContentPart(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextContentPart] | None = None
+    content: NonEmptyText | Annotated[list[TextContentPart], Field(min_length=1)]
     name: Text | None = None
 
     def text(self) -> str:
@@ -146,8 +147,8 @@ class _SamplingRequest(_Request):
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=MAX_INT32)
-    stop: Text | list[Text] | None = None
+    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    stop: NonEmptyText | list[NonEmptyText] | None = None
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -172,7 +173,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Text | list[Int32]
+    prompt: NonEmptyText | Annotated[list[Int32], Field(min_length=1)]
     logprobs: int | None = Field(None, ge=0, le=20)
 
 
