@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
 from tandem import LLM, LoRARequest, SamplingParams
 from tandem.engine.lora import AdapterError, LoRALimits, LoRAModelShape, parse_peft_adapter
@@ -131,3 +133,19 @@ def test_bad_adapters_are_refused_with_a_reason(peft_adapters: dict[str, Path]) 
     assert "shape" in refused(config, shp=LoRAModelShape(3, 96, 128, 96, 32))  # another base model
     assert "layers" in refused(config, shp=LoRAModelShape(2, 64, 128, 64, 32))
     assert "limit" in refused(config, max_adapter_bytes=100)
+    # Numbers: non-finite or extreme weights and scalings never reach a step.
+    tensors = load_safetensors(weights)
+    first = next(iter(tensors))
+
+    def with_first(value: torch.Tensor) -> bytes:
+        return save_safetensors({**tensors, first: value})
+
+    assert "NaN or infinite" in refused(config, with_first(torch.full_like(tensors[first], float("nan"))))
+    assert "NaN or infinite" in refused(config, with_first(torch.full_like(tensors[first], float("-inf"))))
+    assert "magnitude" in refused(config, with_first(tensors[first] * 1e4))
+    assert "norm" in refused(config, with_first(tensors[first] * 100), max_weight_abs=1e9)
+    assert "scales updates" in refused({**config, "lora_alpha": 1e308})
+    assert "finite positive" in refused({**config, "lora_alpha": float("nan")})
+    assert "finite positive" in refused({**config, "lora_alpha": True})
+    at_limit = {**config, "lora_alpha": 64 * config["r"]}
+    assert parse_peft_adapter("edge", at_limit, weights, shape, LoRALimits(max_update_norm=1e9)).scaling == 64

@@ -237,11 +237,16 @@ class BatchWorker:
             done = await self.execute(record.endpoint, row.body, record.tenant)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # an engine failure must not lose the rest of the shard
+        except Exception:  # an engine failure must not lose the rest of the shard
             logger.exception(
-                "batch request failed", extra={"batch_id": record.id, "custom_id": row.custom_id}
+                "batch request failed",
+                extra={"batch_id": record.id, "custom_id": row.custom_id, "request_id": request_id},
             )
-            done = ExecutedRequest(500, request_id, None, {"code": "internal_error", "message": str(exc)})
+            message = (  # the traceback is in the log under the request id; nothing internal here
+                f"The server had an error while processing this request (request id {request_id}); "
+                "retry it in another batch"
+            )
+            done = ExecutedRequest(500, request_id, None, {"code": "internal_error", "message": message})
         return BatchResult(
             line=row.line,
             custom_id=row.custom_id,

@@ -104,6 +104,12 @@ class Telemetry:
                 "num_kv_integrity_aborts",
                 "Requests aborted by the KV-page integrity check",
             ),
+            (
+                "tandem_failed_requests",
+                "num_failed_requests",
+                "Requests the engine ended alone because they broke their step (their adapter, "
+                "parameters or logits); the others in the step went on",
+            ),
             ("tandem_engine_steps", "num_steps", "Engine steps that ran the model"),
             ("tandem_engine_step_wall_seconds", "step_wall_s", "Wall seconds inside engine steps"),
             (
