@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -104,6 +106,25 @@ def check_errors(base_url: str) -> None:
     assert info.value.body.get("code") == "context_length_exceeded"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0).models.list()
+    # Hostile values are a 400 naming the field, never a 5xx: a seed past the generator's 64 bits,
+    # a lone UTF-16 surrogate, NaN.
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for body, param in (
+        (json.dumps({**chat, "seed": 1 << 64}), "seed"),
+        (json.dumps({**chat, "messages": [{"role": "user", "content": "\ud83d"}]}), "messages.0.content"),
+        (json.dumps(chat)[:-1] + ', "temperature": NaN}', "temperature"),
+    ):
+        reply = httpx.post(
+            f"{base_url}/v1/chat/completions",
+            content=body.encode(),
+            headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+            timeout=60,
+        )
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+    # /metrics is for operators: not without a key, not with a tenant's.
+    assert httpx.get(f"{base_url}/metrics", timeout=10).status_code == 401
+    tenant = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(f"{base_url}/metrics", headers=tenant, timeout=10).status_code == 403
 
 
 def test_openai_client_through_serve(served: str) -> None:
