@@ -21,8 +21,24 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def cpu() -> dict[str, Any]:
+    """The CPU's model name and the instruction-set flags that decide which kernels run fastest."""
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+    return {"model": model, "flags": [f for f in wanted if f in flags]}
+
+
 def machine() -> dict[str, Any]:
-    return {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__}
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu": cpu(), "torch": torch.__version__}
 
 
 def write_result(path: str | Path, result: dict[str, Any]) -> None:

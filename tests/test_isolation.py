@@ -486,6 +486,12 @@ def test_adapter_sources_are_confined_to_the_tenants_prefix(platform: Platform, 
             platform.post("/v1/adapters", {"name": "gone", "source": f"file://{missing}"}), 404, "source"
         )
         assert not (platform.sources / "acme" / "not-there").exists()  # nothing created on read
+        for name, source, param in (
+            ("lone", f"file://{own}\ud83d", "source"),
+            ("\ud83d", f"file://{own}", "name"),
+        ):
+            body = json.dumps({"name": name, "source": source}).encode()  # escaped: valid JSON
+            assert_openai_error(platform.post("/v1/adapters", content=body), 400, param)
         ok = platform.post("/v1/adapters", {"name": "own", "source": f"file://{own}"})
         assert ok.status_code == 200, ok.text
     assert not os.path.exists(f"{platform.sources}/acme/%2e%2e")

@@ -23,6 +23,7 @@ from tandem.deployments.openai_server import OpenAIServer
 from tandem.deployments.uploads import json_request_body, reject_declared_oversize
 from tandem.engine.lora import LoRAModelShape
 from tandem.platform.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
+from tandem.platform.openai_schemas import require_unicode
 
 # The JSON form of an upload (the multipart form with the two files is the other).
 _SOURCE_BODY = {
@@ -67,7 +68,9 @@ def adapter_router(
             )
         if not isinstance(name, str) or not name:
             raise InvalidRequestError("a 'name' field is required", param="name")
+        require_unicode(name, "name")
         if isinstance(source, str) and source:
+            require_unicode(source, "source")
             if config is not None or weights is not None:
                 raise InvalidRequestError("send either the two files or 'source', not both", param="source")
             config, weights = await run_in_threadpool(store.fetch_source, tenant, source)

@@ -17,15 +17,16 @@ from tandem.batch.service import BatchService
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.deployments.uploads import json_request_body, reject_declared_oversize
 from tandem.platform.errors import InvalidRequestError, NotFoundError
+from tandem.platform.openai_schemas import Text, validation_error_body
 
 
 class BatchCreateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    input_file_id: str
-    endpoint: str
-    completion_window: str
-    metadata: dict[str, str] | None = None
+    input_file_id: Text
+    endpoint: Text
+    completion_window: Text
+    metadata: dict[Text, Text] | None = None
 
 
 def _list(records: list[Any], has_more: bool) -> dict[str, Any]:
@@ -123,9 +124,8 @@ def batch_router(
         try:
             req = BatchCreateRequest.model_validate(body)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            param = ".".join(str(p) for p in first["loc"])
-            raise InvalidRequestError(f"{param}: {first['msg']}", param=param) from exc
+            error = validation_error_body(exc.errors())["error"]
+            raise InvalidRequestError(error["message"], param=error["param"]) from exc
         record = await run_in_threadpool(
             service.create_batch, tenant, req.input_file_id, req.endpoint, req.completion_window, req.metadata
         )

@@ -82,6 +82,12 @@ class RunnerResult:
     failed: dict[str, str] = field(default_factory=dict)  # request_id -> why it failed (client-safe)
     forward_failed: bool = False  # the model pass raised for every request of the step, each alone
 
+    def merge(self, other: RunnerResult) -> None:
+        """Add `other`'s requests (a part of the same step, computed separately)."""
+        self.sampled_token_ids.update(other.sampled_token_ids)
+        self.logprobs.update(other.logprobs)
+        self.failed.update(other.failed)
+
 
 class Scheduler:
     def __init__(

@@ -109,6 +109,14 @@ def _unicode_text(value: str) -> str:
     return value
 
 
+def require_unicode(value: str, param: str) -> str:
+    """`value`, or a 400 naming `param` when it is not valid Unicode (for fields read by hand)."""
+    try:
+        return _unicode_text(value)
+    except ValueError as exc:
+        raise InvalidRequestError(f"{param}: {exc}", param=param) from exc
+
+
 # Every string a request carries is checked to be valid Unicode (NUL is valid text).
 Text = Annotated[str, AfterValidator(_unicode_text)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_unicode_text)]
