@@ -540,3 +540,44 @@ def test_metrics_need_an_operator_key(platform: Platform) -> None:
     assert_openai_error(httpx.get(url, headers={"Authorization": "Bearer wrong"}), 401, None)
     scraped = httpx.get(url, headers={"Authorization": f"Bearer {OPERATOR}"})
     assert scraped.status_code == 200 and "tandem_kv_cache_occupancy" in scraped.text
+
+
+@pytest.mark.s3
+def test_s3_adapter_sources_read_only_the_tenants_prefix(
+    s3_server: Any, peft_adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """With `s3://bucket/adapters/{tenant}/` configured, a tenant imports from its own prefix on a
+    real S3 server (SeaweedFS); another tenant's prefix, the rest of the bucket and other buckets
+    are refused before anything is fetched, and a missing folder is a 404."""
+    from tandem.deployments.adapters import CONFIG_FILE, WEIGHTS_FILE
+    from tandem.platform.errors import InvalidRequestError, NotFoundError
+    from tandem.platform.object_store import S3ObjectStore
+
+    from .conftest import S3_BUCKET
+
+    bucket = S3ObjectStore(S3_BUCKET, "", s3_server)
+    folder = peft_adapters["attn-r4"]
+    for owner in ("acme", "globex"):
+        for file in (CONFIG_FILE, WEIGHTS_FILE):
+            bucket.put(f"adapters/{owner}/bot/{file}", (folder / file).read_bytes())
+    store = AdapterStore(
+        FileObjectStore(str(tmp_path / "objects")),
+        "tiny",
+        source_prefixes=(f"s3://{S3_BUCKET}/adapters/{{tenant}}/",),
+        s3_settings=s3_server,
+    )
+    config, weights = store.fetch_source("acme", f"s3://{S3_BUCKET}/adapters/acme/bot")
+    assert config == (folder / CONFIG_FILE).read_bytes() and weights == (folder / WEIGHTS_FILE).read_bytes()
+    for source in (
+        f"s3://{S3_BUCKET}/adapters/globex/bot",
+        f"s3://{S3_BUCKET}/adapters/acme/../globex/bot",
+        f"s3://{S3_BUCKET}/adapters/",
+        f"s3://{S3_BUCKET}/adapters/acmex/bot",
+        "s3://another-bucket/adapters/acme/bot",
+        "file:///adapters/acme/bot",
+    ):
+        with pytest.raises(InvalidRequestError) as info:
+            store.fetch_source("acme", source)
+        assert info.value.param == "source", source
+    with pytest.raises(NotFoundError):
+        store.fetch_source("acme", f"s3://{S3_BUCKET}/adapters/acme/missing")

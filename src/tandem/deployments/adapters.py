@@ -32,7 +32,7 @@ from tandem.batch.records import tenant_prefix
 from tandem.engine.lora import LoRALimits, LoRAModelShape, parse_peft_adapter
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.errors import ConflictError, InvalidRequestError, NotFoundError
-from tandem.platform.object_store import ObjectNotFound, ObjectStore, S3ObjectStore
+from tandem.platform.object_store import ObjectNotFound, ObjectStore, S3ObjectStore, S3Settings
 
 logger = logging.getLogger("tandem.api")
 
@@ -94,11 +94,15 @@ class AdapterStore:
         *,
         source_prefixes: tuple[str, ...] = (),
         max_adapter_bytes: int = 256 << 20,
+        s3_settings: S3Settings | None = None,
     ) -> None:
+        """`s3_settings`: how `s3://` sources are read (default: the environment's endpoint and
+        credentials, the server's own)."""
         self.store = store
         self.base_model = base_model
         self.source_prefixes = tuple(check_source_prefix(p) for p in source_prefixes)
         self.max_adapter_bytes = max_adapter_bytes
+        self.s3_settings = s3_settings
 
     def create(
         self,
@@ -144,7 +148,7 @@ class AdapterStore:
             if isinstance(folder, Path):
                 return _read_inside(folder, CONFIG_FILE), _read_inside(folder, WEIGHTS_FILE)
             bucket, key_prefix = folder
-            store = S3ObjectStore(bucket, key_prefix)
+            store = S3ObjectStore(bucket, key_prefix, self.s3_settings)
             return store.get(CONFIG_FILE).data, store.get(WEIGHTS_FILE).data
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError, ObjectNotFound) as exc:
             raise NotFoundError(f"{source} must hold {CONFIG_FILE} and {WEIGHTS_FILE}", param="source") from exc
