@@ -581,3 +581,49 @@ def test_s3_adapter_sources_read_only_the_tenants_prefix(
         assert info.value.param == "source", source
     with pytest.raises(NotFoundError):
         store.fetch_source("acme", f"s3://{S3_BUCKET}/adapters/acme/missing")
+
+
+def test_a_broken_engine_ends_every_stream_with_an_error_event(
+    tmp_path: Path, peft_adapters: dict[str, Path]
+) -> None:
+    """The runner breaks while two streams are mid-generation: each ends with an error event
+    (`engine_failed`, naming its request id) and then `[DONE]`, none hangs; the next request is a
+    503 in OpenAI's shape with a request id."""
+    with start_platform(tmp_path, peft_adapters["attn-r4"], max_positions=4096) as platform:
+        headers = {"Authorization": f"Bearer {BYSTANDER}"}
+        body = {**CHAT, "max_tokens": 2000, "stream": True, "ignore_eos": True}
+        runner = platform.engine.engine.runner
+
+        def broken_forward(*args: object, **kwargs: object) -> torch.Tensor:
+            raise RuntimeError("device lost")
+
+        with contextlib.ExitStack() as stack:
+            streams = [
+                stack.enter_context(
+                    httpx.stream(
+                        "POST",
+                        f"{platform.base_url}/v1/chat/completions",
+                        json=body,
+                        headers=headers,
+                        timeout=60,
+                    )
+                )
+                for _ in range(2)
+            ]
+            lines = [response.iter_lines() for response in streams]
+            for it in lines:  # a stream's first event follows its first token: both are generating
+                while not next(it).startswith("data: "):
+                    pass
+            runner.model.forward = broken_forward  # type: ignore[method-assign]
+            runner.decode_model.forward = broken_forward  # type: ignore[method-assign]
+            for response, it in zip(streams, lines, strict=True):
+                events = [line[len("data: ") :] for line in it if line.startswith("data: ")]
+                assert events[-1] == "[DONE]", events[-3:]
+                error = json.loads(events[-2])["error"]
+                assert error["code"] == "engine_failed" and error["type"] == "server_error", error
+                assert "request id chatcmpl-" in error["message"] and "device lost" not in error["message"]
+                assert response.status_code == 200
+        assert not platform.engine.is_alive()
+        late = platform.post("/v1/chat/completions", CHAT, key=BYSTANDER)
+        error = assert_openai_error(late, 503, None)
+        assert error["code"] == "engine_unavailable" and late.headers["x-request-id"] in error["message"]

@@ -83,12 +83,20 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def tandem_error_reply(exc: TandemError) -> tuple[int, dict[str, Any], dict[str, str]]:
-    """Status, body and extra headers (`Retry-After` for errors that carry a retry hint)."""
+def tandem_error_reply(exc: TandemError, request_id: str) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """Status, body and extra headers (`Retry-After` for errors that carry a retry hint). A 5xx
+    names `request_id` in its message and `X-Request-ID`, and is logged under it."""
     retry_after = getattr(exc, "retry_after_s", None)
     headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else {}
-    body = error_body(exc.message, exc.error_type, exc.param, exc.code)
-    return exc.status_code, body, headers
+    message = exc.message
+    if exc.status_code >= 500:
+        headers["X-Request-ID"] = request_id
+        if request_id not in message:
+            message = f"{message} (request id {request_id})"
+        logger.warning(
+            "request failed", extra={"request_id": request_id, "code": exc.code, "error": exc.message}
+        )
+    return exc.status_code, error_body(message, exc.error_type, exc.param, exc.code), headers
 
 
 def validation_error_reply(errors: Sequence[Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
@@ -188,7 +196,10 @@ class CompletionRoutes:
         except _Disconnected:
             return
         except TandemError as exc:  # raised before the response started (a stream reports in-band)
-            await self._refuse(scope, send, tandem_error_reply(exc), client_request_id, timing.request_id)
+            request_id = timing.request_id or new_id("req")
+            await self._refuse(
+                scope, send, tandem_error_reply(exc, request_id), client_request_id, request_id
+            )
         except ValidationError as exc:
             reply = validation_error_reply(exc.errors())
             await self._refuse(scope, send, reply, client_request_id, timing.request_id)

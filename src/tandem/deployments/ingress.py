@@ -145,8 +145,8 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
     app.add_middleware(CompletionRoutes, server_of=server_for_app)
 
     @app.exception_handler(TandemError)
-    async def _tandem_error(_: Request, exc: TandemError) -> JSONResponse:
-        return _reply_response(*tandem_error_reply(exc))
+    async def _tandem_error(request: Request, exc: TandemError) -> JSONResponse:
+        return _reply_response(*tandem_error_reply(exc, request.headers.get("x-request-id") or new_id("req")))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

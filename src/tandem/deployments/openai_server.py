@@ -423,7 +423,10 @@ class OpenAIServer:
                         )
                     )
         except TandemError as exc:  # the stream has started: report in-band, then end it as usual
-            yield _event(error_body(exc.message, exc.error_type, exc.param, exc.code))
+            message = exc.message
+            if exc.status_code >= 500 and gen.request_id not in message:
+                message = f"{message} (request id {gen.request_id})"
+            yield _event(error_body(message, exc.error_type, exc.param, exc.code))
         except Exception:
             logger.exception("stream failed", extra={"tenant": tenant, "request_id": gen.request_id})
             yield _event(internal_error_body(gen.request_id))
