@@ -100,6 +100,7 @@ def test_hot_load_use_and_delete_while_others_stream(
     assert response.status_code == 200, response.text
     assert response.json()["model"] == "tiny:support-bot" and response.json()["rank"] == 8
     assert "tiny:support-bot" in [m.id for m in client.models.list().data]
+    assert client.models.retrieve("tiny:support-bot").owned_by == "acme"
 
     result = client.completions.create(model="tiny:support-bot", **base_kwargs)
     assert result.model == "tiny:support-bot"
@@ -134,6 +135,8 @@ def test_tenants_never_see_each_others_adapters(http: TestClient, peft_adapters:
     assert http.get("/v1/adapters/private", headers=headers_b).status_code == 404
     assert http.delete("/v1/adapters/private", headers=headers_b).status_code == 404
     assert [m.id for m in b.models.list().data] == ["tiny"]
+    with pytest.raises(openai.NotFoundError):
+        b.models.retrieve("tiny:private")
     with pytest.raises(openai.NotFoundError) as info:
         b.completions.create(model="tiny:private", prompt="x", max_tokens=2)
     assert info.value.body["code"] == "model_not_found"

@@ -27,7 +27,7 @@ def http(engine: AsyncEngine) -> Iterator[TestClient]:
         per_tenant_limits={"globex": TenantLimits(max_concurrent_requests=0)},
         operator_keys=parse_operator_keys(OPERATOR_KEY),
     )
-    server = OpenAIServer(engine, tenants, decode_token=lambda t: engine.tokenizer.decode([t]))
+    server = OpenAIServer(engine, tenants)
     with TestClient(create_app(server)) as client:
         yield client
 
@@ -39,6 +39,10 @@ def client(http: TestClient) -> openai.OpenAI:
 
 def test_models_and_chat_completion(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("tiny:nope")
+    assert missing.value.body["code"] == "model_not_found"  # type: ignore[index]
     resp = client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "Hello there"}],
@@ -102,6 +106,10 @@ def test_logprobs(client: openai.OpenAI) -> None:
     content = resp.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
     assert all(t.logprob == t.top_logprobs[0].logprob for t in content)  # greedy picks the top token
+    # Tokens carry their text and bytes (not ids): the bytes put together are the answer's text.
+    joined = b"".join(bytes(t.bytes or []) for t in content)
+    assert joined.decode("utf-8", "replace") == resp.choices[0].message.content
+    assert all(bytes(t.bytes or []).decode("utf-8", "replace") == t.token for t in content)
 
 
 @pytest.mark.parametrize(

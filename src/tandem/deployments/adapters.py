@@ -291,6 +291,9 @@ class LocalEngineClient:
     def lora_info(self) -> dict[str, Any]:
         return dict(self.engine.engine.lora_info())
 
+    def token_table(self) -> list[bytes]:
+        return list(self.engine.token_table())
+
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         if request.lora_name is not None and self.adapters is not None:
             load_into_engine(self.engine.engine, self.adapters, request.lora_name)

@@ -121,6 +121,9 @@ class HandleEngineClient:
     async def lora_info(self) -> dict[str, Any]:
         return cast(dict[str, Any], await self.unary.lora_info.remote())
 
+    async def token_table(self) -> list[bytes]:
+        return cast(list[bytes], await self.unary.token_table.remote())
+
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         response: DeploymentResponseGenerator | None = None
         try:

@@ -185,6 +185,11 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
         server, tenant = _authenticated(request)
         return await run_in_threadpool(server.models, tenant)
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> Any:
+        server, tenant = _authenticated(request)
+        return await run_in_threadpool(server.model, tenant, model_id)
+
     @app.get("/health")
     async def health(request: Request) -> Any:
         """Ready when an engine answers: 503 while the model replicas are still starting."""

@@ -84,6 +84,8 @@ class EngineClient(Protocol):
 
     def lora_info(self) -> dict[str, Any] | Awaitable[dict[str, Any]]: ...
 
+    def token_table(self) -> list[bytes] | Awaitable[list[bytes]]: ...
+
 
 def sampling_params_from(
     req: ChatCompletionRequest | CompletionRequest, max_tokens_default: int
@@ -116,7 +118,6 @@ class OpenAIServer:
         tenants: TenantRegistry,
         *,
         max_tokens_default: int = 256,
-        decode_token: Any = None,
         batches: BatchService | None = None,
         adapters: AdapterStore | None = None,
     ) -> None:
@@ -124,11 +125,11 @@ class OpenAIServer:
         self.tenants = tenants
         self.model_name = client.model_name
         self.max_tokens_default = max_tokens_default
-        self.decode_token = decode_token  # token id -> text, for logprobs (optional)
         self.batches = batches  # files + batches API; None when no object store is configured
         self.on_batch_created: Callable[[], None] | None = None  # e.g. wake a batch worker
         self.adapters = adapters  # per-tenant LoRA adapters; None when no object store is configured
         self._lora_info: dict[str, Any] | None = None
+        self._token_bytes: list[bytes] | None = None  # token id -> bytes, once logprobs are asked
 
     async def refresh_engine_stats(self) -> None:
         """Pull the engine's gauges (KV occupancy, queue) into telemetry; called on each scrape."""
@@ -180,6 +181,14 @@ class OpenAIServer:
             ]
         return ModelList(data=cards).model_dump()
 
+    def model(self, tenant: str, model_id: str) -> dict[str, Any]:
+        """One model card (`GET /v1/models/{model}`): the base model or one of this tenant's
+        adapters; 404 otherwise, including another tenant's adapter."""
+        for card in self.models(tenant)["data"]:
+            if card["id"] == model_id:
+                return dict(card)
+        raise NotFoundError(f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+
     async def _resolve_model(self, model: str, tenant: str) -> str | None:
         """The engine's LoRA id for `model`, None for the base model; 404 for anything else,
         including another tenant's adapter. Only adapters cost a (threaded) store lookup."""
@@ -200,6 +209,12 @@ class OpenAIServer:
         if gen.lora_name is None:
             return self.model_name
         return f"{self.model_name}:{gen.lora_name.rpartition('@')[0].rpartition('/')[2]}"
+
+    async def load_token_table(self) -> None:
+        """Fetch the engine's token bytes table (once) so logprobs can name tokens."""
+        if self._token_bytes is None:
+            table = self.client.token_table()
+            self._token_bytes = await table if inspect.isawaitable(table) else table
 
     async def lora_info(self) -> dict[str, Any]:
         """The engine's LoRA limits and base-model shape (asked once, then cached)."""
@@ -301,6 +316,8 @@ class OpenAIServer:
         or the SSE events to stream. `timing`, when given, is filled at the first output."""
         if timing is not None:
             timing.request_id = gen.request_id
+        if gen.sampling_params.logprobs is not None:
+            await self.load_token_table()
         accounted = gen.priority is Priority.INTERACTIVE  # batch work has its own flow control
         if accounted:
             self.tenants.acquire(tenant)
@@ -463,8 +480,11 @@ class OpenAIServer:
         )
 
     # -- logprobs in OpenAI's two shapes --------------------------------------------------
-    def _token_text(self, token_id: int) -> str:
-        return self.decode_token(token_id) if self.decode_token is not None else str(token_id)
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        """A token's text (a partial UTF-8 character shows as U+FFFD) and its bytes."""
+        assert self._token_bytes is not None, "load_token_table() runs before any logprobs"
+        raw = self._token_bytes[token_id] if 0 <= token_id < len(self._token_bytes) else b""
+        return raw.decode("utf-8", errors="replace"), list(raw)
 
     def _chat_logprobs(
         self, token_ids: list[int], logprobs: list[dict[int, float]] | None, num_top: int
@@ -475,15 +495,13 @@ class OpenAIServer:
         content = []
         for token_id, entry in zip(token_ids, logprobs, strict=False):
             ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
+            text, raw = self._token(token_id)
+            top = []
+            for top_id, value in ranked:
+                top_text, top_raw = self._token(top_id)
+                top.append({"token": top_text, "logprob": value, "bytes": top_raw})
             content.append(
-                {
-                    "token": self._token_text(token_id),
-                    "logprob": entry.get(token_id, 0.0),
-                    "bytes": None,
-                    "top_logprobs": [
-                        {"token": self._token_text(t), "logprob": v, "bytes": None} for t, v in ranked
-                    ],
-                }
+                {"token": text, "logprob": entry.get(token_id, 0.0), "bytes": raw, "top_logprobs": top}
             )
         return {"content": content}
 
@@ -493,9 +511,9 @@ class OpenAIServer:
         if logprobs is None:
             return None
         return {
-            "tokens": [self._token_text(t) for t in token_ids],
+            "tokens": [self._token(t)[0] for t in token_ids],
             "token_logprobs": [entry.get(t, 0.0) for t, entry in zip(token_ids, logprobs, strict=False)],
-            "top_logprobs": [{self._token_text(t): v for t, v in entry.items()} for entry in logprobs],
+            "top_logprobs": [{self._token(t)[0]: v for t, v in entry.items()} for entry in logprobs],
             "text_offset": [],
         }
 

@@ -94,6 +94,9 @@ class LLMReplica:
     async def lora_info(self) -> dict[str, Any]:
         return self.engine.lora_info()
 
+    async def token_table(self) -> list[bytes]:
+        return self.engine.token_table()
+
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom autoscaling metrics (Ray Serve calls this on each replica periodically)."""
         stats = self.engine.stats()

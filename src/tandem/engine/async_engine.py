@@ -125,6 +125,10 @@ class AsyncEngine:
     def lora_info(self) -> dict[str, Any]:
         return self.engine.lora_info()
 
+    def token_table(self) -> list[bytes]:
+        """Each token id's bytes (`Tokenizer.token_bytes_table`), for logprobs' text and bytes."""
+        return self.engine.tokenizer.token_bytes_table()
+
     def is_alive(self) -> bool:
         """False once the loop stopped or broke: the replica reports unhealthy and is replaced."""
         return self._thread.is_alive() and not self._stopped and not self._broken

@@ -7,6 +7,7 @@ Loaded from an HF folder (`tokenizer.json`, `tokenizer_config.json`) or built fr
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ class Tokenizer:
         self.add_bos = add_bos
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
         self._template: jinja2.Template | None = None
+        self._token_bytes: list[bytes] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -54,6 +56,28 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes_table(self) -> list[bytes]:
+        """Each token id's raw bytes (OpenAI's logprobs `bytes`; a token can be part of a UTF-8
+        character). Byte-level BPE pieces map back through GPT-2's byte-to-unicode table,
+        SentencePiece byte pieces (`<0x0A>`) are that byte and its `▁` a space, anything else
+        (special tokens) its UTF-8 text. Built once."""
+        if self._token_bytes is None:
+            decoder = json.loads(self.backend.to_str()).get("decoder")
+            byte_level = '"ByteLevel"' in json.dumps(decoder)
+            unicode_to_byte = {char: byte for byte, char in _bytes_to_unicode().items()}
+            table = []
+            for token_id in range(self.vocab_size):
+                piece = self.backend.id_to_token(token_id) or ""
+                byte_piece = _BYTE_PIECE.fullmatch(piece)
+                if byte_level and all(char in unicode_to_byte for char in piece):
+                    table.append(bytes(unicode_to_byte[char] for char in piece))
+                elif byte_piece is not None:
+                    table.append(bytes([int(byte_piece[1], 16)]))
+                else:
+                    table.append(piece.replace("\u2581", " ").encode("utf-8"))
+            self._token_bytes = table
+        return self._token_bytes
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
@@ -145,6 +169,22 @@ class Tokenizer:
             eos_token_ids=[eos_id] if eos_id is not None else [],
             add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
         )
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map that byte-level BPE vocabularies are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {byte: chr(char) for byte, char in zip(printable, chars, strict=True)}
 
 
 def _token_str(value: Any) -> str | None:
