@@ -409,3 +409,26 @@ def test_spans_are_built_only_for_a_span_processor() -> None:
     finally:  # its Prometheus reader leaves the process-wide registry that /metrics reads
         telemetry.meter_provider.shutdown()
         telemetry.tracer_provider.shutdown()
+
+
+def test_max_tokens_beyond_the_context_is_refused_and_a_default_fits(
+    client: openai.OpenAI, engine: AsyncEngine
+) -> None:
+    """A prompt plus an explicit max_tokens over the context is a 400 `context_length_exceeded`
+    naming max_tokens (as OpenAI and vLLM answer); without max_tokens the server's default is cut
+    to what the context leaves."""
+    context = engine.engine.max_model_len
+    prompt = [5] * (context - 12)  # 12 tokens of room
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=13)
+    body = info.value.body
+    assert (
+        isinstance(body, dict) and body["code"] == "context_length_exceeded" and body["param"] == "max_tokens"
+    )
+    fits = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=12, extra_body={"ignore_eos": True}
+    )
+    assert fits.usage is not None and fits.usage.completion_tokens == 12
+    default = client.completions.create(model="tiny", prompt=prompt, extra_body={"ignore_eos": True})
+    assert default.choices[0].finish_reason == "length"
+    assert default.usage is not None and default.usage.completion_tokens == 12

@@ -87,10 +87,10 @@ class EngineClient(Protocol):
     def token_table(self) -> list[bytes] | Awaitable[list[bytes]]: ...
 
 
-def sampling_params_from(
-    req: ChatCompletionRequest | CompletionRequest, max_tokens_default: int
-) -> SamplingParams:
-    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or max_tokens_default
+def sampling_params_from(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+    """The request's sampling fields; an unset `max_tokens` stays None (the engine then applies
+    `GenerationRequest.default_max_tokens` within what the context leaves)."""
+    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
     if isinstance(req, ChatCompletionRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
@@ -235,7 +235,8 @@ class OpenAIServer:
         gen = GenerationRequest(
             request_id=new_id("chatcmpl"),
             messages=messages,
-            sampling_params=sampling_params_from(req, self.max_tokens_default),
+            sampling_params=sampling_params_from(req),
+            default_max_tokens=self.max_tokens_default,
             tenant_id=tenant,
             priority=priority,
             lora_name=lora_id,
@@ -258,7 +259,8 @@ class OpenAIServer:
             request_id=new_id("cmpl"),
             prompt=req.prompt if prompt_is_text else None,  # type: ignore[arg-type]
             prompt_token_ids=None if prompt_is_text else list(req.prompt),  # type: ignore[arg-type]
-            sampling_params=sampling_params_from(req, self.max_tokens_default),
+            sampling_params=sampling_params_from(req),
+            default_max_tokens=self.max_tokens_default,
             tenant_id=tenant,
             priority=priority,
             lora_name=lora_id,

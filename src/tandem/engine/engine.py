@@ -5,6 +5,7 @@ Single-threaded; `AsyncEngine` (async_engine.py) drives it from a background thr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -224,12 +225,24 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens; this model's context is {self.max_model_len} tokens "
                 "and at least one must be left to generate"
             )
+        params = gen.sampling_params
+        remaining = self.max_model_len - len(token_ids)
+        if params.max_tokens is None:
+            limit = remaining if gen.default_max_tokens is None else min(remaining, gen.default_max_tokens)
+            params = dataclasses.replace(params, max_tokens=limit)
+        elif params.max_tokens > remaining:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(token_ids)} and max_tokens asks for {params.max_tokens} more. Reduce the prompt or "
+                f"max_tokens (at most {remaining} here), or leave max_tokens out",
+                param="max_tokens",
+            )
         if gen.lora_name is not None:
             self._check_lora(gen.lora_name)
         request = Request(
             request_id=gen.request_id,
             prompt_token_ids=token_ids,
-            sampling_params=gen.sampling_params,
+            sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             priority=gen.priority,
             tenant_id=gen.tenant_id,

@@ -29,6 +29,8 @@ class GenerationRequest:
     priority: Priority = Priority.INTERACTIVE
     tenant_id: str | None = None
     lora_name: str | None = None  # a LoRA adapter registered with the engine (`add_lora`)
+    # With `sampling_params.max_tokens=None`: at most this many new tokens (None: what the context leaves)
+    default_max_tokens: int | None = None
 
 
 @dataclass

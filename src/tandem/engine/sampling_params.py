@@ -19,10 +19,13 @@ class SamplingParams:
     """How to pick each next token and when to stop.
 
     Defaults follow vLLM: temperature 1.0, max_tokens 16. `temperature == 0` means greedy.
+    A prompt plus an explicit `max_tokens` must fit the model's context (else
+    `ContextLengthExceededError`); `max_tokens=None` asks for what the context leaves, capped by the
+    request's `default_max_tokens`.
     Invalid values raise `InvalidRequestError` naming the field, before anything is allocated.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: the request's `default_max_tokens`, within the context
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
@@ -53,7 +56,7 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise bad(name, f"must be a finite number, got {value!r}")
-        if _not_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32:
+        if self.max_tokens is not None and (_not_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32):
             raise bad("max_tokens", f"must be an integer in [1, {MAX_INT32}], got {self.max_tokens!r}")
         if self.temperature < 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")

@@ -362,7 +362,8 @@ class Scheduler:
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len  # None: the context
+        if request.num_output_tokens >= max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
