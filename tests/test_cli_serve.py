@@ -22,7 +22,6 @@ from .test_serve import (
     check_errors,
     check_openai_client,
     scraped_engine_stats,
-    scraped_samples,
 )
 
 pytestmark = pytest.mark.ray
@@ -44,48 +43,16 @@ def read_lines(stream: object, lines: queue.Queue[str]) -> None:
     lines.put("")  # end of output: the process exited
 
 
-def replica_http_ports() -> list[int]:
-    """The ports on which this machine's `tandem` LLM replicas answer HTTP (direct ingress)."""
-    import httpx
-
-    ports = []
+def replica_pids(deployment: str) -> list[int]:
+    """PIDs of this machine's `tandem` replicas of `deployment` (Ray titles them by name)."""
+    pids = []
     for proc in psutil.process_iter():
         try:
-            if "ServeReplica:tandem:LLMReplica" not in " ".join(proc.cmdline()):
-                continue
-            listening = [c.laddr.port for c in proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+            if f"ServeReplica:tandem:{deployment}" in " ".join(proc.cmdline()):
+                pids.append(proc.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        for port in listening:  # Ray's own gRPC ports among them do not answer HTTP
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    ports.append(port)
-            except httpx.HTTPError:
-                continue
-    return ports
-
-
-def requests_served(base_url: str) -> float:
-    """Finished requests of tenant acme counted by the replica answering at `base_url`."""
-    return sum(
-        value
-        for name, labels, value in scraped_samples(base_url)
-        if name == "tandem_requests_total" and 'tenant="acme"' in labels
-    )
-
-
-def completion_request_id(base_url: str) -> str:
-    """Whether a completion's `X-Request-ID` is the completion's own id or another one."""
-    import httpx
-
-    reply = httpx.post(
-        f"{base_url}/v1/completions",
-        json={"model": "tiny", "prompt": "Paged attention", "max_tokens": 2},
-        headers={"Authorization": f"Bearer {KEY}"},
-        timeout=60,
-    )
-    assert reply.status_code == 200, reply.text
-    return "completion id" if reply.headers["x-request-id"] == reply.json()["id"] else "another id"
+    return pids
 
 
 class ServeProcess:
@@ -128,26 +95,20 @@ class ServeProcess:
                 self.process.wait()
 
 
-def test_serve_answers_on_the_replica_itself_and_stops_on_sigterm(tmp_path: Path) -> None:
+def test_serve_runs_the_app_graph_and_stops_on_sigterm(tmp_path: Path) -> None:
+    """`tandem serve` runs the one application graph: Serve's proxy on the user's port, the
+    ingress deployment, the LLM replica and the batch worker; SIGTERM stops it cleanly."""
     server = ServeProcess(tmp_path)
     try:
-        # the line `tandem serve` prints once the app is running
-        proxy_port = int(server.wait_for(r"direct ingress: .* Serve's proxy is on (\d+)").group(1))
-
-        # Direct ingress: the LLM replica itself, not Serve's proxy, owns the user's port.
+        server.wait_for(r"serving .* at http://")
         port = server.port
-        assert "ServeReplica:tandem:LLMReplica" in listener_cmdline(port)
-        assert "ProxyActor" in listener_cmdline(proxy_port)
+        assert "ProxyActor" in listener_cmdline(port)
+        for deployment in ("OpenAIIngress", "LLMReplica", "BatchWorker"):
+            assert replica_pids(deployment), deployment
         base_url = f"http://127.0.0.1:{port}"
         check_openai_client(base_url)
         check_errors(base_url)
         check_disconnect_frees_kv_blocks(base_url, lambda: scraped_engine_stats(base_url))
-        # The replica answers completions in front of Serve's request handling (its request id
-        # is the completion's); through the proxy, Serve's handling runs and gives its own id.
-        assert completion_request_id(base_url) == "completion id"
-        proxy_url = f"http://127.0.0.1:{proxy_port}"
-        assert completion_request_id(proxy_url) == "another id"
-        check_openai_client(proxy_url)  # the proxy path still works
 
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=90) == 0
@@ -157,22 +118,42 @@ def test_serve_answers_on_the_replica_itself_and_stops_on_sigterm(tmp_path: Path
         server.stop()
 
 
-def test_serve_balances_several_replicas_through_haproxy(tmp_path: Path) -> None:
-    """`--num-replicas 2`: HAProxy owns the user's port and both replicas answer through it."""
+def test_serve_answers_again_after_the_engine_replica_is_killed(tmp_path: Path) -> None:
+    """`kill -KILL` of the LLM replica while it streams: the stream ends (it does not hang), Serve
+    starts a new replica, and a chat request succeeds again within 60 s."""
+    import time
+
+    import httpx
     import openai
 
-    server = ServeProcess(tmp_path, "--num-replicas", "2")
+    server = ServeProcess(tmp_path)
     try:
-        server.wait_for(r"direct ingress: HAProxy on \d+ balances over 2 replicas")
-        assert "haproxy" in listener_cmdline(server.port)
+        server.wait_for(r"serving .* at http://")
         base_url = f"http://127.0.0.1:{server.port}"
-        check_openai_client(base_url)
-        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0)
-        for _ in range(6):
-            client.completions.create(model="tiny", prompt="Paged attention", max_tokens=2)
-        # Each replica counts the requests it served; its own port answers its own /metrics.
-        served = {port: requests_served(f"http://127.0.0.1:{port}") for port in replica_http_ports()}
-        assert len(served) == 2 and all(n >= 1 for n in served.values()), served
-        assert sum(served.values()) >= 7, served  # the six above and the client checks
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=30)
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}]}
+        [victim] = replica_pids("LLMReplica")
+        stream = client.chat.completions.create(
+            **chat, max_tokens=3000, stream=True, extra_body={"ignore_eos": True}
+        )
+        assert next(iter(stream)) is not None  # streaming now
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises((openai.APIError, httpx.HTTPError)):  # the stream ends, with an error
+            for _ in stream:
+                pass
+        killed_at = time.monotonic()
+        last_error: Exception | None = None
+        while time.monotonic() - killed_at < 60:  # retry until the replacement answers
+            try:
+                reply = client.chat.completions.create(**chat, max_tokens=4)
+                break
+            except (openai.APIError, httpx.HTTPError) as exc:
+                last_error = exc
+                time.sleep(0.5)  # back off while Serve starts the replacement
+        else:
+            raise AssertionError(f"no answer within 60 s of the kill: {last_error!r}")
+        print(f"\nanswered again {time.monotonic() - killed_at:.1f} s after the kill")
+        assert reply.choices[0].finish_reason in ("length", "stop")
+        assert replica_pids("LLMReplica") and victim not in replica_pids("LLMReplica")
     finally:
         server.stop()

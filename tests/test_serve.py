@@ -62,6 +62,7 @@ def served(ray_serve: str, tmp_path_factory: pytest.TempPathFactory) -> str:
         object_store=f"file://{store}",
         batch={"shard_size": 3, "lease_ttl_s": 2.0},
         batch_poll_interval_s=0.1,
+        replica_env_vars={"TANDEM_TEST_REPLICA_ENV": "replica"},
     )
     yield ray_serve
     serve.delete("tandem")
@@ -429,106 +430,19 @@ def check_adapter_upload_and_use(served: str, folder: Path) -> None:
     assert "tiny:served-bot" in [m.id for m in client.models.list().data]
 
 
-@pytest.fixture(scope="module")
-def direct_served(served: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The same app with `direct_streaming`: the LLM replicas are the HTTP ingress. At most
-    2 requests in flight per replica (1 running + 1 queued), so a burst of 5 must see 429s.
-    The replicas get an environment variable of their own (`replica_env_vars`)."""
-    from ray import serve
-
-    store = tmp_path_factory.mktemp("direct-objects")
-    deploy(
-        tmp_path_factory,
-        "tandem-direct",
-        "/direct",
-        direct_streaming=True,
-        max_ongoing_requests=1,
-        max_queued_requests=1,
-        object_store=f"file://{store}",
-        batch_poll_interval_s=60.0,  # only the replica's wake-up can start a batch in time
-        replica_env_vars={"TANDEM_TEST_REPLICA_ENV": "direct"},
-    )
-    yield f"{served}/direct"
-    serve.delete("tandem-direct")
-
-
-def test_direct_streaming_serves_the_api_from_the_replica(direct_served: str) -> None:
-    """No ingress deployment; the same API, answers and errors as through the ingress, and the
-    replica's own health and metrics routes."""
-    import httpx
-    from ray import serve
-
-    deployments = serve.status().applications["tandem-direct"].deployments
-    assert sorted(deployments) == ["BatchWorker", "LLMReplica"]
-    check_openai_client(direct_served)
-    check_errors(direct_served)
-    operator = {"Authorization": f"Bearer {OPERATOR_KEY}"}
-    metrics = httpx.get(f"{direct_served}/metrics", headers=operator, timeout=10).text  # in the replica itself
-    assert "tandem_requests_total{" in metrics and 'tenant="acme"' in metrics
-    assert httpx.get(f"{direct_served}/health", timeout=10).json() == {"status": "ok"}
-
-
-def test_replica_env_vars_reach_the_replica_process_only(direct_served: str) -> None:
-    """`replica_env_vars` is the environment of the LLM replica's process, not of the others; a
-    direct-streaming replica also runs its routes on Serve's own event loop. (Its completions still
-    go through Serve's handling here, behind the proxy: `test_direct_streaming_*` below.)"""
+def test_replica_env_vars_reach_the_replica_process_only(served: str) -> None:
+    """`replica_env_vars` is the environment of the LLM replica's process, not of the others."""
     import psutil
 
     env_by_process = {}
     for proc in psutil.process_iter():
         try:
             cmdline = " ".join(proc.cmdline())
-            if "ServeReplica:tandem-direct:" in cmdline:
+            if "ServeReplica:tandem:" in cmdline:
                 env_by_process[cmdline.split(":")[-1].split()[0]] = proc.environ()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-    assert sorted(env_by_process) == ["BatchWorker", "LLMReplica"], sorted(env_by_process)
-    assert env_by_process["LLMReplica"].get("TANDEM_TEST_REPLICA_ENV") == "direct"
+    assert sorted(env_by_process) == ["BatchWorker", "LLMReplica", "OpenAIIngress"], sorted(env_by_process)
+    assert env_by_process["LLMReplica"].get("TANDEM_TEST_REPLICA_ENV") == "replica"
     assert "TANDEM_TEST_REPLICA_ENV" not in env_by_process["BatchWorker"]
-    assert env_by_process["LLMReplica"].get("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD") == "0"
-    assert "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD" not in env_by_process["BatchWorker"]
-    # and, with Serve's direct ingress, answers completions in front of Serve's request handling
-    callback = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
-    assert env_by_process["LLMReplica"].get(callback) == "tandem.deployments.direct_ingress:http_middlewares"
-    assert callback not in env_by_process["BatchWorker"]
-
-
-def test_direct_streaming_disconnect_and_backpressure(direct_served: str) -> None:
-    check_disconnect_frees_kv_blocks(direct_served, lambda: scraped_engine_stats(direct_served))
-    results = five_streams_at_once(direct_served)
-    assert results.count("ok") >= 1 and results.count("429") >= 1, results
-
-
-def test_direct_streaming_loads_uploaded_adapters(direct_served: str, peft_adapters: dict) -> None:
-    check_adapter_upload_and_use(direct_served, peft_adapters["all-r8"])
-
-
-def test_direct_streaming_runs_batches(direct_served: str) -> None:
-    """The batch worker reaches replicas it is not bound to, and the replica that took the
-    upload wakes it (its poll interval is a minute)."""
-    import io
-    import json
-    import time
-
-    client = openai.OpenAI(base_url=f"{direct_served}/v1", api_key=KEY, max_retries=0)
-    lines = [
-        json.dumps(
-            {
-                "custom_id": f"d{i}",
-                "url": "/v1/completions",
-                "body": {"model": "tiny", "prompt": f"Number {i}", "max_tokens": 3},
-            }
-        )
-        for i in range(3)
-    ]
-    file_id = client.files.create(
-        file=("in.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch"
-    ).id
-    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
-    deadline = time.monotonic() + 45  # well inside the worker's 60 s poll interval
-    while (batch := client.batches.retrieve(batch.id)).status != "completed":
-        assert batch.status in ("validating", "in_progress", "finalizing") and time.monotonic() < deadline, (
-            batch
-        )
-        time.sleep(0.1)
-    assert batch.request_counts.completed == 3
+    assert "TANDEM_TEST_REPLICA_ENV" not in env_by_process["OpenAIIngress"]

@@ -18,10 +18,9 @@ from tandem.batch.service import BatchLimits, BatchService
 from tandem.deployments.adapters import AdapterStore, check_source_prefix
 from tandem.deployments.autoscaling import BatchQueueTargets, ScalingTargets
 from tandem.deployments.batch_worker import BatchWorkerReplica
-from tandem.deployments.direct_ingress import DIRECT_INGRESS_ENV_VARS
 from tandem.deployments.ingress import create_app, install_server
 from tandem.deployments.openai_server import EngineClient, OpenAIServer
-from tandem.deployments.replicas import LLM_DEPLOYMENT, InProcessReplicaClient, LLMReplica
+from tandem.deployments.replicas import LLM_DEPLOYMENT, LLMReplica
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.config import EngineConfig
 from tandem.platform.errors import OverloadedError
@@ -51,21 +50,13 @@ class AppConfig(BaseModel):
     replica_env_vars: dict[str, str] = Field(
         default_factory=dict,
         description="Environment of the LLM replicas' processes (Ray's runtime_env env_vars), for "
-        "settings read at process start: Ray Serve's RAY_SERVE_* flags, OMP_* and the like. "
-        "Direct-streaming replicas also get RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 and "
-        "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH (tandem.deployments.direct_ingress) unless set here",
+        "settings read at process start: Ray Serve's RAY_SERVE_* flags, OMP_* and the like",
     )
     stream_interval: int = Field(
         1,
         ge=1,
         description="Tokens per streamed message from a replica (first token and end always at once); "
         "higher costs less CPU per token on small nodes, at coarser streaming",
-    )
-    direct_streaming: bool = Field(
-        False,
-        description="The LLM replicas are the HTTP ingress (no separate ingress deployment): one "
-        "process hop less per streamed message; adapter requests are not routed to replicas "
-        "holding the adapter, and per-tenant limits and /metrics count per replica",
     )
     max_ongoing_requests: int = 64
     max_queued_requests: int = 128
@@ -103,7 +94,6 @@ class AppConfig(BaseModel):
 
 
 fastapi_app = create_app()
-direct_fastapi_app = create_app()  # a second app object: `serve.ingress` takes one per class
 
 
 class HandleEngineClient:
@@ -194,57 +184,18 @@ def openai_server(
     return server
 
 
-def in_process_openai_server(
-    cfg: AppConfig, replica: LLMReplica, batch_worker: DeploymentHandle | None
-) -> OpenAIServer:
-    """The OpenAI routes' server over `replica`'s engine in this process, as a direct-streaming
-    replica serves them: at most `max_ongoing_requests + max_queued_requests` in flight, then 429."""
-    client = InProcessReplicaClient(replica, cfg.max_ongoing_requests + cfg.max_queued_requests)
-    return openai_server(cfg, client, batch_worker)
-
-
-@serve.ingress(direct_fastapi_app)
-class DirectLLMServer(LLMReplica):
-    """An `LLMReplica` that is also the HTTP ingress (`direct_streaming`): the proxy sends each
-    request straight to a replica, whose OpenAI routes call its engine in-process.
-
-    What it trades for the saved hop: the proxy picks replicas by queue length only, so requests
-    for an adapter do not prefer replicas that already hold it (any replica loads it on first use);
-    per-tenant limits and `/metrics` count per replica; and backpressure is
-    `InProcessReplicaClient`'s 429.
-    """
-
-    def __init__(self, config: dict[str, Any], batch_worker: DeploymentHandle | None = None) -> None:
-        cfg = AppConfig(**config)
-        super().__init__(replica_engine_options(cfg), None, cfg.object_store, cfg.stream_interval)
-        install_server(in_process_openai_server(cfg, self, batch_worker))
-
-
 # Serve's own autoscaling fields (it applies the delays around any policy), with our defaults;
 # everything else in `autoscaling` is a ScalingTargets field.
 _SERVE_AUTOSCALING_DEFAULTS = {"upscale_delay_s": 5.0, "downscale_delay_s": 30.0}
 _SERVE_AUTOSCALING_FIELDS = {"look_back_period_s", *_SERVE_AUTOSCALING_DEFAULTS}
 
 
-# Environment of a direct-streaming replica's process, under `replica_env_vars` (which wins).
-# Serve runs a replica's user code on an event loop of its own, in a second thread, so every ASGI
-# message of a directly served request crosses threads twice (request in, each chunk out). Our
-# routes never block their loop (the engine steps in its own thread; object-store calls go to
-# worker threads), so they run on Serve's loop instead, as Serve's throughput-optimized mode
-# (`RAY_SERVE_THROUGHPUT_OPTIMIZED`) does: bursts of 16 short streamed requests got their first
-# token to the client 4-6 ms sooner (docs/operations.md, "Serving overhead").
-# With Serve's direct ingress, the completion routes are also answered in front of Serve's
-# per-request handling (`DIRECT_INGRESS_ENV_VARS`; inert without direct ingress).
-DIRECT_STREAMING_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", **DIRECT_INGRESS_ENV_VARS}
-
-
 def replica_options(cfg: AppConfig) -> dict[str, Any]:
     """Serve options of the `LLMReplica` deployment: resources, environment, backpressure and
     scaling."""
     actor_options: dict[str, Any] = {"num_cpus": cfg.replica_num_cpus}
-    env_vars = {**(DIRECT_STREAMING_ENV_VARS if cfg.direct_streaming else {}), **cfg.replica_env_vars}
-    if env_vars:
-        actor_options["runtime_env"] = {"env_vars": env_vars}
+    if cfg.replica_env_vars:
+        actor_options["runtime_env"] = {"env_vars": dict(cfg.replica_env_vars)}
     options: dict[str, Any] = {
         "ray_actor_options": actor_options,
         "max_ongoing_requests": cfg.max_ongoing_requests,
@@ -307,14 +258,6 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     worker = serve.deployment(name="BatchWorker")(BatchWorkerReplica).options(**batch_worker_options(cfg))
     # after the LLM handle (None: the worker looks the replicas up by name)
     worker_args = (cfg.object_store, model_name, cfg.batch, cfg.batch_poll_interval_s, cfg.max_tokens_default)
-    if cfg.direct_streaming:
-        # The replica is the root; the worker finds it by name (a bound handle would be a cycle).
-        options = replica_options(cfg)
-        options.update(max_ongoing_requests=cfg.ingress_max_ongoing_requests, max_queued_requests=-1)
-        direct = serve.deployment(name=LLM_DEPLOYMENT)(DirectLLMServer).options(**options)
-        if cfg.object_store is None:
-            return direct.bind(cfg.model_dump())
-        return direct.bind(cfg.model_dump(), worker.bind(None, *worker_args))
     replica = serve.deployment(name=LLM_DEPLOYMENT)(LLMReplica).options(**replica_options(cfg))
     llm = replica.bind(replica_engine_options(cfg), None, cfg.object_store, cfg.stream_interval)
     ingress = cast(serve.Deployment, OpenAIIngress).options(

@@ -25,7 +25,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from typing import Any, NamedTuple
 
 from pydantic import ValidationError
@@ -132,30 +132,19 @@ class _RequestHeaders(NamedTuple):
 class CompletionRoutes:
     """ASGI middleware: serves the two completion routes, passes everything else to `app`.
 
-    `routes` maps a path (after the scope's `root_path`) to whether it is the chat route.
     `server_of(app)` returns the `OpenAIServer` answering for the Starlette app in
     `scope["app"]` (None while it starts: 500 `not_ready`, as the FastAPI routes give).
-    With `request_id_header`, every answer carries `X-Request-ID`: the client's own, else the
-    completion's id, else (a refused request) a new `req-` id; for where nothing in front adds one.
     """
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        server_of: Callable[[Any], OpenAIServer | None],
-        request_id_header: bool = False,
-        routes: Mapping[str, bool] = ROUTES,
-    ) -> None:
+    def __init__(self, app: ASGIApp, server_of: Callable[[Any], OpenAIServer | None]) -> None:
         self.app = app
         self.server_of = server_of
-        self.request_id_header = request_id_header
-        self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         chat = None
         if scope["type"] == "http":
             path, root = scope["path"], scope.get("root_path", "")
-            chat = self.routes.get(path[len(root) :] if root and path.startswith(root) else path)
+            chat = ROUTES.get(path[len(root) :] if root and path.startswith(root) else path)
         if chat is None:
             await self.app(scope, receive, send)
         else:
@@ -188,7 +177,6 @@ class CompletionRoutes:
                     completion_req = CompletionRequest.model_validate(body)
                     result = await server.completions(completion_req, tenant, timing=timing)
                 reply_headers = {"Server-Timing": timing.header()}
-                self._with_request_id(reply_headers, client_request_id, timing.request_id)
                 if isinstance(result, dict):
                     await _send_json(send_tracked, 200, result, reply_headers)
                 else:
@@ -210,16 +198,6 @@ class CompletionRoutes:
                 reply = (500, internal_error_body(request_id), {})
                 await self._refuse(scope, send, reply, client_request_id, request_id)
 
-    def _with_request_id(
-        self, headers: dict[str, str], client_request_id: bytes | None, request_id: str | None
-    ) -> None:
-        """Add `X-Request-ID` to `headers` when this route sets it."""
-        if self.request_id_header:
-            if client_request_id is not None:
-                headers["X-Request-ID"] = client_request_id.decode("latin-1")
-            else:
-                headers["X-Request-ID"] = request_id or new_id("req")
-
     async def _refuse(
         self,
         scope: Scope,
@@ -228,17 +206,15 @@ class CompletionRoutes:
         client_request_id: bytes | None,
         request_id: str | None,
     ) -> None:
-        """Send an error reply, and log it: nothing else logs a refused request where Serve's
-        access log is not in front (plain uvicorn without its access log, direct ingress)."""
+        """Send an error reply, and log it (with the client's `X-Request-ID`, else ours)."""
         status, body, headers = reply
-        self._with_request_id(headers, client_request_id, request_id)
         logger.info(
             "request refused",
             extra={
                 "path": scope["path"],
                 "status": status,
                 "code": body["error"]["code"],
-                "request_id": headers.get("X-Request-ID"),
+                "request_id": client_request_id.decode("latin-1") if client_request_id else request_id,
             },
         )
         await _send_json(send, status, body, headers)

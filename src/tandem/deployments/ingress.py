@@ -75,8 +75,7 @@ def install_server(server: OpenAIServer) -> None:
 def server_for_app(app: Any) -> OpenAIServer | None:
     """The server answering for the Starlette `app`. Routes call this module-level function rather
     than reading `_installed_server` themselves: Serve ships the routes (closures) to the replica by
-    value, with a copy of the module globals they name taken before any server was installed.
-    `app` is None in front of any app (`tandem.deployments.direct_ingress`)."""
+    value, with a copy of the module globals they name taken before any server was installed."""
     return getattr(getattr(app, "state", None), "server", None) or _installed_server
 
 

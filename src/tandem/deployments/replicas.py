@@ -8,27 +8,22 @@ Every message a replica streams costs CPU in three processes (this one, the ingr
 proxy), and on a small CPU node that CPU comes out of the model's cores. `stream_interval` sends
 one message per that many new tokens (the first token and the end always go at once), the
 knob SGLang calls `--stream-interval`.
-
-With `direct_streaming` (see `tandem.deployments.app`) the replica is also the HTTP ingress: its
-OpenAI routes call the engine through `InProcessReplicaClient`, in this process, so tokens cross one
-process boundary (replica -> HTTP proxy) instead of two.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ray import serve
 
-from tandem.deployments.adapters import AdapterStore, LocalEngineClient, load_into_engine
+from tandem.deployments.adapters import AdapterStore, load_into_engine
 from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.protocol import GenerationRequest, RequestOutput
-from tandem.platform.errors import OverloadedError
 from tandem.platform.object_store import open_object_store
 
-# The Serve deployment name of the LLM replicas, in both topologies (the batch worker looks it up).
+# The Serve deployment name of the LLM replicas (the batch worker looks it up).
 LLM_DEPLOYMENT = "LLMReplica"
 
 # Adapters Serve tracks per replica for routing; the engine's own LRU (`max_cpu_loras`) decides
@@ -109,33 +104,3 @@ class LLMReplica:
     def check_health(self) -> None:
         if not self.engine.is_alive():
             raise RuntimeError("engine loop thread has stopped")
-
-
-class InProcessReplicaClient(LocalEngineClient):
-    """`EngineClient` over the `LLMReplica` of this process: no Ray hop per message; adapters load
-    through the replica (`@serve.multiplexed`), so Serve knows which replica holds which.
-
-    Serve's own queue in front of a direct-streaming replica is sized for the HTTP proxy, which
-    answers an overflow with a plain-text 503; so this client is the backpressure instead: at most
-    `max_in_flight` requests run or wait here, and one more gets an OpenAI-shaped 429.
-    """
-
-    def __init__(self, replica: LLMReplica, max_in_flight: int) -> None:
-        super().__init__(replica.engine, adapters=None)  # model_name, stats, lora_info
-        self.replica = replica
-        self.max_in_flight = max_in_flight
-        self.num_in_flight = 0  # touched only from this replica's event loop
-
-    async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
-        if self.num_in_flight >= self.max_in_flight:
-            raise OverloadedError(
-                f"this replica has {self.num_in_flight} requests in flight (limit {self.max_in_flight}); "
-                "retry shortly",
-                retry_after_s=1.0,
-            )
-        self.num_in_flight += 1
-        try:
-            async for output in self.replica.stream(request):
-                yield output
-        finally:
-            self.num_in_flight -= 1
