@@ -43,18 +43,6 @@ def read_lines(stream: object, lines: queue.Queue[str]) -> None:
     lines.put("")  # end of output: the process exited
 
 
-def replica_pids(deployment: str) -> list[int]:
-    """PIDs of this machine's `tandem` replicas of `deployment` (Ray titles them by name)."""
-    pids = []
-    for proc in psutil.process_iter():
-        try:
-            if f"ServeReplica:tandem:{deployment}" in " ".join(proc.cmdline()):
-                pids.append(proc.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return pids
-
-
 class ServeProcess:
     """`tandem serve` on a tiny model in a subprocess with a Ray of its own; its stderr lines are
     read as they come."""
@@ -95,6 +83,19 @@ class ServeProcess:
                 self.process.wait()
 
 
+def replica_pids(server: ServeProcess, deployment: str) -> list[int]:
+    """PIDs of `server`'s replicas of `deployment` (its Ray runs under it; Ray titles them by
+    name), not those of other `tandem serve` processes on this machine."""
+    pids = []
+    for proc in psutil.Process(server.process.pid).children(recursive=True):
+        try:
+            if f"ServeReplica:tandem:{deployment}" in " ".join(proc.cmdline()):
+                pids.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return pids
+
+
 def test_serve_runs_the_app_graph_and_stops_on_sigterm(tmp_path: Path) -> None:
     """`tandem serve` runs the one application graph: Serve's proxy on the user's port, the
     ingress deployment, the LLM replica and the batch worker; SIGTERM stops it cleanly."""
@@ -104,7 +105,7 @@ def test_serve_runs_the_app_graph_and_stops_on_sigterm(tmp_path: Path) -> None:
         port = server.port
         assert "ProxyActor" in listener_cmdline(port)
         for deployment in ("OpenAIIngress", "LLMReplica", "BatchWorker"):
-            assert replica_pids(deployment), deployment
+            assert replica_pids(server, deployment), deployment
         base_url = f"http://127.0.0.1:{port}"
         check_openai_client(base_url)
         check_errors(base_url)
@@ -132,7 +133,7 @@ def test_serve_answers_again_after_the_engine_replica_is_killed(tmp_path: Path) 
         base_url = f"http://127.0.0.1:{server.port}"
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=30)
         chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}]}
-        [victim] = replica_pids("LLMReplica")
+        [victim] = replica_pids(server, "LLMReplica")
         stream = client.chat.completions.create(
             **chat, max_tokens=3000, stream=True, extra_body={"ignore_eos": True}
         )
@@ -154,6 +155,6 @@ def test_serve_answers_again_after_the_engine_replica_is_killed(tmp_path: Path) 
             raise AssertionError(f"no answer within 60 s of the kill: {last_error!r}")
         print(f"\nanswered again {time.monotonic() - killed_at:.1f} s after the kill")
         assert reply.choices[0].finish_reason in ("length", "stop")
-        assert replica_pids("LLMReplica") and victim not in replica_pids("LLMReplica")
+        assert replica_pids(server, "LLMReplica") and victim not in replica_pids(server, "LLMReplica")
     finally:
         server.stop()

@@ -435,7 +435,7 @@ def test_replica_env_vars_reach_the_replica_process_only(served: str) -> None:
     import psutil
 
     env_by_process = {}
-    for proc in psutil.process_iter():
+    for proc in psutil.Process().children(recursive=True):  # this test session's Ray, not others'
         try:
             cmdline = " ".join(proc.cmdline())
             if "ServeReplica:tandem:" in cmdline:
