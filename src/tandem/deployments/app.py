@@ -16,7 +16,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from tandem.batch.service import BatchLimits, BatchService
 from tandem.deployments.adapters import AdapterStore, check_source_prefix
-from tandem.deployments.autoscaling import BatchQueueTargets, ScalingTargets
+from tandem.deployments.autoscaling import AutoscalingConfig, BatchQueueTargets
 from tandem.deployments.batch_worker import BatchWorkerReplica
 from tandem.deployments.ingress import create_app, install_server
 from tandem.deployments.openai_server import EngineClient, OpenAIServer
@@ -33,18 +33,17 @@ class AppConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    engine: dict[str, Any] = Field(default_factory=dict, description="EngineConfig fields")
+    engine: EngineConfig = Field(
+        default_factory=lambda: EngineConfig.model_validate({}), description="The LLM replicas' engine"
+    )
     api_keys: str | None = Field(None, description="'key=tenant,...'; default: $TANDEM_API_KEYS")
     keys_file: str | None = Field(None, description="file of key=tenant lines")
     max_concurrent_requests_per_tenant: int | None = None
     tokens_per_minute_per_tenant: int | None = None
     max_tokens_default: int = 256
     num_replicas: int = 1
-    autoscaling: dict[str, Any] | None = Field(
-        None,
-        description="ScalingTargets fields plus Serve's upscale_delay_s, downscale_delay_s, "
-        "look_back_period_s; "
-        "when set, replicas scale on KV occupancy and queue depth",
+    autoscaling: AutoscalingConfig | None = Field(
+        None, description="When set, the LLM replicas scale on KV occupancy and queue depth"
     )
     replica_num_cpus: float = 1.0
     replica_env_vars: dict[str, str] = Field(
@@ -66,10 +65,9 @@ class AppConfig(BaseModel):
         description="file:///path or s3://bucket/prefix for files, batches and adapters; "
         "None disables the files and batches API",
     )
-    batch: dict[str, Any] = Field(default_factory=dict, description="BatchLimits fields")
-    batch_workers: dict[str, Any] = Field(
-        default_factory=dict,
-        description="BatchQueueTargets fields (min_replicas, max_replicas, target_shards_per_replica)",
+    batch: BatchLimits = Field(default_factory=BatchLimits)
+    batch_workers: BatchQueueTargets = Field(
+        default_factory=BatchQueueTargets, description="The batch workers' scaling on queued shards"
     )
     batch_poll_interval_s: float = 1.0
     operator_keys: str | None = Field(
@@ -84,13 +82,14 @@ class AppConfig(BaseModel):
         "read with the server's credentials, only under the caller's own folder. Default: none",
     )
 
+    max_adapter_bytes: int = 256 << 20
+
     @field_validator("adapter_source_prefixes")
     @classmethod
     def _per_tenant_prefixes(cls, prefixes: list[str]) -> list[str]:
         for prefix in prefixes:
             check_source_prefix(prefix)
         return prefixes
-    max_adapter_bytes: int = 256 << 20
 
 
 fastapi_app = create_app()
@@ -144,7 +143,7 @@ class OpenAIIngress:
         self, llm: DeploymentHandle, config: dict[str, Any], batch_worker: DeploymentHandle | None = None
     ) -> None:
         cfg = AppConfig(**config)
-        model_name = EngineConfig(**cfg.engine).api_model_name
+        model_name = cfg.engine.api_model_name
         install_server(openai_server(cfg, HandleEngineClient(llm, model_name), batch_worker))
 
 
@@ -165,7 +164,7 @@ def openai_server(
     batches = adapters = None
     if cfg.object_store is not None:
         store = open_object_store(cfg.object_store)
-        batches = BatchService(store, {client.model_name}, BatchLimits(**cfg.batch))
+        batches = BatchService(store, {client.model_name}, cfg.batch)
         adapters = AdapterStore(
             store,
             client.model_name,
@@ -184,12 +183,6 @@ def openai_server(
     return server
 
 
-# Serve's own autoscaling fields (it applies the delays around any policy), with our defaults;
-# everything else in `autoscaling` is a ScalingTargets field.
-_SERVE_AUTOSCALING_DEFAULTS = {"upscale_delay_s": 5.0, "downscale_delay_s": 30.0}
-_SERVE_AUTOSCALING_FIELDS = {"look_back_period_s", *_SERVE_AUTOSCALING_DEFAULTS}
-
-
 def replica_options(cfg: AppConfig) -> dict[str, Any]:
     """Serve options of the `LLMReplica` deployment: resources, environment, backpressure and
     scaling."""
@@ -204,15 +197,11 @@ def replica_options(cfg: AppConfig) -> dict[str, Any]:
     if cfg.autoscaling is None:
         options["num_replicas"] = cfg.num_replicas
         return options
-    serve_fields = {**_SERVE_AUTOSCALING_DEFAULTS}
-    serve_fields.update({k: v for k, v in cfg.autoscaling.items() if k in _SERVE_AUTOSCALING_FIELDS})
-    targets = ScalingTargets(
-        **{k: v for k, v in cfg.autoscaling.items() if k not in _SERVE_AUTOSCALING_FIELDS}
-    )
+    targets = cfg.autoscaling.targets()
     options["autoscaling_config"] = {
         "min_replicas": targets.min_replicas,
         "max_replicas": targets.max_replicas,
-        **serve_fields,
+        **cfg.autoscaling.serve_delays(),
         "policy": {
             "policy_function": "tandem.deployments.autoscaling:KVOccupancyPolicy",
             "policy_kwargs": asdict(targets),
@@ -225,7 +214,7 @@ def replica_engine_options(cfg: AppConfig) -> dict[str, Any]:
     """Engine options for replicas. Ray sets OMP_NUM_THREADS to an actor's CPUs (1 when it
     reserves none), which silently halves a CPU replica on 2 cores; so the thread count is
     explicit: the replica's CPUs, or every core of this machine when it reserves none."""
-    engine = dict(cfg.engine)
+    engine = cfg.engine.model_dump(exclude_unset=True)
     if cfg.object_store is not None:
         engine.setdefault("enable_lora", True)  # adapters can be uploaded: replicas serve them
     if engine.get("num_threads") is None:
@@ -237,13 +226,13 @@ def replica_engine_options(cfg: AppConfig) -> dict[str, Any]:
 def batch_worker_options(cfg: AppConfig) -> dict[str, Any]:
     """Serve options of the `BatchWorker` deployment: no CPU reserved (it waits on the LLM replicas
     and the object store), scaled on queued shards."""
-    targets = BatchQueueTargets(**cfg.batch_workers)
+    targets = cfg.batch_workers
     return {
         "ray_actor_options": {"num_cpus": 0},
         "autoscaling_config": {
             "min_replicas": targets.min_replicas,
             "max_replicas": targets.max_replicas,
-            **_SERVE_AUTOSCALING_DEFAULTS,
+            **AutoscalingConfig().serve_delays(),  # Serve's delays, the replicas' defaults
             "policy": {
                 "policy_function": "tandem.deployments.autoscaling:BatchQueuePolicy",
                 "policy_kwargs": asdict(targets),
@@ -254,10 +243,16 @@ def batch_worker_options(cfg: AppConfig) -> dict[str, Any]:
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     cfg = AppConfig(**(args or {}))
-    model_name = EngineConfig(**cfg.engine).api_model_name
+    model_name = cfg.engine.api_model_name
     worker = serve.deployment(name="BatchWorker")(BatchWorkerReplica).options(**batch_worker_options(cfg))
     # after the LLM handle (None: the worker looks the replicas up by name)
-    worker_args = (cfg.object_store, model_name, cfg.batch, cfg.batch_poll_interval_s, cfg.max_tokens_default)
+    worker_args = (
+        cfg.object_store,
+        model_name,
+        cfg.batch.model_dump(),
+        cfg.batch_poll_interval_s,
+        cfg.max_tokens_default,
+    )
     replica = serve.deployment(name=LLM_DEPLOYMENT)(LLMReplica).options(**replica_options(cfg))
     llm = replica.bind(replica_engine_options(cfg), None, cfg.object_store, cfg.stream_interval)
     ingress = cast(serve.Deployment, OpenAIIngress).options(

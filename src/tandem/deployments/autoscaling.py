@@ -20,6 +20,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 
 @dataclass(frozen=True)
 class ScalingTargets:
@@ -99,3 +101,35 @@ class BatchQueuePolicy:
             ctx.capacity_adjusted_max_replicas,
         )
         return desired_batch_workers(max(reported, default=0.0), bounds), dict(ctx.policy_state or {})
+
+
+class AutoscalingConfig(BaseModel):
+    """`AppConfig.autoscaling`: the LLM replicas' policy targets (`ScalingTargets`, whose defaults
+    these are) and Serve's delays around any policy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target_kv_occupancy: float = Field(default=ScalingTargets.target_kv_occupancy, gt=0.0, le=1.0)
+    target_waiting_per_replica: float = Field(default=ScalingTargets.target_waiting_per_replica, gt=0.0)
+    min_replicas: int = Field(default=ScalingTargets.min_replicas, ge=0)
+    max_replicas: int = Field(default=ScalingTargets.max_replicas, ge=1)
+    upscale_delay_s: float = Field(default=5.0, ge=0.0, description="Serve waits this long to add replicas")
+    downscale_delay_s: float = Field(default=30.0, ge=0.0, description="... and this long to remove them")
+    look_back_period_s: float | None = Field(default=None, gt=0.0, description="Serve's metrics window")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingConfig:
+        self.targets()  # ScalingTargets checks min_replicas <= max_replicas
+        return self
+
+    def targets(self) -> ScalingTargets:
+        return ScalingTargets(
+            self.target_kv_occupancy, self.target_waiting_per_replica, self.min_replicas, self.max_replicas
+        )
+
+    def serve_delays(self) -> dict[str, float]:
+        """Serve's own autoscaling fields, for `autoscaling_config`."""
+        delays = {"upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s}
+        if self.look_back_period_s is not None:
+            delays["look_back_period_s"] = self.look_back_period_s
+        return delays

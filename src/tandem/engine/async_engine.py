@@ -119,7 +119,7 @@ class AsyncEngine:
             self._cv.notify()
 
     def stats(self) -> dict[str, Any]:
-        """Snapshot taken by the loop thread after the latest step."""
+        """Snapshot taken by the loop thread after the latest step, before its outputs were delivered."""
         return dict(self._stats)
 
     def lora_info(self) -> dict[str, Any]:
@@ -213,7 +213,9 @@ class AsyncEngine:
             engine.abort_request(request_id)
             self._streams.pop(request_id, None)
         if engine.has_unfinished_requests():
-            self._deliver(engine.step())  # raises only for failures no single request explains
+            outputs = engine.step()  # raises only for failures no single request explains
+            self._stats = engine.stats()  # before delivering: whoever sees an output sees its step
+            self._deliver(outputs)
 
     def _send(self, request_id: str, stream: _Stream, item: RequestOutput | BaseException) -> None:
         """Hand `item` to the consumer's event loop. A consumer whose loop is gone (closed without
