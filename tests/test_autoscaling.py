@@ -94,17 +94,27 @@ def test_batch_workers_follow_queued_shards() -> None:
 
 
 def test_serve_config_file_is_a_valid_app() -> None:
-    """infra/serve_config.yaml's args are AppConfig fields (extra fields are refused), and the app
-    builds (composition only: nothing is deployed)."""
+    """infra/serve_config.yaml is a valid Serve config of the app `tandem serve --print-config`
+    describes: its args are AppConfig fields (extra fields are refused), and the app builds
+    (composition only: nothing is deployed)."""
     from pathlib import Path
 
     import yaml
 
     from tandem.deployments.app import AppConfig, build_app
 
+    from ray.serve.schema import ServeDeploySchema
+
+    from tandem.cli import serve_config
+
     config = yaml.safe_load((Path(__file__).parents[1] / "infra" / "serve_config.yaml").read_text())
+    ServeDeploySchema.model_validate(config)  # what `serve deploy` accepts
     args = config["applications"][0]["args"]
     AppConfig(**args)
     build_app(args)
+    # The same application as `tandem serve --print-config` writes: builder, name and prefix.
+    printed = serve_config(args)["applications"][0]
+    for key in ("name", "route_prefix", "import_path"):
+        assert config["applications"][0][key] == printed[key], key
     with pytest.raises(ValueError, match="direct_streaming"):
         AppConfig(**{**args, "direct_streaming": True})  # that wiring is gone: refused, not ignored

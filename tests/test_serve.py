@@ -141,7 +141,9 @@ def scraped_samples(base_url: str) -> list[tuple[str, str, float]]:
     import httpx
 
     samples = []
-    response = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}, timeout=10)
+    response = httpx.get(
+        f"{base_url}/metrics", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}, timeout=10
+    )
     response.raise_for_status()
     for line in response.text.splitlines():
         if line and not line.startswith("#"):
@@ -446,3 +448,54 @@ def test_replica_env_vars_reach_the_replica_process_only(served: str) -> None:
     assert env_by_process["LLMReplica"].get("TANDEM_TEST_REPLICA_ENV") == "replica"
     assert "TANDEM_TEST_REPLICA_ENV" not in env_by_process["BatchWorker"]
     assert "TANDEM_TEST_REPLICA_ENV" not in env_by_process["OpenAIIngress"]
+
+
+def test_print_config_round_trips_through_serve_run(ray_serve: str, tmp_path: Path) -> None:
+    """`tandem serve --print-config` writes a config file `serve deploy` accepts (Serve's own
+    schema) and `serve run` deploys to the same graph `tandem serve` runs, which answers."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import ray
+    import yaml
+    from ray import serve
+    from ray.serve.schema import ServeDeploySchema
+
+    model_dir = make_tiny_model(tmp_path / "model", max_positions=1024)
+    printed = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "serve", "--print-config", "--model", str(model_dir),
+         "--served-model-name", "tiny", "--kv-cache-memory", str(8 << 20), "--data-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    config = yaml.safe_load(printed.stdout)
+    ServeDeploySchema.model_validate(config)
+    [app] = config["applications"]
+    assert app["import_path"] == "tandem.deployments.app:build_app" and app["args"]["engine"]["model"]
+    # As a deployer would: a name and prefix of its own here, and the keys (secrets stay out of it).
+    app.update(name="tandem-printed", route_prefix="/printed")
+    app["args"]["api_keys"] = f"{KEY}=acme"
+    config.pop("http_options")  # the test session's Serve is already listening
+    path = tmp_path / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    serve_cli = str(Path(sys.executable).parent / "serve")
+    address = ray.get_runtime_context().gcs_address
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    subprocess.run(
+        [serve_cli, "run", "--non-blocking", "--address", address, str(path)],
+        env=env,
+        timeout=300,
+        check=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while (
+            status := serve.status().applications.get("tandem-printed")
+        ) is None or status.status != "RUNNING":
+            assert time.monotonic() < deadline, status
+            time.sleep(0.5)
+        assert sorted(status.deployments) == ["BatchWorker", "LLMReplica", "OpenAIIngress"]
+        check_openai_client(f"{ray_serve}/printed")
+    finally:
+        serve.delete("tandem-printed")

@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import time
+from typing import Any
 
 from tandem.batch_cli import add_batch_parser, run_batch_command
 from tandem.platform.config import DEFAULT_MODEL
@@ -72,6 +73,45 @@ def _free_port(host: str, port: int = 0) -> int:
         return int(sock.getsockname()[1])
 
 
+def _app_args(args: argparse.Namespace) -> dict[str, Any]:
+    """`AppConfig` fields from `tandem serve`'s flags (keys come from the environment at run time)."""
+    engine: dict[str, object] = {"model": args.model}
+    if args.served_model_name:
+        engine["served_model_name"] = args.served_model_name
+    if args.max_model_len:
+        engine["max_model_len"] = args.max_model_len
+    if args.kv_cache_memory:
+        engine["kv_cache_memory"] = args.kv_cache_memory
+    return {
+        "engine": engine,
+        "keys_file": args.keys_file,
+        "num_replicas": args.num_replicas,
+        "stream_interval": args.stream_interval,
+        "replica_num_cpus": 0 if args.address is None else 1,
+        "object_store": args.object_store or "file://" + os.path.join(os.path.abspath(args.data_dir), "objects"),
+        "adapter_source_prefixes": args.adapter_source_prefix,
+    }
+
+
+def serve_config(app_args: dict[str, Any], *, host: str = "0.0.0.0", port: int = 8000) -> dict[str, Any]:
+    """The Serve config file (`serve deploy` / `serve run`) for the app `tandem serve` runs with
+    `app_args`: the same builder and arguments, validated, with defaults left out."""
+    from tandem.deployments.app import AppConfig
+
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": host, "port": port},
+        "applications": [
+            {
+                "name": "tandem",
+                "route_prefix": "/",
+                "import_path": "tandem.deployments.app:build_app",
+                "args": AppConfig(**app_args).model_dump(mode="json", exclude_defaults=True),
+            }
+        ],
+    }
+
+
 def _serve(args: argparse.Namespace) -> int:
     """Start a local Ray (or join `--address`) and run the application graph on it: Serve's proxy
     on `--port` -> the ingress deployment -> the LLM replicas, and the batch workers."""
@@ -84,39 +124,23 @@ def _serve(args: argparse.Namespace) -> int:
 
     from tandem.deployments.app import build_app
 
+    if args.print_config:
+        import yaml
+
+        config = serve_config(_app_args(args), host=args.host, port=args.port)
+        print(yaml.safe_dump(config, sort_keys=False), end="")
+        return 0
     if args.address is None:
         _free_port(args.host, args.port)  # fail now, not after minutes of Ray and model start-up
-    api_keys = os.environ.get("TANDEM_API_KEYS")
-    dev_key = None
-    if not api_keys and not args.keys_file:
+    app_args = _app_args(args)
+    dev_key = dev_operator_key = None
+    if not os.environ.get("TANDEM_API_KEYS") and not args.keys_file:
         dev_key = "sk-dev-" + secrets.token_hex(12)
-        api_keys = f"{dev_key}=dev"
-    operator_keys = os.environ.get("TANDEM_OPERATOR_KEYS")
-    dev_operator_key = None
-    if not operator_keys:
+        app_args["api_keys"] = f"{dev_key}=dev"
+    if not os.environ.get("TANDEM_OPERATOR_KEYS"):
         dev_operator_key = "sk-op-dev-" + secrets.token_hex(12)
-        operator_keys = dev_operator_key
-    engine: dict[str, object] = {"model": args.model}
-    if args.served_model_name:
-        engine["served_model_name"] = args.served_model_name
-    if args.max_model_len:
-        engine["max_model_len"] = args.max_model_len
-    if args.kv_cache_memory:
-        engine["kv_cache_memory"] = args.kv_cache_memory
-    app = build_app(
-        {
-            "engine": engine,
-            "api_keys": api_keys,
-            "keys_file": args.keys_file,
-            "num_replicas": args.num_replicas,
-            "stream_interval": args.stream_interval,
-            "replica_num_cpus": 0 if args.address is None else 1,
-            "object_store": args.object_store
-            or "file://" + os.path.join(os.path.abspath(args.data_dir), "objects"),
-            "operator_keys": operator_keys,
-            "adapter_source_prefixes": args.adapter_source_prefix,
-        }
-    )
+        app_args["operator_keys"] = dev_operator_key
+    app = build_app(app_args)
     if args.address:
         ray.init(address=args.address)
     else:
@@ -185,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         "with {tenant} in it (e.g. s3://adapters/{tenant}/); repeatable; default: none (uploads only)",
     )
     srv.add_argument("--num-replicas", type=int, default=1)
+    srv.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the Serve config file (serve deploy / serve run) for this app and exit",
+    )
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
     srv.add_argument(
