@@ -1,15 +1,16 @@
-"""What Ray Serve and HTTP add on top of the engine, side by side in one run: the engine called in
-this process ("engine") against the application graph `tandem serve` runs ("serve": Serve's proxy
--> ingress deployment -> LLM replica), on the same model, engine options and prompts.
+"""What Ray Serve and HTTP add on top of the engine: the engine called in this process against the
+application graph `tandem serve` runs (Serve's proxy -> ingress deployment -> LLM replica), on the
+same model, engine options and prompts.
 
-For each phase and each `--streams` value, every request of a wave starts together (streaming
-completions of the same prompt token ids, greedy, EOS ignored); phases alternate over `--rounds`
-so a noisy minute on a shared machine does not favour one. Reported, per streams value, as
-medians over rounds:
-- `ttft_p50_ms`: time to the first token at the client;
-- `added_ttft_p50_ms`: serve's p50 TTFT minus the engine's in the same round;
-- `tokens_per_s` and `throughput_vs_engine`: generated tokens over the wave's wall time.
-Only one phase runs at a time (the idle engine sleeps), so phases do not compete for CPUs.
+Phases, each run for every `--streams` value (all requests of a wave start together: streaming
+completions of the same prompt token ids, greedy, EOS ignored), `--rounds` times:
+- `engine_alone`: the engine in this process before Ray starts (the baseline);
+- `engine_beside_ray`: the same engine with Ray and the app up and idle (what Ray's own processes
+  cost an engine on the same cores: `ray_idle_throughput_cost`);
+- `serve`: over HTTP through the app (alternating with the previous phase).
+Reported per streams value, as medians over rounds: p50 TTFT and tokens/s of each phase,
+`added_ttft_p50_ms` (serve minus engine_alone) and `throughput_vs_engine` (serve / engine_alone).
+Only one phase runs at a time (an idle engine sleeps).
 
     python benchmarks/serve_overhead.py                      # 1 and 16 streams, 3 rounds
     python benchmarks/serve_overhead.py --engine-threads 1   # one core of two kept for Serve
@@ -115,37 +116,53 @@ def main() -> None:
     args = parser.parse_args()
 
     engine_options = {"model": args.model, "kv_cache_memory": 256 << 20, "served_model_name": "bench",
+                      "enable_prefix_caching": False,  # rounds repeat prompts: no phase may hit a cache
                       "num_threads": args.engine_threads or os.cpu_count()}  # fmt: skip
     engine = AsyncEngine.from_options(**engine_options)
+    gen = torch.Generator().manual_seed(0)
+    prompts = {
+        n: torch.randint(100, 40000, (n, args.prompt_len), generator=gen).tolist() for n in args.streams
+    }
+    phases = ("engine_alone", "engine_beside_ray", "serve")
+    rounds: dict[int, dict[str, list[dict[str, float]]]] = {n: {p: [] for p in phases} for n in args.streams}
+
+    def engine_round(phase: str, round_index: int) -> None:
+        for n in args.streams:
+            wave = asyncio.run(engine_wave(engine, prompts[n], args.new_tokens, f"{phase}-{round_index}-{n}"))
+            rounds[n][phase].append(summary(wave))
+            log(f"round {round_index} streams {n} {phase}: {rounds[n][phase][-1]}")
+
+    for round_index in range(args.rounds):  # before Ray starts: the engine with the machine to itself
+        engine_round("engine_alone", round_index)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     base_url = start_serve(engine_options, port)
-    gen = torch.Generator().manual_seed(0)
-    rounds: dict[int, list[dict[str, Any]]] = {n: [] for n in args.streams}
-    for round_index in range(args.rounds):
-        for streams in args.streams:
-            prompts = torch.randint(100, 40000, (streams, args.prompt_len), generator=gen).tolist()
-            direct = summary(
-                asyncio.run(engine_wave(engine, prompts, args.new_tokens, f"r{round_index}-{streams}"))
+    for round_index in range(args.rounds):  # alternating, with Ray and the app up
+        engine_round("engine_beside_ray", round_index)
+        for n in args.streams:
+            rounds[n]["serve"].append(
+                summary(asyncio.run(http_wave(base_url, "bench", prompts[n], args.new_tokens)))
             )
-            served = summary(asyncio.run(http_wave(base_url, "bench", prompts, args.new_tokens)))
-            rounds[streams].append({"engine": direct, "serve": served})
-            log(f"round {round_index} streams {streams}: engine {direct} serve {served}")
+            log(f"round {round_index} streams {n} serve: {rounds[n]['serve'][-1]}")
     result: dict[str, Any] = {
         "benchmark": "serve_overhead",
         "config": vars(args),
         "rounds": rounds,
         "summary": {},
     }
-    for streams, runs in rounds.items():
-        added = [r["serve"]["ttft_p50_ms"] - r["engine"]["ttft_p50_ms"] for r in runs]
-        ratio = [r["serve"]["tokens_per_s"] / r["engine"]["tokens_per_s"] for r in runs]
-        result["summary"][str(streams)] = {
-            "engine_ttft_p50_ms": statistics.median(r["engine"]["ttft_p50_ms"] for r in runs),
-            "serve_ttft_p50_ms": statistics.median(r["serve"]["ttft_p50_ms"] for r in runs),
-            "added_ttft_p50_ms": statistics.median(added),
-            "throughput_vs_engine": statistics.median(ratio),
+    for n, by_phase in rounds.items():
+        median = {
+            phase: {key: statistics.median(r[key] for r in runs) for key in ("ttft_p50_ms", "tokens_per_s")}
+            for phase, runs in by_phase.items()
+        }
+        result["summary"][str(n)] = {
+            **{f"{phase}_ttft_p50_ms": median[phase]["ttft_p50_ms"] for phase in phases},
+            **{f"{phase}_tokens_per_s": median[phase]["tokens_per_s"] for phase in phases},
+            "added_ttft_p50_ms": median["serve"]["ttft_p50_ms"] - median["engine_alone"]["ttft_p50_ms"],
+            "throughput_vs_engine": median["serve"]["tokens_per_s"] / median["engine_alone"]["tokens_per_s"],
+            "ray_idle_throughput_cost": 1
+            - median["engine_beside_ray"]["tokens_per_s"] / median["engine_alone"]["tokens_per_s"],
         }
     write_result(args.out, result)
     print(json.dumps(result["summary"], indent=2))
