@@ -30,7 +30,8 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from tandem.deployments.openai_server import OpenAIServer, ResponseTiming
+from tandem.deployments.openai_mapping import ResponseTiming
+from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.errors import InvalidRequestError, PayloadTooLargeError, TandemError
 from tandem.platform.openai_schemas import (
     ChatCompletionRequest,

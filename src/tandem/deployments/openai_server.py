@@ -2,7 +2,7 @@
 
 `OpenAIServer` turns validated OpenAI bodies into `GenerationRequest`s, runs them through an
 injected `EngineClient` (the local `AsyncEngine` in tests, a Serve deployment handle in a
-cluster) and shapes responses and SSE chunks. Errors raised before the first token become HTTP
+cluster) and streams or returns the responses `openai_mapping` shapes. Errors raised before the first token become HTTP
 errors; a stream that has started ends with an error event instead.
 """
 
@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pydantic import ValidationError
@@ -22,17 +20,25 @@ from pydantic import ValidationError
 from tandem.batch.service import BatchService
 from tandem.batch.worker import ExecutedRequest
 from tandem.deployments.adapters import AdapterStore
+from tandem.deployments.openai_mapping import (
+    NO_TOKEN_NAMES,
+    ResponseTiming,
+    TokenNames,
+    engine_error,
+    num_tokens,
+    sampling_params_from,
+    sse_event,
+    stream_chunk,
+    usage,
+)
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Priority
-from tandem.engine.sampling_params import SamplingParams
-from tandem.platform.errors import InvalidRequestError, NotFoundError, RequestFailedError, TandemError
+from tandem.platform.errors import InvalidRequestError, NotFoundError, TandemError
 from tandem.platform.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
-    PromptTokensDetails,
-    Usage,
     chat_chunk,
     chat_completion,
     error_body,
@@ -49,29 +55,6 @@ from tandem.platform.tenancy import TenantRegistry
 logger = logging.getLogger("tandem.api")
 
 
-@dataclass
-class ResponseTiming:
-    """Where a response's time to first token went, for its `Server-Timing` header (and the id of
-    the engine request behind it).
-
-    The route sets `started` when the request reaches it; `OpenAIServer._run` fills the rest once
-    the engine's first output is in (before any byte of the response is sent). A client's TTFT
-    minus `app` is what the path between client and route cost (HTTP, Serve's proxy and calls).
-    """
-
-    started: float  # time.monotonic() at the route
-    first_output_at: float | None = None  # the first engine output reached the route
-    engine_queue_s: float | None = None  # engine arrival -> first scheduled (same engine clock)
-    engine_ttft_s: float | None = None  # engine arrival -> first token
-    request_id: str | None = None  # the engine request's id (the completion's `id`), once it starts
-
-    def header(self) -> str:
-        """`app;dur=<ms>, engine-queue;dur=<ms>, engine-ttft;dur=<ms>` (W3C Server-Timing)."""
-        app_s = None if self.first_output_at is None else self.first_output_at - self.started
-        durations = {"app": app_s, "engine-queue": self.engine_queue_s, "engine-ttft": self.engine_ttft_s}
-        return ", ".join(f"{name};dur={s * 1000:.1f}" for name, s in durations.items() if s is not None)
-
-
 class EngineClient(Protocol):
     """What the server needs from an engine: a streaming generate and a model name."""
 
@@ -85,30 +68,6 @@ class EngineClient(Protocol):
     def lora_info(self) -> dict[str, Any] | Awaitable[dict[str, Any]]: ...
 
     def token_table(self) -> list[bytes] | Awaitable[list[bytes]]: ...
-
-
-def sampling_params_from(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
-    """The request's sampling fields; an unset `max_tokens` stays None (the engine then applies
-    `GenerationRequest.default_max_tokens` within what the context leaves)."""
-    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
-    if isinstance(req, ChatCompletionRequest):
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    else:
-        logprobs = req.logprobs
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
-        min_p=req.min_p or 0.0,
-        seed=req.seed,
-        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-        stop_token_ids=list(req.stop_token_ids or []),
-        ignore_eos=req.ignore_eos,
-        logprobs=logprobs,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-    )
 
 
 class OpenAIServer:
@@ -129,7 +88,7 @@ class OpenAIServer:
         self.on_batch_created: Callable[[], None] | None = None  # e.g. wake a batch worker
         self.adapters = adapters  # per-tenant LoRA adapters; None when no object store is configured
         self._lora_info: dict[str, Any] | None = None
-        self._token_bytes: list[bytes] | None = None  # token id -> bytes, once logprobs are asked
+        self._token_names: TokenNames | None = None  # from the engine's table, once logprobs are asked
 
     async def refresh_engine_stats(self) -> None:
         """Pull the engine's gauges (KV occupancy, queue) into telemetry; called on each scrape."""
@@ -212,9 +171,13 @@ class OpenAIServer:
 
     async def load_token_table(self) -> None:
         """Fetch the engine's token bytes table (once) so logprobs can name tokens."""
-        if self._token_bytes is None:
+        if self._token_names is None:
             table = self.client.token_table()
-            self._token_bytes = await table if inspect.isawaitable(table) else table
+            self._token_names = TokenNames(await table if inspect.isawaitable(table) else table)
+
+    def _names(self) -> TokenNames:
+        """Token names for logprobs (loaded by `load_token_table` before any request that asks)."""
+        return self._token_names or NO_TOKEN_NAMES
 
     async def lora_info(self) -> dict[str, Any]:
         """The engine's LoRA limits and base-model shape (asked once, then cached)."""
@@ -293,14 +256,14 @@ class OpenAIServer:
         except ValidationError as exc:
             return ExecutedRequest(400, new_id("req"), validation_error_body(exc.errors()), None)
         assert isinstance(result, dict), "batch requests never stream"
-        usage = result.get("usage") or {}
+        counts = result.get("usage") or {}
         return ExecutedRequest(
             200,
             str(result["id"]),
             result,
             None,
-            input_tokens=int(usage.get("prompt_tokens", 0)),
-            output_tokens=int(usage.get("completion_tokens", 0)),
+            input_tokens=int(counts.get("prompt_tokens", 0)),
+            output_tokens=int(counts.get("completion_tokens", 0)),
         )
 
     # -- running a request --------------------------------------------------------------
@@ -336,7 +299,7 @@ class OpenAIServer:
         if first.outputs[0].finish_reason == "error":  # failed before its first token: an HTTP error
             if accounted:
                 self.tenants.release(tenant, 0)
-            raise _engine_error(first)
+            raise engine_error(first)
         if timing is not None:
             timing.first_output_at = first_at
             timing.engine_queue_s = first.metrics.phase_durations().get("queue")
@@ -357,20 +320,20 @@ class OpenAIServer:
                 last = out
         finally:
             if accounted:
-                self.tenants.release(tenant, _num_tokens(last))
+                self.tenants.release(tenant, num_tokens(last))
         self._record(gen, tenant, last, started, started_ns, first_at)
         completion = last.outputs[0]
         if completion.finish_reason == "error":
-            raise _engine_error(last)
-        usage = _usage(last)
+            raise engine_error(last)
+        last_usage = usage(last)
         if chat:
             return chat_completion(
                 request_id=gen.request_id,
                 model=self._api_model(gen),
                 text=completion.text,
                 finish_reason=completion.finish_reason,
-                usage=usage,
-                logprobs=self._chat_logprobs(
+                usage=last_usage,
+                logprobs=self._names().chat_logprobs(
                     completion.token_ids, completion.logprobs, gen.sampling_params.logprobs or 0
                 ),
             )
@@ -380,8 +343,8 @@ class OpenAIServer:
             created=now(),
             text=completion.text,
             finish_reason=completion.finish_reason,
-            usage=usage,
-            logprobs=self._completion_logprobs(completion.token_ids, completion.logprobs),
+            usage=last_usage,
+            logprobs=self._names().completion_logprobs(completion.token_ids, completion.logprobs),
         )
 
     async def _sse(
@@ -399,7 +362,7 @@ class OpenAIServer:
         last = first
         try:
             if chat:
-                yield _event(
+                yield sse_event(
                     chat_chunk(
                         request_id=gen.request_id,
                         model=self._api_model(gen),
@@ -412,32 +375,41 @@ class OpenAIServer:
             while out is not None:
                 last = out
                 if out.outputs[0].finish_reason == "error":  # the engine ended it: no more text
-                    raise _engine_error(out)
-                yield _event(self._chunk(gen, created, out, chat, gen.sampling_params.logprobs or 0))
+                    raise engine_error(out)
+                yield sse_event(
+                    stream_chunk(
+                        out,
+                        model=self._api_model(gen),
+                        created=created,
+                        chat=chat,
+                        num_top=gen.sampling_params.logprobs or 0,
+                        names=self._names(),
+                    )
+                )
                 out = await anext(outputs, None)
             if include_usage:
-                usage = _usage(last)
+                last_usage = usage(last)
                 if chat:
-                    yield _event(
+                    yield sse_event(
                         chat_chunk(
                             request_id=gen.request_id,
                             model=self._api_model(gen),
                             created=created,
                             delta={},
                             finish_reason=None,
-                            usage=usage,
+                            usage=last_usage,
                             no_choices=True,
                         )
                     )
                 else:
-                    yield _event(
+                    yield sse_event(
                         text_completion(
                             request_id=gen.request_id,
                             model=self._api_model(gen),
                             created=created,
                             text="",
                             finish_reason=None,
-                            usage=usage,
+                            usage=last_usage,
                             no_choices=True,
                         )
                     )
@@ -445,102 +417,14 @@ class OpenAIServer:
             message = exc.message
             if exc.status_code >= 500 and gen.request_id not in message:
                 message = f"{message} (request id {gen.request_id})"
-            yield _event(error_body(message, exc.error_type, exc.param, exc.code))
+            yield sse_event(error_body(message, exc.error_type, exc.param, exc.code))
         except Exception:
             logger.exception("stream failed", extra={"tenant": tenant, "request_id": gen.request_id})
-            yield _event(internal_error_body(gen.request_id))
+            yield sse_event(internal_error_body(gen.request_id))
         finally:
             await outputs.aclose()  # on client disconnect this aborts the request in the engine
-            self.tenants.release(tenant, _num_tokens(last))
+            self.tenants.release(tenant, num_tokens(last))
             if last.finished:
                 self._record(gen, tenant, last, *times)
         yield "data: [DONE]\n\n"  # after an error event too: every stream ends the same way
 
-    def _chunk(
-        self, gen: GenerationRequest, created: int, out: RequestOutput, chat: bool, num_top: int
-    ) -> dict[str, Any]:
-        completion = out.outputs[0]
-        finish = completion.finish_reason
-        if chat:
-            delta = {"content": completion.delta_text} if completion.delta_text or finish is None else {}
-            return chat_chunk(
-                request_id=gen.request_id,
-                model=self._api_model(gen),
-                created=created,
-                delta=delta,
-                finish_reason=finish,
-                logprobs=self._chat_logprobs(completion.delta_token_ids, completion.delta_logprobs, num_top),
-            )
-        return text_completion(
-            request_id=gen.request_id,
-            model=self._api_model(gen),
-            created=created,
-            text=completion.delta_text,
-            finish_reason=finish,
-            usage=None,
-            logprobs=self._completion_logprobs(completion.delta_token_ids, completion.delta_logprobs),
-        )
-
-    # -- logprobs in OpenAI's two shapes --------------------------------------------------
-    def _token(self, token_id: int) -> tuple[str, list[int]]:
-        """A token's text (a partial UTF-8 character shows as U+FFFD) and its bytes."""
-        assert self._token_bytes is not None, "load_token_table() runs before any logprobs"
-        raw = self._token_bytes[token_id] if 0 <= token_id < len(self._token_bytes) else b""
-        return raw.decode("utf-8", errors="replace"), list(raw)
-
-    def _chat_logprobs(
-        self, token_ids: list[int], logprobs: list[dict[int, float]] | None, num_top: int
-    ) -> dict[str, Any] | None:
-        """OpenAI chat shape. Each engine entry holds the chosen token plus the top-n alternatives."""
-        if logprobs is None:
-            return None
-        content = []
-        for token_id, entry in zip(token_ids, logprobs, strict=False):
-            ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
-            text, raw = self._token(token_id)
-            top = []
-            for top_id, value in ranked:
-                top_text, top_raw = self._token(top_id)
-                top.append({"token": top_text, "logprob": value, "bytes": top_raw})
-            content.append(
-                {"token": text, "logprob": entry.get(token_id, 0.0), "bytes": raw, "top_logprobs": top}
-            )
-        return {"content": content}
-
-    def _completion_logprobs(
-        self, token_ids: list[int], logprobs: list[dict[int, float]] | None
-    ) -> dict[str, Any] | None:
-        if logprobs is None:
-            return None
-        return {
-            "tokens": [self._token(t)[0] for t in token_ids],
-            "token_logprobs": [entry.get(t, 0.0) for t, entry in zip(token_ids, logprobs, strict=False)],
-            "top_logprobs": [{self._token(t)[0]: v for t, v in entry.items()} for entry in logprobs],
-            "text_offset": [],
-        }
-
-
-def _engine_error(out: RequestOutput) -> RequestFailedError:
-    return RequestFailedError(
-        f"{out.error or 'the engine could not compute this request'} (request id {out.request_id})",
-        code=out.error_code or "request_failed",
-    )
-
-
-def _usage(out: RequestOutput) -> Usage:
-    prompt = len(out.prompt_token_ids)
-    completion = len(out.outputs[0].token_ids)
-    return Usage(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        total_tokens=prompt + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=out.metrics.num_cached_tokens),
-    )
-
-
-def _num_tokens(out: RequestOutput) -> int:
-    return len(out.prompt_token_ids) + len(out.outputs[0].token_ids)
-
-
-def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
