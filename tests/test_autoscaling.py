@@ -100,12 +100,10 @@ def test_serve_config_file_is_a_valid_app() -> None:
     from pathlib import Path
 
     import yaml
-
-    from tandem.deployments.app import AppConfig, build_app
-
     from ray.serve.schema import ServeDeploySchema
 
     from tandem.cli import serve_config
+    from tandem.deployments.app import AppConfig, build_app
 
     config = yaml.safe_load((Path(__file__).parents[1] / "infra" / "serve_config.yaml").read_text())
     ServeDeploySchema.model_validate(config)  # what `serve deploy` accepts
