@@ -25,6 +25,7 @@ from tandem.batch.records import batch_data_prefix, result_shard_key
 from tandem.batch.service import BatchLimits, BatchService
 from tandem.batch.validation import validate_batch_file
 from tandem.batch.worker import BatchWorker
+from tandem.deployments.adapters import LocalEngineClient
 from tandem.deployments.ingress import create_app
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.object_store import (
@@ -150,7 +151,7 @@ def make_platform(engine: AsyncEngine) -> Iterator[Callable[..., Platform]]:
             store, {"tiny"}, BatchLimits(**{"shard_size": 4, "lease_ttl_s": 5.0, **limits})
         )
         tenants = TenantRegistry(parse_keys(f"{KEY_A}=acme,{KEY_B}=globex"))
-        server = OpenAIServer(engine, tenants, batches=service)
+        server = OpenAIServer(LocalEngineClient(engine), tenants, batches=service)
         worker = BatchWorker(
             service, server.execute_batch_request, poll_interval_s=0.05, worker_id="in-process"
         )

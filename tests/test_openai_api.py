@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tandem import AsyncEngine
+from tandem.deployments.adapters import LocalEngineClient
 from tandem.deployments.ingress import create_app
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys, parse_operator_keys
@@ -27,7 +28,7 @@ def http(engine: AsyncEngine) -> Iterator[TestClient]:
         per_tenant_limits={"globex": TenantLimits(max_concurrent_requests=0)},
         operator_keys=parse_operator_keys(OPERATOR_KEY),
     )
-    server = OpenAIServer(engine, tenants)
+    server = OpenAIServer(LocalEngineClient(engine), tenants)
     with TestClient(create_app(server)) as client:
         yield client
 
@@ -225,10 +226,10 @@ def test_disconnect_before_the_first_token_aborts_the_request() -> None:
             finally:
                 self.closed.set()
 
-        def stats(self) -> dict[str, Any]:
+        async def stats(self) -> dict[str, Any]:
             return {}
 
-        def lora_info(self) -> dict[str, Any]:
+        async def lora_info(self) -> dict[str, Any]:
             return {}
 
     async def scenario() -> tuple[list[dict[str, Any]], int]:
@@ -330,7 +331,7 @@ def test_health_is_503_until_an_engine_answers(engine: AsyncEngine) -> None:
     with TestClient(create_app(server)) as starting:
         response = starting.get("/health")
         assert response.status_code == 503 and response.json()["error"]["code"] == "not_ready"
-    ready = OpenAIServer(engine, TenantRegistry({}))
+    ready = OpenAIServer(LocalEngineClient(engine), TenantRegistry({}))
     with TestClient(create_app(ready)) as http:
         assert http.get("/health").json() == {"status": "ok"}
 

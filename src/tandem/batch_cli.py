@@ -114,6 +114,7 @@ def _watch(client: Any, batch_id: str, poll_interval: float) -> Any:
 def _worker(args: argparse.Namespace) -> int:
     from tandem.batch.service import BatchLimits, BatchService
     from tandem.batch.worker import BatchWorker
+    from tandem.deployments.adapters import LocalEngineClient
     from tandem.deployments.openai_server import OpenAIServer
     from tandem.engine.async_engine import AsyncEngine
     from tandem.platform.config import DEFAULT_MODEL
@@ -128,7 +129,7 @@ def _worker(args: argparse.Namespace) -> int:
     engine = AsyncEngine.from_options(args.model or DEFAULT_MODEL, **options)
     limits = BatchLimits(lease_ttl_s=args.lease_ttl, shard_size=args.shard_size)
     service = BatchService(open_object_store(args.object_store), {engine.model_name}, limits)
-    server = OpenAIServer(engine, TenantRegistry({}))
+    server = OpenAIServer(LocalEngineClient(engine), TenantRegistry({}))
     worker = BatchWorker(service, server.execute_batch_request)
     print(f"[tandem] batch worker {worker.worker_id} on {args.object_store}", file=sys.stderr, flush=True)
     try:

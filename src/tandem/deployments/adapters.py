@@ -16,6 +16,7 @@ requests are routed to replicas that already hold it).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -277,7 +278,7 @@ class LocalEngineClient:
     """`EngineClient` over an in-process `AsyncEngine` that loads adapters from the store on first
     use (what a Serve replica does through `@serve.multiplexed`); for tests and single-process use."""
 
-    def __init__(self, engine: Any, adapters: AdapterStore | None) -> None:  # engine: AsyncEngine
+    def __init__(self, engine: Any, adapters: AdapterStore | None = None) -> None:  # engine: AsyncEngine
         self.engine = engine
         self.adapters = adapters
 
@@ -285,17 +286,17 @@ class LocalEngineClient:
     def model_name(self) -> str:
         return str(self.engine.model_name)
 
-    def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, Any]:
         return dict(self.engine.stats())
 
-    def lora_info(self) -> dict[str, Any]:
+    async def lora_info(self) -> dict[str, Any]:
         return dict(self.engine.engine.lora_info())
 
-    def token_table(self) -> list[bytes]:
+    async def token_table(self) -> list[bytes]:
         return list(self.engine.token_table())
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
-        if request.lora_name is not None and self.adapters is not None:
-            load_into_engine(self.engine.engine, self.adapters, request.lora_name)
+        if request.lora_name is not None and self.adapters is not None:  # store reads block: a thread
+            await asyncio.to_thread(load_into_engine, self.engine.engine, self.adapters, request.lora_name)
         async for output in self.engine.generate(request):
             yield output

@@ -9,10 +9,9 @@ errors; a stream that has started ends with an error event instead.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Protocol
 
 from pydantic import ValidationError
@@ -56,18 +55,20 @@ logger = logging.getLogger("tandem.api")
 
 
 class EngineClient(Protocol):
-    """What the server needs from an engine: a streaming generate and a model name."""
+    """What the server needs from an engine, all async: a streaming `generate`, the model name, and
+    the engine's stats, LoRA limits and token bytes table. `LocalEngineClient` (adapters.py) serves
+    an in-process `AsyncEngine`; `HandleEngineClient` (app.py) the replicas through Serve."""
 
     @property
     def model_name(self) -> str: ...
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]: ...
 
-    def stats(self) -> dict[str, Any] | Awaitable[dict[str, Any]]: ...
+    async def stats(self) -> dict[str, Any]: ...
 
-    def lora_info(self) -> dict[str, Any] | Awaitable[dict[str, Any]]: ...
+    async def lora_info(self) -> dict[str, Any]: ...
 
-    def token_table(self) -> list[bytes] | Awaitable[list[bytes]]: ...
+    async def token_table(self) -> list[bytes]: ...
 
 
 class OpenAIServer:
@@ -92,9 +93,7 @@ class OpenAIServer:
 
     async def refresh_engine_stats(self) -> None:
         """Pull the engine's gauges (KV occupancy, queue) into telemetry; called on each scrape."""
-        stats = self.client.stats()
-        if inspect.isawaitable(stats):
-            stats = await stats
+        stats = await self.client.stats()
         get_telemetry().set_engine_stats(self.model_name, stats)
 
     def _record(
@@ -172,8 +171,7 @@ class OpenAIServer:
     async def load_token_table(self) -> None:
         """Fetch the engine's token bytes table (once) so logprobs can name tokens."""
         if self._token_names is None:
-            table = self.client.token_table()
-            self._token_names = TokenNames(await table if inspect.isawaitable(table) else table)
+            self._token_names = TokenNames(await self.client.token_table())
 
     def _names(self) -> TokenNames:
         """Token names for logprobs (loaded by `load_token_table` before any request that asks)."""
@@ -182,8 +180,7 @@ class OpenAIServer:
     async def lora_info(self) -> dict[str, Any]:
         """The engine's LoRA limits and base-model shape (asked once, then cached)."""
         if self._lora_info is None:
-            info = self.client.lora_info()
-            self._lora_info = await info if inspect.isawaitable(info) else info
+            self._lora_info = await self.client.lora_info()
         return self._lora_info
 
     async def chat(
