@@ -245,7 +245,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     cfg = AppConfig(**(args or {}))
     model_name = cfg.engine.api_model_name
     worker = serve.deployment(name="BatchWorker")(BatchWorkerReplica).options(**batch_worker_options(cfg))
-    # after the LLM handle (None: the worker looks the replicas up by name)
+    # after the LLM handle
     worker_args = (
         cfg.object_store,
         model_name,

@@ -17,7 +17,6 @@ from ray.serve.handle import DeploymentHandle
 from tandem.batch.service import BatchLimits, BatchService
 from tandem.batch.worker import BatchWorker
 from tandem.deployments.openai_server import OpenAIServer
-from tandem.deployments.replicas import LLM_DEPLOYMENT
 from tandem.platform.object_store import open_object_store
 from tandem.platform.tenancy import TenantRegistry
 
@@ -25,19 +24,15 @@ from tandem.platform.tenancy import TenantRegistry
 class BatchWorkerReplica:
     def __init__(
         self,
-        llm: DeploymentHandle | None,
+        llm: DeploymentHandle,
         object_store: str,
         model_name: str,
         limits: dict[str, Any],
         poll_interval_s: float = 1.0,
         max_tokens_default: int = 256,
     ) -> None:
-        from ray import serve
-
         from tandem.deployments.app import HandleEngineClient
 
-        if llm is None:  # direct streaming: the replicas are the app's root, found by name
-            llm = serve.get_deployment_handle(LLM_DEPLOYMENT, serve.get_replica_context().app_name)
         service = BatchService(open_object_store(object_store), {model_name}, BatchLimits(**limits))
         server = OpenAIServer(
             HandleEngineClient(llm, model_name), TenantRegistry({}), max_tokens_default=max_tokens_default

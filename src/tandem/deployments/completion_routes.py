@@ -40,6 +40,7 @@ from tandem.platform.openai_schemas import (
     internal_error_body,
     new_id,
     reject_unsupported,
+    tandem_error_body,
     validation_error_body,
 )
 
@@ -89,15 +90,12 @@ def tandem_error_reply(exc: TandemError, request_id: str) -> tuple[int, dict[str
     names `request_id` in its message and `X-Request-ID`, and is logged under it."""
     retry_after = getattr(exc, "retry_after_s", None)
     headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else {}
-    message = exc.message
     if exc.status_code >= 500:
         headers["X-Request-ID"] = request_id
-        if request_id not in message:
-            message = f"{message} (request id {request_id})"
         logger.warning(
             "request failed", extra={"request_id": request_id, "code": exc.code, "error": exc.message}
         )
-    return exc.status_code, error_body(message, exc.error_type, exc.param, exc.code), headers
+    return exc.status_code, tandem_error_body(exc, request_id), headers
 
 
 def validation_error_reply(errors: Sequence[Any]) -> tuple[int, dict[str, Any], dict[str, str]]:

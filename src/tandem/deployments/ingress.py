@@ -156,10 +156,8 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
         """Starlette's own answers (no such route: 404, another method: 405) in OpenAI's shape."""
         error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return JSONResponse(
-            error_body(str(exc.detail), error_type, None, code),
-            status_code=exc.status_code,
-            headers=dict(exc.headers or {}),
+        return error_response(
+            exc.status_code, str(exc.detail), error_type, None, code, dict(exc.headers or {})
         )
 
     @app.exception_handler(Exception)
@@ -171,9 +169,7 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
             exc_info=exc,
             extra={"path": request.url.path, "method": request.method, "request_id": request_id},
         )
-        return JSONResponse(
-            internal_error_body(request_id), status_code=500, headers={"X-Request-ID": request_id}
-        )
+        return _reply_response(500, internal_error_body(request_id), {"X-Request-ID": request_id})
 
     app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
     app.include_router(batch_router(_authenticated, json_body))

@@ -45,6 +45,7 @@ from tandem.platform.openai_schemas import (
     new_id,
     now,
     reject_unsupported,
+    tandem_error_body,
     text_completion,
     validation_error_body,
 )
@@ -288,15 +289,13 @@ class OpenAIServer:
         try:
             first = await anext(outputs)  # validation errors surface here, before any byte is sent
             first_at = time.monotonic()
+            if first.outputs[0].finish_reason == "error":  # failed before its first token: HTTP error
+                raise engine_error(first)
         except BaseException:
             if accounted:
                 self.tenants.release(tenant, 0)
             await outputs.aclose()
             raise
-        if first.outputs[0].finish_reason == "error":  # failed before its first token: an HTTP error
-            if accounted:
-                self.tenants.release(tenant, 0)
-            raise engine_error(first)
         if timing is not None:
             timing.first_output_at = first_at
             timing.engine_queue_s = first.metrics.phase_durations().get("queue")
@@ -411,10 +410,7 @@ class OpenAIServer:
                         )
                     )
         except TandemError as exc:  # the stream has started: report in-band, then end it as usual
-            message = exc.message
-            if exc.status_code >= 500 and gen.request_id not in message:
-                message = f"{message} (request id {gen.request_id})"
-            yield sse_event(error_body(message, exc.error_type, exc.param, exc.code))
+            yield sse_event(tandem_error_body(exc, gen.request_id))
         except Exception:
             logger.exception("stream failed", extra={"tenant": tenant, "request_id": gen.request_id})
             yield sse_event(internal_error_body(gen.request_id))
@@ -424,4 +420,3 @@ class OpenAIServer:
             if last.finished:
                 self._record(gen, tenant, last, *times)
         yield "data: [DONE]\n\n"  # after an error event too: every stream ends the same way
-

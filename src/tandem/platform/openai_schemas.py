@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from tandem.platform.errors import InvalidRequestError
+from tandem.platform.errors import InvalidRequestError, TandemError
 
 UNSUPPORTED_FIELDS = {
     "logit_bias",
@@ -51,7 +51,9 @@ def error_body(
     message: str, error_type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     """OpenAI's error shape: the body of an error response, or an error event in a stream."""
-    return ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=code)).model_dump()
+    return ErrorResponse(
+        error=ErrorInfo(message=message, type=error_type, param=param, code=code)
+    ).model_dump()
 
 
 def validation_error_body(errors: Sequence[Any]) -> dict[str, Any]:
@@ -83,6 +85,14 @@ def _is_field(part: Any) -> bool:
     return not (text == "body" or text in _TYPE_TAGS or "[" in text or text[:1].isupper())
 
 
+def tandem_error_body(exc: TandemError, request_id: str) -> dict[str, Any]:
+    """`exc` in OpenAI's shape; a 5xx also names `request_id` (the id its traceback is logged under)."""
+    message = exc.message
+    if exc.status_code >= 500 and request_id not in message:
+        message = f"{message} (request id {request_id})"
+    return error_body(message, exc.error_type, exc.param, exc.code)
+
+
 def internal_error_body(request_id: str) -> dict[str, Any]:
     """The body for a failure with no `TandemError` behind it: nothing internal, only the request
     id under which the traceback was logged."""
@@ -105,7 +115,9 @@ def _unicode_text(value: str) -> str:
     """JSON may escape half of a UTF-16 surrogate pair (`"\\ud83d"`) alone: no character, and
     nothing downstream (tokenizer, logs, storage) can encode it."""
     if _LONE_SURROGATE.search(value):
-        raise ValueError("the text holds a lone UTF-16 surrogate (half of an escaped emoji?): send valid Unicode")
+        raise ValueError(
+            "the text holds a lone UTF-16 surrogate (half of an escaped emoji?): send valid Unicode"
+        )
     return value
 
 
