@@ -162,7 +162,6 @@ class AsyncEngine:
             except Exception:  # nothing runs on an engine that failed this way
                 self._break()
                 break
-            self._stats = engine.stats()
         self._fail_all(ServiceUnavailableError("the engine was shut down; retry the request"))
 
     def _break(self) -> None:
@@ -212,10 +211,10 @@ class AsyncEngine:
         for request_id in aborts:
             engine.abort_request(request_id)
             self._streams.pop(request_id, None)
-        if engine.has_unfinished_requests():
-            outputs = engine.step()  # raises only for failures no single request explains
-            self._stats = engine.stats()  # before delivering: whoever sees an output sees its step
-            self._deliver(outputs)
+        # step() raises only for failures no single request explains
+        outputs = engine.step() if engine.has_unfinished_requests() else []
+        self._stats = engine.stats()  # before delivering: whoever sees an output sees its step
+        self._deliver(outputs)
 
     def _send(self, request_id: str, stream: _Stream, item: RequestOutput | BaseException) -> None:
         """Hand `item` to the consumer's event loop. A consumer whose loop is gone (closed without
