@@ -62,6 +62,13 @@ def parse_keys(spec: str) -> dict[str, str]:
     return hashed
 
 
+def _bearer_digest(authorization: str | None, what: str) -> str:
+    """The digest of the key in 'Bearer KEY'; 401 naming `what` when there is none."""
+    if not authorization or not authorization.lower().startswith("bearer "):
+        raise AuthenticationError(f"missing {what}: send 'Authorization: Bearer <{what}>'", code="invalid_api_key")
+    return hash_key(authorization[7:].strip())
+
+
 def parse_operator_keys(spec: str) -> frozenset[str]:
     """ "k1,k2" (or one key per line) -> their sha256 digests."""
     return frozenset(hash_key(k.strip()) for k in spec.replace("\n", ",").split(",") if k.strip())
@@ -101,11 +108,7 @@ class TenantRegistry:
 
     def authenticate(self, authorization: str | None) -> str:
         """'Bearer KEY' -> tenant id, or AuthenticationError (401)."""
-        if not authorization or not authorization.lower().startswith("bearer "):
-            raise AuthenticationError(
-                "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
-            )
-        digest = hash_key(authorization[7:].strip())
+        digest = _bearer_digest(authorization, "API key")
         for known, tenant in self._keys.items():
             if hmac.compare_digest(known, digest):
                 return tenant
@@ -120,11 +123,7 @@ class TenantRegistry:
                 "(or AppConfig.operator_keys)",
                 code="operator_key_required",
             )
-        if not authorization or not authorization.lower().startswith("bearer "):
-            raise AuthenticationError(
-                "missing operator key: send 'Authorization: Bearer <operator key>'", code="invalid_api_key"
-            )
-        digest = hash_key(authorization[7:].strip())
+        digest = _bearer_digest(authorization, "operator key")
         if any(hmac.compare_digest(known, digest) for known in self._operator_keys):
             return
         if any(hmac.compare_digest(known, digest) for known in self._keys):
