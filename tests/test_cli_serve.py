@@ -104,12 +104,13 @@ def test_serve_runs_the_app_graph_and_stops_on_sigterm(tmp_path: Path) -> None:
         server.wait_for(r"serving .* at http://")
         port = server.port
         assert "ProxyActor" in listener_cmdline(port)
-        for deployment in ("OpenAIIngress", "LLMReplica", "BatchWorker"):
+        for deployment in ("OpenAIIngress", "LLMReplica", "BatchWorker", "StatsBoard"):
             assert replica_pids(server, deployment), deployment
         base_url = f"http://127.0.0.1:{port}"
         check_openai_client(base_url)
         check_errors(base_url)
-        check_disconnect_frees_kv_blocks(base_url, lambda: scraped_engine_stats(base_url))
+        # `tandem serve`'s replicas report every second (RoutingConfig.stats_period_s).
+        check_disconnect_frees_kv_blocks(base_url, lambda: scraped_engine_stats(base_url), staleness_s=2.0)
 
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=90) == 0

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.ray
 
 KEY = "sk-serve-test"
 OPERATOR_KEY = "sk-serve-test-operator"
+STATS_PERIOD_S = 0.25  # how often replicas report their engine figures to /metrics
 
 
 def deploy(
@@ -63,6 +64,7 @@ def served(ray_serve: str, tmp_path_factory: pytest.TempPathFactory) -> str:
         batch={"shard_size": 3, "lease_ttl_s": 2.0},
         batch_poll_interval_s=0.1,
         replica_env_vars={"TANDEM_TEST_REPLICA_ENV": "replica"},
+        routing={"stats_period_s": STATS_PERIOD_S},
     )
     yield ray_serve
     serve.delete("tandem")
@@ -154,7 +156,7 @@ def scraped_samples(base_url: str) -> list[tuple[str, str, float]]:
 
 
 def scraped_engine_stats(base_url: str) -> dict[str, float]:
-    """The engine gauges of `/metrics`, which every scrape reads from the engine (one replica)."""
+    """The engine gauges of `/metrics` (one replica), as the replica last reported them."""
     gauges = {"tandem_kv_cache_occupancy": "kv_occupancy", "tandem_num_requests_running": "num_running"}
     gauges["tandem_num_requests_waiting"] = "num_waiting"
     samples = scraped_samples(base_url)
@@ -163,10 +165,13 @@ def scraped_engine_stats(base_url: str) -> dict[str, float]:
     return stats
 
 
-def check_disconnect_frees_kv_blocks(base_url: str, engine_stats: Callable[[], dict]) -> None:
+def check_disconnect_frees_kv_blocks(
+    base_url: str, engine_stats: Callable[[], dict], staleness_s: float = 0.0
+) -> None:
     """A streamed request whose client goes away frees its KV blocks within a second.
 
-    `engine_stats()` returns the serving engine's `kv_occupancy`, `num_running` and `num_waiting`.
+    `engine_stats()` returns the serving engine's `kv_occupancy`, `num_running` and `num_waiting`,
+    as of at most `staleness_s` ago (replicas report to `/metrics` every routing-stats period).
     """
     import time
 
@@ -189,20 +194,22 @@ def check_disconnect_frees_kv_blocks(base_url: str, engine_stats: Callable[[], d
         events = 0
         for line in resp.iter_lines():
             events += line.startswith("data: ")
-            if events == 3:
-                during = engine_stats()
-                assert during["kv_occupancy"] > 0 and during["num_running"] == 1, during  # still generating
+            if events == 3:  # still generating: once the figures are that recent, they show it
+                deadline = time.monotonic() + 1.0 + staleness_s
+                while (during := engine_stats())["num_running"] != 1:
+                    assert time.monotonic() < deadline, during
+                assert during["kv_occupancy"] > 0, during
                 break
     closed_at = time.monotonic()
     # The requirement is "free within a second": check the condition until that deadline.
     while engine_stats()["kv_occupancy"] > 0:
-        assert time.monotonic() - closed_at < 1.0, "aborted request still holds KV blocks after 1 s"
+        assert time.monotonic() - closed_at < 1.0 + staleness_s, "aborted request still holds KV blocks after 1 s"
     stats = engine_stats()
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
 
 
 def test_client_disconnect_frees_kv_blocks(served: str) -> None:
-    check_disconnect_frees_kv_blocks(served, lambda: scraped_engine_stats(served))
+    check_disconnect_frees_kv_blocks(served, lambda: scraped_engine_stats(served), staleness_s=2 * STATS_PERIOD_S)
 
 
 def five_streams_at_once(base_url: str) -> list[str]:
@@ -444,7 +451,7 @@ def test_replica_env_vars_reach_the_replica_process_only(served: str) -> None:
                 env_by_process[cmdline.split(":")[-1].split()[0]] = proc.environ()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-    assert sorted(env_by_process) == ["BatchWorker", "LLMReplica", "OpenAIIngress"], sorted(env_by_process)
+    assert sorted(env_by_process) == ["BatchWorker", "LLMReplica", "OpenAIIngress", "StatsBoard"], sorted(env_by_process)
     assert env_by_process["LLMReplica"].get("TANDEM_TEST_REPLICA_ENV") == "replica"
     assert "TANDEM_TEST_REPLICA_ENV" not in env_by_process["BatchWorker"]
     assert "TANDEM_TEST_REPLICA_ENV" not in env_by_process["OpenAIIngress"]
@@ -495,7 +502,7 @@ def test_print_config_round_trips_through_serve_run(ray_serve: str, tmp_path: Pa
         ) is None or status.status != "RUNNING":
             assert time.monotonic() < deadline, status
             time.sleep(0.5)
-        assert sorted(status.deployments) == ["BatchWorker", "LLMReplica", "OpenAIIngress"]
+        assert sorted(status.deployments) == ["BatchWorker", "LLMReplica", "OpenAIIngress", "StatsBoard"]
         check_openai_client(f"{ray_serve}/printed")
     finally:
         serve.delete("tandem-printed")

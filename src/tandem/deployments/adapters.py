@@ -274,6 +274,9 @@ def load_into_engine(engine: Any, adapters: AdapterStore, lora_id: str) -> None:
     engine.add_lora(lora_id, adapter)
 
 
+LOCAL_REPLICA_ID = "local"  # the replica label of an in-process engine's figures
+
+
 class LocalEngineClient:
     """`EngineClient` over an in-process `AsyncEngine` that loads adapters from the store on first
     use (what a Serve replica does through `@serve.multiplexed`); for tests and single-process use."""
@@ -288,6 +291,9 @@ class LocalEngineClient:
 
     async def stats(self) -> dict[str, Any]:
         return dict(self.engine.stats())
+
+    async def replica_stats(self) -> dict[str, dict[str, Any]]:
+        return {LOCAL_REPLICA_ID: await self.stats()}
 
     async def lora_info(self) -> dict[str, Any]:
         return dict(self.engine.engine.lora_info())

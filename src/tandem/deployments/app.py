@@ -11,6 +11,7 @@ from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
@@ -18,12 +19,14 @@ from tandem.batch.service import BatchLimits, BatchService
 from tandem.deployments.adapters import AdapterStore, check_source_prefix
 from tandem.deployments.autoscaling import AutoscalingConfig, BatchQueueTargets
 from tandem.deployments.batch_worker import BatchWorkerReplica
+from tandem.deployments.fleet import STATS_BOARD_DEPLOYMENT, StatsBoard
 from tandem.deployments.ingress import create_app, install_server
 from tandem.deployments.openai_server import EngineClient, OpenAIServer
 from tandem.deployments.replicas import LLM_DEPLOYMENT, LLMReplica
+from tandem.deployments.routing import RoutingConfig
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.config import EngineConfig
-from tandem.platform.errors import OverloadedError
+from tandem.platform.errors import OverloadedError, ReplicaLostError
 from tandem.platform.object_store import open_object_store
 from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys, parse_operator_keys
 
@@ -42,6 +45,9 @@ class AppConfig(BaseModel):
     tokens_per_minute_per_tenant: int | None = None
     max_tokens_default: int = 256
     num_replicas: int = 1
+    routing: RoutingConfig = Field(
+        default_factory=lambda: RoutingConfig.model_validate({}), description="Which replica serves a request (adapter, prefix, load)"
+    )
     autoscaling: AutoscalingConfig | None = Field(
         None, description="When set, the LLM replicas scale on KV occupancy and queue depth"
     )
@@ -98,14 +104,22 @@ fastapi_app = create_app()
 class HandleEngineClient:
     """`EngineClient` over a Serve deployment handle to `LLMReplica` (streaming)."""
 
-    def __init__(self, handle: DeploymentHandle, model_name: str) -> None:
+    def __init__(
+        self, handle: DeploymentHandle, model_name: str, stats_board: DeploymentHandle | None = None
+    ) -> None:
         self.unary = handle
         self.handle = handle.options(stream=True)
         self.model_name = model_name
+        self.stats_board = stats_board
 
     async def stats(self) -> dict[str, Any]:
-        """Stats of whichever replica answers (complete with one replica per model)."""
         return cast(dict[str, Any], await self.unary.stats.remote())
+
+    async def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """From the stats board, which every replica reports to each routing-stats period."""
+        if self.stats_board is None:
+            raise RuntimeError("this client has no stats board")
+        return cast(dict[str, dict[str, Any]], await self.stats_board.snapshot.remote())
 
     async def lora_info(self) -> dict[str, Any]:
         return cast(dict[str, Any], await self.unary.lora_info.remote())
@@ -128,6 +142,8 @@ class HandleEngineClient:
                 f"all replicas are busy ({exc.message}); retry shortly",
                 retry_after_s=exc.retry_after_s or 1.0,
             ) from exc
+        except RayActorError as exc:  # the replica died (Serve replaces it): not the request's fault
+            raise ReplicaLostError() from exc
         finally:
             if response is not None:
                 # Aborts the request on the replica if it is still running. On a response that
@@ -140,11 +156,15 @@ class HandleEngineClient:
 @serve.ingress(fastapi_app)
 class OpenAIIngress:
     def __init__(
-        self, llm: DeploymentHandle, config: dict[str, Any], batch_worker: DeploymentHandle | None = None
+        self,
+        llm: DeploymentHandle,
+        stats_board: DeploymentHandle,
+        config: dict[str, Any],
+        batch_worker: DeploymentHandle | None = None,
     ) -> None:
         cfg = AppConfig(**config)
-        model_name = cfg.engine.api_model_name
-        install_server(openai_server(cfg, HandleEngineClient(llm, model_name), batch_worker))
+        client = HandleEngineClient(llm, cfg.engine.api_model_name, stats_board)
+        install_server(openai_server(cfg, client, batch_worker))
 
 
 def openai_server(
@@ -193,6 +213,7 @@ def replica_options(cfg: AppConfig) -> dict[str, Any]:
         "ray_actor_options": actor_options,
         "max_ongoing_requests": cfg.max_ongoing_requests,
         "max_queued_requests": cfg.max_queued_requests,
+        "request_router_config": cfg.routing.serve_options(),
     }
     if cfg.autoscaling is None:
         options["num_replicas"] = cfg.num_replicas
@@ -253,12 +274,17 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         cfg.batch_poll_interval_s,
         cfg.max_tokens_default,
     )
+    board = (
+        serve.deployment(name=STATS_BOARD_DEPLOYMENT)(StatsBoard)
+        .options(num_replicas=1, ray_actor_options={"num_cpus": 0})
+        .bind(max(10.0, 5 * cfg.routing.stats_period_s))
+    )
     replica = serve.deployment(name=LLM_DEPLOYMENT)(LLMReplica).options(**replica_options(cfg))
-    llm = replica.bind(replica_engine_options(cfg), None, cfg.object_store, cfg.stream_interval)
+    llm = replica.bind(replica_engine_options(cfg), None, cfg.object_store, cfg.stream_interval, board)
     ingress = cast(serve.Deployment, OpenAIIngress).options(
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=cfg.ingress_max_ongoing_requests
     )
     if cfg.object_store is None:
-        return ingress.bind(llm, cfg.model_dump())
+        return ingress.bind(llm, board, cfg.model_dump())
     batch_worker = worker.bind(llm, *worker_args)
-    return ingress.bind(llm, cfg.model_dump(), batch_worker)
+    return ingress.bind(llm, board, cfg.model_dump(), batch_worker)

@@ -32,7 +32,7 @@ from tandem.deployments.openai_mapping import (
 )
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Priority
-from tandem.platform.errors import InvalidRequestError, NotFoundError, TandemError
+from tandem.platform.errors import InvalidRequestError, NotFoundError, ReplicaLostError, TandemError
 from tandem.platform.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,6 +54,9 @@ from tandem.platform.tenancy import TenantRegistry
 
 logger = logging.getLogger("tandem.api")
 
+# A batch line whose replica died under it runs again (from the start) this many times.
+BATCH_REPLICA_LOST_RETRIES = 2
+
 
 class EngineClient(Protocol):
     """What the server needs from an engine, all async: a streaming `generate`, the model name, and
@@ -65,7 +68,13 @@ class EngineClient(Protocol):
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]: ...
 
-    async def stats(self) -> dict[str, Any]: ...
+    async def stats(self) -> dict[str, Any]:
+        """One engine's stats (whichever answers): proves an engine is up."""
+        ...
+
+    async def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """Every engine replica's stats, by replica id."""
+        ...
 
     async def lora_info(self) -> dict[str, Any]: ...
 
@@ -93,9 +102,9 @@ class OpenAIServer:
         self._token_names: TokenNames | None = None  # from the engine's table, once logprobs are asked
 
     async def refresh_engine_stats(self) -> None:
-        """Pull the engine's gauges (KV occupancy, queue) into telemetry; called on each scrape."""
-        stats = await self.client.stats()
-        get_telemetry().set_engine_stats(self.model_name, stats)
+        """Pull every replica's engine gauges (KV occupancy, queue) into telemetry; called on each
+        scrape."""
+        get_telemetry().set_engine_stats(self.model_name, await self.client.replica_stats())
 
     def _record(
         self,
@@ -238,14 +247,23 @@ class OpenAIServer:
         as the real-time endpoint, with errors captured in OpenAI's shape instead of raised."""
         try:
             reject_unsupported(body)
-            if endpoint == "/v1/chat/completions":
-                result = await self.chat(ChatCompletionRequest.model_validate(body), tenant, Priority.BATCH)
-            elif endpoint == "/v1/completions":
-                result = await self.completions(
-                    CompletionRequest.model_validate(body), tenant, Priority.BATCH
-                )
-            else:
-                raise InvalidRequestError(f"endpoint {endpoint!r} is not supported", param="url")
+            for attempt in range(1 + BATCH_REPLICA_LOST_RETRIES):
+                try:
+                    if endpoint == "/v1/chat/completions":
+                        result = await self.chat(
+                            ChatCompletionRequest.model_validate(body), tenant, Priority.BATCH
+                        )
+                    elif endpoint == "/v1/completions":
+                        result = await self.completions(
+                            CompletionRequest.model_validate(body), tenant, Priority.BATCH
+                        )
+                    else:
+                        raise InvalidRequestError(f"endpoint {endpoint!r} is not supported", param="url")
+                    break
+                except ReplicaLostError:
+                    if attempt == BATCH_REPLICA_LOST_RETRIES:
+                        raise
+                    logger.warning("batch request's replica died; retrying", extra={"attempt": attempt + 1})
         except TandemError as exc:
             # The request got an HTTP answer: like OpenAI, the line's `response` holds the error
             # body and its top-level `error` stays null (that is for requests that never ran).

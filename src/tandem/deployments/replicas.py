@@ -2,7 +2,9 @@
 
 Serve calls `generate` as a streaming method; cancelling the caller (client disconnect)
 cancels this generator, which aborts the request in the engine and frees its KV blocks.
-`record_autoscaling_stats` feeds the KV-occupancy/queue-depth autoscaling policy.
+`record_autoscaling_stats` feeds the KV-occupancy/queue-depth autoscaling policy;
+`record_routing_stats` feeds the request router (routing.py) and, on the way, sends the engine's
+stats to the application's `StatsBoard` (fleet.py) for `/metrics`.
 
 Every message a replica streams costs CPU in three processes (this one, the ingress, the HTTP
 proxy), and on a small CPU node that CPU comes out of the model's cores. `stream_interval` sends
@@ -13,10 +15,12 @@ knob SGLang calls `--stream-interval`.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from tandem.deployments.adapters import AdapterStore, load_into_engine
 from tandem.engine.async_engine import AsyncEngine
@@ -48,6 +52,7 @@ class LLMReplica:
         engine_factory: Callable[[], AsyncEngine] | None = None,
         object_store: str | None = None,
         stream_interval: int = 1,
+        stats_board: DeploymentHandle | None = None,
     ) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
@@ -59,6 +64,7 @@ class LLMReplica:
         self.adapters = (
             AdapterStore(open_object_store(object_store), self.engine.model_name) if object_store else None
         )
+        self.stats_board = stats_board
 
     @serve.multiplexed(max_num_models_per_replica=MAX_ADAPTERS_PER_REPLICA)
     async def load_adapter(self, lora_id: str) -> _LoadedAdapter:
@@ -94,13 +100,22 @@ class LLMReplica:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom autoscaling metrics (Ray Serve calls this on each replica periodically)."""
+        return _load_figures(self.engine.stats())
+
+    def record_routing_stats(self) -> dict[str, float]:
+        """What the request router weighs (Serve calls this every `RoutingConfig.stats_period_s`);
+        also reports the full stats to the stats board."""
         stats = self.engine.stats()
-        return {
-            "kv_occupancy": float(stats["kv_occupancy"]),
-            "num_waiting": float(stats["num_waiting"]),
-            "num_running": float(stats["num_running"]),
-        }
+        if self.stats_board is not None:
+            stats["reported_at"] = time.time()
+            replica_id = serve.get_replica_context().replica_id.unique_id
+            self.stats_board.report.remote(replica_id, stats)  # fire and forget: the next one replaces it
+        return _load_figures(stats)
 
     def check_health(self) -> None:
         if not self.engine.is_alive():
             raise RuntimeError("engine loop thread has stopped")
+
+
+def _load_figures(stats: dict[str, Any]) -> dict[str, float]:
+    return {key: float(stats[key]) for key in ("kv_occupancy", "num_waiting", "num_running")}

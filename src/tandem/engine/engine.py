@@ -437,6 +437,8 @@ class LLMEngine:
             "prefix_cache_evictions": self.kv_manager.pool.num_evictions,
             "num_kv_integrity_aborts": self.num_kv_integrity_aborts,
             "num_failed_requests": self.num_failed_requests,
+            "loras_loaded": self.list_loras(),
+            "num_loras_loaded": len(self.list_loras()),
             "weight_dtype": self.config.weight_dtype,
             "kv_blocks_total": pool.num_blocks,
             "kv_blocks_used": pool.num_used_blocks,

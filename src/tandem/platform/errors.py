@@ -89,3 +89,11 @@ class ServiceUnavailableError(TandemError):
 
     def __init__(self, message: str, *, code: str = "engine_unavailable") -> None:
         super().__init__(message, code=code)
+
+
+class ReplicaLostError(ServiceUnavailableError):
+    """The model replica serving the request died under it (HTTP 503): not the request's fault,
+    and safe to retry from the start (Serve is replacing the replica; others may serve it now)."""
+
+    def __init__(self, message: str = "the model replica serving this request stopped; retry the request") -> None:
+        super().__init__(message, code="replica_lost")

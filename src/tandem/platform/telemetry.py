@@ -79,12 +79,13 @@ class Telemetry:
         self.requests = meter.create_counter(
             "tandem_requests", description="Finished requests by finish reason"
         )
-        self._engine_stats: dict[str, dict[str, Any]] = {}
+        self._engine_stats: dict[tuple[str, str], dict[str, Any]] = {}  # (model, replica id) ->
         self._lock = threading.Lock()
         for name, key, description in (
             ("tandem_kv_cache_occupancy", "kv_occupancy", "KV blocks used / total"),
             ("tandem_num_requests_running", "num_running", "Requests in the running batch"),
             ("tandem_num_requests_waiting", "num_waiting", "Requests waiting for admission"),
+            ("tandem_loras_loaded", "num_loras_loaded", "LoRA adapters held in the engine's memory"),
             (
                 "tandem_prefix_cache_hit_rate",
                 "prefix_cache_hit_rate",
@@ -141,15 +142,19 @@ class Telemetry:
         def observe(_: CallbackOptions) -> Iterable[Observation]:
             with self._lock:
                 snapshot = dict(self._engine_stats)
-            for labels, stats in snapshot.items():
+            for (model, replica_id), stats in snapshot.items():
                 if key in stats:
-                    yield Observation(float(stats[key]), {"model": labels})
+                    yield Observation(float(stats[key]), {"model": model, "replica": replica_id})
 
         return observe
 
-    def set_engine_stats(self, model: str, stats: dict[str, Any]) -> None:
+    def set_engine_stats(self, model: str, stats_by_replica: dict[str, dict[str, Any]]) -> None:
+        """Replace `model`'s engine figures with these replicas' (a replica left out is gone)."""
         with self._lock:
-            self._engine_stats[model] = dict(stats)
+            for key in [k for k in self._engine_stats if k[0] == model]:
+                del self._engine_stats[key]
+            for replica_id, stats in stats_by_replica.items():
+                self._engine_stats[(model, replica_id)] = dict(stats)
 
     def record_request(
         self,

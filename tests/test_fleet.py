@@ -1,0 +1,211 @@
+"""Two LLM replicas behind one ingress: routing by adapter and prefix, tenant limits across the
+fleet, one /metrics for both, and a replica killed mid-batch (Ray started by the test session)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from .conftest import make_tiny_model
+from .test_serve import KEY, deploy, scraped_samples
+
+pytestmark = pytest.mark.ray
+
+APP = "fleet"
+PERIOD_S = 0.25  # the replicas' reporting period (routing stats and the stats board)
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_serve: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from ray import serve
+
+    store = tmp_path_factory.mktemp("fleet-objects")
+    deploy(
+        tmp_path_factory,
+        APP,
+        f"/{APP}",
+        num_replicas=2,
+        object_store=f"file://{store}",
+        routing={"stats_period_s": PERIOD_S},
+        max_concurrent_requests_per_tenant=2,
+        batch={"shard_size": 4, "lease_ttl_s": 2.0},
+        batch_poll_interval_s=0.1,
+    )
+    wait_for(lambda: len(board()) == 2, 60, "both replicas on the stats board")
+    yield f"{ray_serve}/{APP}"
+    serve.delete(APP)
+
+
+def board() -> dict[str, dict[str, Any]]:
+    """Replica id -> the engine stats it last reported."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("StatsBoard", app_name=APP)
+    return dict(handle.snapshot.remote().result())
+
+
+def fresh_board(since: float) -> dict[str, dict[str, Any]]:
+    """The board once every replica has reported after `since` (time.time())."""
+    snapshot: dict[str, dict[str, Any]] = {}
+
+    def fresh() -> bool:
+        nonlocal snapshot
+        snapshot = board()
+        return len(snapshot) == 2 and all(s["reported_at"] > since for s in snapshot.values())
+
+    wait_for(fresh, 30, "fresh reports from both replicas")
+    return snapshot
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)  # polling state that other processes update on their own schedule
+
+
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def test_an_adapter_is_loaded_by_one_replica(fleet: str, peft_adapters: dict[str, Path]) -> None:
+    folder = peft_adapters["all-r8"]
+    response = httpx.post(
+        f"{fleet}/v1/adapters",
+        headers={"Authorization": f"Bearer {KEY}"},
+        data={"name": "fleet-bot"},
+        files={
+            "adapter_config": ("adapter_config.json", (folder / "adapter_config.json").read_bytes()),
+            "adapter_model": ("adapter_model.safetensors", (folder / "adapter_model.safetensors").read_bytes()),
+        },
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+
+    async def twenty() -> list[str]:
+        api = openai.AsyncOpenAI(base_url=f"{fleet}/v1", api_key=KEY, max_retries=0, timeout=120)
+        limit = asyncio.Semaphore(2)  # the tenant's concurrency limit
+
+        async def one(i: int) -> str:
+            async with limit:
+                done = await api.completions.create(
+                    model="tiny:fleet-bot", prompt=f"Request {i}", max_tokens=4, temperature=0
+                )
+                return done.model
+
+        return await asyncio.gather(*(one(i) for i in range(20)))
+
+    assert set(asyncio.run(twenty())) == {"tiny:fleet-bot"}
+    holders = [rid for rid, s in fresh_board(time.time()).items() if any("fleet-bot" in n for n in s["loras_loaded"])]
+    assert len(holders) == 1, fresh_board(time.time())
+
+
+def test_requests_sharing_a_prefix_land_together(fleet: str, tmp_path: Path) -> None:
+    """20 requests that share a long prefix: their prefix-cache hits across the fleet are at
+    least those of one engine serving them all (the prefix is computed once, not once per
+    replica)."""
+    from tandem.engine.llm import LLM
+    from tandem.engine.sampling_params import SamplingParams
+
+    prefix = "The shared preamble of a long system prompt, repeated. " * 12
+    prompts = [prefix + f"Question number {i}?" for i in range(20)]
+    before = fresh_board(time.time())
+    for prompt in prompts:
+        client(fleet).completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    after = fresh_board(time.time())
+    hits = {rid: after[rid]["prefix_cache_hits"] - before[rid]["prefix_cache_hits"] for rid in after}
+
+    single = LLM(str(make_tiny_model(tmp_path, max_positions=4096)), kv_cache_memory=8 << 20)
+    single_before = single.stats()["prefix_cache_hits"]
+    for prompt in prompts:
+        single.generate([prompt], SamplingParams(max_tokens=2, temperature=0))
+    single_hits = single.stats()["prefix_cache_hits"] - single_before
+    assert single_hits > 0
+    assert sum(hits.values()) >= single_hits, (hits, single_hits)
+    assert max(hits.values()) >= single_hits, "the requests landed together on one replica"
+
+
+def test_tenant_concurrency_limit_holds_across_replicas(fleet: str) -> None:
+    """Limit 2 per tenant, two replicas with room: of 6 streams at once, 2 run and 4 get a 429."""
+
+    async def six() -> list[str]:
+        api = openai.AsyncOpenAI(base_url=f"{fleet}/v1", api_key=KEY, max_retries=0, timeout=120)
+        admitted = asyncio.Event()
+        outcomes: list[str] = []
+
+        async def one() -> None:
+            try:
+                stream = await api.completions.create(
+                    model="tiny", prompt="x", max_tokens=3000, stream=True, extra_body={"ignore_eos": True}
+                )
+                async for _ in stream:  # the first token: admitted and running
+                    outcomes.append("ok")
+                    if outcomes.count("ok") == 2:
+                        admitted.set()
+                    await admitted.wait()
+                    break
+                await stream.close()
+            except openai.RateLimitError as exc:
+                assert exc.body.get("code") == "rate_limit_exceeded", exc.body
+                outcomes.append("429")
+
+        await asyncio.wait_for(asyncio.gather(*(one() for _ in range(6))), timeout=120)
+        return outcomes
+
+    outcomes = asyncio.run(six())
+    assert sorted(outcomes) == ["429"] * 4 + ["ok"] * 2, outcomes
+
+
+def test_metrics_cover_both_replicas(fleet: str) -> None:
+    replicas = {
+        labels.split('replica="')[1].split('"')[0]
+        for name, labels, _ in scraped_samples(fleet)
+        if name == "tandem_kv_cache_occupancy"
+    }
+    assert replicas == set(board()), replicas
+
+
+def test_killing_a_replica_mid_batch_loses_no_request(fleet: str) -> None:
+    import psutil
+
+    api = client(fleet)
+    lines = [
+        json.dumps(
+            {
+                "custom_id": f"k{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": "tiny", "prompt": f"Item {i}", "max_tokens": 48, "ignore_eos": True},
+            }
+        )
+        for i in range(24)
+    ]
+    file_id = api.files.create(file=("in.jsonl", io.BytesIO(("\n".join(lines) + "\n").encode())), purpose="batch").id
+    batch = api.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+    replica_pids = [
+        proc.pid
+        for proc in psutil.Process().children(recursive=True)  # this session's Ray, not others'
+        if f"ServeReplica:{APP}:LLMReplica" in " ".join(proc.cmdline())
+    ]
+    assert len(replica_pids) == 2, replica_pids
+    wait_for(lambda: api.batches.retrieve(batch.id).request_counts.completed > 0, 120, "the batch to start")
+    os.kill(replica_pids[0], signal.SIGKILL)
+    wait_for(lambda: api.batches.retrieve(batch.id).status == "completed", 240, "the batch to complete")
+    batch = api.batches.retrieve(batch.id)
+    assert batch.request_counts.completed == 24 and batch.request_counts.failed == 0, batch.request_counts
+    output = [json.loads(line) for line in api.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(o["custom_id"] for o in output) == sorted(f"k{i}" for i in range(24))
+    assert all(o["response"]["status_code"] == 200 for o in output), [o for o in output if o["response"]["status_code"] != 200]
+    done = api.completions.create(model="tiny", prompt="After the loss", max_tokens=4, temperature=0)
+    assert done.choices[0].finish_reason in ("length", "stop")
