@@ -149,3 +149,33 @@ def test_bad_adapters_are_refused_with_a_reason(peft_adapters: dict[str, Path]) 
     assert "finite positive" in refused({**config, "lora_alpha": True})
     at_limit = {**config, "lora_alpha": 64 * config["r"]}
     assert parse_peft_adapter("edge", at_limit, weights, shape, LoRALimits(max_update_norm=1e9)).scaling == 64
+
+
+def test_half_precision_checkpoints_read_as_the_float32_one(peft_adapters: dict[str, Path]) -> None:
+    """BF16 and F16 checkpoints (numpy has no bfloat16: the reader widens the bits itself) give the
+    weights torch gives for the same tensors; an integer tensor is refused."""
+    import torch
+    from safetensors.torch import load, save
+
+    from tandem.engine.lora_checkpoint import read_safetensors
+
+    stored = load((peft_adapters["all-r8"] / "adapter_model.safetensors").read_bytes())
+    for dtype in (torch.bfloat16, torch.float16):
+        read = read_safetensors(save({k: v.to(dtype) for k, v in stored.items()}))
+        for key, tensor in stored.items():
+            assert torch.equal(torch.from_numpy(read[key]), tensor.to(dtype).float()), (dtype, key)
+    with pytest.raises(AdapterError, match="I32"):
+        read_safetensors(save({"x": torch.ones(2, dtype=torch.int32)}))
+
+
+def test_api_processes_do_not_import_torch() -> None:
+    """The ingress and batch-worker code (adapter validation included) runs without torch: only
+    the LLM replicas load it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tandem.deployments.app, tandem.deployments.batch_worker; "
+        "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('torch')][:5]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -30,7 +30,7 @@ from urllib.parse import quote, urlparse
 from pydantic import BaseModel
 
 from tandem.batch.records import tenant_prefix
-from tandem.engine.lora import LoRALimits, LoRAModelShape, parse_peft_adapter
+from tandem.engine.lora_checkpoint import LoRALimits, LoRAModelShape, check_peft_adapter
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.errors import ConflictError, InvalidRequestError, NotFoundError
 from tandem.platform.object_store import ObjectNotFound, ObjectStore, S3ObjectStore, S3Settings
@@ -124,7 +124,7 @@ class AdapterStore:
         if self.store.exists(_record_key(tenant, name)):
             raise ConflictError(f"adapter {name!r} already exists; delete it first", param="name")
         limits = LoRALimits(max_lora_rank=max_lora_rank, max_adapter_bytes=self.max_adapter_bytes)
-        adapter = parse_peft_adapter(name, config, weights, shape, limits)
+        adapter = check_peft_adapter(config, weights, shape, limits)
         record = AdapterRecord(
             name=name,
             tenant=tenant,
@@ -270,8 +270,7 @@ def load_into_engine(engine: Any, adapters: AdapterStore, lora_id: str) -> None:
     if engine.lora.has(lora_id):
         return
     config, weights = adapters.read(lora_id)
-    adapter = parse_peft_adapter(lora_id, config, weights, engine.lora.shape, engine.lora.limits)
-    engine.add_lora(lora_id, adapter)
+    engine.add_lora_checkpoint(lora_id, config, weights)
 
 
 LOCAL_REPLICA_ID = "local"  # the replica label of an in-process engine's figures

@@ -17,15 +17,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from tandem.deployments.adapters import AdapterStore, load_into_engine
-from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.object_store import open_object_store
+
+if TYPE_CHECKING:  # the engine (and torch) loads in the replica's process only, not in the ingress's
+    from tandem.engine.async_engine import AsyncEngine
 
 # The Serve deployment name of the LLM replicas (the batch worker looks it up).
 LLM_DEPLOYMENT = "LLMReplica"
@@ -60,6 +62,8 @@ class LLMReplica:
         if engine_factory is not None:
             self.engine = engine_factory()
         else:
+            from tandem.engine.async_engine import AsyncEngine
+
             self.engine = AsyncEngine.from_options(**(engine_options or {}))
         self.adapters = (
             AdapterStore(open_object_store(object_store), self.engine.model_name) if object_store else None

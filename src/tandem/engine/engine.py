@@ -275,9 +275,15 @@ class LLMEngine:
                     "(PEFT save_pretrained output; .bin checkpoints are refused)",
                     param="lora",
                 )
-            adapter = parse_peft_adapter(
-                name, config_path.read_bytes(), weights_path.read_bytes(), self.lora.shape, self.lora.limits
-            )
+            return self.add_lora_checkpoint(name, config_path.read_bytes(), weights_path.read_bytes())
+        self.lora.add(adapter)
+        return adapter
+
+    def add_lora_checkpoint(self, name: str, config: bytes, weights: bytes) -> LoRAAdapter:
+        """Register an adapter from a PEFT checkpoint's two files' bytes (validated). Thread-safe."""
+        if self.lora is None:
+            raise InvalidRequestError("LoRA is not enabled; pass enable_lora=True", param="enable_lora")
+        adapter = parse_peft_adapter(name, config, weights, self.lora.shape, self.lora.limits)
         self.lora.add(adapter)
         return adapter
 

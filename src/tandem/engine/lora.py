@@ -1,7 +1,7 @@
-"""LoRA adapters: PEFT parsing and validation, a CPU cache, and a fixed number of device slots.
+"""LoRA adapters in the engine: the fused layout, a CPU cache, and a fixed number of device slots.
 
 An adapter is a PEFT LoRA checkpoint (`adapter_config.json` + `adapter_model.safetensors`, never
-pickle). `parse_peft_adapter` validates it against the base model (`LoRAModelShape`) and limits
+pickle). `parse_peft_adapter` validates it (lora_checkpoint.py, shared with the API processes)
 and converts it to our fused layout: per layer, one (A, B) pair for each fused linear (`qkv`, `o`,
 `gate_up`, `down`), sub-modules' A stacked along the rank, B block-diagonal with the LoRA scaling
 folded in (see `kernels/lora.py`).
@@ -14,9 +14,6 @@ used slot that the step does not need.
 
 from __future__ import annotations
 
-import json
-import math
-import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -24,74 +21,25 @@ from typing import Any
 
 import torch
 
+from tandem.engine.lora_checkpoint import (
+    FUSED_MODULES,
+    SUPPORTED_TARGETS,
+    AdapterError,
+    LoRALimits,
+    LoRAModelShape,
+    check_peft_adapter,
+)
 from tandem.kernels.lora import LoRAGroups, lora_apply
-from tandem.platform.errors import InvalidRequestError
 
-SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FUSED_MODULES: dict[str, tuple[str, ...]] = {
-    "qkv": ("q_proj", "k_proj", "v_proj"),
-    "o": ("o_proj",),
-    "gate_up": ("gate_proj", "up_proj"),
-    "down": ("down_proj",),
-}
-_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-
-
-class AdapterError(InvalidRequestError):
-    """An adapter that cannot be used (HTTP 400); the message names the problem."""
-
-
-@dataclass(frozen=True)
-class LoRAModelShape:
-    """What adapter validation needs to know about the base model."""
-
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    q_size: int
-    kv_size: int
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> LoRAModelShape:  # cfg: LlamaConfig
-        return cls(
-            num_layers=cfg.num_hidden_layers,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            q_size=cfg.num_attention_heads * cfg.head_dim,
-            kv_size=cfg.num_key_value_heads * cfg.head_dim,
-        )
-
-    def in_out(self, module: str) -> tuple[int, int]:
-        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
-        return {
-            "q_proj": (h, q),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (q, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }[module]
-
-    def fused_in_out(self, fused: str) -> tuple[int, int]:
-        subs = FUSED_MODULES[fused]
-        return self.in_out(subs[0])[0], sum(self.in_out(s)[1] for s in subs)
-
-
-@dataclass(frozen=True)
-class LoRALimits:
-    """What an adapter must stay within to be accepted (checked on upload and on load).
-
-    The numeric limits keep a tenant's adapter from producing non-finite or overflowing
-    activations: PEFT adapters have scalings (`lora_alpha / r`, or `/ sqrt(r)` with rsLoRA) of
-    about 0.5-4 and weights well under 1, so these bounds are orders of magnitude above any
-    trained adapter and far below float16's range (65504)."""
-
-    max_lora_rank: int = 16
-    max_adapter_bytes: int = 256 << 20
-    max_lora_scaling: float = 64.0  # lora_alpha / r (rsLoRA: / sqrt(r))
-    max_weight_abs: float = 100.0  # any entry of lora_A, or of lora_B times the scaling
-    max_update_norm: float = 1000.0  # ||scaling * B||_F * ||A||_F per module (bounds ||delta W||_2)
+__all__ = [
+    "SUPPORTED_TARGETS",
+    "AdapterError",
+    "LoRAAdapter",
+    "LoRALimits",
+    "LoRAManager",
+    "LoRAModelShape",
+    "parse_peft_adapter",
+]
 
 
 @dataclass
@@ -111,148 +59,17 @@ class LoRAAdapter:
 
 
 def parse_peft_adapter(
-    name: str,
-    config: dict[str, Any] | bytes,
-    tensors: dict[str, torch.Tensor] | bytes,
-    shape: LoRAModelShape,
-    limits: LoRALimits | None = None,
+    name: str, config: dict[str, Any] | bytes, tensors: bytes, shape: LoRAModelShape, limits: LoRALimits | None = None
 ) -> LoRAAdapter:
-    """Validate a PEFT LoRA checkpoint against the base model and convert it to the fused layout.
-    `tensors` is a safetensors file's bytes (or its loaded dict); nothing is ever unpickled."""
-    limits = limits or LoRALimits()
-    if isinstance(config, bytes | bytearray):
-        try:
-            config = json.loads(config)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise AdapterError(f"adapter_config is not valid JSON: {exc}", param="adapter_config") from exc
-    if not isinstance(config, dict):
-        raise AdapterError("adapter_config must be a JSON object", param="adapter_config")
-    rank, scaling, targets = _check_config(config, limits)
-    if isinstance(tensors, bytes | bytearray):
-        if len(tensors) > limits.max_adapter_bytes:
-            raise AdapterError(
-                f"adapter_model is {len(tensors)} bytes; the limit is {limits.max_adapter_bytes}",
-                param="adapter_model",
-                code="adapter_too_large",
-            )
-        from safetensors.torch import load as load_safetensors
-
-        try:
-            tensors = load_safetensors(bytes(tensors))
-        except Exception as exc:  # safetensors raises its own error types
-            raise AdapterError(
-                f"adapter_model is not a valid safetensors file: {exc}", param="adapter_model"
-            ) from exc
-    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        match = _KEY.match(key)
-        if match is None:
-            raise AdapterError(
-                f"unexpected tensor {key!r}: only LoRA A/B weights of {list(SUPPORTED_TARGETS)} are supported",
-                param="adapter_model",
-            )
-        layer, module, which = int(match[1]), match[2], match[3]
-        if module not in targets:
-            raise AdapterError(f"tensor {key!r} is for {module!r}, which target_modules does not list")
-        if not 0 <= layer < shape.num_layers:
-            raise AdapterError(f"tensor {key!r}: the base model has {shape.num_layers} layers")
-        fan_in, fan_out = shape.in_out(module)
-        want = (rank, fan_in) if which == "A" else (fan_out, rank)
-        if tuple(tensor.shape) != want:
-            raise AdapterError(
-                f"tensor {key!r} has shape {list(tensor.shape)}; the base model needs {list(want)} (r={rank})",
-                param="adapter_model",
-                code="adapter_shape_mismatch",
-            )
-        found.setdefault((layer, module), {})[which] = tensor.float()
-    for (layer, module), pair in found.items():
-        if set(pair) != {"A", "B"}:
-            raise AdapterError(f"layer {layer} {module}: lora_A and lora_B must both be present")
-        _check_numbers(layer, module, pair["A"], pair["B"] * scaling, limits)
-    if not found:
-        raise AdapterError("adapter_model holds no LoRA weights", param="adapter_model")
-    return LoRAAdapter(name, rank, scaling, tuple(sorted(targets)), _fuse(found, rank, scaling, shape))
-
-
-def _check_numbers(layer: int, module: str, a: torch.Tensor, b_scaled: torch.Tensor, limits: LoRALimits) -> None:
-    """A: [r, in], B * scaling: [out, r] (float32): finite, and within `limits`."""
-    where = f"layer {layer} {module}"
-    for name, tensor in (("lora_A", a), ("lora_B", b_scaled)):
-        if not bool(torch.isfinite(tensor).all()):
-            raise AdapterError(
-                f"{where}: {name} holds NaN or infinite values", param="adapter_model", code="adapter_not_finite"
-            )
-        largest = float(tensor.abs().max())
-        if largest > limits.max_weight_abs:
-            raise AdapterError(
-                f"{where}: {name} has an entry of magnitude {largest:.4g} (scaling included); the limit "
-                f"is {limits.max_weight_abs:g}",
-                param="adapter_model",
-                code="adapter_weights_too_large",
-            )
-    norm = float(torch.linalg.matrix_norm(a)) * float(torch.linalg.matrix_norm(b_scaled))
-    if not norm <= limits.max_update_norm:
-        raise AdapterError(
-            f"{where}: the update's norm bound ||scaling*B||*||A|| is {norm:.4g}; the limit is "
-            f"{limits.max_update_norm:g}",
-            param="adapter_model",
-            code="adapter_weights_too_large",
-        )
-
-
-def _check_config(config: dict[str, Any], limits: LoRALimits) -> tuple[int, float, set[str]]:
-    if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(
-            f"peft_type {config.get('peft_type')!r} is not supported; only LORA", param="peft_type"
-        )
-    for flag in ("use_dora", "fan_in_fan_out"):
-        if config.get(flag):
-            raise AdapterError(f"{flag}=true is not supported", param=flag)
-    if config.get("bias", "none") != "none":
-        raise AdapterError("bias must be 'none' (LoRA bias terms are not supported)", param="bias")
-    for name in ("modules_to_save", "layers_to_transform", "rank_pattern", "alpha_pattern"):
-        if config.get(name):
-            raise AdapterError(f"{name} is not supported", param=name)
-    rank = config.get("r")
-    if not isinstance(rank, int) or rank < 1:
-        raise AdapterError("r must be a positive integer", param="r")
-    if rank > limits.max_lora_rank:
-        raise AdapterError(
-            f"r={rank} is over this server's max_lora_rank={limits.max_lora_rank}",
-            param="r",
-            code="rank_too_large",
-        )
-    alpha = config.get("lora_alpha", 8)
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < alpha < math.inf:
-        raise AdapterError("lora_alpha must be a finite positive number", param="lora_alpha")
-    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    if scaling > limits.max_lora_scaling:
-        raise AdapterError(
-            f"lora_alpha={alpha} with r={rank} scales updates by {scaling:.4g}; the limit is "
-            f"{limits.max_lora_scaling:g}",
-            param="lora_alpha",
-            code="adapter_scaling_too_large",
-        )
-    targets_raw = config.get("target_modules")
-    if targets_raw == "all-linear":
-        targets = set(SUPPORTED_TARGETS)
-    elif isinstance(targets_raw, list) and targets_raw and all(isinstance(t, str) for t in targets_raw):
-        targets = {t.rsplit(".", 1)[-1] for t in targets_raw}
-    else:
-        raise AdapterError(
-            "target_modules must be a list of module names (or 'all-linear')", param="target_modules"
-        )
-    unsupported = targets - set(SUPPORTED_TARGETS)
-    if unsupported:
-        raise AdapterError(
-            f"target_modules {sorted(unsupported)} are not supported; use {list(SUPPORTED_TARGETS)}",
-            param="target_modules",
-        )
-    return rank, float(scaling), targets
+    """Validate a PEFT LoRA checkpoint (`check_peft_adapter`) and convert it to the fused layout."""
+    checked = check_peft_adapter(config, tensors, shape, limits)
+    found = {key: (torch.from_numpy(a), torch.from_numpy(b)) for key, (a, b) in checked.weights.items()}
+    fused = _fuse(found, checked.rank, checked.scaling, shape)
+    return LoRAAdapter(name, checked.rank, checked.scaling, checked.target_modules, fused)
 
 
 def _fuse(
-    found: dict[tuple[int, str], dict[str, torch.Tensor]], rank: int, scaling: float, shape: LoRAModelShape
+    found: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], rank: int, scaling: float, shape: LoRAModelShape
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     fused_weights = {}
     for layer in range(shape.num_layers):
@@ -268,8 +85,9 @@ def _fuse(
                 sub_out = shape.in_out(sub)[1]
                 if sub in present:
                     cols = slice(index * rank, (index + 1) * rank)
-                    a[cols] = found[(layer, sub)]["A"]
-                    b[row : row + sub_out, cols] = found[(layer, sub)]["B"] * scaling
+                    sub_a, sub_b = found[(layer, sub)]
+                    a[cols] = sub_a
+                    b[row : row + sub_out, cols] = sub_b * scaling
                 row += sub_out
             fused_weights[(layer, fused)] = (a, b)
     return fused_weights
