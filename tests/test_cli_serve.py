@@ -104,7 +104,7 @@ def test_serve_runs_the_app_graph_and_stops_on_sigterm(tmp_path: Path) -> None:
         server.wait_for(r"serving .* at http://")
         port = server.port
         assert "ProxyActor" in listener_cmdline(port)
-        for deployment in ("OpenAIIngress", "LLMReplica", "BatchWorker", "StatsBoard"):
+        for deployment in ("OpenAIIngress", "LLMReplica", "BatchWorker", "FleetState"):
             assert replica_pids(server, deployment), deployment
         base_url = f"http://127.0.0.1:{port}"
         check_openai_client(base_url)

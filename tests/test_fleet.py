@@ -1,5 +1,6 @@
-"""Two LLM replicas behind one ingress: routing by adapter and prefix, tenant limits across the
-fleet, one /metrics for both, and a replica killed mid-batch (Ray started by the test session)."""
+"""Two LLM replicas behind two ingress replicas: routing by adapter and prefix, tenant limits
+across the fleet, one /metrics for both, and a replica killed mid-batch (Ray started by the test
+session)."""
 
 from __future__ import annotations
 
@@ -36,13 +37,14 @@ def fleet(ray_serve: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         APP,
         f"/{APP}",
         num_replicas=2,
+        ingress_num_replicas=2,
         object_store=f"file://{store}",
         routing={"stats_period_s": PERIOD_S},
         max_concurrent_requests_per_tenant=2,
         batch={"shard_size": 4, "lease_ttl_s": 2.0},
         batch_poll_interval_s=0.1,
     )
-    wait_for(lambda: len(board()) == 2, 60, "both replicas on the stats board")
+    wait_for(lambda: len(board()) == 2, 60, "both replicas reporting to the fleet state")
     yield f"{ray_serve}/{APP}"
     serve.delete(APP)
 
@@ -51,7 +53,7 @@ def board() -> dict[str, dict[str, Any]]:
     """Replica id -> the engine stats it last reported."""
     from ray import serve
 
-    handle = serve.get_deployment_handle("StatsBoard", app_name=APP)
+    handle = serve.get_deployment_handle("FleetState", app_name=APP)  # what /metrics reads
     return dict(handle.snapshot.remote().result())
 
 
@@ -137,7 +139,8 @@ def test_requests_sharing_a_prefix_land_together(fleet: str, tmp_path: Path) -> 
 
 
 def test_tenant_concurrency_limit_holds_across_replicas(fleet: str) -> None:
-    """Limit 2 per tenant, two replicas with room: of 6 streams at once, 2 run and 4 get a 429."""
+    """Limit 2 per tenant, two ingress and two LLM replicas with room: of 6 streams at once, 2 run
+    and 4 get a 429; when they end, the tenant's slots are free again."""
 
     async def six() -> list[str]:
         api = openai.AsyncOpenAI(base_url=f"{fleet}/v1", api_key=KEY, max_retries=0, timeout=120)
@@ -165,6 +168,8 @@ def test_tenant_concurrency_limit_holds_across_replicas(fleet: str) -> None:
 
     outcomes = asyncio.run(six())
     assert sorted(outcomes) == ["429"] * 4 + ["ok"] * 2, outcomes
+    done = client(fleet).completions.create(model="tiny", prompt="x", max_tokens=2)  # slots given back
+    assert done.choices[0].finish_reason in ("length", "stop")
 
 
 def test_metrics_cover_both_replicas(fleet: str) -> None:

@@ -8,7 +8,7 @@ from tandem.deployments.routing import (
     PrefixIndex,
     ReplicaLoad,
     RoutingConfig,
-    least_loaded,
+    place,
     prefix_hashes,
     rank_replicas,
 )
@@ -74,5 +74,20 @@ def test_rank_replicas(loads: list[ReplicaLoad], affinity: dict[str, float], exp
     assert sorted(rid for rank in ranks for rid in rank) == sorted(r.replica_id for r in loads)
 
 
-def test_least_loaded_prefers_kv_room_then_fewest_in_flight() -> None:
-    assert least_loaded([load("a", 0, kv=0.99), load("b", 5), load("c", 3)], CONFIG) == "c"
+def test_placement_without_a_key_is_the_least_loaded_with_kv_room() -> None:
+    assert place([load("a", 0, kv=0.99), load("b", 5), load("c", 3)], None, CONFIG) == "c"
+
+
+def test_placement_by_key_agrees_everywhere_and_respects_the_load_guard() -> None:
+    loads = [load(f"r{i}", 0) for i in range(4)]
+    chosen = {key: place(loads, key, CONFIG) for key in (f"adapter-{i}" for i in range(40))}
+    assert len(set(chosen.values())) == 4  # keys spread over the replicas ...
+    assert all(place(list(reversed(loads)), key, CONFIG) == rid for key, rid in chosen.items())  # ... the same way
+    # A replica that leaves moves only its own keys.
+    survivors = [r for r in loads if r.replica_id != "r0"]
+    assert all(place(survivors, key, CONFIG) == rid for key, rid in chosen.items() if rid != "r0")
+    # An overloaded or saturated replica is not chosen by key.
+    key = next(k for k, rid in chosen.items() if rid == "r1")
+    busy = [load("r0", 0), load("r1", 3), load("r2", 0), load("r3", 0)]
+    assert place(busy, key, CONFIG) != "r1"
+    assert place([*busy[:1], load("r1", 0, kv=0.95), *busy[2:]], key, CONFIG) != "r1"

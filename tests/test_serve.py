@@ -451,7 +451,7 @@ def test_replica_env_vars_reach_the_replica_process_only(served: str) -> None:
                 env_by_process[cmdline.split(":")[-1].split()[0]] = proc.environ()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-    assert sorted(env_by_process) == ["BatchWorker", "LLMReplica", "OpenAIIngress", "StatsBoard"], sorted(env_by_process)
+    assert sorted(env_by_process) == ["BatchWorker", "FleetState", "LLMReplica", "OpenAIIngress"], sorted(env_by_process)
     assert env_by_process["LLMReplica"].get("TANDEM_TEST_REPLICA_ENV") == "replica"
     assert "TANDEM_TEST_REPLICA_ENV" not in env_by_process["BatchWorker"]
     assert "TANDEM_TEST_REPLICA_ENV" not in env_by_process["OpenAIIngress"]
@@ -502,7 +502,7 @@ def test_print_config_round_trips_through_serve_run(ray_serve: str, tmp_path: Pa
         ) is None or status.status != "RUNNING":
             assert time.monotonic() < deadline, status
             time.sleep(0.5)
-        assert sorted(status.deployments) == ["BatchWorker", "LLMReplica", "OpenAIIngress", "StatsBoard"]
+        assert sorted(status.deployments) == ["BatchWorker", "FleetState", "LLMReplica", "OpenAIIngress"]
         check_openai_client(f"{ray_serve}/printed")
     finally:
         serve.delete("tandem-printed")

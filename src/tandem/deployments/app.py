@@ -19,7 +19,7 @@ from tandem.batch.service import BatchLimits, BatchService
 from tandem.deployments.adapters import AdapterStore, check_source_prefix
 from tandem.deployments.autoscaling import AutoscalingConfig, BatchQueueTargets
 from tandem.deployments.batch_worker import BatchWorkerReplica
-from tandem.deployments.fleet import STATS_BOARD_DEPLOYMENT, StatsBoard
+from tandem.deployments.fleet import FLEET_STATE_DEPLOYMENT, FleetState, FleetTenantLimiter
 from tandem.deployments.ingress import create_app, install_server
 from tandem.deployments.openai_server import EngineClient, OpenAIServer
 from tandem.deployments.replicas import LLM_DEPLOYMENT, LLMReplica
@@ -66,6 +66,12 @@ class AppConfig(BaseModel):
     max_ongoing_requests: int = 64
     max_queued_requests: int = 128
     ingress_max_ongoing_requests: int = 1024
+    ingress_num_replicas: int = Field(
+        1,
+        ge=1,
+        description="Ingress replicas (Serve's proxy spreads requests over them); with more than one, "
+        "tenant limits are kept by the FleetState deployment, one round trip per limited request",
+    )
     object_store: str | None = Field(
         None,
         description="file:///path or s3://bucket/prefix for files, batches and adapters; "
@@ -104,22 +110,20 @@ fastapi_app = create_app()
 class HandleEngineClient:
     """`EngineClient` over a Serve deployment handle to `LLMReplica` (streaming)."""
 
-    def __init__(
-        self, handle: DeploymentHandle, model_name: str, stats_board: DeploymentHandle | None = None
-    ) -> None:
+    def __init__(self, handle: DeploymentHandle, model_name: str, fleet: DeploymentHandle | None = None) -> None:
         self.unary = handle
         self.handle = handle.options(stream=True)
         self.model_name = model_name
-        self.stats_board = stats_board
+        self.fleet = fleet
 
     async def stats(self) -> dict[str, Any]:
         return cast(dict[str, Any], await self.unary.stats.remote())
 
     async def replica_stats(self) -> dict[str, dict[str, Any]]:
-        """From the stats board, which every replica reports to each routing-stats period."""
-        if self.stats_board is None:
-            raise RuntimeError("this client has no stats board")
-        return cast(dict[str, dict[str, Any]], await self.stats_board.snapshot.remote())
+        """From the fleet state, which every replica reports to each routing-stats period."""
+        if self.fleet is None:
+            raise RuntimeError("this client has no fleet state to read replicas' stats from")
+        return cast(dict[str, dict[str, Any]], await self.fleet.snapshot.remote())
 
     async def lora_info(self) -> dict[str, Any]:
         return cast(dict[str, Any], await self.unary.lora_info.remote())
@@ -158,19 +162,23 @@ class OpenAIIngress:
     def __init__(
         self,
         llm: DeploymentHandle,
-        stats_board: DeploymentHandle,
+        fleet: DeploymentHandle,
         config: dict[str, Any],
         batch_worker: DeploymentHandle | None = None,
     ) -> None:
         cfg = AppConfig(**config)
-        client = HandleEngineClient(llm, cfg.engine.api_model_name, stats_board)
-        install_server(openai_server(cfg, client, batch_worker))
+        client = HandleEngineClient(llm, cfg.engine.api_model_name, fleet)
+        install_server(openai_server(cfg, client, batch_worker, fleet))
 
 
 def openai_server(
-    cfg: AppConfig, client: EngineClient, batch_worker: DeploymentHandle | None
+    cfg: AppConfig,
+    client: EngineClient,
+    batch_worker: DeploymentHandle | None,
+    fleet: DeploymentHandle | None = None,
 ) -> OpenAIServer:
-    """The OpenAI routes' server over `client`: tenants and keys, files, batches and adapters."""
+    """The OpenAI routes' server over `client`: tenants and keys (limits kept by `fleet` when
+    there are several ingress replicas), files, batches and adapters."""
     spec = cfg.api_keys if cfg.api_keys is not None else os.environ.get("TANDEM_API_KEYS", "")
     if cfg.keys_file:
         with open(cfg.keys_file) as f:
@@ -191,8 +199,14 @@ def openai_server(
             source_prefixes=tuple(cfg.adapter_source_prefixes),
             max_adapter_bytes=cfg.max_adapter_bytes,
         )
+    limiter = FleetTenantLimiter(fleet, tenants) if fleet is not None and cfg.ingress_num_replicas > 1 else None
     server = OpenAIServer(
-        client, tenants, max_tokens_default=cfg.max_tokens_default, batches=batches, adapters=adapters
+        client,
+        tenants,
+        max_tokens_default=cfg.max_tokens_default,
+        batches=batches,
+        adapters=adapters,
+        limiter=limiter,
     )
     if batch_worker is not None:
 
@@ -274,17 +288,19 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         cfg.batch_poll_interval_s,
         cfg.max_tokens_default,
     )
-    board = (
-        serve.deployment(name=STATS_BOARD_DEPLOYMENT)(StatsBoard)
+    fleet = (
+        serve.deployment(name=FLEET_STATE_DEPLOYMENT)(FleetState)
         .options(num_replicas=1, ray_actor_options={"num_cpus": 0})
         .bind(max(10.0, 5 * cfg.routing.stats_period_s))
     )
     replica = serve.deployment(name=LLM_DEPLOYMENT)(LLMReplica).options(**replica_options(cfg))
-    llm = replica.bind(replica_engine_options(cfg), None, cfg.object_store, cfg.stream_interval, board)
+    llm = replica.bind(replica_engine_options(cfg), None, cfg.object_store, cfg.stream_interval, fleet)
     ingress = cast(serve.Deployment, OpenAIIngress).options(
-        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=cfg.ingress_max_ongoing_requests
+        num_replicas=cfg.ingress_num_replicas,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=cfg.ingress_max_ongoing_requests,
     )
     if cfg.object_store is None:
-        return ingress.bind(llm, board, cfg.model_dump())
+        return ingress.bind(llm, fleet, cfg.model_dump())
     batch_worker = worker.bind(llm, *worker_args)
-    return ingress.bind(llm, board, cfg.model_dump(), batch_worker)
+    return ingress.bind(llm, fleet, cfg.model_dump(), batch_worker)

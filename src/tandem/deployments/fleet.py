@@ -1,34 +1,114 @@
-"""`StatsBoard`: the engine figures of every LLM replica, for the ingress's one `/metrics`.
+"""`FleetState`: what the fleet's processes must agree on, in one small deployment replica.
 
-A deployment handle reaches some replica, not each one, so the replicas report instead: each
-sends its engine stats here whenever Serve collects its routing stats (`stats_period_s`), and
-the ingress reads them all at once. A replica that stops reporting (it died, or was scaled down)
-drops out after `ttl_s`. One board replica per application; it holds no other state, so a
-restarted board is complete again after one reporting period.
+- **Engine figures of every LLM replica**, for the ingress's one `/metrics`. A deployment handle
+  reaches some replica, not each one, so the replicas report instead: each sends its engine stats
+  whenever Serve collects its routing stats (`RoutingConfig.stats_period_s`), and the ingress reads
+  them all at once. A replica that stops reporting (it died, or was scaled down) drops out after
+  `stats_ttl_s`.
+- **Tenant limits across ingress replicas** (`FleetTenantLimiter`), when there are several:
+  every admission and release goes through one `TenantUsage`. Each ingress replica is an owner
+  that heartbeats while it holds slots; an owner silent for `owner_ttl_s` (its process died) gets
+  its slots given back, so a lost ingress cannot lock a tenant out.
+
+One replica per application. Its state is soft: a restarted `FleetState` has every replica's
+figures again after one reporting period, and starts tenants' counts from zero.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+import uuid
 from typing import Any
 
-# The Serve deployment name of the board.
-STATS_BOARD_DEPLOYMENT = "StatsBoard"
+from ray.serve.handle import DeploymentHandle
+
+from tandem.platform.tenancy import RateLimitError, TenantLimits, TenantRegistry, TenantUsage
+
+# The Serve deployment name of the fleet state.
+FLEET_STATE_DEPLOYMENT = "FleetState"
 
 
-class StatsBoard:
-    def __init__(self, ttl_s: float = 10.0) -> None:
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        self.ttl_s = ttl_s
+class FleetState:
+    def __init__(self, stats_ttl_s: float = 10.0, owner_ttl_s: float = 30.0) -> None:
+        if stats_ttl_s <= 0 or owner_ttl_s <= 0:
+            raise ValueError(f"ttls must be > 0, got {stats_ttl_s} and {owner_ttl_s}")
+        self.stats_ttl_s, self.owner_ttl_s = stats_ttl_s, owner_ttl_s
         self._reports: dict[str, tuple[float, dict[str, Any]]] = {}  # replica id -> (when, stats)
+        self._usage = TenantUsage()
+        self._owner_seen: dict[str, float] = {}  # ingress replica -> last heard from
 
+    # -- engine figures ---------------------------------------------------------------------
     def report(self, replica_id: str, stats: dict[str, Any]) -> None:
         self._reports[replica_id] = (time.monotonic(), stats)
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
-        """Replica id -> its latest stats, for replicas that reported within `ttl_s`."""
-        cutoff = time.monotonic() - self.ttl_s
+        """Replica id -> its latest stats, for replicas that reported within `stats_ttl_s`."""
+        cutoff = time.monotonic() - self.stats_ttl_s
         for replica_id in [rid for rid, (when, _) in self._reports.items() if when < cutoff]:
             del self._reports[replica_id]
         return {rid: stats for rid, (_, stats) in self._reports.items()}
+
+    # -- tenant limits ----------------------------------------------------------------------
+    def acquire(
+        self, tenant: str, max_concurrent_requests: int | None, tokens_per_minute: int | None, owner: str
+    ) -> tuple[str, float, str] | None:
+        """Admit one request of `tenant` for `owner` (None), or (message, retry-after, code)."""
+        self.heartbeat(owner)
+        now = time.monotonic()
+        for silent in [o for o, seen in self._owner_seen.items() if seen < now - self.owner_ttl_s]:
+            self._usage.drop_owner(silent)
+            del self._owner_seen[silent]
+        refusal = self._usage.try_acquire(
+            tenant, TenantLimits(max_concurrent_requests, tokens_per_minute), owner=owner, now=now
+        )
+        if refusal is None:
+            return None
+        return refusal.message, refusal.retry_after_s, refusal.code or "rate_limit_exceeded"
+
+    def release(self, tenant: str, num_tokens: int, owner: str) -> None:
+        self.heartbeat(owner)
+        self._usage.release(tenant, num_tokens, owner=owner)
+
+    def heartbeat(self, owner: str) -> None:
+        self._owner_seen[owner] = time.monotonic()
+
+
+class FleetTenantLimiter:
+    """`TenantLimiter` of one of several ingress replicas: admission through `FleetState`."""
+
+    def __init__(self, fleet: DeploymentHandle, tenants: TenantRegistry, owner_ttl_s: float = 30.0) -> None:
+        self.fleet, self.tenants = fleet, tenants
+        self.owner = uuid.uuid4().hex  # this process
+        self.heartbeat_every_s = owner_ttl_s / 3
+        self.num_held = 0
+        self._heartbeat: asyncio.Task[None] | None = None
+
+    async def acquire(self, tenant: str) -> None:
+        limits = self.tenants.limits_for(tenant)
+        if limits.max_concurrent_requests is None and limits.tokens_per_minute is None:
+            return  # nothing to enforce: no round trip
+        refusal = await self.fleet.acquire.remote(
+            tenant, limits.max_concurrent_requests, limits.tokens_per_minute, self.owner
+        )
+        if refusal is not None:
+            message, retry_after_s, code = refusal
+            raise RateLimitError(message, retry_after_s=retry_after_s, code=code)
+        self.num_held += 1
+        if self._heartbeat is None or self._heartbeat.done():
+            self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
+
+    async def release(self, tenant: str, num_tokens: int) -> None:
+        limits = self.tenants.limits_for(tenant)
+        if limits.max_concurrent_requests is None and limits.tokens_per_minute is None:
+            return
+        self.num_held = max(0, self.num_held - 1)
+        await self.fleet.release.remote(tenant, num_tokens, self.owner)
+
+    async def _beat(self) -> None:
+        """Tell the fleet this owner lives while it holds slots."""
+        while self.num_held > 0:
+            await asyncio.sleep(self.heartbeat_every_s)
+            with contextlib.suppress(Exception):  # a missed beat is retried; the ttl is 3 beats
+                await self.fleet.heartbeat.remote(self.owner)

@@ -81,6 +81,28 @@ class EngineClient(Protocol):
     async def token_table(self) -> list[bytes]: ...
 
 
+class TenantLimiter(Protocol):
+    """Admits a tenant's real-time requests under its limits (429 `RateLimitError` when over)."""
+
+    async def acquire(self, tenant: str) -> None: ...
+
+    async def release(self, tenant: str, num_tokens: int) -> None: ...
+
+
+class LocalTenantLimiter:
+    """`TenantLimiter` of one API process: the registry's own counts (exact when this process
+    admits every request, as a single ingress replica does)."""
+
+    def __init__(self, tenants: TenantRegistry) -> None:
+        self.tenants = tenants
+
+    async def acquire(self, tenant: str) -> None:
+        self.tenants.acquire(tenant)
+
+    async def release(self, tenant: str, num_tokens: int) -> None:
+        self.tenants.release(tenant, num_tokens)
+
+
 class OpenAIServer:
     def __init__(
         self,
@@ -90,9 +112,11 @@ class OpenAIServer:
         max_tokens_default: int = 256,
         batches: BatchService | None = None,
         adapters: AdapterStore | None = None,
+        limiter: TenantLimiter | None = None,
     ) -> None:
         self.client = client
         self.tenants = tenants
+        self.limiter = limiter if limiter is not None else LocalTenantLimiter(tenants)
         self.model_name = client.model_name
         self.max_tokens_default = max_tokens_default
         self.batches = batches  # files + batches API; None when no object store is configured
@@ -301,7 +325,7 @@ class OpenAIServer:
             await self.load_token_table()
         accounted = gen.priority is Priority.INTERACTIVE  # batch work has its own flow control
         if accounted:
-            self.tenants.acquire(tenant)
+            await self.limiter.acquire(tenant)
         started, started_ns = time.monotonic(), time.time_ns()
         outputs = self.client.generate(gen)
         try:
@@ -311,7 +335,7 @@ class OpenAIServer:
                 raise engine_error(first)
         except BaseException:
             if accounted:
-                self.tenants.release(tenant, 0)
+                await self.limiter.release(tenant, 0)
             await outputs.aclose()
             raise
         if timing is not None:
@@ -334,7 +358,7 @@ class OpenAIServer:
                 last = out
         finally:
             if accounted:
-                self.tenants.release(tenant, num_tokens(last))
+                await self.limiter.release(tenant, num_tokens(last))
         self._record(gen, tenant, last, started, started_ns, first_at)
         completion = last.outputs[0]
         if completion.finish_reason == "error":
@@ -434,7 +458,7 @@ class OpenAIServer:
             yield sse_event(internal_error_body(gen.request_id))
         finally:
             await outputs.aclose()  # on client disconnect this aborts the request in the engine
-            self.tenants.release(tenant, num_tokens(last))
+            await self.limiter.release(tenant, num_tokens(last))
             if last.finished:
                 self._record(gen, tenant, last, *times)
         yield "data: [DONE]\n\n"  # after an error event too: every stream ends the same way

@@ -4,7 +4,7 @@ Serve calls `generate` as a streaming method; cancelling the caller (client disc
 cancels this generator, which aborts the request in the engine and frees its KV blocks.
 `record_autoscaling_stats` feeds the KV-occupancy/queue-depth autoscaling policy;
 `record_routing_stats` feeds the request router (routing.py) and, on the way, sends the engine's
-stats to the application's `StatsBoard` (fleet.py) for `/metrics`.
+stats to the application's `FleetState` (fleet.py) for `/metrics`.
 
 Every message a replica streams costs CPU in three processes (this one, the ingress, the HTTP
 proxy), and on a small CPU node that CPU comes out of the model's cores. `stream_interval` sends
@@ -54,7 +54,7 @@ class LLMReplica:
         engine_factory: Callable[[], AsyncEngine] | None = None,
         object_store: str | None = None,
         stream_interval: int = 1,
-        stats_board: DeploymentHandle | None = None,
+        fleet: DeploymentHandle | None = None,
     ) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
@@ -68,7 +68,7 @@ class LLMReplica:
         self.adapters = (
             AdapterStore(open_object_store(object_store), self.engine.model_name) if object_store else None
         )
-        self.stats_board = stats_board
+        self.fleet = fleet
 
     @serve.multiplexed(max_num_models_per_replica=MAX_ADAPTERS_PER_REPLICA)
     async def load_adapter(self, lora_id: str) -> _LoadedAdapter:
@@ -108,12 +108,12 @@ class LLMReplica:
 
     def record_routing_stats(self) -> dict[str, float]:
         """What the request router weighs (Serve calls this every `RoutingConfig.stats_period_s`);
-        also reports the full stats to the stats board."""
+        also reports the full stats to the fleet state (for /metrics)."""
         stats = self.engine.stats()
-        if self.stats_board is not None:
+        if self.fleet is not None:
             stats["reported_at"] = time.time()
             replica_id = serve.get_replica_context().replica_id.unique_id
-            self.stats_board.report.remote(replica_id, stats)  # fire and forget: the next one replaces it
+            self.fleet.report.remote(replica_id, stats)  # fire and forget: the next one replaces it
         return _load_figures(stats)
 
     def check_health(self) -> None:

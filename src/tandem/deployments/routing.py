@@ -17,12 +17,13 @@ The ranking (`rank_replicas`, a pure function) is:
 2. **Load guard.** A preferred replica is dropped when it has `max_imbalance` more requests in
    flight than the least-loaded replica, or its KV cache is `kv_saturation` full: a second copy
    of an adapter, or a recomputed prefix, costs less than a queue.
-3. **Least load.** Otherwise the replicas with KV room (Serve picks the shortest queue among them),
-   then the saturated ones.
-
-A request with no affinity is assigned to the least-loaded replica at ranking time and recorded
-in the index at once, so that a burst of requests sharing a new prefix or adapter follows the
-first one instead of spreading before any of them is routed.
+3. **Placement.** A request with no (usable) affinity is placed at ranking time (`place`): an
+   adapter, or a prompt of at least one chunk, by rendezvous hashing of the adapter name or the
+   prompt's first chunk over the replicas within the load guard (so that every router, with no
+   word between them, places the same adapter or prefix on the same replica); anything else on
+   the least-loaded replica. The placement is recorded at once, so that a burst of requests
+   sharing a new prefix or adapter follows the first one instead of spreading before any of
+   them is routed. The other replicas follow, by load, saturated ones last.
 
 Invariants: every candidate replica appears in exactly one rank (a request is never left
 unroutable by the policy); the index is bounded (`max_index_entries`, least recently used out)
@@ -197,11 +198,22 @@ def rank_replicas(
     return ranks
 
 
-def least_loaded(loads: Sequence[ReplicaLoad], config: RoutingConfig) -> str:
-    """The replica a request with no affinity goes to: KV room first, then fewest in flight."""
-    return min(
-        loads, key=lambda r: (r.kv_occupancy >= config.kv_saturation, r.num_ongoing, r.kv_occupancy)
-    ).replica_id
+def place(loads: Sequence[ReplicaLoad], key: str | None, config: RoutingConfig) -> str:
+    """The replica for a request no replica has an affinity for yet.
+
+    With a `key` (the adapter, or the prompt's first chunk): rendezvous hashing over the replicas
+    within the load guard, so that every router (each ingress replica and batch worker has its
+    own) sends the same adapter or prefix to the same replica without talking to the others, and
+    a replica joining or leaving moves only its share of keys. Without one: the least-loaded."""
+    least = min(r.num_ongoing for r in loads)
+    eligible = [
+        r for r in loads if r.kv_occupancy < config.kv_saturation and r.num_ongoing <= least + config.max_imbalance
+    ]
+    if key is None or not eligible:
+        return min(
+            loads, key=lambda r: (r.kv_occupancy >= config.kv_saturation, r.num_ongoing, r.kv_occupancy)
+        ).replica_id
+    return max(eligible, key=lambda r: hashlib.blake2b(f"{key}|{r.replica_id}".encode(), digest_size=8).digest()).replica_id
 
 
 class TandemRouter(RequestRouter):
@@ -257,9 +269,10 @@ class TandemRouter(RequestRouter):
             }
         ranks = rank_replicas(loads, affinity, self.config)
         if ranks and not any(affinity.get(rid, 0) > 0 for rid in ranks[0]):
-            # No affinity (or the preferred replicas are overloaded): place it on the least-loaded
-            # replica now, and remember that, so the rest of a burst follows it.
-            chosen = least_loaded(loads, self.config)
+            # No affinity (or the preferred replicas are overloaded): place it now, and remember
+            # that, so the rest of a burst follows it.
+            key = request.lora_name if request.lora_name is not None else (digests[0] if digests else None)
+            chosen = place(loads, key, self.config)
             ranks = [[chosen], *[[rid for rid in rank if rid != chosen] for rank in ranks]]
             self._remember(request, digests, chosen)
         return [[by_id[rid] for rid in rank] for rank in ranks if rank]

@@ -80,6 +80,68 @@ class _Usage:
     token_events: deque[tuple[float, int]] = field(default_factory=deque)  # (time, tokens)
 
 
+class TenantUsage:
+    """Requests in flight and tokens used in the last minute, per tenant, against `TenantLimits`.
+
+    Each admitted request is held by an `owner` (the API process that admitted it), so that the
+    slots of an owner that went away can be given back at once (`drop_owner`). Not thread-safe:
+    callers serialise (TenantRegistry under its lock; the fleet's state actor by its event loop)."""
+
+    def __init__(self) -> None:
+        self._usage: dict[str, _Usage] = {}
+        self._held: dict[str, dict[str, int]] = {}  # owner -> tenant -> requests in flight
+
+    def try_acquire(
+        self, tenant: str, limits: TenantLimits, *, owner: str = "local", now: float | None = None
+    ) -> RateLimitError | None:
+        """Admit one request (None), or say why not (the 429 to raise)."""
+        now = time.monotonic() if now is None else now
+        usage = self._usage.setdefault(tenant, _Usage())
+        if limits.max_concurrent_requests is not None and usage.in_flight >= limits.max_concurrent_requests:
+            return RateLimitError(
+                f"tenant {tenant!r} has {usage.in_flight} requests in flight "
+                f"(limit {limits.max_concurrent_requests}); retry when one finishes",
+                retry_after_s=1.0,
+            )
+        if limits.tokens_per_minute is not None:
+            while usage.token_events and usage.token_events[0][0] <= now - 60.0:
+                usage.token_events.popleft()
+            used = sum(tokens for _, tokens in usage.token_events)
+            if used >= limits.tokens_per_minute:
+                retry = 60.0 - (now - usage.token_events[0][0])
+                return RateLimitError(
+                    f"tenant {tenant!r} used {used} tokens in the last minute (limit {limits.tokens_per_minute})",
+                    retry_after_s=max(1.0, math.ceil(retry)),
+                    code="tokens_per_minute_exceeded",
+                )
+        usage.in_flight += 1
+        held = self._held.setdefault(owner, {})
+        held[tenant] = held.get(tenant, 0) + 1
+        return None
+
+    def release(self, tenant: str, num_tokens: int, *, owner: str = "local", now: float | None = None) -> None:
+        """End one admitted request of `tenant` held by `owner`, which used `num_tokens` tokens."""
+        now = time.monotonic() if now is None else now
+        held = self._held.get(owner, {})
+        if held.get(tenant, 0) > 0:  # not already given back by drop_owner
+            held[tenant] -= 1
+            usage = self._usage.setdefault(tenant, _Usage())
+            usage.in_flight = max(0, usage.in_flight - 1)
+        if num_tokens:
+            self._usage.setdefault(tenant, _Usage()).token_events.append((now, num_tokens))
+
+    def drop_owner(self, owner: str) -> None:
+        """Give back every slot `owner` holds (it stopped: its requests ended with it)."""
+        for tenant, count in self._held.pop(owner, {}).items():
+            usage = self._usage.get(tenant)
+            if usage is not None:
+                usage.in_flight = max(0, usage.in_flight - count)
+
+    def in_flight(self, tenant: str) -> int:
+        usage = self._usage.get(tenant)
+        return usage.in_flight if usage is not None else 0
+
+
 class TenantRegistry:
     """Authenticates bearer keys and enforces per-tenant limits (thread-safe)."""
 
@@ -96,7 +158,7 @@ class TenantRegistry:
         self._operator_keys = frozenset(operator_keys)
         self._default_limits = limits or TenantLimits()
         self._limits = per_tenant_limits or {}
-        self._usage: dict[str, _Usage] = {}
+        self._usage = TenantUsage()
         self._lock = threading.Lock()
 
     @classmethod
@@ -135,37 +197,11 @@ class TenantRegistry:
 
     def acquire(self, tenant: str, *, now: float | None = None) -> None:
         """Admit one request or raise RateLimitError (429 with a retry-after hint)."""
-        now = time.monotonic() if now is None else now
-        limits = self.limits_for(tenant)
         with self._lock:
-            usage = self._usage.setdefault(tenant, _Usage())
-            if (
-                limits.max_concurrent_requests is not None
-                and usage.in_flight >= limits.max_concurrent_requests
-            ):
-                raise RateLimitError(
-                    f"tenant {tenant!r} has {usage.in_flight} requests in flight "
-                    f"(limit {limits.max_concurrent_requests}); retry when one finishes",
-                    retry_after_s=1.0,
-                )
-            if limits.tokens_per_minute is not None:
-                while usage.token_events and usage.token_events[0][0] <= now - 60.0:
-                    usage.token_events.popleft()
-                used = sum(tokens for _, tokens in usage.token_events)
-                if used >= limits.tokens_per_minute:
-                    retry = 60.0 - (now - usage.token_events[0][0])
-                    raise RateLimitError(
-                        f"tenant {tenant!r} used {used} tokens in the last minute "
-                        f"(limit {limits.tokens_per_minute})",
-                        retry_after_s=max(1.0, math.ceil(retry)),
-                        code="tokens_per_minute_exceeded",
-                    )
-            usage.in_flight += 1
+            refusal = self._usage.try_acquire(tenant, self.limits_for(tenant), now=now)
+        if refusal is not None:
+            raise refusal
 
     def release(self, tenant: str, num_tokens: int, *, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
         with self._lock:
-            usage = self._usage.setdefault(tenant, _Usage())
-            usage.in_flight = max(0, usage.in_flight - 1)
-            if num_tokens:
-                usage.token_events.append((now, num_tokens))
+            self._usage.release(tenant, num_tokens, now=now)

@@ -1,0 +1,55 @@
+"""`FleetState` (plain class, no Ray): tenant limits across ingress replicas and engine figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.deployments.fleet import FleetState
+
+
+def test_limits_hold_across_owners_and_a_silent_owner_gives_its_slots_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [100.0]
+    monkeypatch.setattr("tandem.deployments.fleet.time.monotonic", lambda: clock[0])
+    state = FleetState(owner_ttl_s=30.0)
+    assert state.acquire("acme", 2, None, owner="ingress-1") is None
+    assert state.acquire("acme", 2, None, owner="ingress-2") is None
+    refusal = state.acquire("acme", 2, None, owner="ingress-1")  # 2 in flight across both owners
+    assert refusal is not None and refusal[2] == "rate_limit_exceeded" and refusal[1] >= 1
+    assert state.acquire("globex", 2, None, owner="ingress-1") is None  # another tenant's count
+    state.release("acme", 10, owner="ingress-2")
+    assert state.acquire("acme", 2, None, owner="ingress-2") is None
+    # ingress-1 dies holding an acme slot; ingress-2 stays in touch; after the ttl the slot is back.
+    clock[0] += 20
+    state.heartbeat("ingress-2")
+    assert state.acquire("acme", 2, None, owner="ingress-2") is not None
+    clock[0] += 15
+    assert state.acquire("acme", 2, None, owner="ingress-2") is None
+    state.release("acme", 0, owner="ingress-1")  # a late release of a dropped slot: not counted twice
+    assert state.acquire("acme", 2, None, owner="ingress-2") is not None
+
+
+def test_tokens_per_minute_count_every_owners_usage(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [0.0]
+    monkeypatch.setattr("tandem.deployments.fleet.time.monotonic", lambda: clock[0])
+    state = FleetState()
+    for owner in ("a", "b"):
+        assert state.acquire("acme", None, 100, owner=owner) is None
+        state.release("acme", 60, owner=owner)
+    refusal = state.acquire("acme", None, 100, owner="a")
+    assert refusal is not None and refusal[2] == "tokens_per_minute_exceeded"
+    clock[0] += 61
+    assert state.acquire("acme", None, 100, owner="a") is None
+
+
+def test_replicas_that_stop_reporting_drop_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [0.0]
+    monkeypatch.setattr("tandem.deployments.fleet.time.monotonic", lambda: clock[0])
+    state = FleetState(stats_ttl_s=5.0)
+    state.report("r1", {"kv_occupancy": 0.5})
+    clock[0] += 3
+    state.report("r2", {"kv_occupancy": 0.1})
+    assert set(state.snapshot()) == {"r1", "r2"}
+    clock[0] += 3
+    assert state.snapshot() == {"r2": {"kv_occupancy": 0.1}}
