@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from tandem.batch.service import BatchLimits, BatchService
 from tandem.batch.validation import validate_batch_file
 from tandem.batch.worker import BatchWorker
 from tandem.deployments.adapters import LocalEngineClient
+from tandem.deployments.batch_execution import execute_batch_line
 from tandem.deployments.ingress import create_app
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.object_store import (
@@ -153,7 +155,7 @@ def make_platform(engine: AsyncEngine) -> Iterator[Callable[..., Platform]]:
         tenants = TenantRegistry(parse_keys(f"{KEY_A}=acme,{KEY_B}=globex"))
         server = OpenAIServer(LocalEngineClient(engine), tenants, batches=service)
         worker = BatchWorker(
-            service, server.execute_batch_request, poll_interval_s=0.05, worker_id="in-process"
+            service, partial(execute_batch_line, server), poll_interval_s=0.05, worker_id="in-process"
         )
         http = TestClient(create_app(server))
         http.__enter__()

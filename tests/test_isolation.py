@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from tandem import AsyncEngine
 from tandem.batch.service import BatchLimits, BatchService
 from tandem.batch.worker import BatchWorker
 from tandem.deployments.adapters import AdapterRecord, AdapterStore, LocalEngineClient
+from tandem.deployments.batch_execution import execute_batch_line
 from tandem.deployments.ingress import create_app
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.engine.lora import parse_peft_adapter
@@ -79,7 +81,7 @@ def start_platform(root: Path, peft_folder: Path, *, max_positions: int) -> Iter
         parse_keys(f"{HOSTILE}=acme,{BYSTANDER}=globex"), operator_keys=parse_operator_keys(OPERATOR)
     )
     server = OpenAIServer(LocalEngineClient(engine, adapters), tenants, batches=batches, adapters=adapters)
-    worker = BatchWorker(batches, server.execute_batch_request, poll_interval_s=0.05, worker_id="isolation")
+    worker = BatchWorker(batches, partial(execute_batch_line, server), poll_interval_s=0.05, worker_id="isolation")
     worker_loop = asyncio.new_event_loop()
     worker_task = worker_loop.create_task(worker.run_forever())
     worker_thread = threading.Thread(

@@ -12,7 +12,10 @@ import asyncio
 import os
 import sys
 import time
+from functools import partial
 from typing import Any
+
+from tandem.deployments.batch_execution import execute_batch_line
 
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 
@@ -130,7 +133,7 @@ def _worker(args: argparse.Namespace) -> int:
     limits = BatchLimits(lease_ttl_s=args.lease_ttl, shard_size=args.shard_size)
     service = BatchService(open_object_store(args.object_store), {engine.model_name}, limits)
     server = OpenAIServer(LocalEngineClient(engine), TenantRegistry({}))
-    worker = BatchWorker(service, server.execute_batch_request)
+    worker = BatchWorker(service, partial(execute_batch_line, server))
     print(f"[tandem] batch worker {worker.worker_id} on {args.object_store}", file=sys.stderr, flush=True)
     try:
         asyncio.run(worker.run_forever())

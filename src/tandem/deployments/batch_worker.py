@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+from functools import partial
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
 from tandem.batch.service import BatchLimits, BatchService
 from tandem.batch.worker import BatchWorker
+from tandem.deployments.batch_execution import execute_batch_line
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.object_store import open_object_store
 from tandem.platform.tenancy import TenantRegistry
@@ -37,7 +39,7 @@ class BatchWorkerReplica:
         server = OpenAIServer(
             HandleEngineClient(llm, model_name), TenantRegistry({}), max_tokens_default=max_tokens_default
         )
-        self.worker = BatchWorker(service, server.execute_batch_request, poll_interval_s=poll_interval_s)
+        self.worker = BatchWorker(service, partial(execute_batch_line, server), poll_interval_s=poll_interval_s)
         self._task = asyncio.get_event_loop().create_task(self.worker.run_forever())
 
     async def wake(self) -> None:

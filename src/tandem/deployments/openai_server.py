@@ -14,10 +14,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Protocol
 
-from pydantic import ValidationError
-
 from tandem.batch.service import BatchService
-from tandem.batch.worker import ExecutedRequest
 from tandem.deployments.adapters import AdapterStore
 from tandem.deployments.openai_mapping import (
     NO_TOKEN_NAMES,
@@ -32,7 +29,7 @@ from tandem.deployments.openai_mapping import (
 )
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Priority
-from tandem.platform.errors import InvalidRequestError, NotFoundError, ReplicaLostError, TandemError
+from tandem.platform.errors import NotFoundError, TandemError
 from tandem.platform.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,14 +37,11 @@ from tandem.platform.openai_schemas import (
     ModelList,
     chat_chunk,
     chat_completion,
-    error_body,
     internal_error_body,
     new_id,
     now,
-    reject_unsupported,
     tandem_error_body,
     text_completion,
-    validation_error_body,
 )
 from tandem.platform.telemetry import get_telemetry
 from tandem.platform.tenancy import TenantRegistry
@@ -262,48 +256,6 @@ class OpenAIServer:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self._run(
             gen, tenant, stream=req.stream, chat=False, include_usage=include_usage, timing=timing
-        )
-
-    async def execute_batch_request(
-        self, endpoint: str, body: dict[str, Any], tenant: str
-    ) -> ExecutedRequest:
-        """Run one line of a batch file at batch priority: the same code path and response body
-        as the real-time endpoint, with errors captured in OpenAI's shape instead of raised."""
-        try:
-            reject_unsupported(body)
-            for attempt in range(1 + BATCH_REPLICA_LOST_RETRIES):
-                try:
-                    if endpoint == "/v1/chat/completions":
-                        result = await self.chat(
-                            ChatCompletionRequest.model_validate(body), tenant, Priority.BATCH
-                        )
-                    elif endpoint == "/v1/completions":
-                        result = await self.completions(
-                            CompletionRequest.model_validate(body), tenant, Priority.BATCH
-                        )
-                    else:
-                        raise InvalidRequestError(f"endpoint {endpoint!r} is not supported", param="url")
-                    break
-                except ReplicaLostError:
-                    if attempt == BATCH_REPLICA_LOST_RETRIES:
-                        raise
-                    logger.warning("batch request's replica died; retrying", extra={"attempt": attempt + 1})
-        except TandemError as exc:
-            # The request got an HTTP answer: like OpenAI, the line's `response` holds the error
-            # body and its top-level `error` stays null (that is for requests that never ran).
-            body_out = error_body(exc.message, exc.error_type, exc.param, exc.code)
-            return ExecutedRequest(exc.status_code, new_id("req"), body_out, None)
-        except ValidationError as exc:
-            return ExecutedRequest(400, new_id("req"), validation_error_body(exc.errors()), None)
-        assert isinstance(result, dict), "batch requests never stream"
-        counts = result.get("usage") or {}
-        return ExecutedRequest(
-            200,
-            str(result["id"]),
-            result,
-            None,
-            input_tokens=int(counts.get("prompt_tokens", 0)),
-            output_tokens=int(counts.get("completion_tokens", 0)),
         )
 
     # -- running a request --------------------------------------------------------------

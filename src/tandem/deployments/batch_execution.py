@@ -1,0 +1,71 @@
+"""One line of a batch file, run through the same `OpenAIServer` code as real-time requests.
+
+`BatchWorker` (batch/worker.py) takes `functools.partial(execute_batch_line, server)` as its
+executor, in the Serve batch-worker replicas and in `tandem batch run` alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import ValidationError
+
+from tandem.batch.worker import ExecutedRequest
+from tandem.deployments.openai_server import OpenAIServer
+from tandem.engine.request import Priority
+from tandem.platform.errors import InvalidRequestError, ReplicaLostError, TandemError
+from tandem.platform.openai_schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    new_id,
+    reject_unsupported,
+    validation_error_body,
+)
+
+logger = logging.getLogger("tandem.batch")
+
+# A batch line whose replica dies under it runs again (from the start) this many times.
+BATCH_REPLICA_LOST_RETRIES = 2
+
+
+async def execute_batch_line(server: OpenAIServer, endpoint: str, body: dict[str, Any], tenant: str) -> ExecutedRequest:
+    """Run one line of a batch file at batch priority: the same code path and response body
+    as the real-time endpoint, with errors captured in OpenAI's shape instead of raised."""
+    try:
+        reject_unsupported(body)
+        for attempt in range(1 + BATCH_REPLICA_LOST_RETRIES):
+            try:
+                if endpoint == "/v1/chat/completions":
+                    result = await server.chat(
+                        ChatCompletionRequest.model_validate(body), tenant, Priority.BATCH
+                    )
+                elif endpoint == "/v1/completions":
+                    result = await server.completions(
+                        CompletionRequest.model_validate(body), tenant, Priority.BATCH
+                    )
+                else:
+                    raise InvalidRequestError(f"endpoint {endpoint!r} is not supported", param="url")
+                break
+            except ReplicaLostError:
+                if attempt == BATCH_REPLICA_LOST_RETRIES:
+                    raise
+                logger.warning("batch request's replica died; retrying", extra={"attempt": attempt + 1})
+    except TandemError as exc:
+        # The request got an HTTP answer: like OpenAI, the line's `response` holds the error
+        # body and its top-level `error` stays null (that is for requests that never ran).
+        body_out = error_body(exc.message, exc.error_type, exc.param, exc.code)
+        return ExecutedRequest(exc.status_code, new_id("req"), body_out, None)
+    except ValidationError as exc:
+        return ExecutedRequest(400, new_id("req"), validation_error_body(exc.errors()), None)
+    assert isinstance(result, dict), "batch requests never stream"
+    counts = result.get("usage") or {}
+    return ExecutedRequest(
+        200,
+        str(result["id"]),
+        result,
+        None,
+        input_tokens=int(counts.get("prompt_tokens", 0)),
+        output_tokens=int(counts.get("completion_tokens", 0)),
+    )
