@@ -9,7 +9,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.request import Priority, Request, RequestStatus
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.scheduler import RunnerResult, Scheduler, SchedulerOutput
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.step import RunnerResult, SchedulerOutput
 
 EOS = 0
 
@@ -39,7 +40,7 @@ def make_request(
 
 
 def fake_run(out: SchedulerOutput, token: int = 7) -> RunnerResult:
-    return RunnerResult({item.request_id: token for item in out.scheduled if item.sample})
+    return RunnerResult({item.request_id: [token] for item in out.scheduled if item.sample})
 
 
 def test_chunked_prefill_and_decode_share_one_budget() -> None:

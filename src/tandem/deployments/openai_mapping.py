@@ -66,6 +66,7 @@ def sampling_params_from(req: ChatCompletionRequest | CompletionRequest) -> Samp
         logprobs=logprobs,
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
+        speculative=req.speculative,
     )
 
 

@@ -23,7 +23,9 @@ from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import KVCacheSpec, ModelRunner
-from tandem.engine.scheduler import RunnerResult, Scheduler, SchedulerOutput
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.speculative import SpeculationSettings
+from tandem.engine.step import RunnerResult, SchedulerOutput
 from tandem.engine.tokenizer import Tokenizer
 from tandem.platform.config import EngineConfig
 from tandem.platform.errors import ContextLengthExceededError, InvalidRequestError, NotFoundError
@@ -153,6 +155,7 @@ class LLMEngine:
             batch_tokens_under_load=config.batch_tokens_under_load,
             max_loras=config.max_loras if config.enable_lora else 0,
             share_prefix_cache_across_tenants=config.share_prefix_cache_across_tenants,
+            speculation=_speculation_settings(config),
         )
         self.lora: LoRAManager | None = None
         if config.enable_lora:
@@ -355,6 +358,10 @@ class LLMEngine:
         )
         started_wall, started_cpu = time.perf_counter(), time.thread_time()
         result = self.runner.execute(scheduled)
+        num_rows = sum(1 + s.num_draft_tokens for s in scheduled.scheduled if s.sample)
+        self.scheduler.step_cost.observe(
+            scheduled.num_scheduled_tokens, num_rows, time.perf_counter() - started_wall
+        )
         aborted += self._fail_requests(result, len(scheduled.scheduled))
         updates = self.scheduler.update_from_output(scheduled, result)
         outputs, stopped_ids = self.output_processor.process(updates)
@@ -455,6 +462,21 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions_total,
             "max_model_len": self.max_model_len,
             "num_steps": self.num_steps,
+            "num_draft_tokens": self.scheduler.num_draft_tokens_total,
+            "num_accepted_draft_tokens": self.scheduler.num_accepted_tokens_total,
+            "draft_acceptance_rate": self.scheduler.num_accepted_tokens_total
+            / max(1, self.scheduler.num_draft_tokens_total),
             "step_wall_s": self.step_wall_s,
             "step_thread_cpu_s": self.step_thread_cpu_s,
         }
+
+
+def _speculation_settings(config: EngineConfig) -> SpeculationSettings | None:
+    spec = config.speculative
+    if spec is None:
+        return None
+    return SpeculationSettings(
+        num_speculative_tokens=spec.num_speculative_tokens,
+        prompt_lookup_min=spec.prompt_lookup_min,
+        prompt_lookup_max=spec.prompt_lookup_max,
+    )

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from tandem.engine.protocol import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.scheduler import RequestUpdate
+from tandem.engine.step import RequestUpdate
 from tandem.engine.tokenizer import Tokenizer
 
 

@@ -16,9 +16,9 @@ import torch
 
 from tandem.engine.lora import LoRAManager, LoRAStep
 from tandem.engine.models.llama import KVLayer, LlamaForCausalLM
-from tandem.engine.scheduler import RunnerResult, ScheduledRequest, SchedulerOutput
+from tandem.engine.step import RunnerResult, ScheduledRequest, SchedulerOutput
 from tandem.kernels.attention import build_attention_metadata
-from tandem.kernels.sampling import apply_penalties, filter_logits, sample_rows, top_logprobs
+from tandem.kernels.sampling import apply_penalties, filter_logits, sample_rows, top_logprobs, verify_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +144,8 @@ class ModelRunner:
                 token_slots.extend([slot_of[item.lora_name] if item.lora_name else -1] * n)
             input_ids.extend(item.token_ids)
             positions.extend(range(item.start_position, item.start_position + n))
-            if item.sample:
-                logits_rows.append(len(input_ids) - 1)
+            if item.sample:  # the last token's row, and one per draft token before it
+                logits_rows.extend(range(len(input_ids) - 1 - item.num_draft_tokens, len(input_ids)))
         metadata = build_attention_metadata(
             [item.block_ids for item in items],
             [len(item.token_ids) for item in items],
@@ -216,33 +216,83 @@ class ModelRunner:
         logger.info("decode graph compiled", extra={"seconds": round(time.perf_counter() - started, 1)})
 
     def sample(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> RunnerResult:
-        """logits: [B, V] float32, one row per item (in order). A row with a non-finite logit
-        (an adapter's extreme weights) fails its request; sampling that raises for the batch is
-        redone row by row, so a request whose parameters break it fails alone."""
+        """logits: [R, V] float32, `1 + num_draft_tokens` rows per item (in order). An item with a
+        non-finite logit in any of its rows (an adapter's extreme weights) fails its request;
+        sampling that raises for the batch is redone item by item, so a request whose
+        parameters break it fails alone. Items with drafts are verified (`_verify`)."""
         if not items:
             return RunnerResult({})
         # A row with a NaN or an infinity sums to one (so does one whose sum overflows: logits
         # near 1e34, as broken); one reduction, about 10x cheaper than isfinite().all().
-        finite_rows = torch.isfinite(logits.sum(dim=-1)).tolist()  # [B]
-        failed = {
-            item.request_id: NON_FINITE_LOGITS for item, ok in zip(items, finite_rows, strict=True) if not ok
-        }
+        finite_rows = torch.isfinite(logits.sum(dim=-1)).tolist()  # [R]
+        starts, failed = [], {}
+        row = 0
+        for item in items:
+            starts.append(row)
+            span = 1 + item.num_draft_tokens
+            if not all(finite_rows[row : row + span]):
+                failed[item.request_id] = NON_FINITE_LOGITS
+            row += span
         if failed:
             logger.error("non-finite logits; failing those requests", extra={"request_ids": sorted(failed)})
-            keep = [row for row, ok in enumerate(finite_rows) if ok]
-            items = [items[row] for row in keep]
-            logits = logits.index_select(0, torch.tensor(keep, dtype=torch.int64, device=logits.device))
-        try:
-            result = self._sample_rows(logits, items)
-        except Exception:
-            logger.warning("batched sampling failed; sampling row by row", exc_info=True)
-            result = RunnerResult({})
-            for row, item in enumerate(items):
-                try:
-                    result.merge(self._sample_rows(logits[row : row + 1], [item]))
-                except Exception:
-                    result.merge(self._failed_alone(item))
+        plain = [(item, start) for item, start in zip(items, starts, strict=True) if item.request_id not in failed]
+        drafted = [(item, start) for item, start in plain if item.num_draft_tokens]
+        plain = [(item, start) for item, start in plain if not item.num_draft_tokens]
+        result = RunnerResult({})
+        if plain:
+            rows = torch.tensor([start for _, start in plain], dtype=torch.int64, device=logits.device)
+            plain_logits = logits.index_select(0, rows) if len(plain) < logits.shape[0] else logits
+            plain_items = [item for item, _ in plain]
+            try:
+                result.merge(self._sample_rows(plain_logits, plain_items))
+            except Exception:
+                logger.warning("batched sampling failed; sampling row by row", exc_info=True)
+                for index, item in enumerate(plain_items):
+                    try:
+                        result.merge(self._sample_rows(plain_logits[index : index + 1], [item]))
+                    except Exception:
+                        result.merge(self._failed_alone(item))
+        for item, start in drafted:
+            try:
+                result.merge(self._verify(logits[start : start + 1 + item.num_draft_tokens], item))
+            except Exception:
+                result.merge(self._failed_alone(item))
         result.failed.update(failed)
+        return result
+
+    def _verify(self, logits: torch.Tensor, item: ScheduledRequest) -> RunnerResult:
+        """logits: [k + 1, V] finite float32 at the request's last token and its k drafts. Greedy:
+        the drafts the target's argmax agrees with, then the argmax after them (identical to
+        decoding one token at a time). Random: rejection sampling (`verify_drafts`)."""
+        params, drafts = item.sampling_params, item.draft_token_ids
+        if params.greedy:
+            targets = logits.argmax(dim=-1).tolist()  # [k + 1]
+            num_accepted = 0
+            while num_accepted < len(drafts) and drafts[num_accepted] == targets[num_accepted]:
+                num_accepted += 1
+            tokens = targets[: num_accepted + 1]
+        else:
+            scaled = logits / params.temperature
+            if params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0:
+                num_rows = scaled.shape[0]
+                scaled = filter_logits(
+                    scaled,
+                    torch.full((num_rows,), params.top_k, device=logits.device),
+                    torch.full((num_rows,), params.top_p, device=logits.device),
+                    torch.full((num_rows,), params.min_p, device=logits.device),
+                )
+            tokens = verify_drafts(scaled.softmax(dim=-1), drafts, self._generator_for(item))
+        result = RunnerResult({item.request_id: tokens})
+        if params.logprobs is not None:
+            chosen = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
+            chosen_lp, top_ids, top_vals = top_logprobs(logits[: len(tokens)], chosen, params.logprobs)
+            entries = []
+            for i, token_id in enumerate(tokens):
+                entry = {token_id: float(chosen_lp[i])}
+                for top_id, value in zip(top_ids[i].tolist(), top_vals[i].tolist(), strict=True):
+                    entry.setdefault(top_id, value)
+                entries.append(entry)
+            result.logprobs[item.request_id] = entries
         return result
 
     def _sample_rows(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> RunnerResult:
@@ -283,7 +333,7 @@ class ModelRunner:
             chosen[rows] = sample_rows(sub.softmax(dim=-1), generators)
 
         chosen_list = chosen.tolist()
-        result = RunnerResult({item.request_id: chosen_list[row] for row, item in enumerate(items)})
+        result = RunnerResult({item.request_id: [chosen_list[row]] for row, item in enumerate(items)})
         logprob_rows = [row for row, p in enumerate(params) if p.logprobs is not None]
         if logprob_rows:
             num_top = max(params[r].logprobs or 0 for r in logprob_rows)
@@ -296,7 +346,7 @@ class ModelRunner:
                 entry = {chosen_list[row]: float(chosen_lp[i])}
                 for token_id, value in zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist(), strict=True):
                     entry.setdefault(token_id, value)
-                result.logprobs[items[row].request_id] = entry
+                result.logprobs[items[row].request_id] = [entry]
         return result
 
     def _generator_for(self, item: ScheduledRequest) -> torch.Generator | None:

@@ -38,6 +38,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
+    speculative: bool = True  # False: never verify draft tokens for this request
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -22,22 +22,17 @@ from dataclasses import dataclass, field
 
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.request import Priority, Request, RequestStatus
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.speculative import (
+    AcceptanceTracker,
+    DraftCandidate,
+    NgramIndex,
+    SpeculationSettings,
+    StepCostModel,
+    plan_drafts,
+)
+from tandem.engine.step import RequestUpdate, RunnerResult, ScheduledRequest, SchedulerOutput
 
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step. Lists are the scheduler's own (read-only for the runner)."""
-
-    request_id: str
-    token_ids: list[int]  # the tokens whose KV this step computes, positions start..start+len
-    start_position: int  # == num_computed_tokens before the step
-    block_ids: list[int]  # the request's whole block table (covers start_position + len tokens)
-    sample: bool  # True when this chunk reaches the sequence end: sample the next token
-    sampling_params: SamplingParams
-    output_token_ids: list[int]  # generated so far (penalties)
-    is_new: bool  # first time the runner sees this request (or first time since preemption)
-    lora_name: str | None = None  # LoRA adapter of this request, if any
+__all__ = ["RequestUpdate", "RunnerResult", "ScheduledRequest", "Scheduler", "SchedulerOutput"]
 
 
 @dataclass
@@ -48,45 +43,6 @@ class _Step:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     scheduled_ids: set[str] = field(default_factory=set)
     preempted: list[str] = field(default_factory=list)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]  # batch order; token rows are concatenated in this order
-    num_scheduled_tokens: int
-    preempted_request_ids: list[str] = field(default_factory=list)
-    finished_request_ids: list[str] = field(default_factory=list)  # freed since the last step
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class RequestUpdate:
-    """What one step did to one request, for the output processor."""
-
-    request: Request
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, float]] | None
-    finished: bool
-
-
-@dataclass
-class RunnerResult:
-    """The runner's answer for one step: request_id -> sampled token (and its logprobs), and the
-    requests it could not compute (the engine ends those with an error; the others go on)."""
-
-    sampled_token_ids: dict[str, int]
-    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)  # request_id -> why it failed (client-safe)
-    forward_failed: bool = False  # the model pass raised for every request of the step, each alone
-
-    def merge(self, other: RunnerResult) -> None:
-        """Add `other`'s requests (a part of the same step, computed separately)."""
-        self.sampled_token_ids.update(other.sampled_token_ids)
-        self.logprobs.update(other.logprobs)
-        self.failed.update(other.failed)
 
 
 class Scheduler:
@@ -102,8 +58,23 @@ class Scheduler:
         batch_tokens_under_load: int = 4,
         max_loras: int = 0,
         share_prefix_cache_across_tenants: bool = False,
+        speculation: SpeculationSettings | None = None,
     ) -> None:
         self.kv = kv_manager
+        # Prompt-lookup speculation (None: off): per request an n-gram index and its running
+        # acceptance; the step cost model decides how many drafts a step verifies.
+        self.speculation = speculation
+        self.step_cost = StepCostModel()
+        self._ngrams: dict[str, NgramIndex] = {}
+        self.acceptance = (
+            AcceptanceTracker(speculation.prompt_lookup_max, speculation.initial_acceptance, speculation.acceptance_smoothing)
+            if speculation is not None
+            else None
+        )
+        self._planned_drafts: dict[str, list[int]] = {}
+        self._draft_match_len: dict[str, int] = {}  # request -> n-gram length behind its drafts
+        self.num_draft_tokens_total = 0
+        self.num_accepted_tokens_total = 0
         # Batch-priority requests fill idle capacity only: one is admitted while the KV cache,
         # counting its whole prompt, stays under this occupancy, and each batch prefill chunk is
         # capped so that a step holding interactive decodes stays short.
@@ -144,6 +115,8 @@ class Scheduler:
         request.status = status
         self.kv.free(request_id)
         self._forget(request_id)
+        self._ngrams.pop(request_id, None)
+        self._draft_match_len.pop(request_id, None)
         return request
 
     def _forget(self, request_id: str) -> None:
@@ -174,15 +147,21 @@ class Scheduler:
             self._seen_by_runner.discard(victim.request_id)
         bisect.insort(self.waiting, victim, key=Request.sort_key)
 
-    def _schedule_one(self, request: Request, num_new: int, scheduled: list[ScheduledRequest]) -> None:
+    def _schedule_one(
+        self, request: Request, num_new: int, scheduled: list[ScheduledRequest], drafts: list[int] | None = None
+    ) -> None:
+        """Schedule `num_new` of the request's own tokens, then `drafts` (only when they reach its end)."""
         start = request.num_computed_tokens
         end = start + num_new
         is_new = request.request_id not in self._seen_by_runner
         self._seen_by_runner.add(request.request_id)
+        token_ids = request.token_ids_slice(start, end)
+        if drafts:
+            token_ids = token_ids + drafts
         scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
-                token_ids=request.token_ids_slice(start, end),
+                token_ids=token_ids,
                 start_position=start,
                 block_ids=self.kv.block_table(request.request_id).block_ids,
                 sample=end == request.num_tokens,
@@ -190,6 +169,7 @@ class Scheduler:
                 output_token_ids=request.output_token_ids,
                 is_new=is_new,
                 lora_name=request.lora_name,
+                draft_token_ids=list(drafts or []),
             )
         )
 
@@ -202,6 +182,7 @@ class Scheduler:
         interactive_active = any(r.priority is Priority.INTERACTIVE for r in self.running) or bool(
             self.waiting and self.waiting[0].priority is Priority.INTERACTIVE
         )
+        self._planned_drafts = self._plan_speculation(interactive_active) if self.speculation else {}
         for priority in Priority:
             cap = step.budget
             if priority is Priority.BATCH and interactive_active:
@@ -218,6 +199,63 @@ class Scheduler:
             finished_request_ids=finished_ids,
         )
 
+    def _plan_speculation(self, interactive_active: bool) -> dict[str, list[int]]:
+        """Draft tokens to verify this step, per running request that is decoding (its next
+        token is the only one not computed) and may speculate: not opted out, no penalties (they
+        depend on every earlier token), not seeded sampling (how many drafts a step verifies
+        depends on measured time, and a seed promises the same tokens on every run), not a batch
+        request while interactive ones run (their tokens are throttled), and room left under
+        max_tokens and the context. How many each
+        gets is `plan_drafts` on the measured step cost."""
+        assert self.speculation is not None and self.acceptance is not None
+        settings = self.speculation
+        self.acceptance.drift()
+        candidates: list[DraftCandidate] = []
+        num_decoding = 0
+        for request in self.running:
+            if request.num_computed_tokens != request.num_tokens - 1:
+                continue
+            num_decoding += 1
+            params = request.sampling_params
+            if (
+                not params.speculative
+                or params.has_penalties
+                or (params.seed is not None and not params.greedy)
+                or (request.priority is Priority.BATCH and interactive_active)
+            ):
+                continue
+            # Accepted drafts plus the target's own token must fit max_tokens and the context.
+            room = self.max_model_len - request.num_tokens - 1
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - request.num_output_tokens - 1)
+            if room <= 0:
+                continue
+            index = self._ngrams.get(request.request_id)
+            if index is None:
+                index = NgramIndex(settings.prompt_lookup_min, settings.prompt_lookup_max)
+                index.extend(request.token_ids_slice(0, request.num_tokens))
+                self._ngrams[request.request_id] = index
+            proposal, match_len = index.propose(min(room, settings.num_speculative_tokens))
+            if proposal:
+                self._draft_match_len[request.request_id] = match_len
+                candidates.append(DraftCandidate(request.request_id, proposal, self.acceptance.estimate(match_len)))
+        if not candidates:
+            return {}
+        step_tokens = min(
+            self.max_num_batched_tokens,
+            num_decoding
+            + sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.num_computed_tokens < r.num_tokens - 1),
+        )
+        fixed_s, per_token_s, per_row_s = self.step_cost.coefficients()
+        planned = plan_drafts(
+            candidates,
+            step_cost_s=fixed_s + per_token_s * step_tokens + per_row_s * num_decoding,
+            step_yield=num_decoding,
+            draft_cost_s=per_token_s + per_row_s,
+            max_draft_tokens=self.max_num_batched_tokens - step_tokens,
+        )
+        return {c.request_id: c.proposal[: planned[c.request_id]] for c in candidates if c.request_id in planned}
+
     def _chunk(self, request: Request, cap: int) -> int:
         num_new = min(request.num_tokens - request.num_computed_tokens, cap)
         if request.priority is Priority.BATCH:
@@ -232,17 +270,24 @@ class Scheduler:
         while index < len(self.running) and self.running[index].priority is priority and cap > 0:
             request = self.running[index]
             num_new = self._chunk(request, cap)
-            while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+            drafts = self._planned_drafts.get(request.request_id, [])
+            if drafts and request.num_computed_tokens + num_new == request.num_tokens:
+                drafts = drafts[: max(0, cap - num_new)]
+            else:
+                drafts = []
+            while not self.kv.allocate_slots(
+                request.request_id, request.num_computed_tokens + num_new + len(drafts)
+            ):
                 victim = self.running[-1]
                 self._preempt(victim)
                 step.preempted.append(victim.request_id)
                 if victim is request:
                     break
             else:
-                self._schedule_one(request, num_new, step.scheduled)
+                self._schedule_one(request, num_new, step.scheduled, drafts)
                 step.scheduled_ids.add(request.request_id)
-                step.budget -= num_new
-                cap -= num_new
+                step.budget -= num_new + len(drafts)
+                cap -= num_new + len(drafts)
                 index += 1
                 continue
             # `request` itself was preempted; the list shifted, `index` already points past it.
@@ -322,37 +367,68 @@ class Scheduler:
 
     # -- applying the runner's result ----------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, result: RunnerResult) -> list[RequestUpdate]:
+        """Apply the runner's tokens: each request's computed count advances past its own tokens
+        and its accepted drafts only (rejected drafts' slots are rewritten later and never cached),
+        then its new tokens are appended one by one until one of them stops it."""
         updates: list[RequestUpdate] = []
         for item in output.scheduled:
             request = self.requests.get(item.request_id)
             if request is None:  # finished while the step ran (abort)
                 continue
+            token_ids = result.sampled_token_ids.get(item.request_id) or []
+            num_drafts = item.num_draft_tokens
+            num_accepted = min(max(0, len(token_ids) - 1), num_drafts)
+            if num_drafts:
+                self._record_acceptance(request.request_id, num_drafts, num_accepted)
             before = request.num_computed_tokens
-            request.num_computed_tokens += len(item.token_ids)
-            if before // self.kv.block_size != request.num_computed_tokens // self.kv.block_size:
-                self.kv.cache_full_blocks(
-                    request.request_id,
-                    request.token_ids_slice,
-                    request.num_computed_tokens,
-                    self._cache_salt(request),
-                )
-            token_id = result.sampled_token_ids.get(item.request_id)
-            if token_id is None:
+            if not token_ids:  # a prefill chunk short of the prompt's end (never has drafts)
+                request.num_computed_tokens += len(item.token_ids)
+                self._maybe_cache(request, before)
                 continue
-            request.output_token_ids.append(token_id)
-            status = self._check_stop(request, token_id)
+            new_tokens: list[int] = []
+            status: RequestStatus | None = None
+            for token_id in token_ids[: num_accepted + 1]:
+                request.output_token_ids.append(token_id)
+                new_tokens.append(token_id)
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    break
+            # Every token but the newest now has its KV written: this step's own tokens and the
+            # accepted drafts (rejected drafts' slots lie beyond and are rewritten next step). A
+            # stop inside the accepted drafts ends the request there.
+            request.num_computed_tokens = request.num_tokens - 1
+            self._maybe_cache(request, before)
+            index = self._ngrams.get(request.request_id)
+            if index is not None:
+                index.extend(new_tokens)
             logprobs = result.logprobs.get(item.request_id)
             if status is not None:
                 self.finish_request(request.request_id, status)
             updates.append(
                 RequestUpdate(
                     request=request,
-                    new_token_ids=[token_id],
-                    new_logprobs=[logprobs] if logprobs is not None else None,
+                    new_token_ids=new_tokens,
+                    new_logprobs=logprobs[: len(new_tokens)] if logprobs is not None else None,
                     finished=status is not None,
                 )
             )
         return updates
+
+    def _maybe_cache(self, request: Request, computed_before: int) -> None:
+        """Publish blocks that this step filled with computed tokens to the prefix cache."""
+        if computed_before // self.kv.block_size != request.num_computed_tokens // self.kv.block_size:
+            self.kv.cache_full_blocks(
+                request.request_id,
+                request.token_ids_slice,
+                request.num_computed_tokens,
+                self._cache_salt(request),
+            )
+
+    def _record_acceptance(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        assert self.acceptance is not None
+        self.acceptance.record(self._draft_match_len.get(request_id, 1), num_drafts, num_accepted)
+        self.num_draft_tokens_total += num_drafts
+        self.num_accepted_tokens_total += num_accepted
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -69,3 +69,31 @@ def top_logprobs(
         logprobs.topk(num_top, dim=-1) if num_top > 0 else (logprobs[:, :0], chosen[:, None][:, :0])
     )
     return chosen_lp, top_ids, top_vals
+
+
+def verify_drafts(
+    probs: torch.Tensor,  # [k + 1, V] the target's distribution at each draft position, then one past
+    draft_ids: list[int],  # k proposed tokens (a deterministic proposer: q is one-hot)
+    generator: torch.Generator | None,
+) -> list[int]:
+    """Speculative sampling for one request with a deterministic proposal: accept draft j with
+    probability p_j(d_j) (= min(1, p/q) with q one-hot); at the first rejection, draw from the
+    residual (p_j with d_j removed, renormalised) and stop; if all are accepted, draw one more from
+    p_k. The tokens returned are distributed exactly as sampling from p one token at a time.
+    Returns the accepted drafts followed by one drawn token (1..k+1 tokens)."""
+    k = len(draft_ids)
+    uniforms = torch.rand(k, generator=generator, device=probs.device).tolist() if k else []
+    accepted: list[int] = []
+    for j, draft in enumerate(draft_ids):
+        if uniforms[j] < float(probs[j, draft]):
+            accepted.append(draft)
+            continue
+        residual = probs[j].clone()
+        residual[draft] = 0.0
+        if float(residual.sum()) <= 0.0:  # p_j was all on the draft: cannot be rejected
+            accepted.append(draft)
+            continue
+        accepted.append(int(torch.multinomial(residual, 1, generator=generator)[0]))
+        return accepted
+    accepted.append(int(torch.multinomial(probs[k], 1, generator=generator)[0]))
+    return accepted

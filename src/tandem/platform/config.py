@@ -12,6 +12,25 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding (`EngineConfig.speculative`). `ngram`: prompt lookup, proposals from
+    the request's own prompt and output; each step verifies as many as the measured step cost
+    says pay off (none at large batch)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: int = Field(5, ge=1, le=16, description="Most draft tokens per request per step.")
+    prompt_lookup_min: int = Field(1, ge=1, description="Shortest n-gram matched against earlier tokens.")
+    prompt_lookup_max: int = Field(4, ge=1, description="Longest n-gram matched (tried first).")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
+        return self
+
+
 class EngineConfig(BaseModel):
     """Everything the engine needs to start. Unknown keys are rejected, so typos fail loudly."""
 
@@ -131,6 +150,11 @@ class EngineConfig(BaseModel):
     )
     admission_max_wait_ms: float = Field(
         50.0, ge=0.0, description="Upper bound on that wait, however steadily requests keep arriving."
+    )
+    speculative: SpeculativeConfig | None = Field(
+        None,
+        description="Speculative decoding (prompt lookup); None: off. Greedy output is identical "
+        "either way, sampled output has the same distribution.",
     )
     seed: int = Field(0, description="Seed of the engine's default random generator.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU.")

@@ -183,6 +183,8 @@ class _SamplingRequest(_Request):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     ignore_eos: bool = False
     stop_token_ids: list[Int32] | None = None
+    # Tandem extension: false turns speculative decoding off for this request (when the server has it on)
+    speculative: bool = True
 
 
 class ChatCompletionRequest(_SamplingRequest):

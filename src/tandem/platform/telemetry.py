@@ -112,6 +112,8 @@ class Telemetry:
                 "parameters or logits); the others in the step went on",
             ),
             ("tandem_engine_steps", "num_steps", "Engine steps that ran the model"),
+            ("tandem_spec_draft_tokens", "num_draft_tokens", "Speculative draft tokens verified"),
+            ("tandem_spec_accepted_tokens", "num_accepted_draft_tokens", "Draft tokens the model accepted"),
             ("tandem_engine_step_wall_seconds", "step_wall_s", "Wall seconds inside engine steps"),
             (
                 "tandem_engine_step_cpu_seconds",

@@ -1,0 +1,172 @@
+"""Speculative decoding (prompt lookup) against no speculation and against HF `generate`'s own
+prompt lookup, side by side in one run.
+
+Workloads (chat-templated, greedy, the model's EOS ends a request, at most `--new-tokens`):
+- `chat`: open questions, where little of the answer is in the prompt;
+- `grounded`: edit, continue or summarise a text or code given in the prompt.
+At batch 1 each prompt runs alone; at `--concurrency` N, N requests (the chat prompts, repeated)
+run at once. Ours: the same engine, each request with `speculative` on or off. HF: `generate`
+with and without `prompt_lookup_num_tokens`, batch 1 only (its prompt lookup is batch 1 only).
+Reported: generated tokens / wall seconds, ratios with / without speculation, acceptance, and
+whether our greedy tokens were identical with speculation.
+
+    python benchmarks/speculative.py                 # -> benchmarks/results/speculative.json
+    python benchmarks/speculative.py --skip-hf --concurrency 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common import log, write_result
+from tandem import LLM, SamplingParams
+from tandem.engine.models.loader import resolve_model_path
+
+REPO = Path(__file__).resolve().parent.parent
+
+CHAT = [
+    "Write a short poem about the sea.",
+    "What are three tips for sleeping better?",
+    "Explain what a CPU cache is, in simple words.",
+    "Suggest a name and a one-line description for a coffee shop.",
+]
+
+
+def grounded_prompts() -> list[str]:
+    code = (REPO / "src/tandem/engine/speculative.py").read_text().split("class NgramIndex")[1][:900]
+    prose = (REPO / "README.md").read_text()[:900]
+    return [
+        f"Rewrite this Python code, renaming the variable `index` to `idx` and changing nothing else:\n\n"
+        f"```python\nclass NgramIndex{code}\n```",
+        f"Correct any spelling mistakes in the following text and return the whole text:\n\n{prose}",
+        f"Continue this code:\n\n```python\nclass NgramIndex{code}",
+        f"Summarise the following text in a few sentences:\n\n{prose}",
+    ]
+
+
+def chat_token_ids(llm: LLM, questions: list[str]) -> list[list[int]]:
+    tokenizer = llm.engine.tokenizer
+    return [
+        tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False
+        )
+        for q in questions
+    ]
+
+
+def run_ours(llm: LLM, prompts: list[list[int]], new_tokens: int, *, speculative: bool, batch: bool) -> dict[str, Any]:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, speculative=speculative)
+    before = llm.stats()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params) if batch else [llm.generate([p], params)[0] for p in prompts]
+    wall = time.perf_counter() - start
+    after = llm.stats()
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    drafts = after["num_draft_tokens"] - before["num_draft_tokens"]
+    accepted = after["num_accepted_draft_tokens"] - before["num_accepted_draft_tokens"]
+    steps = after["num_steps"] - before["num_steps"]
+    return {
+        "tokens_per_s": generated / wall,
+        "generated_tokens": generated,
+        "wall_s": wall,
+        "draft_tokens": drafts,
+        "acceptance_rate": accepted / drafts if drafts else None,
+        "tokens_per_step": generated / steps if steps else None,
+        "token_ids": [o.outputs[0].token_ids for o in outputs],
+    }
+
+
+def run_hf(model: Any, prompts: list[list[int]], new_tokens: int, eos_ids: list[int], lookup: int | None) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"do_sample": False, "max_new_tokens": new_tokens, "eos_token_id": eos_ids, "pad_token_id": 0}
+    if lookup:
+        kwargs["prompt_lookup_num_tokens"] = lookup
+    generated = 0
+    with torch.inference_mode():
+        start = time.perf_counter()
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+            generated += out.shape[1] - ids.shape[1]
+        wall = time.perf_counter() - start
+    return {"tokens_per_s": generated / wall, "generated_tokens": generated, "wall_s": wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[8, 32])
+    parser.add_argument("--num-speculative-tokens", type=int, default=5)
+    parser.add_argument("--hf-lookup-tokens", type=int, default=10, help="HF's prompt_lookup_num_tokens")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "speculative.json")
+    args = parser.parse_args()
+
+    log(f"loading {args.model} (torch threads {torch.get_num_threads()})")
+    llm = LLM(
+        args.model,
+        enable_prefix_caching=False,  # each run computes its prompts alike
+        max_num_seqs=max([64, *args.concurrency]),
+        speculative={"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens},
+    )
+    workloads = {"chat": chat_token_ids(llm, CHAT), "grounded": chat_token_ids(llm, grounded_prompts())}
+    llm.generate(workloads["chat"][:1], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+    result: dict[str, Any] = {"config": {k: str(v) for k, v in vars(args).items()}, "batch_1": {}, "concurrent": {}}
+    for name, prompts in workloads.items():
+        plain = run_ours(llm, prompts, args.new_tokens, speculative=False, batch=False)
+        spec = run_ours(llm, prompts, args.new_tokens, speculative=True, batch=False)
+        row = {
+            "tandem_plain_tokens_per_s": plain["tokens_per_s"],
+            "tandem_speculative_tokens_per_s": spec["tokens_per_s"],
+            "tandem_ratio": spec["tokens_per_s"] / plain["tokens_per_s"],
+            "acceptance_rate": spec["acceptance_rate"],
+            "tokens_per_step": spec["tokens_per_step"],
+            "identical_greedy_tokens": plain["token_ids"] == spec["token_ids"],
+        }
+        log(f"batch 1 {name}: {row}")
+        result["batch_1"][name] = row
+    for n in args.concurrency:
+        prompts = [workloads["chat"][i % len(CHAT)] for i in range(n)]
+        plain = run_ours(llm, prompts, args.new_tokens, speculative=False, batch=True)
+        spec = run_ours(llm, prompts, args.new_tokens, speculative=True, batch=True)
+        row = {
+            "tandem_plain_tokens_per_s": plain["tokens_per_s"],
+            "tandem_speculative_tokens_per_s": spec["tokens_per_s"],
+            "tandem_ratio": spec["tokens_per_s"] / plain["tokens_per_s"],
+            "draft_tokens": spec["draft_tokens"],
+            "acceptance_rate": spec["acceptance_rate"],
+        }
+        log(f"concurrency {n} chat: {row}")
+        result["concurrent"][str(n)] = row
+    result["step_cost"] = dict(zip(("fixed_s", "per_token_s", "per_row_s"), llm.engine.scheduler.step_cost.coefficients(), strict=True))
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        path = resolve_model_path(args.model)
+        log("loading HF transformers (its own GGUF loader), float32")
+        if path.suffix == ".gguf":
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        model.eval()
+        eos_ids = sorted(llm.engine.eos_token_ids)
+        for name, prompts in workloads.items():
+            plain = run_hf(model, prompts, args.new_tokens, eos_ids, None)
+            lookup = run_hf(model, prompts, args.new_tokens, eos_ids, args.hf_lookup_tokens)
+            hf = {
+                "hf_plain_tokens_per_s": plain["tokens_per_s"],
+                "hf_prompt_lookup_tokens_per_s": lookup["tokens_per_s"],
+                "hf_ratio": lookup["tokens_per_s"] / plain["tokens_per_s"],
+            }
+            log(f"batch 1 {name} HF: {hf}")
+            result["batch_1"][name].update(hf)
+    write_result(args.out, result)
+
+
+if __name__ == "__main__":
+    main()

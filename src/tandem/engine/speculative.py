@@ -1,0 +1,183 @@
+"""Speculative decoding's scheduling side (no torch): proposals and how many to verify.
+
+- `NgramIndex` (prompt lookup): per request, the latest position after each n-gram of its tokens
+  (prompt and output), updated as tokens arrive, so a proposal costs a few dict lookups: the tokens
+  that followed the most recent earlier occurrence of the request's last n tokens (longest n first).
+- `StepCostModel`: the measured wall time of a step against the tokens it computed and the logits
+  rows it produced, fitted as `fixed + per_token * tokens + per_row * rows` over recent steps (a
+  prior until steps of different shapes are seen).
+- `plan_drafts`: how many of each request's proposed tokens to verify this step. A draft token
+  is worth adding while the tokens it is expected to yield per second of step time beat the
+  step's current rate: with acceptance rate `a` of a request, its j-th draft is accepted with
+  probability `a^j`, and adding it costs `per_token + per_row`; so the greedy allocation adds the most
+  likely drafts first and stops when `gain / draft_cost < expected_tokens / step_cost`. At batch 1
+  on a CPU, where the fixed cost dominates, it verifies several drafts; as the batch grows the
+  step's own rate rises and speculation turns itself off, so it never makes a step slower in
+  expectation than no speculation.
+
+Acceptance is estimated per n-gram match length across requests (`AcceptanceTracker`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SpeculationSettings:
+    """Engine-side settings (from `EngineConfig.speculative`)."""
+
+    num_speculative_tokens: int = 5  # most drafts per request per step
+    prompt_lookup_min: int = 1  # shortest n-gram matched
+    prompt_lookup_max: int = 4  # longest n-gram matched (tried first)
+    initial_acceptance: float = 0.6  # a match length's acceptance before it has any
+    acceptance_smoothing: float = 0.1  # weight of the newest verification in the running acceptance
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if not 0.0 < self.initial_acceptance < 1.0 or not 0.0 < self.acceptance_smoothing <= 1.0:
+            raise ValueError("initial_acceptance must be in (0, 1) and acceptance_smoothing in (0, 1]")
+
+
+class NgramIndex:
+    """Prompt lookup for one request. `extend` with every new token; `propose` the continuation."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        # n-gram -> the position right after its latest occurrence that has a token after it
+        self._after: dict[tuple[int, ...], int] = {}
+
+    def extend(self, token_ids: list[int]) -> None:
+        for token in token_ids:
+            # The n-grams that end at the current last token now have a follower: index them.
+            end = len(self.tokens)
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self._after[tuple(self.tokens[end - n : end])] = end
+            self.tokens.append(token)
+
+    def propose(self, num_tokens: int) -> tuple[list[int], int]:
+        """Up to `num_tokens` tokens that followed the latest earlier occurrence of the longest
+        matching suffix, and that suffix's length ([], 0 when no suffix of at least `min_n`
+        tokens occurred before)."""
+        size = len(self.tokens)
+        for n in range(min(self.max_n, size), self.min_n - 1, -1):
+            start = self._after.get(tuple(self.tokens[size - n :]))
+            if start is not None:
+                return self.tokens[start : start + num_tokens], n
+        return [], 0
+
+
+class AcceptanceTracker:
+    """How often drafts are accepted, by the length of the n-gram match that proposed them,
+    shared by all requests (a 4-token match while a request copies its prompt is right far more
+    often than a 1-token match in free text). Each estimate follows an exponential average of
+    accepted / verified drafts, and drifts back toward `initial` a little every step, so a
+    length that stopped being tried is tried again later instead of being ruled out forever."""
+
+    def __init__(self, max_n: int, initial: float, smoothing: float, recovery: float = 0.01) -> None:
+        self.initial, self.smoothing, self.recovery = initial, smoothing, recovery
+        self.by_match_len = [initial] * (max_n + 1)
+
+    def estimate(self, match_len: int) -> float:
+        return self.by_match_len[match_len]
+
+    def record(self, match_len: int, num_drafts: int, num_accepted: int) -> None:
+        rate = num_accepted / num_drafts
+        value = (1 - self.smoothing) * self.by_match_len[match_len] + self.smoothing * rate
+        self.by_match_len[match_len] = min(0.95, max(0.02, value))  # never certain either way
+
+    def drift(self) -> None:
+        self.by_match_len = [v + self.recovery * (self.initial - v) for v in self.by_match_len]
+
+
+@dataclass
+class StepCostModel:
+    """Step wall time ~ fixed_s + per_token_s * tokens + per_row_s * logits_rows, least squares
+    over the last `window` steps.
+
+    Tokens are the positions the step computes; logits rows the positions whose next-token
+    distribution it computes (one per sampling request, plus its drafts). The two differ in cost:
+    a logits row is a pass through the LM head (vocabulary x hidden), which a prefill token
+    skips, and a draft token pays both. Until the steps seen separate the terms, the prior holds
+    (a CPU step's fixed part dominates at small batch: many small ops)."""
+
+    prior_fixed_s: float = 0.05
+    prior_per_token_s: float = 0.002
+    prior_per_row_s: float = 0.002
+    window: int = 256
+    samples: deque[tuple[int, int, float]] = field(default_factory=deque)
+
+    def observe(self, num_tokens: int, num_rows: int, wall_s: float) -> None:
+        """Add a step's size and wall time (`window=0`: keep the prior, e.g. in tests)."""
+        if num_tokens <= 0 or wall_s <= 0 or self.window == 0:
+            return
+        self.samples.append((num_tokens, num_rows, wall_s))
+        if len(self.samples) > self.window:
+            self.samples.popleft()
+
+    def coefficients(self) -> tuple[float, float, float]:
+        """(fixed_s, per_token_s, per_row_s), each > 0."""
+        prior = (self.prior_fixed_s, self.prior_per_token_s, self.prior_per_row_s)
+        if len(self.samples) < 8:
+            return prior
+        data = np.array(self.samples, dtype=np.float64)  # [n, 3]: tokens, rows, wall
+        design = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+        if np.linalg.matrix_rank(design) < 3:  # sizes too alike to separate the terms
+            return prior
+        coefficients = np.linalg.lstsq(design, data[:, 2], rcond=None)[0]
+        if not all(coefficients > 0):
+            return prior
+        fixed, per_token, per_row = (float(c) for c in coefficients)
+        return fixed, per_token, per_row
+
+
+@dataclass(frozen=True)
+class DraftCandidate:
+    """One request that may speculate this step."""
+
+    request_id: str
+    proposal: list[int]  # proposed next tokens (at most what may be verified)
+    acceptance: float  # its running acceptance rate, in (0, 1)
+
+
+def plan_drafts(
+    candidates: list[DraftCandidate],
+    *,
+    step_cost_s: float,
+    step_yield: int,
+    draft_cost_s: float,
+    max_draft_tokens: int,
+) -> dict[str, int]:
+    """How many of its proposed tokens each candidate verifies this step (absent: none).
+
+    `step_cost_s`: the step's predicted wall time without drafts; `step_yield`: the tokens it
+    outputs without drafts (one per sampling request); `draft_cost_s`: what one more draft token
+    adds to the step; `max_draft_tokens`: the token budget left for drafts."""
+    expected = float(max(1, step_yield))
+    cost = step_cost_s
+    heap = [(-c.acceptance, c.request_id, 1, c.acceptance) for c in candidates if c.proposal]
+    heapq.heapify(heap)
+    lengths = {c.request_id: len(c.proposal) for c in candidates}
+    planned: dict[str, int] = {}
+    while heap and max_draft_tokens > 0:
+        neg_gain, request_id, depth, acceptance = heap[0]
+        gain = -neg_gain
+        # Add while the expected tokens per second rise: (E + g) / (C + c) > E / C.
+        if gain * cost <= expected * draft_cost_s:
+            break
+        heapq.heappop(heap)
+        planned[request_id] = depth
+        expected += gain
+        cost += draft_cost_s
+        max_draft_tokens -= 1
+        if depth < lengths[request_id]:
+            heapq.heappush(heap, (-(gain * acceptance), request_id, depth + 1, acceptance))
+    return planned

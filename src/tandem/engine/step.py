@@ -1,0 +1,87 @@
+"""The step contract: what the scheduler hands the runner, and what comes back (no torch).
+
+One step: `Scheduler.schedule()` -> `SchedulerOutput` -> `ModelRunner.execute()` ->
+`RunnerResult` -> `Scheduler.update_from_output()` -> `RequestUpdate`s for the output processor.
+
+A request may carry speculative (draft) tokens: its `token_ids` end with `draft_token_ids`,
+which are not the request's tokens yet. The runner scores every position of such a request and
+returns the tokens it accepts, which are the first drafts that the target model agrees with
+(greedy) or that pass rejection sampling (random), then one token of its own. The scheduler then
+advances `num_computed_tokens` past the accepted drafts only: the slots written for rejected ones
+lie beyond it, are overwritten by the next step, and are never published to the prefix cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step. Lists are the scheduler's own (read-only for the runner)."""
+
+    request_id: str
+    # The tokens whose KV this step writes, at positions start_position.. (the request's own
+    # uncomputed tokens, then its draft tokens, if any).
+    token_ids: list[int]
+    start_position: int  # == the request's num_computed_tokens before the step
+    block_ids: list[int]  # the request's whole block table (covers start_position + len(token_ids))
+    sample: bool  # this chunk reaches the request's last token: sample what comes next
+    sampling_params: SamplingParams
+    output_token_ids: list[int]  # generated so far (penalties)
+    is_new: bool  # first time the runner sees this request (or first time since preemption)
+    lora_name: str | None = None  # LoRA adapter of this request, if any
+    # Speculative tokens at the end of `token_ids` (only when `sample`); the runner verifies them.
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work."""
+
+    scheduled: list[ScheduledRequest]  # batch order; token rows are concatenated in this order
+    num_scheduled_tokens: int  # of the step's token budget, drafts included
+    preempted_request_ids: list[str] = field(default_factory=list)  # lost their KV this step
+    finished_request_ids: list[str] = field(default_factory=list)  # freed since the last step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RunnerResult:
+    """The runner's answer for one step.
+
+    For each request that sampled: its new tokens in order (the accepted drafts, then one token of
+    the target's own; a request without drafts has exactly one), and, when it asked for logprobs,
+    one {token_id: logprob} per new token. `failed` holds the requests the runner could not compute
+    (the engine ends those with an error; the others go on)."""
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # request_id -> why it failed (client-safe)
+    forward_failed: bool = False  # the model pass raised for every request of the step, each alone
+
+    def merge(self, other: RunnerResult) -> None:
+        """Add `other`'s requests (a part of the same step, computed separately)."""
+        self.sampled_token_ids.update(other.sampled_token_ids)
+        self.logprobs.update(other.logprobs)
+        self.failed.update(other.failed)
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did to one request, for the output processor."""
+
+    request: Request
+    new_token_ids: list[int]  # appended to the request's output this step (after stop checks)
+    new_logprobs: list[dict[int, float]] | None  # one per new token, when logprobs were asked
+    finished: bool  # the scheduler finished it this step (stop token, length)

@@ -1,0 +1,206 @@
+"""Speculative decoding (prompt lookup): proposals, planning by step cost, exact verification,
+and the engine's output unchanged by it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem import SamplingParams
+from tandem.engine.kv_cache import KVCacheManager
+from tandem.engine.llm import LLM
+from tandem.engine.request import Request
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.speculative import (
+    AcceptanceTracker,
+    DraftCandidate,
+    NgramIndex,
+    SpeculationSettings,
+    StepCostModel,
+    plan_drafts,
+)
+from tandem.engine.step import RunnerResult
+from tandem.kernels.sampling import verify_drafts
+
+from .conftest import make_tiny_model
+
+
+def test_ngram_index_proposes_what_followed_the_latest_longest_match() -> None:
+    index = NgramIndex(min_n=1, max_n=3)
+    index.extend([1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3])
+    # The suffix (7, 2, 3) never occurred before; (2, 3) did, last followed by 4, 5, ...
+    assert index.propose(3) == ([4, 5, 7], 2)
+    index.extend([4])
+    assert index.propose(10) == ([5, 7, 2, 3, 4], 3)  # (2, 3, 4) then runs to the end
+    assert NgramIndex(1, 2).propose(3) == ([], 0)
+    fresh = NgramIndex(2, 3)
+    fresh.extend([5, 6, 7, 8])
+    assert fresh.propose(2) == ([], 0)  # no earlier occurrence of any suffix of 2+ tokens
+
+
+def test_acceptance_is_kept_per_match_length_and_recovers_when_untried() -> None:
+    tracker = AcceptanceTracker(max_n=4, initial=0.6, smoothing=0.5, recovery=0.1)
+    for _ in range(10):
+        tracker.record(4, 5, 5)
+        tracker.record(1, 5, 0)
+    assert tracker.estimate(4) > 0.9 and tracker.estimate(1) < 0.05 and tracker.estimate(2) == 0.6
+    low = tracker.estimate(1)
+    for _ in range(30):
+        tracker.drift()
+    assert low < tracker.estimate(1) < 0.6  # tried again, in time
+
+
+def test_step_cost_model_separates_fixed_token_and_logits_row_costs() -> None:
+    model = StepCostModel(prior_fixed_s=1.0, prior_per_token_s=1.0, prior_per_row_s=1.0)
+
+    def wall(tokens: int, rows: int) -> float:
+        return 0.02 + 0.0005 * tokens + 0.001 * rows
+
+    for tokens in range(1, 12):  # decode steps only: tokens == rows, the terms cannot be told apart
+        model.observe(tokens, tokens, wall(tokens, tokens))
+    assert model.coefficients() == (1.0, 1.0, 1.0)
+    for tokens, rows in ((128, 1), (300, 2), (64, 3), (5, 5), (40, 9)):  # prefill chunks, drafts
+        model.observe(tokens, rows, wall(tokens, rows))
+    fixed, per_token, per_row = model.coefficients()
+    assert (fixed, per_token, per_row) == pytest.approx((0.02, 0.0005, 0.001), rel=1e-6)
+
+
+def test_plan_drafts_speculates_when_steps_are_fixed_cost_and_stops_as_the_batch_grows() -> None:
+    proposal = [1, 2, 3, 4, 5]
+    # Batch 1, a step mostly fixed cost (a small model on a CPU): several drafts pay off.
+    lone = plan_drafts(
+        [DraftCandidate("a", proposal, 0.7)], step_cost_s=0.054, step_yield=1, draft_cost_s=0.004, max_draft_tokens=64
+    )
+    assert lone["a"] >= 3
+    # 32 decoding requests: the step already yields 32 tokens; a draft's expected gain does not
+    # pay its cost.
+    many = [DraftCandidate(f"r{i}", proposal, 0.7) for i in range(32)]
+    assert plan_drafts(many, step_cost_s=0.178, step_yield=32, draft_cost_s=0.004, max_draft_tokens=512) == {}
+    # Likelier drafts first; budget and proposal lengths are respected.
+    mixed = [DraftCandidate("likely", proposal, 0.9), DraftCandidate("unlikely", [1], 0.1)]
+    planned = plan_drafts(mixed, step_cost_s=0.052, step_yield=2, draft_cost_s=0.001, max_draft_tokens=3)
+    assert planned == {"likely": 3}
+
+
+def test_rejection_sampling_keeps_the_target_distribution() -> None:
+    """Drafts proposed deterministically, verified by `verify_drafts`: the first token is
+    distributed as p0 and, given it was the draft, the second as p1 (chi-square, 5 tokens)."""
+    generator = torch.Generator().manual_seed(0)
+    p0 = torch.tensor([0.1, 0.4, 0.2, 0.2, 0.1])
+    p1 = torch.tensor([0.3, 0.1, 0.1, 0.25, 0.25])
+    probs = torch.stack([p0, p1, torch.full((5,), 0.2)])
+    drafts = [1, 3]
+    num = 20000
+    first = torch.zeros(5)
+    second = torch.zeros(5)
+    for _ in range(num):
+        tokens = verify_drafts(probs, drafts, generator)
+        first[tokens[0]] += 1
+        if tokens[0] == drafts[0]:
+            second[tokens[1]] += 1
+
+    def chi_square(counts: torch.Tensor, p: torch.Tensor) -> float:
+        expected = counts.sum() * p
+        return float(((counts - expected) ** 2 / expected).sum())
+
+    # 4 degrees of freedom: P(chi2 > 18.47) = 0.001.
+    assert chi_square(first, p0) < 18.47, first
+    assert chi_square(second, p1) < 18.47, second
+
+
+def scheduler(num_blocks: int = 16) -> Scheduler:
+    sched = Scheduler(
+        KVCacheManager(num_blocks, block_size=4, enable_prefix_caching=True),
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        speculation=SpeculationSettings(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2),
+    )
+    sched.step_cost = StepCostModel(prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0)  # always speculate
+    return sched
+
+
+def test_rejected_drafts_roll_back_and_never_reach_the_prefix_cache() -> None:
+    sched = scheduler()
+    request = Request("r", [5, 6, 7, 5, 6], SamplingParams(max_tokens=20, temperature=0))
+    sched.add_request(request)
+    out = sched.schedule()  # prefill: 5 tokens, no drafts yet
+    assert [s.draft_token_ids for s in out.scheduled] == [[]]
+    sched.update_from_output(out, RunnerResult({"r": [7]}))
+    # Tokens 5 6 7 5 6 7: the suffix (6, 7) occurred before, followed by 5, 6, 7.
+    out = sched.schedule()
+    item = out.scheduled[0]
+    assert item.draft_token_ids == [5, 6, 7] and item.token_ids == [7, 5, 6, 7] and item.start_position == 5
+    blocks = list(item.block_ids)
+    assert len(blocks) == 3  # 9 positions of 4-token blocks: the drafts' slots are allocated
+    # The target accepts the first draft (5), then says 9: tokens 5, 9; drafts 6, 7 rejected.
+    updates = sched.update_from_output(out, RunnerResult({"r": [5, 9]}))
+    assert updates[0].new_token_ids == [5, 9]
+    assert request.output_token_ids == [7, 5, 9]
+    assert request.num_computed_tokens == 7 == request.num_tokens - 1  # 7 at position 5, 5 at 6
+    assert sched.kv.block_table("r").block_ids == blocks  # same blocks; the third is reused next
+    # Only the first block (5 6 7 5) is complete with computed tokens: it alone is cached.
+    cached = dict(sched.kv.pool.cached)
+    assert sorted(cached.values()) == [blocks[0]]
+    sched.check_integrity()
+
+
+def test_a_stop_token_among_accepted_drafts_ends_the_request_there() -> None:
+    sched = scheduler()
+    sched.add_request(Request("r", [1, 2, 3, 1, 2], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[2])))
+    sched.update_from_output(out := sched.schedule(), RunnerResult({"r": [3]}))
+    out = sched.schedule()
+    assert out.scheduled[0].draft_token_ids == [1, 2, 3]
+    updates = sched.update_from_output(out, RunnerResult({"r": [1, 2, 3, 4]}))  # all accepted
+    assert updates[0].finished and updates[0].new_token_ids == [1, 2]
+    assert updates[0].request.output_token_ids == [3, 1, 2]
+    assert "r" not in sched.kv.tables and sched.kv.pool.num_used_blocks == 0
+    sched.check_integrity()
+
+
+def test_speculation_is_off_for_opted_out_penalised_and_seeded_requests() -> None:
+    sched = scheduler()
+    for request_id, params in (
+        ("off", SamplingParams(max_tokens=20, temperature=0, speculative=False)),
+        ("penalised", SamplingParams(max_tokens=20, temperature=0, presence_penalty=0.5)),
+        ("seeded", SamplingParams(max_tokens=20, temperature=0.8, seed=7)),
+        ("on", SamplingParams(max_tokens=20, temperature=0)),
+    ):
+        sched.add_request(Request(request_id, [1, 2, 1, 2, 1], params))
+    out = sched.schedule()
+    sched.update_from_output(out, RunnerResult({s.request_id: [2] for s in out.scheduled}))
+    drafts = {s.request_id: s.draft_token_ids for s in sched.schedule().scheduled}
+    assert drafts["off"] == drafts["penalised"] == drafts["seeded"] == [] and drafts["on"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("spec"), max_positions=1024)
+
+
+def test_greedy_output_is_identical_with_speculation_in_mixed_batches_with_preemption(tiny_dir: Path) -> None:
+    """Speculating and non-speculating requests in one batch, a KV cache small enough to preempt:
+    greedy tokens equal the engine's without speculation, and drafts were really verified."""
+    prompts = [[3, 4, 5, 6] * 6 + [7], [9, 10, 11] * 5, [12, 13] * 8 + [14, 15], [20, 21, 22, 23, 24] * 3]
+    params = [
+        SamplingParams(max_tokens=60, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, speculative=False),
+        SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, presence_penalty=0.3),
+    ]
+    options = {"kv_cache_memory": 96 << 10, "block_size": 4, "enable_prefix_caching": True}
+    plain = LLM(str(tiny_dir), **options)
+    want = plain.generate(prompts, params)
+    spec = LLM(str(tiny_dir), speculative={"method": "ngram", "num_speculative_tokens": 4}, **options)
+    spec.engine.scheduler.step_cost = StepCostModel(prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0)
+    got = spec.generate(prompts, params)
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    for w, g in zip(want[2].outputs[0].logprobs or [], got[2].outputs[0].logprobs or [], strict=True):
+        assert set(w) == set(g) and all(abs(w[t] - g[t]) < 1e-4 for t in w)
+    stats = spec.stats()
+    assert stats["num_preemptions"] > 0, stats
+    assert stats["num_draft_tokens"] > 0 and stats["num_accepted_draft_tokens"] > 0, stats
+    assert stats["kv_blocks_used"] == 0
