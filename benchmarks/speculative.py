@@ -5,7 +5,8 @@ Workloads (chat-templated, greedy, the model's EOS ends a request, at most `--ne
 - `chat`: open questions, where little of the answer is in the prompt;
 - `grounded`: edit, continue or summarise a text or code given in the prompt.
 At batch 1 each prompt runs alone; at `--concurrency` N, N requests (the chat prompts, repeated)
-run at once. Ours: the same engine, each request with `speculative` on or off. HF: `generate`
+run at once (two rounds). Each wave runs without, then with speculation, alternating, so that
+other load on the machine falls on both alike. Ours: the same engine, each request with `speculative` on or off. HF: `generate`
 with and without `prompt_lookup_num_tokens`, batch 1 only (its prompt lookup is batch 1 only).
 Reported: generated tokens / wall seconds, ratios with / without speculation, acceptance, and
 whether our greedy tokens were identical with speculation.
@@ -59,25 +60,40 @@ def chat_token_ids(llm: LLM, questions: list[str]) -> list[list[int]]:
     ]
 
 
-def run_ours(llm: LLM, prompts: list[list[int]], new_tokens: int, *, speculative: bool, batch: bool) -> dict[str, Any]:
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, speculative=speculative)
-    before = llm.stats()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params) if batch else [llm.generate([p], params)[0] for p in prompts]
-    wall = time.perf_counter() - start
-    after = llm.stats()
-    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    drafts = after["num_draft_tokens"] - before["num_draft_tokens"]
-    accepted = after["num_accepted_draft_tokens"] - before["num_accepted_draft_tokens"]
-    steps = after["num_steps"] - before["num_steps"]
+def run_ours(
+    llm: LLM, waves: list[list[list[int]]], new_tokens: int, *, rounds: int = 1
+) -> dict[str, dict[str, Any]]:
+    """Each wave (a list of prompts run at once) with speculation off, then on, alternating, so
+    that whatever else the machine does falls on both alike; totals over all waves and rounds."""
+    totals = {mode: {"generated": 0, "wall": 0.0, "drafts": 0, "accepted": 0, "steps": 0, "token_ids": []}
+              for mode in ("plain", "speculative")}
+    for _ in range(rounds):
+        for wave in waves:
+            for mode in ("plain", "speculative"):
+                params = SamplingParams(max_tokens=new_tokens, temperature=0.0, speculative=mode == "speculative")
+                before = llm.stats()
+                start = time.perf_counter()
+                outputs = llm.generate(wave, params)
+                wall = time.perf_counter() - start
+                after = llm.stats()
+                total = totals[mode]
+                total["generated"] += sum(len(o.outputs[0].token_ids) for o in outputs)
+                total["wall"] += wall
+                total["drafts"] += after["num_draft_tokens"] - before["num_draft_tokens"]
+                total["accepted"] += after["num_accepted_draft_tokens"] - before["num_accepted_draft_tokens"]
+                total["steps"] += after["num_steps"] - before["num_steps"]
+                total["token_ids"].extend(o.outputs[0].token_ids for o in outputs)
     return {
-        "tokens_per_s": generated / wall,
-        "generated_tokens": generated,
-        "wall_s": wall,
-        "draft_tokens": drafts,
-        "acceptance_rate": accepted / drafts if drafts else None,
-        "tokens_per_step": generated / steps if steps else None,
-        "token_ids": [o.outputs[0].token_ids for o in outputs],
+        mode: {
+            "tokens_per_s": t["generated"] / t["wall"],
+            "generated_tokens": t["generated"],
+            "wall_s": t["wall"],
+            "draft_tokens": t["drafts"],
+            "acceptance_rate": t["accepted"] / t["drafts"] if t["drafts"] else None,
+            "tokens_per_step": t["generated"] / t["steps"] if t["steps"] else None,
+            "token_ids": t["token_ids"],
+        }
+        for mode, t in totals.items()
     }
 
 
@@ -118,8 +134,8 @@ def main() -> None:
     llm.generate(workloads["chat"][:1], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
     result: dict[str, Any] = {"config": {k: str(v) for k, v in vars(args).items()}, "batch_1": {}, "concurrent": {}}
     for name, prompts in workloads.items():
-        plain = run_ours(llm, prompts, args.new_tokens, speculative=False, batch=False)
-        spec = run_ours(llm, prompts, args.new_tokens, speculative=True, batch=False)
+        runs = run_ours(llm, [[p] for p in prompts], args.new_tokens)  # batch 1: one prompt per wave
+        plain, spec = runs["plain"], runs["speculative"]
         row = {
             "tandem_plain_tokens_per_s": plain["tokens_per_s"],
             "tandem_speculative_tokens_per_s": spec["tokens_per_s"],
@@ -131,9 +147,9 @@ def main() -> None:
         log(f"batch 1 {name}: {row}")
         result["batch_1"][name] = row
     for n in args.concurrency:
-        prompts = [workloads["chat"][i % len(CHAT)] for i in range(n)]
-        plain = run_ours(llm, prompts, args.new_tokens, speculative=False, batch=True)
-        spec = run_ours(llm, prompts, args.new_tokens, speculative=True, batch=True)
+        wave = [workloads["chat"][i % len(CHAT)] for i in range(n)]
+        runs = run_ours(llm, [wave], args.new_tokens, rounds=2)
+        plain, spec = runs["plain"], runs["speculative"]
         row = {
             "tandem_plain_tokens_per_s": plain["tokens_per_s"],
             "tandem_speculative_tokens_per_s": spec["tokens_per_s"],

@@ -1,8 +1,11 @@
 """Turns per-step token updates into `RequestOutput`s: detokenisation, stop strings, deltas.
 
-Text is decoded from the whole output each time it is needed (cheap at these lengths and
-immune to merge-boundary errors). While a request runs, a trailing U+FFFD (an incomplete UTF-8
-sequence) and anything that could still become a stop string are held back.
+While a request streams text, it is decoded incrementally (as vLLM does): each step decodes only
+a window from the last settled token, `decode(ids[prefix:])` minus `decode(ids[prefix:read])`, so
+tokenizers that drop a leading space or merge across tokens give the same text as decoding the
+whole output, and a long answer costs linear, not quadratic, time. Text waits while the window
+ends in U+FFFD (an incomplete UTF-8 sequence). The final text is one decode of the whole output.
+While a request runs, anything that could still become a stop string is held back.
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ class _RequestState:
     text: str = ""  # text emitted so far
     num_emitted_tokens: int = 0
     decoded_text: str | None = None  # latest decode of the output, cut at a stop string
+    # Incremental decoding: text settled so far, and the window [prefix_offset, read_offset) of
+    # output tokens that precedes the undecoded ones (decoded again only as context).
+    settled_text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
 
 
 class OutputProcessor:
@@ -57,7 +65,7 @@ class OutputProcessor:
             if state.logprobs is not None and update.new_logprobs:
                 state.logprobs.extend(update.new_logprobs)
             finished = update.finished
-            if (state.stream_text or finished) and self._apply_stop_strings(state):
+            if (state.stream_text or finished) and self._apply_stop_strings(state, finished):
                 finished = True
                 stopped.append(update.request.request_id)
             outputs.append(self._make_output(state, finished, now))
@@ -76,10 +84,23 @@ class OutputProcessor:
             return None
         return self._make_output(state, True, time.monotonic())
 
-    def _apply_stop_strings(self, state: _RequestState) -> bool:
+    def _decode(self, state: _RequestState, finished: bool) -> str:
+        """The output's text: one full decode when finished, else the incremental one."""
+        token_ids = state.request.output_token_ids
+        if finished:
+            return self.tokenizer.decode(token_ids)
+        if state.read_offset < len(token_ids):
+            prefix_text = self.tokenizer.decode(token_ids[state.prefix_offset : state.read_offset])
+            window_text = self.tokenizer.decode(token_ids[state.prefix_offset :])
+            if len(window_text) > len(prefix_text) and not window_text.endswith("\ufffd"):
+                state.settled_text += window_text[len(prefix_text) :]
+                state.prefix_offset, state.read_offset = state.read_offset, len(token_ids)
+        return state.settled_text
+
+    def _apply_stop_strings(self, state: _RequestState, finished: bool) -> bool:
         request = state.request
         params = request.sampling_params
-        full = self.tokenizer.decode(request.output_token_ids)
+        full = self._decode(state, finished)
         if params.stop:
             search_from = max(0, len(state.text) - max(len(s) for s in params.stop))
             hits = [(full.find(s, search_from), s) for s in params.stop]
