@@ -160,10 +160,13 @@ class ModelRunner:
             else None
         )
         forward = self.model.forward
-        if not metadata.prefills and len(items) <= self.decode_model_max_batch:
+        # Decode steps (each request computes its last token, and its drafts if it speculates)
+        # go to the decode model; only those without drafts through the compiled graph.
+        decoding = all(item.sample and len(item.token_ids) == 1 + item.num_draft_tokens for item in items)
+        if decoding and len(items) <= self.decode_model_max_batch:
             forward = self.decode_model.forward
             self.num_decode_model_steps += 1
-            if self._decode_forward is not None and lora_step is None:
+            if self._decode_forward is not None and lora_step is None and not metadata.prefills:
                 forward = self._decode_forward
                 self.num_compiled_steps += 1
         logits = forward(

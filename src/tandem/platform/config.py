@@ -152,9 +152,10 @@ class EngineConfig(BaseModel):
         50.0, ge=0.0, description="Upper bound on that wait, however steadily requests keep arriving."
     )
     speculative: SpeculativeConfig | None = Field(
-        None,
-        description="Speculative decoding (prompt lookup); None: off. Greedy output is identical "
-        "either way, sampled output has the same distribution.",
+        default_factory=lambda: SpeculativeConfig.model_validate({}),
+        description="Speculative decoding (prompt lookup; on by default, it verifies drafts only "
+        "where the measured step cost says they pay); None: off. Greedy output is identical either "
+        "way, sampled output has the same distribution.",
     )
     seed: int = Field(0, description="Seed of the engine's default random generator.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU.")
