@@ -282,3 +282,24 @@ def test_requests_reaching_an_idle_engine_together_are_prefilled_in_one_step(tin
         assert 0.09 <= queued < 10
     finally:
         bounded.shutdown()
+
+
+def test_top_p_alone_filters_sampling(tiny_llm: LLM) -> None:
+    """Only `top_p` set (temperature 1, no top_k/min_p): a nucleus this small keeps only the most
+    likely token, so sampling gives the greedy tokens, whatever the seed."""
+    prompt = [[5, 6, 7, 8, 9]]
+    greedy = tiny_llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    for seed in (1, 2, 3):
+        nucleus = tiny_llm.generate(
+            prompt, SamplingParams(max_tokens=12, temperature=1.0, top_p=1e-6, seed=seed, ignore_eos=True)
+        )
+        assert nucleus[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+
+
+def test_a_vanishing_temperature_is_greedy_not_an_error(tiny_llm: LLM) -> None:
+    """Dividing logits by 1e-300 overflows to inf (the fuzzer found it): such a temperature is greedy."""
+    prompt = [[5, 6, 7, 8, 9]]
+    greedy = tiny_llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    tiny = tiny_llm.generate(prompt, SamplingParams(max_tokens=6, temperature=1e-300, ignore_eos=True))
+    assert tiny[0].outputs[0].finish_reason == "length"
+    assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids

@@ -217,3 +217,33 @@ def test_waiting_interactive_goes_before_running_batch_and_batch_is_throttled() 
     sched.update_from_output(out, fake_run(out))
     assert all(r.status is RequestStatus.RUNNING for r in sched.running)  # paused, not preempted
     sched.check_integrity()
+
+
+def test_batch_throttle_caps_batch_tokens_even_with_budget_to_spare() -> None:
+    """Under interactive load batch requests share `batch_tokens_under_load` tokens although the
+    step has budget left (so the cap, not an empty budget, is what holds them back)."""
+    sched = Scheduler(
+        KVCacheManager(64, 4, watermark=0.0), max_num_seqs=16, max_num_batched_tokens=64,
+        max_model_len=64, batch_tokens_under_load=2, batch_max_prefill_tokens=16,
+    )  # fmt: skip
+    for i in range(4):
+        sched.add_request(make_request(f"b{i}", 2, max_tokens=8, priority=Priority.BATCH, arrival=i))
+    out = sched.schedule()
+    sched.update_from_output(out, fake_run(out))
+    sched.add_request(make_request("i0", 14, arrival=10))
+    out = sched.schedule()
+    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("i0", 14), ("b0", 1), ("b1", 1)]
+    assert out.num_scheduled_tokens == 16 < sched.max_num_batched_tokens
+
+
+def test_among_running_batch_requests_the_latest_arrival_is_preempted_first() -> None:
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    for i in range(3):
+        sched.add_request(make_request(f"b{i}", 4, max_tokens=20, priority=Priority.BATCH, arrival=i))
+    out = sched.schedule()
+    sched.update_from_output(out, fake_run(out))  # each holds 2 blocks (5 tokens): all 6 used
+    sched.add_request(make_request("chat", 4, arrival=10))  # needs 1 block (+1 to decode)
+    out = sched.schedule()
+    assert out.preempted_request_ids == ["b2"]
+    assert {s.request_id for s in out.scheduled} >= {"chat", "b0"}
+    sched.check_integrity()

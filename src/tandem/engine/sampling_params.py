@@ -18,7 +18,7 @@ MAX_INT32 = (1 << 31) - 1
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    Defaults follow vLLM: temperature 1.0, max_tokens 16. `temperature == 0` means greedy.
+    Defaults follow vLLM: temperature 1.0, max_tokens 16. `temperature` below 1e-5 (0 included) means greedy.
     A prompt plus an explicit `max_tokens` must fit the model's context (else
     `ContextLengthExceededError`); `max_tokens=None` asks for what the context leaves, capped by the
     request's `default_max_tokens`.
@@ -82,11 +82,16 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below `GREEDY_TEMPERATURE` are greedy: sampling at them is the argmax
+        (as vLLM does), and dividing logits by them would overflow to inf."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _not_int(value: object) -> bool:
