@@ -57,7 +57,7 @@ def our_prefill_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
             [len(token_ids)],
             engine.kv_manager.block_size,
             engine.runner.kv_spec.num_kv_heads,
-            engine.device,
+            engine.runner.device,
         )
         with torch.inference_mode():
             return engine.runner.model(

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem import SamplingParams
+from tandem import GenerationRequest, SamplingParams
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.llm import LLM
 from tandem.engine.request import Request
@@ -21,7 +21,7 @@ from tandem.engine.speculative import (
     StepCostModel,
     plan_drafts,
 )
-from tandem.engine.step import RunnerResult
+from tandem.engine.step import RunnerResult, SchedulerOutput
 from tandem.kernels.sampling import verify_drafts
 
 from .conftest import make_tiny_model
@@ -204,3 +204,81 @@ def test_greedy_output_is_identical_with_speculation_in_mixed_batches_with_preem
     assert stats["num_preemptions"] > 0, stats
     assert stats["num_draft_tokens"] > 0 and stats["num_accepted_draft_tokens"] > 0, stats
     assert stats["kv_blocks_used"] == 0
+
+
+def test_greedy_output_is_identical_with_speculation_for_lora_requests(
+    tiny_model_dir: Path, peft_adapters: dict[str, Path]
+) -> None:
+    """Prompt lookup needs no draft model, so adapter requests speculate too; drafts are scored
+    with the request's adapter, and its tokens are those of decoding without speculation."""
+    from tandem import LoRARequest
+
+    prompts = [[3, 4, 5, 6] * 5 + [7], [9, 10, 11] * 5, [12, 13] * 8]
+    loras = [LoRARequest("all", str(peft_adapters["all-r8"])), None, LoRARequest("attn", str(peft_adapters["attn-r4"]))]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    options = {"kv_cache_memory": 8 << 20, "enable_lora": True, "max_lora_rank": 16}
+    want = LLM(str(tiny_model_dir), speculative=None, **options).generate(prompts, params, lora=loras)
+    spec = LLM(str(tiny_model_dir), **options)
+    spec.engine.scheduler.step_cost = StepCostModel(
+        prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0
+    )
+    got = spec.generate(prompts, params, lora=loras)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    assert spec.stats()["num_draft_tokens"] > 0
+
+
+class ScriptedRunner:
+    """A fake runner: for each speculating request it accepts the first `accept` drafts and adds
+    token 99 of its own; without drafts it returns the next token of `script`."""
+
+    def __init__(self, accept: int, script: list[int]) -> None:
+        self.accept, self.script = accept, script
+        self.num_steps_with_drafts = 0
+
+    def execute(self, sched: SchedulerOutput) -> RunnerResult:
+        result = RunnerResult({})
+        for item in sched.scheduled:
+            if not item.sample:
+                continue
+            if item.draft_token_ids:
+                self.num_steps_with_drafts += 1
+                result.sampled_token_ids[item.request_id] = [*item.draft_token_ids[: self.accept], 99]
+            else:
+                result.sampled_token_ids[item.request_id] = [self.script[len(item.output_token_ids) % len(self.script)]]
+        return result
+
+
+def test_the_engine_runs_on_an_injected_runner(tiny_llm: LLM) -> None:
+    """`LLMEngine` takes its runner and tokenizer (`EngineParts`): with a scripted runner the
+    engine's own logic (drafts from the prompt, partial acceptance, rollback, lengths, freeing)
+    is checked without a model."""
+    from tandem.engine.engine import EngineParts, LLMEngine
+    from tandem.platform.config import EngineConfig
+
+    real = tiny_llm.engine
+    runner = ScriptedRunner(accept=2, script=[5, 6, 7, 8])
+    parts = EngineParts(
+        model_name="scripted",
+        model_config=real.model_config,
+        tokenizer=real.tokenizer,
+        eos_token_ids=frozenset(),
+        runner=runner,
+        num_blocks=32,
+        max_model_len=256,
+        kv_cache_dtype="none",
+    )
+    engine = LLMEngine(EngineConfig(model="scripted", block_size=4, enable_prefix_caching=False), parts)
+    engine.scheduler.step_cost = StepCostModel(prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0)
+    request = engine.add_request(
+        GenerationRequest("r", prompt_token_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9], sampling_params=SamplingParams(max_tokens=9))
+    )
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    final = outputs[-1].outputs[0]
+    # Step 1 samples 5 (the prompt's end); then drafts from the prompt (6, 7, 8, 9): 6, 7
+    # accepted, 99 added; and so on until 9 tokens.
+    assert final.token_ids[:4] == [5, 6, 7, 99] and len(final.token_ids) == 9
+    assert final.finish_reason == "length" and runner.num_steps_with_drafts >= 2
+    assert request.num_computed_tokens == request.num_tokens - 1
+    assert engine.stats()["kv_blocks_used"] == 0

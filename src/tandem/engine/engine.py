@@ -56,85 +56,37 @@ def _available_memory_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
+@dataclasses.dataclass
+class EngineParts:
+    """What an engine runs on. `LLMEngine.from_config` loads the model and builds them; a test
+    may pass its own (a fake runner, a small tokenizer)."""
+
+    model_name: str
+    model_config: Any  # the model's LlamaConfig (vocab_size is read)
+    tokenizer: Tokenizer
+    eos_token_ids: frozenset[int]
+    runner: Any  # ModelRunner, or anything with its execute(SchedulerOutput) -> RunnerResult
+    num_blocks: int  # KV blocks the runner's cache holds
+    max_model_len: int
+    kv_cache_dtype: str  # what the cache stores, for stats ("float32", "float8_e4m3fn", ...)
+    lora: LoRAManager | None = None
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, parts: EngineParts) -> None:
+        """An engine over `parts` (see `from_config`, which loads them from `config.model`)."""
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.device = _resolve_device(config.device)
-        dtype_name = (
-            config.dtype
-            if config.dtype != "auto"
-            else ("bfloat16" if self.device.type == "cuda" else "float32")
-        )
-        self.dtype = _DTYPES[dtype_name]
-
-        loaded = load_model(config.model)
-        self.model_name = loaded.name
+        self.model_name = parts.model_name
         self.served_model_name = config.api_model_name
-        self.model_config = loaded.config
-        self.tokenizer: Tokenizer = loaded.tokenizer
-        self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(
-            loaded.tokenizer.eos_token_ids
-        )
-
-        cfg = loaded.config
-        kv_dtype = {
-            "auto": self.dtype,
-            "fp8_e4m3": torch.float8_e4m3fn,
-            **_DTYPES,
-        }[config.kv_cache_dtype]
-        kv_spec = KVCacheSpec(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, config.block_size, kv_dtype
-        )
-        budget = config.kv_cache_memory or int(
-            config.kv_cache_memory_fraction * _available_memory_bytes(self.device)
-        )
-        num_blocks = budget // kv_spec.bytes_per_block
-        if num_blocks < 2:
-            raise InvalidRequestError(
-                f"kv_cache_memory {budget} bytes holds {num_blocks} blocks of {kv_spec.bytes_per_block} bytes; "
-                "give at least two blocks' worth",
-                param="kv_cache_memory",
-            )
-        capacity = num_blocks * config.block_size
-        if config.max_model_len is not None:
-            if config.max_model_len > cfg.max_position_embeddings:
-                raise InvalidRequestError(
-                    f"max_model_len {config.max_model_len} exceeds the model's context "
-                    f"({cfg.max_position_embeddings})",
-                    param="max_model_len",
-                )
-            if config.max_model_len > capacity:
-                raise InvalidRequestError(
-                    f"max_model_len {config.max_model_len} exceeds the KV cache capacity ({capacity} tokens); "
-                    "raise kv_cache_memory or lower max_model_len",
-                    param="max_model_len",
-                )
-            self.max_model_len = config.max_model_len
-        else:
-            self.max_model_len = min(cfg.max_position_embeddings, capacity)
-
-        hybrid = config.weight_dtype == "hybrid"
-        build = functools.partial(
-            build_model,
-            loaded,
-            dtype=self.dtype,
-            device=self.device,
-            max_positions=self.max_model_len,
-            int4_group_size=config.int4_group_size,
-            int4_double_quant=config.int4_double_quant,
-            int4_kernel=config.int4_kernel,
-        )
-        model = build(
-            # inductor cannot lower oneDNN's prepacked (opaque) weights; it plans its own GEMMs
-            pack_weights=hybrid or not config.compile_decode,
-            weight_dtype="auto" if hybrid else config.weight_dtype,
-        )
-        decode_model = build(weight_dtype="int4") if hybrid else None
-        del loaded
+        self.model_config = parts.model_config
+        self.tokenizer = parts.tokenizer
+        self.eos_token_ids = parts.eos_token_ids
+        self.max_model_len = parts.max_model_len
+        self.runner = parts.runner
+        self.lora = parts.lora
+        self.kv_cache_dtype = parts.kv_cache_dtype
         self.kv_manager = KVCacheManager(
-            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+            parts.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
         self.num_kv_integrity_aborts = 0
         self.num_failed_requests = 0  # requests the runner could not compute (ended with an error)
@@ -157,46 +109,116 @@ class LLMEngine:
             share_prefix_cache_across_tenants=config.share_prefix_cache_across_tenants,
             speculation=_speculation_settings(config),
         )
-        self.lora: LoRAManager | None = None
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        """Load `config.model`, size the KV cache, build the model (and its INT4 decode copy with
+        `weight_dtype="hybrid"`), the LoRA manager and the runner."""
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        device = _resolve_device(config.device)
+        dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+        dtype = _DTYPES[dtype_name]
+        loaded = load_model(config.model)
+        cfg = loaded.config
+        kv_dtype = {"auto": dtype, "fp8_e4m3": torch.float8_e4m3fn, **_DTYPES}[config.kv_cache_dtype]
+        kv_spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, config.block_size, kv_dtype)
+        budget = config.kv_cache_memory or int(config.kv_cache_memory_fraction * _available_memory_bytes(device))
+        num_blocks = budget // kv_spec.bytes_per_block
+        if num_blocks < 2:
+            raise InvalidRequestError(
+                f"kv_cache_memory {budget} bytes holds {num_blocks} blocks of {kv_spec.bytes_per_block} bytes; "
+                "give at least two blocks' worth",
+                param="kv_cache_memory",
+            )
+        capacity = num_blocks * config.block_size
+        if config.max_model_len is not None:
+            if config.max_model_len > cfg.max_position_embeddings:
+                raise InvalidRequestError(
+                    f"max_model_len {config.max_model_len} exceeds the model's context "
+                    f"({cfg.max_position_embeddings})",
+                    param="max_model_len",
+                )
+            if config.max_model_len > capacity:
+                raise InvalidRequestError(
+                    f"max_model_len {config.max_model_len} exceeds the KV cache capacity ({capacity} tokens); "
+                    "raise kv_cache_memory or lower max_model_len",
+                    param="max_model_len",
+                )
+            max_model_len = config.max_model_len
+        else:
+            max_model_len = min(cfg.max_position_embeddings, capacity)
+
+        hybrid = config.weight_dtype == "hybrid"
+        build = functools.partial(
+            build_model,
+            loaded,
+            dtype=dtype,
+            device=device,
+            max_positions=max_model_len,
+            int4_group_size=config.int4_group_size,
+            int4_double_quant=config.int4_double_quant,
+            int4_kernel=config.int4_kernel,
+        )
+        model = build(
+            # inductor cannot lower oneDNN's prepacked (opaque) weights; it plans its own GEMMs
+            pack_weights=hybrid or not config.compile_decode,
+            weight_dtype="auto" if hybrid else config.weight_dtype,
+        )
+        decode_model = build(weight_dtype="int4") if hybrid else None
+        lora = None
         if config.enable_lora:
-            self.lora = LoRAManager(
+            lora = LoRAManager(
                 LoRAModelShape.from_config(cfg),
                 max_loras=config.max_loras,
                 max_cpu_loras=config.max_cpu_loras or 4 * config.max_loras,
                 limits=LoRALimits(max_lora_rank=config.max_lora_rank),
-                device=self.device,
-                dtype=self.dtype,
+                device=device,
+                dtype=dtype,
             )
-        self.runner = ModelRunner(
+        runner = ModelRunner(
             model,
             kv_spec,
             num_blocks,
-            self.device,
+            device,
             seed=config.seed,
-            lora=self.lora,
+            lora=lora,
             compile_decode=config.compile_decode,
             decode_model=decode_model,
             decode_model_max_batch=config.hybrid_int4_max_batch,
         )
-        self.runner.warmup_decode()
-        self.output_processor = OutputProcessor(self.tokenizer)
+        runner.warmup_decode()
+        parts = EngineParts(
+            model_name=loaded.name,
+            model_config=cfg,
+            tokenizer=loaded.tokenizer,
+            eos_token_ids=frozenset(cfg.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids),
+            runner=runner,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+            lora=lora,
+        )
+        del loaded
         logger.info(
             "engine ready",
             extra={
-                "model": self.model_name,
-                "device": str(self.device),
+                "model": parts.model_name,
+                "device": str(device),
                 "dtype": dtype_name,
                 "kv_blocks": num_blocks,
                 "kv_capacity_tokens": capacity,
-                "max_model_len": self.max_model_len,
+                "max_model_len": max_model_len,
             },
         )
+        return cls(config, parts)
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> LLMEngine:
         if model is not None:
             options["model"] = model
-        return cls(EngineConfig(**options))
+        return cls.from_config(EngineConfig(**options))
 
     # -- requests -----------------------------------------------------------------------
     def make_request(self, gen: GenerationRequest) -> tuple[Request, str | None]:
@@ -442,7 +464,7 @@ class LLMEngine:
         pool = self.kv_manager.pool
         return {
             "kv_capacity_tokens": self.kv_manager.capacity_tokens,
-            "kv_cache_dtype": str(self.runner.kv_spec.dtype).removeprefix("torch."),
+            "kv_cache_dtype": self.kv_cache_dtype,
             "prefix_cache_queries": self.kv_manager.num_prefix_queries,
             "prefix_cache_hits": self.kv_manager.num_prefix_hits,
             "prefix_cache_hit_rate": self.kv_manager.num_prefix_hits
