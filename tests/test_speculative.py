@@ -282,3 +282,65 @@ def test_the_engine_runs_on_an_injected_runner(tiny_llm: LLM) -> None:
     assert final.finish_reason == "length" and runner.num_steps_with_drafts >= 2
     assert request.num_computed_tokens == request.num_tokens - 1
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_rejection_sampling_with_a_draft_distribution_keeps_the_target_distribution() -> None:
+    """Drafts drawn from q (a draft model), verified against p: the first token is distributed as
+    p0 whatever q is (chi-square, 5 tokens)."""
+    generator = torch.Generator().manual_seed(1)
+    p0 = torch.tensor([0.1, 0.4, 0.2, 0.2, 0.1])
+    q0 = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.2])  # a poor draft: most of its mass where p has little
+    probs = torch.stack([p0, torch.full((5,), 0.2)])
+    counts = torch.zeros(5)
+    num = 20000
+    for _ in range(num):
+        draft = int(torch.multinomial(q0, 1, generator=generator)[0])
+        tokens = verify_drafts(probs, [draft], generator, q0.unsqueeze(0))
+        counts[tokens[0]] += 1
+    expected = num * p0
+    assert float(((counts - expected) ** 2 / expected).sum()) < 18.47, counts
+
+
+@pytest.mark.parametrize("draft_seed", [0, 1], ids=["self-draft", "other-draft"])
+def test_greedy_output_is_identical_with_a_draft_model(tiny_dir: Path, tmp_path: Path, draft_seed: int) -> None:
+    """A draft model with its own KV beside the target's, in mixed batches with preemption: greedy
+    tokens equal the target's alone. The target as its own draft (seed 0) has every draft accepted;
+    another random model (seed 1) has most rejected, so rollback is exercised too."""
+    draft_dir = tiny_dir if draft_seed == 0 else make_tiny_model(tmp_path / "draft", seed=draft_seed, max_positions=1024)
+    prompts = [[3, 4, 5, 6] * 6 + [7], [9, 10, 11] * 5, [12, 13] * 8 + [14, 15], [20, 21, 22, 23, 24] * 3]
+    params = [
+        SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=50, temperature=0, ignore_eos=True, speculative=False),
+        SamplingParams(max_tokens=50, temperature=0, ignore_eos=True, logprobs=1),
+        SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
+    ]
+    options = {"kv_cache_memory": 160 << 10, "block_size": 4}
+    want = LLM(str(tiny_dir), speculative=None, **options).generate(prompts, params)
+    # A sampled request rides along (rejection sampling against the draft's distribution).
+    prompts, params = [*prompts, [30, 31, 32] * 4], [*params, SamplingParams(max_tokens=50, temperature=0.9, ignore_eos=True)]
+    spec = LLM(
+        str(tiny_dir),
+        speculative={"method": "draft", "draft_model": str(draft_dir), "num_speculative_tokens": 3},
+        **options,
+    )
+    spec.engine.scheduler.step_cost = StepCostModel(
+        prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0
+    )
+    got = spec.generate(prompts, params)
+    assert [g.outputs[0].token_ids for g in got[:4]] == [w.outputs[0].token_ids for w in want]
+    assert len(got[4].outputs[0].token_ids) == 50 and got[4].outputs[0].finish_reason == "length"
+    stats = spec.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_draft_tokens"] > 0, stats
+    if draft_seed == 0:
+        assert stats["draft_acceptance_rate"] > 0.95, stats
+    else:
+        assert stats["draft_acceptance_rate"] < 0.9, stats
+    assert stats["kv_blocks_used"] == 0
+
+
+def test_a_draft_model_must_share_the_vocabulary(tiny_dir: Path) -> None:
+    from tandem.platform.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="vocabulary") as info:
+        LLM(str(tiny_dir), speculative={"method": "draft", "draft_model": "smollm2-135m-instruct"})
+    assert info.value.param == "speculative.draft_model"

@@ -16,13 +16,14 @@ from typing import Any
 
 import torch
 
+from tandem.engine.draft import DraftProposer
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.lora import LoRAAdapter, LoRALimits, LoRAManager, LoRAModelShape, parse_peft_adapter
 from tandem.engine.models.loader import build_model, load_model
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.runner import KVCacheSpec, ModelRunner
+from tandem.engine.runner import KVCacheSpec, ModelRunner, allocate_kv_caches
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.speculative import SpeculationSettings
 from tandem.engine.step import RunnerResult, SchedulerOutput
@@ -124,8 +125,14 @@ class LLMEngine:
         cfg = loaded.config
         kv_dtype = {"auto": dtype, "fp8_e4m3": torch.float8_e4m3fn, **_DTYPES}[config.kv_cache_dtype]
         kv_spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, config.block_size, kv_dtype)
+        draft_loaded = _load_draft(config, loaded)
+        draft_spec = None
+        if draft_loaded is not None:
+            dcfg = draft_loaded.config
+            draft_spec = KVCacheSpec(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim, config.block_size, kv_dtype)
         budget = config.kv_cache_memory or int(config.kv_cache_memory_fraction * _available_memory_bytes(device))
-        num_blocks = budget // kv_spec.bytes_per_block
+        # A draft model's cache sits beside the target's, block for block: both come out of the budget.
+        num_blocks = budget // (kv_spec.bytes_per_block + (draft_spec.bytes_per_block if draft_spec else 0))
         if num_blocks < 2:
             raise InvalidRequestError(
                 f"kv_cache_memory {budget} bytes holds {num_blocks} blocks of {kv_spec.bytes_per_block} bytes; "
@@ -149,6 +156,8 @@ class LLMEngine:
             max_model_len = config.max_model_len
         else:
             max_model_len = min(cfg.max_position_embeddings, capacity)
+        if draft_loaded is not None:
+            max_model_len = min(max_model_len, draft_loaded.config.max_position_embeddings)
 
         hybrid = config.weight_dtype == "hybrid"
         build = functools.partial(
@@ -167,6 +176,16 @@ class LLMEngine:
             weight_dtype="auto" if hybrid else config.weight_dtype,
         )
         decode_model = build(weight_dtype="int4") if hybrid else None
+        draft = None
+        if draft_loaded is not None and draft_spec is not None:
+            draft_model = build_model(draft_loaded, dtype=dtype, device=device, max_positions=max_model_len)
+            draft = DraftProposer(
+                draft_model,
+                allocate_kv_caches(draft_spec, num_blocks, device),
+                draft_spec.num_kv_heads,
+                config.block_size,
+                device,
+            )
         lora = None
         if config.enable_lora:
             lora = LoRAManager(
@@ -187,6 +206,7 @@ class LLMEngine:
             compile_decode=config.compile_decode,
             decode_model=decode_model,
             decode_model_max_batch=config.hybrid_int4_max_batch,
+            draft=draft,
         )
         runner.warmup_decode()
         parts = EngineParts(
@@ -498,7 +518,24 @@ def _speculation_settings(config: EngineConfig) -> SpeculationSettings | None:
     if spec is None:
         return None
     return SpeculationSettings(
+        method=spec.method,
         num_speculative_tokens=spec.num_speculative_tokens,
         prompt_lookup_min=spec.prompt_lookup_min,
         prompt_lookup_max=spec.prompt_lookup_max,
     )
+
+
+def _load_draft(config: EngineConfig, target: Any) -> Any:
+    """The draft model's loaded weights (method 'draft'), checked to share the target's
+    vocabulary token for token; None without one."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft" or spec.draft_model is None:
+        return None
+    draft = load_model(spec.draft_model)
+    if draft.tokenizer.token_bytes_table() != target.tokenizer.token_bytes_table():
+        raise InvalidRequestError(
+            f"draft model {spec.draft_model!r} does not share the target's vocabulary; a draft must "
+            "tokenise exactly as the target does",
+            param="speculative.draft_model",
+        )
+    return draft

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tandem.engine.draft import DraftProposer
 from tandem.engine.lora import LoRAManager, LoRAStep
 from tandem.engine.models.llama import KVLayer, LlamaForCausalLM
 from tandem.engine.step import RunnerResult, ScheduledRequest, SchedulerOutput
@@ -49,6 +50,22 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * per_vector
 
 
+def allocate_kv_caches(kv_spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[KVLayer]:
+    """Per layer (K, V, K scales, V scales): [num_blocks, block_size, Hk, D] each (scales
+    [num_blocks, block_size, Hk] float16 for FP8, else None), zeroed."""
+    shape = (num_blocks, kv_spec.block_size, kv_spec.num_kv_heads, kv_spec.head_dim)
+
+    def layer_cache() -> KVLayer:
+        k = torch.zeros(shape, dtype=kv_spec.dtype, device=device)
+        v = torch.zeros(shape, dtype=kv_spec.dtype, device=device)
+        if not kv_spec.is_fp8:
+            return (k, v, None, None)
+        k_scale = torch.zeros(shape[:3], dtype=torch.float16, device=device)
+        return (k, v, k_scale, torch.zeros_like(k_scale))
+
+    return [layer_cache() for _ in range(kv_spec.num_layers)]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -61,6 +78,7 @@ class ModelRunner:
         compile_decode: bool = False,
         decode_model: LlamaForCausalLM | None = None,
         decode_model_max_batch: int = 0,
+        draft: DraftProposer | None = None,
     ) -> None:
         """`decode_model` (optional, e.g. an INT4 copy of `model` sharing nothing but the cache)
         runs decode-only steps of at most `decode_model_max_batch` requests; `model` runs the rest.
@@ -78,17 +96,8 @@ class ModelRunner:
         self.kv_spec = kv_spec
         self.device = device
         self.block_size = kv_spec.block_size
-        shape = (num_blocks, kv_spec.block_size, kv_spec.num_kv_heads, kv_spec.head_dim)
-
-        def layer_cache() -> KVLayer:
-            k = torch.zeros(shape, dtype=kv_spec.dtype, device=device)
-            v = torch.zeros(shape, dtype=kv_spec.dtype, device=device)
-            if not kv_spec.is_fp8:
-                return (k, v, None, None)
-            k_scale = torch.zeros(shape[:3], dtype=torch.float16, device=device)
-            return (k, v, k_scale, torch.zeros_like(k_scale))
-
-        self.kv_caches = [layer_cache() for _ in range(kv_spec.num_layers)]
+        self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, device)
+        self.draft = draft
         self.vocab_size = model.config.vocab_size
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator(device=device)
@@ -97,6 +106,8 @@ class ModelRunner:
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
+        if self.draft is not None:
+            self.draft.forget(request_ids)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerResult:
@@ -107,6 +118,8 @@ class ModelRunner:
         raised for every request alone, `forward_failed` says so, and the engine decides whether
         the runner itself is broken."""
         self.forget(sched.finished_request_ids)
+        if self.draft is not None:  # a preempted request's draft KV went with its blocks
+            self.draft.forget(sched.preempted_request_ids)
         try:
             return self._execute(sched.scheduled)
         except Exception:
@@ -132,6 +145,9 @@ class ModelRunner:
         return RunnerResult({}, failed={item.request_id: REQUEST_FAILED})
 
     def _execute(self, items: list[ScheduledRequest]) -> RunnerResult:
+        draft_probs: dict[str, torch.Tensor] = {}
+        if self.draft is not None and any(item.num_draft_slots for item in items):
+            items, draft_probs = self._propose(items)
         input_ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
@@ -178,7 +194,7 @@ class ModelRunner:
             lora=lora_step,
         )
         sampling_items = [item for item in items if item.sample]
-        return self.sample(logits, sampling_items)
+        return self.sample(logits, sampling_items, draft_probs)
 
     @property
     def compiles_decode(self) -> bool:
@@ -218,7 +234,35 @@ class ModelRunner:
             return
         logger.info("decode graph compiled", extra={"seconds": round(time.perf_counter() - started, 1)})
 
-    def sample(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> RunnerResult:
+    def _propose(
+        self, items: list[ScheduledRequest]
+    ) -> tuple[list[ScheduledRequest], dict[str, torch.Tensor]]:
+        """The draft model's drafts appended to the items that have draft slots, and the draft
+        distributions of sampled requests (for rejection sampling)."""
+        assert self.draft is not None
+        proposing = [item for item in items if item.num_draft_slots]
+        proposals = self.draft.propose(proposing, self._generator_for)
+        filled, draft_probs = [], {}
+        for item in items:
+            if not item.num_draft_slots:
+                filled.append(item)
+                continue
+            tokens, probs = proposals[item.request_id]
+            if probs is not None:
+                draft_probs[item.request_id] = probs
+            filled.append(
+                dataclasses.replace(
+                    item, token_ids=item.token_ids + tokens, draft_token_ids=tokens, num_draft_slots=0
+                )
+            )
+        return filled, draft_probs
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        items: list[ScheduledRequest],
+        draft_probs: dict[str, torch.Tensor] | None = None,
+    ) -> RunnerResult:
         """logits: [R, V] float32, `1 + num_draft_tokens` rows per item (in order). An item with a
         non-finite logit in any of its rows (an adapter's extreme weights) fails its request;
         sampling that raises for the batch is redone item by item, so a request whose
@@ -257,16 +301,20 @@ class ModelRunner:
                         result.merge(self._failed_alone(item))
         for item, start in drafted:
             try:
-                result.merge(self._verify(logits[start : start + 1 + item.num_draft_tokens], item))
+                rows = logits[start : start + 1 + item.num_draft_tokens]
+                result.merge(self._verify(rows, item, (draft_probs or {}).get(item.request_id)))
             except Exception:
                 result.merge(self._failed_alone(item))
         result.failed.update(failed)
         return result
 
-    def _verify(self, logits: torch.Tensor, item: ScheduledRequest) -> RunnerResult:
+    def _verify(
+        self, logits: torch.Tensor, item: ScheduledRequest, draft_probs: torch.Tensor | None = None
+    ) -> RunnerResult:
         """logits: [k + 1, V] finite float32 at the request's last token and its k drafts. Greedy:
         the drafts the target's argmax agrees with, then the argmax after them (identical to
-        decoding one token at a time). Random: rejection sampling (`verify_drafts`)."""
+        decoding one token at a time). Random: rejection sampling (`verify_drafts`) against the
+        draft model's distributions `draft_probs` [k, V], or a one-hot proposal when None."""
         params, drafts = item.sampling_params, item.draft_token_ids
         if params.greedy:
             targets = logits.argmax(dim=-1).tolist()  # [k + 1]
@@ -284,7 +332,9 @@ class ModelRunner:
                     torch.full((num_rows,), params.top_p, device=logits.device),
                     torch.full((num_rows,), params.min_p, device=logits.device),
                 )
-            tokens = verify_drafts(scaled.softmax(dim=-1), drafts, self._generator_for(item))
+            tokens = verify_drafts(scaled.softmax(dim=-1), drafts, self._generator_for(item), draft_probs)
+        if self.draft is not None:
+            self.draft.accepted(item.request_id, item.start_position, len(drafts), len(tokens) - 1)
         result = RunnerResult({item.request_id: tokens})
         if params.logprobs is not None:
             chosen = torch.tensor(tokens, dtype=torch.int64, device=logits.device)

@@ -150,7 +150,11 @@ class Scheduler:
     def _schedule_one(
         self, request: Request, num_new: int, scheduled: list[ScheduledRequest], drafts: list[int] | None = None
     ) -> None:
-        """Schedule `num_new` of the request's own tokens, then `drafts` (only when they reach its end)."""
+        """Schedule `num_new` of the request's own tokens, then `drafts` (only when they reach its
+        end; with a draft model, as many slots for the runner's own drafts)."""
+        num_draft_slots = 0
+        if drafts and self.speculation is not None and self.speculation.method == "draft":
+            num_draft_slots, drafts = len(drafts), None
         start = request.num_computed_tokens
         end = start + num_new
         is_new = request.request_id not in self._seen_by_runner
@@ -170,6 +174,8 @@ class Scheduler:
                 is_new=is_new,
                 lora_name=request.lora_name,
                 draft_token_ids=list(drafts or []),
+                num_draft_slots=num_draft_slots,
+                prompt_token_ids=request.prompt_token_ids if num_draft_slots else [],
             )
         )
 
@@ -230,12 +236,15 @@ class Scheduler:
                 room = min(room, params.max_tokens - request.num_output_tokens - 1)
             if room <= 0:
                 continue
-            index = self._ngrams.get(request.request_id)
-            if index is None:
-                index = NgramIndex(settings.prompt_lookup_min, settings.prompt_lookup_max)
-                index.extend(request.token_ids_slice(0, request.num_tokens))
-                self._ngrams[request.request_id] = index
-            proposal, match_len = index.propose(min(room, settings.num_speculative_tokens))
+            if settings.method == "draft":  # the runner's draft model proposes: plan slots
+                proposal, match_len = [-1] * min(room, settings.num_speculative_tokens), 0
+            else:
+                index = self._ngrams.get(request.request_id)
+                if index is None:
+                    index = NgramIndex(settings.prompt_lookup_min, settings.prompt_lookup_max)
+                    index.extend(request.token_ids_slice(0, request.num_tokens))
+                    self._ngrams[request.request_id] = index
+                proposal, match_len = index.propose(min(room, settings.num_speculative_tokens))
             if proposal:
                 self._draft_match_len[request.request_id] = match_len
                 candidates.append(DraftCandidate(request.request_id, proposal, self.acceptance.estimate(match_len)))

@@ -31,6 +31,7 @@ import numpy as np
 class SpeculationSettings:
     """Engine-side settings (from `EngineConfig.speculative`)."""
 
+    method: str = "ngram"  # "ngram" (prompt lookup, proposed by the scheduler) or "draft" (a draft model, in the runner)
     num_speculative_tokens: int = 5  # most drafts per request per step
     prompt_lookup_min: int = 1  # shortest n-gram matched
     prompt_lookup_max: int = 4  # longest n-gram matched (tried first)

@@ -36,10 +36,15 @@ class ScheduledRequest:
     lora_name: str | None = None  # LoRA adapter of this request, if any
     # Speculative tokens at the end of `token_ids` (only when `sample`); the runner verifies them.
     draft_token_ids: list[int] = field(default_factory=list)
+    # With a draft model: how many drafts the runner's draft model proposes for this request (their
+    # slots are allocated; the runner appends the drafts to `token_ids` itself).
+    num_draft_slots: int = 0
+    prompt_token_ids: list[int] = field(default_factory=list)  # the draft model catches up on them
 
     @property
     def num_draft_tokens(self) -> int:
-        return len(self.draft_token_ids)
+        """Drafts verified for this request this step (given, or to be proposed by the runner)."""
+        return len(self.draft_token_ids) or self.num_draft_slots
 
 
 @dataclass

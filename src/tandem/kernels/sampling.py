@@ -73,24 +73,31 @@ def top_logprobs(
 
 def verify_drafts(
     probs: torch.Tensor,  # [k + 1, V] the target's distribution at each draft position, then one past
-    draft_ids: list[int],  # k proposed tokens (a deterministic proposer: q is one-hot)
+    draft_ids: list[int],  # k proposed tokens
     generator: torch.Generator | None,
+    draft_probs: torch.Tensor | None = None,  # [k, V] the proposer's distributions; None: one-hot
 ) -> list[int]:
-    """Speculative sampling for one request with a deterministic proposal: accept draft j with
-    probability p_j(d_j) (= min(1, p/q) with q one-hot); at the first rejection, draw from the
-    residual (p_j with d_j removed, renormalised) and stop; if all are accepted, draw one more from
-    p_k. The tokens returned are distributed exactly as sampling from p one token at a time.
-    Returns the accepted drafts followed by one drawn token (1..k+1 tokens)."""
+    """Speculative sampling for one request (Leviathan et al.; Chen et al.): accept draft j with
+    probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection, draw from the residual
+    max(p_j - q_j, 0) renormalised and stop; if all are accepted, draw one more from p_k. With a
+    deterministic proposer (prompt lookup) q_j is one-hot at d_j, so acceptance is p_j(d_j) and the
+    residual is p_j without d_j. The tokens returned are distributed exactly as sampling from p one
+    token at a time. Returns the accepted drafts followed by one drawn token (1..k+1 tokens)."""
     k = len(draft_ids)
     uniforms = torch.rand(k, generator=generator, device=probs.device).tolist() if k else []
     accepted: list[int] = []
     for j, draft in enumerate(draft_ids):
-        if uniforms[j] < float(probs[j, draft]):
+        p_draft = float(probs[j, draft])
+        q_draft = 1.0 if draft_probs is None else float(draft_probs[j, draft])
+        if q_draft <= 0.0 or uniforms[j] * q_draft < p_draft:  # u < p/q without dividing
             accepted.append(draft)
             continue
-        residual = probs[j].clone()
-        residual[draft] = 0.0
-        if float(residual.sum()) <= 0.0:  # p_j was all on the draft: cannot be rejected
+        if draft_probs is None:
+            residual = probs[j].clone()
+            residual[draft] = 0.0
+        else:
+            residual = (probs[j] - draft_probs[j]).clamp_min(0.0)
+        if float(residual.sum()) <= 0.0:  # p_j <= q_j nowhere short: cannot be rejected
             accepted.append(draft)
             continue
         accepted.append(int(torch.multinomial(residual, 1, generator=generator)[0]))

@@ -14,20 +14,25 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 class SpeculativeConfig(BaseModel):
     """Speculative decoding (`EngineConfig.speculative`). `ngram`: prompt lookup, proposals from
-    the request's own prompt and output; each step verifies as many as the measured step cost
-    says pay off (none at large batch)."""
+    the request's own prompt and output. `draft`: a smaller model (`draft_model`, any model path
+    the engine loads, with the target's vocabulary) proposes, with its own KV cache beside the
+    target's. Each step verifies as many drafts as the measured step cost says pay off (none at
+    large batch)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    method: Literal["ngram"] = "ngram"
+    method: Literal["ngram", "draft"] = "ngram"
+    draft_model: str | None = Field(None, description="The draft model (method 'draft'): a bundled name, HF folder or GGUF.")
     num_speculative_tokens: int = Field(5, ge=1, le=16, description="Most draft tokens per request per step.")
     prompt_lookup_min: int = Field(1, ge=1, description="Shortest n-gram matched against earlier tokens.")
     prompt_lookup_max: int = Field(4, ge=1, description="Longest n-gram matched (tried first).")
 
     @model_validator(mode="after")
-    def _ordered(self) -> SpeculativeConfig:
+    def _consistent(self) -> SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("method 'draft' needs draft_model, and draft_model needs method 'draft'")
         return self
 
 
