@@ -331,6 +331,7 @@ def test_greedy_output_is_identical_with_a_draft_model(tiny_dir: Path, tmp_path:
     assert len(got[4].outputs[0].token_ids) == 50 and got[4].outputs[0].finish_reason == "length"
     stats = spec.stats()
     assert stats["num_preemptions"] > 0 and stats["num_draft_tokens"] > 0, stats
+    assert 0 < stats["draft_wall_s"] < stats["step_wall_s"]
     if draft_seed == 0:
         assert stats["draft_acceptance_rate"] > 0.95, stats
     else:

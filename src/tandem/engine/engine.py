@@ -508,6 +508,7 @@ class LLMEngine:
             "num_accepted_draft_tokens": self.scheduler.num_accepted_tokens_total,
             "draft_acceptance_rate": self.scheduler.num_accepted_tokens_total
             / max(1, self.scheduler.num_draft_tokens_total),
+            "draft_wall_s": float(getattr(self.runner, "draft_wall_s", 0.0)),
             "step_wall_s": self.step_wall_s,
             "step_thread_cpu_s": self.step_thread_cpu_s,
         }

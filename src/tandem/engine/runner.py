@@ -98,6 +98,7 @@ class ModelRunner:
         self.block_size = kv_spec.block_size
         self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, device)
         self.draft = draft
+        self.draft_wall_s = 0.0  # wall seconds spent proposing with the draft model
         self.vocab_size = model.config.vocab_size
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator(device=device)
@@ -241,7 +242,9 @@ class ModelRunner:
         distributions of sampled requests (for rejection sampling)."""
         assert self.draft is not None
         proposing = [item for item in items if item.num_draft_slots]
+        started = time.perf_counter()
         proposals = self.draft.propose(proposing, self._generator_for)
+        self.draft_wall_s += time.perf_counter() - started
         filled, draft_probs = [], {}
         for item in items:
             if not item.num_draft_slots:

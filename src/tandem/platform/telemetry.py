@@ -114,6 +114,11 @@ class Telemetry:
             ("tandem_engine_steps", "num_steps", "Engine steps that ran the model"),
             ("tandem_spec_draft_tokens", "num_draft_tokens", "Speculative draft tokens verified"),
             ("tandem_spec_accepted_tokens", "num_accepted_draft_tokens", "Draft tokens the model accepted"),
+            (
+                "tandem_spec_draft_seconds",
+                "draft_wall_s",
+                "Wall seconds the draft model spent proposing (against tandem_engine_step_wall_seconds: its share)",
+            ),
             ("tandem_engine_step_wall_seconds", "step_wall_s", "Wall seconds inside engine steps"),
             (
                 "tandem_engine_step_cpu_seconds",
