@@ -97,6 +97,16 @@ def run_ours(
     }
 
 
+def summary(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    plain, spec = runs["plain"], runs["speculative"]
+    return {
+        "tandem_plain_tokens_per_s": plain["tokens_per_s"],
+        "tandem_speculative_tokens_per_s": spec["tokens_per_s"],
+        "tandem_ratio": spec["tokens_per_s"] / plain["tokens_per_s"],
+        "acceptance_rate": spec["acceptance_rate"],
+    }
+
+
 def run_hf(model: Any, prompts: list[list[int]], new_tokens: int, eos_ids: list[int], lookup: int | None) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"do_sample": False, "max_new_tokens": new_tokens, "eos_token_id": eos_ids, "pad_token_id": 0}
     if lookup:
@@ -135,28 +145,16 @@ def main() -> None:
     result: dict[str, Any] = {"config": {k: str(v) for k, v in vars(args).items()}, "batch_1": {}, "concurrent": {}}
     for name, prompts in workloads.items():
         runs = run_ours(llm, [[p] for p in prompts], args.new_tokens)  # batch 1: one prompt per wave
-        plain, spec = runs["plain"], runs["speculative"]
-        row = {
-            "tandem_plain_tokens_per_s": plain["tokens_per_s"],
-            "tandem_speculative_tokens_per_s": spec["tokens_per_s"],
-            "tandem_ratio": spec["tokens_per_s"] / plain["tokens_per_s"],
-            "acceptance_rate": spec["acceptance_rate"],
-            "tokens_per_step": spec["tokens_per_step"],
-            "identical_greedy_tokens": plain["token_ids"] == spec["token_ids"],
-        }
+        row = summary(runs)
+        row["tokens_per_step"] = runs["speculative"]["tokens_per_step"]
+        row["identical_greedy_tokens"] = runs["plain"]["token_ids"] == runs["speculative"]["token_ids"]
         log(f"batch 1 {name}: {row}")
         result["batch_1"][name] = row
     for n in args.concurrency:
         wave = [workloads["chat"][i % len(CHAT)] for i in range(n)]
         runs = run_ours(llm, [wave], args.new_tokens, rounds=2)
-        plain, spec = runs["plain"], runs["speculative"]
-        row = {
-            "tandem_plain_tokens_per_s": plain["tokens_per_s"],
-            "tandem_speculative_tokens_per_s": spec["tokens_per_s"],
-            "tandem_ratio": spec["tokens_per_s"] / plain["tokens_per_s"],
-            "draft_tokens": spec["draft_tokens"],
-            "acceptance_rate": spec["acceptance_rate"],
-        }
+        row = summary(runs)
+        row["draft_tokens"] = runs["speculative"]["draft_tokens"]
         log(f"concurrency {n} chat: {row}")
         result["concurrent"][str(n)] = row
     result["step_cost"] = dict(zip(("fixed_s", "per_token_s", "per_row_s"), llm.engine.scheduler.step_cost.coefficients(), strict=True))

@@ -410,26 +410,26 @@ def test_adapter_upload_and_multiplexed_use_through_serve(served: str, peft_adap
     check_adapter_upload_and_use(served, peft_adapters["all-r8"])
 
 
-def check_adapter_upload_and_use(served: str, folder: Path) -> None:
-    """Upload over HTTP, then a request naming `tiny:<adapter>` makes the replica fetch it from
-    the object store (`@serve.multiplexed`); the answer differs from the base model's and is the
-    same on every call."""
-    import httpx
-
+def upload_adapter(base_url: str, name: str, folder: Path) -> None:
+    """POST a PEFT folder's two files to `/v1/adapters` as `name` (200 expected)."""
     response = httpx.post(
-        f"{served}/v1/adapters",
+        f"{base_url}/v1/adapters",
         headers={"Authorization": f"Bearer {KEY}"},
-        data={"name": "served-bot"},
+        data={"name": name},
         files={
             "adapter_config": ("adapter_config.json", (folder / "adapter_config.json").read_bytes()),
-            "adapter_model": (
-                "adapter_model.safetensors",
-                (folder / "adapter_model.safetensors").read_bytes(),
-            ),
+            "adapter_model": ("adapter_model.safetensors", (folder / "adapter_model.safetensors").read_bytes()),
         },
         timeout=60,
     )
     assert response.status_code == 200, response.text
+
+
+def check_adapter_upload_and_use(served: str, folder: Path) -> None:
+    """Upload over HTTP, then a request naming `tiny:<adapter>` makes the replica fetch it from
+    the object store (`@serve.multiplexed`); the answer differs from the base model's and is the
+    same on every call."""
+    upload_adapter(served, "served-bot", folder)
     client = openai.OpenAI(base_url=f"{served}/v1", api_key=KEY, max_retries=0)
     kwargs = dict(prompt="The quick brown fox", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
     base = client.completions.create(model="tiny", **kwargs).choices[0].text

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from typing import Any
@@ -25,6 +26,8 @@ from typing import Any
 from ray.serve.handle import DeploymentHandle
 
 from tandem.platform.tenancy import RateLimitError, TenantLimits, TenantRegistry, TenantUsage
+
+logger = logging.getLogger("tandem.fleet")
 
 # The Serve deployment name of the fleet state.
 FLEET_STATE_DEPLOYMENT = "FleetState"
@@ -84,6 +87,7 @@ class FleetTenantLimiter:
         self.heartbeat_every_s = owner_ttl_s / 3
         self.num_held = 0
         self._heartbeat: asyncio.Task[None] | None = None
+        self._releases: set[asyncio.Task[None]] = set()
 
     async def acquire(self, tenant: str) -> None:
         limits = self.tenants.limits_for(tenant)
@@ -99,12 +103,22 @@ class FleetTenantLimiter:
         if self._heartbeat is None or self._heartbeat.done():
             self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
-    async def release(self, tenant: str, num_tokens: int) -> None:
+    def release(self, tenant: str, num_tokens: int) -> None:
+        """Send the release on its own task: the caller may be being cancelled (a client that
+        went away), and a release that never arrives would hold the slot until the owner's ttl."""
         limits = self.tenants.limits_for(tenant)
         if limits.max_concurrent_requests is None and limits.tokens_per_minute is None:
             return
         self.num_held = max(0, self.num_held - 1)
-        await self.fleet.release.remote(tenant, num_tokens, self.owner)
+        task = asyncio.get_running_loop().create_task(self._release(tenant, num_tokens))
+        self._releases.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, tenant: str, num_tokens: int) -> None:
+        try:
+            await self.fleet.release.remote(tenant, num_tokens, self.owner)
+        except Exception:  # the fleet state restarted or is unreachable: its owner ttl cleans up
+            logger.warning("tenant slot release failed", exc_info=True, extra={"tenant": tenant})
 
     async def _beat(self) -> None:
         """Tell the fleet this owner lives while it holds slots."""

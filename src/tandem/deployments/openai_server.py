@@ -80,7 +80,10 @@ class TenantLimiter(Protocol):
 
     async def acquire(self, tenant: str) -> None: ...
 
-    async def release(self, tenant: str, num_tokens: int) -> None: ...
+    def release(self, tenant: str, num_tokens: int) -> None:
+        """Give the slot back. Never waits and never raises: it runs in `finally` blocks, also
+        under cancellation (a client that went away)."""
+        ...
 
 
 class LocalTenantLimiter:
@@ -93,7 +96,7 @@ class LocalTenantLimiter:
     async def acquire(self, tenant: str) -> None:
         self.tenants.acquire(tenant)
 
-    async def release(self, tenant: str, num_tokens: int) -> None:
+    def release(self, tenant: str, num_tokens: int) -> None:
         self.tenants.release(tenant, num_tokens)
 
 
@@ -287,7 +290,7 @@ class OpenAIServer:
                 raise engine_error(first)
         except BaseException:
             if accounted:
-                await self.limiter.release(tenant, 0)
+                self.limiter.release(tenant, 0)
             await outputs.aclose()
             raise
         if timing is not None:
@@ -310,7 +313,7 @@ class OpenAIServer:
                 last = out
         finally:
             if accounted:
-                await self.limiter.release(tenant, num_tokens(last))
+                self.limiter.release(tenant, num_tokens(last))
         self._record(gen, tenant, last, started, started_ns, first_at)
         completion = last.outputs[0]
         if completion.finish_reason == "error":
@@ -409,8 +412,10 @@ class OpenAIServer:
             logger.exception("stream failed", extra={"tenant": tenant, "request_id": gen.request_id})
             yield sse_event(internal_error_body(gen.request_id))
         finally:
+            # The slot first: on a client disconnect this block runs under cancellation, and an
+            # await may be interrupted; `release` never waits.
+            self.limiter.release(tenant, num_tokens(last))
             await outputs.aclose()  # on client disconnect this aborts the request in the engine
-            await self.limiter.release(tenant, num_tokens(last))
             if last.finished:
                 self._record(gen, tenant, last, *times)
         yield "data: [DONE]\n\n"  # after an error event too: every stream ends the same way
