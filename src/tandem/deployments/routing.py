@@ -54,6 +54,7 @@ from tandem.engine.protocol import GenerationRequest
 # A placement this router made counts as "holds the adapter" for this long without the replica
 # reporting it (Serve's multiplexing reports lag; a replica may also have evicted it since).
 ADAPTER_PLACEMENT_TTL_S = 30.0
+MAX_PENDING_DIGESTS = 4096
 
 
 class RoutingConfig(BaseModel):
@@ -226,6 +227,9 @@ class TandemRouter(RequestRouter):
         # adapter -> {replica id: when this router last sent it there}
         self.adapter_placements: dict[str, dict[str, float]] = {}
         self.live_replica_ids: set[str] = set()
+        # request id -> its prompt digests, from ranking until it is routed (bounded: a request
+        # cancelled while waiting is never routed)
+        self._pending_digests: OrderedDict[str, list[str]] = OrderedDict()
 
     def _loads(self, replicas: Sequence[RunningReplica]) -> list[ReplicaLoad]:
         loads = []
@@ -263,6 +267,9 @@ class TandemRouter(RequestRouter):
             affinity = self._adapter_holders(request.lora_name, candidate_replicas)
         else:
             digests, num_units = prefix_hashes(request, self.config.prefix_chunk_chars, self.config.max_prefix_chunks)
+            self._pending_digests[request.request_id] = digests
+            while len(self._pending_digests) > MAX_PENDING_DIGESTS:
+                self._pending_digests.popitem(last=False)
             matched = self.prefix_index.match(digests)
             affinity = {
                 rid: float(n) for rid, n in matched.items() if n / num_units >= self.config.min_match_fraction
@@ -287,10 +294,10 @@ class TandemRouter(RequestRouter):
         request = _generation_request(pending_request)
         if request is None:
             return
-        digests: list[str] = []
-        if request.lora_name is None:
+        digests = self._pending_digests.pop(request.request_id, None)
+        if digests is None and request.lora_name is None:
             digests, _ = prefix_hashes(request, self.config.prefix_chunk_chars, self.config.max_prefix_chunks)
-        self._remember(request, digests, replica_id.unique_id)
+        self._remember(request, digests or [], replica_id.unique_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
