@@ -18,6 +18,7 @@ import torch
 
 from tandem.engine.draft import DraftProposer
 from tandem.engine.kv_cache import KVCacheManager
+from tandem.engine.kv_transfer import KVPage, KVTransfer, fingerprint, page_checksum, verify
 from tandem.engine.lora import LoRAAdapter, LoRALimits, LoRAManager, LoRAModelShape, parse_peft_adapter
 from tandem.engine.models.loader import build_model, load_model
 from tandem.engine.output_processor import OutputProcessor
@@ -26,10 +27,15 @@ from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import KVCacheSpec, ModelRunner, allocate_kv_caches
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.speculative import SpeculationSettings
-from tandem.engine.step import RunnerResult, SchedulerOutput
+from tandem.engine.step import RunnerResult, ScheduledRequest, SchedulerOutput
 from tandem.engine.tokenizer import Tokenizer
 from tandem.platform.config import EngineConfig
-from tandem.platform.errors import ContextLengthExceededError, InvalidRequestError, NotFoundError
+from tandem.platform.errors import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 
 logger = logging.getLogger("tandem.engine")
 
@@ -366,6 +372,93 @@ class LLMEngine:
         self.output_processor.add(request, prompt, stream_text)
         return request
 
+    # -- KV hand-over (kv_transfer.py) ----------------------------------------------------------
+    def add_prefill_request(self, gen: GenerationRequest) -> Request:
+        """Queue `gen` to compute its prompt and sample one token here, keeping its KV blocks for
+        `export_kv` (or until `kv_hold_ttl_s` passes)."""
+        request, prompt = self.make_request(gen)
+        request.sampling_params = dataclasses.replace(request.sampling_params, max_tokens=1, speculative=False)
+        request.hold_kv = True
+        return self.add_prepared(request, prompt)
+
+    def kv_fingerprint(self) -> str:
+        cfg = self.model_config
+        return fingerprint(self.model_name, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size)
+
+    def export_kv(self, request_id: str, cache_dtype: str | None = None) -> KVTransfer:
+        """The prompt KV of a finished prefill request (`add_prefill_request`) as checksummed
+        pages in `cache_dtype` (this cache's own, or "float8_e4m3fn" for an FP8 receiver), and
+        its first token; its blocks are freed. Raises `NotFoundError` when it is not held."""
+        request = self.scheduler.held.get(request_id)
+        if request is None:
+            raise NotFoundError(f"no prefilled KV is held for request {request_id!r} (expired or never made)")
+        try:
+            dtype = self.kv_cache_dtype if cache_dtype is None else cache_dtype
+            if dtype not in (self.kv_cache_dtype, "float8_e4m3fn"):
+                raise InvalidRequestError(
+                    f"this engine's {self.kv_cache_dtype} cache exports as itself or float8_e4m3fn, not {dtype}",
+                    param="cache_dtype",
+                )
+            prompt = request.prompt_token_ids
+            block_ids = self.kv_manager.block_table(request_id).block_ids
+            datas = self.runner.export_pages(block_ids, len(prompt), getattr(torch, dtype))
+            size = self.kv_manager.block_size
+            pages = []
+            for index, data in enumerate(datas):
+                tokens = tuple(prompt[index * size : (index + 1) * size])
+                pages.append(KVPage(index, tokens, data, page_checksum(request_id, index, tokens, dtype, data)))
+            return KVTransfer(request_id, self.kv_fingerprint(), dtype, size, request.output_token_ids[0], tuple(pages))
+        finally:
+            self.scheduler.release_held(request_id)
+
+    def add_request_with_kv(self, gen: GenerationRequest, transfer: KVTransfer, *, stream_text: bool = False) -> RequestOutput:
+        """Continue a request whose prompt another engine computed: verify the transfer (model,
+        cache type, checksums, the prompt's tokens), copy its pages into blocks of this cache, and
+        decode from there. Returns the output of its first token (sampled by the sender). A bad
+        transfer raises `KVTransferError` and allocates nothing; no free blocks: 503."""
+        request, prompt = self.make_request(gen)
+        verify(
+            transfer,
+            model_fingerprint=self.kv_fingerprint(),
+            cache_dtype=self.kv_cache_dtype,
+            block_size=self.kv_manager.block_size,
+            prompt_token_ids=request.prompt_token_ids,
+        )
+        if request.request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already running", param="request_id")
+        num_prompt = request.num_prompt_tokens
+        if not self.kv_manager.allocate_slots(request.request_id, num_prompt + 1, admission=True):
+            raise ServiceUnavailableError("no free KV blocks for a handed-over request; retry shortly", code="kv_cache_full")
+        try:
+            block_ids = self.kv_manager.block_table(request.request_id).block_ids
+            self.runner.import_pages(block_ids, [(len(p.token_ids), p.data) for p in transfer.pages])
+            if request.lora_name is not None:
+                self._check_lora(request.lora_name)
+                assert self.lora is not None
+                self.lora.acquire(request.lora_name)
+        except BaseException:
+            self.kv_manager.free(request.request_id)
+            raise
+        request.num_computed_tokens = num_prompt
+        self.scheduler.add_running(request)
+        self.output_processor.add(request, prompt, stream_text)
+        # The sender's first token, through the same stop checks and output path as any other.
+        result = RunnerResult({request.request_id: [transfer.first_token_id]})
+        handed = SchedulerOutput(
+            [ScheduledRequest(request.request_id, [], num_prompt, block_ids, True, request.sampling_params, [], False)],
+            0,
+        )
+        updates = self.scheduler.update_from_output(handed, result)
+        outputs, stopped_ids = self.output_processor.process(updates)
+        for update in updates:
+            if update.finished:
+                self._release(update.request)
+        for request_id in stopped_ids:
+            stopped = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+            if stopped is not None:
+                self._release(stopped)
+        return outputs[0]
+
     def _release(self, request: Request) -> None:
         if request.lora_name is not None and self.lora is not None:
             self.lora.release(request.lora_name)
@@ -389,6 +482,8 @@ class LLMEngine:
 
     # -- the loop -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.scheduler.held:
+            self.scheduler.expire_held(self.config.kv_hold_ttl_s)
         scheduled = self.scheduler.schedule()
         aborted: list[RequestOutput] = []
         if self.config.kv_integrity_check and not scheduled.is_empty:

@@ -48,6 +48,7 @@ class Request:
     priority: Priority = Priority.INTERACTIVE
     tenant_id: str | None = None
     lora_name: str | None = None  # the LoRA adapter this request runs with, if any
+    hold_kv: bool = False  # keep its blocks when it finishes (prefill for a hand-over)
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)

@@ -18,7 +18,7 @@ from tandem.engine.draft import DraftProposer
 from tandem.engine.lora import LoRAManager, LoRAStep
 from tandem.engine.models.llama import KVLayer, LlamaForCausalLM
 from tandem.engine.step import RunnerResult, ScheduledRequest, SchedulerOutput
-from tandem.kernels.attention import build_attention_metadata
+from tandem.kernels.attention import build_attention_metadata, quantize_fp8
 from tandem.kernels.sampling import apply_penalties, filter_logits, sample_rows, top_logprobs, verify_drafts
 
 logger = logging.getLogger(__name__)
@@ -103,6 +103,60 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator(device=device)
         self._default_generator.manual_seed(seed)
+
+    # -- KV pages for hand-over (kv_transfer.py) -------------------------------------------------
+    def export_pages(self, block_ids: list[int], num_tokens: int, dtype: torch.dtype) -> list[bytes]:
+        """The KV of the first `num_tokens` tokens held in `block_ids`, one page per block, in
+        `dtype` (this cache's own dtype, or FP8 from a wider cache: quantised as `write_kv` does)."""
+        pages = []
+        for index, block_id in enumerate(block_ids):
+            count = min(self.block_size, num_tokens - index * self.block_size)
+            if count <= 0:
+                break
+            keys_values: list[torch.Tensor] = []
+            scales: list[torch.Tensor] = []
+            for k_cache, v_cache, k_scale, v_scale in self.kv_caches:
+                for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)):
+                    rows = cache[block_id, :count]  # [count, Hk, D]
+                    if scale is not None:  # an FP8 cache: its codes and scales as stored
+                        keys_values.append(rows.view(torch.uint8))
+                        scales.append(scale[block_id, :count])
+                    elif dtype == torch.float8_e4m3fn:
+                        codes, row_scales = quantize_fp8(rows)
+                        keys_values.append(codes.view(torch.uint8))
+                        scales.append(row_scales)
+                    else:
+                        keys_values.append(rows.to(dtype))
+            parts = [t.contiguous().view(torch.uint8).reshape(-1) for t in keys_values + scales]
+            pages.append(torch.cat(parts).numpy().tobytes())
+        return pages
+
+    def import_pages(self, block_ids: list[int], pages: list[tuple[int, bytes]]) -> None:
+        """Write pages (token count, bytes in this cache's dtype) into `block_ids`, in order."""
+        num_kv_heads, head_dim = self.kv_spec.num_kv_heads, self.kv_spec.head_dim
+        element = torch.empty((), dtype=self.kv_spec.dtype).element_size()
+        for block_id, (count, data) in zip(block_ids, pages, strict=False):
+            raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            vector_bytes = count * num_kv_heads * head_dim * element
+            scale_bytes = count * num_kv_heads * 2
+            offset = 0
+            for k_cache, v_cache, _, _ in self.kv_caches:
+                for cache in (k_cache, v_cache):
+                    chunk = raw[offset : offset + vector_bytes].view(cache.dtype if element > 1 else torch.uint8)
+                    cache[block_id, :count].view(torch.uint8 if element == 1 else cache.dtype).copy_(
+                        chunk.view(count, num_kv_heads, head_dim)
+                    )
+                    offset += vector_bytes
+            if self.kv_spec.is_fp8:
+                for _, _, k_scale, v_scale in self.kv_caches:
+                    for scale in (k_scale, v_scale):
+                        assert scale is not None
+                        scale[block_id, :count].copy_(
+                            raw[offset : offset + scale_bytes].view(torch.float16).view(count, num_kv_heads)
+                        )
+                        offset += scale_bytes
+            if offset != len(data):
+                raise ValueError(f"a KV page of {count} tokens has {len(data)} bytes, expected {offset}")
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -18,6 +18,7 @@ interactive request runs or waits all batch requests together get at most
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from tandem.engine.kv_cache import KVCacheManager
@@ -92,6 +93,8 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by Request.sort_key()
         self.running: list[Request] = []  # sorted by Request.sort_key()
         self._finished_ids: list[str] = []
+        self.held: dict[str, Request] = {}  # finished requests whose blocks are kept for hand-over
+        self.held_since: dict[str, float] = {}  # when each was held (time.monotonic())
         self._seen_by_runner: set[str] = set()
         self.num_preemptions_total = 0
 
@@ -103,8 +106,19 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=Request.sort_key)
 
+    def add_running(self, request: Request) -> None:
+        """Admit a request whose blocks are already allocated and filled (KV handed over from
+        another engine): it joins the running batch at once, `num_computed_tokens` as given."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=Request.sort_key)
+
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """Stop a request (abort, stop string, error); its blocks are free when this returns."""
+        """Stop a request (abort, stop string, error); its blocks are free when this returns,
+        unless it asked to keep them (`Request.hold_kv`, KV to hand over) and ended normally:
+        then they stay in `held` until `release_held`."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -113,7 +127,11 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
-        self.kv.free(request_id)
+        if request.hold_kv and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self.held[request_id] = request
+            self.held_since[request_id] = time.monotonic()
+        else:
+            self.kv.free(request_id)
         self._forget(request_id)
         self._ngrams.pop(request_id, None)
         self._draft_match_len.pop(request_id, None)
@@ -134,6 +152,22 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def release_held(self, request_id: str) -> Request | None:
+        """Free a held request's blocks (after its KV was exported, or its lease ran out)."""
+        request = self.held.pop(request_id, None)
+        self.held_since.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request_id)
+        return request
+
+    def expire_held(self, max_age_s: float) -> list[str]:
+        """Free the blocks of requests held longer than `max_age_s` (a lease nobody collected)."""
+        cutoff = time.monotonic() - max_age_s
+        expired = [rid for rid, since in self.held_since.items() if since < cutoff]
+        for request_id in expired:
+            self.release_held(request_id)
+        return expired
 
     # -- scheduling ---------------------------------------------------------------------
     def _preempt(self, victim: Request) -> None:
@@ -455,6 +489,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         live = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
+        assert not set(self.held) & set(self.requests), "a held request is still live"
         assert live == set(self.requests), "queues disagree with the request map"
         assert len(self.running) + len(self.waiting) == len(self.requests), "request in two queues"
         assert len(self.running) <= self.max_num_seqs

@@ -162,6 +162,12 @@ class EngineConfig(BaseModel):
         "where the measured step cost says they pay); None: off. Greedy output is identical either "
         "way, sampled output has the same distribution.",
     )
+    kv_hold_ttl_s: float = Field(
+        30.0,
+        gt=0.0,
+        description="How long a prefilled request's KV blocks wait to be exported (a hand-over to a "
+        "decode engine) before they are freed.",
+    )
     seed: int = Field(0, description="Seed of the engine's default random generator.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU.")
 

@@ -1,0 +1,104 @@
+"""KV hand-over between engines (prefill -> decode): identical greedy output, verified pages,
+nothing leaked on failure."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from tandem import GenerationRequest, SamplingParams
+from tandem.engine.engine import LLMEngine
+from tandem.engine.kv_transfer import KVTransfer, KVTransferError
+
+PROMPTS = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13] * 3, [40, 41, 42], [7] * 17]
+
+
+def engine(model_dir: Path, **options: object) -> LLMEngine:
+    return LLMEngine.from_options(str(model_dir), kv_cache_memory=4 << 20, block_size=4, speculative=None, **options)
+
+
+def run(engine_: LLMEngine) -> dict[str, list[int]]:
+    outputs: dict[str, list[int]] = {}
+    while engine_.has_unfinished_requests():
+        for out in engine_.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    return outputs
+
+
+def prefill(sender: LLMEngine, request_id: str, prompt: list[int], cache_dtype: str | None = None) -> KVTransfer:
+    sender.add_prefill_request(GenerationRequest(request_id, prompt_token_ids=prompt, sampling_params=PARAMS))
+    run(sender)
+    return sender.export_kv(request_id, cache_dtype)
+
+
+PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("decode_cache", ["auto", "fp8_e4m3"])
+def test_handed_over_requests_decode_as_colocated_ones(tiny_model_dir: Path, decode_cache: str) -> None:
+    """Prefill on a float32 engine, decode on another (float32, or FP8: the pages are sent as
+    FP8, half the bytes): the tokens equal those of one engine with the decode side's cache."""
+    colocated = engine(tiny_model_dir, kv_cache_dtype=decode_cache)
+    for i, prompt in enumerate(PROMPTS):
+        colocated.add_request(GenerationRequest(f"r{i}", prompt_token_ids=prompt, sampling_params=PARAMS))
+    want = run(colocated)
+
+    sender = engine(tiny_model_dir)
+    receiver = engine(tiny_model_dir, kv_cache_dtype=decode_cache)
+    fp8 = decode_cache == "fp8_e4m3"
+    firsts = {}
+    for i, prompt in enumerate(PROMPTS):
+        transfer = prefill(sender, f"r{i}", prompt, "float8_e4m3fn" if fp8 else None)
+        if fp8:
+            full = prefill(sender, f"f{i}", prompt)  # the same pages in float32, to compare sizes
+            assert transfer.num_bytes < 0.3 * full.num_bytes
+        first = receiver.add_request_with_kv(
+            GenerationRequest(f"r{i}", prompt_token_ids=prompt, sampling_params=PARAMS), transfer
+        )
+        firsts[f"r{i}"] = first.outputs[0].token_ids
+    got = run(receiver)
+    assert got == want
+    assert all(firsts[rid] == want[rid][:1] for rid in want)
+    assert sender.stats()["kv_blocks_used"] == 0 and receiver.stats()["kv_blocks_used"] == 0
+
+
+def test_bad_transfers_fail_their_request_and_allocate_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
+    sender, receiver = engine(tiny_model_dir), engine(tiny_model_dir)
+    prompt = PROMPTS[0]
+    good = prefill(sender, "r", prompt)
+    gen = GenerationRequest("r", prompt_token_ids=prompt, sampling_params=PARAMS)
+    page = good.pages[2]
+    flipped = bytes([page.data[0] ^ 1]) + page.data[1:]
+    bad_transfers = {
+        "checksum": dataclasses.replace(
+            good, pages=(*good.pages[:2], dataclasses.replace(page, data=flipped), *good.pages[3:])
+        ),
+        "arrived where": dataclasses.replace(good, pages=(good.pages[1], good.pages[0], *good.pages[2:])),
+        "other tokens": prefill(sender, "other", [9] * len(prompt)),
+        "tokens": dataclasses.replace(good, pages=good.pages[:-1]),
+        "another model": dataclasses.replace(good, model_fingerprint="other|layers=1"),
+        "holds float8": prefill(sender, "fp8", prompt, "float8_e4m3fn"),
+    }
+    for expected, transfer in bad_transfers.items():
+        with pytest.raises(KVTransferError, match=expected) as info:
+            receiver.add_request_with_kv(gen, transfer)
+        assert info.value.code == "kv_transfer_invalid"
+        assert receiver.stats()["kv_blocks_used"] == 0 and not receiver.has_unfinished_requests()
+    assert sender.stats()["kv_blocks_used"] == 0  # every export freed the sender's blocks
+    # The good one still works, and is then decoded to the end.
+    receiver.add_request_with_kv(gen, good)
+    assert len(run(receiver)["r"]) == PARAMS.max_tokens
+
+
+def test_held_prefill_blocks_are_freed_when_nobody_collects_them(tiny_model_dir: Path) -> None:
+    sender = engine(tiny_model_dir, kv_hold_ttl_s=1e-9)
+    sender.add_prefill_request(GenerationRequest("r", prompt_token_ids=PROMPTS[0], sampling_params=PARAMS))
+    run(sender)
+    assert sender.stats()["kv_blocks_used"] > 0  # held for the hand-over
+    sender.step()  # the lease has run out: the next step frees them
+    assert sender.stats()["kv_blocks_used"] == 0
+    with pytest.raises(Exception, match="no prefilled KV is held"):
+        sender.export_kv("r")
