@@ -4,6 +4,7 @@ nothing leaked on failure."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,39 @@ def test_held_prefill_blocks_are_freed_when_nobody_collects_them(tiny_model_dir:
     assert sender.stats()["kv_blocks_used"] == 0
     with pytest.raises(Exception, match="no prefilled KV is held"):
         sender.export_kv("r")
+
+
+def test_async_engines_hand_over_and_stream(tiny_model_dir: Path) -> None:
+    """`AsyncEngine.prefill` on one engine, `generate_from_kv` on another: the streamed tokens are
+    those of one engine alone; a corrupted transfer raises before any output; leaving the stream
+    early aborts the request and frees its blocks."""
+    import asyncio
+
+    from tandem import AsyncEngine
+
+    colocated = engine(tiny_model_dir)
+    colocated.add_request(GenerationRequest("r", prompt_token_ids=PROMPTS[0], sampling_params=PARAMS))
+    want = run(colocated)["r"]
+    sender, receiver = AsyncEngine(engine(tiny_model_dir)), AsyncEngine(engine(tiny_model_dir))
+
+    async def main() -> None:
+        gen = GenerationRequest("r", prompt_token_ids=PROMPTS[0], sampling_params=PARAMS)
+        transfer = await sender.prefill(gen)
+        tokens = [t async for out in receiver.generate_from_kv(gen, transfer) for t in out.outputs[0].delta_token_ids]
+        assert tokens == want
+        broken = dataclasses.replace(transfer, pages=transfer.pages[1:])
+        with pytest.raises(KVTransferError):
+            async for _ in receiver.generate_from_kv(dataclasses.replace(gen, request_id="b"), broken):
+                pass
+        early = dataclasses.replace(gen, request_id="early")
+        async for _ in receiver.generate_from_kv(early, await sender.prefill(early)):
+            break  # the consumer leaves after the first token: the request is aborted
+
+    try:
+        asyncio.run(main())
+        deadline = time.monotonic() + 5  # the engine threads apply the abort between steps
+        while receiver.stats()["kv_blocks_used"] or sender.stats()["kv_blocks_used"]:
+            assert time.monotonic() < deadline, (receiver.stats(), sender.stats())
+    finally:
+        sender.shutdown()
+        receiver.shutdown()

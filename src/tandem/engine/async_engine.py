@@ -13,14 +13,16 @@ and its KV blocks are freed before the next step runs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from tandem.engine.engine import LLMEngine
+from tandem.engine.kv_transfer import KVTransfer
 from tandem.engine.protocol import GenerationRequest, RequestOutput, merge_deltas
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.tokenizer import Tokenizer
@@ -41,6 +43,8 @@ class AsyncEngine:
         self._cv = threading.Condition()
         self._pending_adds: list[tuple[tuple[Request, str | None], _Stream]] = []
         self._pending_aborts: list[str] = []
+        # Work on the engine itself (KV hand-over), run by the loop thread between steps.
+        self._pending_calls: list[tuple[Callable[[LLMEngine], Any], asyncio.Future[Any]]] = []
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
         self._broken = False  # a failure no single request explained: health checks fail from then on
@@ -79,10 +83,85 @@ class AsyncEngine:
                 )
             self._pending_adds.append((prepared, stream))
             self._cv.notify()
+        async for output in self._stream_outputs(request.request_id, stream, stream_interval):
+            yield output
+
+    async def prefill(self, request: GenerationRequest, cache_dtype: str | None = None) -> KVTransfer:
+        """Compute the prompt and first token here and return its KV pages (`LLMEngine.export_kv`)
+        for a decode engine; this engine's blocks are free when it returns."""
+        prepared_request, prompt = self.engine.make_request(request)
+        prepared_request.sampling_params = dataclasses.replace(
+            prepared_request.sampling_params, max_tokens=1, speculative=False
+        )
+        prepared_request.hold_kv = True
+        last: RequestOutput | None = None
+        async for output in self._start((prepared_request, prompt)):
+            last = output
+        assert last is not None and last.finished
+        if last.outputs[0].finish_reason == "error":
+            raise RequestFailedError(last.error or "the prefill failed", code=last.error_code or "request_failed")
+        return cast(KVTransfer, await self._call(lambda engine: engine.export_kv(request.request_id, cache_dtype)))
+
+    async def generate_from_kv(
+        self, request: GenerationRequest, transfer: KVTransfer, stream_interval: int = 1
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """`generate` for a request whose prompt KV another engine computed (`prefill`): the
+        transfer is verified and imported (a bad one raises here), then decoding streams on."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+
+        def add(engine: LLMEngine) -> RequestOutput:
+            first = engine.add_request_with_kv(request, transfer, stream_text=True)
+            if not first.finished:
+                self._streams[request.request_id] = stream
+            return first
+
+        try:
+            first = cast(RequestOutput, await self._call(add))
+        except asyncio.CancelledError:  # the add may have happened meanwhile: undo it
+            self.abort(request.request_id)
+            raise
+        streaming = False
+        try:
+            yield first
+            if first.finished:
+                return
+            streaming = True  # from here `_stream_outputs` aborts the request if we are left
+            async for output in self._stream_outputs(request.request_id, stream, stream_interval, num_yielded=1):
+                yield output
+        finally:
+            if not streaming and not first.finished:
+                self.abort(request.request_id)
+
+    async def _start(self, prepared: tuple[Request, str | None]) -> AsyncGenerator[RequestOutput, None]:
+        """Queue a prepared request and stream its outputs (one per step)."""
+        request = prepared[0]
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._cv:
+            if self._stopped or self._broken:
+                raise ServiceUnavailableError("this engine is shut down or being replaced; retry the request")
+            self._pending_adds.append((prepared, stream))
+            self._cv.notify()
+        async for output in self._stream_outputs(request.request_id, stream, 1):
+            yield output
+
+    async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` in the loop thread between steps; its result, or its exception."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        with self._cv:
+            if self._stopped or self._broken:
+                raise ServiceUnavailableError("this engine is shut down or being replaced; retry the request")
+            self._pending_calls.append((fn, future))
+            self._cv.notify()
+        return await future
+
+    async def _stream_outputs(
+        self, request_id: str, stream: _Stream, stream_interval: int, num_yielded: int = 0
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The consumer side of a stream: coalesce, hold back to `stream_interval`, and abort the
+        request when the consumer leaves early."""
         finished = False
         pending: RequestOutput | BaseException | None = None
         held: RequestOutput | None = None  # not yielded yet: fewer than stream_interval new tokens
-        num_yielded = 0
         try:
             while True:
                 item = pending if pending is not None else await stream.queue.get()
@@ -111,7 +190,7 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self.abort(request.request_id)
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         with self._cv:
@@ -148,6 +227,7 @@ class AsyncEngine:
                     self._stopped
                     or self._pending_adds
                     or self._pending_aborts
+                    or self._pending_calls
                     or engine.has_unfinished_requests()
                 ):
                     self._cv.wait()
@@ -157,12 +237,23 @@ class AsyncEngine:
                     self._gather_burst()
                 adds, self._pending_adds = self._pending_adds, []
                 aborts, self._pending_aborts = self._pending_aborts, []
+                calls, self._pending_calls = self._pending_calls, []
+            self._run_calls(calls)
             try:
                 self._iterate(adds, aborts)
             except Exception:  # nothing runs on an engine that failed this way
                 self._break()
                 break
         self._fail_all(ServiceUnavailableError("the engine was shut down; retry the request"))
+
+    def _run_calls(self, calls: list[tuple[Callable[[LLMEngine], Any], asyncio.Future[Any]]]) -> None:
+        for fn, future in calls:
+            try:
+                result: Any = fn(self.engine)
+            except Exception as exc:  # the caller's error (a bad transfer): raised in its task
+                future.get_loop().call_soon_threadsafe(_settle, future, None, exc)
+                continue
+            future.get_loop().call_soon_threadsafe(_settle, future, result, None)
 
     def _break(self) -> None:
         """Called from an `except` block in the loop thread: a failure that no single request
@@ -172,6 +263,11 @@ class AsyncEngine:
         with self._cv:
             self._broken = True
             adds, self._pending_adds = self._pending_adds, []
+            calls, self._pending_calls = self._pending_calls, []
+        for _, future in calls:
+            future.get_loop().call_soon_threadsafe(
+                _settle, future, None, ServiceUnavailableError("this engine failed; retry the request")
+            )
         error = RequestFailedError(
             "the engine serving this request failed and is being replaced; retry the request",
             code="engine_failed",
@@ -244,3 +340,12 @@ class AsyncEngine:
                 )
             self._send(request_id, stream, exc)
         self._streams.clear()
+
+
+def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled meanwhile
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
