@@ -506,3 +506,28 @@ def test_print_config_round_trips_through_serve_run(ray_serve: str, tmp_path: Pa
         check_openai_client(f"{ray_serve}/printed")
     finally:
         serve.delete("tandem-printed")
+
+
+def test_disaggregated_mode_answers_as_colocated(served: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Prefill replica -> verified KV hand-over -> decode replica, with the same weights and cache
+    dtype on both: greedy answers equal the colocated app's, streamed and not; the prefill side's
+    blocks are all free afterwards."""
+    from ray import serve
+
+    same = {"weight_dtype": "auto", "kv_cache_dtype": "auto", "speculative": None}
+    deploy(tmp_path_factory, "tandem-pd", "/pd", mode="disaggregated", engine=same)
+    try:
+        colocated = openai.OpenAI(base_url=f"{served}/v1", api_key=KEY, max_retries=0)
+        disaggregated = openai.OpenAI(base_url=f"{served}/pd/v1", api_key=KEY, max_retries=0)
+        for prompt in ("The quick brown fox", "Paged attention " * 20):
+            kwargs = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+            want = colocated.completions.create(**kwargs).choices[0].text
+            assert disaggregated.completions.create(**kwargs).choices[0].text == want
+            streamed = "".join(
+                c.choices[0].text for c in disaggregated.completions.create(stream=True, **kwargs) if c.choices
+            )
+            assert streamed == want
+        prefill_stats = serve.get_deployment_handle("PrefillReplica", app_name="tandem-pd").stats.remote().result()
+        assert prefill_stats["num_steps"] >= 4 and prefill_stats["kv_blocks_used"] == 0  # it computed the prompts
+    finally:
+        serve.delete("tandem-pd")

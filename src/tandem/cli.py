@@ -86,6 +86,7 @@ def _app_args(args: argparse.Namespace) -> dict[str, Any]:
         "engine": engine,
         "keys_file": args.keys_file,
         "num_replicas": args.num_replicas,
+        "mode": args.mode,
         "stream_interval": args.stream_interval,
         "replica_num_cpus": 0 if args.address is None else 1,
         "object_store": args.object_store or "file://" + os.path.join(os.path.abspath(args.data_dir), "objects"),
@@ -209,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
         "with {tenant} in it (e.g. s3://adapters/{tenant}/); repeatable; default: none (uploads only)",
     )
     srv.add_argument("--num-replicas", type=int, default=1)
+    srv.add_argument(
+        "--mode",
+        choices=["colocated", "disaggregated"],
+        default="colocated",
+        help="disaggregated: a prefill replica computes prompts and hands their KV to the LLM replicas",
+    )
     srv.add_argument(
         "--print-config",
         action="store_true",

@@ -7,7 +7,7 @@ import contextlib
 import os
 from collections.abc import AsyncGenerator
 from dataclasses import asdict
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
@@ -22,7 +22,13 @@ from tandem.deployments.batch_worker import BatchWorkerReplica
 from tandem.deployments.fleet import FLEET_STATE_DEPLOYMENT, FleetState, FleetTenantLimiter
 from tandem.deployments.ingress import create_app, install_server
 from tandem.deployments.openai_server import EngineClient, OpenAIServer
-from tandem.deployments.replicas import LLM_DEPLOYMENT, LLMReplica
+from tandem.deployments.replicas import (
+    LLM_DEPLOYMENT,
+    PREFILL_DEPLOYMENT,
+    DecodeReplica,
+    LLMReplica,
+    PrefillReplica,
+)
 from tandem.deployments.routing import RoutingConfig
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.config import EngineConfig
@@ -39,6 +45,17 @@ class AppConfig(BaseModel):
     engine: EngineConfig = Field(
         default_factory=lambda: EngineConfig.model_validate({}), description="The LLM replicas' engine"
     )
+    mode: Literal["colocated", "disaggregated"] = Field(
+        "colocated",
+        description="'disaggregated': prompts are computed by a pool of prefill replicas (16-bit) and "
+        "handed, verified, to the LLM replicas, which decode (INT4 + FP8 by default)",
+    )
+    prefill_engine: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Disaggregated mode: EngineConfig fields of the prefill replicas that differ from "
+        "`engine` (model and served name always come from `engine`)",
+    )
+    num_prefill_replicas: int = Field(1, ge=1, description="Disaggregated mode: prefill replicas")
     api_keys: str | None = Field(None, description="'key=tenant,...'; default: $TANDEM_API_KEYS")
     keys_file: str | None = Field(None, description="file of key=tenant lines")
     max_concurrent_requests_per_tenant: int | None = None
@@ -293,8 +310,23 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         .options(num_replicas=1, ray_actor_options={"num_cpus": 0})
         .bind(max(10.0, 5 * cfg.routing.stats_period_s))
     )
-    replica = serve.deployment(name=LLM_DEPLOYMENT)(LLMReplica).options(**replica_options(cfg))
-    llm = replica.bind(replica_engine_options(cfg), None, cfg.object_store, cfg.stream_interval, fleet)
+    engine_options = replica_engine_options(cfg)
+    if cfg.mode == "disaggregated":
+        prefill_options = {**engine_options, **cfg.prefill_engine, "enable_lora": False}
+        prefill = (
+            serve.deployment(name=PREFILL_DEPLOYMENT)(PrefillReplica)
+            .options(
+                num_replicas=cfg.num_prefill_replicas,
+                ray_actor_options={"num_cpus": cfg.replica_num_cpus},
+                max_ongoing_requests=cfg.max_ongoing_requests,
+            )
+            .bind(prefill_options)
+        )
+        decode = serve.deployment(name=LLM_DEPLOYMENT)(DecodeReplica).options(**replica_options(cfg))
+        llm = decode.bind(prefill, engine_options, cfg.object_store, cfg.stream_interval, fleet)
+    else:
+        replica = serve.deployment(name=LLM_DEPLOYMENT)(LLMReplica).options(**replica_options(cfg))
+        llm = replica.bind(engine_options, None, cfg.object_store, cfg.stream_interval, fleet)
     ingress = cast(serve.Deployment, OpenAIIngress).options(
         num_replicas=cfg.ingress_num_replicas,
         ray_actor_options={"num_cpus": 0},

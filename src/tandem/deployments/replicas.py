@@ -20,10 +20,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from tandem.deployments.adapters import AdapterStore, load_into_engine
+from tandem.engine.kv_transfer import KVTransfer
 from tandem.engine.protocol import GenerationRequest, RequestOutput
+from tandem.platform.errors import ServiceUnavailableError
 from tandem.platform.object_store import open_object_store
 
 if TYPE_CHECKING:  # the engine (and torch) loads in the replica's process only, not in the ingress's
@@ -123,3 +126,67 @@ class LLMReplica:
 
 def _load_figures(stats: dict[str, Any]) -> dict[str, float]:
     return {key: float(stats[key]) for key in ("kv_occupancy", "num_waiting", "num_running")}
+
+
+# The Serve deployment name of the prefill replicas (disaggregated mode).
+PREFILL_DEPLOYMENT = "PrefillReplica"
+
+
+class PrefillReplica:
+    """Computes prompts for decode replicas (disaggregated mode): the prompt's KV and first token,
+    returned as a verified `KVTransfer` in the decode cache's dtype. Its blocks are freed when the
+    transfer is built (or when the hold lease runs out, if the caller went away)."""
+
+    def __init__(self, engine_options: dict[str, Any] | None = None) -> None:
+        from tandem.engine.async_engine import AsyncEngine
+
+        self.engine = AsyncEngine.from_options(**{"role": "prefill", **(engine_options or {})})
+
+    async def prefill(self, request: GenerationRequest, cache_dtype: str | None = None) -> KVTransfer:
+        return await self.engine.prefill(request, cache_dtype)
+
+    async def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return _load_figures(self.engine.stats())
+
+    def check_health(self) -> None:
+        if not self.engine.is_alive():
+            raise RuntimeError("engine loop thread has stopped")
+
+
+class DecodeReplica(LLMReplica):
+    """An `LLMReplica` whose prompts a prefill replica computes (disaggregated mode): it asks the
+    prefill pool for the prompt's KV in its own cache dtype, imports it (verified) and decodes.
+    A prefill replica that fails or dies is retried once on another; a LoRA request is computed
+    here whole (prefill replicas hold no adapters)."""
+
+    def __init__(
+        self,
+        prefill: DeploymentHandle,
+        engine_options: dict[str, Any] | None = None,
+        object_store: str | None = None,
+        stream_interval: int = 1,
+        fleet: DeploymentHandle | None = None,
+    ) -> None:
+        super().__init__({"role": "decode", **(engine_options or {})}, None, object_store, stream_interval, fleet)
+        self.prefill = prefill
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        if request.lora_name is not None:
+            async for output in super().stream(request):
+                yield output
+            return
+        cache_dtype = self.engine.engine.kv_cache_dtype
+        for attempt in range(2):
+            try:
+                transfer = await self.prefill.prefill.remote(request, cache_dtype)
+                break
+            except RayActorError as exc:
+                if attempt == 1:
+                    raise ServiceUnavailableError(
+                        "the prefill replicas failed twice for this request; retry it", code="prefill_failed"
+                    ) from exc
+        async for output in self.engine.generate_from_kv(request, transfer, self.stream_interval):
+            yield output
