@@ -27,7 +27,7 @@ from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import KVCacheSpec, ModelRunner, allocate_kv_caches
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.speculative import SpeculationSettings
-from tandem.engine.step import RunnerResult, ScheduledRequest, SchedulerOutput
+from tandem.engine.step import RequestUpdate, RunnerResult, ScheduledRequest, SchedulerOutput
 from tandem.engine.tokenizer import Tokenizer
 from tandem.platform.config import EngineConfig
 from tandem.platform.errors import (
@@ -448,16 +448,7 @@ class LLMEngine:
             [ScheduledRequest(request.request_id, [], num_prompt, block_ids, True, request.sampling_params, [], False)],
             0,
         )
-        updates = self.scheduler.update_from_output(handed, result)
-        outputs, stopped_ids = self.output_processor.process(updates)
-        for update in updates:
-            if update.finished:
-                self._release(update.request)
-        for request_id in stopped_ids:
-            stopped = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
-            if stopped is not None:
-                self._release(stopped)
-        return outputs[0]
+        return self._outputs(self.scheduler.update_from_output(handed, result))[0]
 
     def _release(self, request: Request) -> None:
         if request.lora_name is not None and self.lora is not None:
@@ -500,7 +491,15 @@ class LLMEngine:
             scheduled.num_scheduled_tokens, num_rows, time.perf_counter() - started_wall
         )
         aborted += self._fail_requests(result, len(scheduled.scheduled))
-        updates = self.scheduler.update_from_output(scheduled, result)
+        outputs = self._outputs(self.scheduler.update_from_output(scheduled, result))
+        self.num_steps += 1
+        self.step_wall_s += time.perf_counter() - started_wall
+        self.step_thread_cpu_s += time.thread_time() - started_cpu
+        return aborted + outputs
+
+    def _outputs(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
+        """Outputs for applied updates; requests that finished (a stop token, length, or a stop
+        string the output processor found) give back their adapter and blocks."""
         outputs, stopped_ids = self.output_processor.process(updates)
         for update in updates:
             if update.finished:
@@ -509,10 +508,7 @@ class LLMEngine:
             stopped = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
             if stopped is not None:
                 self._release(stopped)
-        self.num_steps += 1
-        self.step_wall_s += time.perf_counter() - started_wall
-        self.step_thread_cpu_s += time.thread_time() - started_cpu
-        return aborted + outputs
+        return outputs
 
     def _fail_requests(self, result: RunnerResult, num_scheduled: int) -> list[RequestOutput]:
         """End the requests the runner could not compute, before their step's results are applied
