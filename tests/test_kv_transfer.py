@@ -139,3 +139,63 @@ def test_async_engines_hand_over_and_stream(tiny_model_dir: Path) -> None:
     finally:
         sender.shutdown()
         receiver.shutdown()
+
+
+class FlakyPrefillPool:
+    """Stands in for the prefill deployment's handle: its first `num_deaths` calls fail as a dead
+    replica does (`ActorDiedError`), the rest reach a real prefill engine."""
+
+    def __init__(self, replica: object, num_deaths: int) -> None:
+        self.replica, self.num_deaths, self.num_calls = replica, num_deaths, 0
+        self.prefill = self
+
+    async def _call(self, request: GenerationRequest, cache_dtype: str | None) -> KVTransfer:
+        from ray.exceptions import ActorDiedError
+
+        self.num_calls += 1
+        if self.num_calls <= self.num_deaths:
+            raise ActorDiedError()
+        return await self.replica.prefill(request, cache_dtype)  # type: ignore[attr-defined]
+
+    def remote(self, request: GenerationRequest, cache_dtype: str | None) -> object:
+        return self._call(request, cache_dtype)
+
+
+@pytest.mark.parametrize("num_deaths", [1, 2])
+def test_a_dead_prefill_replica_is_retried_once_then_the_request_fails_clearly(
+    tiny_model_dir: Path, num_deaths: int
+) -> None:
+    """The decode replica's orchestration (no Ray needed: the handle is faked): one prefill
+    replica dying is retried on another and the answer is right; two in a row fail the request
+    with a 503 `prefill_failed`. Blocks return to baseline on both sides either way."""
+    import asyncio
+
+    from tandem.deployments.replicas import DecodeReplica, PrefillReplica
+    from tandem.platform.errors import ServiceUnavailableError
+
+    options = {"model": str(tiny_model_dir), "kv_cache_memory": 4 << 20, "block_size": 4, "speculative": None}
+    colocated = engine(tiny_model_dir)
+    colocated.add_request(GenerationRequest("r", prompt_token_ids=PROMPTS[0], sampling_params=PARAMS))
+    want = run(colocated)["r"]
+    prefill = PrefillReplica({**options, "weight_dtype": "auto", "kv_cache_dtype": "auto"})
+    pool = FlakyPrefillPool(prefill, num_deaths)
+    decode = DecodeReplica(pool, {**options, "weight_dtype": "auto", "kv_cache_dtype": "auto"})  # type: ignore[arg-type]
+
+    async def main() -> list[int]:
+        gen = GenerationRequest("r", prompt_token_ids=PROMPTS[0], sampling_params=PARAMS)
+        return [t async for out in decode.stream(gen) for t in out.outputs[0].delta_token_ids]
+
+    try:
+        if num_deaths == 1:
+            assert asyncio.run(main()) == want
+        else:
+            with pytest.raises(ServiceUnavailableError) as info:
+                asyncio.run(main())
+            assert info.value.code == "prefill_failed"
+        assert pool.num_calls == 2
+        deadline = time.monotonic() + 5
+        while decode.engine.stats()["kv_blocks_used"] or prefill.engine.stats()["kv_blocks_used"]:
+            assert time.monotonic() < deadline
+    finally:
+        decode.engine.shutdown()
+        prefill.engine.shutdown()
