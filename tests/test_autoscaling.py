@@ -116,3 +116,47 @@ def test_serve_config_file_is_a_valid_app() -> None:
         assert config["applications"][0][key] == printed[key], key
     with pytest.raises(ValueError, match="direct_streaming"):
         AppConfig(**{**args, "direct_streaming": True})  # that wiring is gone: refused, not ignored
+
+
+def test_prefill_replicas_follow_queued_prompt_tokens() -> None:
+    """Disaggregated mode: the prefill pool scales on the prompt tokens its engines have yet to
+    compute (summed over replicas), within its bounds; the app hands Serve a policy it accepts."""
+    from ray.serve.config import AutoscalingConfig
+
+    from tandem.deployments.app import AppConfig, prefill_replica_options
+    from tandem.deployments.autoscaling import PrefillQueuePolicy
+
+    policy = PrefillQueuePolicy(target_prompt_tokens_per_replica=1000, max_replicas=4)
+
+    def wanted(queued: dict[str, float], low: int = 1, high: int = 4) -> int:
+        ctx = SimpleNamespace(
+            aggregated_metrics={"queued_prompt_tokens": queued},
+            current_num_replicas=len(queued),
+            capacity_adjusted_min_replicas=low,
+            capacity_adjusted_max_replicas=high,
+            policy_state={},
+        )
+        return policy(ctx)[0]
+
+    assert wanted({"p1": 0.0}) == 1  # idle: the floor
+    assert wanted({"p1": 1500.0, "p2": 900.0}) == 3  # 2400 queued tokens
+    assert wanted({"p1": 99_000.0}) == 4  # the ceiling
+    options = prefill_replica_options(
+        AppConfig(mode="disaggregated", prefill_autoscaling={"target_prompt_tokens_per_replica": 2048, "max_replicas": 3})
+    )
+    config = AutoscalingConfig(**options["autoscaling_config"])
+    assert (config.min_replicas, config.max_replicas) == (1, 3) and "num_replicas" not in options
+    assert config.policy.policy_kwargs["target_prompt_tokens_per_replica"] == 2048
+    assert prefill_replica_options(AppConfig(mode="disaggregated", num_prefill_replicas=2))["num_replicas"] == 2
+
+
+def test_engine_reports_its_prefill_backlog(tiny_llm) -> None:  # type: ignore[no-untyped-def]
+    from tandem import GenerationRequest, SamplingParams
+
+    engine = tiny_llm.engine
+    assert engine.stats()["queued_prompt_tokens"] == 0
+    engine.add_request(GenerationRequest("backlog", prompt_token_ids=[5] * 40, sampling_params=SamplingParams(max_tokens=2)))
+    assert engine.stats()["queued_prompt_tokens"] == 40
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats()["queued_prompt_tokens"] == 0

@@ -17,7 +17,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from tandem.batch.service import BatchLimits, BatchService
 from tandem.deployments.adapters import AdapterStore, check_source_prefix
-from tandem.deployments.autoscaling import AutoscalingConfig, BatchQueueTargets
+from tandem.deployments.autoscaling import AutoscalingConfig, BatchQueueTargets, PrefillQueueTargets
 from tandem.deployments.batch_worker import BatchWorkerReplica
 from tandem.deployments.fleet import FLEET_STATE_DEPLOYMENT, FleetState, FleetTenantLimiter
 from tandem.deployments.ingress import create_app, install_server
@@ -56,6 +56,11 @@ class AppConfig(BaseModel):
         "`engine` (model and served name always come from `engine`)",
     )
     num_prefill_replicas: int = Field(1, ge=1, description="Disaggregated mode: prefill replicas")
+    prefill_autoscaling: PrefillQueueTargets | None = Field(
+        None,
+        description="Disaggregated mode: when set, the prefill replicas scale on queued prompt tokens "
+        "(target_prompt_tokens_per_replica, min_replicas, max_replicas) instead of num_prefill_replicas",
+    )
     api_keys: str | None = Field(None, description="'key=tenant,...'; default: $TANDEM_API_KEYS")
     keys_file: str | None = Field(None, description="file of key=tenant lines")
     max_concurrent_requests_per_tenant: int | None = None
@@ -262,6 +267,29 @@ def replica_options(cfg: AppConfig) -> dict[str, Any]:
     return options
 
 
+def prefill_replica_options(cfg: AppConfig) -> dict[str, Any]:
+    """Serve options of the `PrefillReplica` deployment (disaggregated mode): a fixed count, or
+    scaling on queued prompt tokens with Serve's delays as the LLM replicas have them."""
+    options: dict[str, Any] = {
+        "ray_actor_options": {"num_cpus": cfg.replica_num_cpus},
+        "max_ongoing_requests": cfg.max_ongoing_requests,
+    }
+    targets = cfg.prefill_autoscaling
+    if targets is None:
+        options["num_replicas"] = cfg.num_prefill_replicas
+        return options
+    options["autoscaling_config"] = {
+        "min_replicas": targets.min_replicas,
+        "max_replicas": targets.max_replicas,
+        **(cfg.autoscaling or AutoscalingConfig()).serve_delays(),
+        "policy": {
+            "policy_function": "tandem.deployments.autoscaling:PrefillQueuePolicy",
+            "policy_kwargs": asdict(targets),
+        },
+    }
+    return options
+
+
 def replica_engine_options(cfg: AppConfig) -> dict[str, Any]:
     """Engine options for replicas. Ray sets OMP_NUM_THREADS to an actor's CPUs (1 when it
     reserves none), which silently halves a CPU replica on 2 cores; so the thread count is
@@ -315,11 +343,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         prefill_options = {**engine_options, **cfg.prefill_engine, "enable_lora": False}
         prefill = (
             serve.deployment(name=PREFILL_DEPLOYMENT)(PrefillReplica)
-            .options(
-                num_replicas=cfg.num_prefill_replicas,
-                ray_actor_options={"num_cpus": cfg.replica_num_cpus},
-                max_ongoing_requests=cfg.max_ongoing_requests,
-            )
+            .options(**prefill_replica_options(cfg))
             .bind(prefill_options)
         )
         decode = serve.deployment(name=LLM_DEPLOYMENT)(DecodeReplica).options(**replica_options(cfg))

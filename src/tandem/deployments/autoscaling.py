@@ -103,6 +103,36 @@ class BatchQueuePolicy:
         return desired_batch_workers(max(reported, default=0.0), bounds), dict(ctx.policy_state or {})
 
 
+@dataclass(frozen=True)
+class PrefillQueueTargets:
+    target_prompt_tokens_per_replica: float = 4096.0
+    min_replicas: int = 1
+    max_replicas: int = 4
+
+
+def desired_prefill_replicas(queued_prompt_tokens: list[float], targets: PrefillQueueTargets) -> int:
+    """Prefill replicas wanted for the prompt tokens their engines have yet to compute (summed
+    over replicas): prefill is compute-bound, so the queue of prompt tokens is its load."""
+    desired = math.ceil(sum(queued_prompt_tokens) / targets.target_prompt_tokens_per_replica - 1e-9)
+    return min(max(desired, targets.min_replicas), targets.max_replicas)
+
+
+class PrefillQueuePolicy:
+    """Serve policy for `PrefillReplica` (disaggregated mode), on `queued_prompt_tokens`."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.targets = PrefillQueueTargets(**kwargs)
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        queued = [float(v) for v in (ctx.aggregated_metrics or {}).get("queued_prompt_tokens", {}).values()]
+        bounds = PrefillQueueTargets(
+            self.targets.target_prompt_tokens_per_replica,
+            ctx.capacity_adjusted_min_replicas,
+            ctx.capacity_adjusted_max_replicas,
+        )
+        return desired_prefill_replicas(queued, bounds), dict(ctx.policy_state or {})
+
+
 class AutoscalingConfig(BaseModel):
     """`AppConfig.autoscaling`: the LLM replicas' policy targets (`ScalingTargets`, whose defaults
     these are) and Serve's delays around any policy."""

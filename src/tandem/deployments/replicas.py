@@ -149,7 +149,8 @@ class PrefillReplica:
         return self.engine.stats()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        return _load_figures(self.engine.stats())
+        """What `PrefillQueuePolicy` scales on."""
+        return {"queued_prompt_tokens": float(self.engine.stats()["queued_prompt_tokens"])}
 
     def check_health(self) -> None:
         if not self.engine.is_alive():

@@ -592,6 +592,7 @@ class LLMEngine:
             "block_size": self.kv_manager.block_size,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
+            "queued_prompt_tokens": self.scheduler.num_uncomputed_prompt_tokens(),
             "num_preemptions": self.scheduler.num_preemptions_total,
             "max_model_len": self.max_model_len,
             "num_steps": self.num_steps,

@@ -146,6 +146,12 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def num_uncomputed_prompt_tokens(self) -> int:
+        """Prompt tokens of live requests whose KV is not computed yet (the prefill backlog)."""
+        return sum(
+            max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in (*self.waiting, *self.running)
+        )
+
     @property
     def num_running(self) -> int:
         return len(self.running)
