@@ -433,3 +433,33 @@ def test_max_tokens_beyond_the_context_is_refused_and_a_default_fits(
     default = client.completions.create(model="tiny", prompt=prompt, extra_body={"ignore_eos": True})
     assert default.choices[0].finish_reason == "length"
     assert default.usage is not None and default.usage.completion_tokens == 12
+
+
+def test_a_stream_closed_before_its_first_event_frees_the_slot_and_the_request(engine) -> None:  # type: ignore[no-untyped-def]
+    """A client gone before the response started: the events were never iterated, and closing
+    them still gives the tenant's slot back and ends the engine request."""
+    import asyncio
+
+    from tandem.deployments.adapters import LocalEngineClient
+    from tandem.deployments.openai_server import OpenAIServer
+    from tandem.platform.openai_schemas import CompletionRequest
+    from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys
+
+    tenants = TenantRegistry(parse_keys("k=acme"), TenantLimits(max_concurrent_requests=1))
+    server = OpenAIServer(LocalEngineClient(engine), tenants)
+    body = CompletionRequest.model_validate(
+        {"model": engine.model_name, "prompt": "x", "max_tokens": 500, "stream": True, "ignore_eos": True}
+    )
+
+    async def main() -> None:
+        events = await server.completions(body, "acme")
+        await events.aclose()  # never iterated
+        again = await server.completions(body, "acme")  # the one slot is free again
+        await again.aclose()
+
+    asyncio.run(main())
+    import time
+
+    deadline = time.monotonic() + 5  # the engine thread applies the aborts between steps
+    while engine.stats()["num_running"] or engine.stats()["num_waiting"]:
+        assert time.monotonic() < deadline, engine.stats()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from tandem.batch.service import BatchService
@@ -298,7 +298,7 @@ class OpenAIServer:
             timing.engine_queue_s = first.metrics.phase_durations().get("queue")
             timing.engine_ttft_s = first.metrics.ttft
         if stream:
-            return self._sse(
+            events = self._sse(
                 gen,
                 tenant,
                 first,
@@ -307,6 +307,12 @@ class OpenAIServer:
                 include_usage=include_usage,
                 times=(started, started_ns, first_at),
             )
+
+            async def close_unstarted() -> None:  # what `_sse`'s own `finally` would have done
+                self.limiter.release(tenant, 0)
+                await outputs.aclose()
+
+            return _Events(events, close_unstarted)
         last = first
         try:
             async for out in outputs:
@@ -350,7 +356,7 @@ class OpenAIServer:
         chat: bool,
         include_usage: bool,
         times: tuple[float, int, float],  # started (monotonic), started (ns since epoch), first output
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         created = now()
         last = first
         try:
@@ -419,3 +425,25 @@ class OpenAIServer:
             if last.finished:
                 self._record(gen, tenant, last, *times)
         yield "data: [DONE]\n\n"  # after an error event too: every stream ends the same way
+
+
+class _Events:
+    """A started request's SSE events. An async generator closed before its first step never runs
+    its `finally`: closing this one before the first event (a client gone before the response
+    started) still closes the engine stream and gives the tenant's slot back."""
+
+    def __init__(self, events: AsyncGenerator[str, None], close_unstarted: Callable[[], Awaitable[None]]) -> None:
+        self.events, self.close_unstarted, self.started = events, close_unstarted, False
+
+    def __aiter__(self) -> _Events:
+        return self
+
+    async def __anext__(self) -> str:
+        self.started = True
+        return await self.events.__anext__()
+
+    async def aclose(self) -> None:
+        if not self.started:
+            self.started = True  # once
+            await self.close_unstarted()
+        await self.events.aclose()
