@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tandem.deployments.fleet import FleetState
@@ -53,3 +55,52 @@ def test_replicas_that_stop_reporting_drop_out(monkeypatch: pytest.MonkeyPatch) 
     assert set(state.snapshot()) == {"r1", "r2"}
     clock[0] += 3
     assert state.snapshot() == {"r2": {"kv_occupancy": 0.1}}
+
+
+class SlowFleetHandle:
+    """A `FleetState` behind a fake deployment handle whose answers take `delay_s`."""
+
+    def __init__(self, state: FleetState, delay_s: float) -> None:
+        self.state, self.delay_s = state, delay_s
+
+    def __getattr__(self, method: str) -> object:
+        state, delay_s = self.state, self.delay_s
+
+        class Method:
+            def remote(self, *args: object) -> object:
+                async def call() -> object:
+                    await asyncio.sleep(delay_s)  # the round trip to the fleet's replica
+                    return getattr(state, method)(*args)
+
+                return asyncio.ensure_future(call())
+
+        return Method()
+
+
+def test_a_caller_cancelled_while_the_fleet_admits_it_gives_the_slot_back() -> None:
+    """A client gone while its admission was in flight: the slot the fleet granted meanwhile is
+    released when the answer arrives, so the tenant is not left a slot short."""
+    from tandem.deployments.fleet import FleetTenantLimiter
+    from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys
+
+    state = FleetState()
+    limiter = FleetTenantLimiter(
+        SlowFleetHandle(state, 0.05), TenantRegistry(parse_keys("k=acme"), TenantLimits(max_concurrent_requests=1))  # type: ignore[arg-type]
+    )
+
+    async def main() -> None:
+        admission = asyncio.ensure_future(limiter.acquire("acme"))
+        await asyncio.sleep(0)  # the request is on its way
+        admission.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await admission
+        seen = []  # the fleet's admission lands, then the release: in-flight counts 1, then 0
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            seen.append(state._usage.in_flight("acme"))
+            if 1 in seen and seen[-1] == 0:
+                break
+        assert 1 in seen and seen[-1] == 0, seen
+        await limiter.acquire("acme")  # the one slot is free
+
+    asyncio.run(main())

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from ray.serve.handle import DeploymentHandle
 
@@ -93,15 +93,31 @@ class FleetTenantLimiter:
         limits = self.tenants.limits_for(tenant)
         if limits.max_concurrent_requests is None and limits.tokens_per_minute is None:
             return  # nothing to enforce: no round trip
-        refusal = await self.fleet.acquire.remote(
-            tenant, limits.max_concurrent_requests, limits.tokens_per_minute, self.owner
-        )
+        async def ask() -> tuple[str, float, str] | None:
+            return cast(
+                "tuple[str, float, str] | None",
+                await self.fleet.acquire.remote(tenant, limits.max_concurrent_requests, limits.tokens_per_minute, self.owner),
+            )
+
+        call = asyncio.ensure_future(ask())
+        try:
+            refusal = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # The caller went away while the fleet admitted it, perhaps: a slot granted after that
+            # is given back as soon as the answer arrives.
+            call.add_done_callback(lambda done: self._give_back_late(done, tenant))
+            raise
         if refusal is not None:
             message, retry_after_s, code = refusal
             raise RateLimitError(message, retry_after_s=retry_after_s, code=code)
         self.num_held += 1
         if self._heartbeat is None or self._heartbeat.done():
             self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
+
+    def _give_back_late(self, done: asyncio.Future[tuple[str, float, str] | None], tenant: str) -> None:
+        if not done.cancelled() and done.exception() is None and done.result() is None:
+            self.num_held += 1
+            self.release(tenant, 0)
 
     def release(self, tenant: str, num_tokens: int) -> None:
         """Send the release on its own task: the caller may be being cancelled (a client that
