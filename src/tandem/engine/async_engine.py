@@ -13,7 +13,6 @@ and its KV blocks are freed before the next step runs.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
@@ -89,13 +88,8 @@ class AsyncEngine:
     async def prefill(self, request: GenerationRequest, cache_dtype: str | None = None) -> KVTransfer:
         """Compute the prompt and first token here and return its KV pages (`LLMEngine.export_kv`)
         for a decode engine; this engine's blocks are free when it returns."""
-        prepared_request, prompt = self.engine.make_request(request)
-        prepared_request.sampling_params = dataclasses.replace(
-            prepared_request.sampling_params, max_tokens=1, speculative=False
-        )
-        prepared_request.hold_kv = True
         last: RequestOutput | None = None
-        async for output in self._start((prepared_request, prompt)):
+        async for output in self._start(self.engine.make_prefill_request(request)):
             last = output
         assert last is not None and last.finished
         if last.outputs[0].finish_reason == "error":

@@ -373,13 +373,17 @@ class LLMEngine:
         return request
 
     # -- KV hand-over (kv_transfer.py) ----------------------------------------------------------
-    def add_prefill_request(self, gen: GenerationRequest) -> Request:
-        """Queue `gen` to compute its prompt and sample one token here, keeping its KV blocks for
-        `export_kv` (or until `kv_hold_ttl_s` passes)."""
+    def make_prefill_request(self, gen: GenerationRequest) -> tuple[Request, str | None]:
+        """`make_request` for a prefill: compute the prompt, sample one token, and keep the KV
+        blocks for `export_kv` (or until `kv_hold_ttl_s` passes)."""
         request, prompt = self.make_request(gen)
         request.sampling_params = dataclasses.replace(request.sampling_params, max_tokens=1, speculative=False)
         request.hold_kv = True
-        return self.add_prepared(request, prompt)
+        return request, prompt
+
+    def add_prefill_request(self, gen: GenerationRequest) -> Request:
+        """Queue `gen` as a prefill (`make_prefill_request`)."""
+        return self.add_prepared(*self.make_prefill_request(gen))
 
     def kv_fingerprint(self) -> str:
         cfg = self.model_config
@@ -445,7 +449,18 @@ class LLMEngine:
         # The sender's first token, through the same stop checks and output path as any other.
         result = RunnerResult({request.request_id: [transfer.first_token_id]})
         handed = SchedulerOutput(
-            [ScheduledRequest(request.request_id, [], num_prompt, block_ids, True, request.sampling_params, [], False)],
+            [
+                ScheduledRequest(
+                    request_id=request.request_id,
+                    token_ids=[],
+                    start_position=num_prompt,
+                    block_ids=block_ids,
+                    sample=True,
+                    sampling_params=request.sampling_params,
+                    output_token_ids=[],
+                    is_new=False,
+                )
+            ],
             0,
         )
         return self._outputs(self.scheduler.update_from_output(handed, result))[0]
@@ -573,6 +588,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         pool = self.kv_manager.pool
+        loras = self.list_loras()
         return {
             "kv_capacity_tokens": self.kv_manager.capacity_tokens,
             "kv_cache_dtype": self.kv_cache_dtype,
@@ -583,8 +599,8 @@ class LLMEngine:
             "prefix_cache_evictions": self.kv_manager.pool.num_evictions,
             "num_kv_integrity_aborts": self.num_kv_integrity_aborts,
             "num_failed_requests": self.num_failed_requests,
-            "loras_loaded": self.list_loras(),
-            "num_loras_loaded": len(self.list_loras()),
+            "loras_loaded": loras,
+            "num_loras_loaded": len(loras),
             "weight_dtype": self.config.weight_dtype,
             "kv_blocks_total": pool.num_blocks,
             "kv_blocks_used": pool.num_used_blocks,
