@@ -42,6 +42,7 @@ def make_tiny_model(
     seed: int = 0,
     rope_scaling: dict | None = None,
     max_positions: int = 512,
+    num_layers: int = 3,
 ) -> Path:
     """Random-weight HF LlamaForCausalLM (GQA 4/num_kv_heads) with a BPE tokenizer trained here."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -67,7 +68,7 @@ def make_tiny_model(
         vocab_size=tokenizer.get_vocab_size(),
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=3,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_positions,

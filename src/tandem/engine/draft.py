@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from tandem.engine.models.eagle import EagleDraft
 from tandem.engine.models.llama import KVLayer, LlamaForCausalLM
 from tandem.engine.step import ScheduledRequest
 from tandem.kernels.attention import build_attention_metadata
@@ -24,6 +25,8 @@ from tandem.kernels.sampling import filter_logits
 
 
 class DraftProposer:
+    wants_hidden = False  # needs no target states (see `EagleProposer`)
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -43,9 +46,12 @@ class DraftProposer:
         for request_id in request_ids:
             self.num_computed.pop(request_id, None)
 
+    def record(self, request_id: str, start_position: int, hidden: torch.Tensor) -> None:
+        """Target states are of no use to a draft model."""
+
     def accepted(self, request_id: str, start_position: int, num_drafts: int, num_accepted: int) -> None:
         """After verification: the draft KV written for rejected drafts is invalid."""
-        self.num_computed[request_id] = min(start_position + num_drafts, start_position + 1 + num_accepted)
+        self.num_computed[request_id] = min(self.num_computed.get(request_id, 0), start_position + 1 + num_accepted)
 
     @torch.inference_mode()
     def propose(
@@ -110,6 +116,166 @@ class DraftProposer:
                 drafts[item.request_id].append(int(torch.multinomial(q, 1, generator=generator_for(item))[0]))
         for item in items:
             self.num_computed[item.request_id] = item.start_position + item.num_draft_slots
+        return {
+            rid: (tokens, torch.stack(probs[rid]) if probs[rid] else None) for rid, tokens in drafts.items()
+        }
+
+
+class EagleProposer:
+    """Drafts from an EAGLE-style head (`models/eagle.py`) that reads the target's hidden states.
+
+    The head's one-layer KV cache lives beside the target's in the same blocks, like
+    `DraftProposer`'s. Its KV at position p depends on token p and the target's state at p - 1,
+    so the runner hands over the target's states of every position it computed and kept
+    (`record`: prefill chunks, plain decode steps, accepted drafts), and a proposal first catches
+    up on the positions past `num_computed` from those states. Positions the head drafted from its
+    own predicted states are recomputed from the target's once verified (`accepted` keeps only
+    the first). States wait in a per-request buffer (the head's dtype) until a proposal consumes them;
+    a buffer past `max_buffered` positions (a request that has not drafted for long) is dropped
+    and the head's KV for those positions is used as found. Where a position's state is missing
+    (a prompt prefix served from the prefix cache: the target computed nothing there), the
+    head's KV in those blocks is used as found, which was written by the request that
+    filled them when it drafted. Either way only acceptance can suffer: verification keeps the
+    output the target's."""
+
+    wants_hidden = True
+
+    def __init__(
+        self,
+        model: EagleDraft,
+        kv_caches: list[KVLayer],
+        num_kv_heads: int,
+        block_size: int,
+        device: torch.device,
+        max_buffered: int = 4096,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.num_kv_heads = num_kv_heads
+        self.block_size = block_size
+        self.device = device
+        self.max_buffered = max_buffered
+        self.token_map = model.token_map  # [K] draft row -> target token id
+        self.state_dtype = model.fc.weight.dtype
+        self.num_computed: dict[str, int] = {}  # request -> leading positions with the head's KV
+        # request -> (position of the first buffered state, states [n, hidden])
+        self.states: dict[str, tuple[int, torch.Tensor]] = {}
+
+    def forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.num_computed.pop(request_id, None)
+            self.states.pop(request_id, None)
+
+    def record(self, request_id: str, start_position: int, hidden: torch.Tensor) -> None:
+        """The target's states [n, hidden] at positions start_position.. (all kept)."""
+        hidden = hidden.detach().to(self.state_dtype)
+        buffered = self.states.get(request_id)
+        if buffered is not None:
+            first, states = buffered
+            end = first + states.shape[0]
+            if first <= start_position <= end:
+                hidden = torch.cat([states[: start_position - first], hidden])
+                start_position = first
+        if hidden.shape[0] > self.max_buffered:
+            self.states.pop(request_id, None)
+            self.num_computed[request_id] = start_position + hidden.shape[0]  # used as found
+            return
+        self.states[request_id] = (start_position, hidden)
+
+    def accepted(self, request_id: str, start_position: int, num_drafts: int, num_accepted: int) -> None:
+        """After verification: only position `start_position` had the head's KV from a target
+        state; the drafted positions are recomputed from the target's states next time."""
+        self.num_computed[request_id] = min(self.num_computed.get(request_id, 0), start_position + 1)
+
+    def _catch_up_states(self, request_id: str, done: int, last: int) -> tuple[int, torch.Tensor]:
+        """The first position to compute (positions before the buffered states are used as
+        found) and the states [last + 1 - start, hidden] feeding positions start..last: each
+        position's row is the target's state at the position before it, zeros where unknown."""
+        hidden = self.model.config.hidden_size
+        buffered = self.states.get(request_id)
+        first, states = buffered if buffered is not None else (last, torch.empty(0, hidden, dtype=self.state_dtype))
+        start = min(max(done, first), last)
+        rows = torch.zeros(last + 1 - start, hidden, dtype=states.dtype, device=states.device)
+        lo, hi = max(start - 1, first), min(last - 1, first + states.shape[0] - 1)  # state positions used
+        if hi >= lo:
+            rows[lo + 1 - start : hi + 2 - start] = states[lo - first : hi + 1 - first]
+        return start, rows
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        items: list[ScheduledRequest],
+        generator_for: Callable[[ScheduledRequest], torch.Generator | None],
+    ) -> dict[str, tuple[list[int], torch.Tensor | None]]:
+        """As `DraftProposer.propose` (draft distributions [k, V] over the target's vocabulary,
+        zero outside the head's)."""
+        drafts: dict[str, list[int]] = {item.request_id: [] for item in items}
+        probs: dict[str, list[torch.Tensor]] = {item.request_id: [] for item in items}
+        predicted: dict[str, torch.Tensor] = {}
+        vocab_size = self.model.config.target_vocab_size
+        for depth in range(max(item.num_draft_slots for item in items)):
+            active = [item for item in items if item.num_draft_slots > depth]
+            input_ids: list[int] = []
+            positions: list[int] = []
+            query_lens: list[int] = []
+            features: list[torch.Tensor] = []
+            for item in active:
+                last = item.start_position  # the request's last token (the target computes it now)
+                if depth == 0:
+                    done = min(self.num_computed.get(item.request_id, 0), last)
+                    start, states = self._catch_up_states(item.request_id, done, last)
+                    history = item.prompt_token_ids + item.output_token_ids  # [0, last] inclusive
+                    tokens = history[start : last + 1]
+                    features.append(states.to(self.device))
+                else:
+                    tokens, start = [drafts[item.request_id][-1]], last + depth
+                    features.append(predicted[item.request_id].unsqueeze(0))
+                input_ids.extend(tokens)
+                positions.extend(range(start, start + len(tokens)))
+                query_lens.append(len(tokens))
+            metadata = build_attention_metadata(
+                [item.block_ids for item in active],
+                query_lens,
+                [item.start_position + depth + 1 for item in active],
+                self.block_size,
+                self.num_kv_heads,
+                self.device,
+            )
+            logits_rows = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
+            logits, hidden = self.model(
+                torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+                torch.cat(features),
+                torch.tensor(positions, dtype=torch.int64, device=self.device),
+                self.kv_caches,
+                metadata,
+                logits_rows,
+            )  # [len(active), K], [len(active), hidden]
+            for row, item in enumerate(active):
+                predicted[item.request_id] = hidden[row]
+                params = item.sampling_params
+                if params.greedy:
+                    drafts[item.request_id].append(int(self.token_map[logits[row].argmax()]))
+                    continue
+                full = torch.full((1, vocab_size), float("-inf"), device=self.device)
+                full[0, self.token_map] = logits[row]
+                scaled = full / params.temperature
+                if params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0:
+                    scaled = filter_logits(
+                        scaled,
+                        torch.tensor([params.top_k], device=self.device),
+                        torch.tensor([params.top_p], device=self.device),
+                        torch.tensor([params.min_p], device=self.device),
+                    )
+                q = scaled.softmax(dim=-1)[0]
+                probs[item.request_id].append(q)
+                drafts[item.request_id].append(int(torch.multinomial(q, 1, generator=generator_for(item))[0]))
+        for item in items:
+            self.num_computed[item.request_id] = item.start_position + item.num_draft_slots
+            buffered = self.states.get(item.request_id)
+            if buffered is not None:  # states before the last token's position are consumed
+                first, states = buffered
+                keep_from = max(first, item.start_position)
+                self.states[item.request_id] = (keep_from, states[keep_from - first :])
         return {
             rid: (tokens, torch.stack(probs[rid]) if probs[rid] else None) for rid, tokens in drafts.items()
         }

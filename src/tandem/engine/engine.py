@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
-from tandem.engine.draft import DraftProposer
+from tandem.engine.draft import DraftProposer, EagleProposer
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.kv_transfer import KVPage, KVTransfer, fingerprint, page_checksum, verify
 from tandem.engine.lora import LoRAAdapter, LoRALimits, LoRAManager, LoRAModelShape, parse_peft_adapter
-from tandem.engine.models.loader import build_model, load_model
+from tandem.engine.models.eagle import EagleDraft, is_eagle_folder, load_eagle
+from tandem.engine.models.loader import build_model, load_model, resolve_model_path
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Request, RequestStatus
@@ -114,7 +115,7 @@ class LLMEngine:
             batch_tokens_under_load=config.batch_tokens_under_load,
             max_loras=config.max_loras if config.enable_lora else 0,
             share_prefix_cache_across_tenants=config.share_prefix_cache_across_tenants,
-            speculation=_speculation_settings(config),
+            speculation=_speculation_settings(config, has_draft=getattr(parts.runner, "draft", None) is not None),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -131,9 +132,19 @@ class LLMEngine:
         cfg = loaded.config
         kv_dtype = {"auto": dtype, "fp8_e4m3": torch.float8_e4m3fn, **_DTYPES}[config.kv_cache_dtype]
         kv_spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, config.block_size, kv_dtype)
-        draft_loaded = _load_draft(config, loaded)
+        draft_path = _draft_path(config)
+        head: EagleDraft | None = None
+        draft_loaded = None
         draft_spec = None
-        if draft_loaded is not None:
+        if draft_path is not None and is_eagle_folder(draft_path):
+            try:
+                head = load_eagle(draft_path, dtype=dtype, device=device, max_positions=cfg.max_position_embeddings)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), param="speculative.draft_model") from exc
+            hcfg = head.config
+            draft_spec = KVCacheSpec(1, hcfg.num_key_value_heads, hcfg.head_dim, config.block_size, kv_dtype)
+        elif draft_path is not None:
+            draft_loaded = _load_draft(config, loaded)
             dcfg = draft_loaded.config
             draft_spec = KVCacheSpec(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim, config.block_size, kv_dtype)
         budget = config.kv_cache_memory or int(config.kv_cache_memory_fraction * _available_memory_bytes(device))
@@ -164,6 +175,8 @@ class LLMEngine:
             max_model_len = min(cfg.max_position_embeddings, capacity)
         if draft_loaded is not None:
             max_model_len = min(max_model_len, draft_loaded.config.max_position_embeddings)
+        if head is not None:
+            max_model_len = min(max_model_len, head.max_positions)
 
         hybrid = config.weight_dtype == "hybrid"
         build = functools.partial(
@@ -182,8 +195,22 @@ class LLMEngine:
             weight_dtype="auto" if hybrid else config.weight_dtype,
         )
         decode_model = build(weight_dtype="int4") if hybrid else None
-        draft = None
-        if draft_loaded is not None and draft_spec is not None:
+        draft: DraftProposer | EagleProposer | None = None
+        if head is not None and draft_spec is not None:
+            weights = loaded.weights
+            prefix = "model." if "model.norm.weight" in weights else ""
+            try:
+                head.attach_target(
+                    model.embed_tokens,
+                    weights[prefix + "norm.weight"],
+                    weights.get("lm_head.weight", weights[prefix + "embed_tokens.weight"]),
+                )
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), param="speculative.draft_model") from exc
+            draft = EagleProposer(
+                head, allocate_kv_caches(draft_spec, num_blocks, device), draft_spec.num_kv_heads, config.block_size, device
+            )
+        elif draft_loaded is not None and draft_spec is not None:
             draft_model = build_model(draft_loaded, dtype=dtype, device=device, max_positions=max_model_len)
             draft = DraftProposer(
                 draft_model,
@@ -622,24 +649,48 @@ class LLMEngine:
         }
 
 
-def _speculation_settings(config: EngineConfig) -> SpeculationSettings | None:
+def _speculation_settings(config: EngineConfig, *, has_draft: bool) -> SpeculationSettings | None:
     spec = config.speculative
     if spec is None:
         return None
+    method = {"auto": "both" if has_draft else "ngram", "ngram": "ngram", "draft": "draft"}[spec.method]
     return SpeculationSettings(
-        method=spec.method,
+        method=method,
         num_speculative_tokens=spec.num_speculative_tokens,
         prompt_lookup_min=spec.prompt_lookup_min,
         prompt_lookup_max=spec.prompt_lookup_max,
     )
 
 
-def _load_draft(config: EngineConfig, target: Any) -> Any:
-    """The draft model's loaded weights (method 'draft'), checked to share the target's
-    vocabulary token for token; None without one."""
+# Draft heads trained for bundled models (scripts/train_draft.py), by model name.
+BUNDLED_DRAFTS = {"smollm2-135m-instruct": Path(__file__).parent / "drafts" / "smollm2-135m-instruct-eagle"}
+
+
+def _draft_path(config: EngineConfig) -> Path | None:
+    """Where the draft comes from: `draft_model`, else the head bundled for the model (methods
+    'draft' and 'auto'); None for prompt lookup alone."""
     spec = config.speculative
-    if spec is None or spec.method != "draft" or spec.draft_model is None:
+    if spec is None or spec.method == "ngram":
         return None
+    if spec.draft_model is not None:
+        bundled = BUNDLED_DRAFTS.get(spec.draft_model.lower())
+        return bundled if bundled is not None else resolve_model_path(spec.draft_model)
+    bundled = BUNDLED_DRAFTS.get(config.model.lower())
+    if bundled is not None and (bundled / "model.safetensors").exists():
+        return bundled
+    if spec.method == "draft":
+        raise InvalidRequestError(
+            f"speculative method 'draft' needs draft_model: no draft is bundled for {config.model!r}",
+            param="speculative.draft_model",
+        )
+    return None
+
+
+def _load_draft(config: EngineConfig, target: Any) -> Any:
+    """The draft model's loaded weights, checked to share the target's vocabulary token for
+    token."""
+    spec = config.speculative
+    assert spec is not None and spec.draft_model is not None
     draft = load_model(spec.draft_model)
     if draft.tokenizer.token_bytes_table() != target.tokenizer.token_bytes_table():
         raise InvalidRequestError(

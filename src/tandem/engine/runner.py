@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tandem.engine.draft import DraftProposer
+from tandem.engine.draft import DraftProposer, EagleProposer
 from tandem.engine.lora import LoRAManager, LoRAStep
 from tandem.engine.models.llama import KVLayer, LlamaForCausalLM
 from tandem.engine.step import RunnerResult, ScheduledRequest, SchedulerOutput
@@ -78,7 +78,7 @@ class ModelRunner:
         compile_decode: bool = False,
         decode_model: LlamaForCausalLM | None = None,
         decode_model_max_batch: int = 0,
-        draft: DraftProposer | None = None,
+        draft: DraftProposer | EagleProposer | None = None,
     ) -> None:
         """`decode_model` (optional, e.g. an INT4 copy of `model` sharing nothing but the cache)
         runs decode-only steps of at most `decode_model_max_batch` requests; `model` runs the rest.
@@ -240,16 +240,37 @@ class ModelRunner:
             if self._decode_forward is not None and lora_step is None and not metadata.prefills:
                 forward = self._decode_forward
                 self.num_compiled_steps += 1
-        logits = forward(
+        wants_hidden = self.draft is not None and self.draft.wants_hidden
+        output = forward(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             self.kv_caches,
             metadata,
             torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
             lora=lora_step,
+            return_hidden=wants_hidden,
         )
+        logits, hidden = output if wants_hidden else (output, None)
         sampling_items = [item for item in items if item.sample]
-        return self.sample(logits, sampling_items, draft_probs)
+        result = self.sample(logits, sampling_items, draft_probs)
+        if hidden is not None:
+            self._record_states(items, hidden, result)
+        return result
+
+    def _record_states(self, items: list[ScheduledRequest], hidden: torch.Tensor, result: RunnerResult) -> None:
+        """Hand the draft head the target's states [T, hidden] of the positions each request
+        keeps: its own tokens and its accepted drafts (none of a failed request)."""
+        assert self.draft is not None
+        offset = 0
+        for item in items:
+            num_rows = len(item.token_ids)
+            num_kept = num_rows
+            if item.sample:
+                tokens = result.sampled_token_ids.get(item.request_id)
+                num_kept = num_rows - item.num_draft_tokens + len(tokens) - 1 if tokens else 0
+            if num_kept > 0 and item.request_id not in result.failed:
+                self.draft.record(item.request_id, item.start_position, hidden[offset : offset + num_kept])
+            offset += num_rows
 
     @property
     def compiles_decode(self) -> bool:
@@ -279,6 +300,7 @@ class ModelRunner:
                     self.kv_caches,
                     metadata,
                     torch.arange(batch, dtype=torch.int64, device=self.device),
+                    return_hidden=self.draft is not None and self.draft.wants_hidden,
                 )
         except Exception as exc:  # noqa: BLE001 - any backend failure means: stay eager
             logger.warning(

@@ -46,6 +46,15 @@ class _Step:
     preempted: list[str] = field(default_factory=list)
 
 
+DRAFT_SLOT = -1  # a planned draft the runner's draft model fills in
+
+
+def _expected_accepted(acceptance: float, num_drafts: int) -> float:
+    """Expected accepted drafts of `num_drafts` when each is accepted with `acceptance` given
+    the ones before it were."""
+    return sum(acceptance**j for j in range(1, num_drafts + 1))
+
+
 class Scheduler:
     def __init__(
         self,
@@ -193,7 +202,7 @@ class Scheduler:
         """Schedule `num_new` of the request's own tokens, then `drafts` (only when they reach its
         end; with a draft model, as many slots for the runner's own drafts)."""
         num_draft_slots = 0
-        if drafts and self.speculation is not None and self.speculation.method == "draft":
+        if drafts and drafts[0] == DRAFT_SLOT:
             num_draft_slots, drafts = len(drafts), None
         start = request.num_computed_tokens
         end = start + num_new
@@ -276,15 +285,23 @@ class Scheduler:
                 room = min(room, params.max_tokens - request.num_output_tokens - 1)
             if room <= 0:
                 continue
-            if settings.method == "draft":  # the runner's draft model proposes: plan slots
-                proposal, match_len = [-1] * min(room, settings.num_speculative_tokens), 0
-            else:
+            proposal: list[int] = []
+            match_len = 0
+            if settings.method in ("ngram", "both"):
                 index = self._ngrams.get(request.request_id)
                 if index is None:
                     index = NgramIndex(settings.prompt_lookup_min, settings.prompt_lookup_max)
                     index.extend(request.token_ids_slice(0, request.num_tokens))
                     self._ngrams[request.request_id] = index
                 proposal, match_len = index.propose(min(room, settings.num_speculative_tokens))
+            if settings.method in ("draft", "both"):
+                # The runner's draft model proposes (plan slots), unless prompt lookup is expected
+                # to yield more here (a long match while the request copies its prompt).
+                slots = [DRAFT_SLOT] * min(room, settings.num_speculative_tokens)
+                if _expected_accepted(self.acceptance.estimate(0), len(slots)) >= _expected_accepted(
+                    self.acceptance.estimate(match_len), len(proposal)
+                ):
+                    proposal, match_len = slots, 0
             if proposal:
                 self._draft_match_len[request.request_id] = match_len
                 candidates.append(DraftCandidate(request.request_id, proposal, self.acceptance.estimate(match_len)))

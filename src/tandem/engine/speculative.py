@@ -15,7 +15,8 @@
   step's own rate rises and speculation turns itself off, so it never makes a step slower in
   expectation than no speculation.
 
-Acceptance is estimated per n-gram match length across requests (`AcceptanceTracker`).
+Acceptance is estimated per n-gram match length across requests (`AcceptanceTracker`; length 0
+stands for the draft model).
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ import numpy as np
 class SpeculationSettings:
     """Engine-side settings (from `EngineConfig.speculative`)."""
 
-    method: str = "ngram"  # "ngram" (prompt lookup, proposed by the scheduler) or "draft" (a draft model, in the runner)
+    # "ngram": prompt lookup (proposed by the scheduler); "draft": a draft model (in the runner);
+    # "both": per request and step, whichever is expected to yield more accepted tokens.
+    method: str = "ngram"
     num_speculative_tokens: int = 5  # most drafts per request per step
     prompt_lookup_min: int = 1  # shortest n-gram matched
     prompt_lookup_max: int = 4  # longest n-gram matched (tried first)
@@ -39,6 +42,8 @@ class SpeculationSettings:
     acceptance_smoothing: float = 0.1  # weight of the newest verification in the running acceptance
 
     def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft", "both"):
+            raise ValueError("method must be 'ngram', 'draft' or 'both'")
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

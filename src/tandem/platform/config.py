@@ -13,16 +13,27 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 class SpeculativeConfig(BaseModel):
-    """Speculative decoding (`EngineConfig.speculative`). `ngram`: prompt lookup, proposals from
-    the request's own prompt and output. `draft`: a smaller model (`draft_model`, any model path
-    the engine loads, with the target's vocabulary) proposes, with its own KV cache beside the
-    target's. Each step verifies as many drafts as the measured step cost says pay off (none at
-    large batch)."""
+    """Speculative decoding (`EngineConfig.speculative`).
+
+    - `ngram`: prompt lookup, proposals from the request's own prompt and output.
+    - `draft`: a draft proposes, with its own KV cache beside the target's: `draft_model`, any
+      model path the engine loads with the target's vocabulary, or an EAGLE-style head folder
+      trained for the target (`scripts/train_draft.py`); without `draft_model`, the head bundled
+      for the target, if it has one.
+    - `auto` (default): prompt lookup, plus the draft where there is one (`draft_model`, or the
+      bundled head of the default model); per request and step, whichever is expected to yield
+      more accepted tokens proposes.
+
+    Each step verifies as many drafts as the measured step cost says pay off (none at large
+    batch)."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    method: Literal["ngram", "draft"] = "ngram"
-    draft_model: str | None = Field(None, description="The draft model (method 'draft'): a bundled name, HF folder or GGUF.")
+    method: Literal["auto", "ngram", "draft"] = "auto"
+    draft_model: str | None = Field(
+        None,
+        description="The draft (methods 'draft' and 'auto'): a bundled name, HF folder, GGUF, or an EAGLE head folder.",
+    )
     num_speculative_tokens: int = Field(5, ge=1, le=16, description="Most draft tokens per request per step.")
     prompt_lookup_min: int = Field(1, ge=1, description="Shortest n-gram matched against earlier tokens.")
     prompt_lookup_max: int = Field(4, ge=1, description="Longest n-gram matched (tried first).")
@@ -31,8 +42,8 @@ class SpeculativeConfig(BaseModel):
     def _consistent(self) -> SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
-        if (self.method == "draft") != (self.draft_model is not None):
-            raise ValueError("method 'draft' needs draft_model, and draft_model needs method 'draft'")
+        if self.method == "ngram" and self.draft_model is not None:
+            raise ValueError("method 'ngram' takes no draft_model; use method 'draft' or 'auto'")
         return self
 
 
@@ -158,8 +169,8 @@ class EngineConfig(BaseModel):
     )
     speculative: SpeculativeConfig | None = Field(
         default_factory=lambda: SpeculativeConfig.model_validate({}),
-        description="Speculative decoding (prompt lookup; on by default, it verifies drafts only "
-        "where the measured step cost says they pay); None: off. Greedy output is identical either "
+        description="Speculative decoding (prompt lookup, plus the trained draft head of the default "
+        "model; on by default, it verifies drafts only where the measured step cost says they pay); None: off. Greedy output is identical either "
         "way, sampled output has the same distribution.",
     )
     kv_hold_ttl_s: float = Field(

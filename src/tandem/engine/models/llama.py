@@ -221,15 +221,19 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,  # [B] rows whose next-token logits are wanted
         lora: LoRAContext | None = None,  # adapters of this step's rows, if any
-    ) -> torch.Tensor:  # [B, vocab] float32
+        return_hidden: bool = False,
+    ) -> Any:
+        """Next-token logits [B, vocab] float32 at `logits_indices`; with `return_hidden`, also
+        the last decoder layer's output for every token [T, hidden] (before the final norm: what
+        an EAGLE draft head reads)."""
         dtype = self.norm.dtype  # the compute dtype (the embedding may be stored narrower)
         x = self.embed_tokens(input_ids).to(dtype)
         cos = self.rope_cos[positions].to(dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, metadata, lora)
-        x = rms_norm(x.index_select(0, logits_indices), self.norm, self.config.rms_norm_eps)
-        return self.lm_head(x).float()
+        logits = self.lm_head(rms_norm(x.index_select(0, logits_indices), self.norm, self.config.rms_norm_eps)).float()
+        return (logits, x) if return_hidden else logits
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy HF-named weights in, fusing q/k/v and gate/up. Raises on missing or misshapen."""
