@@ -1,12 +1,14 @@
-"""Speculative decoding (prompt lookup) against no speculation and against HF `generate`'s own
-prompt lookup, side by side in one run.
+"""Speculative decoding against no speculation and against HF `generate`'s own prompt lookup,
+side by side in one run: prompt lookup alone (`ngram`) and prompt lookup plus the bundled EAGLE
+draft head (`auto`, the default). HF's `assistant_model` does not apply: the head is not a model
+HF can run on its own (no smaller sibling of the default model exists).
 
 Workloads (chat-templated, greedy, the model's EOS ends a request, at most `--new-tokens`):
 - `chat`: open questions, where little of the answer is in the prompt;
 - `grounded`: edit, continue or summarise a text or code given in the prompt.
 At batch 1 each prompt runs alone; at `--concurrency` N, N requests (the chat prompts, repeated)
-run at once (two rounds). Each wave runs without, then with speculation, alternating, so that
-other load on the machine falls on both alike. Ours: the same engine, each request with `speculative` on or off. HF: `generate`
+run at once (two rounds). Each wave runs in every mode in turn, so that other load on the machine
+falls on all alike. HF: `generate`
 with and without `prompt_lookup_num_tokens`, batch 1 only (its prompt lookup is batch 1 only).
 Reported: generated tokens / wall seconds, ratios with / without speculation, acceptance, and
 whether our greedy tokens were identical with speculation.
@@ -60,17 +62,22 @@ def chat_token_ids(llm: LLM, questions: list[str]) -> list[list[int]]:
     ]
 
 
+MODES = ("plain", "ngram", "auto")  # no speculation; prompt lookup alone; prompt lookup + the draft head
+
+
 def run_ours(
-    llm: LLM, waves: list[list[list[int]]], new_tokens: int, *, rounds: int = 1
+    engines: dict[str, LLM], waves: list[list[list[int]]], new_tokens: int, *, rounds: int = 1
 ) -> dict[str, dict[str, Any]]:
-    """Each wave (a list of prompts run at once) with speculation off, then on, alternating, so
-    that whatever else the machine does falls on both alike; totals over all waves and rounds."""
-    totals = {mode: {"generated": 0, "wall": 0.0, "drafts": 0, "accepted": 0, "steps": 0, "token_ids": []}
-              for mode in ("plain", "speculative")}
+    """Each wave (a list of prompts run at once) in every mode, alternating, so that whatever
+    else the machine does falls on all alike; totals over all waves and rounds. `plain` runs on
+    the `auto` engine with speculation off per request."""
+    totals = {mode: {"generated": 0, "wall": 0.0, "drafts": 0, "accepted": 0, "steps": 0, "draft_wall": 0.0,
+                     "step_wall": 0.0, "token_ids": []} for mode in MODES}
     for _ in range(rounds):
         for wave in waves:
-            for mode in ("plain", "speculative"):
-                params = SamplingParams(max_tokens=new_tokens, temperature=0.0, speculative=mode == "speculative")
+            for mode in MODES:
+                llm = engines["auto" if mode == "plain" else mode]
+                params = SamplingParams(max_tokens=new_tokens, temperature=0.0, speculative=mode != "plain")
                 before = llm.stats()
                 start = time.perf_counter()
                 outputs = llm.generate(wave, params)
@@ -79,9 +86,9 @@ def run_ours(
                 total = totals[mode]
                 total["generated"] += sum(len(o.outputs[0].token_ids) for o in outputs)
                 total["wall"] += wall
-                total["drafts"] += after["num_draft_tokens"] - before["num_draft_tokens"]
-                total["accepted"] += after["num_accepted_draft_tokens"] - before["num_accepted_draft_tokens"]
-                total["steps"] += after["num_steps"] - before["num_steps"]
+                for key, stat in (("drafts", "num_draft_tokens"), ("accepted", "num_accepted_draft_tokens"),
+                                  ("steps", "num_steps"), ("draft_wall", "draft_wall_s"), ("step_wall", "step_wall_s")):
+                    total[key] += after[stat] - before[stat]
                 total["token_ids"].extend(o.outputs[0].token_ids for o in outputs)
     return {
         mode: {
@@ -91,6 +98,7 @@ def run_ours(
             "draft_tokens": t["drafts"],
             "acceptance_rate": t["accepted"] / t["drafts"] if t["drafts"] else None,
             "tokens_per_step": t["generated"] / t["steps"] if t["steps"] else None,
+            "draft_time_share": t["draft_wall"] / t["step_wall"] if t["step_wall"] else None,
             "token_ids": t["token_ids"],
         }
         for mode, t in totals.items()
@@ -98,13 +106,18 @@ def run_ours(
 
 
 def summary(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    plain, spec = runs["plain"], runs["speculative"]
-    return {
-        "tandem_plain_tokens_per_s": plain["tokens_per_s"],
-        "tandem_speculative_tokens_per_s": spec["tokens_per_s"],
-        "tandem_ratio": spec["tokens_per_s"] / plain["tokens_per_s"],
-        "acceptance_rate": spec["acceptance_rate"],
-    }
+    plain = runs["plain"]
+    row: dict[str, Any] = {"tandem_plain_tokens_per_s": plain["tokens_per_s"]}
+    for mode in MODES[1:]:
+        run = runs[mode]
+        row[f"tandem_{mode}_tokens_per_s"] = run["tokens_per_s"]
+        row[f"{mode}_ratio"] = run["tokens_per_s"] / plain["tokens_per_s"]
+        row[f"{mode}_acceptance_rate"] = run["acceptance_rate"]
+        row[f"{mode}_tokens_per_step"] = run["tokens_per_step"]
+        row[f"{mode}_draft_tokens"] = run["draft_tokens"]
+        row[f"{mode}_identical_greedy_tokens"] = run["token_ids"] == plain["token_ids"]
+    row["auto_draft_time_share"] = runs["auto"]["draft_time_share"]
+    return row
 
 
 def run_hf(model: Any, prompts: list[list[int]], new_tokens: int, eos_ids: list[int], lookup: int | None) -> dict[str, Any]:
@@ -130,31 +143,33 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
     parser.add_argument("--hf-lookup-tokens", type=int, default=10, help="HF's prompt_lookup_num_tokens")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--kv-cache-mib", type=int, default=512, help="KV cache of each engine")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "speculative.json")
     args = parser.parse_args()
 
     log(f"loading {args.model} (torch threads {torch.get_num_threads()})")
-    llm = LLM(
-        args.model,
-        enable_prefix_caching=False,  # each run computes its prompts alike
-        max_num_seqs=max([64, *args.concurrency]),
-        speculative={"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens},
-    )
+    engines = {
+        method: LLM(
+            args.model,
+            enable_prefix_caching=False,  # each run computes its prompts alike
+            max_num_seqs=max([64, *args.concurrency]),
+            kv_cache_memory=args.kv_cache_mib << 20,
+            speculative={"method": method, "num_speculative_tokens": args.num_speculative_tokens},
+        )
+        for method in ("ngram", "auto")
+    }
+    llm = engines["auto"]
     workloads = {"chat": chat_token_ids(llm, CHAT), "grounded": chat_token_ids(llm, grounded_prompts())}
-    llm.generate(workloads["chat"][:1], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+    for engine in engines.values():
+        engine.generate(workloads["chat"][:1], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
     result: dict[str, Any] = {"config": {k: str(v) for k, v in vars(args).items()}, "batch_1": {}, "concurrent": {}}
     for name, prompts in workloads.items():
-        runs = run_ours(llm, [[p] for p in prompts], args.new_tokens)  # batch 1: one prompt per wave
-        row = summary(runs)
-        row["tokens_per_step"] = runs["speculative"]["tokens_per_step"]
-        row["identical_greedy_tokens"] = runs["plain"]["token_ids"] == runs["speculative"]["token_ids"]
+        row = summary(run_ours(engines, [[p] for p in prompts], args.new_tokens))  # batch 1: one prompt per wave
         log(f"batch 1 {name}: {row}")
         result["batch_1"][name] = row
     for n in args.concurrency:
         wave = [workloads["chat"][i % len(CHAT)] for i in range(n)]
-        runs = run_ours(llm, [wave], args.new_tokens, rounds=2)
-        row = summary(runs)
-        row["draft_tokens"] = runs["speculative"]["draft_tokens"]
+        row = summary(run_ours(engines, [wave], args.new_tokens, rounds=2))
         log(f"concurrency {n} chat: {row}")
         result["concurrent"][str(n)] = row
     result["step_cost"] = dict(zip(("fixed_s", "per_token_s", "per_row_s"), llm.engine.scheduler.step_cost.coefficients(), strict=True))

@@ -11,7 +11,9 @@ Stages (each writes into --work and is skipped when its output exists, so a run 
    with the end-of-turn tokens.
 4. `train`: the head (fc + one decoder layer, ~4M parameters; the target's embedding, final norm and
    LM-head rows frozen) on smooth-L1 to the target's next state plus cross-entropy to the target's
-   top-8 distribution, with uniform noise on the input states (EAGLE-1), AdamW, cosine schedule.
+   top-8 distribution, with uniform noise on the input states (EAGLE-1) and training-time test
+   (EAGLE-3: passes 2..`--ttt-depth` read the head's own predicted states and attend as drafting at
+   that depth does), AdamW, cosine schedule.
 5. `export`: bfloat16 safetensors into --out (default: the folder the engine loads for the default
    model) and the held-out greedy acceptance of the first draft token.
 
@@ -38,8 +40,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
 from tandem.engine.models.eagle import EagleConfig, EagleDraft  # noqa: E402
+from tandem.engine.models.llama import rms_norm  # noqa: E402
 from tandem.engine.models.loader import build_model, load_model  # noqa: E402
 from tandem.kernels.attention import build_attention_metadata  # noqa: E402
+from tandem.kernels.rotary import apply_rope  # noqa: E402
 
 DEFAULT_OUT = REPO / "src/tandem/engine/drafts/smollm2-135m-instruct-eagle"
 TOP_K = 8  # target distribution kept per position
@@ -263,18 +267,71 @@ def collate(data: dict[str, torch.Tensor], seq_ids: list[int], remap: torch.Tens
     return input_ids, features, target_states, target_ids, target_probs, mask
 
 
-def losses(head: EagleDraft, batch: tuple[torch.Tensor, ...], feature_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ttt_mask(length: int, depth: int) -> torch.Tensor:
+    """[T, depth * T] bool: which keys the pass-`depth` query at position p reads, as at
+    inference: the keys of pass 1 (computed from the target's states) up to p - depth + 1, then
+    the key of pass m at position p - (depth - m) for m = 2..depth (the head's own drafts)."""
+    p = torch.arange(length)[:, None]
+    j = torch.arange(length)[None, :]
+    blocks = [j <= p - (depth - 1)] + [j == p - (depth - m) for m in range(2, depth + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+def ttt_forward(head: EagleDraft, input_ids: torch.Tensor, features: torch.Tensor, depth: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Training-time test (EAGLE-3): pass 1 reads the target's states; pass d reads the states
+    the head predicted in pass d - 1 at the position before, and attends as drafting depth d does.
+    Per pass: logits [N, T, K] and predicted states [N, T, H]."""
+    layer, attn = head.layer, head.layer.self_attn
+    num_seqs, length = input_ids.shape
+    embedded = head._embed(input_ids)
+    cos = head.rope_cos[:length].unsqueeze(1)
+    sin = head.rope_sin[:length].unsqueeze(1)
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    outputs = []
+    states = features
+    for d in range(1, depth + 1):
+        x = head.fc(torch.cat([embedded, states], dim=-1))  # [N, T, H]
+        normed = rms_norm(x, layer.input_layernorm, layer.eps)
+        q, k, v = attn.qkv_proj(normed).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q = apply_rope(q.view(num_seqs, length, attn.num_heads, attn.head_dim), cos, sin).transpose(1, 2)
+        keys.append(apply_rope(k.view(num_seqs, length, attn.num_kv_heads, attn.head_dim), cos, sin).transpose(1, 2))
+        values.append(v.view(num_seqs, length, attn.num_kv_heads, attn.head_dim).transpose(1, 2))
+        out = F.scaled_dot_product_attention(
+            q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=ttt_mask(length, d),
+            scale=attn.scale, enable_gqa=True,
+        )  # [N, Hq, T, D]
+        h = x + attn.o_proj(out.transpose(1, 2).reshape(num_seqs, length, attn.q_size))
+        hidden = h + layer.mlp(rms_norm(h, layer.post_attention_layernorm, layer.eps))
+        logits = head.lm_head(rms_norm(hidden, head.norm, head.config.rms_norm_eps)).float()
+        outputs.append((logits, hidden))
+        states = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1].detach()], dim=1)
+    return outputs
+
+
+def losses(head: EagleDraft, batch: tuple[torch.Tensor, ...], feature_scale: float, depth: int
+           ) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+    """Regression and cross-entropy summed over passes (weight 0.8^(d-1)), and top-1 agreement
+    with the target per pass."""
     input_ids, features, target_states, target_ids, target_probs, mask = batch
-    logits, predicted = head.dense_forward(input_ids, features)
-    regression = (F.smooth_l1_loss(predicted.float() / feature_scale, target_states / feature_scale, reduction="none").mean(-1) * mask).sum() / mask.sum()
-    log_probs = logits.log_softmax(dim=-1)  # [N, T, K]
     valid = target_ids >= 0
-    picked = log_probs.gather(-1, target_ids.clamp(min=0)) * valid  # [N, T, 8]
     weights = target_probs * valid
-    ce = (-(picked * weights).sum(-1) / weights.sum(-1).clamp(min=1e-6) * mask).sum() / mask.sum()
-    top1 = logits.argmax(-1) == target_ids[..., 0]
-    accuracy = ((top1 & valid[..., 0]).float() * mask).sum() / mask.sum()
-    return regression, ce, accuracy
+    regression = torch.zeros(())
+    ce = torch.zeros(())
+    accuracies = []
+    for d, (logits, predicted) in enumerate(ttt_forward(head, input_ids, features, depth)):
+        # Pass d + 1's first d positions have no counterpart at inference (no earlier draft).
+        pass_mask = mask.clone()
+        pass_mask[:, :d] = 0
+        scale = 0.8**d
+        per_position = F.smooth_l1_loss(predicted.float() / feature_scale, target_states / feature_scale, reduction="none").mean(-1)
+        regression = regression + scale * (per_position * pass_mask).sum() / pass_mask.sum()
+        picked = logits.log_softmax(dim=-1).gather(-1, target_ids.clamp(min=0)) * valid  # [N, T, 8]
+        per_position = -(picked * weights).sum(-1) / weights.sum(-1).clamp(min=1e-6)
+        ce = ce + scale * (per_position * pass_mask).sum() / pass_mask.sum()
+        top1 = (logits.argmax(-1) == target_ids[..., 0]) & valid[..., 0]
+        accuracies.append(float((top1.float() * pass_mask).sum() / pass_mask.sum()))
+    return regression, ce, accuracies
 
 
 def stage_train(work: Path, args: argparse.Namespace, token_map: torch.Tensor) -> EagleDraft:
@@ -306,7 +363,7 @@ def stage_train(work: Path, args: argparse.Namespace, token_map: torch.Tensor) -
                 group["lr"] = lr
             batch = collate(data, seq_ids, remap, args.noise * feature_scale)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-                regression, ce, accuracy = losses(head, batch, feature_scale)
+                regression, ce, accuracy = losses(head, batch, feature_scale, args.ttt_depth)
             loss = regression + args.ce_weight * ce
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -315,25 +372,25 @@ def stage_train(work: Path, args: argparse.Namespace, token_map: torch.Tensor) -
             step += 1
             if step % 20 == 0 or step == total_steps:
                 log("train", epoch=epoch, step=step, of=total_steps, regression=round(float(regression), 4),
-                    ce=round(float(ce), 4), top1=round(float(accuracy), 4), lr=round(lr, 6),
+                    ce=round(float(ce), 4), top1_by_depth=[round(a, 3) for a in accuracy], lr=round(lr, 6),
                     elapsed_s=round(time.perf_counter() - started, 1))
-        evaluate(head, data, heldout, remap, feature_scale, epoch)
+        evaluate(head, data, heldout, remap, feature_scale, epoch, max(3, args.ttt_depth))
     torch.save({k: v for k, v in head.state_dict().items() if not k.startswith(("norm", "lm_head"))}, checkpoint)
     return head
 
 
 @torch.no_grad()
 def evaluate(head: EagleDraft, data: dict[str, torch.Tensor], heldout: list[int], remap: torch.Tensor,
-             feature_scale: float, epoch: int) -> float:
-    totals = [0.0, 0.0, 0.0]
+             feature_scale: float, epoch: int, depth: int) -> list[float]:
+    """Held-out top-1 agreement with the target per drafting depth (teacher-forced tokens)."""
+    sums = [0.0] * depth
     for seq_ids in batches(data, heldout, 8192):
-        regression, ce, accuracy = losses(head, collate(data, seq_ids, remap, 0.0), feature_scale)
-        for i, value in enumerate((regression, ce, accuracy)):
-            totals[i] += float(value) * len(seq_ids)
-    n = len(heldout)
-    log("heldout", epoch=epoch, regression=round(totals[0] / n, 4), ce=round(totals[1] / n, 4),
-        first_draft_top1=round(totals[2] / n, 4))
-    return totals[2] / n
+        _, _, accuracies = losses(head, collate(data, seq_ids, remap, 0.0), feature_scale, depth)
+        for d, value in enumerate(accuracies):
+            sums[d] += value * len(seq_ids)
+    result = [round(value / len(heldout), 4) for value in sums]
+    log("heldout", epoch=epoch, top1_by_depth=result)
+    return result
 
 
 def main() -> None:
@@ -350,6 +407,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--noise", type=float, default=0.1, help="uniform noise on the input states, in units of their mean magnitude")
     parser.add_argument("--ce-weight", type=float, default=0.5)
+    parser.add_argument("--ttt-depth", type=int, default=3, help="drafting depths trained (training-time test)")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stages", default="generate,features,vocab,train,export")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -148,17 +149,23 @@ class FlakyPrefillPool:
     def __init__(self, replica: object, num_deaths: int) -> None:
         self.replica, self.num_deaths, self.num_calls = replica, num_deaths, 0
         self.prefill = self
+        self.skip_pages: list[int] = []
+        self.evict_before_import: Any = None
 
-    async def _call(self, request: GenerationRequest, cache_dtype: str | None) -> KVTransfer:
+    async def _call(self, request: GenerationRequest, cache_dtype: str | None, skip_pages: int) -> KVTransfer:
         from ray.exceptions import ActorDiedError
 
         self.num_calls += 1
+        self.skip_pages.append(skip_pages)
         if self.num_calls <= self.num_deaths:
             raise ActorDiedError()
-        return await self.replica.prefill(request, cache_dtype)  # type: ignore[attr-defined]
+        if self.evict_before_import is not None:  # the receiver's cache loses the prefix meanwhile
+            self.evict_before_import()
+            self.evict_before_import = None
+        return await self.replica.prefill(request, cache_dtype, skip_pages)  # type: ignore[attr-defined]
 
-    def remote(self, request: GenerationRequest, cache_dtype: str | None) -> object:
-        return self._call(request, cache_dtype)
+    def remote(self, request: GenerationRequest, cache_dtype: str | None, skip_pages: int = 0) -> object:
+        return self._call(request, cache_dtype, skip_pages)
 
 
 @pytest.mark.parametrize("num_deaths", [1, 2])
@@ -193,6 +200,96 @@ def test_a_dead_prefill_replica_is_retried_once_then_the_request_fails_clearly(
                 asyncio.run(main())
             assert info.value.code == "prefill_failed"
         assert pool.num_calls == 2
+        deadline = time.monotonic() + 5
+        while decode.engine.stats()["kv_blocks_used"] or prefill.engine.stats()["kv_blocks_used"]:
+            assert time.monotonic() < deadline
+    finally:
+        decode.engine.shutdown()
+        prefill.engine.shutdown()
+
+
+def test_pages_in_the_receivers_prefix_cache_are_not_sent_again(tiny_model_dir: Path) -> None:
+    """A receiver that holds a prompt's first pages in its prefix cache is sent only the rest;
+    the output equals a colocated engine's; pages evicted between the question and the import
+    make the import fail cleanly (KVPrefixEvictedError: ask for a whole transfer), and a
+    transfer whose skip count is tampered with fails its checks."""
+    from tandem.engine.kv_transfer import KVPrefixEvictedError
+
+    shared = PROMPTS[0][:28]
+    warm, prompt = [*shared, 90, 91, 92], [*shared, 50, 51, 52]
+    colocated = engine(tiny_model_dir)
+    colocated.add_request(GenerationRequest("r", prompt_token_ids=prompt, sampling_params=PARAMS))
+    want = run(colocated)["r"]
+
+    sender = engine(tiny_model_dir)
+    receiver = engine(tiny_model_dir)
+    receiver.add_request(GenerationRequest("warm", prompt_token_ids=warm, sampling_params=PARAMS))
+    run(receiver)
+    gen = GenerationRequest("r", prompt_token_ids=prompt, sampling_params=PARAMS)
+    skip = receiver.cached_prefix_pages(gen)
+    assert skip == len(shared) // 4
+    whole = prefill(sender, "whole", prompt)
+    sender.add_prefill_request(dataclasses.replace(gen))
+    run(sender)
+    partial = sender.export_kv("r", skip_pages=skip)
+    assert [p.index for p in partial.pages] == list(range(skip, len(whole.pages)))
+    assert partial.num_bytes * whole.num_tokens == whole.num_bytes * partial.num_tokens  # per token alike
+    tampered = dataclasses.replace(partial, num_skipped_pages=skip - 1)
+    with pytest.raises(KVTransferError):
+        receiver.add_request_with_kv(gen, tampered)
+    first = receiver.add_request_with_kv(gen, partial)
+    got = run(receiver)["r"]
+    assert first.outputs[0].token_ids + got[1:] == want and got == want
+    assert receiver.stats()["kv_blocks_used"] == 0
+
+    # Evicted meanwhile: nothing is allocated, and a whole transfer then works.
+    again = GenerationRequest("r2", prompt_token_ids=prompt, sampling_params=PARAMS)
+    skip = receiver.cached_prefix_pages(again)
+    assert skip > 0
+    sender.add_prefill_request(again)
+    run(sender)
+    partial = sender.export_kv("r2", skip_pages=skip)
+    receiver.kv_manager.pool.reset_prefix_cache()
+    with pytest.raises(KVPrefixEvictedError) as info:
+        receiver.add_request_with_kv(again, partial)
+    assert info.value.code == "kv_prefix_evicted" and info.value.status_code == 503
+    assert receiver.stats()["kv_blocks_used"] == 0 and not receiver.has_unfinished_requests()
+    receiver.add_request_with_kv(again, prefill(sender, "r2", prompt))
+    assert run(receiver)["r2"] == want
+    assert sender.stats()["kv_blocks_used"] == 0 and receiver.stats()["kv_blocks_used"] == 0
+
+
+def test_the_decode_replica_skips_cached_pages_and_recovers_from_their_eviction(tiny_model_dir: Path) -> None:
+    """The decode replica's orchestration (handle faked, engines real): it asks for the prompt
+    pages its prefix cache lacks; when the cache loses them before the import, it asks once more
+    for all of them, and the answer is still right. Blocks return to baseline on both sides."""
+    import asyncio
+
+    from tandem.deployments.replicas import DecodeReplica, PrefillReplica
+
+    options = {"model": str(tiny_model_dir), "kv_cache_memory": 4 << 20, "block_size": 4, "speculative": None,
+               "weight_dtype": "auto", "kv_cache_dtype": "auto"}
+    shared = PROMPTS[0][:28]
+    colocated = engine(tiny_model_dir)
+    colocated.add_request(GenerationRequest("r", prompt_token_ids=[*shared, 50, 51], sampling_params=PARAMS))
+    want = run(colocated)["r"]
+    prefill = PrefillReplica(options)
+    pool = FlakyPrefillPool(prefill, 0)
+    decode = DecodeReplica(pool, options)  # type: ignore[arg-type]
+
+    async def answer(request_id: str, prompt: list[int]) -> list[int]:
+        gen = GenerationRequest(request_id, prompt_token_ids=prompt, sampling_params=PARAMS)
+        return [t async for out in decode.stream(gen) for t in out.outputs[0].delta_token_ids]
+
+    async def main() -> None:
+        await answer("warm", [*shared, 90, 91])
+        assert await answer("a", [*shared, 50, 51]) == want
+        pool.evict_before_import = decode.engine.engine.kv_manager.pool.reset_prefix_cache
+        assert await answer("b", [*shared, 50, 51]) == want
+
+    try:
+        asyncio.run(main())
+        assert pool.skip_pages == [0, 7, 7, 0]  # cold; cached; cached but evicted, then whole
         deadline = time.monotonic() + 5
         while decode.engine.stats()["kv_blocks_used"] or prefill.engine.stats()["kv_blocks_used"]:
             assert time.monotonic() < deadline

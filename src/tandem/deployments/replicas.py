@@ -17,14 +17,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from tandem.deployments.adapters import AdapterStore, load_into_engine
-from tandem.engine.kv_transfer import KVTransfer
+from tandem.engine.kv_transfer import KVPrefixEvictedError, KVTransfer
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.errors import ServiceUnavailableError
 from tandem.platform.object_store import open_object_store
@@ -142,8 +142,8 @@ class PrefillReplica:
 
         self.engine = AsyncEngine.from_options(**{"role": "prefill", **(engine_options or {})})
 
-    async def prefill(self, request: GenerationRequest, cache_dtype: str | None = None) -> KVTransfer:
-        return await self.engine.prefill(request, cache_dtype)
+    async def prefill(self, request: GenerationRequest, cache_dtype: str | None = None, skip_pages: int = 0) -> KVTransfer:
+        return await self.engine.prefill(request, cache_dtype, skip_pages)
 
     async def stats(self) -> dict[str, Any]:
         return self.engine.stats()
@@ -179,15 +179,28 @@ class DecodeReplica(LLMReplica):
             async for output in super().stream(request):
                 yield output
             return
+        # Pages this replica's prefix cache holds are not sent; should they be evicted before the
+        # transfer arrives, the request asks once more for all of them.
+        skip_pages = await self.engine.cached_prefix_pages(request)
+        transfer = await self._remote_prefill(request, skip_pages)
+        try:
+            async for output in self.engine.generate_from_kv(request, transfer, self.stream_interval):
+                yield output
+        except KVPrefixEvictedError:
+            transfer = await self._remote_prefill(request, 0)
+            async for output in self.engine.generate_from_kv(request, transfer, self.stream_interval):
+                yield output
+
+    async def _remote_prefill(self, request: GenerationRequest, skip_pages: int) -> KVTransfer:
+        """The prompt's KV from a prefill replica, in this cache's dtype; a replica that died is
+        retried once (Serve routes the retry to a live one)."""
         cache_dtype = self.engine.engine.kv_cache_dtype
         for attempt in range(2):
             try:
-                transfer = await self.prefill.prefill.remote(request, cache_dtype)
-                break
+                return cast(KVTransfer, await self.prefill.prefill.remote(request, cache_dtype, skip_pages))
             except RayActorError as exc:
                 if attempt == 1:
                     raise ServiceUnavailableError(
                         "the prefill replicas failed twice for this request; retry it", code="prefill_failed"
                     ) from exc
-        async for output in self.engine.generate_from_kv(request, transfer, self.stream_interval):
-            yield output
+        raise AssertionError("unreachable")

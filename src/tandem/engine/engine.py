@@ -18,7 +18,14 @@ import torch
 
 from tandem.engine.draft import DraftProposer, EagleProposer
 from tandem.engine.kv_cache import KVCacheManager
-from tandem.engine.kv_transfer import KVPage, KVTransfer, fingerprint, page_checksum, verify
+from tandem.engine.kv_transfer import (
+    KVPage,
+    KVPrefixEvictedError,
+    KVTransfer,
+    fingerprint,
+    page_checksum,
+    verify,
+)
 from tandem.engine.lora import LoRAAdapter, LoRALimits, LoRAManager, LoRAModelShape, parse_peft_adapter
 from tandem.engine.models.eagle import EagleDraft, is_eagle_folder, load_eagle
 from tandem.engine.models.loader import build_model, load_model, resolve_model_path
@@ -416,10 +423,19 @@ class LLMEngine:
         cfg = self.model_config
         return fingerprint(self.model_name, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size)
 
-    def export_kv(self, request_id: str, cache_dtype: str | None = None) -> KVTransfer:
+    def cached_prefix_pages(self, gen: GenerationRequest) -> int:
+        """How many leading pages (blocks) of `gen`'s prompt this engine's prefix cache holds now:
+        a sender need not send them (`export_kv(skip_pages=...)`)."""
+        request, _ = self.make_request(gen)
+        return self.kv_manager.num_cached_prefix_blocks(
+            request.num_tokens, request.token_ids_slice, self.scheduler.cache_salt(request)
+        )
+
+    def export_kv(self, request_id: str, cache_dtype: str | None = None, skip_pages: int = 0) -> KVTransfer:
         """The prompt KV of a finished prefill request (`add_prefill_request`) as checksummed
-        pages in `cache_dtype` (this cache's own, or "float8_e4m3fn" for an FP8 receiver), and
-        its first token; its blocks are freed. Raises `NotFoundError` when it is not held."""
+        pages in `cache_dtype` (this cache's own, or "float8_e4m3fn" for an FP8 receiver), from
+        page `skip_pages` on (the receiver holds the ones before), and its first token; its
+        blocks are freed. Raises `NotFoundError` when it is not held."""
         request = self.scheduler.held.get(request_id)
         if request is None:
             raise NotFoundError(f"no prefilled KV is held for request {request_id!r} (expired or never made)")
@@ -431,14 +447,22 @@ class LLMEngine:
                     param="cache_dtype",
                 )
             prompt = request.prompt_token_ids
-            block_ids = self.kv_manager.block_table(request_id).block_ids
-            datas = self.runner.export_pages(block_ids, len(prompt), getattr(torch, dtype))
             size = self.kv_manager.block_size
+            if not 0 <= skip_pages <= (len(prompt) - 1) // size:
+                raise InvalidRequestError(
+                    f"skip_pages {skip_pages} must be between 0 and {(len(prompt) - 1) // size} for a prompt of "
+                    f"{len(prompt)} tokens (the last token's page is always sent)",
+                    param="skip_pages",
+                )
+            block_ids = self.kv_manager.block_table(request_id).block_ids
+            datas = self.runner.export_pages(block_ids[skip_pages:], len(prompt) - skip_pages * size, getattr(torch, dtype))
             pages = []
-            for index, data in enumerate(datas):
+            for index, data in enumerate(datas, start=skip_pages):
                 tokens = tuple(prompt[index * size : (index + 1) * size])
                 pages.append(KVPage(index, tokens, data, page_checksum(request_id, index, tokens, dtype, data)))
-            return KVTransfer(request_id, self.kv_fingerprint(), dtype, size, request.output_token_ids[0], tuple(pages))
+            return KVTransfer(
+                request_id, self.kv_fingerprint(), dtype, size, request.output_token_ids[0], tuple(pages), skip_pages
+            )
         finally:
             self.scheduler.release_held(request_id)
 
@@ -458,11 +482,30 @@ class LLMEngine:
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running", param="request_id")
         num_prompt = request.num_prompt_tokens
+        size = self.kv_manager.block_size
+        num_cached_blocks = 0
+        if transfer.num_skipped_pages:  # take the pages left out from this engine's prefix cache
+            cached = self.kv_manager.allocate_cached_prefix(
+                request.request_id, request.num_tokens, request.token_ids_slice, self.scheduler.cache_salt(request)
+            )
+            num_cached_blocks = cached // size
+            if num_cached_blocks < transfer.num_skipped_pages:
+                self.kv_manager.free(request.request_id)
+                raise KVPrefixEvictedError(
+                    f"{transfer.num_skipped_pages} prompt pages were left out of the KV transfer but only "
+                    f"{num_cached_blocks} are still cached here; the request needs a whole transfer"
+                )
+            request.num_cached_tokens = cached
         if not self.kv_manager.allocate_slots(request.request_id, num_prompt + 1, admission=True):
+            self.kv_manager.free(request.request_id)
             raise ServiceUnavailableError("no free KV blocks for a handed-over request; retry shortly", code="kv_cache_full")
         try:
             block_ids = self.kv_manager.block_table(request.request_id).block_ids
-            self.runner.import_pages(block_ids, [(len(p.token_ids), p.data) for p in transfer.pages])
+            # Never into cached (shared) blocks: only the pages past this engine's own prefix.
+            imported = [p for p in transfer.pages if p.index >= num_cached_blocks]
+            self.runner.import_pages(
+                block_ids[num_cached_blocks:], [(len(p.token_ids), p.data) for p in imported]
+            )
             if request.lora_name is not None:
                 self._check_lora(request.lora_name)
                 assert self.lora is not None
@@ -673,8 +716,7 @@ def _draft_path(config: EngineConfig) -> Path | None:
     if spec is None or spec.method == "ngram":
         return None
     if spec.draft_model is not None:
-        bundled = BUNDLED_DRAFTS.get(spec.draft_model.lower())
-        return bundled if bundled is not None else resolve_model_path(spec.draft_model)
+        return resolve_model_path(spec.draft_model)
     bundled = BUNDLED_DRAFTS.get(config.model.lower())
     if bundled is not None and (bundled / "model.safetensors").exists():
         return bundled

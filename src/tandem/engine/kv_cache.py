@@ -193,6 +193,19 @@ class KVCacheManager:
         self.tables[request_id] = BlockTable(hits, [self.pool.generations[b] for b in hits])
         return len(hits) * self.block_size
 
+    def num_cached_prefix_blocks(self, num_tokens: int, tokens: TokenSlice, salt: object) -> int:
+        """How many leading full blocks of a prompt of `num_tokens` tokens the prefix cache holds
+        now (as `allocate_cached_prefix` would take them; a lookup: nothing is taken or touched)."""
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        parent: int | None = None
+        for index in range((num_tokens - 1) // bs):
+            parent = hash((parent, tuple(tokens(index * bs, (index + 1) * bs)), salt))
+            if parent not in self.pool.cached:
+                return index
+        return (num_tokens - 1) // bs
+
     def cache_full_blocks(
         self, request_id: str, tokens: TokenSlice, num_computed_tokens: int, salt: object
     ) -> None:

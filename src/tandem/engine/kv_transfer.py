@@ -7,6 +7,11 @@ its bytes, and the transfer names the model it came from. The receiver checks al
 that the pages' tokens are its request's prompt, before it allocates anything: a corrupted,
 stale or mixed-up transfer fails its request with `KVTransferError` and never produces text.
 
+Pages the receiver already holds in its prefix cache are not sent: the receiver says how many
+leading pages it holds (`LLMEngine.cached_prefix_pages`), the sender leaves them out
+(`num_skipped_pages`), and the receiver takes those blocks from its cache when it imports the
+rest; should they have been evicted meanwhile, `KVPrefixEvictedError` asks for a whole transfer.
+
 Page layout (`data`): for each layer, K then V, each [tokens, kv_heads, head_dim] in the cache
 dtype; then (FP8 only) for each layer, K scales then V scales, each [tokens, kv_heads] float16. `tokens` is the
 page's token count (the block size, or fewer in the last page).
@@ -17,7 +22,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from tandem.platform.errors import RequestFailedError
+from tandem.platform.errors import RequestFailedError, ServiceUnavailableError
 
 
 class KVTransferError(RequestFailedError):
@@ -25,6 +30,14 @@ class KVTransferError(RequestFailedError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, code="kv_transfer_invalid")
+
+
+class KVPrefixEvictedError(ServiceUnavailableError):
+    """A transfer left out prompt pages that the receiver's prefix cache held when asked, but
+    evicted since: the request needs a whole transfer (the receiver allocated nothing)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="kv_prefix_evicted")
 
 
 @dataclass(frozen=True)
@@ -43,6 +56,9 @@ class KVTransfer:
     block_size: int
     first_token_id: int  # the token the sender sampled after the prompt
     pages: tuple[KVPage, ...]
+    # Leading prompt pages not sent: the receiver said its prefix cache holds them. Pages start
+    # at this index; the receiver takes those blocks from its cache (or fails: KVPrefixEvictedError).
+    num_skipped_pages: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -75,10 +91,14 @@ def verify(transfer: KVTransfer, *, model_fingerprint: str, cache_dtype: str, bl
             f"KV transfer holds {transfer.cache_dtype} pages of {transfer.block_size} tokens; this cache "
             f"holds {cache_dtype} blocks of {block_size}"
         )
-    if transfer.num_tokens != len(prompt_token_ids):
-        raise KVTransferError(f"KV transfer carries {transfer.num_tokens} tokens; the prompt has {len(prompt_token_ids)}")
-    position = 0
-    for expected_index, page in enumerate(transfer.pages):
+    skipped_tokens = transfer.num_skipped_pages * transfer.block_size
+    if skipped_tokens + transfer.num_tokens != len(prompt_token_ids) or skipped_tokens >= len(prompt_token_ids):
+        raise KVTransferError(
+            f"KV transfer carries {transfer.num_tokens} tokens after {transfer.num_skipped_pages} skipped pages; "
+            f"the prompt has {len(prompt_token_ids)}"
+        )
+    position = skipped_tokens
+    for expected_index, page in enumerate(transfer.pages, start=transfer.num_skipped_pages):
         if page.index != expected_index:
             raise KVTransferError(f"KV transfer page {page.index} arrived where page {expected_index} belongs")
         if page_checksum(transfer.request_id, page.index, page.token_ids, transfer.cache_dtype, page.data) != page.checksum:

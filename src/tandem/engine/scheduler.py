@@ -379,7 +379,7 @@ class Scheduler:
                 continue
             if request.num_computed_tokens == 0 and request.request_id not in self.kv.tables:
                 cached = self.kv.allocate_cached_prefix(
-                    request.request_id, request.num_tokens, request.token_ids_slice, self._cache_salt(request)
+                    request.request_id, request.num_tokens, request.token_ids_slice, self.cache_salt(request)
                 )
                 request.num_computed_tokens = cached
                 if request.num_preemptions == 0:
@@ -411,7 +411,7 @@ class Scheduler:
             step.budget -= num_new
             cap -= num_new
 
-    def _cache_salt(self, request: Request) -> tuple[str | None, str | None]:
+    def cache_salt(self, request: Request) -> tuple[str | None, str | None]:
         """What besides the tokens keys a cached block: the adapter, and the tenant unless
         tenants are configured to share cached prefixes."""
         tenant = None if self.share_prefix_cache_across_tenants else request.tenant_id
@@ -487,7 +487,7 @@ class Scheduler:
                 request.request_id,
                 request.token_ids_slice,
                 request.num_computed_tokens,
-                self._cache_salt(request),
+                self.cache_salt(request),
             )
 
     def _record_acceptance(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
