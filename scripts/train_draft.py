@@ -242,7 +242,8 @@ def batches(data: dict[str, torch.Tensor], indices: list[int], max_tokens: int) 
     return out
 
 
-def collate(data: dict[str, torch.Tensor], seq_ids: list[int], remap: torch.Tensor, noise: float):
+def collate(data: dict[str, torch.Tensor], seq_ids: list[int], remap: torch.Tensor, noise: float,
+            answers_only: bool = True):
     offsets = data["offsets"]
     lengths = [int(offsets[i + 1] - offsets[i]) for i in seq_ids]
     length = max(lengths)
@@ -253,6 +254,7 @@ def collate(data: dict[str, torch.Tensor], seq_ids: list[int], remap: torch.Tens
     target_ids = torch.zeros(len(seq_ids), length, TOP_K, dtype=torch.int64)
     target_probs = torch.zeros(len(seq_ids), length, TOP_K)
     mask = torch.zeros(len(seq_ids), length)
+    prompt_lens = data["prompt_lens"]
     for row, (i, n) in enumerate(zip(seq_ids, lengths, strict=True)):
         start = int(offsets[i])
         states = data["states"][start : start + n].float()
@@ -261,7 +263,9 @@ def collate(data: dict[str, torch.Tensor], seq_ids: list[int], remap: torch.Tens
         target_states[row, :n] = states
         target_ids[row, :n] = remap[data["top_ids"][start : start + n].long()]
         target_probs[row, :n] = data["top_probs"][start : start + n].float()
-        mask[row, :n] = 1.0
+        # Loss where the head will draft: at answer positions (position p predicts token p + 1;
+        # the first answer token is the target's own, so drafting starts at the prompt's length).
+        mask[row, int(prompt_lens[i]) if answers_only else 0 : n] = 1.0
     if noise > 0:
         features = features + (torch.rand_like(features) * 2 - 1) * noise
     return input_ids, features, target_states, target_ids, target_probs, mask

@@ -345,3 +345,13 @@ def test_a_draft_model_must_share_the_vocabulary(tiny_dir: Path) -> None:
     with pytest.raises(InvalidRequestError, match="vocabulary") as info:
         LLM(str(tiny_dir), speculative={"method": "draft", "draft_model": "smollm2-135m-instruct"})
     assert info.value.param == "speculative.draft_model"
+
+
+def test_acceptance_is_the_conditional_rate_the_planner_models() -> None:
+    """Five drafts of which the first two are accepted, again and again: each reached draft is
+    accepted with probability 2/3 (the third was reached and rejected, the last two never
+    reached), not 2/5."""
+    tracker = AcceptanceTracker(max_n=2, initial=0.5, smoothing=0.2, recovery=0.0)
+    for _ in range(100):
+        tracker.record(2, 5, 2)
+    assert tracker.estimate(2) == pytest.approx(2 / 3, abs=1e-3)

@@ -15,6 +15,7 @@ knob SGLang calls `--stream-interval`.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, cast
@@ -97,7 +98,8 @@ class LLMReplica:
         return self.engine.model_name
 
     async def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+        """The engine's stats, and this replica's process id."""
+        return {**self.engine.stats(), "pid": os.getpid()}
 
     async def lora_info(self) -> dict[str, Any]:
         return self.engine.lora_info()
@@ -146,7 +148,8 @@ class PrefillReplica:
         return await self.engine.prefill(request, cache_dtype, skip_pages)
 
     async def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+        """The engine's stats, and this replica's process id."""
+        return {**self.engine.stats(), "pid": os.getpid()}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """What `PrefillQueuePolicy` scales on."""

@@ -82,26 +82,36 @@ class NgramIndex:
 
 
 class AcceptanceTracker:
-    """How often drafts are accepted, by the length of the n-gram match that proposed them,
-    shared by all requests (a 4-token match while a request copies its prompt is right far more
-    often than a 1-token match in free text). Each estimate follows an exponential average of
-    accepted / verified drafts, and drifts back toward `initial` a little every step, so a
-    length that stopped being tried is tried again later instead of being ruled out forever."""
+    """How often drafts are accepted, by the length of the n-gram match that proposed them
+    (length 0: the draft model), shared by all requests (a 4-token match while a request copies
+    its prompt is right far more often than a 1-token match in free text).
+
+    The estimate is the conditional acceptance `a` that `plan_drafts` models (draft j is accepted
+    with probability a^j): of the drafts that were reached (every draft up to and including the
+    first rejected one), the share accepted. Chain-level ratios (accepted / verified) would read
+    low: five drafts of which the first two are accepted mean a = 2/3, not 2/5. Successes and
+    trials are exponentially weighted sums, and drift back toward `initial` a little every step,
+    so a length that stopped being tried is tried again later instead of being ruled out forever."""
 
     def __init__(self, max_n: int, initial: float, smoothing: float, recovery: float = 0.01) -> None:
         self.initial, self.smoothing, self.recovery = initial, smoothing, recovery
-        self.by_match_len = [initial] * (max_n + 1)
+        # Per match length: (weighted accepted drafts, weighted reached drafts); a prior of one trial.
+        self.accepted = [initial] * (max_n + 1)
+        self.reached = [1.0] * (max_n + 1)
 
     def estimate(self, match_len: int) -> float:
-        return self.by_match_len[match_len]
+        return min(0.95, max(0.02, self.accepted[match_len] / self.reached[match_len]))  # never certain
 
     def record(self, match_len: int, num_drafts: int, num_accepted: int) -> None:
-        rate = num_accepted / num_drafts
-        value = (1 - self.smoothing) * self.by_match_len[match_len] + self.smoothing * rate
-        self.by_match_len[match_len] = min(0.95, max(0.02, value))  # never certain either way
+        reached = num_accepted + (1 if num_accepted < num_drafts else 0)
+        keep = 1 - self.smoothing
+        self.accepted[match_len] = keep * self.accepted[match_len] + self.smoothing * num_accepted
+        self.reached[match_len] = keep * self.reached[match_len] + self.smoothing * reached
 
     def drift(self) -> None:
-        self.by_match_len = [v + self.recovery * (self.initial - v) for v in self.by_match_len]
+        for n, (accepted, reached) in enumerate(zip(self.accepted, self.reached, strict=True)):
+            rate = accepted / reached
+            self.accepted[n] = reached * (rate + self.recovery * (self.initial - rate))
 
 
 @dataclass
