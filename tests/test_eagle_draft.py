@@ -187,3 +187,30 @@ def test_head_reads_the_targets_state_at_the_previous_position(target_dir: Path,
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
     assert len(checked) > 50
     assert all(draft == last for draft, last in checked), [c for c in checked if c[0] != c[1]][:5]
+
+
+def test_a_handed_over_request_drafts_with_the_head(one_layer_dir: Path, tmp_path: Path) -> None:
+    """A prompt computed by another engine (no target states here): the head catches up on it
+    (from zero states; the mirror head reads none) and drafts; the tokens are the target's."""
+    from tandem import GenerationRequest
+    from tandem.engine.engine import LLMEngine
+
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    prompt = [5, 6, 7, 8] * 5 + [9]
+    want = LLM(str(one_layer_dir), speculative=None, **OPTIONS).generate([prompt], params)[0].outputs[0].token_ids
+    head = make_head(one_layer_dir, tmp_path / "m", "mirror")
+    sender = LLMEngine.from_options(str(one_layer_dir), role="prefill", **OPTIONS)
+    assert sender.config.speculative is None  # a prefill engine drafts nothing
+    receiver = spec_llm(one_layer_dir, head).engine
+    gen = GenerationRequest("r", prompt_token_ids=prompt, sampling_params=params)
+    sender.add_prefill_request(gen)
+    while sender.has_unfinished_requests():
+        sender.step()
+    first = receiver.add_request_with_kv(gen, sender.export_kv("r"))
+    tokens = list(first.outputs[0].token_ids)
+    while receiver.has_unfinished_requests():
+        for out in receiver.step():
+            tokens = list(out.outputs[0].token_ids)
+    assert tokens == want
+    stats = receiver.stats()
+    assert stats["num_draft_tokens"] > 10 and stats["draft_acceptance_rate"] > 0.95, stats

@@ -506,6 +506,8 @@ class LLMEngine:
             self.runner.import_pages(
                 block_ids[num_cached_blocks:], [(len(p.token_ids), p.data) for p in imported]
             )
+            if hasattr(self.runner, "imported_prompt"):
+                self.runner.imported_prompt(request.request_id, num_cached_blocks * size, num_prompt)
             if request.lora_name is not None:
                 self._check_lora(request.lora_name)
                 assert self.lora is not None

@@ -158,6 +158,15 @@ class ModelRunner:
             if offset != len(data):
                 raise ValueError(f"a KV page of {count} tokens has {len(data)} bytes, expected {offset}")
 
+    def imported_prompt(self, request_id: str, first_position: int, num_tokens: int) -> None:
+        """A request whose prompt KV another engine computed (positions first_position..num_tokens-1
+        imported; those before come from this cache's prefix blocks): there are no target states
+        for them, so a draft head catches up on them from zero states (never on the shared
+        prefix blocks, whose head KV their filler wrote)."""
+        if self.draft is not None and self.draft.wants_hidden and num_tokens > first_position:
+            hidden = self.model.config.hidden_size
+            self.draft.record(request_id, first_position, torch.zeros(num_tokens - first_position, hidden))
+
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._generators.pop(request_id, None)

@@ -99,7 +99,7 @@ class EngineConfig(BaseModel):
     role: Literal["colocated", "prefill", "decode"] = Field(
         "colocated",
         description="Quantisation preset: 'decode' defaults to INT4 weights + FP8 KV, 'prefill' to "
-        "16-bit weights and KV; explicit weight_dtype / kv_cache_dtype win.",
+        "16-bit weights and KV and no speculation; explicit weight_dtype / kv_cache_dtype / speculative win.",
     )
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3"] = Field(
         "auto",
@@ -196,6 +196,8 @@ class EngineConfig(BaseModel):
                 self.weight_dtype = "int4"
             if "kv_cache_dtype" not in self.model_fields_set:
                 self.kv_cache_dtype = "fp8_e4m3"
+        if self.role == "prefill" and "speculative" not in self.model_fields_set:
+            self.speculative = None  # it samples one token per request: nothing to draft
         return self
 
     @model_validator(mode="after")
