@@ -39,6 +39,19 @@ def replica_pids(app: str, deployment: str) -> list[int]:
     ]
 
 
+def busy_prefill_pid(app: str) -> int | None:
+    """The prefill replica process computing a prompt now (the engine's busy thread keeps the
+    replica's own event loop from answering promptly, so this asks the OS, not the replica)."""
+    processes = [psutil.Process(pid) for pid in replica_pids(app, "PrefillReplica")]
+    for proc in processes:
+        proc.cpu_percent()
+    time.sleep(0.3)
+    usage = sorted(((proc.cpu_percent(), proc.pid) for proc in processes), reverse=True)
+    if len(usage) == 2 and usage[0][0] > 25.0 and usage[0][0] > 3 * usage[1][0]:
+        return usage[0][1]
+    return None
+
+
 def running_replicas(app: str, deployment: str) -> int:
     from ray import serve
 
@@ -76,7 +89,7 @@ def send_raw_completion(base_url: str, path: str, prompt: str) -> socket.socket:
 
 
 PD_ENGINE = {"weight_dtype": "auto", "kv_cache_dtype": "auto", "speculative": None}
-LONG_PROMPT = "Paged attention keeps the cache in blocks. " * 300  # about 2,700 tokens of the tiny model
+LONG_PROMPT = "Paged attention keeps the cache in blocks. " * 170  # about 3,750 tokens of the tiny model
 
 
 def test_a_prefill_replica_killed_mid_prefill_costs_no_request(ray_serve: str, tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -85,6 +98,8 @@ def test_a_prefill_replica_killed_mid_prefill_costs_no_request(ray_serve: str, t
     colocated answer; a request running meanwhile is untouched; blocks return to baseline on the
     decode replica and the surviving prefill replica. A client that leaves during the hand-over
     leaves nothing behind either."""
+    from ray import serve
+
     app = "tandem-pd-kill"
     deploy(
         tmp_path_factory,
@@ -93,15 +108,13 @@ def test_a_prefill_replica_killed_mid_prefill_costs_no_request(ray_serve: str, t
         mode="disaggregated",
         engine=PD_ENGINE,
         num_prefill_replicas=2,
-        prefill_engine={"max_num_batched_tokens": 64, "max_num_seqs": 4, "kv_hold_ttl_s": 2.0},
+        # Small prefill chunks: the long prompt takes hundreds of steps, time to find its replica.
+        prefill_engine={"max_num_batched_tokens": 8, "max_num_seqs": 4, "kv_hold_ttl_s": 2.0},
     )
     try:
         client = openai.OpenAI(base_url=f"{ray_serve}/pdkill/v1", api_key=KEY, max_retries=0)
         kwargs: dict[str, Any] = dict(model="tiny", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
         want = client.completions.create(prompt=LONG_PROMPT, **kwargs).choices[0].text  # nobody killed
-        from ray import serve
-
-        prefill = serve.get_deployment_handle("PrefillReplica", app_name=app)
         results: dict[str, Any] = {}
 
         def ask(name: str, prompt: str) -> None:
@@ -113,11 +126,7 @@ def test_a_prefill_replica_killed_mid_prefill_costs_no_request(ray_serve: str, t
         victim_thread = threading.Thread(target=ask, args=("victim", LONG_PROMPT))
         victim_thread.start()
 
-        def busy_prefill_pid() -> int | None:  # the replica whose engine holds the long prompt
-            stats = prefill.stats.remote().result()
-            return stats["pid"] if stats["queued_prompt_tokens"] > 256 else None
-
-        pid = wait_until(busy_prefill_pid, 60, "the long prompt to be prefilled")
+        pid = wait_until(lambda: busy_prefill_pid(app), 60, "the long prompt to be prefilled")
         bystander = threading.Thread(target=ask, args=("bystander", "A short question"))
         bystander.start()
         os.kill(pid, signal.SIGKILL)
@@ -127,10 +136,10 @@ def test_a_prefill_replica_killed_mid_prefill_costs_no_request(ray_serve: str, t
         assert isinstance(results["bystander"], str), results
 
         # A client that goes away while its prompt is prefilled: its connection is closed.
-        leaver = send_raw_completion(ray_serve, "/pdkill/v1/completions", LONG_PROMPT + " again")
-        wait_until(lambda: prefill.stats.remote().result()["queued_prompt_tokens"] > 0, 60, "the prefill to start")
-        leaver.close()
         wait_until(lambda: running_replicas(app, "PrefillReplica") == 2, 120, "the killed prefill replica's replacement")
+        leaver = send_raw_completion(ray_serve, "/pdkill/v1/completions", LONG_PROMPT + " again")
+        wait_until(lambda: busy_prefill_pid(app), 60, "the prefill to start")
+        leaver.close()
         wait_until(lambda: kv_blocks_used(app, "LLMReplica") == [0], 30, "decode blocks back to baseline")
         wait_until(lambda: kv_blocks_used(app, "PrefillReplica") == [0, 0], 30, "prefill blocks back to baseline")
         assert client.completions.create(prompt=LONG_PROMPT, **kwargs).choices[0].text == want
