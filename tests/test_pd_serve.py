@@ -109,7 +109,8 @@ def test_a_prefill_replica_killed_mid_prefill_costs_no_request(ray_serve: str, t
         engine=PD_ENGINE,
         num_prefill_replicas=2,
         # Small prefill chunks: the long prompt takes hundreds of steps, time to find its replica.
-        prefill_engine={"max_num_batched_tokens": 8, "max_num_seqs": 4, "kv_hold_ttl_s": 2.0},
+        # (no prefix cache there: every request computes the whole prompt)
+        prefill_engine={"max_num_batched_tokens": 8, "max_num_seqs": 4, "kv_hold_ttl_s": 2.0, "enable_prefix_caching": False},
     )
     try:
         client = openai.OpenAI(base_url=f"{ray_serve}/pdkill/v1", api_key=KEY, max_retries=0)
@@ -134,6 +135,8 @@ def test_a_prefill_replica_killed_mid_prefill_costs_no_request(ray_serve: str, t
         bystander.join(120)
         assert results["victim"] == want, results
         assert isinstance(results["bystander"], str), results
+        decode = serve.get_deployment_handle("LLMReplica", app_name=app)
+        assert decode.stats.remote().result()["num_prefill_retries"] == 1  # it was the victim's prefill
 
         # A client that goes away while its prompt is prefilled: its connection is closed.
         wait_until(lambda: running_replicas(app, "PrefillReplica") == 2, 120, "the killed prefill replica's replacement")
@@ -159,7 +162,7 @@ def test_both_pools_scale_up_under_load_and_back_down(ray_serve: str, tmp_path_f
         app,
         "/pdscale",
         mode="disaggregated",
-        engine={**PD_ENGINE, "kv_cache_memory": 1 << 20},
+        engine={**PD_ENGINE, "kv_cache_memory": 4 << 20},  # about 5,400 tokens
         autoscaling={"target_kv_occupancy": 0.2, "min_replicas": 1, "max_replicas": 2,
                      "upscale_delay_s": 0.0, "downscale_delay_s": 3.0, "look_back_period_s": 1.0},
         prefill_autoscaling={"target_prompt_tokens_per_replica": 512, "min_replicas": 1, "max_replicas": 2},
@@ -181,10 +184,13 @@ def test_both_pools_scale_up_under_load_and_back_down(ray_serve: str, tmp_path_f
                     failures.append(exc)
                     return
 
-        def prefill_long() -> None:  # long prompts queue on the prefill pool
+        counter = iter(range(1_000_000))
+
+        def prefill_long() -> None:  # long prompts (each its own: no prefix hits) queue on the prefill pool
             while not stop.is_set():
                 try:
-                    client.completions.create(model="tiny", prompt=LONG_PROMPT, max_tokens=1)
+                    prompt = f"Request {next(counter)}: " + "Paged attention keeps the cache in blocks. " * 45
+                    client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
                 except Exception as exc:  # noqa: BLE001
                     failures.append(exc)
                     return

@@ -176,6 +176,15 @@ class DecodeReplica(LLMReplica):
     ) -> None:
         super().__init__({"role": "decode", **(engine_options or {})}, None, object_store, stream_interval, fleet)
         self.prefill = prefill
+        self.num_prefill_retries = 0  # prefill calls retried after a prefill replica died
+        self.num_whole_transfers_after_eviction = 0  # skipped pages evicted before the import
+
+    async def stats(self) -> dict[str, Any]:
+        return {
+            **await super().stats(),
+            "num_prefill_retries": self.num_prefill_retries,
+            "num_whole_transfers_after_eviction": self.num_whole_transfers_after_eviction,
+        }
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         if request.lora_name is not None:
@@ -190,6 +199,7 @@ class DecodeReplica(LLMReplica):
             async for output in self.engine.generate_from_kv(request, transfer, self.stream_interval):
                 yield output
         except KVPrefixEvictedError:
+            self.num_whole_transfers_after_eviction += 1
             transfer = await self._remote_prefill(request, 0)
             async for output in self.engine.generate_from_kv(request, transfer, self.stream_interval):
                 yield output
@@ -206,4 +216,5 @@ class DecodeReplica(LLMReplica):
                     raise ServiceUnavailableError(
                         "the prefill replicas failed twice for this request; retry it", code="prefill_failed"
                     ) from exc
+                self.num_prefill_retries += 1
         raise AssertionError("unreachable")
