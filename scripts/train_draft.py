@@ -132,7 +132,7 @@ def stage_generate(work: Path, args: argparse.Namespace) -> None:
 
 @torch.inference_mode()
 def stage_features(work: Path, args: argparse.Namespace) -> None:
-    out = work / "features.pt"
+    out = features_path(work, args)
     if out.exists():
         return
     sequences = json.loads((work / "sequences.json").read_text())
@@ -158,7 +158,9 @@ def stage_features(work: Path, args: argparse.Namespace) -> None:
         metadata = build_attention_metadata(tables, lens, lens, block_size, cfg.num_key_value_heads, device)
         flat = torch.tensor([t for ids in batch for t in ids], dtype=torch.int64)
         positions = torch.tensor([p for n in lens for p in range(n)], dtype=torch.int64)
-        logits, hidden = model(flat, positions, kv, metadata, torch.arange(len(flat)), return_hidden=True)
+        logits, hidden = model(
+            flat, positions, kv, metadata, torch.arange(len(flat)), return_hidden=True, hidden_layers=feature_layers(args)
+        )
         probs, ids = logits.softmax(dim=-1).topk(TOP_K, dim=-1)  # [T, 8]
         token_ids.append(flat.to(torch.int32))
         states.append(hidden.to(torch.bfloat16))
@@ -176,9 +178,19 @@ def stage_features(work: Path, args: argparse.Namespace) -> None:
             "top_probs": torch.cat(top_probs),
             "offsets": torch.tensor(offsets, dtype=torch.int64),
             "prompt_lens": torch.tensor([len(s["prompt"]) for s in sequences], dtype=torch.int64),
+            "hidden_size": cfg.hidden_size,
         },
         out,
     )
+
+
+def feature_layers(args: argparse.Namespace) -> tuple[int, ...]:
+    return tuple(sorted(int(x) for x in args.feature_layers.split(",") if x.strip()))
+
+
+def features_path(work: Path, args: argparse.Namespace) -> Path:
+    layers = feature_layers(args)
+    return work / ("features.pt" if not layers else f"features_layers_{'-'.join(map(str, layers))}.pt")
 
 
 def stage_vocab(work: Path, args: argparse.Namespace) -> torch.Tensor:
@@ -202,6 +214,7 @@ def stage_vocab(work: Path, args: argparse.Namespace) -> torch.Tensor:
 def make_head(args: argparse.Namespace, token_map: torch.Tensor) -> tuple[EagleDraft, Any]:
     loaded = load_model(args.model)
     cfg = EagleConfig.for_target(loaded.config, len(token_map), name="SmolLM2-135M-Instruct")
+    cfg.feature_layers = list(feature_layers(args))
     head = EagleDraft(cfg, max_positions=2048)
     head.token_map = token_map
     head.init_rope()
@@ -224,6 +237,9 @@ def make_head(args: argparse.Namespace, token_map: torch.Tensor) -> tuple[EagleD
         head.fc.weight[:, hidden:].copy_(torch.eye(hidden))  # start as: pass the target's state through
         head.fc.weight[:, :hidden].normal_(0.0, 0.02)
         head.fc.bias.zero_()
+        if head.fuse is not None:  # start from the top layer's state alone
+            head.fuse.weight.zero_()
+            head.fuse.weight[:, -hidden:].copy_(torch.eye(hidden))
     return head, loaded
 
 
@@ -247,9 +263,10 @@ def collate(data: dict[str, torch.Tensor], seq_ids: list[int], remap: torch.Tens
     offsets = data["offsets"]
     lengths = [int(offsets[i + 1] - offsets[i]) for i in seq_ids]
     length = max(lengths)
-    hidden = data["states"].shape[1]
+    width = data["states"].shape[1]  # len(feature_layers) * hidden, the top one last
+    hidden = int(data.get("hidden_size", width))
     input_ids = torch.zeros(len(seq_ids), length, dtype=torch.int64)
-    features = torch.zeros(len(seq_ids), length, hidden)
+    features = torch.zeros(len(seq_ids), length, width)
     target_states = torch.zeros(len(seq_ids), length, hidden)
     target_ids = torch.zeros(len(seq_ids), length, TOP_K, dtype=torch.int64)
     target_probs = torch.zeros(len(seq_ids), length, TOP_K)
@@ -260,7 +277,7 @@ def collate(data: dict[str, torch.Tensor], seq_ids: list[int], remap: torch.Tens
         states = data["states"][start : start + n].float()
         input_ids[row, :n] = data["token_ids"][start : start + n].long()
         features[row, 1:n] = states[: n - 1]  # position p reads the target's state at p - 1
-        target_states[row, :n] = states
+        target_states[row, :n] = states[:, -hidden:]
         target_ids[row, :n] = remap[data["top_ids"][start : start + n].long()]
         target_probs[row, :n] = data["top_probs"][start : start + n].float()
         # Loss where the head will draft: at answer positions (position p predicts token p + 1;
@@ -293,7 +310,7 @@ def ttt_forward(head: EagleDraft, input_ids: torch.Tensor, features: torch.Tenso
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     outputs = []
-    states = features
+    states = head.fuse_states(features)  # [N, T, H]
     for d in range(1, depth + 1):
         x = head.fc(torch.cat([embedded, states], dim=-1))  # [N, T, H]
         normed = rms_norm(x, layer.input_layernorm, layer.eps)
@@ -341,7 +358,7 @@ def losses(head: EagleDraft, batch: tuple[torch.Tensor, ...], feature_scale: flo
 def stage_train(work: Path, args: argparse.Namespace, token_map: torch.Tensor) -> EagleDraft:
     head, loaded = make_head(args, token_map)
     checkpoint = work / "head.pt"
-    data = torch.load(work / "features.pt")
+    data = torch.load(features_path(work, args))
     remap = torch.full((loaded.config.vocab_size,), -1, dtype=torch.int64)
     remap[token_map] = torch.arange(len(token_map))
     num_seqs = len(data["offsets"]) - 1
@@ -368,7 +385,7 @@ def stage_train(work: Path, args: argparse.Namespace, token_map: torch.Tensor) -
             batch = collate(data, seq_ids, remap, args.noise * feature_scale)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
                 regression, ce, accuracy = losses(head, batch, feature_scale, args.ttt_depth)
-            loss = regression + args.ce_weight * ce
+            loss = args.regression_weight * regression + args.ce_weight * ce
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -411,6 +428,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--noise", type=float, default=0.1, help="uniform noise on the input states, in units of their mean magnitude")
     parser.add_argument("--ce-weight", type=float, default=0.5)
+    parser.add_argument("--feature-layers", default="", help="target layers whose outputs the head reads, "
+                        "e.g. 2,14,29 (EAGLE-3); empty: the last layer's")
+    parser.add_argument("--regression-weight", type=float, default=1.0,
+                        help="smooth-L1 to the target's top state (0 with --feature-layers: EAGLE-3 drops it)")
     parser.add_argument("--ttt-depth", type=int, default=3, help="drafting depths trained (training-time test)")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--seed", type=int, default=0)

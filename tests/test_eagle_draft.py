@@ -33,14 +33,16 @@ def one_layer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("eagle-1layer"), max_positions=1024, num_layers=1)
 
 
-def make_head(target: Path, folder: Path, kind: str, seed: int = 0) -> Path:
+def make_head(target: Path, folder: Path, kind: str, seed: int = 0, feature_layers: list[int] | None = None) -> Path:
     """A head for `target`: `random` (random weights, half the vocabulary), `mirror` (a
     one-layer target's own layer over the token embedding, ignoring states: it predicts exactly
     what the target will), or `passthrough` (its output is the state it reads)."""
     loaded = load_model(str(target))
     cfg = loaded.config
     vocab = torch.arange(cfg.vocab_size) if kind != "random" else torch.arange(0, cfg.vocab_size, 2)
-    head = EagleDraft(EagleConfig.for_target(cfg, len(vocab), name="tiny"), max_positions=1024)
+    head_cfg = EagleConfig.for_target(cfg, len(vocab), name="tiny")
+    head_cfg.feature_layers = list(feature_layers or [])
+    head = EagleDraft(head_cfg, max_positions=1024)
     head.token_map = vocab
     torch.manual_seed(seed)
     hidden = cfg.hidden_size
@@ -214,3 +216,31 @@ def test_a_handed_over_request_drafts_with_the_head(one_layer_dir: Path, tmp_pat
     assert tokens == want
     stats = receiver.stats()
     assert stats["num_draft_tokens"] > 10 and stats["draft_acceptance_rate"] > 0.95, stats
+
+
+def test_a_head_fusing_several_target_layers(target_dir: Path, tmp_path: Path) -> None:
+    """EAGLE-3 style: the head reads the outputs of target layers 0 and 2, fused. The target's
+    forward returns them side by side; greedy tokens stay the target's, in mixed batches with
+    preemption and with a handed-over request."""
+    from tandem import GenerationRequest
+    from tandem.engine.engine import LLMEngine
+
+    head = make_head(target_dir, tmp_path / "fused", "random", feature_layers=[0, 2])
+    want = LLM(str(target_dir), speculative=None, **OPTIONS).generate(PROMPTS, _params())
+    spec = spec_llm(target_dir, head)
+    assert spec.engine.runner.draft.hidden_layers == (0, 2)
+    got = spec.generate(PROMPTS, _params())
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    stats = spec.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_draft_tokens"] > 0, stats
+    sender = LLMEngine.from_options(str(target_dir), role="prefill", **OPTIONS)
+    gen = GenerationRequest("h", prompt_token_ids=PROMPTS[0], sampling_params=_params()[0])
+    sender.add_prefill_request(gen)
+    while sender.has_unfinished_requests():
+        sender.step()
+    first = spec.engine.add_request_with_kv(gen, sender.export_kv("h"))
+    tokens = list(first.outputs[0].token_ids)
+    while spec.engine.has_unfinished_requests():
+        for out in spec.engine.step():
+            tokens = list(out.outputs[0].token_ids)
+    assert tokens == want[0].outputs[0].token_ids

@@ -26,6 +26,7 @@ from tandem.kernels.sampling import filter_logits
 
 class DraftProposer:
     wants_hidden = False  # needs no target states (see `EagleProposer`)
+    hidden_layers: tuple[int, ...] = ()
 
     def __init__(
         self,
@@ -157,6 +158,7 @@ class EagleProposer:
         self.max_buffered = max_buffered
         self.token_map = model.token_map  # [K] draft row -> target token id
         self.state_dtype = model.fc.weight.dtype
+        self.hidden_layers = model.hidden_layers  # what the runner asks the target for
         self.num_computed: dict[str, int] = {}  # request -> leading positions with the head's KV
         # request -> (position of the first buffered state, states [n, hidden])
         self.states: dict[str, tuple[int, torch.Tensor]] = {}
@@ -167,8 +169,10 @@ class EagleProposer:
             self.states.pop(request_id, None)
 
     def record(self, request_id: str, start_position: int, hidden: torch.Tensor) -> None:
-        """The target's states [n, hidden] at positions start_position.. (all kept)."""
-        hidden = hidden.detach().to(self.state_dtype)
+        """The target's states [n, *] at positions start_position.. (all kept), as its forward
+        returned them for `hidden_layers`; kept fused ([n, hidden])."""
+        with torch.inference_mode():
+            hidden = self.model.fuse_states(hidden.detach()).to(self.state_dtype)
         buffered = self.states.get(request_id)
         if buffered is not None:
             first, states = buffered

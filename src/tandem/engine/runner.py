@@ -164,8 +164,8 @@ class ModelRunner:
         for them, so a draft head catches up on them from zero states (never on the shared
         prefix blocks, whose head KV their filler wrote)."""
         if self.draft is not None and self.draft.wants_hidden and num_tokens > first_position:
-            hidden = self.model.config.hidden_size
-            self.draft.record(request_id, first_position, torch.zeros(num_tokens - first_position, hidden))
+            width = self.model.config.hidden_size * max(1, len(self.draft.hidden_layers))
+            self.draft.record(request_id, first_position, torch.zeros(num_tokens - first_position, width))
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -258,6 +258,7 @@ class ModelRunner:
             torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
             lora=lora_step,
             return_hidden=wants_hidden,
+            hidden_layers=self.draft.hidden_layers if self.draft is not None else (),
         )
         logits, hidden = output if wants_hidden else (output, None)
         sampling_items = [item for item in items if item.sample]
@@ -310,6 +311,7 @@ class ModelRunner:
                     metadata,
                     torch.arange(batch, dtype=torch.int64, device=self.device),
                     return_hidden=self.draft is not None and self.draft.wants_hidden,
+                    hidden_layers=self.draft.hidden_layers if self.draft is not None else (),
                 )
         except Exception as exc:  # noqa: BLE001 - any backend failure means: stay eager
             logger.warning(

@@ -49,6 +49,9 @@ class EagleConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 8192
     target: dict[str, Any] = field(default_factory=dict)  # what it was trained for (name, dims)
+    # Target layers whose outputs the head reads, fused by `fuse` into one state (EAGLE-3: low,
+    # middle and top layers); empty: the last layer's output alone.
+    feature_layers: list[int] = field(default_factory=list)
 
     def layer_config(self) -> LlamaConfig:
         return LlamaConfig(
@@ -97,6 +100,7 @@ class EagleDraft(nn.Module):
         self.config = cfg
         hidden = cfg.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.fuse = nn.Linear(len(cfg.feature_layers) * hidden, hidden, bias=False) if cfg.feature_layers else None
         self.layer = LlamaDecoderLayer(cfg.layer_config(), 0)
         # The target's final norm and its LM-head rows for token_map (frozen; set by attach_target).
         self.norm = nn.Parameter(torch.ones(hidden), requires_grad=False)
@@ -131,6 +135,17 @@ class EagleDraft(nn.Module):
             self.norm.copy_(final_norm.to(dtype))
             self.lm_head.weight.copy_(lm_head_weight.index_select(0, self.token_map.to(lm_head_weight.device)).to(dtype))
 
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """What to ask the target's forward for (`hidden_layers`; () is its last layer)."""
+        return tuple(sorted(self.config.feature_layers))
+
+    def fuse_states(self, states: torch.Tensor) -> torch.Tensor:
+        """The target's states as the target returned them ([..., len(feature_layers) * hidden],
+        or [..., hidden]) -> the one state [..., hidden] the head reads."""
+        states = states.to(self.fc.weight.dtype)
+        return self.fuse(states) if self.fuse is not None else states
+
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.embed_tokens is not None, "attach_target first"
         return self.embed_tokens(input_ids).to(self.fc.weight.dtype)
@@ -138,7 +153,7 @@ class EagleDraft(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
-        features: torch.Tensor,  # [T, hidden]: the target's state at each token's previous position
+        features: torch.Tensor,  # [T, hidden]: the (fused) target state at each token's previous position
         positions: torch.Tensor,  # [T]
         kv_caches: list[KVLayer],  # one layer
         metadata: AttentionMetadata,

@@ -222,18 +222,25 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [B] rows whose next-token logits are wanted
         lora: LoRAContext | None = None,  # adapters of this step's rows, if any
         return_hidden: bool = False,
+        hidden_layers: tuple[int, ...] = (),
     ) -> Any:
         """Next-token logits [B, vocab] float32 at `logits_indices`; with `return_hidden`, also
-        the last decoder layer's output for every token [T, hidden] (before the final norm: what
-        an EAGLE draft head reads)."""
+        decoder layers' outputs for every token (what an EAGLE draft head reads): the last
+        layer's [T, hidden] (before the final norm), or those of `hidden_layers` (indices,
+        ascending) side by side [T, len(hidden_layers) * hidden]."""
         dtype = self.norm.dtype  # the compute dtype (the embedding may be stored narrower)
         x = self.embed_tokens(input_ids).to(dtype)
         cos = self.rope_cos[positions].to(dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        states: list[torch.Tensor] = []
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = layer(x, cos, sin, kv_cache, metadata, lora)
+            if return_hidden and index in hidden_layers:
+                states.append(x)
         logits = self.lm_head(rms_norm(x.index_select(0, logits_indices), self.norm, self.config.rms_norm_eps)).float()
-        return (logits, x) if return_hidden else logits
+        if not return_hidden:
+            return logits
+        return logits, (torch.cat(states, dim=-1) if hidden_layers else x)
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy HF-named weights in, fusing q/k/v and gate/up. Raises on missing or misshapen."""
