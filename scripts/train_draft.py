@@ -9,11 +9,13 @@ Stages (each writes into --work and is skipped when its output exists, so a run 
    last decoder layer's state at each position and the target's top-8 next-token distribution.
 3. `vocab`: the draft vocabulary, the K target ids most frequent in the answers (FR-Spec), always
    with the end-of-turn tokens.
-4. `train`: the head (fc + one decoder layer, ~4M parameters; the target's embedding, final norm and
-   LM-head rows frozen) on smooth-L1 to the target's next state plus cross-entropy to the target's
-   top-8 distribution, with uniform noise on the input states (EAGLE-1) and training-time test
-   (EAGLE-3: passes 2..`--ttt-depth` read the head's own predicted states and attend as drafting at
-   that depth does), AdamW, cosine schedule.
+4. `train`: the head (a linear fusion of target layers 2, 14 and 29, fc, one decoder layer: about
+   5M parameters; the target's embedding, final norm and LM-head rows frozen) on cross-entropy to
+   the target's top-8 distribution at answer positions, with uniform noise on the input states
+   and training-time test (EAGLE-3: passes 2..`--ttt-depth` read the head's own predicted states
+   and attend as drafting at that depth does), AdamW, cosine schedule. `--feature-layers ""
+   --regression-weight 1` trains the EAGLE-1 form (the top layer alone, plus smooth-L1 to the
+   target's next state).
 5. `export`: bfloat16 safetensors into --out (default: the folder the engine loads for the default
    model) and the held-out greedy acceptance of the first draft token.
 
@@ -357,7 +359,7 @@ def losses(head: EagleDraft, batch: tuple[torch.Tensor, ...], feature_scale: flo
 
 def stage_train(work: Path, args: argparse.Namespace, token_map: torch.Tensor) -> EagleDraft:
     head, loaded = make_head(args, token_map)
-    checkpoint = work / "head.pt"
+    checkpoint = features_path(work, args).with_name(features_path(work, args).stem.replace("features", "head") + ".pt")
     data = torch.load(features_path(work, args))
     remap = torch.full((loaded.config.vocab_size,), -1, dtype=torch.int64)
     remap[token_map] = torch.arange(len(token_map))
@@ -423,15 +425,15 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--gen-batch", type=int, default=64)
     parser.add_argument("--draft-vocab", type=int, default=8192)
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--noise", type=float, default=0.1, help="uniform noise on the input states, in units of their mean magnitude")
     parser.add_argument("--ce-weight", type=float, default=0.5)
-    parser.add_argument("--feature-layers", default="", help="target layers whose outputs the head reads, "
-                        "e.g. 2,14,29 (EAGLE-3); empty: the last layer's")
-    parser.add_argument("--regression-weight", type=float, default=1.0,
-                        help="smooth-L1 to the target's top state (0 with --feature-layers: EAGLE-3 drops it)")
+    parser.add_argument("--feature-layers", default="2,14,29", help="target layers whose outputs the head reads, "
+                        "fused (EAGLE-3: low, middle, top); empty: the last layer's alone")
+    parser.add_argument("--regression-weight", type=float, default=0.0,
+                        help="weight of smooth-L1 to the target's top state (EAGLE-1; EAGLE-3 drops it)")
     parser.add_argument("--ttt-depth", type=int, default=3, help="drafting depths trained (training-time test)")
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--seed", type=int, default=0)
