@@ -142,6 +142,13 @@ def test_async_engines_hand_over_and_stream(tiny_model_dir: Path) -> None:
         receiver.shutdown()
 
 
+def wait_for_baseline(*engines: Any) -> None:
+    """Until no engine holds a KV block (their loop threads apply aborts between steps)."""
+    deadline = time.monotonic() + 5
+    while any(engine.stats()["kv_blocks_used"] for engine in engines):
+        assert time.monotonic() < deadline, [engine.stats()["kv_blocks_used"] for engine in engines]
+
+
 class FlakyPrefillPool:
     """Stands in for the prefill deployment's handle: its first `num_deaths` calls fail as a dead
     replica does (`ActorDiedError`), the rest reach a real prefill engine."""
@@ -200,9 +207,7 @@ def test_a_dead_prefill_replica_is_retried_once_then_the_request_fails_clearly(
                 asyncio.run(main())
             assert info.value.code == "prefill_failed"
         assert pool.num_calls == 2
-        deadline = time.monotonic() + 5
-        while decode.engine.stats()["kv_blocks_used"] or prefill.engine.stats()["kv_blocks_used"]:
-            assert time.monotonic() < deadline
+        wait_for_baseline(decode.engine, prefill.engine)
     finally:
         decode.engine.shutdown()
         prefill.engine.shutdown()
@@ -290,9 +295,7 @@ def test_the_decode_replica_skips_cached_pages_and_recovers_from_their_eviction(
     try:
         asyncio.run(main())
         assert pool.skip_pages == [0, 7, 7, 0]  # cold; cached; cached but evicted, then whole
-        deadline = time.monotonic() + 5
-        while decode.engine.stats()["kv_blocks_used"] or prefill.engine.stats()["kv_blocks_used"]:
-            assert time.monotonic() < deadline
+        wait_for_baseline(decode.engine, prefill.engine)
     finally:
         decode.engine.shutdown()
         prefill.engine.shutdown()

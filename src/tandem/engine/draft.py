@@ -20,8 +20,49 @@ import torch
 from tandem.engine.models.eagle import EagleDraft
 from tandem.engine.models.llama import KVLayer, LlamaForCausalLM
 from tandem.engine.step import ScheduledRequest
-from tandem.kernels.attention import build_attention_metadata
+from tandem.kernels.attention import AttentionMetadata, build_attention_metadata
 from tandem.kernels.sampling import filter_logits
+
+
+def draw_draft(
+    logits: torch.Tensor,  # [V] one request's next-draft logits (float32)
+    item: ScheduledRequest,
+    generator: torch.Generator | None,
+) -> tuple[int, torch.Tensor | None]:
+    """The request's next draft: the argmax for greedy requests; else a draw from the draft's
+    distribution under the request's temperature and filters, returned with it ([V]) for
+    rejection sampling."""
+    params = item.sampling_params
+    if params.greedy:
+        return int(logits.argmax()), None
+    scaled = logits.unsqueeze(0) / params.temperature
+    if params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0:
+        device = logits.device
+        scaled = filter_logits(
+            scaled,
+            torch.tensor([params.top_k], device=device),
+            torch.tensor([params.top_p], device=device),
+            torch.tensor([params.min_p], device=device),
+        )
+    q = scaled.softmax(dim=-1)[0]
+    return int(torch.multinomial(q, 1, generator=generator)[0]), q
+
+
+def draft_step_metadata(
+    active: list[ScheduledRequest], query_lens: list[int], depth: int, block_size: int, num_kv_heads: int,
+    device: torch.device,
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Attention metadata of one drafting pass (request i computes `query_lens[i]` positions
+    ending at its last token + `depth`) and the rows [len(active)] whose logits are wanted."""
+    metadata = build_attention_metadata(
+        [item.block_ids for item in active],
+        query_lens,
+        [item.start_position + depth + 1 for item in active],
+        block_size,
+        num_kv_heads,
+        device,
+    )
+    return metadata, torch.tensor(query_lens, device=device).cumsum(0) - 1
 
 
 class DraftProposer:
@@ -83,15 +124,9 @@ class DraftProposer:
                 input_ids.extend(tokens)
                 positions.extend(range(start, start + len(tokens)))
                 query_lens.append(len(tokens))
-            metadata = build_attention_metadata(
-                [item.block_ids for item in active],
-                query_lens,
-                [item.start_position + depth + 1 for item in active],
-                self.block_size,
-                self.num_kv_heads,
-                self.device,
+            metadata, logits_rows = draft_step_metadata(
+                active, query_lens, depth, self.block_size, self.num_kv_heads, self.device
             )
-            logits_rows = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
             logits = self.model(
                 torch.tensor(input_ids, dtype=torch.int64, device=self.device),
                 torch.tensor(positions, dtype=torch.int64, device=self.device),
@@ -100,21 +135,10 @@ class DraftProposer:
                 logits_rows,
             )  # [len(active), V]
             for row, item in enumerate(active):
-                params = item.sampling_params
-                if params.greedy:
-                    drafts[item.request_id].append(int(logits[row].argmax()))
-                    continue
-                scaled = logits[row : row + 1] / params.temperature
-                if params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0:
-                    scaled = filter_logits(
-                        scaled,
-                        torch.tensor([params.top_k], device=self.device),
-                        torch.tensor([params.top_p], device=self.device),
-                        torch.tensor([params.min_p], device=self.device),
-                    )
-                q = scaled.softmax(dim=-1)[0]
-                probs[item.request_id].append(q)
-                drafts[item.request_id].append(int(torch.multinomial(q, 1, generator=generator_for(item))[0]))
+                token, q = draw_draft(logits[row], item, generator_for(item))
+                drafts[item.request_id].append(token)
+                if q is not None:
+                    probs[item.request_id].append(q)
         for item in items:
             self.num_computed[item.request_id] = item.start_position + item.num_draft_slots
         return {
@@ -237,15 +261,9 @@ class EagleProposer:
                 input_ids.extend(tokens)
                 positions.extend(range(start, start + len(tokens)))
                 query_lens.append(len(tokens))
-            metadata = build_attention_metadata(
-                [item.block_ids for item in active],
-                query_lens,
-                [item.start_position + depth + 1 for item in active],
-                self.block_size,
-                self.num_kv_heads,
-                self.device,
+            metadata, logits_rows = draft_step_metadata(
+                active, query_lens, depth, self.block_size, self.num_kv_heads, self.device
             )
-            logits_rows = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
             logits, hidden = self.model(
                 torch.tensor(input_ids, dtype=torch.int64, device=self.device),
                 torch.cat(features),
@@ -256,23 +274,15 @@ class EagleProposer:
             )  # [len(active), K], [len(active), hidden]
             for row, item in enumerate(active):
                 predicted[item.request_id] = hidden[row]
-                params = item.sampling_params
-                if params.greedy:
+                if item.sampling_params.greedy:  # argmax within the head's vocabulary
                     drafts[item.request_id].append(int(self.token_map[logits[row].argmax()]))
                     continue
-                full = torch.full((1, vocab_size), float("-inf"), device=self.device)
-                full[0, self.token_map] = logits[row]
-                scaled = full / params.temperature
-                if params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0:
-                    scaled = filter_logits(
-                        scaled,
-                        torch.tensor([params.top_k], device=self.device),
-                        torch.tensor([params.top_p], device=self.device),
-                        torch.tensor([params.min_p], device=self.device),
-                    )
-                q = scaled.softmax(dim=-1)[0]
+                full = torch.full((vocab_size,), float("-inf"), device=self.device)  # [V]
+                full[self.token_map] = logits[row]
+                token, q = draw_draft(full, item, generator_for(item))
+                drafts[item.request_id].append(token)
+                assert q is not None
                 probs[item.request_id].append(q)
-                drafts[item.request_id].append(int(torch.multinomial(q, 1, generator=generator_for(item))[0]))
         for item in items:
             self.num_computed[item.request_id] = item.start_position + item.num_draft_slots
             buffered = self.states.get(item.request_id)
