@@ -184,31 +184,47 @@ class EagleProposer:
         self.state_dtype = model.fc.weight.dtype
         self.hidden_layers = model.hidden_layers  # what the runner asks the target for
         self.num_computed: dict[str, int] = {}  # request -> leading positions with the head's KV
-        # request -> (position of the first buffered state, states [n, hidden])
-        self.states: dict[str, tuple[int, torch.Tensor]] = {}
+        # request -> contiguous chunks (first position, states [n, hidden]), joined only when a
+        # proposal reads them: a request that does not draft for a while (a large batch) appends
+        # a row per step without copying what it holds.
+        self.states: dict[str, list[tuple[int, torch.Tensor]]] = {}
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.num_computed.pop(request_id, None)
             self.states.pop(request_id, None)
 
+    def _buffered(self, request_id: str) -> tuple[int, torch.Tensor] | None:
+        """The request's buffered states as one tensor (first position, [n, hidden])."""
+        chunks = self.states.get(request_id)
+        if not chunks:
+            return None
+        if len(chunks) > 1:
+            chunks[:] = [(chunks[0][0], torch.cat([states for _, states in chunks]))]
+        return chunks[0]
+
     def record(self, request_id: str, start_position: int, hidden: torch.Tensor) -> None:
         """The target's states [n, *] at positions start_position.. (all kept), as its forward
         returned them for `hidden_layers`; kept fused ([n, hidden])."""
         with torch.inference_mode():
             hidden = self.model.fuse_states(hidden.detach()).to(self.state_dtype)
-        buffered = self.states.get(request_id)
-        if buffered is not None:
-            first, states = buffered
-            end = first + states.shape[0]
-            if first <= start_position <= end:
-                hidden = torch.cat([states[: start_position - first], hidden])
-                start_position = first
-        if hidden.shape[0] > self.max_buffered:
+        chunks = self.states.get(request_id)
+        if chunks:
+            first = chunks[0][0]
+            end = chunks[-1][0] + chunks[-1][1].shape[0]
+            if start_position == end:
+                chunks.append((start_position, hidden))
+            elif first <= start_position < end:  # rewritten positions: keep what lies before them
+                _, states = self._buffered(request_id) or (first, hidden)
+                chunks[:] = [(first, states[: start_position - first]), (start_position, hidden)]
+            else:
+                chunks[:] = [(start_position, hidden)]
+        else:
+            chunks = self.states[request_id] = [(start_position, hidden)]
+        num_buffered = chunks[-1][0] + chunks[-1][1].shape[0] - chunks[0][0]
+        if num_buffered > self.max_buffered:
             self.states.pop(request_id, None)
             self.num_computed[request_id] = start_position + hidden.shape[0]  # used as found
-            return
-        self.states[request_id] = (start_position, hidden)
 
     def accepted(self, request_id: str, start_position: int, num_drafts: int, num_accepted: int) -> None:
         """After verification: only position `start_position` had the head's KV from a target
@@ -220,7 +236,7 @@ class EagleProposer:
         found) and the states [last + 1 - start, hidden] feeding positions start..last: each
         position's row is the target's state at the position before it, zeros where unknown."""
         hidden = self.model.config.hidden_size
-        buffered = self.states.get(request_id)
+        buffered = self._buffered(request_id)
         first, states = buffered if buffered is not None else (last, torch.empty(0, hidden, dtype=self.state_dtype))
         start = min(max(done, first), last)
         rows = torch.zeros(last + 1 - start, hidden, dtype=states.dtype, device=states.device)
@@ -285,11 +301,11 @@ class EagleProposer:
                 probs[item.request_id].append(q)
         for item in items:
             self.num_computed[item.request_id] = item.start_position + item.num_draft_slots
-            buffered = self.states.get(item.request_id)
+            buffered = self._buffered(item.request_id)
             if buffered is not None:  # states before the last token's position are consumed
                 first, states = buffered
                 keep_from = max(first, item.start_position)
-                self.states[item.request_id] = (keep_from, states[keep_from - first :])
+                self.states[item.request_id] = [(keep_from, states[keep_from - first :])]
         return {
             rid: (tokens, torch.stack(probs[rid]) if probs[rid] else None) for rid, tokens in drafts.items()
         }
