@@ -65,19 +65,14 @@ def draft_step_metadata(
     return metadata, torch.tensor(query_lens, device=device).cumsum(0) - 1
 
 
-class DraftProposer:
-    wants_hidden = False  # needs no target states (see `EagleProposer`)
-    hidden_layers: tuple[int, ...] = ()
+class PagedDraftCache:
+    """What both proposers keep: a paged KV cache beside the target's (same blocks) and, per
+    request, how many leading positions hold valid draft KV."""
 
-    def __init__(
-        self,
-        model: LlamaForCausalLM,
-        kv_caches: list[KVLayer],
-        num_kv_heads: int,
-        block_size: int,
-        device: torch.device,
-    ) -> None:
-        self.model = model
+    wants_hidden = False  # whether the runner hands over the target's states (`EagleProposer`)
+    hidden_layers: tuple[int, ...] = ()  # which target layers' outputs it wants
+
+    def __init__(self, kv_caches: list[KVLayer], num_kv_heads: int, block_size: int, device: torch.device) -> None:
         self.kv_caches = kv_caches
         self.num_kv_heads = num_kv_heads
         self.block_size = block_size
@@ -88,8 +83,35 @@ class DraftProposer:
         for request_id in request_ids:
             self.num_computed.pop(request_id, None)
 
+    def prepare_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A step's target states, as kept by `record` (once per step, for all its rows)."""
+        return hidden
+
     def record(self, request_id: str, start_position: int, hidden: torch.Tensor) -> None:
         """Target states are of no use to a draft model."""
+
+    def accepted(self, request_id: str, start_position: int, num_drafts: int, num_accepted: int) -> None:
+        raise NotImplementedError
+
+    def propose(
+        self,
+        items: list[ScheduledRequest],
+        generator_for: Callable[[ScheduledRequest], torch.Generator | None],
+    ) -> dict[str, tuple[list[int], torch.Tensor | None]]:
+        raise NotImplementedError
+
+
+class DraftProposer(PagedDraftCache):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[KVLayer],
+        num_kv_heads: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_caches, num_kv_heads, block_size, device)
+        self.model = model
 
     def accepted(self, request_id: str, start_position: int, num_drafts: int, num_accepted: int) -> None:
         """After verification: the draft KV written for rejected drafts is invalid."""
@@ -146,7 +168,7 @@ class DraftProposer:
         }
 
 
-class EagleProposer:
+class EagleProposer(PagedDraftCache):
     """Drafts from an EAGLE-style head (`models/eagle.py`) that reads the target's hidden states.
 
     The head's one-layer KV cache lives beside the target's in the same blocks, like
@@ -174,25 +196,26 @@ class EagleProposer:
         device: torch.device,
         max_buffered: int = 4096,
     ) -> None:
+        super().__init__(kv_caches, num_kv_heads, block_size, device)
         self.model = model
-        self.kv_caches = kv_caches
-        self.num_kv_heads = num_kv_heads
-        self.block_size = block_size
-        self.device = device
         self.max_buffered = max_buffered
         self.token_map = model.token_map  # [K] draft row -> target token id
         self.state_dtype = model.fc.weight.dtype
         self.hidden_layers = model.hidden_layers  # what the runner asks the target for
-        self.num_computed: dict[str, int] = {}  # request -> leading positions with the head's KV
         # request -> contiguous chunks (first position, states [n, hidden]), joined only when a
         # proposal reads them: a request that does not draft for a while (a large batch) appends
         # a row per step without copying what it holds.
         self.states: dict[str, list[tuple[int, torch.Tensor]]] = {}
 
     def forget(self, request_ids: list[str]) -> None:
+        super().forget(request_ids)
         for request_id in request_ids:
-            self.num_computed.pop(request_id, None)
             self.states.pop(request_id, None)
+
+    @torch.inference_mode()
+    def prepare_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, *] as the target returned them for `hidden_layers` -> fused [T, hidden]."""
+        return self.model.fuse_states(hidden.detach()).to(self.state_dtype)
 
     def _buffered(self, request_id: str) -> tuple[int, torch.Tensor] | None:
         """The request's buffered states as one tensor (first position, [n, hidden])."""
@@ -204,10 +227,8 @@ class EagleProposer:
         return chunks[0]
 
     def record(self, request_id: str, start_position: int, hidden: torch.Tensor) -> None:
-        """The target's states [n, *] at positions start_position.. (all kept), as its forward
-        returned them for `hidden_layers`; kept fused ([n, hidden])."""
-        with torch.inference_mode():
-            hidden = self.model.fuse_states(hidden.detach()).to(self.state_dtype)
+        """The target's states [n, hidden] (from `prepare_states`) at positions start_position..
+        (all kept)."""
         chunks = self.states.get(request_id)
         if chunks:
             first = chunks[0][0]

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tandem.engine.draft import DraftProposer, EagleProposer
+from tandem.engine.draft import DraftProposer, EagleProposer, PagedDraftCache
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.kv_transfer import (
     KVPage,
@@ -202,7 +202,7 @@ class LLMEngine:
             weight_dtype="auto" if hybrid else config.weight_dtype,
         )
         decode_model = build(weight_dtype="int4") if hybrid else None
-        draft: DraftProposer | EagleProposer | None = None
+        draft: PagedDraftCache | None = None
         if head is not None and draft_spec is not None:
             weights = loaded.weights
             prefix = "model." if "model.norm.weight" in weights else ""

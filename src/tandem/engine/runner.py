@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tandem.engine.draft import DraftProposer, EagleProposer
+from tandem.engine.draft import PagedDraftCache
 from tandem.engine.lora import LoRAManager, LoRAStep
 from tandem.engine.models.llama import KVLayer, LlamaForCausalLM
 from tandem.engine.step import RunnerResult, ScheduledRequest, SchedulerOutput
@@ -78,7 +78,7 @@ class ModelRunner:
         compile_decode: bool = False,
         decode_model: LlamaForCausalLM | None = None,
         decode_model_max_batch: int = 0,
-        draft: DraftProposer | EagleProposer | None = None,
+        draft: PagedDraftCache | None = None,
     ) -> None:
         """`decode_model` (optional, e.g. an INT4 copy of `model` sharing nothing but the cache)
         runs decode-only steps of at most `decode_model_max_batch` requests; `model` runs the rest.
@@ -165,7 +165,8 @@ class ModelRunner:
         prefix blocks, whose head KV their filler wrote)."""
         if self.draft is not None and self.draft.wants_hidden and num_tokens > first_position:
             width = self.model.config.hidden_size * max(1, len(self.draft.hidden_layers))
-            self.draft.record(request_id, first_position, torch.zeros(num_tokens - first_position, width))
+            zeros = torch.zeros(num_tokens - first_position, width)
+            self.draft.record(request_id, first_position, self.draft.prepare_states(zeros))
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -271,6 +272,7 @@ class ModelRunner:
         """Hand the draft head the target's states [T, hidden] of the positions each request
         keeps: its own tokens and its accepted drafts (none of a failed request)."""
         assert self.draft is not None
+        hidden = self.draft.prepare_states(hidden)  # once for the step's rows
         offset = 0
         for item in items:
             num_rows = len(item.token_ids)
