@@ -27,6 +27,13 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
+# The suite's comparisons (HF parity, identical greedy tokens across configurations) are written
+# for one precision on every CPU: pin dtype/weight_dtype "auto" to dense float32 (the engine's
+# operator pin; engine/precision.py). Tests of the automatic choice unset it. Set at import, so
+# Ray workers started by the tests inherit it too.
+os.environ.setdefault("TANDEM_AUTO_PRECISION", "float32")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     # Keep the GGUF conversion cache per user, but allow CI to point it elsewhere.

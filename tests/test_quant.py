@@ -190,7 +190,7 @@ def test_int4_linear_matches_reference(shape: tuple[int, int]) -> None:
 
 @requires_native_int4
 @pytest.mark.parametrize("double_quant", [False, True])
-@pytest.mark.parametrize("shape", [(96, 64), (40, 256), (50, 576)])
+@pytest.mark.parametrize("shape", [(96, 64), (40, 256), (50, 576), (24, 160)])  # 2, 8, 18, 5 runs
 def test_native_int4_linear_matches_reference(shape: tuple[int, int], double_quant: bool) -> None:
     """The native kernel against the dequantised reference, on both of its paths, for Q4_1-style
     float16 parameters and for int8 codes. It reads the codes exactly and rounds activations to

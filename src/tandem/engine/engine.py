@@ -30,6 +30,8 @@ from tandem.engine.lora import LoRAAdapter, LoRALimits, LoRAManager, LoRAModelSh
 from tandem.engine.models.eagle import EagleDraft, is_eagle_folder, load_eagle
 from tandem.engine.models.loader import build_model, load_model, resolve_model_path
 from tandem.engine.output_processor import OutputProcessor
+from tandem.engine.precision import PrecisionChoice, choose_precision, cpu_flags
+from tandem.engine.precision import pinned as pinned_precision
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import KVCacheSpec, ModelRunner, allocate_kv_caches
@@ -37,6 +39,7 @@ from tandem.engine.scheduler import Scheduler
 from tandem.engine.speculative import SpeculationSettings
 from tandem.engine.step import RequestUpdate, RunnerResult, ScheduledRequest, SchedulerOutput
 from tandem.engine.tokenizer import Tokenizer
+from tandem.kernels import int4_native
 from tandem.platform.config import EngineConfig
 from tandem.platform.errors import (
     ContextLengthExceededError,
@@ -85,6 +88,7 @@ class EngineParts:
     max_model_len: int
     kv_cache_dtype: str  # what the cache stores, for stats ("float32", "float8_e4m3fn", ...)
     lora: LoRAManager | None = None
+    precision: PrecisionChoice | None = None  # what dtype / weight_dtype "auto" resolved to, and why
 
 
 class LLMEngine:
@@ -100,6 +104,7 @@ class LLMEngine:
         self.runner = parts.runner
         self.lora = parts.lora
         self.kv_cache_dtype = parts.kv_cache_dtype
+        self.precision = parts.precision
         self.kv_manager = KVCacheManager(
             parts.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -133,7 +138,15 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         device = _resolve_device(config.device)
-        dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+        precision = choose_precision(
+            device_type=device.type,
+            dtype=config.dtype,
+            weight_dtype=config.weight_dtype,
+            flags=cpu_flags(),
+            native_int4=device.type == "cpu" and config.int4_kernel != "torch" and int4_native.load() is not None,
+            pin=pinned_precision(),
+        )
+        dtype_name = precision.dtype
         dtype = _DTYPES[dtype_name]
         loaded = load_model(config.model)
         cfg = loaded.config
@@ -185,7 +198,7 @@ class LLMEngine:
         if head is not None:
             max_model_len = min(max_model_len, head.max_positions)
 
-        hybrid = config.weight_dtype == "hybrid"
+        hybrid = precision.weight_dtype == "hybrid"
         build = functools.partial(
             build_model,
             loaded,
@@ -199,7 +212,7 @@ class LLMEngine:
         model = build(
             # inductor cannot lower oneDNN's prepacked (opaque) weights; it plans its own GEMMs
             pack_weights=hybrid or not config.compile_decode,
-            weight_dtype="auto" if hybrid else config.weight_dtype,
+            weight_dtype="int4" if precision.weight_dtype == "int4" else "dense",
         )
         decode_model = build(weight_dtype="int4") if hybrid else None
         draft: PagedDraftCache | None = None
@@ -247,6 +260,7 @@ class LLMEngine:
             decode_model=decode_model,
             decode_model_max_batch=config.hybrid_int4_max_batch,
             draft=draft,
+            native_decoder=config.native_decoder,
         )
         runner.warmup_decode()
         parts = EngineParts(
@@ -259,6 +273,7 @@ class LLMEngine:
             max_model_len=max_model_len,
             kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
             lora=lora,
+            precision=precision,
         )
         del loaded
         logger.info(
@@ -267,6 +282,11 @@ class LLMEngine:
                 "model": parts.model_name,
                 "device": str(device),
                 "dtype": dtype_name,
+                "weight_dtype": precision.weight_dtype,
+                "precision_reason": precision.reason,
+                "native_decoder": runner.native is not None,
+                "native_decoder_unavailable": runner.native_unavailable_reason if runner.native is None else "",
+                "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
                 "kv_blocks": num_blocks,
                 "kv_capacity_tokens": capacity,
                 "max_model_len": max_model_len,
@@ -673,7 +693,11 @@ class LLMEngine:
             "num_failed_requests": self.num_failed_requests,
             "loras_loaded": loras,
             "num_loras_loaded": len(loras),
-            "weight_dtype": self.config.weight_dtype,
+            "dtype": self.precision.dtype if self.precision else None,
+            "weight_dtype": self.precision.weight_dtype if self.precision else self.config.weight_dtype,
+            "precision_reason": self.precision.reason if self.precision else "",
+            "native_decoder": getattr(self.runner, "native", None) is not None,
+            "num_native_decoder_steps": int(getattr(self.runner, "num_native_steps", 0)),
             "kv_blocks_total": pool.num_blocks,
             "kv_blocks_used": pool.num_used_blocks,
             "kv_occupancy": pool.num_used_blocks / pool.num_blocks,

@@ -17,6 +17,7 @@ import torch
 from tandem.engine.draft import PagedDraftCache
 from tandem.engine.lora import LoRAManager, LoRAStep
 from tandem.engine.models.llama import KVLayer, LlamaForCausalLM
+from tandem.engine.models.native import NativeLlama, NativeStep
 from tandem.engine.step import RunnerResult, ScheduledRequest, SchedulerOutput
 from tandem.kernels.attention import build_attention_metadata, quantize_fp8
 from tandem.kernels.sampling import apply_penalties, filter_logits, sample_rows, top_logprobs, verify_drafts
@@ -66,6 +67,11 @@ def allocate_kv_caches(kv_spec: KVCacheSpec, num_blocks: int, device: torch.devi
     return [layer_cache() for _ in range(kv_spec.num_layers)]
 
 
+# Most token rows a step may have to go through the native decoder stack (its INT4 matmuls are
+# row kernels: beyond a few dozen rows the dequantise-then-GEMM path of the eager model wins).
+NATIVE_MAX_ROWS = 16
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -79,11 +85,14 @@ class ModelRunner:
         decode_model: LlamaForCausalLM | None = None,
         decode_model_max_batch: int = 0,
         draft: PagedDraftCache | None = None,
+        native_decoder: bool = True,
     ) -> None:
         """`decode_model` (optional, e.g. an INT4 copy of `model` sharing nothing but the cache)
         runs decode-only steps of at most `decode_model_max_batch` requests; `model` runs the rest.
-        With `compile_decode`, those decode steps go through one compiled graph: at small batch
-        the eager step is dominated by per-op dispatch, not by the matmuls."""
+        Those decode steps, when they have no LoRA rows and at most `NATIVE_MAX_ROWS` rows, go
+        through the native decoder stack (`NativeLlama`) where the decode model's linears are
+        native INT4 and `native_decoder` is set; else, with `compile_decode`, through one compiled
+        graph. At small batch the eager step is dominated by per-op dispatch, not by the matmuls."""
         self.model = model
         self.decode_model = decode_model or model
         self.decode_model_max_batch = decode_model_max_batch if decode_model is not None else 1 << 30
@@ -97,6 +106,12 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_spec.block_size
         self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, device)
+        self.native: NativeLlama | None = None
+        self.native_unavailable_reason = "disabled (native_decoder=False)"
+        if native_decoder and self._decode_forward is None:
+            self.native_unavailable_reason = NativeLlama.unsupported_reason(self.decode_model, self.kv_caches)
+            self.native = NativeLlama.build(self.decode_model, self.kv_caches, self.block_size)
+        self.num_native_steps = 0
         self.draft = draft
         self.draft_wall_s = 0.0  # wall seconds spent proposing with the draft model
         self.vocab_size = model.config.vocab_size
@@ -227,6 +242,29 @@ class ModelRunner:
             positions.extend(range(item.start_position, item.start_position + n))
             if item.sample:  # the last token's row, and one per draft token before it
                 logits_rows.extend(range(len(input_ids) - 1 - item.num_draft_tokens, len(input_ids)))
+        wants_hidden = self.draft is not None and self.draft.wants_hidden
+        hidden_layers = self.draft.hidden_layers if self.draft is not None else ()
+        # Decode steps (each request computes its last token, and its drafts if it speculates)
+        # go to the decode model: the native stack where it applies, else (without drafts) the
+        # compiled graph, else eager.
+        decoding = all(item.sample and len(item.token_ids) == 1 + item.num_draft_tokens for item in items)
+        small = decoding and len(items) <= self.decode_model_max_batch
+        if small and self.native is not None and not slot_of and len(input_ids) <= NATIVE_MAX_ROWS:
+            self.num_decode_model_steps += 1
+            self.num_native_steps += 1
+            step = NativeStep.build(
+                [item.token_ids for item in items],
+                [item.start_position for item in items],
+                [item.block_ids for item in items],
+                self.block_size,
+            )
+            output = self.native.forward(
+                step,
+                torch.tensor(logits_rows, dtype=torch.int64),
+                return_hidden=wants_hidden,
+                hidden_layers=hidden_layers,
+            )
+            return self._finish(items, output, wants_hidden, draft_probs)
         metadata = build_attention_metadata(
             [item.block_ids for item in items],
             [len(item.token_ids) for item in items],
@@ -241,16 +279,12 @@ class ModelRunner:
             else None
         )
         forward = self.model.forward
-        # Decode steps (each request computes its last token, and its drafts if it speculates)
-        # go to the decode model; only those without drafts through the compiled graph.
-        decoding = all(item.sample and len(item.token_ids) == 1 + item.num_draft_tokens for item in items)
-        if decoding and len(items) <= self.decode_model_max_batch:
+        if small:
             forward = self.decode_model.forward
             self.num_decode_model_steps += 1
             if self._decode_forward is not None and lora_step is None and not metadata.prefills:
                 forward = self._decode_forward
                 self.num_compiled_steps += 1
-        wants_hidden = self.draft is not None and self.draft.wants_hidden
         output = forward(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
@@ -259,8 +293,14 @@ class ModelRunner:
             torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
             lora=lora_step,
             return_hidden=wants_hidden,
-            hidden_layers=self.draft.hidden_layers if self.draft is not None else (),
+            hidden_layers=hidden_layers,
         )
+        return self._finish(items, output, wants_hidden, draft_probs)
+
+    def _finish(
+        self, items: list[ScheduledRequest], output: Any, wants_hidden: bool, draft_probs: dict[str, torch.Tensor]
+    ) -> RunnerResult:
+        """Sample (and verify drafts) from a forward's output; hand the draft head its states."""
         logits, hidden = output if wants_hidden else (output, None)
         sampling_items = [item for item in items if item.sample]
         result = self.sample(logits, sampling_items, draft_probs)

@@ -1,4 +1,5 @@
-"""The native CPU INT4 matmul (`csrc/int4_cpu.c`): built on first use, called through ctypes.
+"""The native CPU INT4 matmul (`csrc/int4_cpu.c`) and decoder stack (`csrc/decoder_cpu.c`, see
+`native_decoder.py`): one library, built on first use, called through ctypes.
 
 Why: torch's `_weight_int4pack_mm_for_cpu` takes each group's (scale, zero) as a bfloat16 tensor,
 so double-quantised parameters had to be multiplied out before every call, and at batch 1 the
@@ -37,7 +38,9 @@ log = logging.getLogger(__name__)
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the kernel is specialised for
 
-SOURCE = Path(__file__).parent / "csrc" / "int4_cpu.c"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "decoder_cpu.c"  # includes int4_cpu.c: one library with both
+SOURCES = (CSRC / "int4_cpu.c", SOURCE)  # what the build's cache key covers
 MODE_F16_PARAMS = 0  # params: float16 [N, G, 2] (scale, zero)
 MODE_INT8_PARAMS = 1  # params: int8 codes [N, G, 2], with bfloat16 super-block scales [N, S, 2]
 
@@ -57,7 +60,7 @@ def _cache_dir() -> Path:
 
 
 def _build(flags: set[str]) -> Path:
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + " ".join(sorted(flags)).encode()).hexdigest()[:16]
     target = _cache_dir() / f"int4_cpu-{key}.so"
     if target.exists():
@@ -113,6 +116,8 @@ def load() -> ctypes.CDLL | None:
     lib.tandem_int4_mm.restype = i32
     lib.tandem_int4_dequantize.argtypes = [p, i32, p, p, i64, i64, i64, i64, p, i32]
     lib.tandem_int4_dequantize.restype = None
+    lib.tandem_decoder_layers.argtypes = [p, p, p, i64, p, p, p, i64, p, p, i64, p, i32]
+    lib.tandem_decoder_layers.restype = i32
     return lib
 
 

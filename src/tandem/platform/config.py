@@ -60,13 +60,18 @@ class EngineConfig(BaseModel):
         None, description="Model id in the API; defaults to the bundled name or the path's last part."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Compute dtype of weights and activations; 'auto' is float32 on CPU."
+        "auto",
+        description="Compute dtype of weights and activations. 'auto': bfloat16 on CUDA and on CPUs "
+        "with AMX-BF16 or AVX512-BF16, float32 on other CPUs (engine/precision.py; stats() and the "
+        "start-up log say what was chosen and why). An explicit dtype is the whole unquantised "
+        "model in that dtype (with weight_dtype 'auto').",
     )
     device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'.")
-    weight_dtype: Literal["auto", "int4", "hybrid"] = Field(
+    weight_dtype: Literal["auto", "dense", "int4", "hybrid"] = Field(
         "auto",
         description="'int4': group-wise INT4 linears (two values per byte; the default model's Q4_1 "
-        "weights load as they are); 'auto': the compute dtype; 'hybrid': both copies, INT4 for "
+        "weights load as they are); 'dense': the compute dtype; 'auto': 'hybrid' on CPUs where the "
+        "native INT4 kernel runs and dtype is 'auto', else 'dense'; 'hybrid': both copies, INT4 for "
         "decode steps of at most hybrid_int4_max_batch requests (memory-bound: INT4 reads an eighth "
         "of float32's bytes), the compute dtype for prefill and larger batches (compute-bound: the "
         "CPU INT4 kernel is slower than oneDNN there). Costs the memory of both copies.",
@@ -156,6 +161,12 @@ class EngineConfig(BaseModel):
         description="Run decode-only steps through torch.compile (inductor): one fused graph per step "
         "instead of thousands of small ops. Compiled at start-up (minutes on a small CPU; cached on "
         "disk under TORCHINDUCTOR_CACHE_DIR); falls back to eager if compilation fails.",
+    )
+    native_decoder: bool = Field(
+        True,
+        description="Run small decode steps (at most 16 token rows, no LoRA rows) of an INT4 model on "
+        "CPU through Tandem's native decoder stack: all layers in one call instead of some 2,000 torch "
+        "ops. Off: those steps run eagerly (or compiled, with compile_decode).",
     )
     admission_wait_ms: float = Field(
         5.0,

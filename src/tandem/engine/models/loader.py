@@ -272,7 +272,7 @@ def build_model(
     device: torch.device,
     max_positions: int,
     pack_weights: bool = True,
-    weight_dtype: str = "auto",
+    weight_dtype: str = "dense",
     int4_group_size: int | None = None,
     int4_double_quant: bool = False,
     int4_kernel: Int4Kernel = "auto",

@@ -163,6 +163,198 @@ ROW_KERNEL(1, 2, 256)
 ROW_KERNEL(1, 3, 256)
 ROW_KERNEL(1, 4, 256)
 
+/* -- mode 0 (float16 parameters): the nibble-plane kernel -------------------------------------
+ * A run's 16 bytes read as 8 little-endian 16-bit words: word j holds q[2j] in bits 0-3, q[16+2j]
+ * in bits 4-7, q[2j+1] in bits 8-11 and q[17+2j] in bits 12-15. Masks and shifts (no byte
+ * shuffles) give four "planes" of 16-bit lanes, and the activations are laid out to match: in a
+ * block of b consecutive runs (b = 4 with AVX-512, else 2, and 1 for a last odd run) plane P's
+ * lane 8i + j holds x[run i][2j], x[2j+1], x[16+2j], x[17+2j] for P = 0, 1, 2, 3, the planes one
+ * after another (8b lanes each). vpmaddwd of plane and activations gives int32 lanes of which
+ * lanes 4i..4i+3 belong to run i, scaled in float32 by that run's scale * activation step. The
+ * products and sums are the same exact integers as the row kernels above; only the float32
+ * accumulation order differs. */
+#if defined(__AVX512BW__) && defined(__AVX512F__)
+#define TANDEM_BLOCK_RUNS 4
+#else
+#define TANDEM_BLOCK_RUNS 2
+#endif
+
+static inline int64_t block_runs(int64_t r, int64_t runs) {
+    if (TANDEM_BLOCK_RUNS == 4 && r + 4 <= runs) return 4;
+    return r + 2 <= runs ? 2 : 1;
+}
+
+/* xq [K] int16 in run order -> out [K] in the plane layout above. */
+static void pack_planes(const int16_t *xq, int64_t K, int16_t *out) {
+    const int64_t runs = K / 32;
+    for (int64_t r = 0; r < runs;) {
+        const int64_t b = block_runs(r, runs);
+        int16_t *o = out + 32 * r;
+        for (int64_t i = 0; i < b; i++) {
+            const int16_t *x = xq + 32 * (r + i);
+            for (int j = 0; j < 8; j++) {
+                o[8 * i + j] = x[2 * j];
+                o[8 * b + 8 * i + j] = x[2 * j + 1];
+                o[16 * b + 8 * i + j] = x[16 + 2 * j];
+                o[24 * b + 8 * i + j] = x[17 + 2 * j];
+            }
+        }
+        r += b;
+    }
+}
+
+/* The scales of row n's groups (the even float16s of its (scale, zero) pairs) as float32. */
+static inline void group_scales(const uint16_t *pairs, int64_t G, float *out) {
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8) {
+        __m256 v0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pairs + 2 * g)));
+        __m256 v1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pairs + 2 * g + 8)));
+        __m256 even = _mm256_shuffle_ps(v0, v1, 0x88); /* s0 s1 s4 s5 | s2 s3 s6 s7 */
+        _mm256_storeu_ps(out + g, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8)));
+    }
+    for (; g < G; g++) out[g] = _cvtsh_ss(pairs[2 * g]);
+}
+
+static inline __m256i planes_dot256(__m256i w, const int16_t *x) {
+    const __m256i low = _mm256_set1_epi16(0x000F);
+    __m256i p0 = _mm256_and_si256(w, low), p2 = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+    __m256i p1 = _mm256_and_si256(_mm256_srli_epi16(w, 8), low), p3 = _mm256_srli_epi16(w, 12);
+    __m256i s01 = _mm256_add_epi32(_mm256_madd_epi16(p0, _mm256_loadu_si256((const __m256i *)x)),
+                                   _mm256_madd_epi16(p1, _mm256_loadu_si256((const __m256i *)(x + 16))));
+    __m256i s23 = _mm256_add_epi32(_mm256_madd_epi16(p2, _mm256_loadu_si256((const __m256i *)(x + 32))),
+                                   _mm256_madd_epi16(p3, _mm256_loadu_si256((const __m256i *)(x + 48))));
+    return _mm256_add_epi32(s01, s23);
+}
+
+static inline __m128i planes_dot128(__m128i w, const int16_t *x) {
+    const __m128i low = _mm_set1_epi16(0x000F);
+    __m128i p0 = _mm_and_si128(w, low), p2 = _mm_and_si128(_mm_srli_epi16(w, 4), low);
+    __m128i p1 = _mm_and_si128(_mm_srli_epi16(w, 8), low), p3 = _mm_srli_epi16(w, 12);
+    __m128i s01 = _mm_add_epi32(_mm_madd_epi16(p0, _mm_loadu_si128((const __m128i *)x)),
+                                _mm_madd_epi16(p1, _mm_loadu_si128((const __m128i *)(x + 8))));
+    __m128i s23 = _mm_add_epi32(_mm_madd_epi16(p2, _mm_loadu_si128((const __m128i *)(x + 16))),
+                                _mm_madd_epi16(p3, _mm_loadu_si128((const __m128i *)(x + 24))));
+    return _mm_add_epi32(s01, s23);
+}
+
+#if TANDEM_BLOCK_RUNS == 4
+static inline __m512i planes_dot512(__m512i w, const int16_t *x) {
+    const __m512i low = _mm512_set1_epi16(0x000F);
+    __m512i p0 = _mm512_and_si512(w, low), p2 = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+    __m512i p1 = _mm512_and_si512(_mm512_srli_epi16(w, 8), low), p3 = _mm512_srli_epi16(w, 12);
+#if defined(__AVX512VNNI__)
+    __m512i s = _mm512_madd_epi16(p0, _mm512_loadu_si512(x));
+    s = _mm512_dpwssd_epi32(s, p1, _mm512_loadu_si512(x + 32));
+    s = _mm512_dpwssd_epi32(s, p2, _mm512_loadu_si512(x + 64));
+    return _mm512_dpwssd_epi32(s, p3, _mm512_loadu_si512(x + 96));
+#else
+    __m512i s01 = _mm512_add_epi32(_mm512_madd_epi16(p0, _mm512_loadu_si512(x)),
+                                   _mm512_madd_epi16(p1, _mm512_loadu_si512(x + 32)));
+    __m512i s23 = _mm512_add_epi32(_mm512_madd_epi16(p2, _mm512_loadu_si512(x + 64)),
+                                   _mm512_madd_epi16(p3, _mm512_loadu_si512(x + 96)));
+    return _mm512_add_epi32(s01, s23);
+#endif
+}
+#endif
+
+/* y[m * ldy] for m < MB, weight row n (mode 0): xp [MB, K] plane layout, xscale [MB, runs],
+ * xpair [MB, 2G] = (-8 xsum_g, xsum_g), so that the bias sum_g (zero_g - 8 scale_g) xsum_g is
+ * one dot product with the row's (scale, zero) pairs. */
+#define PLANE_KERNEL(MB)                                                                           \
+    static inline void plane_kernel_##MB(const uint8_t *w, const uint16_t *pairs, const int16_t *xp,  \
+                                         const float *xscale, const float *xpair, int64_t K,        \
+                                         int64_t group_size, float *y, int64_t ldy) {               \
+        const int64_t runs = K / 32, G = K / group_size, runs_per_group = group_size / 32;        \
+        float scales[G], run_scales[MB][runs];                                                     \
+        group_scales(pairs, G, scales);                                                            \
+        for (int m = 0; m < MB; m++) {                                                             \
+            if (runs_per_group == 1) {                                                             \
+                int64_t r = 0;                                                                     \
+                for (; r + 8 <= runs; r += 8)                                                      \
+                    _mm256_storeu_ps(&run_scales[m][r], _mm256_mul_ps(_mm256_loadu_ps(scales + r), \
+                                                                      _mm256_loadu_ps(xscale + m * runs + r))); \
+                for (; r < runs; r++) run_scales[m][r] = scales[r] * xscale[m * runs + r];         \
+            } else {                                                                               \
+                for (int64_t g = 0, r = 0; g < G; g++)                                             \
+                    for (int64_t k = 0; k < runs_per_group; k++, r++)                              \
+                        run_scales[m][r] = scales[g] * xscale[m * runs + r];                       \
+            }                                                                                      \
+        }                                                                                          \
+        __m256 acc256[MB], bias[MB];                                                               \
+        __m128 acc128[MB];                                                                         \
+        for (int m = 0; m < MB; m++) {                                                             \
+            acc256[m] = bias[m] = _mm256_setzero_ps();                                             \
+            acc128[m] = _mm_setzero_ps();                                                          \
+        }                                                                                          \
+        int64_t i = 0;                                                                             \
+        for (; i + 8 <= 2 * G; i += 8) {                                                           \
+            __m256 sz = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pairs + i)));            \
+            for (int m = 0; m < MB; m++)                                                           \
+                bias[m] = _mm256_fmadd_ps(sz, _mm256_loadu_ps(xpair + m * 2 * G + i), bias[m]);     \
+        }                                                                                          \
+        float tail[MB];                                                                            \
+        for (int m = 0; m < MB; m++) {                                                             \
+            tail[m] = 0.0f;                                                                        \
+            for (int64_t j = i; j < 2 * G; j++) tail[m] += _cvtsh_ss(pairs[j]) * xpair[m * 2 * G + j]; \
+        }                                                                                          \
+        PLANE_KERNEL_WIDE(MB)                                                                      \
+        int64_t r = 0;                                                                             \
+        while (r < runs) {                                                                         \
+            const int64_t b = block_runs(r, runs);                                                 \
+            if (b == 4) {                                                                          \
+                PLANE_BLOCK4(MB)                                                                   \
+            } else if (b == 2) {                                                                   \
+                __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 16 * r));                    \
+                for (int m = 0; m < MB; m++) {                                                     \
+                    __m256 sc = _mm256_set_m128(_mm_set1_ps(run_scales[m][r + 1]), _mm_set1_ps(run_scales[m][r])); \
+                    __m256i dot = planes_dot256(wv, xp + m * K + 32 * r);                          \
+                    acc256[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc, acc256[m]);           \
+                }                                                                                  \
+            } else {                                                                               \
+                __m128i wv = _mm_loadu_si128((const __m128i *)(w + 16 * r));                       \
+                for (int m = 0; m < MB; m++) {                                                     \
+                    __m128i dot = planes_dot128(wv, xp + m * K + 32 * r);                          \
+                    acc128[m] = _mm_fmadd_ps(_mm_cvtepi32_ps(dot), _mm_set1_ps(run_scales[m][r]), acc128[m]); \
+                }                                                                                  \
+            }                                                                                      \
+            r += b;                                                                                \
+        }                                                                                          \
+        for (int m = 0; m < MB; m++) {                                                             \
+            __m256 total = _mm256_add_ps(acc256[m], bias[m]);                                      \
+            PLANE_KERNEL_FOLD(m)                                                                   \
+            __m128 t = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1)), acc128[m]); \
+            t = _mm_add_ps(t, _mm_movehl_ps(t, t));                                                \
+            t = _mm_add_ss(t, _mm_movehdup_ps(t));                                                 \
+            y[m * ldy] = _mm_cvtss_f32(t) + tail[m];                                               \
+        }                                                                                          \
+    }
+
+#if TANDEM_BLOCK_RUNS == 4
+#define PLANE_KERNEL_WIDE(MB)                                                                      \
+    __m512 acc512[MB];                                                                             \
+    for (int m = 0; m < MB; m++) acc512[m] = _mm512_setzero_ps();                                  \
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+#define PLANE_BLOCK4(MB)                                                                           \
+    __m512i wv = _mm512_loadu_si512(w + 16 * r);                                                   \
+    for (int m = 0; m < MB; m++) {                                                                 \
+        __m512 sc = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(&run_scales[m][r]))); \
+        __m512i dot = planes_dot512(wv, xp + m * K + 32 * r);                                      \
+        acc512[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc512[m]);                       \
+    }
+#define PLANE_KERNEL_FOLD(m)                                                                       \
+    total = _mm256_add_ps(total, _mm256_add_ps(_mm512_castps512_ps256(acc512[m]),                  \
+                                               _mm512_extractf32x8_ps(acc512[m], 1)));
+#else
+#define PLANE_KERNEL_WIDE(MB)
+#define PLANE_BLOCK4(MB)
+#define PLANE_KERNEL_FOLD(m)
+#endif
+
+PLANE_KERNEL(1)
+PLANE_KERNEL(2)
+PLANE_KERNEL(3)
+PLANE_KERNEL(4)
+
 /* y[M, N] = x[M, K] @ dequantised(W)[N, K]^T, float32, contiguous. K % group_size == 0 and
  * group_size is 32, 64, 128 or 256. Returns 0; -1 when scratch memory cannot be allocated; -2 for
  * any other group size. */
@@ -192,6 +384,38 @@ int tandem_int4_mm(const float *x, const uint8_t *packed, int mode, const void *
             xscale[m * runs + r] = step;
             xsum[m * num_groups + (32 * r) / group_size] += total;
         }
+    }
+    if (mode == 0) {
+        int16_t *xp = malloc(sizeof(int16_t) * M * K);
+        float *xpair = malloc(sizeof(float) * M * 2 * num_groups);
+        if (!xp || !xpair) {
+            free(xq); free(xscale); free(xsum); free(xp); free(xpair);
+            return -1;
+        }
+        for (int64_t m = 0; m < M; m++) {
+            pack_planes(xq + m * K, K, xp + m * K);
+            for (int64_t g = 0; g < num_groups; g++) {
+                xpair[m * 2 * num_groups + 2 * g] = -8.0f * xsum[m * num_groups + g];
+                xpair[m * 2 * num_groups + 2 * g + 1] = xsum[m * num_groups + g];
+            }
+        }
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t *w = packed + n * (K / 2);
+            const uint16_t *pairs = (const uint16_t *)params + n * 2 * num_groups;
+            int64_t m = 0;
+#define PCALL(MB) plane_kernel_##MB(w, pairs, xp + m * K, xscale + m * runs, xpair + m * 2 * num_groups, K, group_size, y + m * N + n, N)
+            for (; m + 4 <= M; m += 4) PCALL(4);
+            switch (M - m) {
+                case 3: PCALL(3); break;
+                case 2: PCALL(2); break;
+                case 1: PCALL(1); break;
+                default: break;
+            }
+#undef PCALL
+        }
+        free(xq); free(xscale); free(xsum); free(xp); free(xpair);
+        return 0;
     }
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t n = 0; n < N; n++) {

@@ -1,0 +1,147 @@
+"""`LlamaForCausalLM.forward` for small steps through the native decoder stack.
+
+`NativeLlama.forward` returns what the INT4 model's eager forward returns for the same step
+(logits at `logits_indices`, and the captured layer outputs an EAGLE head reads), with the decoder
+layers in one native call (`tandem.kernels.native_decoder`) instead of some 2,000 torch ops. It
+takes the step as block tables rather than `AttentionMetadata`, whose gather indices it does not
+need. It serves rows without LoRA only, on CPU, when every decoder linear is an INT4 linear with
+the native kernel; `NativeLlama.build` returns None, with the reason, otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandem.engine.models.llama import KVLayer, LlamaDecoderLayer, LlamaForCausalLM, rms_norm
+from tandem.kernels.int4 import Int4Linear
+from tandem.kernels.native_decoder import DecoderWeights, Int4Tensors, LayerTensors, unsupported_reason
+
+
+def _decoder_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:
+    return list(model.layers)  # type: ignore[arg-type]
+
+
+@dataclass
+class NativeStep:
+    """One step's rows as the native decoder reads them."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int64
+    row_tables: torch.Tensor  # [T] int64: the block_tables row of each token row
+
+    @classmethod
+    def build(
+        cls,
+        token_ids: Sequence[Sequence[int]],  # per request, its rows this step
+        start_positions: Sequence[int],  # per request, the position of its first row
+        block_tables: Sequence[Sequence[int]],  # per request
+        block_size: int,
+    ) -> NativeStep:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        row_tables: list[int] = []
+        width = max(len(table) for table in block_tables)
+        tables = torch.zeros(len(block_tables), width, dtype=torch.int64)
+        for index, (tokens, start, table) in enumerate(zip(token_ids, start_positions, block_tables, strict=True)):
+            tables[index, : len(table)] = torch.tensor(table, dtype=torch.int64)
+            for position in range(start, start + len(tokens)):
+                positions.append(position)
+                slots.append(table[position // block_size] * block_size + position % block_size)
+            input_ids.extend(tokens)
+            row_tables.extend([index] * len(tokens))
+        return cls(
+            torch.tensor(input_ids, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            torch.tensor(slots, dtype=torch.int64),
+            tables,
+            torch.tensor(row_tables, dtype=torch.int64),
+        )
+
+
+class NativeLlama:
+    """The native decoder bound to one model and one KV cache (their storage must not move)."""
+
+    def __init__(self, model: LlamaForCausalLM, weights: DecoderWeights) -> None:
+        self.model = model
+        self.weights = weights
+
+    @staticmethod
+    def unsupported_reason(model: LlamaForCausalLM, kv_caches: list[KVLayer]) -> str:
+        """Why `build` would return None ("" if it would not)."""
+        if model.norm.device.type != "cpu":
+            return f"it runs on CPU only (the model is on {model.norm.device})"
+        for layer in _decoder_layers(model):
+            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if not all(isinstance(linear, Int4Linear) and linear.kernel == "native" for linear in linears):
+                return "its decoder linears are not INT4 with the native kernel"
+        return unsupported_reason(kv_caches[0][0].dtype)
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM, kv_caches: list[KVLayer], block_size: int) -> NativeLlama | None:
+        if cls.unsupported_reason(model, kv_caches):
+            return None
+        cfg = model.config
+
+        def int4(linear: Any) -> Int4Tensors:
+            params = linear.scales_and_zeros if linear.param_codes is None else linear.param_codes
+            return Int4Tensors(linear.packed, params, linear.superblock_scales, linear.group_size)
+
+        layers = [
+            LayerTensors(
+                int4(layer.self_attn.qkv_proj),
+                int4(layer.self_attn.o_proj),
+                int4(layer.mlp.gate_up_proj),
+                int4(layer.mlp.down_proj),
+                layer.input_layernorm.detach(),
+                layer.post_attention_layernorm.detach(),
+                kv_cache,
+            )
+            for layer, kv_cache in zip(_decoder_layers(model), kv_caches, strict=True)
+        ]
+        weights = DecoderWeights(
+            layers,
+            hidden=cfg.hidden_size,
+            intermediate=cfg.intermediate_size,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            block_size=block_size,
+            eps=cfg.rms_norm_eps,
+            rope_cos=model.rope_cos,
+            rope_sin=model.rope_sin,
+        )
+        return cls(model, weights)
+
+    def forward(
+        self,
+        step: NativeStep,
+        logits_indices: torch.Tensor,  # [R] rows whose next-token logits are wanted
+        return_hidden: bool = False,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> Any:
+        """As `LlamaForCausalLM.forward` (float32 logits [R, vocab]; with `return_hidden`, also
+        the captured states [T, ...])."""
+        model = self.model
+        x = model.embed_tokens(step.input_ids).float().contiguous()  # [T, H]
+        captured = self.weights.run(
+            x,
+            step.positions,
+            step.slot_mapping,
+            step.block_tables,
+            step.row_tables,
+            hidden_layers if return_hidden else (),
+        )
+        dtype = model.norm.dtype
+        last = x.index_select(0, logits_indices).to(dtype)
+        logits = model.lm_head(rms_norm(last, model.norm, model.config.rms_norm_eps)).float()
+        if not return_hidden:
+            return logits
+        states = captured if captured is not None else x
+        return logits, states.to(dtype)

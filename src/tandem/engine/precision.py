@@ -1,0 +1,98 @@
+"""The automatic choice of compute dtype and weight format (`dtype="auto"`, `weight_dtype="auto"`).
+
+Contract (`choose_precision`, a pure function of its arguments, so a choice is reproducible and
+testable with forced CPU features):
+
+- An explicit `dtype` is the whole model in that dtype: `weight_dtype="auto"` then means dense
+  weights (the unquantised model the HF identity checks compare against).
+- On CUDA, `auto` is bfloat16, dense.
+- On CPU, `dtype="auto"` is bfloat16 where the CPU computes it natively (AMX-BF16 or
+  AVX512-BF16: oneDNN's bfloat16 GEMMs there run about twice as fast as float32 at large
+  batches) and float32 elsewhere (AVX2-only CPUs emulate bfloat16, slower than float32).
+  `weight_dtype="auto"` is "hybrid" where Tandem's native INT4 kernel runs (x86-64 with AVX2,
+  FMA and F16C, and a C compiler): small decode steps read INT4 weights (an eighth of float32's
+  bytes, through the native decoder stack), prefill and large batches use the compute dtype.
+  Elsewhere it is dense.
+- `TANDEM_AUTO_PRECISION=float32` (an operator's pin, also used by the test suite so that its
+  comparisons keep one precision on every CPU) makes both autos mean dense float32.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+NATIVE_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
+PIN_ENV = "TANDEM_AUTO_PRECISION"
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    dtype: str  # compute dtype: "float32" | "bfloat16" | "float16"
+    weight_dtype: str  # "dense" | "int4" | "hybrid"
+    reason: str  # why, in words, for the log and stats()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def choose_precision(
+    *,
+    device_type: str,
+    dtype: str,
+    weight_dtype: str,
+    flags: frozenset[str],
+    native_int4: bool,
+    pin: str | None = None,
+) -> PrecisionChoice:
+    """Resolve `dtype` and `weight_dtype` ("auto" or explicit) for a device and CPU (see the
+    module docstring). `native_int4`: whether the native INT4 kernel can be used here; `pin`: the
+    value of `TANDEM_AUTO_PRECISION`, if set."""
+    reasons: list[str] = []
+    if pin not in (None, "", "float32"):
+        raise ValueError(f"{PIN_ENV}={pin!r}: the only supported pin is 'float32'")
+    if dtype != "auto":
+        chosen_dtype = dtype
+        reasons.append(f"dtype {dtype} as configured")
+    elif pin == "float32":
+        chosen_dtype = "float32"
+        reasons.append(f"dtype float32 pinned by {PIN_ENV}")
+    elif device_type == "cuda":
+        chosen_dtype = "bfloat16"
+        reasons.append("dtype bfloat16 on CUDA")
+    elif native := sorted(flags & NATIVE_BF16_FLAGS):
+        chosen_dtype = "bfloat16"
+        reasons.append(f"dtype bfloat16: the CPU computes it natively ({', '.join(native)})")
+    else:
+        chosen_dtype = "float32"
+        reasons.append("dtype float32: the CPU has neither AMX-BF16 nor AVX512-BF16")
+
+    if weight_dtype != "auto":
+        chosen_weights = weight_dtype
+        reasons.append(f"weights {weight_dtype} as configured")
+    elif dtype != "auto" or pin == "float32":
+        chosen_weights = "dense"
+        reasons.append("dense weights (an explicit or pinned dtype is the whole unquantised model)")
+    elif device_type != "cpu":
+        chosen_weights = "dense"
+        reasons.append(f"dense weights on {device_type}")
+    elif native_int4:
+        chosen_weights = "hybrid"
+        reasons.append("hybrid weights: INT4 (native kernel) for small decode steps, the compute dtype for the rest")
+    else:
+        chosen_weights = "dense"
+        reasons.append("dense weights: the native INT4 kernel cannot run here")
+    return PrecisionChoice(chosen_dtype, chosen_weights, "; ".join(reasons))
+
+
+def pinned() -> str | None:
+    return os.environ.get(PIN_ENV) or None

@@ -1,0 +1,255 @@
+/* A Llama decoder stack for small steps (decodes, speculative verification) in one call: every
+ * layer's RMSNorm, INT4 q/k/v, RoPE, paged KV write, paged attention, INT4 o, RMSNorm, INT4
+ * gate/up, SiLU, INT4 down and both residual adds, for T token rows at once. Called through
+ * ctypes by tandem/kernels/native_decoder.py (its docstring states the contract); the plain-torch
+ * reference is LlamaForCausalLM.forward with Int4Linear layers (same kernel, same arithmetic up
+ * to float32 summation order).
+ *
+ * Why: at batch 1 the eager step is some 2,000 small torch ops (dispatch, allocation, one OpenMP
+ * region each), about half of its time on two cores. Here a layer is 4 INT4 matmuls (one OpenMP
+ * region each) and one parallel attention region; everything else is a loop over T x hidden.
+ *
+ * Layouts (all contiguous):
+ *   x             [T, H] float32, the residual stream: embeddings in, last layer's output out
+ *   positions     [T] int64, each row's position; the row attends keys 0..position of its request
+ *   slot_mapping  [T] int64, the cache slot its K/V are written to (block * block_size + offset)
+ *   block_tables  [B, max_blocks] int64; row_tables [T] int64: the row of block_tables for row t
+ *   k/v caches    [num_blocks, block_size, Hk, D] float32 | bfloat16 | e4m3 codes, per layer;
+ *                 e4m3 adds k/v scales [num_blocks, block_size, Hk] float16 (value = code * scale)
+ *   captured      [T, num_capture * H] float32: outputs of the layers in capture_layers (ascending)
+ * Every row's K/V of a layer are written before any row attends, so several rows of one request
+ * (a verification step) see each other causally through the cache, as in the torch path.
+ */
+#include "int4_cpu.c"
+
+typedef struct {
+    const uint8_t *packed;             /* [N, K/2] pack_rows layout */
+    const void *params;                /* mode 0: float16 [N, G, 2]; mode 1: int8 codes [N, G, 2] */
+    const uint16_t *superblock_scales; /* mode 1 only: bfloat16 [N, S, 2] */
+    int64_t groups_per_superblock;
+    int64_t rows, cols, group_size, mode;
+} TandemInt4Weight;
+
+typedef struct {
+    TandemInt4Weight qkv, o, gate_up, down;
+    const float *input_norm, *post_norm; /* [H] float32 */
+    void *k_cache, *v_cache;
+    uint16_t *k_scale, *v_scale; /* e4m3 caches only, else NULL */
+} TandemLayer;
+
+typedef struct {
+    int64_t num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size;
+    int64_t kv_dtype; /* 0 float32, 1 bfloat16, 2 e4m3 + float16 scales */
+    float eps, scale; /* RMSNorm epsilon; attention scale (head_dim ** -0.5) */
+    const float *rope_cos, *rope_sin; /* [max_positions, D] float32 */
+} TandemDecoderDims;
+
+/* -- element conversions (torch's rounding: nearest, ties to even) ------------------------------ */
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static float e4m3_values[256]; /* code -> value (0x7f / 0xff: NaN, never written) */
+static int e4m3_ready = 0;
+
+static void e4m3_init(void) {
+    if (e4m3_ready) return;
+    for (int c = 0; c < 256; c++) {
+        int e = (c >> 3) & 15, m = c & 7;
+        float v = e == 0 ? ldexpf((float)m / 8.0f, -6) : ldexpf(1.0f + (float)m / 8.0f, e - 7);
+        if ((c & 0x7f) == 0x7f) v = NAN;
+        e4m3_values[c] = (c & 0x80) ? -v : v;
+    }
+    e4m3_ready = 1;
+}
+
+/* |v| <= 448 (the caller clamps) -> the nearest e4m3 code, ties to the even code (= even mantissa). */
+static inline uint8_t float_to_e4m3(float v) {
+    const uint8_t sign = signbit(v) ? 0x80 : 0;
+    float a = fabsf(v);
+    if (!(a == a)) return 0x7f; /* NaN */
+    int lo = 0, hi = 126;       /* largest code with value <= a */
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (e4m3_values[mid] <= a) lo = mid; else hi = mid - 1;
+    }
+    int code = lo;
+    if (lo < 126) {
+        float below = a - e4m3_values[lo], above = e4m3_values[lo + 1] - a;
+        if (above < below || (above == below && (lo & 1))) code = lo + 1;
+    }
+    return (uint8_t)code | sign;
+}
+
+/* -- the pieces of a layer ------------------------------------------------------------------- */
+
+static void rms_norm_rows(const float *x, const float *weight, float eps, int64_t T, int64_t H, float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * H;
+        float total = 0.0f;
+        for (int64_t i = 0; i < H; i++) total += xr[i] * xr[i];
+        const float inverse = 1.0f / sqrtf(total / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) out[t * H + i] = weight[i] * (xr[i] * inverse);
+    }
+}
+
+static int linear(const TandemInt4Weight *w, const float *x, int64_t T, float *y, int num_threads) {
+    return tandem_int4_mm(x, w->packed, (int)w->mode, w->params, w->superblock_scales,
+                          w->groups_per_superblock, T, w->rows, w->cols, w->group_size, y, num_threads);
+}
+
+/* x[H*D] per row, in place: x * cos + rotate_half(x) * sin at the row's position. */
+static void rope_rows(float *x, int64_t num_heads, int64_t D, const float *cos, const float *sin) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < num_heads; h++) {
+        float *v = x + h * D;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = v[i], b = v[i + half];
+            v[i] = a * cos[i] - b * sin[i];
+            v[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
+    }
+}
+
+/* One (token, head) vector into the cache at `slot` (torch's write_kv / quantize_fp8). */
+static void write_vector(const TandemDecoderDims *d, void *cache, uint16_t *scales, int64_t slot, int64_t head,
+                         const float *v) {
+    const int64_t D = d->head_dim, row = slot * d->num_kv_heads + head;
+    if (d->kv_dtype == 0) {
+        memcpy((float *)cache + row * D, v, sizeof(float) * D);
+    } else if (d->kv_dtype == 1) {
+        uint16_t *out = (uint16_t *)cache + row * D;
+        for (int64_t i = 0; i < D; i++) out[i] = float_to_bf16(v[i]);
+    } else {
+        float amax = 0.0f;
+        for (int64_t i = 0; i < D; i++) amax = fmaxf(amax, fabsf(v[i]));
+        float s = fminf(fmaxf(amax / 448.0f, 1e-8f), 65504.0f);
+        const uint16_t half_scale = _cvtss_sh(s, _MM_FROUND_TO_NEAREST_INT);
+        s = _cvtsh_ss(half_scale);
+        uint8_t *out = (uint8_t *)cache + row * D;
+        for (int64_t i = 0; i < D; i++) out[i] = float_to_e4m3(fminf(fmaxf(v[i] / s, -448.0f), 448.0f));
+        scales[row] = half_scale;
+    }
+}
+
+/* The cache's row (slot, head) as float32 values times its scale (1 unless e4m3). */
+static inline float read_vector(const TandemDecoderDims *d, const void *cache, const uint16_t *scales,
+                                int64_t row, float *out) {
+    const int64_t D = d->head_dim;
+    if (d->kv_dtype == 0) {
+        memcpy(out, (const float *)cache + row * D, sizeof(float) * D);
+        return 1.0f;
+    }
+    if (d->kv_dtype == 1) {
+        const uint16_t *in = (const uint16_t *)cache + row * D;
+        for (int64_t i = 0; i < D; i++) out[i] = bf16_to_float(in[i]);
+        return 1.0f;
+    }
+    const uint8_t *in = (const uint8_t *)cache + row * D;
+    for (int64_t i = 0; i < D; i++) out[i] = e4m3_values[in[i]];
+    return _cvtsh_ss(scales[row]);
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < n; i++) total += a[i] * b[i];
+    return total;
+}
+
+/* out[T, Hq * D] = softmax(q K^T * scale) V per (row, query head), keys 0..positions[t]. */
+static void attention(const TandemDecoderDims *d, const TandemLayer *layer, const float *qkv, int64_t T,
+                      const int64_t *positions, const int64_t *block_tables, int64_t max_blocks,
+                      const int64_t *row_tables, float *out, int num_threads) {
+    const int64_t Hq = d->num_heads, Hk = d->num_kv_heads, D = d->head_dim, bs = d->block_size;
+    const int64_t group = Hq / Hk, width = (Hq + 2 * Hk) * D;
+    int64_t max_len = 0;
+    for (int64_t t = 0; t < T; t++) max_len = positions[t] + 1 > max_len ? positions[t] + 1 : max_len;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)max_len);
+        float key[D], acc[D];
+#pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t t = 0; t < T; t++) {
+            for (int64_t h = 0; h < Hq; h++) {
+                const float *q = qkv + t * width + h * D;
+                const int64_t kv_head = h / group, length = positions[t] + 1;
+                const int64_t *table = block_tables + row_tables[t] * max_blocks;
+                float largest = -INFINITY;
+                for (int64_t j = 0; j < length; j++) {
+                    const int64_t row = (table[j / bs] * bs + j % bs) * Hk + kv_head;
+                    const float s = read_vector(d, layer->k_cache, layer->k_scale, row, key);
+                    scores[j] = dot(q, key, D) * s * d->scale;
+                    largest = fmaxf(largest, scores[j]);
+                }
+                float total = 0.0f;
+                for (int64_t j = 0; j < length; j++) {
+                    scores[j] = expf(scores[j] - largest);
+                    total += scores[j];
+                }
+                for (int64_t i = 0; i < D; i++) acc[i] = 0.0f;
+                for (int64_t j = 0; j < length; j++) {
+                    const int64_t row = (table[j / bs] * bs + j % bs) * Hk + kv_head;
+                    const float p = scores[j] / total * read_vector(d, layer->v_cache, layer->v_scale, row, key);
+#pragma omp simd
+                    for (int64_t i = 0; i < D; i++) acc[i] += p * key[i];
+                }
+                memcpy(out + t * Hq * D + h * D, acc, sizeof(float) * D);
+            }
+        }
+        free(scores);
+    }
+}
+
+/* Runs every layer over x in place. Returns 0, -1 when scratch memory cannot be allocated, -2 for
+ * an unsupported INT4 group size (the first matmul that fails stops the stack). */
+int tandem_decoder_layers(const TandemDecoderDims *d, const TandemLayer *layers, float *x, int64_t T,
+                          const int64_t *positions, const int64_t *slot_mapping, const int64_t *block_tables,
+                          int64_t max_blocks, const int64_t *row_tables, const int64_t *capture_layers,
+                          int64_t num_capture, float *captured, int num_threads) {
+    e4m3_init();
+    const int64_t H = d->hidden, I = d->intermediate, D = d->head_dim;
+    const int64_t Hq = d->num_heads, Hk = d->num_kv_heads, width = (Hq + 2 * Hk) * D;
+    float *normed = malloc(sizeof(float) * T * (H > I ? H : I));
+    float *qkv = malloc(sizeof(float) * T * width);
+    float *attn = malloc(sizeof(float) * T * Hq * D);
+    float *proj = malloc(sizeof(float) * T * (2 * I > H ? 2 * I : H));
+    int status = (normed && qkv && attn && proj) ? 0 : -1;
+    for (int64_t l = 0, next_capture = 0; status == 0 && l < d->num_layers; l++) {
+        const TandemLayer *layer = layers + l;
+        rms_norm_rows(x, layer->input_norm, d->eps, T, H, normed);
+        if ((status = linear(&layer->qkv, normed, T, qkv, num_threads)) != 0) break;
+        for (int64_t t = 0; t < T; t++) {
+            const float *cos = d->rope_cos + positions[t] * D, *sin = d->rope_sin + positions[t] * D;
+            float *row = qkv + t * width;
+            rope_rows(row, Hq + Hk, D, cos, sin); /* q heads then k heads: contiguous */
+            for (int64_t h = 0; h < Hk; h++) {
+                write_vector(d, layer->k_cache, layer->k_scale, slot_mapping[t], h, row + (Hq + h) * D);
+                write_vector(d, layer->v_cache, layer->v_scale, slot_mapping[t], h, row + (Hq + Hk + h) * D);
+            }
+        }
+        attention(d, layer, qkv, T, positions, block_tables, max_blocks, row_tables, attn, num_threads);
+        if ((status = linear(&layer->o, attn, T, proj, num_threads)) != 0) break;
+        for (int64_t i = 0; i < T * H; i++) x[i] += proj[i];
+        rms_norm_rows(x, layer->post_norm, d->eps, T, H, normed);
+        if ((status = linear(&layer->gate_up, normed, T, proj, num_threads)) != 0) break;
+        for (int64_t t = 0; t < T; t++) {
+            const float *gate = proj + t * 2 * I, *up = gate + I;
+            for (int64_t i = 0; i < I; i++) normed[t * I + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        }
+        if ((status = linear(&layer->down, normed, T, proj, num_threads)) != 0) break;
+        for (int64_t i = 0; i < T * H; i++) x[i] += proj[i];
+        if (next_capture < num_capture && capture_layers[next_capture] == l) {
+            for (int64_t t = 0; t < T; t++)
+                memcpy(captured + (t * num_capture + next_capture) * H, x + t * H, sizeof(float) * H);
+            next_capture++;
+        }
+    }
+    free(normed); free(qkv); free(attn); free(proj);
+    return status;
+}

@@ -1,0 +1,189 @@
+"""A Llama decoder stack with INT4 linears in one native call (`csrc/decoder_cpu.c`).
+
+Semantics: for T token rows, every decoder layer as `LlamaDecoderLayer.forward` computes it with
+`Int4Linear` layers and the paged KV cache (RMSNorm, q/k/v, RoPE, KV write at `slot_mapping`,
+attention of row t over its request's keys at positions 0..positions[t], o, RMSNorm, gate/up,
+SiLU, down, residuals), in float32 activations. That eager model is the reference; the two differ
+only by float32 summation order (the INT4 matmuls are the same kernel).
+
+Why: at small batch the eager step is dominated by per-op overhead (about 2,000 torch ops); here
+a layer is four INT4 matmuls and one parallel attention loop.
+
+Inputs (CPU, contiguous): x [T, H] float32 is updated in place to the last layer's output;
+positions, slot_mapping, row_tables [T] int64; block_tables [B, max_blocks] int64 (row_tables[t]
+names row t's request); capture_layers ascending layer indices whose outputs are returned side by
+side ([T, len * H]). KV caches: float32, bfloat16 or float8_e4m3fn with float16 scales.
+
+`DecoderWeights` holds the C structs built once from a model's tensors; it keeps references to
+those tensors, so they must not be replaced while it is in use (the pointers are to their storage).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tandem.kernels import int4_native
+
+_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+
+
+class _Int4Weight(ctypes.Structure):
+    _fields_ = [
+        ("packed", ctypes.c_void_p),
+        ("params", ctypes.c_void_p),
+        ("superblock_scales", ctypes.c_void_p),
+        ("groups_per_superblock", ctypes.c_int64),
+        ("rows", ctypes.c_int64),
+        ("cols", ctypes.c_int64),
+        ("group_size", ctypes.c_int64),
+        ("mode", ctypes.c_int64),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("qkv", _Int4Weight),
+        ("o", _Int4Weight),
+        ("gate_up", _Int4Weight),
+        ("down", _Int4Weight),
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("k_scale", ctypes.c_void_p),
+        ("v_scale", ctypes.c_void_p),
+    ]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("num_heads", ctypes.c_int64),
+        ("num_kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("kv_dtype", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("rope_cos", ctypes.c_void_p),
+        ("rope_sin", ctypes.c_void_p),
+    ]
+
+
+@dataclass(frozen=True)
+class Int4Tensors:
+    """One INT4 linear as the kernel reads it (`Int4Linear` with the native kernel)."""
+
+    packed: torch.Tensor  # [N, K/2] uint8
+    params: torch.Tensor  # [N, G, 2] float16 (scale, zero) or int8 codes
+    superblock_scales: torch.Tensor | None  # [N, S, 2] bfloat16 with int8 codes
+    group_size: int
+
+
+@dataclass(frozen=True)
+class LayerTensors:
+    qkv: Int4Tensors
+    o: Int4Tensors
+    gate_up: Int4Tensors
+    down: Int4Tensors
+    input_norm: torch.Tensor  # [H] float32
+    post_norm: torch.Tensor  # [H] float32
+    kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+def unsupported_reason(kv_dtype: torch.dtype) -> str:
+    """Why the native decoder cannot run here ("" when it can)."""
+    if kv_dtype not in _KV_DTYPES:
+        return f"KV cache dtype {kv_dtype} is not float32, bfloat16 or float8_e4m3fn"
+    if int4_native.load() is None:
+        return f"the native library could not be built or loaded ({int4_native.unavailable_reason()})"
+    return ""
+
+
+class DecoderWeights:
+    """The C view of a decoder stack: dimensions, and per layer the INT4 weights, norms and KV
+    cache pointers."""
+
+    def __init__(
+        self,
+        layers: Sequence[LayerTensors],
+        *,
+        hidden: int,
+        intermediate: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        eps: float,
+        rope_cos: torch.Tensor,  # [max_positions, D] float32
+        rope_sin: torch.Tensor,
+    ) -> None:
+        kv_dtype = layers[0].kv_cache[0].dtype
+        reason = unsupported_reason(kv_dtype)
+        if reason:
+            raise RuntimeError(f"native decoder unavailable: {reason}")
+        self._keep: list[torch.Tensor] = []  # every tensor a pointer refers to
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            assert t.device.type == "cpu" and t.is_contiguous(), "native decoder: CPU, contiguous tensors"
+            self._keep.append(t)
+            return t.data_ptr()
+
+        def weight(w: Int4Tensors) -> _Int4Weight:
+            rows, half = w.packed.shape
+            mode = 0 if w.superblock_scales is None else 1
+            per_block = 1 if w.superblock_scales is None else w.params.shape[1] // w.superblock_scales.shape[1]
+            return _Int4Weight(
+                ptr(w.packed), ptr(w.params), ptr(w.superblock_scales), per_block, rows, 2 * half, w.group_size, mode
+            )
+
+        self.num_layers = len(layers)
+        self.hidden = hidden
+        self._dims = _Dims(
+            len(layers), hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size,
+            _KV_DTYPES[kv_dtype], eps, head_dim**-0.5, ptr(rope_cos.float().contiguous()),
+            ptr(rope_sin.float().contiguous()),
+        )  # fmt: skip
+        self._layers = (_Layer * len(layers))()
+        for index, layer in enumerate(layers):
+            k_cache, v_cache, k_scale, v_scale = layer.kv_cache
+            self._layers[index] = _Layer(
+                weight(layer.qkv), weight(layer.o), weight(layer.gate_up), weight(layer.down),
+                ptr(layer.input_norm.float().contiguous()), ptr(layer.post_norm.float().contiguous()),
+                ptr(k_cache), ptr(v_cache), ptr(k_scale), ptr(v_scale),
+            )  # fmt: skip
+
+    def run(
+        self,
+        x: torch.Tensor,  # [T, H] float32, updated in place
+        positions: torch.Tensor,  # [T] int64
+        slot_mapping: torch.Tensor,  # [T] int64
+        block_tables: torch.Tensor,  # [B, max_blocks] int64
+        row_tables: torch.Tensor,  # [T] int64
+        capture_layers: Sequence[int] = (),
+    ) -> torch.Tensor | None:  # [T, len(capture_layers) * H] float32, or None without captures
+        num_rows = x.shape[0]
+        assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == self.hidden
+        for t in (positions, slot_mapping, block_tables, row_tables):
+            assert t.dtype == torch.int64 and t.is_contiguous()
+        captures = torch.tensor(list(capture_layers), dtype=torch.int64)
+        captured = torch.empty(num_rows, len(capture_layers) * self.hidden) if len(capture_layers) else None
+        status = int4_native.load().tandem_decoder_layers(  # type: ignore[union-attr]
+            ctypes.byref(self._dims), self._layers, x.data_ptr(), num_rows, positions.data_ptr(),
+            slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], row_tables.data_ptr(),
+            captures.data_ptr(), len(capture_layers), None if captured is None else captured.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status == -1:
+            raise MemoryError(f"native decoder could not allocate scratch for {num_rows} rows")
+        if status != 0:
+            raise ValueError(f"native decoder failed with status {status} (unsupported INT4 group size)")
+        return captured

@@ -1,0 +1,89 @@
+"""The automatic precision choice (`dtype="auto"`, `weight_dtype="auto"`): by CPU features,
+reproducible, recorded in stats(); an explicit float32 is still the whole float32 model (HF's
+greedy tokens)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.engine.precision import PIN_ENV, choose_precision, cpu_flags
+from tandem.kernels import int4_native
+from tests.test_hf_parity import PROMPTS, check_parity
+
+AMX = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8"})
+AVX512_BF16 = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512_bf16"})
+AVX2_ONLY = frozenset({"avx2", "fma", "f16c"})
+
+
+@pytest.mark.parametrize(
+    ("flags", "native_int4", "want"),
+    [
+        (AMX, True, ("bfloat16", "hybrid")),
+        (AVX512_BF16, True, ("bfloat16", "hybrid")),
+        (AVX2_ONLY, True, ("float32", "hybrid")),  # EPYC-like: bfloat16 would be emulated
+        (frozenset(), False, ("float32", "dense")),  # no AVX2: no native INT4 kernel either
+        (AMX, False, ("bfloat16", "dense")),
+    ],
+)
+def test_auto_follows_the_cpu_features(flags: frozenset[str], native_int4: bool, want: tuple[str, str]) -> None:
+    choice = choose_precision(device_type="cpu", dtype="auto", weight_dtype="auto", flags=flags, native_int4=native_int4)
+    assert (choice.dtype, choice.weight_dtype) == want
+    assert choice.dtype in choice.reason and choice.weight_dtype in choice.reason
+    again = choose_precision(device_type="cpu", dtype="auto", weight_dtype="auto", flags=flags, native_int4=native_int4)
+    assert again == choice  # a pure function of its inputs
+
+
+def test_explicit_choices_and_the_pin_win() -> None:
+    def choose(**kw: object) -> tuple[str, str]:
+        args: dict = {"device_type": "cpu", "dtype": "auto", "weight_dtype": "auto", "flags": AMX, "native_int4": True}
+        choice = choose_precision(**{**args, **kw})
+        return choice.dtype, choice.weight_dtype
+
+    assert choose(dtype="float32") == ("float32", "dense")  # the whole unquantised model
+    assert choose(dtype="bfloat16") == ("bfloat16", "dense")
+    assert choose(weight_dtype="int4") == ("bfloat16", "int4")
+    assert choose(dtype="float32", weight_dtype="hybrid") == ("float32", "hybrid")
+    assert choose(pin="float32") == ("float32", "dense")
+    assert choose(pin="float32", weight_dtype="int4") == ("float32", "int4")
+    assert choose(device_type="cuda") == ("bfloat16", "dense")
+    with pytest.raises(ValueError, match=PIN_ENV):
+        choose(pin="bfloat16")
+
+
+def test_engine_records_the_automatic_choice(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PIN_ENV, raising=False)
+    llm = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, speculative=None)
+    stats = llm.stats()
+    want = choose_precision(
+        device_type="cpu", dtype="auto", weight_dtype="auto", flags=cpu_flags(), native_int4=int4_native.load() is not None
+    )
+    assert (stats["dtype"], stats["weight_dtype"], stats["precision_reason"]) == (
+        want.dtype,
+        want.weight_dtype,
+        want.reason,
+    )
+    assert llm.engine.runner.model.norm.dtype == getattr(torch, want.dtype)
+    if want.weight_dtype == "hybrid":  # decode steps of one request go through the INT4 copy
+        assert llm.engine.runner.decode_model is not llm.engine.runner.model
+        assert stats["native_decoder"]
+        llm.generate(["The quick brown fox"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        assert llm.stats()["num_native_decoder_steps"] >= 3
+
+
+def test_explicit_float32_is_the_float32_model_and_matches_hf(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import LlamaForCausalLM
+
+    monkeypatch.delenv(PIN_ENV, raising=False)
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=4 << 20, block_size=4)
+    stats = llm.stats()
+    assert (stats["dtype"], stats["weight_dtype"]) == ("float32", "dense")
+    assert llm.engine.runner.decode_model is llm.engine.runner.model
+    hf_model = LlamaForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    prompts = [p for p in PROMPTS if len(llm.tokenizer.encode(p)) > 1]
+    check_parity(llm, hf_model, prompts, max_new=16)
