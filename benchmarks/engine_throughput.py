@@ -1,26 +1,35 @@
-"""Offline engine throughput and TTFT vs HF transformers `generate`, side by side in one run.
+"""Offline engine throughput and TTFT vs HF transformers `generate` and llama.cpp, side by side in
+one run.
 
 For each concurrency N: N requests of `--prompt-len` random tokens, `--new-tokens` generated
 (greedy, EOS ignored), submitted at once. Reports generated tokens/s (N * new_tokens / wall
-time) and time to first token. HF runs the same prompts as one batch through `generate` on the
-same weights (transformers' own GGUF loader) and thread count; its TTFT is the wall time of
-the same batch with max_new_tokens=1.
+time, prefill included) and time to first token, for the engine with its defaults (dtype and
+weight_dtype "auto", speculative decoding on) and with speculation off (random-token prompts make
+the model repeat itself, which prompt lookup predicts unusually well). HF runs the same prompts as
+one batch through `generate` on the same weights (transformers' own GGUF loader, float32) and
+thread count; its TTFT is the wall time of the same batch with max_new_tokens=1. llama.cpp, where
+`benchmarks/install_llama_cpp.sh` built it (or `--llama-cpp-bin DIR`), runs `llama-batched-bench`
+on the same GGUF with the same threads, prompt and generation lengths: its generated tokens over
+total time (the same measure) and its decode-only rate.
 
     python benchmarks/engine_throughput.py                 # 1, 8, 32, 64 -> benchmarks/results/
-    python benchmarks/engine_throughput.py --concurrency 1 8 --skip-hf
+    python benchmarks/engine_throughput.py --concurrency 1 8 --skip-hf --skip-llama-cpp
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
+import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from common import log, write_result
+from common import cpu, log, write_result
 from tandem import LLM, SamplingParams
 from tandem.engine.models.loader import resolve_model_path
 
@@ -69,6 +78,35 @@ def run_hf(model, prompts: list[list[int]], new_tokens: int) -> dict:  # type: i
     }
 
 
+LLAMA_CPP_DIR = Path(__file__).resolve().parent.parent / ".cache" / "llama-cpp" / "bin"
+
+
+def run_llama_cpp(
+    bin_dir: Path, gguf: Path, concurrency: list[int], prompt_len: int, new_tokens: int, threads: int
+) -> dict[int, dict[str, float]]:
+    """`llama-batched-bench` rows by batch size: generated tokens / total time and decode rate."""
+    context = max(concurrency) * (prompt_len + new_tokens) + 256
+    command = [
+        str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-c", str(context),
+        "-npp", str(prompt_len), "-ntg", str(new_tokens), "-npl", ",".join(map(str, concurrency)),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=True, timeout=3600)
+    rows: dict[int, dict[str, float]] = {}
+    for line in done.stdout.splitlines() + done.stderr.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and re.fullmatch(r"\d+", cells[0]):
+            pp, tg, batch = int(cells[0]), int(cells[1]), int(cells[2])
+            total_s, decode_rate = float(cells[8]), float(cells[7])
+            rows[batch] = {
+                "wall_s": total_s,
+                "generated_tokens": batch * tg,
+                "tokens_per_s": batch * tg / total_s,
+                "decode_tokens_per_s": decode_rate,
+                "prompt_tokens": batch * pp,
+            }
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -76,17 +114,19 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-llama-cpp", action="store_true")
+    parser.add_argument("--skip-no-spec", action="store_true", help="only the defaults, not speculation off")
     parser.add_argument(
-        "--weight-dtype",
-        default="auto",
-        choices=["auto", "int4", "hybrid"],
-        help="engine weights (int4: the GGUF's Q4_1 as is; hybrid: INT4 for small decode steps, "
-        "float32 for prefill and large batches)",
+        "--llama-cpp-bin", type=Path, default=LLAMA_CPP_DIR, help="folder with llama-batched-bench"
     )
     parser.add_argument(
-        "--compile-decode", action="store_true", help="torch.compile the decode steps (compiles at start)"
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="engine option over the defaults, e.g. --option dtype='\"float32\"' (repeatable)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -95,25 +135,29 @@ def main() -> None:
     args = parser.parse_args()
 
     threads = torch.get_num_threads()
-    log(f"loading tandem engine ({args.model}), torch threads {threads}")
+    options: dict[str, Any] = {
+        key: json.loads(value) for key, value in (o.split("=", 1) for o in args.option)
+    }
     max_n = max(args.concurrency)
-    llm = LLM(
-        args.model,
-        kv_cache_memory=None,
-        max_num_seqs=max(64, max_n),
-        weight_dtype=args.weight_dtype,
-        compile_decode=args.compile_decode,
-        enable_prefix_caching=False,
-    )
-    log(f"engine ready; decode compiled: {llm.engine.runner.compiles_decode}")
-    vocab = llm.engine.model_config.vocab_size
-    llm.generate([[100] * 8], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    common = {"kv_cache_memory": None, "max_num_seqs": max(64, max_n), "enable_prefix_caching": False}
+    engines: dict[str, LLM] = {}
+    started = time.perf_counter()
+    log(f"loading tandem engine ({args.model}, defaults {options or ''}), torch threads {threads}")
+    engines["tandem"] = LLM(args.model, **common, **options)
+    log(f"engine ready in {time.perf_counter() - started:.1f} s")
+    if not args.skip_no_spec:
+        engines["tandem_no_spec"] = LLM(args.model, **common, **{**options, "speculative": None})
+    stats = engines["tandem"].stats()
+    log(f"precision: {stats['dtype']} / {stats['weight_dtype']} ({stats['precision_reason']})")
+    vocab = engines["tandem"].engine.model_config.vocab_size
+    for llm in engines.values():
+        llm.generate([[100] * 8], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
 
     hf_model = None
+    path = resolve_model_path(args.model)
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
-        path = resolve_model_path(args.model)
         log("loading HF transformers reference (its own GGUF loader)")
         if path.suffix == ".gguf":
             hf_model = AutoModelForCausalLM.from_pretrained(
@@ -125,25 +169,51 @@ def main() -> None:
         with torch.inference_mode():
             hf_model.generate(torch.tensor([[100] * 8]), max_new_tokens=4, do_sample=False, pad_token_id=0)
 
+    llama_rows: dict[int, dict[str, float]] = {}
+    llama_note = ""
+    if args.skip_llama_cpp:
+        llama_note = "skipped (--skip-llama-cpp)"
+    elif path.suffix != ".gguf":
+        llama_note = "not a GGUF model"
+    elif not (args.llama_cpp_bin / "llama-batched-bench").exists():
+        llama_note = f"not built: run benchmarks/install_llama_cpp.sh (looked in {args.llama_cpp_bin})"
+    else:
+        log("llama.cpp: llama-batched-bench ...")
+        try:
+            llama_rows = run_llama_cpp(
+                args.llama_cpp_bin, path, args.concurrency, args.prompt_len, args.new_tokens, threads
+            )
+        except (subprocess.SubprocessError, OSError) as error:
+            llama_note = f"failed: {error}"[:500]
+    if llama_note:
+        log(f"llama.cpp column: {llama_note}")
+
     rows = []
     for n in args.concurrency:
         prompts = make_prompts(n, args.prompt_len, vocab, args.seed + n)
-        log(f"concurrency {n}: tandem ...")
-        ours = run_tandem(llm, prompts, args.new_tokens)
-        log(
-            f"concurrency {n}: tandem {ours['tokens_per_s']:.1f} tok/s, ttft {ours['ttft_mean_s'] * 1000:.0f} ms"
-        )
-        row: dict = {"concurrency": n, "tandem": ours}
+        row: dict = {"concurrency": n}
+        for name, llm in engines.items():
+            log(f"concurrency {n}: {name} ...")
+            row[name] = run_tandem(llm, prompts, args.new_tokens)
+            log(
+                f"concurrency {n}: {name} {row[name]['tokens_per_s']:.1f} tok/s, ttft {row[name]['ttft_mean_s'] * 1000:.0f} ms"
+            )
         if hf_model is not None:
             log(f"concurrency {n}: HF generate ...")
-            ref = run_hf(hf_model, prompts, args.new_tokens)
-            log(
-                f"concurrency {n}: HF {ref['tokens_per_s']:.1f} tok/s, ttft {ref['ttft_mean_s'] * 1000:.0f} ms"
+            row["hf"] = run_hf(hf_model, prompts, args.new_tokens)
+            log(f"concurrency {n}: HF {row['hf']['tokens_per_s']:.1f} tok/s")
+        if n in llama_rows:
+            row["llama_cpp"] = llama_rows[n]
+        for name in engines:
+            for peer in ("hf", "llama_cpp"):
+                if peer in row:
+                    row[f"{name}_over_{peer}"] = row[name]["tokens_per_s"] / row[peer]["tokens_per_s"]
+        log(
+            f"concurrency {n}: "
+            + ", ".join(
+                f"{k} {v:.2f}x" for k, v in row.items() if k.endswith(("_over_hf", "_over_llama_cpp"))
             )
-            row["hf"] = ref
-            row["tokens_per_s_ratio"] = ours["tokens_per_s"] / ref["tokens_per_s"]
-            row["ttft_ratio_hf_over_tandem"] = ref["ttft_mean_s"] / ours["ttft_mean_s"]
-            log(f"concurrency {n}: ratio {row['tokens_per_s_ratio']:.2f}x tok/s")
+        )
         rows.append(row)
 
     report = {
@@ -152,15 +222,17 @@ def main() -> None:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "torch_threads": threads,
+        "cpu": cpu(),
         "engine": {
-            **{
-                k: v
-                for k, v in llm.stats().items()
-                if k in ("kv_capacity_tokens", "block_size", "max_model_len")
-            },
-            "weight_dtype": args.weight_dtype,
-            "compile_decode": llm.engine.runner.compiles_decode,
+            **{k: v for k, v in stats.items() if k in ("kv_capacity_tokens", "block_size", "max_model_len")},
+            "options": options,
+            "dtype": stats["dtype"],
+            "weight_dtype": stats["weight_dtype"],
+            "precision_reason": stats["precision_reason"],
+            "native_decoder": stats["native_decoder"],
+            "kv_cache_dtype": stats["kv_cache_dtype"],
         },
+        "llama_cpp": llama_note or "llama-batched-bench, same GGUF and threads",
         "results": rows,
     }
     write_result(args.output, report)

@@ -22,10 +22,11 @@ from torch import nn
 from common import log, write_result
 from tandem import LLM, SamplingParams
 from tandem.kernels.int4 import Int4Linear
+from tandem.kernels.int8 import Int8HeadLinear
 from tandem.kernels.linear import Bf16Linear, PackedLinear
 
 VARIANTS = {
-    "float32": {},
+    "float32": {"dtype": "float32"},  # explicit: "auto" picks by the CPU
     "bfloat16": {"dtype": "bfloat16"},
     "bfloat16_compiled": {"dtype": "bfloat16", "compile_decode": True},  # like for like with int4_compiled
     "int4": {"weight_dtype": "int4"},  # a Q4_1 GGUF as stored: group 32
@@ -54,7 +55,7 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
             size = module.num_weight_bytes
         elif isinstance(module, PackedLinear):
             size = module.in_features * module.out_features * module.packed.element_size()
-        elif isinstance(module, Bf16Linear | nn.Linear):
+        elif isinstance(module, Bf16Linear | Int8HeadLinear | nn.Linear):
             size = module.weight.numel() * module.weight.element_size()
         elif isinstance(module, nn.Embedding):
             other += module.weight.numel() * module.weight.element_size()

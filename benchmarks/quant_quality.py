@@ -26,14 +26,18 @@ from common import log, write_result
 from tandem import LLM, SamplingParams
 from tandem.kernels.attention import build_attention_metadata
 
+# Every variant is float32 compute (an explicit dtype: `auto` would pick by the CPU), so that each
+# differs from the base in one thing.
 VARIANTS = {
-    "base_fp32": {},
-    "kv_bf16": {"kv_cache_dtype": "bfloat16"},
-    "kv_fp8": {"kv_cache_dtype": "fp8_e4m3"},
-    "int4": {"weight_dtype": "int4"},
-    "int4_g128": {"weight_dtype": "int4", "int4_group_size": 128},
-    "int4_dq": {"weight_dtype": "int4", "int4_double_quant": True},
-    "int4_kv_fp8": {"weight_dtype": "int4", "kv_cache_dtype": "fp8_e4m3"},
+    "base_fp32": {"dtype": "float32"},
+    "kv_bf16": {"dtype": "float32", "kv_cache_dtype": "bfloat16"},
+    "kv_fp8": {"dtype": "float32", "kv_cache_dtype": "fp8_e4m3"},
+    "int4": {"dtype": "float32", "weight_dtype": "int4"},
+    "int4_g128": {"dtype": "float32", "weight_dtype": "int4", "int4_group_size": 128},
+    "int4_dq": {"dtype": "float32", "weight_dtype": "int4", "int4_double_quant": True},
+    "int4_kv_fp8": {"dtype": "float32", "weight_dtype": "int4", "kv_cache_dtype": "fp8_e4m3"},
+    "bf16": {"dtype": "bfloat16"},
+    "auto": {},  # what this CPU gets by default (dtype and weight_dtype "auto")
 }
 TOPICS = [
     "the history of the printing press", "how volcanoes form", "a recipe for tomato soup",

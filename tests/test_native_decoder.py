@@ -93,7 +93,8 @@ def test_native_stack_matches_the_eager_int4_model(tiny_model_dir: Path, kv_cach
 
 
 def test_a_rows_result_does_not_depend_on_its_batch(tiny_model_dir: Path) -> None:
-    """Row-wise arithmetic: a request computed alone and next to others gets the same bits."""
+    """Row-wise arithmetic: a request computed alone and next to others gets the same bits
+    (while the step's logits rows stay within the INT8 LM head's limit)."""
     llm = LLM(str(tiny_model_dir), weight_dtype="int4", kv_cache_memory=2 << 20, block_size=4, speculative=None)
     runner = llm.engine.runner
     native = NativeLlama.build(runner.model, runner.kv_caches, runner.block_size)
@@ -102,9 +103,9 @@ def test_a_rows_result_does_not_depend_on_its_batch(tiny_model_dir: Path) -> Non
         alone = native.forward(NativeStep.build([[3]], [0], [[6]], 4), torch.tensor([0]))
         batch = native.forward(
             NativeStep.build([[8, 1], [3], [4, 4, 4]], [0, 0, 0], [[2], [6], [9]], 4),
-            torch.tensor([0, 1, 2, 3, 4, 5]),
+            torch.tensor([1, 2, 4, 5]),
         )
-    assert torch.equal(alone[0], batch[2])
+    assert torch.equal(alone[0], batch[1])
 
 
 def test_engine_decodes_through_the_native_stack(default_model_path: Path) -> None:

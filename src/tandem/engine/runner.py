@@ -91,7 +91,8 @@ class ModelRunner:
         runs decode-only steps of at most `decode_model_max_batch` requests; `model` runs the rest.
         Those decode steps, when they have no LoRA rows and at most `NATIVE_MAX_ROWS` rows, go
         through the native decoder stack (`NativeLlama`) where the decode model's linears are
-        native INT4 and `native_decoder` is set; else, with `compile_decode`, through one compiled
+        native INT4 and `native_decoder` is set (with such a stack, a LoRA-free decode step that
+        has more rows runs the dense `model`); else, with `compile_decode`, through one compiled
         graph. At small batch the eager step is dominated by per-op dispatch, not by the matmuls."""
         self.model = model
         self.decode_model = decode_model or model
@@ -279,7 +280,10 @@ class ModelRunner:
             else None
         )
         forward = self.model.forward
-        if small:
+        # A hybrid's INT4 copy is for the native stack's small steps; a decode step too large for
+        # that stack (drafts beyond NATIVE_MAX_ROWS rows) runs faster through the dense model.
+        too_many_rows = self.native is not None and not slot_of and self.decode_model is not self.model
+        if small and not too_many_rows:
             forward = self.decode_model.forward
             self.num_decode_model_steps += 1
             if self._decode_forward is not None and lora_step is None and not metadata.prefills:

@@ -29,7 +29,8 @@ from tandem.kernels.int4 import (
     fit_group_size,
     quantize_int4,
 )
-from tandem.kernels.linear import Bf16Linear, pack_linears
+from tandem.kernels.int8 import Int8HeadLinear
+from tandem.kernels.linear import pack_linears
 from tandem.platform.errors import ModelLoadError
 
 BUNDLED_MODELS = {
@@ -375,7 +376,8 @@ def apply_int4(
             if double_quant:
                 weight = double_quantize_int4(weight)
             setattr(parent, attr, Int4Linear(weight, device, kernel))
-    # The LM head (often the tied embedding) stays 16-bit: INT4 there moved the default model's
-    # greedy tokens within a few steps, while INT4 everywhere else keeps most of them.
-    model.lm_head = Bf16Linear(model.lm_head.weight)  # type: ignore[assignment]
+    # The LM head (often the tied embedding) is not INT4: INT4 there moved the default model's
+    # greedy tokens within a few steps, while INT4 everywhere else keeps most of them. It is INT8
+    # (Q8_0-style) for small steps where the native kernel runs, bfloat16 otherwise.
+    model.lm_head = Int8HeadLinear(model.lm_head.weight)  # type: ignore[assignment]
     model.embed_tokens.to(torch.bfloat16)  # rows are looked up, then cast to the compute dtype

@@ -1,0 +1,92 @@
+"""Symmetric INT8 weights with a float16 scale per run of 32 inputs (llama.cpp's Q8_0), and the
+native matmul over them (`csrc/decoder_cpu.c`, `tandem_int8_mm`).
+
+Semantics: W ~= codes * scales.repeat_interleave(32, dim=1), codes in -127..127; `int8_mm(x, w)`
+= x @ W.T computed with x rounded to int16 per run of 32 (as the INT4 kernel does) and exact
+integer dot products per run. Used for the LM head of the native decode path: 1.06 bytes per
+weight instead of bfloat16's 2, and its rounding (half a step of max|w|/127 per run) is finer than
+the INT4 that moved the default model's greedy tokens there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.kernels import int4_native
+
+RUN = 32
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    codes: torch.Tensor  # [N, K] int8
+    scales: torch.Tensor  # [N, K / 32] float16
+
+    @property
+    def num_bytes(self) -> int:
+        return self.codes.numel() + 2 * self.scales.numel()
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:  # [N, K], K % 32 == 0
+    rows, cols = weight.shape
+    if cols % RUN:
+        raise ValueError(f"INT8 weights need in_features % {RUN} == 0, got {cols}")
+    runs = weight.detach().float().reshape(rows, cols // RUN, RUN)
+    scales = (runs.abs().amax(dim=-1) / 127.0).to(torch.float16)  # [N, K/32]
+    safe = scales.float().clamp(min=torch.finfo(torch.float16).tiny).unsqueeze(-1)
+    codes = (runs / safe).round().clamp(-127, 127).to(torch.int8).reshape(rows, cols)
+    return Int8Weight(codes.contiguous(), scales.contiguous())
+
+
+def dequantize_int8(w: Int8Weight) -> torch.Tensor:  # -> [N, K] float32
+    return (w.codes.float().view(w.codes.shape[0], -1, RUN) * w.scales.float().unsqueeze(-1)).view(w.codes.shape)
+
+
+def int8_linear_reference(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    return x.float() @ dequantize_int8(w).T
+
+
+def int8_mm(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:  # [M, K] float32 -> [M, N] float32
+    lib = int4_native.load()
+    if lib is None:
+        raise RuntimeError("native INT8 kernel unavailable: " + int4_native.unavailable_reason())
+    x32 = x.float().contiguous()
+    rows, cols = w.codes.shape
+    assert x32.shape[1] == cols
+    y = torch.empty(x32.shape[0], rows, dtype=torch.float32)
+    status = lib.tandem_int8_mm(
+        x32.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), x32.shape[0], rows, cols, y.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError(f"native INT8 kernel could not allocate scratch for {x32.shape[0]} rows")
+    return y
+
+
+# Most rows that take the INT8 kernel: at batch 1 it reads 0.53x the bytes of a bfloat16 weight
+# and runs about 3x faster on two cores; by 16 rows the bfloat16 GEMM is faster.
+INT8_GEMV_MAX_ROWS = 4
+
+
+class Int8HeadLinear(nn.Module):
+    """`y = x @ weight.T` for an LM head: the INT8 copy (`quantize_int8`) for steps of at most
+    `INT8_GEMV_MAX_ROWS` rows where the native kernel runs, the bfloat16 weight otherwise (a tied
+    head shares it with the embedding, so the INT8 copy is the only extra memory)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight: torch.Tensor
+        self.register_buffer("weight", weight.detach().to(torch.bfloat16), persistent=False)
+        self.int8: Int8Weight | None = None
+        if weight.device.type == "cpu" and self.in_features % RUN == 0 and int4_native.load() is not None:
+            self.int8 = quantize_int8(weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
+        if self.int8 is not None and x.shape[0] <= INT8_GEMV_MAX_ROWS:
+            return int8_mm(x, self.int8).to(x.dtype)
+        return F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
