@@ -67,6 +67,25 @@ def test_step_cost_model_separates_fixed_token_and_logits_row_costs() -> None:
     assert (fixed, per_token, per_row) == pytest.approx((0.02, 0.0005, 0.001), rel=1e-6)
 
 
+def test_decode_steps_are_costed_apart_from_prompt_chunks() -> None:
+    """A hybrid engine computes prompt chunks eagerly on bfloat16 GEMMs (a larger fixed cost, cheap
+    per token) and decode steps on the INT4 native stack (a small fixed cost, each row costs
+    more): one fit over both misprices a decode step's draft row; the decode-only fit does not."""
+    model = StepCostModel(prior_fixed_s=1.0, prior_per_token_s=1.0, prior_per_row_s=1.0)
+    for tokens in (128, 256, 64, 200, 96, 180):  # prompt chunks: 1 row each
+        model.observe(tokens, 1, 0.030 + 0.0004 * tokens)
+    assert model.decode_coefficients() is None
+    for _ in range(3):
+        model.observe(1, 1, 0.012)
+    assert model.decode_coefficients() is None  # one size only: the per-row cost is unknown
+    for rows in (1, 2, 3, 4, 6, 1, 1):  # decode steps, with 0-5 drafts
+        model.observe(rows, rows, 0.010 + 0.002 * rows)
+    fixed, per_row = model.decode_coefficients() or (0.0, 0.0)
+    assert per_row == pytest.approx(0.002, rel=1e-6) and fixed == pytest.approx(0.010, rel=1e-6)
+    _, per_token, mixed_per_row = model.coefficients()
+    assert abs(per_token + mixed_per_row - per_row) > 0.3 * per_row  # the mixed fit misprices it
+
+
 def test_plan_drafts_speculates_when_steps_are_fixed_cost_and_stops_as_the_batch_grows() -> None:
     proposal = [1, 2, 3, 4, 5]
     # Batch 1, a step mostly fixed cost (a small model on a CPU): several drafts pay off.

@@ -49,10 +49,20 @@ class _Step:
 DRAFT_SLOT = -1  # a planned draft the runner's draft model fills in
 
 
-def _expected_accepted(acceptance: float, num_drafts: int) -> float:
-    """Expected accepted drafts of `num_drafts` when each is accepted with `acceptance` given
-    the ones before it were."""
-    return sum(acceptance**j for j in range(1, num_drafts + 1))
+def _expected_accepted(acceptance: float, num_drafts: int, step_cost_s: float, draft_cost_s: float) -> float:
+    """Expected accepted drafts of a proposal of `num_drafts` when each is accepted with
+    `acceptance` given the ones before it were, counting only the drafts `plan_drafts` would
+    verify for this request alone at these costs (so a proposer whose drafts would not pay is
+    worth nothing, and another one gets the chance)."""
+    expected, cost, gain, total = 1.0, step_cost_s, acceptance, 0.0
+    for _ in range(num_drafts):
+        if gain * cost <= expected * draft_cost_s:
+            break
+        total += gain
+        expected += gain
+        cost += draft_cost_s
+        gain *= acceptance
+    return total
 
 
 class Scheduler:
@@ -266,6 +276,7 @@ class Scheduler:
         settings = self.speculation
         self.acceptance.drift()
         candidates: list[DraftCandidate] = []
+        step_cost_s, draft_cost_s = self._draft_costs()
         num_decoding = 0
         for request in self.running:
             if request.num_computed_tokens != request.num_tokens - 1:
@@ -298,29 +309,45 @@ class Scheduler:
                 # The runner's draft model proposes (plan slots), unless prompt lookup is expected
                 # to yield more here (a long match while the request copies its prompt).
                 slots = [DRAFT_SLOT] * min(room, settings.num_speculative_tokens)
-                if _expected_accepted(self.acceptance.estimate(0), len(slots)) >= _expected_accepted(
-                    self.acceptance.estimate(match_len), len(proposal)
-                ):
+                head = _expected_accepted(self.acceptance.estimate(0), len(slots), step_cost_s, draft_cost_s)
+                lookup = _expected_accepted(
+                    self.acceptance.estimate(match_len), len(proposal), step_cost_s, draft_cost_s
+                )
+                if head > lookup or (head == lookup and not proposal):
                     proposal, match_len = slots, 0
             if proposal:
                 self._draft_match_len[request.request_id] = match_len
                 candidates.append(DraftCandidate(request.request_id, proposal, self.acceptance.estimate(match_len)))
         if not candidates:
             return {}
-        step_tokens = min(
+        planned = plan_drafts(
+            candidates,
+            step_cost_s=step_cost_s,
+            step_yield=num_decoding,
+            draft_cost_s=draft_cost_s,
+            max_draft_tokens=self.max_num_batched_tokens - self._step_tokens(num_decoding),
+        )
+        return {c.request_id: c.proposal[: planned[c.request_id]] for c in candidates if c.request_id in planned}
+
+    def _step_tokens(self, num_decoding: int) -> int:
+        """Tokens this step computes before drafts: one per decoding request plus prompt chunks."""
+        return min(
             self.max_num_batched_tokens,
             num_decoding
             + sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.num_computed_tokens < r.num_tokens - 1),
         )
+
+    def _draft_costs(self) -> tuple[float, float]:
+        """(the step's predicted wall time without drafts, what one more draft row adds) from the
+        measured step costs; for a decode-only step, from decode-only steps where they have been
+        seen at different sizes."""
+        num_decoding = sum(1 for r in self.running if r.num_computed_tokens == r.num_tokens - 1)
+        step_tokens = self._step_tokens(num_decoding)
         fixed_s, per_token_s, per_row_s = self.step_cost.coefficients()
-        planned = plan_drafts(
-            candidates,
-            step_cost_s=fixed_s + per_token_s * step_tokens + per_row_s * num_decoding,
-            step_yield=num_decoding,
-            draft_cost_s=per_token_s + per_row_s,
-            max_draft_tokens=self.max_num_batched_tokens - step_tokens,
-        )
-        return {c.request_id: c.proposal[: planned[c.request_id]] for c in candidates if c.request_id in planned}
+        decode_fit = self.step_cost.decode_coefficients()
+        if decode_fit is not None and step_tokens == num_decoding:
+            return decode_fit[0] + decode_fit[1] * num_decoding, decode_fit[1]
+        return fixed_s + per_token_s * step_tokens + per_row_s * num_decoding, per_token_s + per_row_s
 
     def _chunk(self, request: Request, cap: int) -> int:
         num_new = min(request.num_tokens - request.num_computed_tokens, cap)

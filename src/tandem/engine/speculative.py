@@ -130,6 +130,10 @@ class StepCostModel:
     prior_per_row_s: float = 0.002
     window: int = 256
     samples: deque[tuple[int, int, float]] = field(default_factory=deque)
+    # Decode-only steps (every token a logits row), kept apart: they may run on other weights and
+    # kernels than prompt chunks do (a hybrid engine's INT4 native stack against its bfloat16
+    # GEMMs), so a fit over both can misjudge what one more draft row costs a decode step.
+    decode_samples: deque[tuple[int, float]] = field(default_factory=deque)
 
     def observe(self, num_tokens: int, num_rows: int, wall_s: float) -> None:
         """Add a step's size and wall time (`window=0`: keep the prior, e.g. in tests)."""
@@ -138,6 +142,24 @@ class StepCostModel:
         self.samples.append((num_tokens, num_rows, wall_s))
         if len(self.samples) > self.window:
             self.samples.popleft()
+        if num_tokens == num_rows:
+            self.decode_samples.append((num_rows, wall_s))
+            if len(self.decode_samples) > self.window:
+                self.decode_samples.popleft()
+
+    def decode_coefficients(self) -> tuple[float, float] | None:
+        """(fixed_s, per_row_s) of decode-only steps, fitted on those alone; None until they
+        have had at least two different sizes (or when the fit is not positive)."""
+        if len(self.decode_samples) < 8 or self.window == 0:
+            return None
+        data = np.array(self.decode_samples, dtype=np.float64)  # [n, 2]: rows, wall
+        if np.ptp(data[:, 0]) == 0:
+            return None
+        design = np.column_stack([np.ones(len(data)), data[:, 0]])
+        fixed, per_row = (float(c) for c in np.linalg.lstsq(design, data[:, 1], rcond=None)[0])
+        if fixed <= 0 or per_row <= 0:
+            return None
+        return fixed, per_row
 
     def coefficients(self) -> tuple[float, float, float]:
         """(fixed_s, per_token_s, per_row_s), each > 0."""
