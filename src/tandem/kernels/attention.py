@@ -16,10 +16,13 @@ The metadata is built once per step (`build_attention_metadata`) and reused by e
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from tandem.kernels import int4_native
 
 FP8_E4M3_MAX = 448.0
 _MIN_SCALE = 1e-8
@@ -169,6 +172,9 @@ class PrefillSegment:
     query_end: int  # one past the last row
     kv_index: torch.Tensor | None  # [Hk * L] rows of the cache's [-1, D] view; None: no cached prefix
     mask: torch.Tensor | None  # [n, L] bool (True = attend); None: plain causal (no cached prefix)
+    # At most NATIVE_SEGMENT_MAX_ROWS rows after a cached prefix (a verification step): its rows
+    # are in `native_rows`. A whole prompt attends its own keys as computed, not as cached.
+    short: bool = False
 
 
 @dataclass
@@ -186,6 +192,13 @@ class AttentionMetadata:
     decode_max_len: int
     prefills: list[PrefillSegment]
     num_decodes: int
+    # Rows the native kernel attends where it runs: every decode row and every row of a short
+    # segment after a cached prefix (a speculative verification), each over its request's keys
+    # 0..position through its block table, so that a row's attention is computed the same way
+    # whether it decodes alone or verifies drafts.
+    native_rows: torch.Tensor | None = None  # [R] int64 rows of q
+    native_positions: torch.Tensor | None = None  # [R] int64
+    native_block_tables: torch.Tensor | None = None  # [R, max_blocks] int64
 
 
 def _head_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -209,10 +222,18 @@ def build_attention_metadata(
     decode_tables: list[list[int]] = []
     decode_lens: list[int] = []
     prefills: list[PrefillSegment] = []
+    native_rows: list[int] = []
+    native_positions: list[int] = []
+    native_tables: list[list[int]] = []
     row = 0
     offsets = torch.arange(block_size, dtype=torch.int64)
     for table, n, ctx in zip(block_tables, query_lens, context_lens, strict=True):
         num_blocks = -(-ctx // block_size)
+        short = n == 1 or (n <= NATIVE_SEGMENT_MAX_ROWS and ctx != n)  # a decode, or a short continuation
+        if short:
+            native_rows.extend(range(row, row + n))
+            native_positions.extend(range(ctx - n, ctx))
+            native_tables.extend([table[:num_blocks]] * n)
         if n == 1:
             decode_rows.append(row)
             decode_tables.append(table[:num_blocks])
@@ -227,7 +248,7 @@ def build_attention_metadata(
             if ctx != n:  # cached prefix: query j (position ctx-n+j) sees keys <= its position
                 kv_index = _head_rows(all_slots, num_kv_heads).reshape(-1).to(device)
                 mask = (torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]).to(device)
-            prefills.append(PrefillSegment(row, row + n, kv_index, mask))
+            prefills.append(PrefillSegment(row, row + n, kv_index, mask, short=short))
         row += n
 
     num_decodes = len(decode_rows)
@@ -244,6 +265,11 @@ def build_attention_metadata(
     else:
         decode_index = torch.zeros(0, dtype=torch.int64)
         decode_mask = torch.zeros(0, 1, 1, 0, dtype=torch.bool)
+    native_block_tables = None
+    if native_rows:
+        native_block_tables = torch.zeros(len(native_rows), max(len(t) for t in native_tables), dtype=torch.int64)
+        for i, table in enumerate(native_tables):
+            native_block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
     return AttentionMetadata(
         slot_mapping=torch.cat(slot_chunks).to(device),
         decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=device),
@@ -252,7 +278,60 @@ def build_attention_metadata(
         decode_max_len=max_len,
         prefills=prefills,
         num_decodes=num_decodes,
+        native_rows=torch.tensor(native_rows, dtype=torch.int64, device=device) if native_rows else None,
+        native_positions=torch.tensor(native_positions, dtype=torch.int64, device=device) if native_rows else None,
+        native_block_tables=None if native_block_tables is None else native_block_tables.to(device),
     )
+
+
+_NATIVE_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+# Segments of at most this many rows after a cached prefix go to the native kernel with the decode
+# rows (a verification step's 1 + k rows); whole prompts and longer chunks to
+# scaled_dot_product_attention.
+NATIVE_SEGMENT_MAX_ROWS = 16
+NATIVE_ATTENTION = os.environ.get("TANDEM_NATIVE_ATTENTION", "1") != "0"
+
+
+def _native_usable(q: torch.Tensor, k_cache: torch.Tensor, metadata: AttentionMetadata) -> bool:
+    return (
+        metadata.native_rows is not None
+        and q.device.type == "cpu"
+        and k_cache.dtype in _NATIVE_KV_DTYPES
+        and NATIVE_ATTENTION
+        and int4_native.load() is not None
+    )
+
+
+def native_paged_attention(
+    q: torch.Tensor,  # [R, Hq, D] query rows
+    k_cache: torch.Tensor,  # [N, bs, Hk, D] float32, bfloat16 or float8_e4m3fn
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [R, max_blocks] int64: each row's request's blocks
+    positions: torch.Tensor,  # [R] int64: row r attends keys 0..positions[r] of its table
+    scale: float,
+    k_scale: torch.Tensor | None = None,  # [N, bs, Hk] float16 for an FP8 cache
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # [R, Hq, D] float32
+    """Paged attention of independent rows in one native call (`csrc/decoder_cpu.c`,
+    `tandem_paged_attention`): for a decode row the same as `_decode_attention` over the gathered
+    keys (its reference), for a row of a short segment the same as that segment's causal
+    attention (its keys, this step's included, are already in the cache); without materialising
+    gathers: each key and value is read from its block and widened to float32 (times its FP8
+    scale) once per GQA group. CPU only."""
+    lib = int4_native.load()
+    assert lib is not None, "native decode attention needs the native library"
+    batch, num_heads, head_dim = q.shape
+    q32 = q.float().contiguous()
+    out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32)
+    tables = block_tables.contiguous()
+    lib.tandem_paged_attention(
+        q32.data_ptr(), batch, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
+        _NATIVE_KV_DTYPES[k_cache.dtype], scale, k_cache.data_ptr(), v_cache.data_ptr(),
+        None if k_scale is None else k_scale.data_ptr(), None if v_scale is None else v_scale.data_ptr(),
+        positions.contiguous().data_ptr(), tables.data_ptr(), tables.shape[1], out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
 
 
 def paged_attention(
@@ -275,7 +354,16 @@ def paged_attention(
     v_scale_rows = None if v_scale is None else v_scale.view(-1)
     out = torch.empty_like(q)
 
-    if metadata.num_decodes:
+    native = _native_usable(q, k_cache, metadata)
+    if native:
+        assert metadata.native_rows is not None and metadata.native_block_tables is not None
+        assert metadata.native_positions is not None
+        o_native = native_paged_attention(
+            q.index_select(0, metadata.native_rows), k_cache, v_cache, metadata.native_block_tables,
+            metadata.native_positions, scale, k_scale, v_scale,
+        )  # fmt: skip
+        out.index_copy_(0, metadata.native_rows, o_native.to(q.dtype))
+    elif metadata.num_decodes:
         bd, length = metadata.num_decodes, metadata.decode_max_len
         # One query token per request: fold the GQA group into the query-length axis.
         q_dec = q.index_select(0, metadata.decode_rows).view(bd, num_kv_heads, group, head_dim)
@@ -289,6 +377,8 @@ def paged_attention(
         out.index_copy_(0, metadata.decode_rows, o_dec.reshape(bd, num_heads, head_dim))
 
     for seg in metadata.prefills:
+        if native and seg.short:
+            continue
         n = seg.query_end - seg.query_start
         q_seg = q[seg.query_start : seg.query_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if seg.kv_index is None:  # the whole context is this step's tokens

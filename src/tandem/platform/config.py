@@ -29,7 +29,13 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    method: Literal["auto", "ngram", "draft"] = "auto"
+    method: Literal["auto", "ngram", "draft"] = Field(
+        "ngram",
+        description="'ngram': prompt lookup; 'draft': the draft model or head alone; 'auto': both, the "
+        "one expected to pay per request and step. Unset: 'auto' when draft_model is given, else "
+        "'ngram' (with the native decoder stack a target step is cheap enough that the bundled "
+        "head's drafts no longer pay on the measured workloads; docs/performance.md).",
+    )
     draft_model: str | None = Field(
         None,
         description="The draft (methods 'draft' and 'auto'): a bundled name, HF folder, GGUF, or an EAGLE head folder.",
@@ -40,6 +46,8 @@ class SpeculativeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> SpeculativeConfig:
+        if "method" not in self.model_fields_set and self.draft_model is not None:
+            self.method = "auto"
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         if self.method == "ngram" and self.draft_model is not None:
@@ -180,9 +188,10 @@ class EngineConfig(BaseModel):
     )
     speculative: SpeculativeConfig | None = Field(
         default_factory=lambda: SpeculativeConfig.model_validate({}),
-        description="Speculative decoding (prompt lookup, plus the trained draft head of the default "
-        "model; on by default, it verifies drafts only where the measured step cost says they pay); None: off. Greedy output is identical either "
-        "way, sampled output has the same distribution.",
+        description="Speculative decoding (prompt lookup by default; method 'auto' adds the trained "
+        "draft head of the default model; on by default, it verifies drafts only where the measured "
+        "step cost says they pay); None: off. Greedy output is identical either way, sampled output "
+        "has the same distribution.",
     )
     kv_hold_ttl_s: float = Field(
         30.0,

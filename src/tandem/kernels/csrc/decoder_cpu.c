@@ -162,48 +162,80 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return total;
 }
 
-/* out[T, Hq * D] = softmax(q K^T * scale) V per (row, query head), keys 0..positions[t]. */
-static void attention(const TandemDecoderDims *d, const TandemLayer *layer, const float *qkv, int64_t T,
-                      const int64_t *positions, const int64_t *block_tables, int64_t max_blocks,
+/* out[T, Hq * D] = softmax(q K^T * scale) V per (row, query head), keys 0..positions[t] of the
+ * row's request (block_tables row row_tables[t], or t when row_tables is NULL). q rows are
+ * q_stride floats apart. The query heads of one GQA group are done together, so each cached key
+ * and value is read (and widened from its cache dtype) once per group. */
+static void attention(const TandemDecoderDims *d, const TandemLayer *layer, const float *q_base, int64_t q_stride,
+                      int64_t T, const int64_t *positions, const int64_t *block_tables, int64_t max_blocks,
                       const int64_t *row_tables, float *out, int num_threads) {
     const int64_t Hq = d->num_heads, Hk = d->num_kv_heads, D = d->head_dim, bs = d->block_size;
-    const int64_t group = Hq / Hk, width = (Hq + 2 * Hk) * D;
+    const int64_t group = Hq / Hk;
     int64_t max_len = 0;
     for (int64_t t = 0; t < T; t++) max_len = positions[t] + 1 > max_len ? positions[t] + 1 : max_len;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)max_len);
-        float key[D], acc[D];
+        float *scores = malloc(sizeof(float) * (size_t)(max_len * group));
+        float *acc = malloc(sizeof(float) * (size_t)(group * D));
+        float vec[D];
 #pragma omp for schedule(dynamic, 1) collapse(2)
         for (int64_t t = 0; t < T; t++) {
-            for (int64_t h = 0; h < Hq; h++) {
-                const float *q = qkv + t * width + h * D;
-                const int64_t kv_head = h / group, length = positions[t] + 1;
-                const int64_t *table = block_tables + row_tables[t] * max_blocks;
-                float largest = -INFINITY;
+            for (int64_t kv_head = 0; kv_head < Hk; kv_head++) {
+                const float *q = q_base + t * q_stride + kv_head * group * D; /* the group's heads */
+                const int64_t length = positions[t] + 1;
+                const int64_t *table = block_tables + (row_tables ? row_tables[t] : t) * max_blocks;
+                float largest[group], total[group];
+                for (int64_t g = 0; g < group; g++) largest[g] = -INFINITY, total[g] = 0.0f;
                 for (int64_t j = 0; j < length; j++) {
                     const int64_t row = (table[j / bs] * bs + j % bs) * Hk + kv_head;
-                    const float s = read_vector(d, layer->k_cache, layer->k_scale, row, key);
-                    scores[j] = dot(q, key, D) * s * d->scale;
-                    largest = fmaxf(largest, scores[j]);
+                    const float s = read_vector(d, layer->k_cache, layer->k_scale, row, vec) * d->scale;
+                    for (int64_t g = 0; g < group; g++) {
+                        const float score = dot(q + g * D, vec, D) * s;
+                        scores[g * length + j] = score;
+                        largest[g] = fmaxf(largest[g], score);
+                    }
                 }
-                float total = 0.0f;
-                for (int64_t j = 0; j < length; j++) {
-                    scores[j] = expf(scores[j] - largest);
-                    total += scores[j];
+                for (int64_t g = 0; g < group; g++) {
+                    float *sg = scores + g * length;
+                    for (int64_t j = 0; j < length; j++) {
+                        sg[j] = expf(sg[j] - largest[g]);
+                        total[g] += sg[j];
+                    }
                 }
-                for (int64_t i = 0; i < D; i++) acc[i] = 0.0f;
+                for (int64_t i = 0; i < group * D; i++) acc[i] = 0.0f;
                 for (int64_t j = 0; j < length; j++) {
                     const int64_t row = (table[j / bs] * bs + j % bs) * Hk + kv_head;
-                    const float p = scores[j] / total * read_vector(d, layer->v_cache, layer->v_scale, row, key);
+                    const float s = read_vector(d, layer->v_cache, layer->v_scale, row, vec);
+                    for (int64_t g = 0; g < group; g++) {
+                        const float p = scores[g * length + j] / total[g] * s;
+                        float *a = acc + g * D;
 #pragma omp simd
-                    for (int64_t i = 0; i < D; i++) acc[i] += p * key[i];
+                        for (int64_t i = 0; i < D; i++) a[i] += p * vec[i];
+                    }
                 }
-                memcpy(out + t * Hq * D + h * D, acc, sizeof(float) * D);
+                memcpy(out + t * Hq * D + kv_head * group * D, acc, sizeof(float) * group * D);
             }
         }
         free(scores);
+        free(acc);
     }
+}
+
+/* Decode attention on its own (the eager model's decode rows): q [T, Hq * D] float32, one row
+ * per request, block_tables [T, max_blocks], out [T, Hq * D]. Cache layouts as in the file comment. */
+void tandem_paged_attention(const float *q, int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, int64_t kv_dtype, float scale, void *k_cache, void *v_cache,
+                            uint16_t *k_scale, uint16_t *v_scale, const int64_t *positions,
+                            const int64_t *block_tables, int64_t max_blocks, float *out, int num_threads) {
+    e4m3_init();
+    TandemDecoderDims d;
+    memset(&d, 0, sizeof d);
+    d.num_heads = num_heads, d.num_kv_heads = num_kv_heads, d.head_dim = head_dim;
+    d.block_size = block_size, d.kv_dtype = kv_dtype, d.scale = scale;
+    TandemLayer layer;
+    memset(&layer, 0, sizeof layer);
+    layer.k_cache = k_cache, layer.v_cache = v_cache, layer.k_scale = k_scale, layer.v_scale = v_scale;
+    attention(&d, &layer, q, num_heads * head_dim, T, positions, block_tables, max_blocks, NULL, out, num_threads);
 }
 
 /* Runs every layer over x in place. Returns 0, -1 when scratch memory cannot be allocated, -2 for
@@ -233,7 +265,7 @@ int tandem_decoder_layers(const TandemDecoderDims *d, const TandemLayer *layers,
                 write_vector(d, layer->v_cache, layer->v_scale, slot_mapping[t], h, row + (Hq + Hk + h) * D);
             }
         }
-        attention(d, layer, qkv, T, positions, block_tables, max_blocks, row_tables, attn, num_threads);
+        attention(d, layer, qkv, width, T, positions, block_tables, max_blocks, row_tables, attn, num_threads);
         if ((status = linear(&layer->o, attn, T, proj, num_threads)) != 0) break;
         for (int64_t i = 0; i < T * H; i++) x[i] += proj[i];
         rms_norm_rows(x, layer->post_norm, d->eps, T, H, normed);
