@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
+
+from tandem.platform.cpu import cpu_flags
+
+__all__ = ["NATIVE_BF16_FLAGS", "PIN_ENV", "PrecisionChoice", "choose_precision", "cpu_flags", "pinned"]
 
 NATIVE_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
 PIN_ENV = "TANDEM_AUTO_PRECISION"
@@ -32,17 +35,6 @@ class PrecisionChoice:
     dtype: str  # compute dtype: "float32" | "bfloat16" | "float16"
     weight_dtype: str  # "dense" | "int4" | "hybrid"
     reason: str  # why, in words, for the log and stats()
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def choose_precision(

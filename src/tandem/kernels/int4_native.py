@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from tandem.platform.cpu import cpu_flags
+
 log = logging.getLogger(__name__)
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the kernel is specialised for
@@ -45,21 +47,11 @@ MODE_F16_PARAMS = 0  # params: float16 [N, G, 2] (scale, zero)
 MODE_INT8_PARAMS = 1  # params: int8 codes [N, G, 2], with bfloat16 super-block scales [N, S, 2]
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _cache_dir() -> Path:
     return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem") / "kernels"
 
 
-def _build(flags: set[str]) -> Path:
+def _build(flags: frozenset[str]) -> Path:
     source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + " ".join(sorted(flags)).encode()).hexdigest()[:16]
     target = _cache_dir() / f"int4_cpu-{key}.so"
@@ -99,14 +91,14 @@ def load() -> ctypes.CDLL | None:
         reason = "disabled by TANDEM_NATIVE_INT4=0"
     elif platform.machine() not in ("x86_64", "AMD64"):
         reason = f"it is x86-64 only (this is {platform.machine()})"
-    elif not {"avx2", "fma", "f16c"} <= _cpu_flags():
+    elif not {"avx2", "fma", "f16c"} <= cpu_flags():
         reason = "the CPU lacks AVX2, FMA or F16C"
     if reason is not None:
         _unavailable.append(reason)
         log.info("native INT4 kernel not used: %s", reason)
         return None
     try:
-        lib = ctypes.CDLL(str(_build(_cpu_flags())))
+        lib = ctypes.CDLL(str(_build(cpu_flags())))
     except (OSError, RuntimeError) as error:
         _unavailable.append(str(error))
         log.warning("native INT4 kernel unavailable, using torch's int4 kernel: %s", error)
