@@ -7,7 +7,8 @@ kernel itself moves about 3.4 GB/s of weights. This kernel reads the packed nibb
 parameter codes directly (exact integer dot products on int16-scaled activations, AVX2), and for
 large M dequantises the weight once and leaves the GEMM to torch.
 
-Build: `cc -O3 -march=native -fopenmp -shared` into `$TANDEM_CACHE_DIR/kernels` (default
+Build: `cc -O3 -march=native -fopenmp -shared` (`TANDEM_NATIVE_MARCH` names another target, e.g.
+`haswell` for the AVX2 code paths on an AVX-512 machine) into `$TANDEM_CACHE_DIR/kernels` (default
 `~/.cache/tandem/kernels`), keyed by the source's hash and the CPU's flags, written to a temporary
 name and renamed so that concurrent replicas never load a half-written file. `load()` returns
 None, once logged, when the CPU is not x86-64 with AVX2, FMA and F16C, `TANDEM_NATIVE_INT4=0`,
@@ -53,7 +54,8 @@ def _cache_dir() -> Path:
 
 def _build(flags: frozenset[str]) -> Path:
     source = b"".join(path.read_bytes() for path in SOURCES)
-    key = hashlib.sha256(source + " ".join(sorted(flags)).encode()).hexdigest()[:16]
+    march = os.environ.get("TANDEM_NATIVE_MARCH", "native")
+    key = hashlib.sha256(source + " ".join(sorted(flags)).encode() + march.encode()).hexdigest()[:16]
     target = _cache_dir() / f"int4_cpu-{key}.so"
     if target.exists():
         return target
@@ -64,7 +66,7 @@ def _build(flags: frozenset[str]) -> Path:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        command = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", tmp, str(SOURCE)]
+        command = [compiler, "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-o", tmp, str(SOURCE)]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
