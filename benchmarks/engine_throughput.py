@@ -107,6 +107,13 @@ def run_llama_cpp(
     return rows
 
 
+def _option_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text  # a plain string such as float32
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -125,8 +132,9 @@ def main() -> None:
         "--option",
         action="append",
         default=[],
-        metavar="KEY=JSON",
-        help="engine option over the defaults, e.g. --option dtype='\"float32\"' (repeatable)",
+        metavar="KEY=VALUE",
+        help="engine option over the defaults, a JSON value or a plain string, e.g. --option dtype=float32 "
+        "--option hybrid_int4_max_batch=4 --option speculative=null (repeatable)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -136,7 +144,7 @@ def main() -> None:
 
     threads = torch.get_num_threads()
     options: dict[str, Any] = {
-        key: json.loads(value) for key, value in (o.split("=", 1) for o in args.option)
+        key: _option_value(value) for key, value in (o.split("=", 1) for o in args.option)
     }
     max_n = max(args.concurrency)
     common = {"kv_cache_memory": None, "max_num_seqs": max(64, max_n), "enable_prefix_caching": False}
