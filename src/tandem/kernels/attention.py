@@ -16,6 +16,7 @@ The metadata is built once per step (`build_attention_metadata`) and reused by e
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -266,6 +267,9 @@ def build_attention_metadata(
         decode_index = torch.zeros(0, dtype=torch.int64)
         decode_mask = torch.zeros(0, 1, 1, 0, dtype=torch.bool)
     native_block_tables = None
+    if len(native_rows) > NATIVE_ATTENTION_MAX_ROWS:  # a large step: the batched torch path is faster
+        native_rows = []
+        prefills = [dataclasses.replace(seg, short=False) for seg in prefills]
     if native_rows:
         native_block_tables = torch.zeros(len(native_rows), max(len(t) for t in native_tables), dtype=torch.int64)
         for i, table in enumerate(native_tables):
@@ -289,6 +293,9 @@ _NATIVE_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2
 # rows (a verification step's 1 + k rows); whole prompts and longer chunks to
 # scaled_dot_product_attention.
 NATIVE_SEGMENT_MAX_ROWS = 16
+# Steps with more rows than this for the native kernel use the torch paths for all of them: at 32
+# decode rows the batched gather-and-matmul path was 10% faster end to end (performance.md).
+NATIVE_ATTENTION_MAX_ROWS = 16
 NATIVE_ATTENTION = os.environ.get("TANDEM_NATIVE_ATTENTION", "1") != "0"
 
 
