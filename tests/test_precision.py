@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.engine.precision import PIN_ENV, choose_precision, cpu_flags
+from tandem.engine.precision import PIN_ENV, choose_precision
 from tandem.kernels import int4_native
+from tandem.platform.cpu import cpu_flags
 from tests.test_hf_parity import PROMPTS, check_parity
 
 AMX = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8"})

@@ -30,7 +30,7 @@ from tandem.engine.lora import LoRAAdapter, LoRALimits, LoRAManager, LoRAModelSh
 from tandem.engine.models.eagle import EagleDraft, is_eagle_folder, load_eagle
 from tandem.engine.models.loader import build_model, load_model, resolve_model_path
 from tandem.engine.output_processor import OutputProcessor
-from tandem.engine.precision import PrecisionChoice, choose_precision, cpu_flags
+from tandem.engine.precision import PrecisionChoice, choose_precision
 from tandem.engine.precision import pinned as pinned_precision
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Request, RequestStatus
@@ -41,6 +41,7 @@ from tandem.engine.step import RequestUpdate, RunnerResult, ScheduledRequest, Sc
 from tandem.engine.tokenizer import Tokenizer
 from tandem.kernels import int4_native
 from tandem.platform.config import EngineConfig
+from tandem.platform.cpu import cpu_flags
 from tandem.platform.errors import (
     ContextLengthExceededError,
     InvalidRequestError,

@@ -22,10 +22,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from tandem.platform.cpu import cpu_flags
-
-__all__ = ["NATIVE_BF16_FLAGS", "PIN_ENV", "PrecisionChoice", "choose_precision", "cpu_flags", "pinned"]
-
 NATIVE_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
 PIN_ENV = "TANDEM_AUTO_PRECISION"
 

@@ -280,10 +280,10 @@ class ModelRunner:
             else None
         )
         forward = self.model.forward
-        # A hybrid's INT4 copy is for the native stack's small steps; a decode step too large for
-        # that stack (drafts beyond NATIVE_MAX_ROWS rows) runs faster through the dense model.
-        too_many_rows = self.native is not None and not slot_of and self.decode_model is not self.model
-        if small and not too_many_rows:
+        # A hybrid's INT4 copy is for the native stack's small steps; a LoRA-free decode step that
+        # reaches here has too many rows for that stack (drafts) and runs faster on the dense model.
+        dense_is_faster = self.native is not None and not slot_of and self.decode_model is not self.model
+        if small and not dense_is_faster:
             forward = self.decode_model.forward
             self.num_decode_model_steps += 1
             if self._decode_forward is not None and lora_step is None and not metadata.prefills:

@@ -276,12 +276,16 @@ class Scheduler:
         settings = self.speculation
         self.acceptance.drift()
         candidates: list[DraftCandidate] = []
-        step_cost_s, draft_cost_s = self._draft_costs()
-        num_decoding = 0
-        for request in self.running:
-            if request.num_computed_tokens != request.num_tokens - 1:
-                continue
-            num_decoding += 1
+        decoding = [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]
+        num_decoding = len(decoding)
+        # Tokens this step computes before drafts: one per decoding request plus prompt chunks.
+        step_tokens = min(
+            self.max_num_batched_tokens,
+            num_decoding
+            + sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.num_computed_tokens < r.num_tokens - 1),
+        )
+        step_cost_s, draft_cost_s = self._draft_costs(num_decoding, step_tokens)
+        for request in decoding:
             params = request.sampling_params
             if (
                 not params.speculative
@@ -325,24 +329,14 @@ class Scheduler:
             step_cost_s=step_cost_s,
             step_yield=num_decoding,
             draft_cost_s=draft_cost_s,
-            max_draft_tokens=self.max_num_batched_tokens - self._step_tokens(num_decoding),
+            max_draft_tokens=self.max_num_batched_tokens - step_tokens,
         )
         return {c.request_id: c.proposal[: planned[c.request_id]] for c in candidates if c.request_id in planned}
 
-    def _step_tokens(self, num_decoding: int) -> int:
-        """Tokens this step computes before drafts: one per decoding request plus prompt chunks."""
-        return min(
-            self.max_num_batched_tokens,
-            num_decoding
-            + sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.num_computed_tokens < r.num_tokens - 1),
-        )
-
-    def _draft_costs(self) -> tuple[float, float]:
+    def _draft_costs(self, num_decoding: int, step_tokens: int) -> tuple[float, float]:
         """(the step's predicted wall time without drafts, what one more draft row adds) from the
         measured step costs; for a decode-only step, from decode-only steps where they have been
         seen at different sizes."""
-        num_decoding = sum(1 for r in self.running if r.num_computed_tokens == r.num_tokens - 1)
-        step_tokens = self._step_tokens(num_decoding)
         fixed_s, per_token_s, per_row_s = self.step_cost.coefficients()
         decode_fit = self.step_cost.decode_coefficients()
         if decode_fit is not None and step_tokens == num_decoding:

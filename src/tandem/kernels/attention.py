@@ -16,7 +16,6 @@ The metadata is built once per step (`build_attention_metadata`) and reused by e
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -165,6 +164,17 @@ def _decode_attention(
     return torch.matmul(probs, v_rows.view(shape))
 
 
+_NATIVE_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+# Segments of at most this many rows after a cached prefix go to the native kernel with the decode
+# rows (a verification step's 1 + k rows); whole prompts and longer chunks to
+# scaled_dot_product_attention.
+NATIVE_SEGMENT_MAX_ROWS = 16
+# Steps with more rows than this for the native kernel use the torch paths for all of them: at 32
+# decode rows the batched gather-and-matmul path was 10% faster end to end (performance.md).
+NATIVE_ATTENTION_MAX_ROWS = 16
+NATIVE_ATTENTION = os.environ.get("TANDEM_NATIVE_ATTENTION", "1") != "0"
+
+
 @dataclass
 class PrefillSegment:
     """A request computing more than one token this step (a prompt chunk)."""
@@ -226,11 +236,18 @@ def build_attention_metadata(
     native_rows: list[int] = []
     native_positions: list[int] = []
     native_tables: list[list[int]] = []
+    num_native = sum(n for n, ctx in zip(query_lens, context_lens, strict=True) if _attends_natively(n, ctx))
+    use_native = (
+        0 < num_native <= NATIVE_ATTENTION_MAX_ROWS  # a larger step: the batched torch path is faster
+        and device.type == "cpu"
+        and NATIVE_ATTENTION
+        and int4_native.load() is not None
+    )
     row = 0
     offsets = torch.arange(block_size, dtype=torch.int64)
     for table, n, ctx in zip(block_tables, query_lens, context_lens, strict=True):
         num_blocks = -(-ctx // block_size)
-        short = n == 1 or (n <= NATIVE_SEGMENT_MAX_ROWS and ctx != n)  # a decode, or a short continuation
+        short = use_native and _attends_natively(n, ctx)
         if short:
             native_rows.extend(range(row, row + n))
             native_positions.extend(range(ctx - n, ctx))
@@ -267,9 +284,6 @@ def build_attention_metadata(
         decode_index = torch.zeros(0, dtype=torch.int64)
         decode_mask = torch.zeros(0, 1, 1, 0, dtype=torch.bool)
     native_block_tables = None
-    if len(native_rows) > NATIVE_ATTENTION_MAX_ROWS:  # a large step: the batched torch path is faster
-        native_rows = []
-        prefills = [dataclasses.replace(seg, short=False) for seg in prefills]
     if native_rows:
         native_block_tables = torch.zeros(len(native_rows), max(len(t) for t in native_tables), dtype=torch.int64)
         for i, table in enumerate(native_tables):
@@ -288,25 +302,9 @@ def build_attention_metadata(
     )
 
 
-_NATIVE_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
-# Segments of at most this many rows after a cached prefix go to the native kernel with the decode
-# rows (a verification step's 1 + k rows); whole prompts and longer chunks to
-# scaled_dot_product_attention.
-NATIVE_SEGMENT_MAX_ROWS = 16
-# Steps with more rows than this for the native kernel use the torch paths for all of them: at 32
-# decode rows the batched gather-and-matmul path was 10% faster end to end (performance.md).
-NATIVE_ATTENTION_MAX_ROWS = 16
-NATIVE_ATTENTION = os.environ.get("TANDEM_NATIVE_ATTENTION", "1") != "0"
-
-
-def _native_usable(q: torch.Tensor, k_cache: torch.Tensor, metadata: AttentionMetadata) -> bool:
-    return (
-        metadata.native_rows is not None
-        and q.device.type == "cpu"
-        and k_cache.dtype in _NATIVE_KV_DTYPES
-        and NATIVE_ATTENTION
-        and int4_native.load() is not None
-    )
+def _attends_natively(query_len: int, context_len: int) -> bool:
+    """A decode row, or a short segment after a cached prefix (a verification step's rows)."""
+    return query_len == 1 or (query_len <= NATIVE_SEGMENT_MAX_ROWS and context_len != query_len)
 
 
 def native_paged_attention(
@@ -361,7 +359,8 @@ def paged_attention(
     v_scale_rows = None if v_scale is None else v_scale.view(-1)
     out = torch.empty_like(q)
 
-    native = _native_usable(q, k_cache, metadata)
+    # native_rows is set only for small CPU steps where the library loaded (build_attention_metadata)
+    native = metadata.native_rows is not None and k_cache.dtype in _NATIVE_KV_DTYPES
     if native:
         assert metadata.native_rows is not None and metadata.native_block_tables is not None
         assert metadata.native_positions is not None

@@ -335,16 +335,7 @@ int tandem_int8_mm(const float *x, const int8_t *codes, const uint16_t *scales, 
         free(xq); free(xscale);
         return -1;
     }
-    for (int64_t m = 0; m < M; m++) {
-        for (int64_t r = 0; r < runs; r++) {
-            const float *xr = x + m * K + 32 * r;
-            float largest = 0.0f;
-            for (int i = 0; i < 32; i++) largest = fmaxf(largest, fabsf(xr[i]));
-            const float inverse = largest > 0.0f ? 32767.0f / largest : 0.0f;
-            for (int i = 0; i < 32; i++) xq[m * K + 32 * r + i] = (int16_t)lrintf(xr[i] * inverse);
-            xscale[m * runs + r] = largest / 32767.0f;
-        }
-    }
+    round_activations(x, M, K, 32, xq, xscale, NULL);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t n = 0; n < N; n++)
         for (int64_t m = 0; m < M; m++)

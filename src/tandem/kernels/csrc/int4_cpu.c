@@ -355,6 +355,31 @@ PLANE_KERNEL(2)
 PLANE_KERNEL(3)
 PLANE_KERNEL(4)
 
+/* Activations as the kernels read them: each run of 32 of x [M, K] scaled to int16 (its largest
+ * |x| to 32767, rounded to nearest) into xq [M, K], the run's step (largest / 32767) into
+ * xscale [M, K / 32] and, when xsum is not NULL, the float32 sums of x per group of group_size
+ * into xsum [M, K / group_size]. */
+static void round_activations(const float *x, int64_t M, int64_t K, int64_t group_size, int16_t *xq,
+                              float *xscale, float *xsum) {
+    const int64_t runs = K / 32, num_groups = K / group_size;
+    for (int64_t m = 0; m < M; m++) {
+        if (xsum)
+            for (int64_t g = 0; g < num_groups; g++) xsum[m * num_groups + g] = 0.0f;
+        for (int64_t r = 0; r < runs; r++) {
+            const float *xr = x + m * K + 32 * r;
+            float largest = 0.0f, total = 0.0f;
+            for (int i = 0; i < 32; i++) {
+                largest = fmaxf(largest, fabsf(xr[i]));
+                total += xr[i];
+            }
+            const float inverse = largest > 0.0f ? 32767.0f / largest : 0.0f;
+            for (int i = 0; i < 32; i++) xq[m * K + 32 * r + i] = (int16_t)lrintf(xr[i] * inverse);
+            xscale[m * runs + r] = largest / 32767.0f;
+            if (xsum) xsum[m * num_groups + (32 * r) / group_size] += total;
+        }
+    }
+}
+
 /* y[M, N] = x[M, K] @ dequantised(W)[N, K]^T, float32, contiguous. K % group_size == 0 and
  * group_size is 32, 64, 128 or 256. Returns 0; -1 when scratch memory cannot be allocated; -2 for
  * any other group size. */
@@ -370,21 +395,7 @@ int tandem_int4_mm(const float *x, const uint8_t *packed, int mode, const void *
         free(xq); free(xscale); free(xsum);
         return -1;
     }
-    for (int64_t m = 0; m < M; m++) {
-        for (int64_t g = 0; g < num_groups; g++) xsum[m * num_groups + g] = 0.0f;
-        for (int64_t r = 0; r < runs; r++) {
-            const float *xr = x + m * K + 32 * r;
-            float largest = 0.0f, total = 0.0f;
-            for (int i = 0; i < 32; i++) {
-                largest = fmaxf(largest, fabsf(xr[i]));
-                total += xr[i];
-            }
-            float step = largest / 32767.0f, inverse = largest > 0.0f ? 32767.0f / largest : 0.0f;
-            for (int i = 0; i < 32; i++) xq[m * K + 32 * r + i] = (int16_t)lrintf(xr[i] * inverse);
-            xscale[m * runs + r] = step;
-            xsum[m * num_groups + (32 * r) / group_size] += total;
-        }
-    }
+    round_activations(x, M, K, group_size, xq, xscale, xsum);
     if (mode == 0) {
         int16_t *xp = malloc(sizeof(int16_t) * M * K);
         float *xpair = malloc(sizeof(float) * M * 2 * num_groups);
