@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.deployments.structured_output import request_constraint, response_format_constraint
 from tandem.engine.protocol import RequestOutput
 from tandem.engine.sampling_params import SamplingParams
 from tandem.platform.errors import RequestFailedError
@@ -53,6 +54,10 @@ def sampling_params_from(req: ChatCompletionRequest | CompletionRequest) -> Samp
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         logprobs = req.logprobs
+    if isinstance(req, ChatCompletionRequest):
+        structured = request_constraint(req)
+    else:
+        structured = response_format_constraint(req)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -67,6 +72,7 @@ def sampling_params_from(req: ChatCompletionRequest | CompletionRequest) -> Samp
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         speculative=req.speculative,
+        structured=structured,
     )
 
 

@@ -27,6 +27,13 @@ from tandem.deployments.openai_mapping import (
     stream_chunk,
     usage,
 )
+from tandem.deployments.structured_output import (
+    ToolCallStream,
+    chat_messages,
+    new_call_id,
+    parse_tool_calls,
+    tool_mode,
+)
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Priority
 from tandem.platform.errors import NotFoundError, TandemError
@@ -222,7 +229,7 @@ class OpenAIServer:
         timing: ResponseTiming | None = None,
     ) -> dict[str, Any] | AsyncIterator[str]:
         lora_id = await self._resolve_model(req.model, tenant)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = chat_messages(req)
         gen = GenerationRequest(
             request_id=new_id("chatcmpl"),
             messages=messages,
@@ -234,7 +241,13 @@ class OpenAIServer:
         )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self._run(
-            gen, tenant, stream=req.stream, chat=True, include_usage=include_usage, timing=timing
+            gen,
+            tenant,
+            stream=req.stream,
+            chat=True,
+            include_usage=include_usage,
+            timing=timing,
+            tool_calls=tool_mode(req) is not None,
         )
 
     async def completions(
@@ -271,9 +284,11 @@ class OpenAIServer:
         chat: bool,
         include_usage: bool,
         timing: ResponseTiming | None = None,
+        tool_calls: bool = False,
     ) -> dict[str, Any] | AsyncIterator[str]:
         """Start `gen` and await its first output (so errors are HTTP errors); then a JSON body,
-        or the SSE events to stream. `timing`, when given, is filled at the first output."""
+        or the SSE events to stream. `timing`, when given, is filled at the first output. With
+        `tool_calls` (a chat request with tools), the text is parsed into tool calls."""
         if timing is not None:
             timing.request_id = gen.request_id
         if gen.sampling_params.logprobs is not None:
@@ -306,6 +321,7 @@ class OpenAIServer:
                 chat=chat,
                 include_usage=include_usage,
                 times=(started, started_ns, first_at),
+                tool_calls=tool_calls,
             )
 
             async def close_unstarted() -> None:  # what `_sse`'s own `finally` would have done
@@ -326,12 +342,21 @@ class OpenAIServer:
             raise engine_error(last)
         last_usage = usage(last)
         if chat:
+            content: str | None = completion.text
+            calls: list[dict[str, Any]] = []
+            finish_reason = completion.finish_reason
+            if tool_calls:
+                content, parsed = parse_tool_calls(completion.text)
+                calls = [call.as_openai(new_call_id()) for call in parsed]
+                if calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
             return chat_completion(
                 request_id=gen.request_id,
                 model=self._api_model(gen),
-                text=completion.text,
-                finish_reason=completion.finish_reason,
+                text=content,
+                finish_reason=finish_reason,
                 usage=last_usage,
+                tool_calls=calls,
                 logprobs=self._names().chat_logprobs(
                     completion.token_ids, completion.logprobs, gen.sampling_params.logprobs or 0
                 ),
@@ -346,6 +371,37 @@ class OpenAIServer:
             logprobs=self._names().completion_logprobs(completion.token_ids, completion.logprobs),
         )
 
+    def _tool_call_events(
+        self, out: RequestOutput, calls: ToolCallStream, gen: GenerationRequest, created: int
+    ) -> list[str]:
+        """The chunks of one engine output of a request with tools: its text as content and
+        tool-call deltas (`ToolCallStream`), then, at the end, the finish reason (`tool_calls` when
+        it made calls and stopped by itself). Logprobs ride on the output's first chunk."""
+        completion = out.outputs[0]
+        finish = completion.finish_reason
+        deltas = calls.feed(completion.delta_text, final=finish is not None)
+        if finish is not None:
+            deltas.append({})
+        logprobs = self._names().chat_logprobs(
+            completion.delta_token_ids, completion.delta_logprobs, gen.sampling_params.logprobs or 0
+        )
+        events = []
+        for position, delta in enumerate(deltas):
+            last = finish is not None and position == len(deltas) - 1
+            events.append(
+                sse_event(
+                    chat_chunk(
+                        request_id=gen.request_id,
+                        model=self._api_model(gen),
+                        created=created,
+                        delta=delta,
+                        finish_reason=("tool_calls" if calls.num_calls and finish == "stop" else finish) if last else None,
+                        logprobs=logprobs if position == 0 else None,
+                    )
+                )
+            )
+        return events
+
     async def _sse(
         self,
         gen: GenerationRequest,
@@ -356,9 +412,11 @@ class OpenAIServer:
         chat: bool,
         include_usage: bool,
         times: tuple[float, int, float],  # started (monotonic), started (ns since epoch), first output
+        tool_calls: bool = False,
     ) -> AsyncGenerator[str, None]:
         created = now()
         last = first
+        calls = ToolCallStream() if tool_calls else None
         try:
             if chat:
                 yield sse_event(
@@ -375,6 +433,11 @@ class OpenAIServer:
                 last = out
                 if out.outputs[0].finish_reason == "error":  # the engine ended it: no more text
                     raise engine_error(out)
+                if calls is not None:
+                    for event in self._tool_call_events(out, calls, gen, created):
+                        yield event
+                    out = await anext(outputs, None)
+                    continue
                 yield sse_event(
                     stream_chunk(
                         out,

@@ -68,6 +68,12 @@ class AsyncEngine:
     ) -> AsyncGenerator[RequestOutput, None]:
         """With `stream_interval` k > 1, updates after the first are held back and merged until they
         carry k new tokens (the end always goes at once): fewer messages where each costs CPU."""
+        # A new output constraint compiles in a worker thread (milliseconds, up to a second for a
+        # large schema), not on the caller's event loop; then it is a cache hit in make_request.
+        spec = request.sampling_params.structured
+        grammars = self.engine.grammars
+        if spec is not None and grammars is not None and not grammars.is_cached(spec):
+            await asyncio.to_thread(grammars.compile, spec)
         # Validate and tokenise in the caller's thread: bad input raises here, before anything is queued.
         prepared = self.engine.make_request(request)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from tandem.engine.draft import DraftProposer, EagleProposer, PagedDraftCache
+from tandem.engine.grammar import GrammarCompiler
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.kv_transfer import (
     KVPage,
@@ -90,6 +91,7 @@ class EngineParts:
     kv_cache_dtype: str  # what the cache stores, for stats ("float32", "float8_e4m3fn", ...)
     lora: LoRAManager | None = None
     precision: PrecisionChoice | None = None  # what dtype / weight_dtype "auto" resolved to, and why
+    grammars: GrammarCompiler | None = None  # output constraints (the runner's); None: refused
 
 
 class LLMEngine:
@@ -106,6 +108,7 @@ class LLMEngine:
         self.lora = parts.lora
         self.kv_cache_dtype = parts.kv_cache_dtype
         self.precision = parts.precision
+        self.grammars = parts.grammars
         self.kv_manager = KVCacheManager(
             parts.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -250,6 +253,8 @@ class LLMEngine:
                 device=device,
                 dtype=dtype,
             )
+        eos_token_ids = frozenset(cfg.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
+        grammars = GrammarCompiler(loaded.tokenizer, cfg.vocab_size, sorted(eos_token_ids))
         runner = ModelRunner(
             model,
             kv_spec,
@@ -262,19 +267,21 @@ class LLMEngine:
             decode_model_max_batch=config.hybrid_int4_max_batch,
             draft=draft,
             native_decoder=config.native_decoder,
+            grammars=grammars,
         )
         runner.warmup_decode()
         parts = EngineParts(
             model_name=loaded.name,
             model_config=cfg,
             tokenizer=loaded.tokenizer,
-            eos_token_ids=frozenset(cfg.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids),
+            eos_token_ids=eos_token_ids,
             runner=runner,
             num_blocks=num_blocks,
             max_model_len=max_model_len,
             kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
             lora=lora,
             precision=precision,
+            grammars=grammars,
         )
         del loaded
         logger.info(
@@ -345,6 +352,12 @@ class LLMEngine:
             )
         if gen.lora_name is not None:
             self._check_lora(gen.lora_name)
+        if params.structured is not None:
+            if self.grammars is None:
+                raise InvalidRequestError(
+                    "this engine has no grammar support for structured output", param=params.structured.param
+                )
+            self.grammars.compile(params.structured)  # 400 for a bad schema; cached for the runner
         request = Request(
             request_id=gen.request_id,
             prompt_token_ids=token_ids,
@@ -716,6 +729,7 @@ class LLMEngine:
             "draft_wall_s": float(getattr(self.runner, "draft_wall_s", 0.0)),
             "step_wall_s": self.step_wall_s,
             "step_thread_cpu_s": self.step_thread_cpu_s,
+            **(self.grammars.stats() if self.grammars is not None else {}),
         }
 
 

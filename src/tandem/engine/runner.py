@@ -15,12 +15,20 @@ from typing import Any
 import torch
 
 from tandem.engine.draft import PagedDraftCache
+from tandem.engine.grammar import GrammarCompiler, GrammarMatcher
 from tandem.engine.lora import LoRAManager, LoRAStep
 from tandem.engine.models.llama import KVLayer, LlamaForCausalLM
 from tandem.engine.models.native import NativeLlama, NativeStep
 from tandem.engine.step import RunnerResult, ScheduledRequest, SchedulerOutput
 from tandem.kernels.attention import build_attention_metadata, quantize_fp8
-from tandem.kernels.sampling import apply_penalties, filter_logits, sample_rows, top_logprobs, verify_drafts
+from tandem.kernels.sampling import (
+    apply_penalties,
+    apply_token_bitmask_,
+    filter_logits,
+    sample_rows,
+    top_logprobs,
+    verify_drafts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +37,7 @@ REQUEST_FAILED = "this request could not be computed by the engine; the server l
 NON_FINITE_LOGITS = (
     "the model produced non-finite logits for this request (an adapter with extreme weights?)"
 )
+GRAMMAR_FAILED = "the output constraint (response_format or tools) could not be continued"
 
 
 @dataclass
@@ -86,6 +95,7 @@ class ModelRunner:
         decode_model_max_batch: int = 0,
         draft: PagedDraftCache | None = None,
         native_decoder: bool = True,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         """`decode_model` (optional, e.g. an INT4 copy of `model` sharing nothing but the cache)
         runs decode-only steps of at most `decode_model_max_batch` requests; `model` runs the rest.
@@ -93,7 +103,11 @@ class ModelRunner:
         through the native decoder stack (`NativeLlama`) where the decode model's linears are
         native INT4 and `native_decoder` is set (with such a stack, a LoRA-free decode step that
         has more rows runs the dense `model`); else, with `compile_decode`, through one compiled
-        graph. At small batch the eager step is dominated by per-op dispatch, not by the matmuls."""
+        graph. At small batch the eager step is dominated by per-op dispatch, not by the matmuls.
+
+        `grammars` compiles the output constraints of requests that have one (`structured`): each
+        such request's rows are masked to the tokens its grammar allows before sampling and
+        verification, and its matcher advances on the tokens it is given."""
         self.model = model
         self.decode_model = decode_model or model
         self.decode_model_max_batch = decode_model_max_batch if decode_model is not None else 1 << 30
@@ -119,6 +133,8 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator(device=device)
         self._default_generator.manual_seed(seed)
+        self.grammars = grammars
+        self._matchers: dict[str, GrammarMatcher] = {}
 
     # -- KV pages for hand-over (kv_transfer.py) -------------------------------------------------
     def export_pages(self, block_ids: list[int], num_tokens: int, dtype: torch.dtype) -> list[bytes]:
@@ -187,6 +203,7 @@ class ModelRunner:
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
+            self._matchers.pop(request_id, None)
         if self.draft is not None:
             self.draft.forget(request_ids)
 
@@ -418,6 +435,17 @@ class ModelRunner:
             row += span
         if failed:
             logger.error("non-finite logits; failing those requests", extra={"request_ids": sorted(failed)})
+        for item in items:
+            if item.sampling_params.structured is not None and item.request_id not in failed:
+                try:
+                    matcher = self._matcher_for(item)
+                except Exception:
+                    logger.exception("grammar matcher failed", extra={"request_id": item.request_id})
+                    failed[item.request_id] = GRAMMAR_FAILED
+                    continue
+                if matcher is not None and matcher.error is not None:
+                    logger.error("grammar matcher in error", extra={"request_id": item.request_id, "error": matcher.error})
+                    failed[item.request_id] = GRAMMAR_FAILED
         plain = [(item, start) for item, start in zip(items, starts, strict=True) if item.request_id not in failed]
         drafted = [(item, start) for item, start in plain if item.num_draft_tokens]
         plain = [(item, start) for item, start in plain if not item.num_draft_tokens]
@@ -442,7 +470,55 @@ class ModelRunner:
             except Exception:
                 result.merge(self._failed_alone(item))
         result.failed.update(failed)
+        self._advance_matchers(items, result)
         return result
+
+    def _matcher_for(self, item: ScheduledRequest) -> GrammarMatcher | None:
+        """The request's grammar matcher (made at its first sampled token, fed the tokens it
+        already has: a request whose first token another engine sampled, or one whose runner
+        state is new), or None without a constraint."""
+        spec = item.sampling_params.structured
+        if spec is None or self.grammars is None:
+            return None
+        matcher = self._matchers.get(item.request_id)
+        if matcher is None:
+            matcher = self.grammars.matcher(spec)
+            if item.output_token_ids and not matcher.accept(list(item.output_token_ids)):
+                raise RuntimeError(f"the grammar refused the request's earlier tokens ({matcher.error})")
+            self._matchers[item.request_id] = matcher
+        return matcher
+
+    def _advance_matchers(self, items: list[ScheduledRequest], result: RunnerResult) -> None:
+        """Feed each constrained request's new tokens to its matcher; a refusal (a library fault:
+        they were sampled under its masks) fails the request."""
+        for item in items:
+            matcher = self._matchers.get(item.request_id)
+            tokens = result.sampled_token_ids.get(item.request_id)
+            if matcher is None or not tokens or matcher.accept(tokens):
+                continue
+            logger.error(
+                "grammar refused a sampled token", extra={"request_id": item.request_id, "error": matcher.error}
+            )
+            del result.sampled_token_ids[item.request_id]
+            result.logprobs.pop(item.request_id, None)
+            result.failed[item.request_id] = GRAMMAR_FAILED
+
+    def _constrain_rows(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> torch.Tensor:
+        """logits: [B, V], one row per item; the rows of constrained items masked to what their
+        grammars allow next (in place, or in a copy when one of them also wants logprobs, which are
+        the model's own)."""
+        constrained = [(row, self._matcher_for(item)) for row, item in enumerate(items)]
+        rows = [row for row, matcher in constrained if matcher is not None]
+        if not rows or self.grammars is None:
+            return logits
+        if any(items[row].sampling_params.logprobs is not None for row in rows):
+            logits = logits.clone()
+        bitmask = self.grammars.fill_bitmasks([m for _, m in constrained if m is not None])  # [n, W]
+        if len(rows) == logits.shape[0]:
+            return apply_token_bitmask_(logits, bitmask)
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        logits.index_copy_(0, index, apply_token_bitmask_(logits.index_select(0, index), bitmask))
+        return logits
 
     def _verify(
         self, logits: torch.Tensor, item: ScheduledRequest, draft_probs: torch.Tensor | None = None
@@ -452,6 +528,15 @@ class ModelRunner:
         decoding one token at a time). Random: rejection sampling (`verify_drafts`) against the
         draft model's distributions `draft_probs` [k, V], or a one-hot proposal when None."""
         params, drafts = item.sampling_params, item.draft_token_ids
+        num_proposed = len(drafts)
+        raw_logits = logits
+        matcher = self._matcher_for(item)
+        if matcher is not None:  # drafts the grammar refuses cannot be accepted: verify up to them
+            bitmask, num_valid = matcher.draft_bitmasks(drafts)
+            drafts = drafts[:num_valid]
+            logits = apply_token_bitmask_(logits[: num_valid + 1].clone(), bitmask)
+            if draft_probs is not None:
+                draft_probs = draft_probs[:num_valid]
         if params.greedy:
             targets = logits.argmax(dim=-1).tolist()  # [k + 1]
             num_accepted = 0
@@ -470,11 +555,11 @@ class ModelRunner:
                 )
             tokens = verify_drafts(scaled.softmax(dim=-1), drafts, self._generator_for(item), draft_probs)
         if self.draft is not None:
-            self.draft.accepted(item.request_id, item.start_position, len(drafts), len(tokens) - 1)
+            self.draft.accepted(item.request_id, item.start_position, num_proposed, len(tokens) - 1)
         result = RunnerResult({item.request_id: tokens})
         if params.logprobs is not None:
             chosen = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
-            chosen_lp, top_ids, top_vals = top_logprobs(logits[: len(tokens)], chosen, params.logprobs)
+            chosen_lp, top_ids, top_vals = top_logprobs(raw_logits[: len(tokens)], chosen, params.logprobs)
             entries = []
             for i, token_id in enumerate(tokens):
                 entry = {token_id: float(chosen_lp[i])}
@@ -489,6 +574,7 @@ class ModelRunner:
         if not items:
             return RunnerResult({})
         raw_logits = logits
+        logits = self._constrain_rows(logits, items)
         params = [item.sampling_params for item in items]
         if any(p.has_penalties for p in params):
             counts = torch.zeros_like(logits)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from tandem.platform.errors import InvalidRequestError
 
@@ -12,6 +13,25 @@ MAX_LOGPROBS = 20
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 # Integer fields that reach tensors (top_k, token ids) stay in the range of a signed 32-bit int.
 MAX_INT32 = (1 << 31) - 1
+
+
+StructuredKind = Literal["json_schema", "regex", "lark", "choice"]
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text, enforced token by token (engine/grammar.py).
+
+    `kind` says what `value` holds: a JSON schema as JSON text (`{"type": "object"}` is any JSON
+    object), a regular expression (Rust `regex` syntax), a Lark grammar in llguidance's dialect
+    (which can inline JSON schemas with `%json {...}`), or a JSON list of strings to choose from.
+    Equal specs share one compiled grammar. `param` names the request field it came from, so a
+    grammar that does not compile is a 400 naming that field (it is not part of the identity).
+    """
+
+    kind: StructuredKind
+    value: str
+    param: str = field(default="response_format", compare=False)
 
 
 @dataclass
@@ -39,6 +59,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
     speculative: bool = True  # False: never verify draft tokens for this request
+    structured: StructuredOutput | None = None  # constrain the output (JSON schema, regex, grammar)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +100,14 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if any(_not_int(t) or not 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"must be integers in [0, {MAX_INT32}]")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise bad("structured", "must be a StructuredOutput")
+            if self.ignore_eos:  # a finished grammar allows only EOS: ignoring it cannot end well
+                raise InvalidRequestError(
+                    "ignore_eos cannot be combined with a structured output constraint",
+                    param="ignore_eos",
+                )
 
     @property
     def greedy(self) -> bool:

@@ -6,6 +6,7 @@ All functions take a batch of rows `logits: [B, V]` (float32) and per-row parame
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -18,6 +19,31 @@ def apply_penalties(
     """OpenAI semantics: logits -= frequency * count + presence * (count > 0)."""
     counts = output_counts.to(logits.dtype)
     return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).to(logits.dtype)
+
+
+def apply_token_bitmask_(
+    logits: torch.Tensor,  # [B, V] float, modified in place
+    bitmask: torch.Tensor,  # [B, ceil(V / 32)] int32: bit t % 32 of word t // 32 set = token t allowed
+) -> torch.Tensor:  # `logits`
+    """Set disallowed tokens to the dtype's lowest finite value (not -inf: penalties and the top-p
+    filter then never meet inf - inf), in place. The bit layout is llguidance's (and xgrammar's):
+    little-endian int32 words, so the bytes of a row, unpacked little-endian, are the tokens in
+    order (on a little-endian host; numpy's unpack is a few times faster than 32 torch shifts)."""
+    vocab = logits.shape[-1]
+    words = bitmask.cpu().contiguous().numpy()
+    if not np.little_endian:  # torch holds native words; the bit order is the little-endian one
+        words = words.astype("<i4")
+    disallowed = np.unpackbits((~words).view(np.uint8), axis=-1, count=vocab, bitorder="little")  # [B, V]
+    drop = torch.from_numpy(disallowed).view(torch.bool).to(logits.device)
+    return logits.masked_fill_(drop, torch.finfo(logits.dtype).min)
+
+
+def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Plain torch, out of place: each word shifted by 0..31 and its low bit kept."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [B, W, 32]
+    keep = bits.reshape(bitmask.shape[0], -1)[:, : logits.shape[-1]].to(logits.device).bool()
+    return logits.masked_fill(~keep, torch.finfo(logits.dtype).min)
 
 
 def filter_logits(

@@ -13,18 +13,14 @@ import uuid
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from tandem.platform.errors import InvalidRequestError, TandemError
 
 UNSUPPORTED_FIELDS = {
     "logit_bias",
-    "tools",
-    "tool_choice",
-    "functions",
-    "function_call",
-    "parallel_tool_calls",
-    "response_format",
+    "functions",  # deprecated by OpenAI for `tools`
+    "function_call",  # deprecated by OpenAI for `tool_choice`
     "audio",
     "modalities",
     "prediction",
@@ -151,15 +147,107 @@ class TextContentPart(_Request):
     text: Text
 
 
+# OpenAI's rule for function and schema names.
+Name = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FunctionCall(_Request):
+    name: Name
+    arguments: Text  # JSON text, as the model wrote it
+
+
+class ToolCall(_Request):
+    id: NonEmptyText
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: NonEmptyText | Annotated[list[TextContentPart], Field(min_length=1)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: NonEmptyText | Annotated[list[TextContentPart], Field(min_length=1)] | None = None
     name: Text | None = None
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1)] | None = None  # assistant turns
+    tool_call_id: NonEmptyText | None = None  # tool turns: the call this result answers
+
+    @model_validator(mode="after")
+    def _content_rules(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (an assistant message may give tool_calls instead)")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class JSONSchemaSpec(_Request):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    name: Name
+    description: Text | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class TextFormat(_Request):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(_Request):
+    type: Literal["json_object"]
+
+
+class JSONSchemaFormat(_Request):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+_FORMAT_TAGS = {"text": "TextFormat", "json_object": "JSONObjectFormat", "json_schema": "JSONSchemaFormat"}
+
+
+def _format_tag(value: Any) -> str | None:
+    """The member of `ResponseFormat` that `value` is, by its `type`. The tags are class names,
+    which error locations leave out (`_is_field`): a bad schema name is
+    `response_format.json_schema.name`, not `response_format.json_schema.json_schema.name`."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return _FORMAT_TAGS.get(kind) if isinstance(kind, str) else None
+
+
+ResponseFormat = Annotated[
+    Annotated[TextFormat, Tag("TextFormat")]
+    | Annotated[JSONObjectFormat, Tag("JSONObjectFormat")]
+    | Annotated[JSONSchemaFormat, Tag("JSONSchemaFormat")],
+    Discriminator(_format_tag),
+]
+
+
+class FunctionDefinition(_Request):
+    name: Name
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; None: no arguments
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: Name
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class _SamplingRequest(_Request):
@@ -192,11 +280,52 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[ToolDefinition], Field(min_length=1, max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_rules(self) -> ChatCompletionRequest:
+        """OpenAI's: tool_choice and parallel_tool_calls need tools; a named tool must be one of them."""
+        if self.tools is None:
+            if self.tool_choice is not None and self.tool_choice != "none":
+                raise _param_error("tool_choice", "tool_choice is only allowed when tools are specified")
+            if self.parallel_tool_calls is not None:
+                raise _param_error("parallel_tool_calls", "parallel_tool_calls is only allowed when tools are specified")
+            return self
+        names = [tool.function.name for tool in self.tools]
+        if len(set(names)) != len(names):
+            raise _param_error("tools", "tool function names must be unique")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise _param_error(
+                "tool_choice", f"tool_choice names the function {self.tool_choice.function.name!r}, which is not in tools"
+            )
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        if forced and self.response_format is not None and self.response_format.type != "text":
+            raise _param_error(
+                "response_format", "response_format cannot constrain the text when tool_choice forces a tool call"
+            )
+        return self
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: NonEmptyText | Annotated[list[Int32], Field(min_length=1)]
     logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None  # as vLLM accepts it on completions
+
+
+class FieldRuleError(TandemError):
+    """A rule between fields broken (HTTP 400 `invalid_request_error` naming `param`). Not a
+    ValueError, so pydantic lets it out of a model validator as it is, and the 400 names the field
+    instead of the model."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+def _param_error(param: str, message: str) -> FieldRuleError:
+    return FieldRuleError(message, param=param)
 
 
 class PromptTokensDetails(BaseModel):
@@ -234,11 +363,16 @@ def chat_completion(
     *,
     request_id: str,
     model: str,
-    text: str,
+    text: str | None,
     finish_reason: str | None,
     usage: Usage,
     logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """`text` is the message content (None with tool calls and no text before them)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -247,7 +381,7 @@ def chat_completion(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }

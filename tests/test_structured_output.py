@@ -1,0 +1,492 @@
+"""Structured output and tool calls through the official `openai` client, on the default model
+(SmolLM2-135M-Instruct) behind a real uvicorn server; outputs checked with `jsonschema`, and the
+engine's constrained tokens against HF transformers' logits masked step by step by llguidance's
+own matcher."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import torch
+from pydantic import BaseModel, Field
+
+from tandem import AsyncEngine
+from tandem.batch.service import BatchLimits, BatchService
+from tandem.batch.worker import BatchWorker
+from tandem.deployments.adapters import LocalEngineClient
+from tandem.deployments.batch_execution import execute_batch_line
+from tandem.deployments.ingress import create_app
+from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.structured_output import ToolCallStream, parse_tool_calls
+from tandem.engine.sampling_params import SamplingParams, StructuredOutput
+from tandem.engine.speculative import StepCostModel
+from tandem.platform.object_store import FileObjectStore
+from tandem.platform.tenancy import TenantRegistry, parse_keys
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.slow
+KEY = "sk-structured"
+MODEL = "smol"
+
+REVIEW_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["food", "travel", "tech", "music"]}, "maxItems": 3},
+        "recommended": {"type": "boolean"},
+    },
+    "required": ["title", "rating", "tags", "recommended"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, ADD]
+PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}  # type: ignore[index]
+
+
+@dataclass
+class Server:
+    base_url: str
+    engine: AsyncEngine
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+    def post(self, body: dict[str, Any]) -> httpx.Response:
+        return httpx.post(
+            f"{self.base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120
+        )
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The app under uvicorn on a loopback port with the default model, and a batch worker."""
+    import uvicorn
+
+    root = tmp_path_factory.mktemp("structured")
+    engine = AsyncEngine.from_options(kv_cache_memory=128 << 20, max_num_seqs=16, served_model_name=MODEL)
+    batches = BatchService(FileObjectStore(str(root / "objects")), {MODEL}, BatchLimits(shard_size=4))
+    api = OpenAIServer(LocalEngineClient(engine), TenantRegistry(parse_keys(f"{KEY}=acme")), batches=batches)
+    worker = BatchWorker(batches, partial(execute_batch_line, api), poll_interval_s=0.05, worker_id="structured")
+    worker_loop = asyncio.new_event_loop()
+    worker_task = worker_loop.create_task(worker.run_forever())
+    worker_thread = threading.Thread(
+        target=lambda: worker_loop.run_until_complete(asyncio.wait([worker_task])), daemon=True
+    )
+    worker_thread.start()
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(create_app(api), host="127.0.0.1", port=port, log_level="warning"))
+    uv_thread = threading.Thread(target=uv.run, daemon=True)
+    uv_thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not uv.started:  # wait for the server to listen, not for a fixed time
+            assert uv_thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        yield Server(f"http://127.0.0.1:{port}", engine)
+    finally:
+        uv.should_exit = True
+        uv_thread.join(timeout=30)
+        worker_loop.call_soon_threadsafe(worker_task.cancel)
+        worker_thread.join(timeout=30)
+        engine.shutdown()
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=30)
+    country: str = Field(max_length=30)
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=30)
+    age: int
+    address: Address
+    languages: list[str] = Field(max_length=3)
+
+
+def test_parse_returns_a_nested_pydantic_object(server: Server) -> None:
+    completion = server.client().chat.completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Invent a person who lives in Italy and describe them."}],
+        response_format=Person,
+        temperature=0,
+        max_tokens=200,
+    )
+    message = completion.choices[0].message
+    assert completion.choices[0].finish_reason == "stop"
+    assert isinstance(message.parsed, Person) and isinstance(message.parsed.address, Address)
+    assert Person.model_validate_json(message.content or "") == message.parsed
+
+
+REVIEW_PROMPTS = [
+    "Review a pizza restaurant in Naples.",
+    "Write a review of a new laptop.",
+    "Review your last trip to Japan.",
+    "Give a short review of a jazz concert.",
+    "Review a coffee shop that just opened.",
+    "What do you think of electric cars? Answer as a review.",
+    "Review a museum of modern art.",
+    "Review a cheap smartphone.",
+]
+
+
+def test_json_schema_strict_outputs_validate_for_many_prompts_and_seeds(server: Server) -> None:
+    client = server.client()
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "review", "schema": REVIEW_SCHEMA, "strict": True},
+    }
+
+    def ask(job: tuple[str, int]) -> tuple[str | None, str | None]:
+        prompt, seed = job
+        choice = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": prompt}],
+            response_format=response_format,  # type: ignore[arg-type]
+            temperature=1.0,
+            seed=seed,
+            max_tokens=120,
+        ).choices[0]
+        return choice.message.content, choice.finish_reason
+
+    jobs = [(prompt, seed) for prompt in REVIEW_PROMPTS for seed in (1, 2)]
+    with ThreadPoolExecutor(len(jobs)) as pool:  # concurrent: constrained rows share batches
+        answers = list(pool.map(ask, jobs))
+    for (prompt, seed), (content, finish_reason) in zip(jobs, answers, strict=True):
+        assert finish_reason == "stop", (prompt, seed, content)
+        jsonschema.validate(json.loads(content or ""), REVIEW_SCHEMA)
+    assert len({content for content, _ in answers}) > len(jobs) // 2  # sampled, not one fixed answer
+
+
+def test_json_object_and_completions_response_format(server: Server) -> None:
+    client = server.client()
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "List three colours."}],
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=100,
+    )
+    assert isinstance(json.loads(chat.choices[0].message.content or ""), dict)
+    completion = client.completions.create(
+        model=MODEL,
+        prompt="A JSON review of a bakery:",
+        temperature=0,
+        max_tokens=120,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": REVIEW_SCHEMA}}},
+    )
+    assert completion.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(completion.choices[0].text), REVIEW_SCHEMA)
+
+
+def _check_calls(calls: list[Any], allowed: set[str]) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in allowed
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
+def test_tool_choice_required_named_and_none(server: Server) -> None:
+    client = server.client()
+    messages = [{"role": "user", "content": "What is the weather like in Paris, in celsius?"}]
+    required = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=120  # type: ignore[arg-type]
+    ).choices[0]
+    assert required.finish_reason == "tool_calls" and required.message.content is None
+    _check_calls(required.message.tool_calls or [], {"get_weather", "add"})
+
+    named = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is 12 plus 30?"}],
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        temperature=0,
+        max_tokens=120,
+    ).choices[0]
+    assert named.finish_reason == "tool_calls" and len(named.message.tool_calls or []) == 1
+    _check_calls(named.message.tool_calls or [], {"add"})
+
+    single = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,  # type: ignore[arg-type]
+        temperature=1.0, seed=5, max_tokens=150,
+    ).choices[0]
+    assert single.finish_reason == "tool_calls" and len(single.message.tool_calls or []) == 1
+
+    none = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=40  # type: ignore[arg-type]
+    ).choices[0]
+    assert none.message.tool_calls is None and none.message.content and none.finish_reason in ("stop", "length")
+
+    # The call goes back into the conversation, with its result, and the model answers in text.
+    call = (required.message.tool_calls or [])[0]
+    follow_up = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            *messages,
+            {"role": "assistant", "tool_calls": [call.model_dump()]},  # type: ignore[list-item]
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "sunny"}'},
+        ],
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="none",
+        temperature=0,
+        max_tokens=40,
+    ).choices[0]
+    assert follow_up.message.content and follow_up.message.tool_calls is None
+
+
+def _weather_turns(city: str, call_id: str, degrees: int) -> list[dict[str, Any]]:
+    arguments = json.dumps({"city": city, "unit": "celsius"})
+    return [
+        {"role": "user", "content": f"What is the weather in {city}?"},
+        {"role": "assistant", "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": json.dumps({"temperature": degrees})},
+        {"role": "assistant", "content": f"It is {degrees} degrees in {city}."},
+    ]
+
+
+def test_tool_choice_auto_lets_the_model_choose(server: Server) -> None:
+    """Two earlier turns show the model its tool at work (a 135M model given only the tool list
+    answers in text); then a weather question gets a call and a greeting gets text, each from the
+    same grammar with `tool_choice` left to its default, "auto"."""
+    client = server.client()
+    history = _weather_turns("Madrid", "call_1", 30) + _weather_turns("Lima", "call_2", 18)
+    choices = {}
+    for name, question in (("weather", "What is the weather in Berlin?"), ("chat", "Say hello to my friend Anna.")):
+        choices[name] = client.chat.completions.create(
+            model=MODEL,
+            messages=[*history, {"role": "user", "content": question}],  # type: ignore[list-item]
+            tools=TOOLS,  # type: ignore[arg-type]
+            temperature=0,
+            max_tokens=80,
+        ).choices[0]
+    assert choices["weather"].finish_reason == "tool_calls"
+    _check_calls(choices["weather"].message.tool_calls or [], {"get_weather", "add"})
+    assert json.loads((choices["weather"].message.tool_calls or [])[0].function.arguments)["city"] == "Berlin"
+    assert choices["chat"].message.tool_calls is None and choices["chat"].message.content
+    assert choices["chat"].finish_reason == "stop"
+
+
+def test_streamed_tool_call_deltas_reassemble_to_the_same_calls(server: Server) -> None:
+    client = server.client()
+    kwargs: dict[str, Any] = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Rome and in Oslo, please, in fahrenheit."}],
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=0,
+        max_tokens=150,
+    )
+    full = client.chat.completions.create(**kwargs).choices[0]
+    calls: dict[int, dict[str, Any]] = {}
+    finish_reasons = []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            finish_reasons.append(choice.finish_reason)
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+                if delta.id:
+                    assert call["id"] is None  # the id comes once, with the name
+                    call["id"] = delta.id
+                if delta.function and delta.function.name:
+                    call["name"] += delta.function.name
+                if delta.function and delta.function.arguments:
+                    call["arguments"] += delta.function.arguments
+    assert [f for f in finish_reasons if f] == ["tool_calls"]
+    expected = [(c.function.name, c.function.arguments) for c in full.message.tool_calls or []]
+    assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == expected
+    assert all(call["id"] for call in calls.values())
+
+
+def test_tool_call_stream_parser_matches_the_whole_text_parser() -> None:
+    text = (
+        'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris}\\n", "unit": "celsius"}}'
+        '\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    )
+    content, calls = parse_tool_calls(text)
+    for step in (1, 2, 5, 11, len(text)):
+        stream = ToolCallStream()
+        deltas = [d for i in range(0, len(text), step) for d in stream.feed(text[i : i + step])]
+        deltas += stream.feed("", final=True)
+        streamed_content = "".join(d.get("content", "") for d in deltas)
+        pieces: dict[int, list[str]] = {}
+        names = {}
+        for delta in deltas:
+            for call in delta.get("tool_calls", []):
+                if "id" in call:
+                    names[call["index"]] = call["function"]["name"]
+                pieces.setdefault(call["index"], []).append(call["function"]["arguments"])
+        assert streamed_content == content
+        assert [(names[i], "".join(pieces[i])) for i in sorted(pieces)] == [(c.name, c.arguments) for c in calls]
+    assert parse_tool_calls('<tool_call>\n{"name": "add", "arguments": {"a": 1')[1] == []  # cut short: text
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "format": "no-such-format"}}}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}}}, "response_format.json_schema.name"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}]}, "tools"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    ],
+)
+def test_bad_constraints_are_400s_naming_the_field(server: Server, body: dict[str, Any], param: str) -> None:
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **body}
+    response = server.post(request)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+def test_a_batch_file_with_response_format_lines(server: Server) -> None:
+    client = server.client()
+    response_format = {"type": "json_schema", "json_schema": {"name": "review", "schema": REVIEW_SCHEMA}}
+    lines = [
+        {
+            "custom_id": f"review-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": prompt}],
+                "response_format": response_format,
+                "temperature": 0,
+                "max_tokens": 120,
+            },
+        }
+        for i, prompt in enumerate(REVIEW_PROMPTS[:4])
+    ]
+    lines.append({**lines[0], "custom_id": "bad-schema"})
+    lines[-1]["body"] = {**lines[0]["body"], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}}
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    file_id = client.files.create(file=("reviews.jsonl", io.BytesIO(data)), purpose="batch").id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 300
+    while batch.status not in ("completed", "failed"):
+        assert time.monotonic() < deadline, f"batch stuck in {batch.status}"
+        time.sleep(0.1)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch.errors
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (4, 1)  # type: ignore[union-attr]
+    assert batch.output_file_id is not None and batch.error_file_id is not None
+    for line in client.files.content(batch.output_file_id).text.splitlines():
+        body = json.loads(line)["response"]["body"]
+        jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), REVIEW_SCHEMA)
+    (error,) = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+    assert error["custom_id"] == "bad-schema" and error["response"]["status_code"] == 400
+    assert error["response"]["body"]["error"]["param"] == "response_format"
+
+
+# -- the engine's masking against a reference --------------------------------------------------
+
+
+def _reference_tokens(hf_model: Any, prompt_ids: list[int], grammar_spec: StructuredOutput, engine: Any, max_tokens: int) -> list[int]:
+    """HF transformers' greedy decoding, each step's logits masked by llguidance's own matcher and
+    its own numpy bitmask helpers (nothing of ours but the tokenizer handed to the library)."""
+    import llguidance as llg
+    import llguidance.numpy as llg_np
+    from tandem.engine.grammar import grammar_text
+
+    tokenizer = llg.LLTokenizer(
+        engine.tokenizer.backend.to_str(), n_vocab=engine.model_config.vocab_size, eos_token=sorted(engine.eos_token_ids)
+    )
+    matcher = llg.LLMatcher(tokenizer, grammar_text(grammar_spec))
+    bitmask = llg_np.allocate_token_bitmask(1, engine.model_config.vocab_size)
+    ids = list(prompt_ids)
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = hf_model(torch.tensor([ids])).logits[0, -1].float().numpy().copy()[None, :]
+            llg_np.fill_next_token_bitmask(matcher, bitmask, 0)
+            llg_np.apply_token_bitmask_inplace(logits, bitmask)
+            token = int(logits.argmax())
+            out.append(token)
+            if token in engine.eos_token_ids:
+                break
+            assert matcher.consume_token(token), matcher.get_error()
+            ids.append(token)
+    return out
+
+
+def test_constrained_tokens_equal_a_reference_masked_step_by_step(default_llm: Any, hf_default_model: Any) -> None:
+    engine = default_llm.engine
+    spec = StructuredOutput("json_schema", json.dumps(REVIEW_SCHEMA))
+    params = SamplingParams(max_tokens=60, temperature=0, structured=spec, speculative=False)
+    messages = [{"role": "user", "content": "Review a small bookshop."}]
+    (plain,) = default_llm.chat([messages], params)
+    prompt_ids = plain.prompt_token_ids
+    reference = _reference_tokens(hf_default_model, prompt_ids, spec, engine, 60)
+    assert plain.outputs[0].token_ids == reference
+    # Several tokens accepted in one step (prompt-lookup drafts verified under the masks): the same.
+    saved = engine.scheduler.step_cost
+    engine.scheduler.step_cost = StepCostModel(prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0)
+    drafts_before = engine.scheduler.num_draft_tokens_total
+    try:
+        (speculated,) = default_llm.chat([messages], SamplingParams(max_tokens=60, temperature=0, structured=spec))
+    finally:
+        engine.scheduler.step_cost = saved
+    assert engine.scheduler.num_draft_tokens_total > drafts_before
+    assert speculated.outputs[0].token_ids == reference
+
+
+def test_an_unconstrained_row_in_the_same_batch_is_untouched(default_llm: Any) -> None:
+    spec = StructuredOutput("regex", r"[0-9]{3}")
+    prompts = ["The capital of France is", "Once upon a time"]
+    free = default_llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, speculative=False))
+    mixed = default_llm.generate(
+        prompts,
+        [
+            SamplingParams(max_tokens=8, temperature=0, speculative=False, structured=spec),
+            SamplingParams(max_tokens=8, temperature=0, speculative=False),
+        ],
+    )
+    assert len(mixed[0].outputs[0].text) == 3 and mixed[0].outputs[0].text.isdigit()
+    assert mixed[1].outputs[0].token_ids == free[1].outputs[0].token_ids
+    assert free[0].outputs[0].text != mixed[0].outputs[0].text
