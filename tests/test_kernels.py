@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from tandem.kernels.attention import build_attention_metadata, paged_attention, reference_attention, write_kv
-from tandem.kernels.sampling import apply_penalties, filter_logits, sample_rows
+from tandem.kernels.sampling import (
+    apply_penalties,
+    apply_token_bitmask_,
+    apply_token_bitmask_reference,
+    filter_logits,
+    sample_rows,
+)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -65,6 +71,24 @@ def test_filter_logits_top_k_top_p_min_p() -> None:
     assert (kept[2] > 0).tolist() == [True, True, False, False]  # >= 0.5 * 0.5
     assert (kept[3] > 0).tolist() == [True, True, True, True]
     torch.testing.assert_close(kept[3], probs[3])
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 1000, 49152])
+def test_token_bitmask_matches_the_shifting_reference_and_llguidance(vocab: int) -> None:
+    import llguidance.numpy as llg_np
+
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(3, vocab, generator=generator)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32, generator=generator)
+    bitmask[1] = 0  # nothing allowed
+    bitmask[2] = -1  # everything allowed
+    masked = apply_token_bitmask_(logits.clone(), bitmask)
+    torch.testing.assert_close(masked, apply_token_bitmask_reference(logits, bitmask), rtol=0, atol=0)
+    library = logits.clone().numpy()
+    llg_np.apply_token_bitmask_inplace(library, bitmask.numpy())  # the grammar library's own (-inf)
+    assert torch.equal(torch.from_numpy(library) == float("-inf"), masked == torch.finfo(torch.float32).min)
+    assert torch.equal(masked[2], logits[2])
 
 
 def test_penalties_follow_openai_formula() -> None:

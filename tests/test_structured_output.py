@@ -490,3 +490,33 @@ def test_an_unconstrained_row_in_the_same_batch_is_untouched(default_llm: Any) -
     assert len(mixed[0].outputs[0].text) == 3 and mixed[0].outputs[0].text.isdigit()
     assert mixed[1].outputs[0].token_ids == free[1].outputs[0].token_ids
     assert free[0].outputs[0].text != mixed[0].outputs[0].text
+
+
+def test_draft_masks_stop_at_refused_and_end_tokens_and_leave_the_matcher_as_it_was(tiny_llm: Any) -> None:
+    engine = tiny_llm.engine
+    (eos,) = sorted(engine.eos_token_ids)
+    matcher = engine.grammars.matcher(StructuredOutput("regex", r"(quick|lazy) dog"))
+    text_ids = engine.tokenizer.encode("quick dog", add_special_tokens=False)
+    before = torch.empty(matcher.num_words, dtype=torch.int32)
+    matcher.fill_bitmask(before)
+
+    masks, num_valid = matcher.draft_bitmasks([*text_ids, eos, text_ids[0]])  # stops before EOS
+    assert num_valid == len(text_ids) and masks.shape == (num_valid + 1, matcher.num_words)
+    assert torch.equal(masks[0], before)
+    last = apply_row(masks[-1], engine.model_config.vocab_size)
+    assert last.nonzero().flatten().tolist() == [eos]  # the grammar is complete: only EOS
+    refused = engine.tokenizer.encode("lazy cat", add_special_tokens=False)
+    _, num_valid = matcher.draft_bitmasks(refused)
+    assert num_valid < len(refused)
+    after = torch.empty_like(before)
+    matcher.fill_bitmask(after)
+    assert torch.equal(after, before)  # every draft consumed above was rolled back
+
+    assert matcher.accept([*text_ids, eos]) and matcher.error is None
+    assert not engine.grammars.matcher(StructuredOutput("regex", r"(quick|lazy) dog")).accept(refused)
+
+
+def apply_row(bitmask_row: torch.Tensor, vocab: int) -> torch.Tensor:
+    """One bitmask row as a [vocab] bool tensor of allowed tokens."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    return (((bitmask_row.unsqueeze(-1) >> shifts) & 1).flatten()[:vocab]).bool()

@@ -729,6 +729,7 @@ class LLMEngine:
             "draft_wall_s": float(getattr(self.runner, "draft_wall_s", 0.0)),
             "step_wall_s": self.step_wall_s,
             "step_thread_cpu_s": self.step_thread_cpu_s,
+            "grammar_mask_s": float(getattr(self.runner, "grammar_mask_s", 0.0)),
             **(self.grammars.stats() if self.grammars is not None else {}),
         }
 

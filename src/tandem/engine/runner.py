@@ -135,6 +135,7 @@ class ModelRunner:
         self._default_generator.manual_seed(seed)
         self.grammars = grammars
         self._matchers: dict[str, GrammarMatcher] = {}
+        self.grammar_mask_s = 0.0  # wall seconds computing and applying grammar masks
 
     # -- KV pages for hand-over (kv_transfer.py) -------------------------------------------------
     def export_pages(self, block_ids: list[int], num_tokens: int, dtype: torch.dtype) -> list[bytes]:
@@ -511,13 +512,16 @@ class ModelRunner:
         rows = [row for row, matcher in constrained if matcher is not None]
         if not rows or self.grammars is None:
             return logits
+        started = time.perf_counter()
         if any(items[row].sampling_params.logprobs is not None for row in rows):
             logits = logits.clone()
         bitmask = self.grammars.fill_bitmasks([m for _, m in constrained if m is not None])  # [n, W]
         if len(rows) == logits.shape[0]:
-            return apply_token_bitmask_(logits, bitmask)
-        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        logits.index_copy_(0, index, apply_token_bitmask_(logits.index_select(0, index), bitmask))
+            apply_token_bitmask_(logits, bitmask)
+        else:
+            index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+            logits.index_copy_(0, index, apply_token_bitmask_(logits.index_select(0, index), bitmask))
+        self.grammar_mask_s += time.perf_counter() - started
         return logits
 
     def _verify(
@@ -532,9 +536,11 @@ class ModelRunner:
         raw_logits = logits
         matcher = self._matcher_for(item)
         if matcher is not None:  # drafts the grammar refuses cannot be accepted: verify up to them
+            started = time.perf_counter()
             bitmask, num_valid = matcher.draft_bitmasks(drafts)
             drafts = drafts[:num_valid]
             logits = apply_token_bitmask_(logits[: num_valid + 1].clone(), bitmask)
+            self.grammar_mask_s += time.perf_counter() - started
             if draft_probs is not None:
                 draft_probs = draft_probs[:num_valid]
         if params.greedy:
