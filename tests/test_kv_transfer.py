@@ -299,3 +299,29 @@ def test_the_decode_replica_skips_cached_pages_and_recovers_from_their_eviction(
     finally:
         decode.engine.shutdown()
         prefill.engine.shutdown()
+
+
+def test_a_constrained_request_handed_over_continues_its_grammar(tiny_model_dir: Path) -> None:
+    """The prefill engine samples the first token under the grammar; the decode engine's matcher
+    starts past it: the tokens equal those of one engine, and the text follows the grammar."""
+    import re
+
+    from tandem.engine.sampling_params import StructuredOutput
+
+    pattern = r"(quick|lazy|brown) (fox|dog)(, (quick|lazy|brown) (fox|dog))*\."
+    params = SamplingParams(max_tokens=24, temperature=0, structured=StructuredOutput("regex", pattern))
+    gen = GenerationRequest("c", prompt_token_ids=PROMPTS[0], sampling_params=params)
+    colocated = engine(tiny_model_dir)
+    colocated.add_request(dataclasses.replace(gen))
+    want = run(colocated)["c"]
+
+    sender, receiver = engine(tiny_model_dir), engine(tiny_model_dir)
+    sender.add_prefill_request(dataclasses.replace(gen))
+    run(sender)
+    receiver.add_request_with_kv(dataclasses.replace(gen), sender.export_kv("c"))
+    got = run(receiver)["c"]
+    assert got == want
+    assert receiver.grammars is not None and receiver.grammars.matcher(params.structured).accept(got)  # type: ignore[arg-type]
+    text = receiver.tokenizer.decode(got)
+    if len(got) < 24:  # ended by itself: a whole sentence of the grammar
+        assert re.fullmatch(pattern, text), text

@@ -209,6 +209,15 @@ def test_json_object_and_completions_response_format(server: Server) -> None:
         max_tokens=100,
     )
     assert isinstance(json.loads(chat.choices[0].message.content or ""), dict)
+    streamed = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "List three colours."}],
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=100,
+        stream=True,
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == chat.choices[0].message.content
     completion = client.completions.create(
         model=MODEL,
         prompt="A JSON review of a bakery:",
@@ -429,9 +438,11 @@ def test_a_batch_file_with_response_format_lines(server: Server) -> None:
 
 def _reference_tokens(hf_model: Any, prompt_ids: list[int], grammar_spec: StructuredOutput, engine: Any, max_tokens: int) -> list[int]:
     """HF transformers' greedy decoding, each step's logits masked by llguidance's own matcher and
-    its own numpy bitmask helpers (nothing of ours but the tokenizer handed to the library)."""
+    its own numpy bitmask helpers (of ours: only the tokenizer and the grammar text handed to the
+    library, which `grammar_text` gets from the library's own `grammar_from_json_schema`)."""
     import llguidance as llg
     import llguidance.numpy as llg_np
+
     from tandem.engine.grammar import grammar_text
 
     tokenizer = llg.LLTokenizer(
