@@ -3,6 +3,7 @@ through the official openai client, cancel, expiry, duplicate commits and a kill
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -25,7 +26,7 @@ from tandem.batch.leases import LeaseManager
 from tandem.batch.records import batch_data_prefix, result_shard_key
 from tandem.batch.service import BatchLimits, BatchService
 from tandem.batch.validation import validate_batch_file
-from tandem.batch.worker import BatchWorker
+from tandem.batch.worker import BatchWorker, ExecutedRequest
 from tandem.deployments.adapters import LocalEngineClient
 from tandem.deployments.batch_execution import execute_batch_line
 from tandem.deployments.ingress import create_app
@@ -97,7 +98,9 @@ def _line(custom_id: str, content: str = "Hello", model: str = "tiny", url: str 
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": request})
 
 
-def test_validation_reports_every_bad_line_with_its_number() -> None:
+def test_validation_reports_every_bad_line_of_the_file_with_its_number() -> None:
+    """Problems with the file fail the batch, every one with its line; a body the endpoint would
+    refuse is not the file's problem: that line runs (and gets its 400 then)."""
     lines = [
         _line("ok-1"),
         "this is not json",
@@ -108,18 +111,19 @@ def test_validation_reports_every_bad_line_with_its_number() -> None:
         _line("ok-3", model="other"),
         _line("ok-4", temperature=-1),
         _line("ok-5", logit_bias={"1": 2}),
+        _line("ok-6", model="tiny:some-adapter"),
+        json.dumps({"custom_id": "no-model", "method": "POST", "url": CHAT, "body": {"messages": []}}),
     ]
     checked = validate_batch_file("\n".join(lines).encode(), CHAT, {"tiny", "other"})
     by_line = {e.line: e for e in checked.errors}
-    assert sorted(by_line) == [2, 3, 4, 5, 6, 7, 8, 9]
+    assert sorted(by_line) == [2, 3, 4, 5, 6, 7, 11]
     assert by_line[2].code == "invalid_json_line"
     assert by_line[4].param == "custom_id"
     assert by_line[5].code == "duplicate_custom_id" and "line 1" in by_line[5].message
     assert by_line[6].code == "invalid_url"
     assert by_line[7].code == "mismatched_model"
-    assert by_line[8].param == "body.temperature"
-    assert by_line[9].param == "body.logit_bias"
-    assert [i.custom_id for i in checked.inputs] == ["ok-1"]
+    assert by_line[11].param == "body.model"
+    assert [i.custom_id for i in checked.inputs] == ["ok-1", "ok-4", "ok-5", "ok-6"]
     unknown = validate_batch_file(_line("x", model="nope").encode(), CHAT, {"tiny"})
     assert unknown.errors[0].code == "model_not_found"
 
@@ -411,3 +415,47 @@ def test_killed_worker_process_loses_nothing(
     assert platform.worker.num_shards_run == record.num_shards - committed_by_dead
     assert done.request_counts.completed == 18
     assert all(store.exists(result_shard_key("acme", batch.id, s)) for s in range(record.num_shards))
+
+
+def test_a_worker_keeps_several_shards_in_flight(tmp_path: Path) -> None:
+    """With `max_shards_in_flight` 3, requests of three shards wait in the executor at once (one
+    shard's tail never idles the replicas), never more; the batch then completes exactly once."""
+    service = BatchService(
+        FileObjectStore(str(tmp_path / "objects")), {"tiny"}, BatchLimits(shard_size=2, max_shards_in_flight=3)
+    )
+    lines = [_line(f"r-{i}") for i in range(10)]  # 5 shards
+    file_id = service.create_file("acme", "in.jsonl", "batch", ("\n".join(lines) + "\n").encode()).id
+    batch = service.create_batch("acme", file_id, CHAT, "24h")
+    assert batch.num_shards == 5
+
+    async def scenario() -> tuple[int, int]:
+        release = asyncio.Event()
+        waiting: set[str] = set()
+        max_shards_waiting = 0
+
+        async def execute(endpoint: str, body: dict[str, Any], tenant: str) -> ExecutedRequest:
+            nonlocal max_shards_waiting
+            custom = body["messages"][0]["content"]
+            waiting.add(custom)
+            worker_shards = worker.num_shards_in_flight
+            max_shards_waiting = max(max_shards_waiting, worker_shards)
+            if worker_shards == 3:
+                release.set()  # three shards in flight: let everything run
+            await release.wait()
+            return ExecutedRequest(200, "req", {"ok": True}, None, output_tokens=1)
+
+        worker = BatchWorker(service, execute, poll_interval_s=0.01, worker_id="several")
+        task = asyncio.ensure_future(worker.run_forever())
+        deadline = time.monotonic() + 30
+        while service.get_batch("acme", batch.id).status != "completed":
+            assert time.monotonic() < deadline, "batch did not complete"
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return max_shards_waiting, worker.num_shards_run
+
+    max_in_flight, num_run = asyncio.run(scenario())
+    assert max_in_flight == 3 and num_run == 5
+    done = service.get_batch("acme", batch.id)
+    totals = done.totals()
+    assert (totals.completed, totals.failed, len(done.shard_counts)) == (10, 0, 5)

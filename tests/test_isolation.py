@@ -629,3 +629,72 @@ def test_a_broken_engine_ends_every_stream_with_an_error_event(
         late = platform.post("/v1/chat/completions", CHAT, key=BYSTANDER)
         error = assert_openai_error(late, 503, None)
         assert error["code"] == "engine_unavailable" and late.headers["x-request-id"] in error["message"]
+
+
+def _upload_adapter(platform: Platform, key: str, name: str) -> None:
+    folder = platform.peft_folder
+    response = httpx.post(
+        f"{platform.base_url}/v1/adapters",
+        headers={"Authorization": f"Bearer {key}"},
+        data={"name": name},
+        files={
+            "adapter_config": ("adapter_config.json", (folder / "adapter_config.json").read_bytes()),
+            "adapter_model": ("adapter_model.safetensors", (folder / "adapter_model.safetensors").read_bytes()),
+        },
+        timeout=60,
+    )
+    assert response.status_code in (200, 201), response.text
+
+
+def test_a_batch_runs_its_adapter_lines_and_fails_only_its_bad_lines(platform: Platform) -> None:
+    """One file: base-model lines, lines naming the tenant's own adapter, a line naming another
+    tenant's adapter, and a line with an invalid parameter. The batch completes; the adapter lines
+    answer what the adapter answers in real time (greedy), the two bad lines get their 404 and 400
+    in the error file, every other custom_id is in the output exactly once."""
+    _upload_adapter(platform, HOSTILE, "batch-mine")
+    _upload_adapter(platform, BYSTANDER, "batch-theirs")
+    client = platform.client(HOSTILE)
+    prompts = ["Paged attention stores keys", "Continuous batching lets", "The quick brown fox"]
+
+    def line(custom_id: str, model: str, prompt: str, **body: Any) -> dict[str, Any]:
+        request = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "temperature": 0}
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": {**request, **body}}
+
+    lines = [line(f"base-{i}", "tiny", p) for i, p in enumerate(prompts)]
+    lines += [line(f"mine-{i}", "tiny:batch-mine", p) for i, p in enumerate(prompts)]
+    lines.append(line("theirs", "tiny:batch-theirs", prompts[0]))
+    lines.append(line("bad-max-tokens", "tiny", prompts[0], max_tokens=-1))
+    data = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    file_id = client.files.create(file=("mixed.jsonl", io.BytesIO(data)), purpose="batch").id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, f"batch stuck in {batch.status}"
+        time.sleep(0.05)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch.errors
+    counts = batch.request_counts
+    assert counts is not None and (counts.total, counts.completed, counts.failed) == (8, 6, 2)
+
+    assert batch.output_file_id is not None and batch.error_file_id is not None
+    output = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(o["custom_id"] for o in output) == sorted(f"{k}-{i}" for k in ("base", "mine") for i in range(3))
+    by_id = {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in output}
+    for i, prompt in enumerate(prompts):
+        for kind, model in (("base", "tiny"), ("mine", "tiny:batch-mine")):
+            realtime = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": prompt}], max_tokens=8, temperature=0
+            )
+            assert by_id[f"{kind}-{i}"] == realtime.choices[0].message.content, (kind, i)
+    assert any(by_id[f"mine-{i}"] != by_id[f"base-{i}"] for i in range(3))  # the adapter was applied
+
+    errors = {e["custom_id"]: e for e in (json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines())}
+    assert sorted(errors) == ["bad-max-tokens", "theirs"]
+    theirs, bad = errors["theirs"]["response"], errors["bad-max-tokens"]["response"]
+    assert theirs["status_code"] == 404 and theirs["body"]["error"]["code"] == "model_not_found"
+    assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "max_tokens"
+    for error in errors.values():
+        assert error["error"] is None and "Traceback" not in json.dumps(error)
+    # Another tenant's adapter name is that line's 404, never a load (acme's own one is loaded).
+    assert not any(name.startswith("acme/batch-theirs") or name.startswith("globex/") for name in platform.engine.engine.list_loras())
+    assert any(name.startswith("acme/batch-mine@") for name in platform.engine.engine.list_loras())

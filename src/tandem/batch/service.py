@@ -59,6 +59,13 @@ class BatchLimits(BaseModel):
         default=50_000, gt=0, description="Most requests per input file; more is 413."
     )
     shard_size: int = Field(default=32, gt=0, description="Requests per Parquet shard (one lease each).")
+    max_shards_in_flight: int = Field(
+        default=2,
+        gt=0,
+        le=64,
+        description="Shards one worker runs at once (each under its own lease): requests in flight "
+        "are at most this times shard_size; the engines' batch admission decides what computes.",
+    )
     lease_ttl_s: float = Field(default=60.0, gt=0, description="A dead worker's shard runs again after this.")
     completion_window_s: float = Field(
         default=86400.0, gt=0, description="What '24h' means (tests shorten it)."

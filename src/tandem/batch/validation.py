@@ -1,7 +1,13 @@
 """Validation of a batch input file (JSONL, one request per line), as OpenAI does it.
 
-Every problem is collected with its 1-based line number, so a user can fix the whole file at once;
-a batch with any invalid line ends `failed` with these errors and runs nothing.
+Only problems with the file itself are checked here, as OpenAI does: not UTF-8, a line that is
+not a JSON object, a missing or duplicate `custom_id`, a wrong `method` or `url`, a body that is not
+an object or has no model, a model other than the batch's (its adapters, `base:adapter`, may
+differ per line), a model not served. Each is collected with its 1-based line number, so a user can
+fix the whole file at once, and a batch with any of them ends `failed` and runs nothing. A body the
+endpoint would refuse (an invalid parameter, an unknown adapter) is the request's problem, not the
+file's: the line runs like a real-time request and its 400 (or 404) response goes to the error
+file while the rest of the batch runs.
 """
 
 from __future__ import annotations
@@ -9,19 +15,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from pydantic import ValidationError
-
 from tandem.batch.records import BatchError
 from tandem.batch.shards import BatchInput
-from tandem.platform.errors import TandemError
-from tandem.platform.openai_schemas import ChatCompletionRequest, CompletionRequest, reject_unsupported
 
 MAX_REPORTED_ERRORS = 100
 
-_REQUEST_MODELS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
-    "/v1/chat/completions": ChatCompletionRequest,
-    "/v1/completions": CompletionRequest,
-}
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 
 
 @dataclass
@@ -38,7 +37,9 @@ class ValidatedFile:
 def validate_batch_file(data: bytes, endpoint: str, served_models: set[str]) -> ValidatedFile:
     """Parse and check every line against `endpoint` and the models this deployment serves."""
     result = ValidatedFile()
-    request_model = _REQUEST_MODELS[endpoint]
+    if endpoint not in ENDPOINTS:
+        result.error(0, "invalid_endpoint", f"endpoint must be one of {list(ENDPOINTS)}")
+        return result
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -91,36 +92,27 @@ def validate_batch_file(data: bytes, endpoint: str, served_models: set[str]) -> 
         if not isinstance(body, dict):
             result.error(number, "invalid_request", "body must be a JSON object.", "body")
             continue
-        if body.get("stream"):
-            result.error(number, "invalid_request", "stream is not supported in a batch.", "body.stream")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            result.error(number, "missing_required_parameter", "body.model is required (a string).", "body.model")
             continue
-        try:
-            reject_unsupported(body)
-            request = request_model.model_validate(body)
-        except TandemError as exc:
-            result.error(number, exc.code or "invalid_request", exc.message, f"body.{exc.param}")
-            continue
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            param = "body." + ".".join(str(p) for p in first["loc"])
-            result.error(number, "invalid_request", f"{param}: {first['msg']}", param)
-            continue
+        base = model.partition(":")[0]  # `base:adapter` names one of the tenant's LoRA adapters
         if result.model is None:
-            result.model = request.model
-        elif request.model != result.model:
+            result.model = base
+        elif base != result.model:
             result.error(
                 number,
                 "mismatched_model",
-                f"The model must be the same for every request in a batch: this line uses "
-                f"{request.model!r}, earlier lines {result.model!r}.",
+                f"The model must be the same for every request in a batch (adapters of it may differ): "
+                f"this line uses {base!r}, earlier lines {result.model!r}.",
                 "body.model",
             )
             continue
-        if request.model not in served_models:
+        if base not in served_models:
             result.error(
                 number,
                 "model_not_found",
-                f"model {request.model!r} is not served here; available: {sorted(served_models)}",
+                f"model {base!r} is not served here; available: {sorted(served_models)}",
                 "body.model",
             )
             continue

@@ -4,7 +4,10 @@ A worker loops over the queue (oldest batch first). For a batch `in_progress` it
 of the first shard that has no committed result and no live lease, runs the shard's requests
 concurrently through `execute` (the same code path as the real-time API, at batch priority),
 renews the lease while they run, then commits the shard's results with put-if-absent and releases
-the lease. Exactly-once follows from the commit, not from the lease: if a slow worker's lease
+the lease. Up to `BatchLimits.max_shards_in_flight` shards run at once per worker, each its own
+task under its own lease, so one shard's tail (its last long requests) never leaves the replicas
+idle; the engine's batch admission (KV occupancy limit, priorities) decides how many of the
+requests in flight compute at a time. Exactly-once follows from the commit, not from the lease: if a slow worker's lease
 expired and a second worker re-ran the shard, whichever commits first wins and the other's copy
 is discarded, so every request appears in the output exactly once. A crashed worker leaves a lease
 that expires; the shard is then claimed again and only uncommitted shards ever run twice.
@@ -95,32 +98,61 @@ class BatchWorker:
         self.num_shards_run = 0
         self.num_duplicate_commits = 0
         self._wake = asyncio.Event()
+        self._shards: set[asyncio.Future[None]] = set()  # shards in flight, each its own task
 
     # -- loop ------------------------------------------------------------------------------
     async def run_forever(self) -> None:
-        """Work until cancelled; idle polls wait `poll_interval_s` or until `wake()`."""
-        while True:
-            try:
-                did_work = await self.run_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception("batch worker step failed; retrying", extra={"worker": self.worker_id})
-                did_work = False
-            if not did_work:
-                self._wake.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.poll_interval_s)
+        """Work until cancelled (shards in flight are cancelled with it: their leases expire and
+        another worker runs them). Idle polls wait `poll_interval_s`, or until `wake()` or a shard
+        in flight finishes."""
+        try:
+            while True:
+                try:
+                    did_work = await self.run_once()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    logger.exception("batch worker step failed; retrying", extra={"worker": self.worker_id})
+                    did_work = False
+                if not did_work:
+                    self._wake.clear()
+                    waker: asyncio.Future[Any] = asyncio.ensure_future(self._wake.wait())
+                    watched: set[asyncio.Future[Any]] = {waker, *self._shards}
+                    try:
+                        await asyncio.wait(watched, timeout=self.poll_interval_s, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        waker.cancel()
+        finally:
+            for task in self._shards:
+                task.cancel()
+            await asyncio.gather(*self._shards, return_exceptions=True)
 
     def wake(self) -> None:
         self._wake.set()
 
+    @property
+    def num_shards_in_flight(self) -> int:
+        return len(self._shards)
+
     async def run_once(self) -> bool:
-        """One pass over the queue; True when it ran or finished something."""
+        """One pass over the queue: start shards (each its own task) while fewer than
+        `BatchLimits.max_shards_in_flight` run, resume validations, finalize finished batches.
+        True when it started, finished or reaped something."""
+        did_work = self._reap()
         for tenant, batch_id in await asyncio.to_thread(self.service.queued_batches):
             if await self._advance(tenant, batch_id):
-                return True
-        return False
+                did_work = True
+                break  # the next pass starts from the oldest batch again
+        return did_work
+
+    def _reap(self) -> bool:
+        """Forget finished shard tasks (logging any that raised); True when there were some."""
+        done = {task for task in self._shards if task.done()}
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                logger.error("batch shard failed", exc_info=task.exception(), extra={"worker": self.worker_id})
+        self._shards -= done
+        return bool(done)
 
     def queued_shards(self) -> int:
         """Shards not yet committed over every running batch (the autoscaling signal)."""
@@ -144,9 +176,11 @@ class BatchWorker:
         if record.status == "validating":
             return await asyncio.to_thread(self._resume_validation, record)
         if record.status == "in_progress" and time.time() < record.expires_at:
+            if len(self._shards) >= self.service.limits.max_shards_in_flight:
+                return False
             lease_and_shard = await asyncio.to_thread(self._claim_shard, record)
             if lease_and_shard is not None:
-                await self._run_shard(record, *lease_and_shard)
+                self._shards.add(asyncio.ensure_future(self._run_shard(record, *lease_and_shard)))
                 return True
         return await asyncio.to_thread(self._try_finalize, record)
 

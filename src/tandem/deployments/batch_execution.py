@@ -35,6 +35,8 @@ async def execute_batch_line(server: OpenAIServer, endpoint: str, body: dict[str
     as the real-time endpoint, with errors captured in OpenAI's shape instead of raised."""
     try:
         reject_unsupported(body)
+        if body.get("stream"):
+            raise InvalidRequestError("stream is not supported in a batch", param="stream")
         for attempt in range(1 + BATCH_REPLICA_LOST_RETRIES):
             try:
                 if endpoint == "/v1/chat/completions":
