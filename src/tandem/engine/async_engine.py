@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -37,7 +38,9 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, *, start: bool = True) -> None:
+        """Serve `engine` from a new loop thread (`start=False`: the caller's thread runs `_loop`
+        itself, as `from_options` does)."""
         self.engine = engine
         self._cv = threading.Condition()
         self._pending_adds: list[tuple[tuple[Request, str | None], _Stream]] = []
@@ -48,12 +51,38 @@ class AsyncEngine:
         self._stopped = False
         self._broken = False  # a failure no single request explained: health checks fail from then on
         self._stats: dict[str, Any] = engine.stats()
-        self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
-        self._thread.start()
+        self._thread = threading.current_thread()
+        if start:
+            self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
+            self._thread.start()
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> AsyncEngine:
-        return cls(LLMEngine.from_options(model, **options))
+        """Load the model in the thread that will run it, and run it there.
+
+        Why not load here and hand the engine to a new thread: torch's CPU kernels run in OpenMP
+        teams, one per thread that calls them, and once a second thread of the process has run an
+        OpenMP region (model loading does), the engine thread's kernels ran about 2x slower on a
+        2-core host for the rest of the process (a bfloat16 [64, 576] x [576, 1536] linear: 97 us
+        -> 206 us; 256 requests through `AsyncEngine`: 448 tok/s where `LLM` in its one thread
+        made 935; docs/performance.md, 2026-12-01). Keep the threads that call an `AsyncEngine`
+        free of torch work."""
+        built: queue.Queue[AsyncEngine | BaseException] = queue.Queue(maxsize=1)
+
+        def build_then_run() -> None:
+            try:
+                engine = cls(LLMEngine.from_options(model, **options), start=False)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, raised there
+                built.put(exc)
+                return
+            built.put(engine)
+            engine._loop()
+
+        threading.Thread(target=build_then_run, name="tandem-engine", daemon=True).start()
+        result = built.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     @property
     def model_name(self) -> str:
