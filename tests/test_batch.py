@@ -459,3 +459,70 @@ def test_a_worker_keeps_several_shards_in_flight(tmp_path: Path) -> None:
     done = service.get_batch("acme", batch.id)
     totals = done.totals()
     assert (totals.completed, totals.failed, len(done.shard_counts)) == (10, 0, 5)
+
+
+def test_failures_not_of_the_requests_making_are_retried_never_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`execute_batch_line` retries a lost replica and a broken engine, answers a request's own
+    failure, and raises `RetryLater` when retries run out; the worker then leaves the shard
+    uncommitted and a later claim runs it: every line is answered by the model exactly once."""
+    import tandem.deployments.batch_execution as batch_execution
+    from tandem.batch.worker import RetryLater
+    from tandem.platform.errors import ReplicaLostError, RequestFailedError
+
+    monkeypatch.setattr(batch_execution, "RETRY_BACKOFF_S", (0.0, 0.0))
+    answer = {"id": "chatcmpl-x", "object": "chat.completion", "usage": {"prompt_tokens": 1, "completion_tokens": 2}}
+
+    class FlakyServer:
+        def __init__(self, failures: list[Exception]) -> None:
+            self.failures, self.calls = failures, 0
+
+        async def chat(self, *args: Any) -> dict[str, Any]:
+            self.calls += 1
+            if self.failures:
+                raise self.failures.pop(0)
+            return answer
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    lost_twice = FlakyServer([ReplicaLostError(), RequestFailedError("engine broke", code="engine_failed")])
+    done = asyncio.run(execute_batch_line(lost_twice, CHAT, body, "acme"))  # type: ignore[arg-type]
+    assert (done.status_code, lost_twice.calls) == (200, 3)
+    own_fault = FlakyServer([RequestFailedError("non-finite logits", code="request_failed")])
+    done = asyncio.run(execute_batch_line(own_fault, CHAT, body, "acme"))  # type: ignore[arg-type]
+    assert (done.status_code, own_fault.calls) == (500, 1)
+    always = FlakyServer([ReplicaLostError() for _ in range(3)])
+    with pytest.raises(RetryLater):
+        asyncio.run(execute_batch_line(always, CHAT, body, "acme"))  # type: ignore[arg-type]
+
+    service = BatchService(FileObjectStore(str(tmp_path / "objects")), {"tiny"}, BatchLimits(shard_size=2))
+    lines = [_line(f"r-{i}", content=f"hello r-{i}") for i in range(4)]
+    file_id = service.create_file("acme", "in.jsonl", "batch", ("\n".join(lines) + "\n").encode()).id
+    batch = service.create_batch("acme", file_id, CHAT, "24h")
+    attempts: dict[str, int] = {}
+
+    async def execute(endpoint: str, body: dict[str, Any], tenant: str) -> ExecutedRequest:
+        text = body["messages"][0]["content"]
+        attempts[text] = attempts.get(text, 0) + 1
+        if text == "hello r-1" and attempts[text] == 1:
+            raise RetryLater("replica_lost")
+        return ExecutedRequest(200, f"req-{text}", {"text": text}, None, output_tokens=1)
+
+    async def scenario() -> int:
+        worker = BatchWorker(service, execute, poll_interval_s=0.01, worker_id="retrying")
+        task = asyncio.ensure_future(worker.run_forever())
+        deadline = time.monotonic() + 30
+        while service.get_batch("acme", batch.id).status != "completed":
+            assert time.monotonic() < deadline, "batch did not complete"
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return worker.num_shards_run
+
+    assert asyncio.run(scenario()) == 2  # two shards committed; the first ran twice
+    assert attempts["hello r-1"] == 2 and attempts["hello r-0"] == 2 and attempts["hello r-2"] == 1
+    done_record = service.get_batch("acme", batch.id)
+    totals = done_record.totals()
+    assert (totals.completed, totals.failed) == (4, 0)
+    output = [json.loads(x) for x in service.file_content("acme", done_record.output_file_id or "").decode().splitlines()]
+    assert sorted(o["custom_id"] for o in output) == [f"r-{i}" for i in range(4)]

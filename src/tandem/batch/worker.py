@@ -66,6 +66,13 @@ class ExecutedRequest:
 Execute = Callable[[str, dict[str, Any], str], Awaitable[ExecutedRequest]]  # (endpoint, body, tenant)
 
 
+class RetryLater(Exception):
+    """Raised by `execute` for a request that failed through no fault of its own (its replica
+    died, no engine could take it) after the executor's own retries: its answer must not be
+    written. The shard is not committed; its lease is released and a later claim runs it again
+    (until the batch expires)."""
+
+
 def _shard_counts(rows: list[BatchResult]) -> ShardCounts:
     return ShardCounts(
         completed=sum(r.ok for r in rows),
@@ -228,7 +235,15 @@ class BatchWorker:
         if stop_reason == "lease_lost":
             logger.warning("lease lost; shard left to its new owner", extra=log)
             return
-        rows = [t.result() for t in tasks if t.done() and not t.cancelled() and t.exception() is None]
+        failed = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+        if failed:  # RetryLater (or a bug): no line's answer is lost or written as an error
+            await asyncio.to_thread(self.leases.release, lease)
+            logger.warning(
+                "shard not committed; it runs again",
+                extra={**log, "failed": len(failed), "error": f"{type(failed[0]).__name__}: {failed[0]}"[:300]},
+            )
+            return
+        rows = [t.result() for t in tasks if t.done() and not t.cancelled()]
         rows.sort(key=lambda r: r.line)
         await asyncio.to_thread(self._commit, record, shard, rows, lease)
         self.num_shards_run += 1
@@ -269,7 +284,7 @@ class BatchWorker:
         request_id = batch_request_id(record.id, row.line)
         try:
             done = await self.execute(record.endpoint, row.body, record.tenant)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, RetryLater):
             raise
         except Exception:  # an engine failure must not lose the rest of the shard
             logger.exception(

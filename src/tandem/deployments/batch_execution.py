@@ -6,15 +6,22 @@ executor, in the Serve batch-worker replicas and in `tandem batch run` alike.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 from pydantic import ValidationError
 
-from tandem.batch.worker import ExecutedRequest
+from tandem.batch.worker import ExecutedRequest, RetryLater
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.engine.request import Priority
-from tandem.platform.errors import InvalidRequestError, ReplicaLostError, TandemError
+from tandem.platform.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    RequestFailedError,
+    ServiceUnavailableError,
+    TandemError,
+)
 from tandem.platform.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -26,18 +33,30 @@ from tandem.platform.openai_schemas import (
 
 logger = logging.getLogger("tandem.batch")
 
-# A batch line whose replica dies under it runs again (from the start) this many times.
-BATCH_REPLICA_LOST_RETRIES = 2
+# A line that fails through no fault of its own is retried after these pauses; if it still
+# fails, its shard is left for a later run (`RetryLater`), never answered with that failure.
+RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 4.0)
+
+
+def is_retryable(exc: TandemError) -> bool:
+    """Not the request's fault: its replica died or none could take it (503), every queue was
+    full (429), its engine failed or its KV blocks were reassigned under it (500
+    `engine_failed`, `kv_integrity`). A 500 `request_failed` is the request's own (an adapter's
+    non-finite logits): answered, not retried."""
+    if isinstance(exc, ServiceUnavailableError | OverloadedError):
+        return True
+    return isinstance(exc, RequestFailedError) and exc.code in ("engine_failed", "kv_integrity")
 
 
 async def execute_batch_line(server: OpenAIServer, endpoint: str, body: dict[str, Any], tenant: str) -> ExecutedRequest:
     """Run one line of a batch file at batch priority: the same code path and response body
-    as the real-time endpoint, with errors captured in OpenAI's shape instead of raised."""
+    as the real-time endpoint, with errors captured in OpenAI's shape instead of raised. A
+    retryable failure (`is_retryable`) is retried, then raises `RetryLater`."""
     try:
         reject_unsupported(body)
         if body.get("stream"):
             raise InvalidRequestError("stream is not supported in a batch", param="stream")
-        for attempt in range(1 + BATCH_REPLICA_LOST_RETRIES):
+        for attempt in range(1 + len(RETRY_BACKOFF_S)):
             try:
                 if endpoint == "/v1/chat/completions":
                     result = await server.chat(
@@ -50,10 +69,16 @@ async def execute_batch_line(server: OpenAIServer, endpoint: str, body: dict[str
                 else:
                     raise InvalidRequestError(f"endpoint {endpoint!r} is not supported", param="url")
                 break
-            except ReplicaLostError:
-                if attempt == BATCH_REPLICA_LOST_RETRIES:
+            except TandemError as exc:
+                if not is_retryable(exc):
                     raise
-                logger.warning("batch request's replica died; retrying", extra={"attempt": attempt + 1})
+                if attempt == len(RETRY_BACKOFF_S):
+                    raise RetryLater(f"{exc.code}: {exc.message}") from exc
+                logger.warning(
+                    "batch request failed through no fault of its own; retrying",
+                    extra={"attempt": attempt + 1, "code": exc.code},
+                )
+                await asyncio.sleep(RETRY_BACKOFF_S[attempt])
     except TandemError as exc:
         # The request got an HTTP answer: like OpenAI, the line's `response` holds the error
         # body and its top-level `error` stays null (that is for requests that never ran).

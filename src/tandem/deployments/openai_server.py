@@ -55,8 +55,6 @@ from tandem.platform.tenancy import TenantRegistry
 
 logger = logging.getLogger("tandem.api")
 
-# A batch line whose replica died under it runs again (from the start) this many times.
-BATCH_REPLICA_LOST_RETRIES = 2
 
 
 class EngineClient(Protocol):
