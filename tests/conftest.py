@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -140,6 +144,35 @@ def hf_default_model(default_model_path: Path):  # type: ignore[no-untyped-def]
         str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+@contextlib.contextmanager
+def serve_with_worker(app: Any, worker: Any) -> Iterator[str]:
+    """`app` under uvicorn on a free loopback port and `worker` (a `BatchWorker`) in its own event
+    loop thread; yields the base URL. Waits for the server to listen, not for a fixed time."""
+    import uvicorn
+
+    worker_loop = asyncio.new_event_loop()
+    worker_task = worker_loop.create_task(worker.run_forever())
+    worker_thread = threading.Thread(
+        target=lambda: worker_loop.run_until_complete(asyncio.wait([worker_task])), daemon=True
+    )
+    worker_thread.start()
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    uv_thread = threading.Thread(target=uv.run, daemon=True)
+    uv_thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not uv.started:
+            assert uv_thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        uv_thread.join(timeout=30)
+        worker_loop.call_soon_threadsafe(worker_task.cancel)
+        worker_thread.join(timeout=30)
 
 
 def free_port() -> int:

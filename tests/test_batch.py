@@ -417,6 +417,17 @@ def test_killed_worker_process_loses_nothing(
     assert all(store.exists(result_shard_key("acme", batch.id, s)) for s in range(record.num_shards))
 
 
+async def _work_until_completed(worker: BatchWorker, service: BatchService, batch_id: str) -> None:
+    """Run `worker` until the batch is `completed` (30 s at most), then stop it."""
+    task = asyncio.ensure_future(worker.run_forever())
+    deadline = time.monotonic() + 30
+    while service.get_batch("acme", batch_id).status != "completed":
+        assert time.monotonic() < deadline, "batch did not complete"
+        await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 def test_a_worker_keeps_several_shards_in_flight(tmp_path: Path) -> None:
     """With `max_shards_in_flight` 3, requests of three shards wait in the executor at once (one
     shard's tail never idles the replicas), never more; the batch then completes exactly once."""
@@ -445,13 +456,7 @@ def test_a_worker_keeps_several_shards_in_flight(tmp_path: Path) -> None:
             return ExecutedRequest(200, "req", {"ok": True}, None, output_tokens=1)
 
         worker = BatchWorker(service, execute, poll_interval_s=0.01, worker_id="several")
-        task = asyncio.ensure_future(worker.run_forever())
-        deadline = time.monotonic() + 30
-        while service.get_batch("acme", batch.id).status != "completed":
-            assert time.monotonic() < deadline, "batch did not complete"
-            await asyncio.sleep(0.01)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await _work_until_completed(worker, service, batch.id)
         return max_shards_waiting, worker.num_shards_run
 
     max_in_flight, num_run = asyncio.run(scenario())
@@ -510,13 +515,7 @@ def test_failures_not_of_the_requests_making_are_retried_never_answered(
 
     async def scenario() -> int:
         worker = BatchWorker(service, execute, poll_interval_s=0.01, worker_id="retrying")
-        task = asyncio.ensure_future(worker.run_forever())
-        deadline = time.monotonic() + 30
-        while service.get_batch("acme", batch.id).status != "completed":
-            assert time.monotonic() < deadline, "batch did not complete"
-            await asyncio.sleep(0.01)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await _work_until_completed(worker, service, batch.id)
         return worker.num_shards_run
 
     assert asyncio.run(scenario()) == 2  # two shards committed; the first ran twice

@@ -5,10 +5,8 @@ own matcher."""
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +33,7 @@ from tandem.engine.sampling_params import SamplingParams, StructuredOutput
 from tandem.engine.speculative import StepCostModel
 from tandem.platform.object_store import FileObjectStore
 from tandem.platform.tenancy import TenantRegistry, parse_keys
-from tests.conftest import free_port
+from tests.conftest import serve_with_worker
 
 pytestmark = pytest.mark.slow
 KEY = "sk-structured"
@@ -102,34 +100,15 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The app under uvicorn on a loopback port with the default model, and a batch worker."""
-    import uvicorn
-
     root = tmp_path_factory.mktemp("structured")
     engine = AsyncEngine.from_options(kv_cache_memory=128 << 20, max_num_seqs=16, served_model_name=MODEL)
     batches = BatchService(FileObjectStore(str(root / "objects")), {MODEL}, BatchLimits(shard_size=4))
     api = OpenAIServer(LocalEngineClient(engine), TenantRegistry(parse_keys(f"{KEY}=acme")), batches=batches)
     worker = BatchWorker(batches, partial(execute_batch_line, api), poll_interval_s=0.05, worker_id="structured")
-    worker_loop = asyncio.new_event_loop()
-    worker_task = worker_loop.create_task(worker.run_forever())
-    worker_thread = threading.Thread(
-        target=lambda: worker_loop.run_until_complete(asyncio.wait([worker_task])), daemon=True
-    )
-    worker_thread.start()
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(create_app(api), host="127.0.0.1", port=port, log_level="warning"))
-    uv_thread = threading.Thread(target=uv.run, daemon=True)
-    uv_thread.start()
     try:
-        deadline = time.monotonic() + 30
-        while not uv.started:  # wait for the server to listen, not for a fixed time
-            assert uv_thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        yield Server(f"http://127.0.0.1:{port}", engine)
+        with serve_with_worker(create_app(api), worker) as base_url:
+            yield Server(base_url, engine)
     finally:
-        uv.should_exit = True
-        uv_thread.join(timeout=30)
-        worker_loop.call_soon_threadsafe(worker_task.cancel)
-        worker_thread.join(timeout=30)
         engine.shutdown()
 
 
