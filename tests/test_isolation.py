@@ -310,11 +310,7 @@ def test_hostile_numbers_and_text_are_refused_at_the_edge(platform: Platform) ->
         file=("in.jsonl", io.BytesIO("\n".join(lines).encode("utf-8", "surrogatepass"))), purpose="batch"
     )
     batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
-    deadline = time.monotonic() + 120
-    while batch.status not in ("completed", "failed", "expired", "cancelled"):
-        assert time.monotonic() < deadline, f"batch stuck in {batch.status}"
-        time.sleep(0.05)
-        batch = client.batches.retrieve(batch.id)
+    batch = _until_done(client, batch)
     assert batch.status == "completed", batch.errors
     assert batch.output_file_id is not None and batch.error_file_id is not None
     output = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
@@ -327,6 +323,16 @@ def test_hostile_numbers_and_text_are_refused_at_the_edge(platform: Platform) ->
         assert error["type"] == "invalid_request_error" and "Traceback" not in error["message"], name
         if param is not None:
             assert error["param"] == param, (name, error)
+
+
+def _until_done(client: openai.OpenAI, batch: Any) -> Any:
+    """`batch` polled until it ends (120 s at most)."""
+    deadline = time.monotonic() + 120
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, f"batch stuck in {batch.status}"
+        time.sleep(0.05)
+        batch = client.batches.retrieve(batch.id)
+    return batch
 
 
 def _adapter_files(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -668,11 +674,7 @@ def test_a_batch_runs_its_adapter_lines_and_fails_only_its_bad_lines(platform: P
     data = "".join(json.dumps(x) + "\n" for x in lines).encode()
     file_id = client.files.create(file=("mixed.jsonl", io.BytesIO(data)), purpose="batch").id
     batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
-    deadline = time.monotonic() + 120
-    while batch.status not in ("completed", "failed", "expired", "cancelled"):
-        assert time.monotonic() < deadline, f"batch stuck in {batch.status}"
-        time.sleep(0.05)
-        batch = client.batches.retrieve(batch.id)
+    batch = _until_done(client, batch)
     assert batch.status == "completed", batch.errors
     counts = batch.request_counts
     assert counts is not None and (counts.total, counts.completed, counts.failed) == (8, 6, 2)
