@@ -33,7 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.engine.sampling_params import StructuredOutput
+from tandem.engine.sampling_params import JSON_GRAMMAR_OPTIONS, StructuredOutput
 from tandem.platform.openai_schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -48,7 +48,6 @@ CALL_CLOSE = "</tool_call>"
 CALL_PREFIX = '{"name": "'
 CALL_ARGS = '", "arguments": '
 CALL_END = "}\n" + CALL_CLOSE
-GRAMMAR_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
@@ -102,7 +101,7 @@ def request_constraint(req: ChatCompletionRequest) -> StructuredOutput | None:
         lines.append(f"prefix[lazy]: TEXT {json.dumps(CALL_OPEN)}")
     else:  # the response format's JSON, or calls
         lines.append(f"start: answer | call{repeat}")
-        lines.append(f"answer: %json {json.dumps({**text_schema, 'x-guidance': GRAMMAR_OPTIONS})}")
+        lines.append(f"answer: %json {json.dumps({**text_schema, 'x-guidance': JSON_GRAMMAR_OPTIONS})}")
     return StructuredOutput("lark", "\n".join(lines), param="tools")
 
 
@@ -123,7 +122,7 @@ def call_schema(tools: list[ToolDefinition]) -> dict[str, Any]:
             }
         )
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": GRAMMAR_OPTIONS}
+    return {**schema, "x-guidance": JSON_GRAMMAR_OPTIONS}
 
 
 def tool_prompt(tools: list[ToolDefinition]) -> str:

@@ -32,13 +32,9 @@ from typing import Any, cast
 import llguidance as llg
 import torch
 
-from tandem.engine.sampling_params import StructuredOutput
+from tandem.engine.sampling_params import JSON_GRAMMAR_OPTIONS, StructuredOutput
 from tandem.engine.tokenizer import Tokenizer
 from tandem.platform.errors import InvalidRequestError
-
-# JSON as Python's json.dumps writes it: fixed separators and no other whitespace (a small model
-# given free whitespace can spend its whole budget on newlines).
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def grammar_text(spec: StructuredOutput) -> str:
@@ -51,7 +47,7 @@ def grammar_text(spec: StructuredOutput) -> str:
             raise InvalidRequestError(f"{spec.param}: the schema is not valid JSON ({exc})", param=spec.param) from exc
         if not isinstance(schema, dict):
             raise InvalidRequestError(f"{spec.param}: the schema must be a JSON object", param=spec.param)
-        return llg.LLMatcher.grammar_from_json_schema(schema, defaults=cast(Any, JSON_OPTIONS))
+        return llg.LLMatcher.grammar_from_json_schema(schema, defaults=cast(Any, JSON_GRAMMAR_OPTIONS))
     if spec.kind == "regex":
         return llg.LLMatcher.grammar_from_regex(spec.value)
     if spec.kind == "lark":

@@ -508,14 +508,17 @@ class ModelRunner:
         """logits: [B, V], one row per item; the rows of constrained items masked to what their
         grammars allow next (in place, or in a copy when one of them also wants logprobs, which are
         the model's own)."""
-        constrained = [(row, self._matcher_for(item)) for row, item in enumerate(items)]
-        rows = [row for row, matcher in constrained if matcher is not None]
-        if not rows or self.grammars is None:
+        if self.grammars is None:
             return logits
+        pairs = [(row, self._matcher_for(item)) for row, item in enumerate(items)]
+        constrained = [(row, matcher) for row, matcher in pairs if matcher is not None]
+        if not constrained:
+            return logits
+        rows = [row for row, _ in constrained]
         started = time.perf_counter()
         if any(items[row].sampling_params.logprobs is not None for row in rows):
             logits = logits.clone()
-        bitmask = self.grammars.fill_bitmasks([m for _, m in constrained if m is not None])  # [n, W]
+        bitmask = self.grammars.fill_bitmasks([matcher for _, matcher in constrained])  # [n, W]
         if len(rows) == logits.shape[0]:
             apply_token_bitmask_(logits, bitmask)
         else:

@@ -15,6 +15,11 @@ MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 MAX_INT32 = (1 << 31) - 1
 
 
+# JSON under a constraint is written as Python's json.dumps writes it: fixed separators and no
+# other whitespace (a small model given free whitespace can spend its whole budget on newlines).
+# llguidance's JSON options; also given inline (`x-guidance`) to schemas inside Lark grammars.
+JSON_GRAMMAR_OPTIONS: dict[str, object] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
 StructuredKind = Literal["json_schema", "regex", "lark", "choice"]
 
 
