@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -368,16 +369,12 @@ def test_batch_cli_submit_wait_and_results(
     from tandem.cli import main
 
     requests = tmp_path / "in.jsonl"  # type: ignore[operator]
+    bodies = [{"model": "tiny", "prompt": f"Number {i}", "max_tokens": 3} for i in range(6)]
+    bodies[3]["max_tokens"] = -1  # that line's answer is a 400 in the error file
     requests.write_text(
         "\n".join(
-            json.dumps(
-                {
-                    "custom_id": f"cli-{i}",
-                    "url": "/v1/completions",
-                    "body": {"model": "tiny", "prompt": f"Number {i}", "max_tokens": 3},
-                }
-            )
-            for i in range(4)
+            json.dumps({"custom_id": f"cli-{i}", "url": "/v1/completions", "body": body})
+            for i, body in enumerate(bodies)
         )
     )
     common = ["batch", "--base-url", f"{served}/v1", "--api-key", KEY]
@@ -398,12 +395,54 @@ def test_batch_cli_submit_wait_and_results(
     )
     captured = capsys.readouterr()
     batch_id = captured.out.strip()
-    assert batch_id.startswith("batch_") and "4/4 completed" in captured.err  # the progress bar's last frame
+    last_frame = captured.err.strip().split("\r")[-1]
+    assert batch_id.startswith("batch_") and "6/6 completed" in last_frame, last_frame
+    assert re.search(r" \d+\.\d tok/s \d+m\d\ds elapsed", last_frame), last_frame
     out = tmp_path / "out.jsonl"  # type: ignore[operator]
     assert main([*common, "results", batch_id, "-o", str(out)]) == 0
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted(line["custom_id"] for line in lines) == [f"cli-{i}" for i in range(4)]
+    errors = [json.loads(line) for line in Path(f"{out}.errors.jsonl").read_text().splitlines()]
+    assert sorted(line["custom_id"] for line in lines) == [f"cli-{i}" for i in (0, 1, 2, 4, 5)]
+    assert [e["custom_id"] for e in errors] == ["cli-3"] and errors[0]["response"]["status_code"] == 400
+    merged = tmp_path / "merged.jsonl"  # type: ignore[operator]
+    assert main([*common, "results", batch_id, "-o", str(merged), "--in-order"]) == 0
+    in_order = [json.loads(line) for line in merged.read_text().splitlines()]
+    assert [line["custom_id"] for line in in_order] == [f"cli-{i}" for i in range(6)]
+    assert [line["response"]["status_code"] for line in in_order] == [200, 200, 200, 400, 200, 200]
     assert main([*common, "status", batch_id]) == 0 and '"completed"' in capsys.readouterr().out
+
+
+def test_progress_line_shows_rate_and_eta() -> None:
+    from openai.types import Batch
+
+    from tandem.batch_cli import progress_line
+
+    batch = Batch.model_validate(
+        {
+            "id": "batch_x",
+            "object": "batch",
+            "endpoint": "/v1/chat/completions",
+            "input_file_id": "file_x",
+            "completion_window": "24h",
+            "status": "in_progress",
+            "created_at": 1000,
+            "in_progress_at": 1000,
+            "request_counts": {"total": 100, "completed": 20, "failed": 5},
+            "usage": {
+                "input_tokens": 0,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": 1500,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": 1500,
+            },
+        }
+    )
+    line = progress_line(batch, now=1050.0, width=20)
+    # 25 of 100 rows in 50 s: 75 rows left at 0.5 rows/s is 150 s; 1500 tokens in 50 s is 30 tok/s.
+    assert line.startswith("[#####---------------] 25/100 in_progress")
+    assert "30.0 tok/s 0m50s elapsed, ETA 2m30s" in line
+    done = batch.model_copy(update={"status": "completed", "completed_at": 1100})
+    assert "ETA" not in progress_line(done, now=5000.0) and "15.0 tok/s 1m40s" in progress_line(done, now=5000.0)
 
 
 def test_adapter_upload_and_multiplexed_use_through_serve(served: str, peft_adapters: dict) -> None:

@@ -36,6 +36,11 @@ def add_batch_parser(sub: Any) -> None:
     results.add_argument("batch_id")
     results.add_argument("-o", "--output", required=True, help="output JSONL path")
     results.add_argument("--errors", default=None, help="error JSONL path (default: OUTPUT.errors.jsonl)")
+    results.add_argument(
+        "--in-order",
+        action="store_true",
+        help="write one file: every answered line (output and errors) in the input file's order",
+    )
     cancel = cmds.add_parser("cancel", help="cancel a batch (finished requests are kept)")
     cancel.add_argument("batch_id")
     worker = cmds.add_parser("worker", help="run a standalone batch worker with its own engine")
@@ -78,13 +83,17 @@ def run_batch_command(args: argparse.Namespace) -> int:
         if batch.status not in TERMINAL:
             print(f"[tandem] batch is {batch.status}; results come when it ends", file=sys.stderr)
             return 1
-        if batch.output_file_id:
-            client.files.content(batch.output_file_id).write_to_file(args.output)
-            print(f"[tandem] output: {args.output}", file=sys.stderr)
-        if batch.error_file_id:
-            path = args.errors or args.output + ".errors.jsonl"
-            client.files.content(batch.error_file_id).write_to_file(path)
-            print(f"[tandem] errors: {path}", file=sys.stderr)
+        if args.in_order:
+            num_lines = _write_in_input_order(client, batch, args.output)
+            print(f"[tandem] {num_lines} lines in input order: {args.output}", file=sys.stderr)
+        else:
+            if batch.output_file_id:
+                client.files.content(batch.output_file_id).write_to_file(args.output)
+                print(f"[tandem] output: {args.output}", file=sys.stderr)
+            if batch.error_file_id:
+                path = args.errors or args.output + ".errors.jsonl"
+                client.files.content(batch.error_file_id).write_to_file(path)
+                print(f"[tandem] errors: {path}", file=sys.stderr)
         if batch.errors and batch.errors.data:
             for error in batch.errors.data:
                 print(f"[tandem] line {error.line}: {error.code}: {error.message}", file=sys.stderr)
@@ -93,17 +102,10 @@ def run_batch_command(args: argparse.Namespace) -> int:
 
 
 def _watch(client: Any, batch_id: str, poll_interval: float) -> Any:
-    """Redraw a progress bar on stderr until the batch reaches a terminal status."""
-    started = time.monotonic()
+    """Redraw a progress line on stderr until the batch reaches a terminal status."""
     while True:
         batch = client.batches.retrieve(batch_id)
-        counts = batch.request_counts
-        total = counts.total if counts else 0
-        done = (counts.completed + counts.failed) if counts else 0
-        width = 30
-        filled = int(width * done / total) if total else 0
-        bar = "#" * filled + "-" * (width - filled)
-        sys.stderr.write(f"\r[{bar}] {done}/{total} {batch.status:<11} {time.monotonic() - started:6.0f}s")
+        sys.stderr.write("\r" + progress_line(batch, time.time()))
         sys.stderr.flush()
         if batch.status in TERMINAL:
             sys.stderr.write("\n")
@@ -112,6 +114,64 @@ def _watch(client: Any, batch_id: str, poll_interval: float) -> Any:
                     sys.stderr.write(f"[tandem] line {error.line}: {error.code}: {error.message}\n")
             return batch
         time.sleep(poll_interval)
+
+
+def progress_line(batch: Any, now: float, width: int = 30) -> str:
+    """One frame of the progress bar: rows answered of total, status, output tokens/s and an ETA.
+
+    Rates are measured from the batch's `in_progress_at` (server clock, epoch seconds) with the
+    counts and `usage` the server reports, which grow as shards commit; the ETA extrapolates rows
+    per second and is shown once a row is done and the batch has not ended.
+    """
+    counts = batch.request_counts
+    total = counts.total if counts else 0
+    done = (counts.completed + counts.failed) if counts else 0
+    filled = int(width * done / total) if total else 0
+    bar = "#" * filled + "-" * (width - filled)
+    line = f"[{bar}] {done}/{total} {batch.status:<11}"
+    started = batch.in_progress_at
+    if started is None:
+        return line
+    ended = next(
+        (t for t in (batch.completed_at, batch.failed_at, batch.cancelled_at, batch.expired_at) if t), None
+    )
+    elapsed = max((ended or now) - started, 1e-3)
+    output_tokens = batch.usage.output_tokens if batch.usage else 0
+    line += f" {output_tokens / elapsed:7.1f} tok/s {_duration(elapsed)} elapsed"
+    if ended is None and 0 < done < total:
+        line += f", ETA {_duration((total - done) * elapsed / done)}"
+    return line
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def _write_in_input_order(client: Any, batch: Any, path: str) -> int:
+    """Merge the output and error files into `path`, one line per answered request, in the order of
+    the input file's `custom_id`s (lines never run, e.g. of a cancelled batch, are left out).
+    Returns the number of lines written."""
+    import json
+
+    answered: dict[str, str] = {}
+    for file_id in (batch.output_file_id, batch.error_file_id):
+        if file_id:
+            for line in client.files.content(file_id).text.splitlines():
+                if line.strip():
+                    answered[json.loads(line)["custom_id"]] = line
+    num_lines = 0
+    with open(path, "w", encoding="utf-8") as out:
+        for line in client.files.content(batch.input_file_id).text.splitlines():
+            if not line.strip():
+                continue
+            answer = answered.get(json.loads(line).get("custom_id"))
+            if answer is not None:
+                out.write(answer + "\n")
+                num_lines += 1
+    return num_lines
 
 
 def _worker(args: argparse.Namespace) -> int:
