@@ -6,16 +6,35 @@ Interactive traffic: `--interactive` requests arriving every `--interval` second
 `--prompt-len`, `--new-tokens` generated). Batch load: `--batch` requests submitted at t=0
 (prompt `--batch-prompt-len`, `--batch-new-tokens`). Greedy, EOS ignored, one AsyncEngine.
 
+With `--through-serve`, the same question end to end: `tandem serve` is started as a subprocess
+(its own local Ray, the engine's defaults, a free loopback port, a temporary data dir), the
+interactive requests are streamed chat completions through the `openai` client (TTFT is the
+first content chunk as the client sees it), and the batch load is a batch job of
+`--serve-batch-lines` chat lines uploaded through the files API and run by the app's batch
+worker. Interactive requests run alone, then while the batch runs (after its first shard has
+committed); the batch's completed lines are read before and after that window to show it kept
+going. The batch is cancelled and the server stopped (by PID) at the end.
+
     python benchmarks/batch_interference.py            # default model -> benchmarks/results/
+    python benchmarks/batch_interference.py --through-serve
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
+import os
+import signal
+import socket
 import statistics
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+from typing import Any
 
 import torch
 
@@ -119,6 +138,177 @@ async def run(args: argparse.Namespace) -> dict:
     }
 
 
+SERVE_KEY = "sk-bench-interference"
+TOPICS = ["rivers", "old maps", "bread", "the moon", "chess", "bees", "winter", "trains", "jazz", "tea"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _start_server(data_dir: str, port: int) -> tuple[subprocess.Popen[bytes], str]:
+    """`tandem serve` on the engine's defaults; returns the process and its base URL once
+    `/v1/models` answers (polled, with a deadline)."""
+    import httpx
+
+    env = {**os.environ, "TANDEM_API_KEYS": f"{SERVE_KEY}=bench"}
+    command = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), "--data-dir", data_dir]
+    log(" ".join(command[1:]))
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 900
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"tandem serve exited with {server.returncode}")
+        try:
+            if (
+                httpx.get(
+                    f"{base}/models", headers={"Authorization": f"Bearer {SERVE_KEY}"}, timeout=5
+                ).status_code
+                == 200
+            ):
+                return server, base
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("tandem serve did not answer within 900 s")
+        time.sleep(1.0)
+
+
+def _stop_server(server: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (the server shuts Serve and its local Ray down), then SIGKILL its process group."""
+    server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def _chat_messages(i: int, words: int) -> list[dict[str, str]]:
+    filler = " ".join(TOPICS[(i + k) % len(TOPICS)] for k in range(words))
+    return [
+        {"role": "user", "content": f"Request {i}. Notes: {filler}. Write about {TOPICS[i % len(TOPICS)]}."}
+    ]
+
+
+def _interactive_window(client: Any, model: str, args: argparse.Namespace, tag: str) -> dict[str, Any]:
+    """`--interactive` streamed chat requests arriving every `--interval` s, each in its own thread;
+    client-side TTFT (first content chunk) and time per output token."""
+    results: list[dict[str, float]] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        started = time.perf_counter()
+        first = None
+        num_chunks = 0
+        stream = client.chat.completions.create(
+            model=model,
+            messages=_chat_messages(1000 + i, args.prompt_words),
+            max_tokens=args.new_tokens,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                num_chunks += 1
+                if first is None:
+                    first = time.perf_counter()
+        end = time.perf_counter()
+        assert first is not None, "no content streamed"
+        with lock:
+            results.append({"ttft_s": first - started, "tpot_s": (end - first) / max(1, args.new_tokens - 1)})
+
+    threads = []
+    for i in range(args.interactive):
+        thread = threading.Thread(target=one, args=(i,))
+        thread.start()
+        threads.append(thread)
+        time.sleep(args.interval)  # the arrival process, not synchronisation
+    for thread in threads:
+        thread.join()
+    assert len(results) == args.interactive, "an interactive request failed"
+    ttft = [r["ttft_s"] for r in results]
+    tpot = [r["tpot_s"] for r in results]
+    out = {
+        "ttft_p50_s": statistics.median(ttft),
+        "ttft_p99_s": percentile(ttft, 0.99),
+        "tpot_p50_s": statistics.median(tpot),
+        "tpot_p99_s": percentile(tpot, 0.99),
+    }
+    log(f"{tag}: " + ", ".join(f"{k}={v:.3f}" for k, v in out.items()))
+    return out
+
+
+def run_through_serve(args: argparse.Namespace) -> dict[str, Any]:
+    import openai
+
+    with tempfile.TemporaryDirectory(prefix="tandem-interference-") as data_dir:
+        server, base = _start_server(data_dir, _free_port())
+        try:
+            client = openai.OpenAI(base_url=base, api_key=SERVE_KEY, max_retries=0, timeout=600)
+            model = client.models.list().data[0].id
+            warmup = argparse.Namespace(**{**vars(args), "interactive": 2})
+            _interactive_window(client, model, warmup, "warmup")
+            alone = _interactive_window(client, model, args, "alone")
+            lines = [
+                {
+                    "custom_id": f"b{i}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {
+                        "model": model,
+                        "messages": _chat_messages(i, args.batch_prompt_words),
+                        "max_tokens": args.batch_new_tokens,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    },
+                }
+                for i in range(args.serve_batch_lines)
+            ]
+            data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+            file_id = client.files.create(file=("load.jsonl", io.BytesIO(data)), purpose="batch").id
+            batch = client.batches.create(
+                input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            submitted = time.perf_counter()
+            deadline = submitted + 600
+            while (batch := client.batches.retrieve(batch.id)).request_counts.completed == 0:  # type: ignore[union-attr]
+                assert batch.status == "in_progress" or batch.status == "validating", batch.status
+                assert time.perf_counter() < deadline, "the batch did not start"
+                time.sleep(0.5)
+            counts_before, usage_before, window_start = batch.request_counts, batch.usage, time.perf_counter()
+            with_batch = _interactive_window(client, model, args, "with_batch")
+            batch = client.batches.retrieve(batch.id)
+            window_s = time.perf_counter() - window_start
+            assert batch.request_counts is not None and counts_before is not None
+            lines_done = batch.request_counts.completed - counts_before.completed
+            tokens_done = (batch.usage.output_tokens if batch.usage else 0) - (
+                usage_before.output_tokens if usage_before else 0
+            )
+            log(f"batch during the window: {lines_done} lines, {tokens_done / window_s:.1f} tok/s")
+            if batch.status not in ("completed", "failed", "cancelled", "expired"):
+                client.batches.cancel(batch.id)
+        finally:
+            _stop_server(server)
+    ratios = {k: with_batch[k] / alone[k] for k in alone}
+    log("with batch / alone: " + ", ".join(f"{k}={v:.3f}x" for k, v in ratios.items()))
+    return {
+        "alone": alone,
+        "with_batch": with_batch,
+        "ratios_vs_alone": ratios,
+        "batch_during_window": {
+            "lines_completed": lines_done,
+            "output_tokens_per_s": tokens_done / window_s,
+            "window_s": window_s,
+            "lines_total": args.serve_batch_lines,
+        },
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -131,8 +321,28 @@ def main() -> None:
     parser.add_argument("--batch-new-tokens", type=int, default=48)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--batch-tokens-under-load", type=int, default=4, help="engine option")
-    parser.add_argument("--out", default="benchmarks/results/batch_interference.json")
+    parser.add_argument("--through-serve", action="store_true", help="end to end through `tandem serve`")
+    parser.add_argument(
+        "--prompt-words", type=int, default=24, help="--through-serve: interactive prompt filler"
+    )
+    parser.add_argument(
+        "--batch-prompt-words", type=int, default=48, help="--through-serve: batch prompt filler"
+    )
+    parser.add_argument(
+        "--serve-batch-lines", type=int, default=512, help="--through-serve: lines in the batch job"
+    )
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.through_serve:
+        result = {
+            "benchmark": "batch_interference_through_serve",
+            "config": vars(args),
+            **run_through_serve(args),
+        }
+        write_result(args.out or "benchmarks/results/batch_interference_serve.json", result)
+        print(json.dumps(result["ratios_vs_alone"], indent=2))
+        return
+    args.out = args.out or "benchmarks/results/batch_interference.json"
     result = {
         "benchmark": "batch_interference",
         "config": vars(args),

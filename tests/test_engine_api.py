@@ -210,6 +210,42 @@ def test_async_engine_streams_deltas_and_abort_frees_blocks(tiny_model_dir: Path
     asyncio.run(scenario())
 
 
+def test_a_request_that_does_not_stream_gets_its_first_and_final_outputs_only(
+    tiny_model_dir: Path, tiny_llm: LLM
+) -> None:
+    """`GenerationRequest.stream=False` (non-streaming API calls, batch lines): two messages, not
+    one per token, and the final one is the whole answer, also when a stop string ends it."""
+    expected = tiny_llm.generate([PROMPTS[0]], greedy(20))[0].outputs[0]
+    stop = expected.text[len(expected.text) // 2 : len(expected.text) // 2 + 3]
+    stopped = tiny_llm.generate([PROMPTS[0]], greedy(20, stop=[stop]))[0].outputs[0]
+    assert stopped.finish_reason == "stop"
+
+    async def collect(request: GenerationRequest, engine: AsyncEngine) -> list:  # type: ignore[type-arg]
+        return [out async for out in engine.generate(request)]
+
+    async def scenario() -> None:
+        engine = AsyncEngine.from_options(str(tiny_model_dir), kv_cache_memory=4 << 20)
+        try:
+            streamed, quiet, quiet_stopped = await asyncio.gather(
+                collect(GenerationRequest("s", prompt=PROMPTS[0], sampling_params=greedy(20)), engine),
+                collect(GenerationRequest("q", prompt=PROMPTS[0], sampling_params=greedy(20), stream=False), engine),
+                collect(
+                    GenerationRequest("qs", prompt=PROMPTS[0], sampling_params=greedy(20, stop=[stop]), stream=False),
+                    engine,
+                ),
+            )
+        finally:
+            engine.shutdown()
+        assert len(streamed) > 2  # the streaming neighbour still gets its tokens as they come
+        for outs, want in ((quiet, expected), (quiet_stopped, stopped)):
+            assert len(outs) == 2 and not outs[0].finished and outs[1].finished
+            assert len(outs[0].outputs[0].token_ids) < len(want.token_ids)
+            final = outs[1].outputs[0]
+            assert (final.token_ids, final.text, final.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+
+    asyncio.run(scenario())
+
+
 def test_async_engine_survives_a_consumer_whose_event_loop_closed(tiny_model_dir: Path) -> None:
     """A caller's event loop closes while its request still runs (a test client torn down, a
     worker killed mid-request): the engine aborts that request and keeps serving others."""

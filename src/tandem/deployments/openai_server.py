@@ -236,6 +236,7 @@ class OpenAIServer:
             tenant_id=tenant,
             priority=priority,
             lora_name=lora_id,
+            stream=bool(req.stream),
         )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self._run(
@@ -266,6 +267,7 @@ class OpenAIServer:
             tenant_id=tenant,
             priority=priority,
             lora_name=lora_id,
+            stream=bool(req.stream),
         )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self._run(

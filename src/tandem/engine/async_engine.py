@@ -35,6 +35,7 @@ logger = logging.getLogger("tandem.engine")
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
+    stream: bool = True  # False: first output and final output only (`GenerationRequest.stream`)
 
 
 class AsyncEngine:
@@ -105,7 +106,7 @@ class AsyncEngine:
             await asyncio.to_thread(grammars.compile, spec)
         # Validate and tokenise in the caller's thread: bad input raises here, before anything is queued.
         prepared = self.engine.make_request(request)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request.stream)
         with self._cv:
             if self._stopped or self._broken:
                 raise ServiceUnavailableError("this engine is shut down or being replaced; retry the request")
@@ -333,7 +334,7 @@ class AsyncEngine:
         engine = self.engine
         for (request, prompt), stream in adds:
             try:
-                engine.add_prepared(request, prompt, stream_text=True)
+                engine.add_prepared(request, prompt, stream_text=stream.stream, final_only=not stream.stream)
                 self._streams[request.request_id] = stream
             except Exception as exc:  # validated already; a race (duplicate id) lands here
                 self._send(request.request_id, stream, exc)

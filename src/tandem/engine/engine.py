@@ -424,10 +424,14 @@ class LLMEngine:
 
     def add_request(self, gen: GenerationRequest, *, stream_text: bool = False) -> Request:
         request, prompt = self.make_request(gen)
-        return self.add_prepared(request, prompt, stream_text=stream_text)
+        return self.add_prepared(request, prompt, stream_text=stream_text, final_only=not gen.stream)
 
-    def add_prepared(self, request: Request, prompt: str | None, *, stream_text: bool = False) -> Request:
-        """Queue a request built by `make_request` (validated and tokenised once, by the caller)."""
+    def add_prepared(
+        self, request: Request, prompt: str | None, *, stream_text: bool = False, final_only: bool = False
+    ) -> Request:
+        """Queue a request built by `make_request` (validated and tokenised once, by the caller).
+        `stream_text`: decode text at every step; `final_only`: `step()` returns only the request's
+        first output and its last (`GenerationRequest.stream`)."""
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError(
                 f"request id {request.request_id!r} is already running", param="request_id"
@@ -437,7 +441,7 @@ class LLMEngine:
             assert self.lora is not None
             self.lora.acquire(request.lora_name)  # raises when it was removed meanwhile
         self.scheduler.add_request(request)
-        self.output_processor.add(request, prompt, stream_text)
+        self.output_processor.add(request, prompt, stream_text, final_only)
         return request
 
     # -- KV hand-over (kv_transfer.py) ----------------------------------------------------------

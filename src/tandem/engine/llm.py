@@ -109,7 +109,8 @@ class LLM:
         prepared = [self.engine.make_request(r) for r in requests]  # all validated before any is queued
         order = {r.request_id: i for i, r in enumerate(requests)}
         for request, prompt in prepared:
-            self.engine.add_prepared(request, prompt, stream_text=on_output is not None)
+            streamed = on_output is not None
+            self.engine.add_prepared(request, prompt, stream_text=streamed, final_only=not streamed)
         results: list[RequestOutput | None] = [None] * len(requests)
         try:
             while self.engine.has_unfinished_requests():

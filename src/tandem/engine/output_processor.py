@@ -5,7 +5,8 @@ a window from the last settled token, `decode(ids[prefix:])` minus `decode(ids[p
 tokenizers that drop a leading space or merge across tokens give the same text as decoding the
 whole output, and a long answer costs linear, not quadratic, time. Text waits while the window
 ends in U+FFFD (an incomplete UTF-8 sequence). The final text is one decode of the whole output.
-While a request runs, anything that could still become a stop string is held back.
+While a request runs, anything that could still become a stop string is held back. A request
+added `final_only` gets two outputs: its first token and its end.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class _RequestState:
     request: Request
     prompt: str | None
     stream_text: bool
+    final_only: bool  # outputs only for the first token and the end (`GenerationRequest.stream=False`)
     metrics: RequestMetrics
     logprobs: list[dict[int, float]] | None
     text: str = ""  # text emitted so far
@@ -41,12 +43,13 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, _RequestState] = {}
 
-    def add(self, request: Request, prompt: str | None, stream_text: bool) -> None:
+    def add(self, request: Request, prompt: str | None, stream_text: bool, final_only: bool = False) -> None:
         params = request.sampling_params
         self.states[request.request_id] = _RequestState(
             request=request,
             prompt=prompt,
             stream_text=stream_text or bool(params.stop),
+            final_only=final_only,
             metrics=RequestMetrics(arrival_time=request.arrival_time),
             logprobs=[] if params.logprobs is not None else None,
         )
@@ -68,6 +71,8 @@ class OutputProcessor:
             if (state.stream_text or finished) and self._apply_stop_strings(state, finished):
                 finished = True
                 stopped.append(update.request.request_id)
+            if state.final_only and not finished and state.num_emitted_tokens:
+                continue
             outputs.append(self._make_output(state, finished, now))
         return outputs, stopped
 

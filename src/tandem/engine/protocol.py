@@ -31,6 +31,11 @@ class GenerationRequest:
     lora_name: str | None = None  # a LoRA adapter registered with the engine (`add_lora`)
     # With `sampling_params.max_tokens=None`: at most this many new tokens (None: what the context leaves)
     default_max_tokens: int | None = None
+    # False (a consumer that wants only the answer, e.g. a non-streaming API call or a batch line):
+    # the engine sends the first output (its first token, or an error) and the final one, nothing
+    # in between, and decodes the text once at the end. The final output's cumulative fields are
+    # whole; its deltas cover only what the skipped outputs did not.
+    stream: bool = True
 
 
 @dataclass
