@@ -525,3 +525,72 @@ def test_failures_not_of_the_requests_making_are_retried_never_answered(
     assert (totals.completed, totals.failed) == (4, 0)
     output = [json.loads(x) for x in service.file_content("acme", done_record.output_file_id or "").decode().splitlines()]
     assert sorted(o["custom_id"] for o in output) == [f"r-{i}" for i in range(4)]
+
+
+def test_backpressure_waits_and_resends_and_the_window_follows_the_engines_room(tmp_path: Path) -> None:
+    """An executor with 3 seats for batch work refuses the rest (`Backpressure`, as a full replica
+    does): refused lines are sent again, never answered with the refusal nor counted as failures;
+    the worker's line window shrinks below the 16 lines it could send, so most lines wait in the
+    worker instead of being refused over and over; every line is answered exactly once.
+    `execute_batch_line` turns a replica's `BatchCapacityError` into `Backpressure`."""
+    from tandem.batch.worker import Backpressure
+    from tandem.platform.errors import BatchCapacityError
+
+    class FullServer:
+        async def chat(self, *args: Any) -> dict[str, Any]:
+            raise BatchCapacityError("no seat", retry_after_s=0.25)
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(Backpressure) as refused:
+        asyncio.run(execute_batch_line(FullServer(), CHAT, body, "acme"))  # type: ignore[arg-type]
+    assert refused.value.retry_after_s == 0.25
+
+    service = BatchService(
+        FileObjectStore(str(tmp_path / "objects")), {"tiny"}, BatchLimits(shard_size=8, max_shards_in_flight=2)
+    )
+    lines = [_line(f"r-{i}", content=f"hello r-{i}") for i in range(24)]  # 3 shards
+    file_id = service.create_file("acme", "in.jsonl", "batch", ("\n".join(lines) + "\n").encode()).id
+    batch = service.create_batch("acme", file_id, CHAT, "24h")
+    seats = 3
+    answered: list[str] = []
+
+    async def scenario() -> tuple[int, int, int]:
+        num_running = 0
+        num_refused = 0
+
+        async def execute(endpoint: str, body: dict[str, Any], tenant: str) -> ExecutedRequest:
+            nonlocal num_running, num_refused
+            if num_running >= seats:
+                num_refused += 1
+                raise Backpressure("no seat", retry_after_s=0.01)
+            num_running += 1
+            try:
+                await asyncio.sleep(0.01)  # the engine computing
+            finally:
+                num_running -= 1
+            text = body["messages"][0]["content"]
+            answered.append(text)
+            return ExecutedRequest(200, f"req-{text}", {"text": text}, None, output_tokens=1)
+
+        worker = BatchWorker(service, execute, poll_interval_s=0.01, worker_id="backpressured")
+        assert worker.window.size == 16
+        min_size = 16
+
+        async def watch() -> None:
+            nonlocal min_size
+            while True:
+                min_size = min(min_size, worker.window.size)
+                await asyncio.sleep(0.001)
+
+        watcher = asyncio.ensure_future(watch())
+        await _work_until_completed(worker, service, batch.id)
+        watcher.cancel()
+        return num_refused, worker.window.num_backpressured, min_size
+
+    num_refused, num_backpressured, min_size = asyncio.run(scenario())
+    assert num_refused == num_backpressured > 0
+    assert min_size <= 4, "the window shrank toward the executor's seats"
+    assert num_refused < 4 * len(lines), "lines waited in the window instead of being refused again and again"
+    assert sorted(answered) == sorted(f"hello r-{i}" for i in range(24))
+    totals = service.get_batch("acme", batch.id).totals()
+    assert (totals.completed, totals.failed) == (24, 0)

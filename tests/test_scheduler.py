@@ -76,6 +76,34 @@ def test_interactive_admitted_before_batch_and_batch_preempted_first() -> None:
     sched.check_integrity()
 
 
+def test_interactive_takes_the_seat_of_the_latest_batch_request_when_max_num_seqs_is_reached() -> None:
+    """KV has room but every seat is taken by batch requests: the interactive request preempts
+    the latest-arriving one instead of waiting for a (throttled) batch request to finish; two
+    interactive requests never preempt each other."""
+    sched = make_scheduler(num_blocks=64, block_size=4, budget=64, max_seqs=3)
+    for i in range(3):
+        sched.add_request(make_request(f"b{i}", 4, max_tokens=40, priority=Priority.BATCH, arrival=i))
+    out = sched.schedule()
+    sched.update_from_output(out, fake_run(out))
+    sched.add_request(make_request("chat", 4, arrival=10))
+    out = sched.schedule()
+    assert out.preempted_request_ids == ["b2"]
+    assert "chat" in [s.request_id for s in out.scheduled]
+    assert sorted(r.request_id for r in sched.running) == ["b0", "b1", "chat"]
+    sched.update_from_output(out, fake_run(out))
+    sched.check_integrity()
+    sched.add_request(make_request("chat2", 4, arrival=11))
+    sched.add_request(make_request("chat3", 4, arrival=12))
+    out = sched.schedule()
+    assert out.preempted_request_ids == ["b1", "b0"]
+    assert sorted(r.request_id for r in sched.running) == ["chat", "chat2", "chat3"]
+    sched.update_from_output(out, fake_run(out))
+    sched.add_request(make_request("chat4", 4, arrival=13))
+    out = sched.schedule()  # all seats interactive: chat4 waits its turn
+    assert out.preempted_request_ids == [] and "chat4" not in [s.request_id for s in out.scheduled]
+    sched.check_integrity()
+
+
 def test_running_request_preempts_latest_lowest_priority_when_blocks_run_out() -> None:
     sched = make_scheduler(num_blocks=4, block_size=4, budget=64)
     sched.add_request(make_request("old", 4, max_tokens=30, arrival=0))

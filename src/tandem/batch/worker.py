@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -73,6 +74,51 @@ class RetryLater(Exception):
     (until the batch expires)."""
 
 
+class Backpressure(Exception):
+    """Raised by `execute` when no engine has room for batch work now (each replica takes a
+    bounded number of batch requests, so real-time requests always find a seat): not a failure.
+    The line waits `retry_after_s` and is sent again, as long as its shard's lease holds."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class LineWindow:
+    """How many lines a worker has out at once, sized by the engines' backpressure (AIMD, as TCP
+    does): it starts at `limit`, halves on backpressure (at most once per `retry_after_s`, so a
+    burst of refusals of lines sent together counts once), and grows by one per answered line, up
+    to `limit`. Invariant: 1 <= size <= limit and in_flight <= max(size, in_flight at the last
+    shrink) (lines already out are never recalled)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = limit
+        self.in_flight = 0
+        self.num_backpressured = 0
+        self._last_shrink = float("-inf")
+        self._changed = asyncio.Condition()
+
+    async def acquire(self) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.in_flight < self.size)
+            self.in_flight += 1
+
+    async def release(self, *, answered: bool) -> None:
+        async with self._changed:
+            self.in_flight -= 1
+            if answered:
+                self.size = min(self.limit, self.size + 1)
+            self._changed.notify_all()
+
+    def shrink(self, hold_s: float) -> None:
+        self.num_backpressured += 1
+        now = time.monotonic()
+        if now - self._last_shrink >= hold_s:
+            self._last_shrink = now
+            self.size = max(1, self.size // 2)
+
+
 def _shard_counts(rows: list[BatchResult]) -> ShardCounts:
     return ShardCounts(
         completed=sum(r.ok for r in rows),
@@ -106,6 +152,8 @@ class BatchWorker:
         self.num_duplicate_commits = 0
         self._wake = asyncio.Event()
         self._shards: set[asyncio.Future[None]] = set()  # shards in flight, each its own task
+        limits = service.limits
+        self.window = LineWindow(limits.max_shards_in_flight * limits.shard_size)
 
     # -- loop ------------------------------------------------------------------------------
     async def run_forever(self) -> None:
@@ -280,10 +328,27 @@ class BatchWorker:
                 return reason
         return None
 
+    async def _send(self, record: BatchRecord, row: BatchInput) -> ExecutedRequest:
+        """`execute` within the line window; on backpressure, wait and send again (a cancelled
+        shard cancels the wait)."""
+        while True:
+            await self.window.acquire()
+            answered = False
+            try:
+                done = await self.execute(record.endpoint, row.body, record.tenant)
+                answered = True
+                return done
+            except Backpressure as exc:
+                self.window.shrink(exc.retry_after_s)
+                pause_s = exc.retry_after_s * random.uniform(0.5, 1.5)  # spread the retries out
+            finally:
+                await self.window.release(answered=answered)
+            await asyncio.sleep(pause_s)
+
     async def _run_one(self, record: BatchRecord, row: BatchInput) -> BatchResult:
         request_id = batch_request_id(record.id, row.line)
         try:
-            done = await self.execute(record.endpoint, row.body, record.tenant)
+            done = await self._send(record, row)
         except (asyncio.CancelledError, RetryLater):
             raise
         except Exception:  # an engine failure must not lose the rest of the shard

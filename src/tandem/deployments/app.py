@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import asdict
 from typing import Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
@@ -85,8 +85,17 @@ class AppConfig(BaseModel):
         description="Tokens per streamed message from a replica (first token and end always at once); "
         "higher costs less CPU per token on small nodes, at coarser streaming",
     )
-    max_ongoing_requests: int = 64
+    max_ongoing_requests: int = Field(
+        128, ge=1, description="Requests one LLM replica takes at once (Serve); more queue in the callers"
+    )
     max_queued_requests: int = 128
+    max_batch_requests_per_replica: int | None = Field(
+        None,
+        ge=1,
+        description="Batch requests one LLM replica takes at once; more wait in the batch workers. "
+        "Default: the engine's max_num_seqs, at most half of max_ongoing_requests, so real-time "
+        "requests always find a seat in Serve and in the engine",
+    )
     ingress_max_ongoing_requests: int = 1024
     ingress_num_replicas: int = Field(
         1,
@@ -124,6 +133,16 @@ class AppConfig(BaseModel):
         for prefix in prefixes:
             check_source_prefix(prefix)
         return prefixes
+
+    @model_validator(mode="after")
+    def _seats_left_for_real_time(self) -> AppConfig:
+        limit = self.max_batch_requests_per_replica
+        if limit is not None and limit >= self.max_ongoing_requests:
+            raise ValueError(
+                f"max_batch_requests_per_replica ({limit}) must be below max_ongoing_requests "
+                f"({self.max_ongoing_requests}): batch work must leave seats for real-time requests"
+            )
+        return self
 
 
 fastapi_app = create_app()
@@ -239,6 +258,13 @@ def openai_server(
     return server
 
 
+def max_batch_requests(cfg: AppConfig) -> int:
+    """Batch requests one LLM replica takes at once (`max_batch_requests_per_replica`, resolved)."""
+    if cfg.max_batch_requests_per_replica is not None:
+        return cfg.max_batch_requests_per_replica
+    return max(1, min(cfg.engine.max_num_seqs, cfg.max_ongoing_requests // 2))
+
+
 def replica_options(cfg: AppConfig) -> dict[str, Any]:
     """Serve options of the `LLMReplica` deployment: resources, environment, backpressure and
     scaling."""
@@ -347,10 +373,14 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
             .bind(prefill_options)
         )
         decode = serve.deployment(name=LLM_DEPLOYMENT)(DecodeReplica).options(**replica_options(cfg))
-        llm = decode.bind(prefill, engine_options, cfg.object_store, cfg.stream_interval, fleet)
+        llm = decode.bind(
+            prefill, engine_options, cfg.object_store, cfg.stream_interval, fleet, max_batch_requests(cfg)
+        )
     else:
         replica = serve.deployment(name=LLM_DEPLOYMENT)(LLMReplica).options(**replica_options(cfg))
-        llm = replica.bind(engine_options, None, cfg.object_store, cfg.stream_interval, fleet)
+        llm = replica.bind(
+            engine_options, None, cfg.object_store, cfg.stream_interval, fleet, max_batch_requests(cfg)
+        )
     ingress = cast(serve.Deployment, OpenAIIngress).options(
         num_replicas=cfg.ingress_num_replicas,
         ray_actor_options={"num_cpus": 0},

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tandem.batch.worker import ExecutedRequest, RetryLater
+from tandem.batch.worker import Backpressure, ExecutedRequest, RetryLater
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.engine.request import Priority
 from tandem.platform.errors import (
@@ -51,7 +51,8 @@ def is_retryable(exc: TandemError) -> bool:
 async def execute_batch_line(server: OpenAIServer, endpoint: str, body: dict[str, Any], tenant: str) -> ExecutedRequest:
     """Run one line of a batch file at batch priority: the same code path and response body
     as the real-time endpoint, with errors captured in OpenAI's shape instead of raised. A
-    retryable failure (`is_retryable`) is retried, then raises `RetryLater`."""
+    retryable failure (`is_retryable`) is retried, then raises `RetryLater`; a replica with no
+    seat left for batch work raises `Backpressure` (the worker waits and sends the line again)."""
     try:
         reject_unsupported(body)
         if body.get("stream"):
@@ -70,6 +71,8 @@ async def execute_batch_line(server: OpenAIServer, endpoint: str, body: dict[str
                     raise InvalidRequestError(f"endpoint {endpoint!r} is not supported", param="url")
                 break
             except TandemError as exc:
+                if exc.code == "batch_capacity":  # every seat for batch work is taken: wait, not a failure
+                    raise Backpressure(exc.message, getattr(exc, "retry_after_s", 1.0)) from exc
                 if not is_retryable(exc):
                     raise
                 if attempt == len(RETRY_BACKOFF_S):

@@ -27,7 +27,8 @@ from ray.serve.handle import DeploymentHandle
 from tandem.deployments.adapters import AdapterStore, load_into_engine
 from tandem.engine.kv_transfer import KVPrefixEvictedError, KVTransfer
 from tandem.engine.protocol import GenerationRequest, RequestOutput
-from tandem.platform.errors import ServiceUnavailableError
+from tandem.engine.request import Priority
+from tandem.platform.errors import BatchCapacityError, ServiceUnavailableError
 from tandem.platform.object_store import open_object_store
 
 if TYPE_CHECKING:  # the engine (and torch) loads in the replica's process only, not in the ingress's
@@ -59,10 +60,17 @@ class LLMReplica:
         object_store: str | None = None,
         stream_interval: int = 1,
         fleet: DeploymentHandle | None = None,
+        max_batch_requests: int | None = None,
     ) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.stream_interval = stream_interval
+        # Batch requests this replica takes at once (None: no limit); more are refused at once
+        # with `BatchCapacityError`, so they never fill Serve's `max_ongoing_requests` seats that
+        # real-time requests need, nor queue in the engine past what it can run.
+        self.max_batch_requests = max_batch_requests
+        self.num_batch_requests = 0
+        self.num_batch_requests_refused = 0
         if engine_factory is not None:
             self.engine = engine_factory()
         else:
@@ -90,16 +98,34 @@ class LLMReplica:
             yield output
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        """`stream` for callers in other processes (ingress, batch workers)."""
-        async for output in self.stream(request):
-            yield output.without_cumulative()  # cumulative fields cross processes once, at the end
+        """`stream` for callers in other processes (ingress, batch workers). A batch request over
+        `max_batch_requests` is refused before it starts (`BatchCapacityError`)."""
+        is_batch = request.priority is Priority.BATCH
+        if is_batch:
+            if self.max_batch_requests is not None and self.num_batch_requests >= self.max_batch_requests:
+                self.num_batch_requests_refused += 1
+                raise BatchCapacityError(
+                    f"this replica runs {self.num_batch_requests} batch requests, its limit; send it again later"
+                )
+            self.num_batch_requests += 1
+        try:
+            async for output in self.stream(request):
+                yield output.without_cumulative()  # cumulative fields cross processes once, at the end
+        finally:
+            if is_batch:
+                self.num_batch_requests -= 1
 
     async def model_name(self) -> str:
         return self.engine.model_name
 
     async def stats(self) -> dict[str, Any]:
-        """The engine's stats, and this replica's process id."""
-        return {**self.engine.stats(), "pid": os.getpid()}
+        """The engine's stats, this replica's process id and its batch seats."""
+        return {
+            **self.engine.stats(),
+            "pid": os.getpid(),
+            "num_batch_requests": self.num_batch_requests,
+            "num_batch_requests_refused": self.num_batch_requests_refused,
+        }
 
     async def lora_info(self) -> dict[str, Any]:
         return self.engine.lora_info()
@@ -173,8 +199,16 @@ class DecodeReplica(LLMReplica):
         object_store: str | None = None,
         stream_interval: int = 1,
         fleet: DeploymentHandle | None = None,
+        max_batch_requests: int | None = None,
     ) -> None:
-        super().__init__({"role": "decode", **(engine_options or {})}, None, object_store, stream_interval, fleet)
+        super().__init__(
+            {"role": "decode", **(engine_options or {})},
+            None,
+            object_store,
+            stream_interval,
+            fleet,
+            max_batch_requests,
+        )
         self.prefill = prefill
         self.num_prefill_retries = 0  # prefill calls retried after a prefill replica died
         self.num_whole_transfers_after_eviction = 0  # skipped pages evicted before the import

@@ -385,13 +385,18 @@ class Scheduler:
         and free blocks; a waiting request may preempt a running one of lower priority."""
         active_loras = {r.lora_name for r in self.running if r.lora_name is not None}
         position = 0  # requests before it wait for a LoRA slot; later ones may still go ahead
-        while (
-            position < len(self.waiting)
-            and self.waiting[position].priority is priority
-            and cap > 0
-            and len(self.running) < self.max_num_seqs
-        ):
+        while position < len(self.waiting) and self.waiting[position].priority is priority and cap > 0:
             request = self.waiting[position]
+            if len(self.running) >= self.max_num_seqs:
+                # Full: a request of higher priority than some running one takes its seat (an
+                # interactive request never waits for batch requests, which are throttled while it
+                # waits, to finish); otherwise admission stops here.
+                lower = self._lower_priority_victim(request)
+                if lower is None:
+                    break
+                self._preempt_in_step(lower, step)
+                active_loras = {r.lora_name for r in self.running if r.lora_name is not None}
+                continue
             if priority is Priority.BATCH and not self._batch_has_room(request):
                 break
             lora = request.lora_name
@@ -413,13 +418,7 @@ class Scheduler:
                     self.kv.free(request.request_id)  # give back any prefix-cache hits
                     request.num_computed_tokens = 0
                     break
-                if lower.request_id in step.scheduled_ids:  # give back its share of this step
-                    index = next(i for i, s in enumerate(step.scheduled) if s.request_id == lower.request_id)
-                    returned = len(step.scheduled.pop(index).token_ids)
-                    step.budget += returned
-                    step.scheduled_ids.discard(lower.request_id)
-                self._preempt(lower)
-                step.preempted.append(lower.request_id)
+                self._preempt_in_step(lower, step)
                 active_loras = {r.lora_name for r in self.running if r.lora_name is not None}
                 continue
             self.waiting.pop(position)
@@ -431,6 +430,15 @@ class Scheduler:
             step.scheduled_ids.add(request.request_id)
             step.budget -= num_new
             cap -= num_new
+
+    def _preempt_in_step(self, request: Request, step: _Step) -> None:
+        """Preempt a running request, giving back its share of this step if it had one."""
+        if request.request_id in step.scheduled_ids:
+            index = next(i for i, s in enumerate(step.scheduled) if s.request_id == request.request_id)
+            step.budget += len(step.scheduled.pop(index).token_ids)
+            step.scheduled_ids.discard(request.request_id)
+        self._preempt(request)
+        step.preempted.append(request.request_id)
 
     def cache_salt(self, request: Request) -> tuple[str | None, str | None]:
         """What besides the tokens keys a cached block: the adapter, and the tenant unless

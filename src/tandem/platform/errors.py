@@ -41,6 +41,15 @@ class OverloadedError(TandemError):
         self.retry_after_s = retry_after_s
 
 
+class BatchCapacityError(OverloadedError):
+    """A replica already runs as many batch requests as it takes (`max_batch_requests`); batch
+    workers wait and send the line again. Never shown to a client: batch lines are retried."""
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.code = "batch_capacity"
+
+
 class ModelLoadError(TandemError):
     """A model path is missing, or a weight or tokenizer file is corrupt or unsupported."""
 
