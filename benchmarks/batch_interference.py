@@ -139,6 +139,7 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 SERVE_KEY = "sk-bench-interference"
+OPERATOR_KEY = "sk-op-bench-interference"
 TOPICS = ["rivers", "old maps", "bread", "the moon", "chess", "bees", "winter", "trains", "jazz", "tea"]
 
 
@@ -153,7 +154,7 @@ def _start_server(data_dir: str, port: int) -> tuple[subprocess.Popen[bytes], st
     `/v1/models` answers (polled, with a deadline)."""
     import httpx
 
-    env = {**os.environ, "TANDEM_API_KEYS": f"{SERVE_KEY}=bench"}
+    env = {**os.environ, "TANDEM_API_KEYS": f"{SERVE_KEY}=bench", "TANDEM_OPERATOR_KEYS": OPERATOR_KEY}
     command = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), "--data-dir", data_dir]
     log(" ".join(command[1:]))
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
@@ -185,6 +186,21 @@ def _stop_server(server: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
+
+
+def _batch_tokens(base: str) -> float:
+    """Tokens the engines generated for batch requests so far (`/metrics`, as the replicas last
+    reported them): batch progress between shard commits."""
+    import httpx
+
+    text = httpx.get(
+        base.removesuffix("/v1") + "/metrics", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}, timeout=10
+    ).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("tandem_engine_output_tokens_batch_total")
+    )
 
 
 def _chat_messages(i: int, words: int) -> list[dict[str, str]]:
@@ -281,15 +297,20 @@ def run_through_serve(args: argparse.Namespace) -> dict[str, Any]:
                 assert time.perf_counter() < deadline, "the batch did not start"
                 time.sleep(0.5)
             counts_before, usage_before, window_start = batch.request_counts, batch.usage, time.perf_counter()
+            engine_tokens_before = _batch_tokens(base)
             with_batch = _interactive_window(client, model, args, "with_batch")
             batch = client.batches.retrieve(batch.id)
             window_s = time.perf_counter() - window_start
+            engine_tokens = _batch_tokens(base) - engine_tokens_before
             assert batch.request_counts is not None and counts_before is not None
             lines_done = batch.request_counts.completed - counts_before.completed
             tokens_done = (batch.usage.output_tokens if batch.usage else 0) - (
                 usage_before.output_tokens if usage_before else 0
             )
-            log(f"batch during the window: {lines_done} lines, {tokens_done / window_s:.1f} tok/s")
+            log(
+                f"batch during the window: {lines_done} lines committed ({tokens_done / window_s:.1f} tok/s), "
+                f"engine batch tokens {engine_tokens / window_s:.1f} tok/s"
+            )
             if batch.status not in ("completed", "failed", "cancelled", "expired"):
                 client.batches.cancel(batch.id)
         finally:
@@ -302,7 +323,8 @@ def run_through_serve(args: argparse.Namespace) -> dict[str, Any]:
         "ratios_vs_alone": ratios,
         "batch_during_window": {
             "lines_completed": lines_done,
-            "output_tokens_per_s": tokens_done / window_s,
+            "committed_output_tokens_per_s": tokens_done / window_s,
+            "engine_batch_tokens_per_s": engine_tokens / window_s,
             "window_s": window_s,
             "lines_total": args.serve_batch_lines,
         },

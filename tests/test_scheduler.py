@@ -85,6 +85,7 @@ def test_interactive_takes_the_seat_of_the_latest_batch_request_when_max_num_seq
         sched.add_request(make_request(f"b{i}", 4, max_tokens=40, priority=Priority.BATCH, arrival=i))
     out = sched.schedule()
     sched.update_from_output(out, fake_run(out))
+    assert sched.num_output_tokens_total == {Priority.INTERACTIVE: 0, Priority.BATCH: 3}
     sched.add_request(make_request("chat", 4, arrival=10))
     out = sched.schedule()
     assert out.preempted_request_ids == ["b2"]
@@ -262,6 +263,46 @@ def test_batch_throttle_caps_batch_tokens_even_with_budget_to_spare() -> None:
     out = sched.schedule()
     assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("i0", 14), ("b0", 1), ("b1", 1)]
     assert out.num_scheduled_tokens == 16 < sched.max_num_batched_tokens
+
+
+def test_batch_steps_stay_short_for_a_while_after_interactive_traffic() -> None:
+    """While an interactive request runs, batch gets `batch_tokens_under_load` tokens per step; for
+    `interactive_quiet_s` after it left, at most `batch_tokens_after_interactive`; then the whole
+    budget again."""
+    kv = KVCacheManager(64, 4, watermark=0.0)
+    now = [0.0]
+    sched = Scheduler(
+        kv,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        batch_max_prefill_tokens=64,
+        batch_tokens_under_load=1,
+        batch_tokens_after_interactive=3,
+        interactive_quiet_s=2.0,
+        clock=lambda: now[0],
+    )
+    for i in range(8):
+        sched.add_request(make_request(f"b{i}", 2, max_tokens=30, priority=Priority.BATCH, arrival=i))
+
+    def batch_tokens(out: SchedulerOutput) -> int:
+        return sum(len(s.token_ids) for s in out.scheduled if s.request_id.startswith("b"))
+
+    out = sched.schedule()
+    assert batch_tokens(out) == 16  # no interactive traffic yet: every prompt at once
+    sched.update_from_output(out, fake_run(out))
+    sched.add_request(make_request("chat", 2, max_tokens=1, arrival=10))
+    out = sched.schedule()
+    assert batch_tokens(out) == 1
+    sched.update_from_output(out, fake_run(out))  # chat finishes (max_tokens=1)
+    now[0] = 1.5
+    out = sched.schedule()
+    assert batch_tokens(out) == 3
+    sched.update_from_output(out, fake_run(out))
+    now[0] = 2.5
+    out = sched.schedule()
+    assert batch_tokens(out) == 8
+    sched.check_integrity()
 
 
 def test_among_running_batch_requests_the_latest_arrival_is_preempted_first() -> None:

@@ -34,7 +34,7 @@ from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.precision import PrecisionChoice, choose_precision
 from tandem.engine.precision import pinned as pinned_precision
 from tandem.engine.protocol import GenerationRequest, RequestOutput
-from tandem.engine.request import Request, RequestStatus
+from tandem.engine.request import Priority, Request, RequestStatus
 from tandem.engine.runner import KVCacheSpec, ModelRunner, allocate_kv_caches
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.speculative import SpeculationSettings
@@ -129,6 +129,8 @@ class LLMEngine:
             batch_kv_occupancy_limit=config.batch_kv_occupancy_limit,
             batch_max_prefill_tokens=config.batch_max_prefill_tokens,
             batch_tokens_under_load=config.batch_tokens_under_load,
+            batch_tokens_after_interactive=config.batch_tokens_after_interactive,
+            interactive_quiet_s=config.interactive_quiet_s,
             max_loras=config.max_loras if config.enable_lora else 0,
             share_prefix_cache_across_tenants=config.share_prefix_cache_across_tenants,
             speculation=_speculation_settings(config, has_draft=getattr(parts.runner, "draft", None) is not None),
@@ -724,6 +726,8 @@ class LLMEngine:
             "num_waiting": self.scheduler.num_waiting,
             "queued_prompt_tokens": self.scheduler.num_uncomputed_prompt_tokens(),
             "num_preemptions": self.scheduler.num_preemptions_total,
+            "num_output_tokens_interactive": self.scheduler.num_output_tokens_total[Priority.INTERACTIVE],
+            "num_output_tokens_batch": self.scheduler.num_output_tokens_total[Priority.BATCH],
             "max_model_len": self.max_model_len,
             "num_steps": self.num_steps,
             "num_draft_tokens": self.scheduler.num_draft_tokens_total,

@@ -12,13 +12,16 @@ lowest-priority, latest-arriving running request is preempted. Batch requests fi
 only: one is admitted while the KV cache stays under `batch_kv_occupancy_limit` with its whole
 prompt counted, its prefill chunks are capped at `batch_max_prefill_tokens`, and while any
 interactive request runs or waits all batch requests together get at most
-`batch_tokens_under_load` tokens per step (the others keep their KV and wait a step).
+`batch_tokens_under_load` tokens per step (the others keep their KV and wait a step), and for
+`interactive_quiet_s` after the last one left at most `batch_tokens_after_interactive` (short
+steps: what an arriving interactive request waits for is the step in flight).
 """
 
 from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.engine.kv_cache import KVCacheManager
@@ -76,9 +79,12 @@ class Scheduler:
         batch_kv_occupancy_limit: float = 0.8,
         batch_max_prefill_tokens: int | None = None,
         batch_tokens_under_load: int = 4,
+        batch_tokens_after_interactive: int | None = None,
+        interactive_quiet_s: float = 2.0,
         max_loras: int = 0,
         share_prefix_cache_across_tenants: bool = False,
         speculation: SpeculationSettings | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kv = kv_manager
         # Prompt-lookup speculation (None: off): per request an n-gram index and its running
@@ -102,6 +108,13 @@ class Scheduler:
         self.batch_max_prefill_tokens = batch_max_prefill_tokens or max(1, max_num_batched_tokens // 4)
         # While interactive requests run or wait, batch requests share this many tokens per step.
         self.batch_tokens_under_load = batch_tokens_under_load
+        # For `interactive_quiet_s` after the last of them left, batch steps stay short (at most
+        # `batch_tokens_after_interactive` batch tokens): a step in flight is what a newly
+        # arrived interactive request waits for, and a full batch step is many times a short one.
+        self.batch_tokens_after_interactive = batch_tokens_after_interactive
+        self.interactive_quiet_s = interactive_quiet_s
+        self.clock = clock
+        self._last_interactive_at = float("-inf")
         # At most this many distinct LoRA adapters among running requests (the device slots).
         self.max_loras = max_loras
         self.share_prefix_cache_across_tenants = share_prefix_cache_across_tenants
@@ -116,6 +129,9 @@ class Scheduler:
         self.held_since: dict[str, float] = {}  # when each was held (time.monotonic())
         self._seen_by_runner: set[str] = set()
         self.num_preemptions_total = 0
+        # Tokens appended to requests' outputs, per priority class (batch progress is visible
+        # while real-time traffic runs).
+        self.num_output_tokens_total = {priority: 0 for priority in Priority}
 
     # -- queue management ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -248,10 +264,19 @@ class Scheduler:
             self.waiting and self.waiting[0].priority is Priority.INTERACTIVE
         )
         self._planned_drafts = self._plan_speculation(interactive_active) if self.speculation else {}
+        now = self.clock()
+        if interactive_active:
+            self._last_interactive_at = now
         for priority in Priority:
             cap = step.budget
             if priority is Priority.BATCH and interactive_active:
                 cap = min(cap, self.batch_tokens_under_load)
+            elif (
+                priority is Priority.BATCH
+                and self.batch_tokens_after_interactive is not None
+                and now - self._last_interactive_at < self.interactive_quiet_s
+            ):
+                cap = min(cap, self.batch_tokens_after_interactive)
             cap = self._schedule_running(priority, step, cap)
             if not step.preempted:  # memory is tight when running requests had to be preempted
                 self._admit_waiting(priority, step, cap)
@@ -492,6 +517,7 @@ class Scheduler:
             # accepted drafts (rejected drafts' slots lie beyond and are rewritten next step). A
             # stop inside the accepted drafts ends the request there.
             request.num_computed_tokens = request.num_tokens - 1
+            self.num_output_tokens_total[request.priority] += len(new_tokens)
             self._maybe_cache(request, before)
             index = self._ngrams.get(request.request_id)
             if index is not None:

@@ -150,6 +150,16 @@ class EngineConfig(BaseModel):
         ge=0,
         description="Tokens per step that batch requests share while interactive requests run or wait.",
     )
+    batch_tokens_after_interactive: int | None = Field(
+        16,
+        ge=1,
+        description="Tokens per step that batch requests share for interactive_quiet_s after the last "
+        "interactive request left: short steps, so that the next one waits little for the step in "
+        "flight when it arrives. None: no cap (batch steps as large as the budget at once).",
+    )
+    interactive_quiet_s: float = Field(
+        2.0, ge=0.0, description="How long after interactive traffic batch steps stay short."
+    )
     enable_lora: bool = Field(False, description="Serve LoRA adapters (reserves max_loras device slots).")
     max_loras: int = Field(4, ge=1, description="Distinct adapters in one batch (device slots).")
     max_lora_rank: int = Field(16, ge=1, le=256, description="Largest adapter rank accepted.")

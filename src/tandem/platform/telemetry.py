@@ -112,6 +112,16 @@ class Telemetry:
                 "parameters or logits); the others in the step went on",
             ),
             ("tandem_engine_steps", "num_steps", "Engine steps that ran the model"),
+            (
+                "tandem_engine_output_tokens_interactive",
+                "num_output_tokens_interactive",
+                "Tokens the engine generated for real-time requests",
+            ),
+            (
+                "tandem_engine_output_tokens_batch",
+                "num_output_tokens_batch",
+                "Tokens the engine generated for batch requests (batch progress between shard commits)",
+            ),
             ("tandem_spec_draft_tokens", "num_draft_tokens", "Speculative draft tokens verified"),
             ("tandem_spec_accepted_tokens", "num_accepted_draft_tokens", "Draft tokens the model accepted"),
             (
