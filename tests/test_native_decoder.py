@@ -5,6 +5,7 @@ scattered blocks; and in the engine, the steps it takes and the tokens it gives.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -89,7 +90,11 @@ def test_native_stack_matches_the_eager_int4_model(tiny_model_dir: Path, kv_cach
             want_values = _cache_values(want_t)
             assert not torch.equal(want_values, _cache_values(old_t))  # the step wrote this tensor
             diff = (_cache_values(got_t) - want_values).abs().max().item()
-            assert diff <= tolerance * want_values.abs().max().item(), (layer, diff)
+            largest = want_values.abs().max().item()
+            # A code rounding the other way moves a value by one step of its binade: for FP8
+            # (3 mantissa bits) near the top of the range that step (32 at 448) is above 7%.
+            one_code = 2.0 ** (math.floor(math.log2(largest)) - 3) if kv_cache_dtype == "fp8_e4m3" else 0.0
+            assert diff <= max(tolerance * largest, one_code), (layer, diff)
 
 
 def test_a_rows_result_does_not_depend_on_its_batch(tiny_model_dir: Path) -> None:

@@ -263,20 +263,22 @@ class Scheduler:
         interactive_active = any(r.priority is Priority.INTERACTIVE for r in self.running) or bool(
             self.waiting and self.waiting[0].priority is Priority.INTERACTIVE
         )
-        self._planned_drafts = self._plan_speculation(interactive_active) if self.speculation else {}
         now = self.clock()
         if interactive_active:
             self._last_interactive_at = now
+        batch_cap: int | None = None  # tokens batch requests share this step (None: the budget)
+        if interactive_active:
+            batch_cap = self.batch_tokens_under_load
+        elif (
+            self.batch_tokens_after_interactive is not None
+            and now - self._last_interactive_at < self.interactive_quiet_s
+        ):
+            batch_cap = self.batch_tokens_after_interactive
+        self._planned_drafts = self._plan_speculation(batch_cap) if self.speculation else {}
         for priority in Priority:
             cap = step.budget
-            if priority is Priority.BATCH and interactive_active:
-                cap = min(cap, self.batch_tokens_under_load)
-            elif (
-                priority is Priority.BATCH
-                and self.batch_tokens_after_interactive is not None
-                and now - self._last_interactive_at < self.interactive_quiet_s
-            ):
-                cap = min(cap, self.batch_tokens_after_interactive)
+            if priority is Priority.BATCH and batch_cap is not None:
+                cap = min(cap, batch_cap)
             cap = self._schedule_running(priority, step, cap)
             if not step.preempted:  # memory is tight when running requests had to be preempted
                 self._admit_waiting(priority, step, cap)
@@ -289,26 +291,31 @@ class Scheduler:
             finished_request_ids=finished_ids,
         )
 
-    def _plan_speculation(self, interactive_active: bool) -> dict[str, list[int]]:
+    def _plan_speculation(self, batch_cap: int | None) -> dict[str, list[int]]:
         """Draft tokens to verify this step, per running request that is decoding (its next
         token is the only one not computed) and may speculate: not opted out, no penalties (they
         depend on every earlier token), not seeded sampling (how many drafts a step verifies
         depends on measured time, and a seed promises the same tokens on every run), not a batch
-        request while interactive ones run (their tokens are throttled), and room left under
-        max_tokens and the context. How many each
-        gets is `plan_drafts` on the measured step cost."""
+        request while batch tokens are capped (`batch_cap`: interactive traffic), and room left
+        under max_tokens and the context. How many each gets is `plan_drafts` on the measured step
+        cost, of a step as it will be: throttled batch requests count for what they get."""
         assert self.speculation is not None and self.acceptance is not None
         settings = self.speculation
         self.acceptance.drift()
         candidates: list[DraftCandidate] = []
         decoding = [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]
-        num_decoding = len(decoding)
-        # Tokens this step computes before drafts: one per decoding request plus prompt chunks.
-        step_tokens = min(
-            self.max_num_batched_tokens,
-            num_decoding
-            + sum(r.num_tokens - r.num_computed_tokens for r in self.running if r.num_computed_tokens < r.num_tokens - 1),
-        )
+        # Tokens this step computes before drafts: one per decoding request plus prompt chunks;
+        # batch requests' share at most `batch_cap`.
+        tokens = {priority: 0 for priority in Priority}
+        rows = {priority: 0 for priority in Priority}
+        for r in self.running:
+            tokens[r.priority] += max(1, r.num_tokens - r.num_computed_tokens)
+            rows[r.priority] += r.num_computed_tokens == r.num_tokens - 1
+        if batch_cap is not None:
+            tokens[Priority.BATCH] = min(tokens[Priority.BATCH], batch_cap)
+            rows[Priority.BATCH] = min(rows[Priority.BATCH], batch_cap)
+        num_decoding = sum(rows.values())
+        step_tokens = min(self.max_num_batched_tokens, sum(tokens.values()))
         step_cost_s, draft_cost_s = self._draft_costs(num_decoding, step_tokens)
         for request in decoding:
             params = request.sampling_params
@@ -316,7 +323,7 @@ class Scheduler:
                 not params.speculative
                 or params.has_penalties
                 or (params.seed is not None and not params.greedy)
-                or (request.priority is Priority.BATCH and interactive_active)
+                or (request.priority is Priority.BATCH and batch_cap is not None)
             ):
                 continue
             # Accepted drafts plus the target's own token must fit max_tokens and the context.
