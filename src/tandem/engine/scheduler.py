@@ -277,9 +277,12 @@ class Scheduler:
         self._planned_drafts = self._plan_speculation(batch_cap) if self.speculation else {}
         for priority in Priority:
             cap = step.budget
+            throttled = priority is Priority.BATCH and batch_cap is not None
             if priority is Priority.BATCH and batch_cap is not None:
                 cap = min(cap, batch_cap)
-            cap = self._schedule_running(priority, step, cap)
+            # Throttled batch tokens go to decodes first: a step of decodes only stays small and
+            # fast (the INT4 stack's), where a prompt chunk beside them would make it a dense one.
+            cap = self._schedule_running(priority, step, cap, decoders_first=throttled)
             if not step.preempted:  # memory is tight when running requests had to be preempted
                 self._admit_waiting(priority, step, cap)
 
@@ -381,13 +384,19 @@ class Scheduler:
             num_new = min(num_new, self.batch_max_prefill_tokens)
         return num_new
 
-    def _schedule_running(self, priority: Priority, step: _Step, cap: int) -> int:
-        """Schedule running requests of `priority` (arrival order) within `cap` tokens; preempt
-        from the back of `running` (lowest priority, latest arrival) when blocks run out.
-        Returns what is left of `cap`."""
-        index = next((i for i, r in enumerate(self.running) if r.priority is priority), len(self.running))
-        while index < len(self.running) and self.running[index].priority is priority and cap > 0:
-            request = self.running[index]
+    def _schedule_running(self, priority: Priority, step: _Step, cap: int, decoders_first: bool = False) -> int:
+        """Schedule running requests of `priority` (arrival order; with `decoders_first`, those
+        decoding before those still in their prompt) within `cap` tokens; preempt from the back
+        of `running` (lowest priority, latest arrival) when blocks run out. Returns what is left
+        of `cap`."""
+        candidates = [r for r in self.running if r.priority is priority]
+        if decoders_first:  # stable: arrival order within each group
+            candidates.sort(key=lambda r: r.num_computed_tokens < r.num_tokens - 1)
+        for request in candidates:
+            if cap <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted for an earlier one
+                continue
             num_new = self._chunk(request, cap)
             drafts = self._planned_drafts.get(request.request_id, [])
             if drafts and request.num_computed_tokens + num_new == request.num_tokens:
@@ -407,9 +416,6 @@ class Scheduler:
                 step.scheduled_ids.add(request.request_id)
                 step.budget -= num_new + len(drafts)
                 cap -= num_new + len(drafts)
-                index += 1
-                continue
-            # `request` itself was preempted; the list shifted, `index` already points past it.
         return cap
 
     def _admit_waiting(self, priority: Priority, step: _Step, cap: int) -> None:

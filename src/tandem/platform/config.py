@@ -151,7 +151,7 @@ class EngineConfig(BaseModel):
         description="Tokens per step that batch requests share while interactive requests run or wait.",
     )
     batch_tokens_after_interactive: int | None = Field(
-        16,
+        8,
         ge=1,
         description="Tokens per step that batch requests share for interactive_quiet_s after the last "
         "interactive request left: short steps, so that the next one waits little for the step in "
