@@ -93,23 +93,30 @@ def test_batch_workers_follow_queued_shards() -> None:
     assert desired_batch_workers(0, BatchQueueTargets(min_replicas=0)) == 0  # scale to zero
 
 
-def test_serve_config_file_is_a_valid_app() -> None:
-    """infra/serve_config.yaml is a valid Serve config of the app `tandem serve --print-config`
+@pytest.mark.parametrize("layout", ["colocated", "colocated-gpu", "disaggregated-gpu"])
+def test_serve_config_files_are_valid_apps(layout: str) -> None:
+    """infra/serve/*.yaml are valid Serve configs of the app `tandem serve --print-config`
     describes: its args are AppConfig fields (extra fields are refused), and the app builds
-    (composition only: nothing is deployed)."""
+    (composition only: nothing is deployed) with the placement the layout promises."""
     from pathlib import Path
 
     import yaml
     from ray.serve.schema import ServeDeploySchema
 
     from tandem.cli import serve_config
-    from tandem.deployments.app import AppConfig, build_app
+    from tandem.deployments.app import AppConfig, build_app, replica_options
 
-    config = yaml.safe_load((Path(__file__).parents[1] / "infra" / "serve_config.yaml").read_text())
+    config = yaml.safe_load((Path(__file__).parents[1] / "infra" / "serve" / f"{layout}.yaml").read_text())
     ServeDeploySchema.model_validate(config)  # what `serve deploy` accepts
     args = config["applications"][0]["args"]
-    AppConfig(**args)
+    cfg = AppConfig(**args)
     build_app(args)
+    actor = replica_options(cfg)["ray_actor_options"]
+    if layout == "colocated":
+        assert actor.get("resources") == {"tandem_engine": 1.0} and "num_gpus" not in actor
+    else:
+        assert actor.get("num_gpus") == 1.0
+    assert cfg.placement_of("OpenAIIngress").resources == {"tandem_service": 0.01}
     # The same application as `tandem serve --print-config` writes: builder, name and prefix.
     printed = serve_config(args)["applications"][0]
     for key in ("name", "route_prefix", "import_path"):

@@ -1,11 +1,12 @@
 """Builders for the Serve application, used by `tandem serve` and by `serve run`/`serve deploy`
-(infra/serve_config.yaml points at `tandem.deployments.app:build_app`)."""
+(infra/serve/colocated.yaml points at `tandem.deployments.app:build_app`)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import asdict
 from typing import Any, Literal, cast
 
@@ -32,9 +33,33 @@ from tandem.deployments.replicas import (
 from tandem.deployments.routing import RoutingConfig
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.config import EngineConfig
-from tandem.platform.errors import OverloadedError, ReplicaLostError
+from tandem.platform.errors import OverloadedError, ReplicaLostError, ServiceUnavailableError
 from tandem.platform.object_store import open_object_store
 from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys, parse_operator_keys
+
+
+class Placement(BaseModel):
+    """Where a deployment's replicas may run: Ray resources each replica requests, on top of its
+    CPUs. A GPU engine asks `num_gpus`; a CPU-only cluster pins engines to the nodes meant for them
+    with a custom resource those nodes declare (`ray start --resources '{"tandem_engine": 4}'`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_gpus: float = Field(0.0, ge=0.0, description="GPUs per replica")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources per replica, e.g. {'tandem_engine': 1}"
+    )
+
+    def actor_options(self, num_cpus: float) -> dict[str, Any]:
+        options: dict[str, Any] = {"num_cpus": num_cpus}
+        if self.num_gpus:
+            options["num_gpus"] = self.num_gpus
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        return options
+
+
+DeploymentName = Literal["LLMReplica", "PrefillReplica", "OpenAIIngress", "BatchWorker", "FleetState"]
 
 
 class AppConfig(BaseModel):
@@ -74,6 +99,11 @@ class AppConfig(BaseModel):
         None, description="When set, the LLM replicas scale on KV occupancy and queue depth"
     )
     replica_num_cpus: float = 1.0
+    placement: dict[DeploymentName, Placement] = Field(
+        default_factory=dict,
+        description="Per deployment, the GPUs and custom resources each replica requests (e.g. "
+        "engines on GPU nodes, or pinned by a custom resource; ingress and batch workers on CPU nodes)",
+    )
     replica_env_vars: dict[str, str] = Field(
         default_factory=dict,
         description="Environment of the LLM replicas' processes (Ray's runtime_env env_vars), for "
@@ -134,6 +164,10 @@ class AppConfig(BaseModel):
             check_source_prefix(prefix)
         return prefixes
 
+    def placement_of(self, deployment: str) -> Placement:
+        """`placement[deployment]`, or no GPUs and no custom resources."""
+        return self.placement.get(cast(DeploymentName, deployment)) or Placement.model_validate({})
+
     @model_validator(mode="after")
     def _seats_left_for_real_time(self) -> AppConfig:
         limit = self.max_batch_requests_per_replica
@@ -151,11 +185,40 @@ fastapi_app = create_app()
 class HandleEngineClient:
     """`EngineClient` over a Serve deployment handle to `LLMReplica` (streaming)."""
 
-    def __init__(self, handle: DeploymentHandle, model_name: str, fleet: DeploymentHandle | None = None) -> None:
+    def __init__(
+        self,
+        handle: DeploymentHandle,
+        model_name: str,
+        fleet: DeploymentHandle | None = None,
+        liveness_check_s: float = 5.0,
+    ) -> None:
         self.unary = handle
         self.handle = handle.options(stream=True)
         self.model_name = model_name
         self.fleet = fleet
+        # A request with no first output after this long asks the fleet state whether any LLM
+        # replica still reports; with none (their node was lost, none restarted yet) it is a
+        # 503, not a wait for as long as the outage lasts.
+        self.liveness_check_s = liveness_check_s
+
+    async def _first_output(self, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+        first = asyncio.ensure_future(anext(outputs))
+        try:
+            while True:
+                done, _ = await asyncio.wait({first}, timeout=self.liveness_check_s)
+                if done:
+                    return first.result()
+                if self.fleet is not None and not await self.fleet.snapshot.remote():
+                    raise ServiceUnavailableError(
+                        "no model replica is running (a node may have been lost and not replaced yet); "
+                        "retry shortly",
+                        code="no_replica",
+                    )
+        finally:
+            if not first.done():
+                first.cancel()
+                with contextlib.suppress(BaseException):
+                    await first
 
     async def stats(self) -> dict[str, Any]:
         return cast(dict[str, Any], await self.unary.stats.remote())
@@ -180,7 +243,9 @@ class HandleEngineClient:
             if request.lora_name is not None:  # route to replicas that already hold the adapter
                 handle = handle.options(multiplexed_model_id=request.lora_name)
             response = cast(DeploymentResponseGenerator, handle.generate.remote(request))
-            async for output in response:
+            outputs = aiter(response)
+            yield await self._first_output(outputs)
+            async for output in outputs:
                 yield output
         except BackPressureError as exc:  # every replica's queue is full: 429, never a hang
             raise OverloadedError(
@@ -268,7 +333,7 @@ def max_batch_requests(cfg: AppConfig) -> int:
 def replica_options(cfg: AppConfig) -> dict[str, Any]:
     """Serve options of the `LLMReplica` deployment: resources, environment, backpressure and
     scaling."""
-    actor_options: dict[str, Any] = {"num_cpus": cfg.replica_num_cpus}
+    actor_options = cfg.placement_of(LLM_DEPLOYMENT).actor_options(cfg.replica_num_cpus)
     if cfg.replica_env_vars:
         actor_options["runtime_env"] = {"env_vars": dict(cfg.replica_env_vars)}
     options: dict[str, Any] = {
@@ -297,7 +362,7 @@ def prefill_replica_options(cfg: AppConfig) -> dict[str, Any]:
     """Serve options of the `PrefillReplica` deployment (disaggregated mode): a fixed count, or
     scaling on queued prompt tokens with Serve's delays as the LLM replicas have them."""
     options: dict[str, Any] = {
-        "ray_actor_options": {"num_cpus": cfg.replica_num_cpus},
+        "ray_actor_options": cfg.placement_of(PREFILL_DEPLOYMENT).actor_options(cfg.replica_num_cpus),
         "max_ongoing_requests": cfg.max_ongoing_requests,
     }
     targets = cfg.prefill_autoscaling
@@ -334,7 +399,7 @@ def batch_worker_options(cfg: AppConfig) -> dict[str, Any]:
     and the object store), scaled on queued shards."""
     targets = cfg.batch_workers
     return {
-        "ray_actor_options": {"num_cpus": 0},
+        "ray_actor_options": cfg.placement_of("BatchWorker").actor_options(0),
         "autoscaling_config": {
             "min_replicas": targets.min_replicas,
             "max_replicas": targets.max_replicas,
@@ -361,7 +426,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     )
     fleet = (
         serve.deployment(name=FLEET_STATE_DEPLOYMENT)(FleetState)
-        .options(num_replicas=1, ray_actor_options={"num_cpus": 0})
+        .options(num_replicas=1, ray_actor_options=cfg.placement_of(FLEET_STATE_DEPLOYMENT).actor_options(0))
         .bind(max(10.0, 5 * cfg.routing.stats_period_s))
     )
     engine_options = replica_engine_options(cfg)
@@ -383,7 +448,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         )
     ingress = cast(serve.Deployment, OpenAIIngress).options(
         num_replicas=cfg.ingress_num_replicas,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options=cfg.placement_of("OpenAIIngress").actor_options(0),
         max_ongoing_requests=cfg.ingress_max_ongoing_requests,
     )
     if cfg.object_store is None:
