@@ -167,3 +167,16 @@ def test_engine_reports_its_prefill_backlog(tiny_llm) -> None:  # type: ignore[n
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats()["queued_prompt_tokens"] == 0
+
+
+def test_batch_requests_per_replica_leave_seats_for_real_time_requests() -> None:
+    """Batch work takes at most half of a replica's Serve seats by default (and never all of them):
+    the engine's max_num_seqs, capped at max_ongoing_requests / 2."""
+    from tandem.deployments.app import AppConfig, max_batch_requests
+
+    assert max_batch_requests(AppConfig()) == 64  # max_num_seqs 64, 128 seats
+    assert max_batch_requests(AppConfig(max_ongoing_requests=32)) == 16
+    assert max_batch_requests(AppConfig(engine={"max_num_seqs": 8})) == 8
+    assert max_batch_requests(AppConfig(max_batch_requests_per_replica=100)) == 100
+    with pytest.raises(ValueError, match="must be below max_ongoing_requests"):
+        AppConfig(max_batch_requests_per_replica=128)

@@ -463,3 +463,41 @@ def test_a_stream_closed_before_its_first_event_frees_the_slot_and_the_request(e
     deadline = time.monotonic() + 5  # the engine thread applies the aborts between steps
     while engine.stats()["num_running"] or engine.stats()["num_waiting"]:
         assert time.monotonic() < deadline, engine.stats()
+
+
+def test_a_replica_refuses_batch_requests_over_its_seats_and_never_real_time_ones(engine: AsyncEngine) -> None:
+    """`LLMReplica(max_batch_requests=2)`: a third batch request at once is refused before it
+    starts (`BatchCapacityError`, code `batch_capacity`); an interactive request is not; once a
+    batch request ends, its seat is free again."""
+    import asyncio
+
+    from tandem import GenerationRequest, SamplingParams
+    from tandem.deployments.replicas import LLMReplica
+    from tandem.engine.request import Priority
+    from tandem.platform.errors import BatchCapacityError
+
+    replica = LLMReplica(engine_factory=lambda: engine, max_batch_requests=2)
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+    def request(rid: str, priority: Priority) -> GenerationRequest:
+        return GenerationRequest(rid, prompt="Seats", sampling_params=params, priority=priority)
+
+    async def scenario() -> None:
+        running = [replica.generate(request(f"seat-b{i}", Priority.BATCH)) for i in range(2)]
+        for stream in running:
+            await anext(stream)  # both hold a seat
+        with pytest.raises(BatchCapacityError) as refused:
+            await anext(replica.generate(request("seat-b2", Priority.BATCH)))
+        assert refused.value.code == "batch_capacity" and refused.value.status_code == 429
+        interactive = replica.generate(request("seat-i", Priority.INTERACTIVE))
+        assert (await anext(interactive)).outputs[0].delta_token_ids
+        await interactive.aclose()
+        await running[0].aclose()  # a client leaving frees the seat (and aborts the request)
+        again = replica.generate(request("seat-b3", Priority.BATCH))
+        assert (await anext(again)).outputs[0].delta_token_ids
+        await again.aclose()
+        await running[1].aclose()
+        stats = await replica.stats()
+        assert stats["num_batch_requests"] == 0 and stats["num_batch_requests_refused"] == 1
+
+    asyncio.run(scenario())
