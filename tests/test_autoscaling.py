@@ -91,6 +91,12 @@ def test_batch_workers_follow_queued_shards() -> None:
     assert desired_batch_workers(5, targets) == 2
     assert desired_batch_workers(100, targets) == 3  # the ceiling
     assert desired_batch_workers(0, BatchQueueTargets(min_replicas=0)) == 0  # scale to zero
+    # No more workers than the engines' batch seats keep busy: one replica of 64 seats, 64 lines
+    # per worker -> 1; three such replicas -> 3; no replica reporting -> the floor.
+    assert desired_batch_workers(100, targets, workers_for_seats=1.0) == 1
+    assert desired_batch_workers(100, targets, workers_for_seats=2.5) == 3
+    assert desired_batch_workers(8, targets, workers_for_seats=3.0) == 2  # the queue still decides
+    assert desired_batch_workers(100, targets, workers_for_seats=0.0) == 1
 
 
 @pytest.mark.parametrize("layout", ["colocated", "colocated-gpu", "disaggregated-gpu"])

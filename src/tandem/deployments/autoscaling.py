@@ -80,10 +80,17 @@ class BatchQueueTargets:
     max_replicas: int = 4
 
 
-def desired_batch_workers(queued_shards: float, targets: BatchQueueTargets) -> int:
+def desired_batch_workers(
+    queued_shards: float, targets: BatchQueueTargets, workers_for_seats: float | None = None
+) -> int:
     """Batch workers wanted for `queued_shards` uncommitted shards (the queue is global, so every
-    worker reports the same number: callers pass one value, not a sum)."""
+    worker reports the same number: callers pass one value, not a sum), and no more than the
+    engines' batch seats can keep busy (`workers_for_seats`: the LLM replicas' batch seats over
+    the lines one worker sends; a worker beyond that only waits on refusals, in a process that
+    shares the engines' CPUs)."""
     desired = math.ceil(queued_shards / targets.target_shards_per_replica - 1e-9)
+    if workers_for_seats is not None:
+        desired = min(desired, math.ceil(workers_for_seats - 1e-9))
     return min(max(desired, targets.min_replicas), targets.max_replicas)
 
 
@@ -94,13 +101,18 @@ class BatchQueuePolicy:
         self.targets = BatchQueueTargets(**kwargs)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
-        reported = [float(v) for v in (ctx.aggregated_metrics or {}).get("queued_shards", {}).values()]
+        metrics = ctx.aggregated_metrics or {}
+        reported = [float(v) for v in metrics.get("queued_shards", {}).values()]
+        seats = [float(v) for v in metrics.get("workers_for_seats", {}).values()]
         bounds = BatchQueueTargets(
             self.targets.target_shards_per_replica,
             ctx.capacity_adjusted_min_replicas,
             ctx.capacity_adjusted_max_replicas,
         )
-        return desired_batch_workers(max(reported, default=0.0), bounds), dict(ctx.policy_state or {})
+        return (
+            desired_batch_workers(max(reported, default=0.0), bounds, max(seats) if seats else None),
+            dict(ctx.policy_state or {}),
+        )
 
 
 @dataclass(frozen=True)

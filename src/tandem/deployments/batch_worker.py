@@ -32,6 +32,8 @@ class BatchWorkerReplica:
         limits: dict[str, Any],
         poll_interval_s: float = 1.0,
         max_tokens_default: int = 256,
+        fleet: DeploymentHandle | None = None,
+        batch_seats_per_replica: int | None = None,
     ) -> None:
         from tandem.deployments.app import HandleEngineClient
 
@@ -41,6 +43,11 @@ class BatchWorkerReplica:
         )
         self.worker = BatchWorker(service, partial(execute_batch_line, server), poll_interval_s=poll_interval_s)
         self._task = asyncio.get_event_loop().create_task(self.worker.run_forever())
+        # What bounds useful workers: the LLM replicas (as the fleet state knows them) times the
+        # batch requests each takes, over the lines one worker keeps out.
+        self.fleet = fleet
+        self.batch_seats_per_replica = batch_seats_per_replica
+        self.lines_per_worker = service.limits.max_shards_in_flight * service.limits.shard_size
 
     async def wake(self) -> None:
         """Look at the queue now instead of at the next poll (the ingress calls this on create)."""
@@ -55,7 +62,11 @@ class BatchWorkerReplica:
         }
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        return {"queued_shards": float(await asyncio.to_thread(self.worker.queued_shards))}
+        stats = {"queued_shards": float(await asyncio.to_thread(self.worker.queued_shards))}
+        if self.fleet is not None and self.batch_seats_per_replica is not None:
+            num_replicas = len(await self.fleet.snapshot.remote())
+            stats["workers_for_seats"] = num_replicas * self.batch_seats_per_replica / self.lines_per_worker
+        return stats
 
     async def check_health(self) -> None:
         if self._task.done():
