@@ -124,3 +124,31 @@ def test_images_follow_the_ray_and_torch_the_package_pins() -> None:
         text = (INFRA / "docker" / name).read_text()
         assert re.search(rf"^FROM rayproject/ray:{re.escape(ray_version)}-py311-", text, re.M), name
         assert f'"{torch_pin.group(1)}"' in text, name
+
+
+@pytest.mark.parametrize("name", ["base", *sorted(generate.OVERLAYS)])
+def test_pod_templates_follow_the_kubernetes_schema(name: str) -> None:
+    """Each group's pod template is a valid Pod spec for Kubernetes' own published schema
+    (`kubernetes-validate`, strict: unknown fields are errors); rayStartParams are strings, as
+    KubeRay's map[string]string needs. The RayService fields around them (KubeRay's CRD) are not
+    schema-checked: no validator for it installs here, and its CRD is not vendored."""
+    import kubernetes_validate
+
+    service = (
+        yaml.safe_load((INFRA / "k8s" / "base" / "rayservice.yaml").read_text()) if name == "base" else overlay(name)
+    )
+    cluster = service["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        assert all(isinstance(v, str) for v in group["rayStartParams"].values()), group["rayStartParams"]
+        template = group["template"]
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": group.get("groupName", "head"), **template.get("metadata", {})},
+            "spec": template["spec"],
+        }
+        kubernetes_validate.validate(pod, kubernetes_validate.latest_version(), strict=True)
+    broken = copy.deepcopy(pod)
+    broken["spec"]["containers"][0]["resourcez"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):  # the check can fail
+        kubernetes_validate.validate(broken, kubernetes_validate.latest_version(), strict=True)
