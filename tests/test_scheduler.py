@@ -316,3 +316,31 @@ def test_among_running_batch_requests_the_latest_arrival_is_preempted_first() ->
     assert out.preempted_request_ids == ["b2"]
     assert {s.request_id for s in out.scheduled} >= {"chat", "b0"}
     sched.check_integrity()
+
+
+def test_a_preempted_batch_decoder_gives_back_its_share_of_the_step() -> None:
+    """The case the state machine found: with batch tokens going to decoders first, a batch
+    request still in its prompt may need blocks held by a decoder already scheduled this step;
+    that decoder is preempted and leaves the step (no scheduled item without a block table)."""
+    sched = make_scheduler(num_blocks=12, block_size=4, budget=16, max_seqs=4)
+    sched.add_request(make_request("r0", 22, max_tokens=1, priority=Priority.BATCH, arrival=1))
+    out = sched.schedule()
+    sched.update_from_output(out, fake_run(out))
+    sched.add_request(make_request("r1", 18, max_tokens=1, priority=Priority.BATCH, arrival=2))
+    sched.add_request(make_request("r2", 1, max_tokens=5, priority=Priority.BATCH, arrival=3))
+    for _ in range(4):
+        out = sched.schedule()
+        sched.update_from_output(out, fake_run(out))
+        sched.check_integrity()
+    sched.add_request(make_request("r3", 1, max_tokens=1, arrival=4))
+    for _ in range(20):
+        out = sched.schedule()
+        for item in out.scheduled:
+            table = sched.kv.block_table(item.request_id)
+            assert len(table.block_ids) * 4 >= item.start_position + len(item.token_ids)
+        assert not set(out.preempted_request_ids) & {s.request_id for s in out.scheduled}
+        sched.update_from_output(out, fake_run(out))
+        sched.check_integrity()
+        if not sched.has_unfinished():
+            break
+    assert not sched.has_unfinished()

@@ -407,8 +407,11 @@ class Scheduler:
                 request.request_id, request.num_computed_tokens + num_new + len(drafts)
             ):
                 victim = self.running[-1]
-                self._preempt(victim)
-                step.preempted.append(victim.request_id)
+                # With decoders first, the victim may already hold a share of this step: it
+                # gives it back (to the cap too, when it is of this class).
+                returned = self._preempt_in_step(victim, step)
+                if victim.priority is priority:
+                    cap += returned
                 if victim is request:
                     break
             else:
@@ -469,14 +472,19 @@ class Scheduler:
             step.budget -= num_new
             cap -= num_new
 
-    def _preempt_in_step(self, request: Request, step: _Step) -> None:
-        """Preempt a running request, giving back its share of this step if it had one."""
+    def _preempt_in_step(self, request: Request, step: _Step) -> int:
+        """Preempt a running request, giving back its share of this step if it had one (its
+        tokens and draft slots, returned)."""
+        returned = 0
         if request.request_id in step.scheduled_ids:
             index = next(i for i, s in enumerate(step.scheduled) if s.request_id == request.request_id)
-            step.budget += len(step.scheduled.pop(index).token_ids)
+            item = step.scheduled.pop(index)
+            returned = len(item.token_ids) + item.num_draft_slots  # explicit drafts are in token_ids
+            step.budget += returned
             step.scheduled_ids.discard(request.request_id)
         self._preempt(request)
         step.preempted.append(request.request_id)
+        return returned
 
     def cache_salt(self, request: Request) -> tuple[str | None, str | None]:
         """What besides the tokens keys a cached block: the adapter, and the tenant unless
