@@ -305,6 +305,37 @@ def test_batch_steps_stay_short_for_a_while_after_interactive_traffic() -> None:
     sched.check_integrity()
 
 
+def test_a_step_computing_an_interactive_prompt_carries_no_batch_tokens() -> None:
+    """With `batch_tokens_beside_interactive_prompt=0`, the steps of an interactive prompt (all its
+    chunks) hold no batch tokens; once it decodes, batch requests get `batch_tokens_under_load`
+    again; a step of interactive decodes only is not a prompt step."""
+    sched = Scheduler(
+        KVCacheManager(64, 4, watermark=0.0), max_num_seqs=16, max_num_batched_tokens=8,
+        max_model_len=64, batch_tokens_under_load=2, batch_max_prefill_tokens=8,
+        batch_tokens_beside_interactive_prompt=0,
+    )  # fmt: skip
+    for i in range(4):
+        sched.add_request(make_request(f"b{i}", 2, max_tokens=20, priority=Priority.BATCH, arrival=i))
+    out = sched.schedule()
+    sched.update_from_output(out, fake_run(out))
+    sched.add_request(make_request("chat", 12, max_tokens=4, arrival=10))
+
+    def ids(out: SchedulerOutput) -> list[tuple[str, int]]:
+        return [(s.request_id, len(s.token_ids)) for s in out.scheduled]
+
+    out = sched.schedule()  # first chunk: 8 of 12 prompt tokens, the budget
+    assert ids(out) == [("chat", 8)]
+    sched.update_from_output(out, fake_run(out))
+    out = sched.schedule()  # last chunk (4 tokens) with budget to spare: still no batch tokens
+    assert ids(out) == [("chat", 4)]
+    sched.update_from_output(out, fake_run(out))
+    out = sched.schedule()  # chat decodes: batch shares 2 tokens again
+    assert ids(out) == [("chat", 1), ("b0", 1), ("b1", 1)]
+    sched.update_from_output(out, fake_run(out))
+    assert all(r.status is RequestStatus.RUNNING for r in sched.running)  # paused, not preempted
+    sched.check_integrity()
+
+
 def test_among_running_batch_requests_the_latest_arrival_is_preempted_first() -> None:
     sched = make_scheduler(num_blocks=6, block_size=4, budget=64)
     for i in range(3):

@@ -130,6 +130,7 @@ class LLMEngine:
             batch_max_prefill_tokens=config.batch_max_prefill_tokens,
             batch_tokens_under_load=config.batch_tokens_under_load,
             batch_tokens_after_interactive=config.batch_tokens_after_interactive,
+            batch_tokens_beside_interactive_prompt=config.batch_tokens_beside_interactive_prompt,
             interactive_quiet_s=config.interactive_quiet_s,
             max_loras=config.max_loras if config.enable_lora else 0,
             share_prefix_cache_across_tenants=config.share_prefix_cache_across_tenants,

@@ -14,7 +14,10 @@ prompt counted, its prefill chunks are capped at `batch_max_prefill_tokens`, and
 interactive request runs or waits all batch requests together get at most
 `batch_tokens_under_load` tokens per step (the others keep their KV and wait a step), and for
 `interactive_quiet_s` after the last one left at most `batch_tokens_after_interactive` (short
-steps: what an arriving interactive request waits for is the step in flight).
+steps: what an arriving interactive request waits for is the step in flight). A step that computes
+an interactive prompt chunk gives batch requests at most `batch_tokens_beside_interactive_prompt`
+(the engine's default 0: a prompt's steps, and so its time to first token, are as without batch
+traffic).
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ class Scheduler:
         batch_tokens_under_load: int = 4,
         batch_tokens_after_interactive: int | None = None,
         interactive_quiet_s: float = 2.0,
+        batch_tokens_beside_interactive_prompt: int | None = None,
         max_loras: int = 0,
         share_prefix_cache_across_tenants: bool = False,
         speculation: SpeculationSettings | None = None,
@@ -113,6 +117,10 @@ class Scheduler:
         # arrived interactive request waits for, and a full batch step is many times a short one.
         self.batch_tokens_after_interactive = batch_tokens_after_interactive
         self.interactive_quiet_s = interactive_quiet_s
+        # A step that computes an interactive prompt chunk gives batch requests at most this many
+        # tokens (None: `batch_tokens_under_load`). Batch rows beside a prompt lengthen exactly
+        # the steps that make up its time to first token.
+        self.batch_tokens_beside_interactive_prompt = batch_tokens_beside_interactive_prompt
         self.clock = clock
         self._last_interactive_at = float("-inf")
         # At most this many distinct LoRA adapters among running requests (the device slots).
@@ -258,7 +266,8 @@ class Scheduler:
         """One step: per priority class (interactive, then batch), first its running requests,
         then its waiting ones; so a waiting interactive request is admitted before any batch
         request gets tokens. While interactive requests exist, batch requests share at most
-        `batch_tokens_under_load` tokens per step (the rest keep their KV and wait)."""
+        `batch_tokens_under_load` tokens per step (the rest keep their KV and wait), and at most
+        `batch_tokens_beside_interactive_prompt` in a step that computes an interactive prompt."""
         step = _Step(budget=self.max_num_batched_tokens)
         interactive_active = any(r.priority is Priority.INTERACTIVE for r in self.running) or bool(
             self.waiting and self.waiting[0].priority is Priority.INTERACTIVE
@@ -276,6 +285,13 @@ class Scheduler:
             batch_cap = self.batch_tokens_after_interactive
         self._planned_drafts = self._plan_speculation(batch_cap) if self.speculation else {}
         for priority in Priority:
+            if (
+                priority is Priority.BATCH
+                and self.batch_tokens_beside_interactive_prompt is not None
+                and self._computes_interactive_prompt(step)
+            ):
+                beside = self.batch_tokens_beside_interactive_prompt
+                batch_cap = beside if batch_cap is None else min(batch_cap, beside)
             cap = step.budget
             throttled = priority is Priority.BATCH and batch_cap is not None
             if priority is Priority.BATCH and batch_cap is not None:
@@ -293,6 +309,15 @@ class Scheduler:
             preempted_request_ids=step.preempted,
             finished_request_ids=finished_ids,
         )
+
+    def _computes_interactive_prompt(self, step: _Step) -> bool:
+        """Whether the step so far holds a chunk of an interactive request's prompt (not only
+        decodes: a decoding request has computed all its tokens but the last)."""
+        for item in step.scheduled:
+            request = self.requests[item.request_id]
+            if request.priority is Priority.INTERACTIVE and item.start_position < request.num_tokens - 1:
+                return True
+        return False
 
     def _plan_speculation(self, batch_cap: int | None) -> dict[str, list[int]]:
         """Draft tokens to verify this step, per running request that is decoding (its next

@@ -160,6 +160,13 @@ class EngineConfig(BaseModel):
     interactive_quiet_s: float = Field(
         2.0, ge=0.0, description="How long after interactive traffic batch steps stay short."
     )
+    batch_tokens_beside_interactive_prompt: int | None = Field(
+        0,
+        ge=0,
+        description="Tokens batch requests share in a step that computes an interactive prompt "
+        "chunk: 0 keeps a prompt's steps, and so its time to first token, as without batch traffic. "
+        "None: batch_tokens_under_load.",
+    )
     enable_lora: bool = Field(False, description="Serve LoRA adapters (reserves max_loras device slots).")
     max_loras: int = Field(4, ge=1, description="Distinct adapters in one batch (device slots).")
     max_lora_rank: int = Field(16, ge=1, le=256, description="Largest adapter rank accepted.")
