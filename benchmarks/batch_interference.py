@@ -151,7 +151,8 @@ def _free_port() -> int:
 
 def _start_server(data_dir: str, port: int) -> tuple[subprocess.Popen[bytes], str]:
     """`tandem serve` on the engine's defaults; returns the process and its base URL once
-    `/v1/models` answers (polled, with a deadline)."""
+    `/health` answers 200, i.e. an engine replica is ready (polled, with a deadline: the first
+    start on a machine dequantises the GGUF)."""
     import httpx
 
     env = {**os.environ, "TANDEM_API_KEYS": f"{SERVE_KEY}=bench", "TANDEM_OPERATOR_KEYS": OPERATOR_KEY}
@@ -165,9 +166,7 @@ def _start_server(data_dir: str, port: int) -> tuple[subprocess.Popen[bytes], st
             raise RuntimeError(f"tandem serve exited with {server.returncode}")
         try:
             if (
-                httpx.get(
-                    f"{base}/models", headers={"Authorization": f"Bearer {SERVE_KEY}"}, timeout=5
-                ).status_code
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code
                 == 200
             ):
                 return server, base

@@ -323,14 +323,19 @@ def test_health_is_503_until_an_engine_answers(engine: AsyncEngine) -> None:
     class StartingEngine:  # a replica still loading its model: stats never come back
         model_name = "tiny"
 
-        async def stats(self) -> dict:
+        async def replica_stats(self) -> dict:
             await asyncio.Event().wait()
             return {}
 
-    server = OpenAIServer(StartingEngine(), TenantRegistry({}))  # type: ignore[arg-type]
-    with TestClient(create_app(server)) as starting:
-        response = starting.get("/health")
-        assert response.status_code == 503 and response.json()["error"]["code"] == "not_ready"
+    class NoReportYet(StartingEngine):  # the fleet state before any replica's first report
+        async def replica_stats(self) -> dict:
+            return {}
+
+    for client in (StartingEngine(), NoReportYet()):
+        server = OpenAIServer(client, TenantRegistry({}))  # type: ignore[arg-type]
+        with TestClient(create_app(server)) as starting:
+            response = starting.get("/health")
+            assert response.status_code == 503 and response.json()["error"]["code"] == "not_ready"
     ready = OpenAIServer(LocalEngineClient(engine), TenantRegistry({}))
     with TestClient(create_app(ready)) as http:
         assert http.get("/health").json() == {"status": "ok"}

@@ -187,10 +187,11 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> Any:
-        """Ready when an engine answers: 503 while the model replicas are still starting."""
+        """Ready when an engine replica reports: 503 while every model replica is still loading
+        (the fleet state then holds no report) or none answers in time."""
         server = _server(request)
         try:
-            await asyncio.wait_for(server.refresh_engine_stats(), HEALTH_TIMEOUT_S)
+            num_reporting = await asyncio.wait_for(server.refresh_engine_stats(), HEALTH_TIMEOUT_S)
         except Exception as exc:
             return error_response(
                 503,
@@ -198,6 +199,11 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
                 "server_error",
                 code="not_ready",
             )
+        if num_reporting == 0:
+            return error_response(
+                503, "no engine replica is ready yet (loading the model); retry shortly", "server_error",
+                code="not_ready",
+            )  # fmt: skip
         return {"status": "ok"}
 
     @app.get("/metrics")

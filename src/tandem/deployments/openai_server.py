@@ -127,10 +127,12 @@ class OpenAIServer:
         self._lora_info: dict[str, Any] | None = None
         self._token_names: TokenNames | None = None  # from the engine's table, once logprobs are asked
 
-    async def refresh_engine_stats(self) -> None:
+    async def refresh_engine_stats(self) -> int:
         """Pull every replica's engine gauges (KV occupancy, queue) into telemetry; called on each
-        scrape."""
-        get_telemetry().set_engine_stats(self.model_name, await self.client.replica_stats())
+        scrape. Returns how many replicas reported (0 while every replica is still loading)."""
+        stats = await self.client.replica_stats()
+        get_telemetry().set_engine_stats(self.model_name, stats)
+        return len(stats)
 
     def _record(
         self,
