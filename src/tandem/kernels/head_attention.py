@@ -1,0 +1,117 @@
+"""Attention over a KV cache paged per (layer, KV head), for compressed requests (plain torch).
+
+Pool layout, shared by every layer and head: `k_pool`, `v_pool`: [num_head_blocks, block_size,
+head_dim]. One head block holds `block_size` tokens of one (layer, KV head); flat head slot
+`s` is block `s // block_size`, offset `s % block_size`. A request's head h (of one layer) holds
+`head_lens[h]` tokens packed from slot 0 of its block table `block_tables[h]`
+(`engine.head_kv_cache.HeadKVCacheManager` decides which blocks).
+
+Semantics, for request i with query rows q[qs[i]:qs[i+1]] (n_i rows) and KV head h holding
+L = head_lens[i, h] tokens (this step's n_i tokens last, already written):
+    K = k_pool.view(-1, D)[slots of head h's first L tokens]
+    query row j (of n_i) of query head g (h = g // (Hq // Hk)) attends key index t iff
+    t <= L - n_i + j: every kept older token, and the new ones up to itself.
+This is the causal mask in "kept index" space: with nothing evicted it is the usual causal mask;
+after an eviction (which only ever happens between steps, to tokens already computed) the step's
+new tokens still sit last in every head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_head_kv(
+    k: torch.Tensor,  # [T, Hk, D] one layer's new keys
+    v: torch.Tensor,  # [T, Hk, D]
+    k_pool: torch.Tensor,  # [N, bs, D]
+    v_pool: torch.Tensor,  # [N, bs, D]
+    head_slots: torch.Tensor,  # [T, Hk] int64: flat head slot of token t in KV head h
+) -> None:
+    """k_pool.view(-1, D)[head_slots[t, h]] = k[t, h] (and the same for v)."""
+    head_dim = k.shape[-1]
+    flat = head_slots.reshape(-1)
+    k_pool.view(-1, head_dim).index_copy_(0, flat, k.reshape(-1, head_dim).to(k_pool.dtype))
+    v_pool.view(-1, head_dim).index_copy_(0, flat, v.reshape(-1, head_dim).to(v_pool.dtype))
+
+
+def move_head_slots(
+    k_pool: torch.Tensor,  # [N, bs, D]
+    v_pool: torch.Tensor,  # [N, bs, D]
+    src_slots: torch.Tensor,  # [M] int64
+    dst_slots: torch.Tensor,  # [M] int64
+) -> None:
+    """Apply an eviction's moves: every source is read before any destination is written."""
+    if src_slots.numel() == 0:
+        return
+    for pool in (k_pool, v_pool):
+        flat = pool.view(-1, pool.shape[-1])
+        flat.index_copy_(0, dst_slots, flat.index_select(0, src_slots))
+
+
+def head_slots_of(
+    block_tables: torch.Tensor,  # [Hk, M] int64 head block ids (padding: any valid id)
+    block_size: int,
+) -> torch.Tensor:  # [Hk, M * bs] flat head slots, in table order
+    offsets = torch.arange(block_size, device=block_tables.device)
+    return (block_tables.unsqueeze(-1) * block_size + offsets).reshape(block_tables.shape[0], -1)
+
+
+def head_paged_attention(
+    q: torch.Tensor,  # [T, Hq, D] this step's queries (all requests, concatenated)
+    query_start_loc: list[int],  # [B + 1] row offsets of each request in q
+    k_pool: torch.Tensor,  # [N, bs, D]
+    v_pool: torch.Tensor,  # [N, bs, D]
+    block_tables: torch.Tensor,  # [B, Hk, M] int64, this layer's head block tables (padded)
+    head_lens: torch.Tensor,  # [B, Hk] int64 tokens held per head, this step's included
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Attention of each request's new rows over its own per-head paged KV (see the module
+    docstring for the mask). One request at a time; heads batched."""
+    num_rows, num_q_heads, head_dim = q.shape
+    num_kv_heads = block_tables.shape[1]
+    group = num_q_heads // num_kv_heads
+    block_size = k_pool.shape[1]
+    out = torch.empty_like(q)
+    k_flat = k_pool.view(-1, head_dim)
+    v_flat = v_pool.view(-1, head_dim)
+    for i in range(len(query_start_loc) - 1):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        n = end - start
+        if n == 0:
+            continue
+        lens = head_lens[i]  # [Hk]
+        max_len = int(lens.max())
+        slots = head_slots_of(block_tables[i], block_size)[:, :max_len]  # [Hk, Lmax]
+        keys = k_flat[slots].to(q.dtype)  # [Hk, Lmax, D]
+        values = v_flat[slots].to(q.dtype)
+        qi = q[start:end].view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hk, G, n, D]
+        scores = torch.matmul(qi, keys.unsqueeze(1).transpose(-1, -2)) * scale  # [Hk, G, n, Lmax]
+        key_index = torch.arange(max_len, device=q.device)  # [Lmax]
+        last_visible = (lens.view(-1, 1) - n + torch.arange(n, device=q.device).view(1, -1))  # [Hk, n]
+        visible = key_index.view(1, 1, -1) <= last_visible.unsqueeze(-1)  # [Hk, n, Lmax]
+        scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out_i = torch.matmul(probs, values.unsqueeze(1))  # [Hk, G, n, D]
+        out[start:end] = out_i.permute(2, 0, 1, 3).reshape(n, num_q_heads, head_dim)
+    return out
+
+
+def reference_head_attention(
+    q: torch.Tensor,  # [n, Hq, D] one request's new rows
+    keys: list[torch.Tensor],  # per KV head: [L_h, D] the tokens it holds, in order
+    values: list[torch.Tensor],  # per KV head: [L_h, D]
+    scale: float,
+) -> torch.Tensor:  # [n, Hq, D]
+    """Dense attention per head over exactly the tokens each KV head holds (the semantics, for
+    tests): one query head and one row at a time."""
+    n, num_q_heads, _ = q.shape
+    group = num_q_heads // len(keys)
+    out = torch.empty_like(q)
+    for g in range(num_q_heads):
+        k, v = keys[g // group], values[g // group]
+        for j in range(n):
+            visible = k.shape[0] - n + j + 1
+            weights = torch.softmax((k[:visible].float() @ q[j, g].float()) * scale, dim=-1)
+            out[j, g] = (weights @ v[:visible].float()).to(q.dtype)
+    return out

@@ -1,0 +1,260 @@
+"""Per-(layer, KV head) paging for compressed requests: bookkeeping, attention over it, and which
+tokens eviction keeps (issue 27's foundation; the engine does not use it yet)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tandem.engine.head_kv_cache import HeadKVCacheManager
+from tandem.kernels.head_attention import (
+    head_paged_attention,
+    move_head_slots,
+    reference_head_attention,
+    write_head_kv,
+)
+from tandem.kernels.kv_eviction import num_kept_for_rate, observation_scores, select_kept
+
+
+def test_head_tables_hold_exact_block_ids_through_append_evict_and_free() -> None:
+    kv = HeadKVCacheManager(num_blocks=16, block_size=4, num_layers=1, num_kv_heads=2)
+    slots = kv.append_slots("r", 6)
+    assert [t.block_ids for t in kv.head_tables("r")] == [[0, 1], [2, 3]]
+    assert slots == [[0, 1, 2, 3, 4, 5], [8, 9, 10, 11, 12, 13]]
+
+    moves = kv.evict("r", [[0, 5], [0, 1, 2, 3, 4]])
+    assert (moves.src_slots, moves.dst_slots, moves.freed_block_ids) == ([5], [1], [1])
+    assert [t.block_ids for t in kv.head_tables("r")] == [[0], [2, 3]]
+    assert kv.num_tokens("r") == [2, 5]
+
+    # Head 0 fills block 0 and takes the oldest free block (4; block 1 went to the tail).
+    assert kv.append_slots("r", 3) == [[2, 3, 16], [13, 14, 15]]
+    assert [t.block_ids for t in kv.head_tables("r")] == [[0, 4], [2, 3]]
+    kv.check_integrity()
+    kv.free("r")
+    assert kv.pool.num_free_blocks == 16
+    kv.check_integrity()
+
+
+def test_append_never_partially_allocates_and_eviction_input_is_checked() -> None:
+    kv = HeadKVCacheManager(num_blocks=5, block_size=4, num_layers=2, num_kv_heads=2)
+    assert kv.append_slots("a", 4) is not None  # 4 heads x 1 block
+    assert kv.append_slots("b", 1) is None  # needs 4 blocks, 1 free
+    assert "b" not in kv.tables and kv.pool.num_free_blocks == 1
+    with pytest.raises(ValueError, match="keep no tokens"):
+        kv.evict("a", [[0], [], [0], [0]])
+    with pytest.raises(ValueError, match="increase"):
+        kv.evict("a", [[1, 0], [0], [0], [0]])
+    with pytest.raises(ValueError, match="increase"):
+        kv.evict("a", [[4], [0], [0], [0]])
+    kv.check_integrity()
+
+
+def _fill(kv: HeadKVCacheManager, request_id: str, k_pool: torch.Tensor, v_pool: torch.Tensor,
+          keys: torch.Tensor, values: torch.Tensor) -> None:  # fmt: skip
+    """Append keys/values [L, T, Hk, D] (all layers) to every head of the request."""
+    num_tokens = keys.shape[1]
+    slots = kv.append_slots(request_id, num_tokens)
+    assert slots is not None
+    heads = kv.num_kv_heads
+    for layer in range(kv.num_layers):
+        head_slots = torch.tensor(slots[layer * heads : (layer + 1) * heads]).T  # [T, Hk]
+        write_head_kv(keys[layer], values[layer], k_pool, v_pool, head_slots)
+
+
+def _layer_tables(kv: HeadKVCacheManager, request_ids: list[str], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    heads = kv.num_kv_heads
+    tables = [kv.head_tables(r)[layer * heads : (layer + 1) * heads] for r in request_ids]
+    width = max(len(t.block_ids) for ts in tables for t in ts)
+    block_tables = torch.tensor([[t.block_ids + [0] * (width - len(t.block_ids)) for t in ts] for ts in tables])
+    head_lens = torch.tensor([[t.num_tokens for t in ts] for ts in tables])
+    return block_tables, head_lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_over_a_compressed_per_head_cache_equals_dense_attention_over_kept_tokens(
+    dtype: torch.dtype,
+) -> None:
+    """Two requests, 2 layers, GQA 6/2 heads: prefill, per-head eviction with a different number
+    kept in each head, then a 3-token step (new tokens appended to every head). The paged result
+    equals dense attention over exactly the tokens each head kept, in order."""
+    torch.manual_seed(0)
+    num_layers, num_kv_heads, num_q_heads, head_dim, bs = 2, 2, 6, 8, 4
+    kv = HeadKVCacheManager(num_blocks=64, block_size=bs, num_layers=num_layers, num_kv_heads=num_kv_heads)
+    k_pool = torch.zeros(64, bs, head_dim, dtype=dtype)
+    v_pool = torch.zeros(64, bs, head_dim, dtype=dtype)
+    lengths = {"a": 13, "b": 7}
+    dense: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for request_id, length in lengths.items():
+        keys = torch.randn(num_layers, length, num_kv_heads, head_dim, dtype=dtype)
+        values = torch.randn(num_layers, length, num_kv_heads, head_dim, dtype=dtype)
+        _fill(kv, request_id, k_pool, v_pool, keys, values)
+        dense[request_id] = (keys, values)
+    kept = {
+        "a": [[0, 1, 5, 12], [2, 3, 4, 6, 7, 8, 9, 10, 11, 12], [12], list(range(13))],
+        "b": [[6], [0, 6], [1, 2, 3, 4, 5, 6], [0, 3, 6]],
+    }
+    for request_id, keep in kept.items():
+        moves = kv.evict(request_id, keep)
+        move_head_slots(k_pool, v_pool, torch.tensor(moves.src_slots, dtype=torch.long),
+                        torch.tensor(moves.dst_slots, dtype=torch.long))  # fmt: skip
+    new = {r: (torch.randn(num_layers, 3, num_kv_heads, head_dim, dtype=dtype),
+               torch.randn(num_layers, 3, num_kv_heads, head_dim, dtype=dtype)) for r in lengths}  # fmt: skip
+    for request_id, (keys, values) in new.items():
+        _fill(kv, request_id, k_pool, v_pool, keys, values)
+    kv.check_integrity()
+
+    q = torch.randn(6, num_q_heads, head_dim, dtype=dtype)  # 3 rows per request
+    scale = head_dim**-0.5
+    for layer in range(num_layers):
+        block_tables, head_lens = _layer_tables(kv, ["a", "b"], layer)
+        out = head_paged_attention(q, [0, 3, 6], k_pool, v_pool, block_tables, head_lens, scale)
+        for i, request_id in enumerate(["a", "b"]):
+            keys, values = dense[request_id]
+            new_keys, new_values = new[request_id]
+            per_head_k = [
+                torch.cat([keys[layer, kept[request_id][layer * num_kv_heads + h], h], new_keys[layer, :, h]])
+                for h in range(num_kv_heads)
+            ]
+            per_head_v = [
+                torch.cat([values[layer, kept[request_id][layer * num_kv_heads + h], h], new_values[layer, :, h]])
+                for h in range(num_kv_heads)
+            ]
+            want = reference_head_attention(q[3 * i : 3 * i + 3], per_head_k, per_head_v, scale)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out[3 * i : 3 * i + 3], want, atol=tol, rtol=tol)
+
+
+def test_compression_frees_the_blocks_it_claims() -> None:
+    """At rate 8 a 64-token request in 2 layers x 3 heads keeps ceil(3 * 64 / 8) = 24 vectors per
+    layer; the pool gets back every block beyond ceil(kept / block_size) per head."""
+    torch.manual_seed(1)
+    num_layers, num_kv_heads, bs, length = 2, 3, 4, 64
+    kv = HeadKVCacheManager(num_blocks=200, block_size=bs, num_layers=num_layers, num_kv_heads=num_kv_heads)
+    assert kv.append_slots("r", length) is not None
+    assert kv.pool.num_free_blocks == 200 - num_layers * num_kv_heads * length // bs
+    budget = num_kept_for_rate(length, num_kv_heads, 8.0, protected_window=4)
+    assert budget == 24
+    kept: list[list[int]] = []
+    for _ in range(num_layers):
+        kept += select_kept(torch.rand(num_kv_heads, length), budget, protected_window=4)
+    kv.evict("r", kept)
+    assert sum(len(k) for k in kept) == num_layers * budget
+    assert kv.num_blocks_used("r") == sum(math.ceil(len(k) / bs) for k in kept)
+    assert kv.pool.num_free_blocks == 200 - kv.num_blocks_used("r")
+    kv.check_integrity()
+
+
+def test_per_head_budget_follows_scores_and_uniform_splits_evenly() -> None:
+    """Head 0 spreads its attention (many similar scores), head 1 reads two tokens: per-head
+    eviction gives head 0 most of the budget, uniform gives each head the same; both keep the
+    protected window and stay within the budget."""
+    num_tokens, window = 32, 2
+    scores = torch.stack([torch.full((num_tokens,), 0.5), torch.zeros(num_tokens)])
+    scores[1, 3] = scores[1, 9] = 1.0
+    per_head = select_kept(scores, budget=16, protected_window=window, per_head=True)
+    uniform = select_kept(scores, budget=16, protected_window=window, per_head=False)
+    assert per_head[1] == [3, 9, 30, 31]  # its two strong tokens and the window
+    assert len(per_head[0]) == 12 and per_head[0][-2:] == [30, 31]
+    assert [len(k) for k in uniform] == [8, 8]
+    assert {30, 31} <= set(uniform[1]) and {3, 9} <= set(uniform[1])
+
+
+def test_observation_scores_are_squared_causal_attention_summed_over_the_group() -> None:
+    torch.manual_seed(2)
+    num_tokens, window, num_q_heads, num_kv_heads, head_dim = 10, 3, 4, 2, 8
+    q = torch.randn(window, num_q_heads, head_dim)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim)
+    scores = observation_scores(q, k, scale=0.3)
+    want = torch.zeros(num_kv_heads, num_tokens)
+    for g in range(num_q_heads):
+        h = g // (num_q_heads // num_kv_heads)
+        for j in range(window):
+            position = num_tokens - window + j
+            weights = torch.softmax(k[: position + 1, h] @ q[j, g] * 0.3, dim=-1)
+            want[h, : position + 1] += weights.square()
+    torch.testing.assert_close(scores, want)
+
+
+@given(st.integers(1, 40), st.integers(1, 4), st.floats(1.0, 64.0), st.integers(0, 8))
+@settings(max_examples=60, deadline=None)
+def test_num_kept_for_rate_stays_within_bounds(num_tokens: int, num_kv_heads: int, rate: float, window: int) -> None:
+    kept = num_kept_for_rate(num_tokens, num_kv_heads, rate, window)
+    assert num_kv_heads * min(window, num_tokens) <= kept <= num_kv_heads * num_tokens
+    assert kept >= math.ceil(num_kv_heads * num_tokens / rate) or kept == num_kv_heads * num_tokens
+
+
+class HeadCacheMachine(RuleBasedStateMachine):
+    """Requests append, evict (random kept sets, moves applied to a simulated pool) and finish,
+    in any order. The pool's contents always read back as each head's kept tokens, in order, and
+    no block is ever owned twice, leaked, or read by another request."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = HeadKVCacheManager(num_blocks=48, block_size=4, num_layers=2, num_kv_heads=2)
+        self.memory: dict[int, tuple[str, int]] = {}  # flat head slot -> (request, token id)
+        self.model: dict[str, list[list[int]]] = {}  # request -> per head, the token ids it holds
+        self.next_token: dict[str, int] = {}
+        self.count = 0
+
+    @rule(num_new=st.integers(1, 9), existing=st.booleans(), data=st.data())
+    def append(self, num_new: int, existing: bool, data: st.DataObject) -> None:
+        if existing and self.model:
+            request_id = data.draw(st.sampled_from(sorted(self.model)))
+        else:
+            request_id, self.count = f"r{self.count}", self.count + 1
+        free_before = self.kv.pool.num_free_blocks
+        slots = self.kv.append_slots(request_id, num_new)
+        if slots is None:
+            assert self.kv.pool.num_free_blocks == free_before
+            return
+        heads = self.model.setdefault(request_id, [[] for _ in range(self.kv.num_heads)])
+        first = self.next_token.get(request_id, 0)
+        self.next_token[request_id] = first + num_new
+        for head, head_slots in enumerate(slots):
+            for offset, slot in enumerate(head_slots):
+                self.memory[slot] = (request_id, first + offset)
+                heads[head].append(first + offset)
+
+    @precondition(lambda self: bool(self.model))
+    @rule(data=st.data())
+    def evict(self, data: st.DataObject) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.model)))
+        kept = []
+        for held in self.model[request_id]:
+            chosen = data.draw(st.sets(st.integers(0, len(held) - 1), min_size=1, max_size=len(held)))
+            kept.append(sorted(chosen))
+        moves = self.kv.evict(request_id, kept)
+        snapshot = [self.memory[s] for s in moves.src_slots]  # gather, then scatter
+        for slot, value in zip(moves.dst_slots, snapshot, strict=True):
+            self.memory[slot] = value
+        self.model[request_id] = [[held[i] for i in keep] for held, keep in zip(self.model[request_id], kept, strict=True)]
+
+    @precondition(lambda self: bool(self.model))
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.model)))
+        self.kv.free(request_id)
+        del self.model[request_id]
+
+    @invariant()
+    def contents_read_back(self) -> None:
+        self.kv.check_integrity()
+        bs = self.kv.block_size
+        for request_id, heads in self.model.items():
+            tables = self.kv.head_tables(request_id)
+            for table, held in zip(tables, heads, strict=True):
+                assert table.num_tokens == len(held)
+                read = [self.memory[table.block_ids[i // bs] * bs + i % bs] for i in range(len(held))]
+                assert read == [(request_id, t) for t in held]
+        used = sum(self.kv.num_blocks_used(r) for r in self.model)
+        assert used + self.kv.pool.num_free_blocks == self.kv.pool.num_blocks
+
+
+TestHeadCacheMachine = HeadCacheMachine.TestCase
+TestHeadCacheMachine.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
