@@ -18,7 +18,7 @@ from tandem.kernels.head_attention import (
     reference_head_attention,
     write_head_kv,
 )
-from tandem.kernels.kv_eviction import num_kept_for_rate, observation_scores, select_kept
+from tandem.kernels.kv_eviction import num_kept_for_rate, observation_scores, pool_scores, select_kept
 
 
 def test_head_tables_hold_exact_block_ids_through_append_evict_and_free() -> None:
@@ -179,6 +179,16 @@ def test_observation_scores_are_squared_causal_attention_summed_over_the_group()
             weights = torch.softmax(k[: position + 1, h] @ q[j, g] * 0.3, dim=-1)
             want[h, : position + 1] += weights.square()
     torch.testing.assert_close(scores, want)
+
+
+def test_pooled_scores_keep_a_read_span_whole() -> None:
+    scores = torch.zeros(2, 12)
+    scores[0, 5] = 1.0  # one token of a span is read strongly
+    scores[1, 0] = 0.5
+    pooled = pool_scores(scores, 3)
+    assert pooled[0].tolist() == [0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0]
+    assert pooled[1].tolist() == [0.5, 0.5] + [0] * 10
+    assert torch.equal(pool_scores(scores, 1), scores)
 
 
 @given(st.integers(1, 40), st.integers(1, 4), st.floats(1.0, 64.0), st.integers(0, 8))

@@ -5,7 +5,11 @@ prompt predict what later queries will read. For each KV head h and token t,
     score[h, t] = sum over the query heads g of h's GQA group and the W window queries j of
                   softmax(q_j,g . K_h^T * scale, causal)[t] ** 2
 Squaring favours tokens that some query reads strongly over tokens every query reads a little.
-The window's own tokens (the last `protected_window` positions) are always kept.
+The window's own tokens (the last `protected_window` positions) are always kept, and so are the
+first `protected_prefix` (StreamingLLM's attention sinks: heads park attention there, and
+evicting them moves that mass onto whatever is left). `pool_scores`
+(SnapKV's clustering) then gives each token the highest score of its neighbours, so a span that
+is read (a number, a name) is kept whole rather than one token of it.
 
 Budget (Ada-KV, arXiv 2407.11550): a layer keeping `budget` of its `num_kv_heads * T` vectors
 takes the highest scores over all its heads together, so a head whose attention is spread
@@ -40,12 +44,26 @@ def observation_scores(
     return probs.square().sum(dim=(1, 2))  # [Hk, T]
 
 
-def num_kept_for_rate(num_tokens: int, num_kv_heads: int, rate: float, protected_window: int) -> int:
+def pool_scores(
+    scores: torch.Tensor,  # [Hk, T]
+    kernel: int,  # odd; 1 leaves scores as they are
+) -> torch.Tensor:  # [Hk, T]: score[h, t] = max of scores[h, t - kernel // 2 : t + kernel // 2 + 1]
+    if kernel <= 1:
+        return scores
+    if kernel % 2 == 0:
+        raise ValueError(f"pooling kernel must be odd, got {kernel}")
+    pooled = torch.nn.functional.max_pool1d(scores.unsqueeze(0), kernel, stride=1, padding=kernel // 2)
+    return pooled.squeeze(0)
+
+
+def num_kept_for_rate(
+    num_tokens: int, num_kv_heads: int, rate: float, protected_window: int, protected_prefix: int = 0
+) -> int:
     """Vectors a layer keeps at compression `rate` (>= 1): ceil(Hk * T / rate), but never fewer
-    than the protected window in every head, nor more than it holds."""
+    than the protected tokens in every head, nor more than it holds."""
     if rate < 1.0:
         raise ValueError(f"compression rate must be >= 1, got {rate}")
-    floor = num_kv_heads * min(protected_window, num_tokens)
+    floor = num_kv_heads * min(protected_window + protected_prefix, num_tokens)
     return min(num_kv_heads * num_tokens, max(floor, math.ceil(num_kv_heads * num_tokens / rate)))
 
 
@@ -54,6 +72,7 @@ def select_kept(
     budget: int,  # vectors to keep in this layer, over all its heads
     protected_window: int,  # the last this-many tokens of every head are always kept
     per_head: bool = True,  # False: uniform, budget // Hk tokens in every head
+    protected_prefix: int = 0,  # the first this-many tokens of every head are always kept
 ) -> list[list[int]]:  # per KV head: kept token indices, increasing
     """The tokens each head keeps. Protected tokens count against the budget; every head keeps at
     least one token. With `per_head`, the rest of the budget goes to the highest scores over all
@@ -61,8 +80,10 @@ def select_kept(
     first heads)."""
     num_kv_heads, num_tokens = scores.shape
     protected = min(max(protected_window, 1), num_tokens)
+    prefix = min(protected_prefix, num_tokens)
     ranked = scores.float().clone()
     ranked[:, num_tokens - protected :] = float("inf")
+    ranked[:, :prefix] = float("inf")
     if per_head:
         top = torch.topk(ranked.flatten(), min(budget, ranked.numel())).indices
         keep = torch.zeros(num_kv_heads * num_tokens, dtype=torch.bool)
@@ -72,7 +93,8 @@ def select_kept(
         keep = torch.zeros(num_kv_heads, num_tokens, dtype=torch.bool)
         base, extra = divmod(budget, num_kv_heads)
         for head in range(num_kv_heads):
-            count = min(num_tokens, max(protected, base + (1 if head < extra else 0)))
+            count = min(num_tokens, max(protected + prefix, base + (1 if head < extra else 0)))
             keep[head, torch.topk(ranked[head], count).indices] = True
     keep[:, num_tokens - protected :] = True  # ties at +inf could leave some out of the top-k
+    keep[:, :prefix] = True
     return [torch.nonzero(row).flatten().tolist() for row in keep]
