@@ -18,6 +18,7 @@ import torch
 
 from tandem.engine.draft import DraftProposer, EagleProposer, PagedDraftCache
 from tandem.engine.grammar import GrammarCompiler
+from tandem.engine.head_kv_cache import HeadKVCacheManager
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.kv_transfer import (
     KVPage,
@@ -36,11 +37,13 @@ from tandem.engine.precision import pinned as pinned_precision
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Priority, Request, RequestStatus
 from tandem.engine.runner import KVCacheSpec, ModelRunner, allocate_kv_caches
+from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.speculative import SpeculationSettings
 from tandem.engine.step import RequestUpdate, RunnerResult, ScheduledRequest, SchedulerOutput
 from tandem.engine.tokenizer import Tokenizer
 from tandem.kernels import int4_native
+from tandem.kernels.kv_eviction import EvictionPolicy
 from tandem.platform.config import EngineConfig
 from tandem.platform.cpu import cpu_flags
 from tandem.platform.errors import (
@@ -92,6 +95,7 @@ class EngineParts:
     lora: LoRAManager | None = None
     precision: PrecisionChoice | None = None  # what dtype / weight_dtype "auto" resolved to, and why
     grammars: GrammarCompiler | None = None  # output constraints (the runner's); None: refused
+    num_head_blocks: int = 0  # head blocks of the KV compression pool (0: no compressed requests)
 
 
 class LLMEngine:
@@ -111,6 +115,14 @@ class LLMEngine:
         self.grammars = parts.grammars
         self.kv_manager = KVCacheManager(
             parts.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.head_kv = (
+            HeadKVCacheManager(
+                parts.num_head_blocks, config.block_size,
+                parts.model_config.num_hidden_layers, parts.model_config.num_key_value_heads,
+            )  # fmt: skip
+            if parts.num_head_blocks
+            else None
         )
         self.num_kv_integrity_aborts = 0
         self.num_failed_requests = 0  # requests the runner could not compute (ended with an error)
@@ -135,6 +147,7 @@ class LLMEngine:
             max_loras=config.max_loras if config.enable_lora else 0,
             share_prefix_cache_across_tenants=config.share_prefix_cache_across_tenants,
             speculation=_speculation_settings(config, has_draft=getattr(parts.runner, "draft", None) is not None),
+            head_kv=self.head_kv,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -175,6 +188,20 @@ class LLMEngine:
             dcfg = draft_loaded.config
             draft_spec = KVCacheSpec(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim, config.block_size, kv_dtype)
         budget = config.kv_cache_memory or int(config.kv_cache_memory_fraction * _available_memory_bytes(device))
+        num_head_blocks = 0
+        if config.enable_kv_compression or config.kv_compression_rate is not None:
+            # The compression pool (per-(layer, head) blocks, 16-bit) takes its share of the budget.
+            head_dtype = kv_dtype if kv_dtype.itemsize >= 2 else dtype
+            head_block_bytes = 2 * config.block_size * cfg.head_dim * head_dtype.itemsize
+            head_budget = int(config.kv_compression_memory_fraction * budget)
+            num_head_blocks = head_budget // head_block_bytes
+            if num_head_blocks < cfg.num_hidden_layers * cfg.num_key_value_heads:
+                raise InvalidRequestError(
+                    f"the KV compression pool ({head_budget} bytes) holds less than one block per head; "
+                    "raise kv_cache_memory or kv_compression_memory_fraction",
+                    param="kv_compression_memory_fraction",
+                )
+            budget -= head_budget
         # A draft model's cache sits beside the target's, block for block: both come out of the budget.
         num_blocks = budget // (kv_spec.bytes_per_block + (draft_spec.bytes_per_block if draft_spec else 0))
         if num_blocks < 2:
@@ -271,6 +298,8 @@ class LLMEngine:
             draft=draft,
             native_decoder=config.native_decoder,
             grammars=grammars,
+            num_head_blocks=num_head_blocks,
+            eviction=EvictionPolicy(per_head=config.kv_compression_policy == "per_head"),
         )
         runner.warmup_decode()
         parts = EngineParts(
@@ -285,6 +314,7 @@ class LLMEngine:
             lora=lora,
             precision=precision,
             grammars=grammars,
+            num_head_blocks=num_head_blocks,
         )
         del loaded
         logger.info(
@@ -355,6 +385,9 @@ class LLMEngine:
             )
         if gen.lora_name is not None:
             self._check_lora(gen.lora_name)
+        rate = params.kv_compression_rate if params.kv_compression_rate is not None else self.config.kv_compression_rate
+        if rate is not None and rate > 1.0:
+            params = self._check_compression(params, len(token_ids), gen)
         if params.structured is not None:
             if self.grammars is None:
                 raise InvalidRequestError(
@@ -369,8 +402,40 @@ class LLMEngine:
             priority=gen.priority,
             tenant_id=gen.tenant_id,
             lora_name=gen.lora_name,
+            kv_compression_rate=rate if rate is not None and rate > 1.0 else None,
         )
         return request, prompt
+
+    def _check_compression(self, params: SamplingParams, num_prompt: int, gen: GenerationRequest) -> SamplingParams:
+        """A compressed request needs the head-block pool, and must fit in it alone before any
+        eviction (so it can always run); it does not speculate (its heads keep different tokens)."""
+        if self.head_kv is None:
+            raise InvalidRequestError(
+                "this engine has no KV compression pool; start it with kv_compression_rate or "
+                "enable_kv_compression=True",
+                param="kv_compression_rate",
+            )
+        if gen.lora_name is not None:
+            raise InvalidRequestError(
+                "KV compression cannot be combined with a LoRA adapter yet", param="kv_compression_rate"
+            )
+        assert params.max_tokens is not None
+        capacity = self.compressed_capacity_tokens
+        if num_prompt + params.max_tokens > capacity:
+            raise ContextLengthExceededError(
+                f"a compressed request must fit the KV compression pool before eviction: {capacity} tokens; "
+                f"the prompt has {num_prompt} and max_tokens asks for {params.max_tokens}. Reduce them, "
+                "or raise kv_compression_memory_fraction",
+                param="max_tokens",
+            )
+        return dataclasses.replace(params, speculative=False)
+
+    @property
+    def compressed_capacity_tokens(self) -> int:
+        """Tokens one compressed request can hold in every head before any eviction."""
+        if self.head_kv is None:
+            return 0
+        return (self.head_kv.pool.num_blocks // self.head_kv.num_heads) * self.head_kv.block_size
 
     def _check_lora(self, name: str) -> None:
         if self.lora is None:
@@ -454,6 +519,7 @@ class LLMEngine:
         request, prompt = self.make_request(gen)
         request.sampling_params = dataclasses.replace(request.sampling_params, max_tokens=1, speculative=False)
         request.hold_kv = True
+        request.kv_compression_rate = None  # handed over in the shared layout, whole
         return request, prompt
 
     def add_prefill_request(self, gen: GenerationRequest) -> Request:
@@ -513,6 +579,7 @@ class LLMEngine:
         decode from there. Returns the output of its first token (sampled by the sender). A bad
         transfer raises `KVTransferError` and allocates nothing; no free blocks: 503."""
         request, prompt = self.make_request(gen)
+        request.kv_compression_rate = None  # the transfer's pages go to the shared layout
         verify(
             transfer,
             model_fingerprint=self.kv_fingerprint(),

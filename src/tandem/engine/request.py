@@ -59,6 +59,15 @@ class Request:
     error: str | None = None  # why it finished with FINISHED_ERROR (safe to show the client)
     error_code: str | None = None  # machine-readable kind of that error ("kv_integrity", ...)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # KV compression (per-head eviction) rate, resolved by the engine; None or 1: the shared
+    # block layout. A compressed request's KV lives in per-(layer, head) blocks and is evicted
+    # once its prompt is computed (`kv_evicted`; again after a preemption recomputes it).
+    kv_compression_rate: float | None = None
+    kv_evicted: bool = False
+
+    @property
+    def compressed(self) -> bool:
+        return self.kv_compression_rate is not None and self.kv_compression_rate > 1.0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -21,6 +21,8 @@ from tandem.engine.models.llama import KVLayer, LlamaForCausalLM
 from tandem.engine.models.native import NativeLlama, NativeStep
 from tandem.engine.step import RunnerResult, ScheduledRequest, SchedulerOutput
 from tandem.kernels.attention import build_attention_metadata, quantize_fp8
+from tandem.kernels.head_attention import HeadAttentionMetadata, move_head_slots
+from tandem.kernels.kv_eviction import EvictionPolicy, plan_kept
 from tandem.kernels.sampling import (
     apply_penalties,
     apply_token_bitmask_,
@@ -96,6 +98,8 @@ class ModelRunner:
         draft: PagedDraftCache | None = None,
         native_decoder: bool = True,
         grammars: GrammarCompiler | None = None,
+        num_head_blocks: int = 0,
+        eviction: EvictionPolicy | None = None,
     ) -> None:
         """`decode_model` (optional, e.g. an INT4 copy of `model` sharing nothing but the cache)
         runs decode-only steps of at most `decode_model_max_batch` requests; `model` runs the rest.
@@ -107,7 +111,12 @@ class ModelRunner:
 
         `grammars` compiles the output constraints of requests that have one (`structured`): each
         such request's rows are masked to the tokens its grammar allows before sampling and
-        verification, and its matcher advances on the tokens it is given."""
+        verification, and its matcher advances on the tokens it is given.
+
+        `num_head_blocks` > 0 allocates the head-block pool of compressed requests (KV paged per
+        (layer, KV head), `kernels.head_attention`; 16-bit even when the shared cache is FP8):
+        their rows run through `model` in a forward of their own, and `eviction` decides what
+        each head keeps once a request's context is computed."""
         self.model = model
         self.decode_model = decode_model or model
         self.decode_model_max_batch = decode_model_max_batch if decode_model is not None else 1 << 30
@@ -136,6 +145,15 @@ class ModelRunner:
         self.grammars = grammars
         self._matchers: dict[str, GrammarMatcher] = {}
         self.grammar_mask_s = 0.0  # wall seconds computing and applying grammar masks
+        self.eviction = eviction or EvictionPolicy()
+        self.head_pool: tuple[torch.Tensor, torch.Tensor] | None = None
+        if num_head_blocks > 0:
+            pool_dtype = kv_spec.dtype if kv_spec.dtype.is_floating_point and kv_spec.dtype.itemsize >= 2 else model.norm.dtype
+            shape = (num_head_blocks, kv_spec.block_size, kv_spec.head_dim)
+            self.head_pool = (
+                torch.zeros(shape, dtype=pool_dtype, device=device),
+                torch.zeros(shape, dtype=pool_dtype, device=device),
+            )
 
     # -- KV pages for hand-over (kv_transfer.py) -------------------------------------------------
     def export_pages(self, block_ids: list[int], num_tokens: int, dtype: torch.dtype) -> list[bytes]:
@@ -217,6 +235,12 @@ class ModelRunner:
         raised for every request alone, `forward_failed` says so, and the engine decides whether
         the runner itself is broken."""
         self.forget(sched.finished_request_ids)
+        if sched.head_move_src_slots and self.head_pool is not None:  # evictions, before any write
+            move_head_slots(
+                *self.head_pool,
+                torch.tensor(sched.head_move_src_slots, dtype=torch.int64, device=self.device),
+                torch.tensor(sched.head_move_dst_slots, dtype=torch.int64, device=self.device),
+            )
         if self.draft is not None:  # a preempted request's draft KV went with its blocks
             self.draft.forget(sched.preempted_request_ids)
         try:
@@ -244,6 +268,71 @@ class ModelRunner:
         return RunnerResult({}, failed={item.request_id: REQUEST_FAILED})
 
     def _execute(self, items: list[ScheduledRequest]) -> RunnerResult:
+        """Shared-layout rows in one forward (`_execute_shared`), compressed requests' rows in
+        another (`_execute_compressed`)."""
+        compressed = [item for item in items if item.is_compressed]
+        if not compressed:
+            return self._execute_shared(items)
+        result = self._execute_compressed(compressed)
+        if len(compressed) < len(items):
+            result.merge(self._execute_shared([item for item in items if not item.is_compressed]))
+        return result
+
+    def _execute_compressed(self, items: list[ScheduledRequest]) -> RunnerResult:
+        """One forward of `model` over compressed requests' rows, reading and writing the
+        head-block pool; then sampling, and for requests whose context this step completed
+        (`observe`), the tokens each head keeps (`RunnerResult.kept_tokens`)."""
+        if self.head_pool is None:
+            raise RuntimeError("a compressed request reached a runner without a head-block pool")
+        cfg = self.model.config
+        num_layers, num_kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        query_start_loc = [0]
+        head_slots: list[torch.Tensor] = []
+        for item in items:
+            n = len(item.token_ids)
+            input_ids.extend(item.token_ids)
+            positions.extend(range(item.start_position, item.start_position + n))
+            if item.sample:
+                logits_rows.append(len(input_ids) - 1)
+            query_start_loc.append(len(input_ids))
+            assert item.head_slots is not None
+            slots = torch.tensor(item.head_slots, dtype=torch.int64).view(num_layers, num_kv_heads, n)
+            head_slots.append(slots.transpose(1, 2))  # [L, n, Hk]
+        width = max(len(ids) for item in items for ids in item.head_block_ids)
+        tables = torch.tensor(
+            [[ids + [0] * (width - len(ids)) for ids in item.head_block_ids] for item in items], dtype=torch.int64
+        ).view(len(items), num_layers, num_kv_heads, width)
+        lens = torch.tensor([item.head_num_tokens for item in items], dtype=torch.int64)
+        metadata = HeadAttentionMetadata(
+            k_pool=self.head_pool[0],
+            v_pool=self.head_pool[1],
+            head_slots=torch.cat(head_slots, dim=1).to(self.device),  # [L, T, Hk]
+            block_tables=tables.permute(1, 0, 2, 3).contiguous().to(self.device),  # [L, B, Hk, M]
+            head_lens=lens.view(len(items), num_layers, num_kv_heads).permute(1, 0, 2).contiguous().to(self.device),
+            query_start_loc=query_start_loc,
+            observe=[(i, self.eviction.window) for i, item in enumerate(items) if item.observe],
+        )
+        caches: list[KVLayer] = [(self.head_pool[0], self.head_pool[1], None, None)] * num_layers
+        logits = self.model.forward(
+            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            caches,
+            metadata,
+            torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
+        )
+        result = self._finish(items, logits, False, {})
+        for index, layer_scores in metadata.scores.items():
+            item = items[index]
+            if item.request_id in result.failed:
+                continue
+            rate = item.kv_compression_rate or 1.0
+            result.kept_tokens[item.request_id] = plan_kept(layer_scores, rate, self.eviction)
+        return result
+
+    def _execute_shared(self, items: list[ScheduledRequest]) -> RunnerResult:
         draft_probs: dict[str, torch.Tensor] = {}
         if self.draft is not None and any(item.num_draft_slots for item in items):
             items, draft_probs = self._propose(items)

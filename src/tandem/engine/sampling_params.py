@@ -65,6 +65,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     speculative: bool = True  # False: never verify draft tokens for this request
     structured: StructuredOutput | None = None  # constrain the output (JSON schema, regex, grammar)
+    # Compress this request's KV cache by per-head eviction at this rate (>= 1; 1: no eviction);
+    # None: the engine's `kv_compression_rate`. Needs an engine started with KV compression.
+    kv_compression_rate: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -105,6 +108,11 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if any(_not_int(t) or not 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"must be integers in [0, {MAX_INT32}]")
+        rate = self.kv_compression_rate
+        if rate is not None and (
+            isinstance(rate, bool) or not isinstance(rate, int | float) or not 1.0 <= rate <= MAX_COMPRESSION_RATE
+        ):
+            raise bad("kv_compression_rate", f"must be a number in [1, {MAX_COMPRESSION_RATE:g}], got {rate!r}")
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 raise bad("structured", "must be a StructuredOutput")
@@ -126,6 +134,7 @@ class SamplingParams:
 
 
 GREEDY_TEMPERATURE = 1e-5
+MAX_COMPRESSION_RATE = 1024.0
 
 
 def _not_int(value: object) -> bool:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tandem.engine.head_kv_cache import HeadKVCacheManager
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.request import Priority, Request, RequestStatus
 from tandem.engine.speculative import (
@@ -89,8 +90,14 @@ class Scheduler:
         share_prefix_cache_across_tenants: bool = False,
         speculation: SpeculationSettings | None = None,
         clock: Callable[[], float] = time.monotonic,
+        head_kv: HeadKVCacheManager | None = None,
     ) -> None:
         self.kv = kv_manager
+        # Compressed requests (`Request.compressed`) keep their KV here, per (layer, KV head),
+        # instead of in `kv`; None: the engine runs no compressed request.
+        self.head_kv = head_kv
+        self._head_slots: dict[str, list[list[int]]] = {}  # appended this step, not yet handed out
+        self._pending_moves: dict[str, tuple[list[int], list[int]]] = {}  # evictions to copy
         # Prompt-lookup speculation (None: off): per request an n-gram index and its running
         # acceptance; the step cost model decides how many drafts a step verifies.
         self.speculation = speculation
@@ -174,7 +181,7 @@ class Scheduler:
             self.held[request_id] = request
             self.held_since[request_id] = time.monotonic()
         else:
-            self.kv.free(request_id)
+            self._free_kv(request_id)
         self._forget(request_id)
         self._ngrams.pop(request_id, None)
         self._draft_match_len.pop(request_id, None)
@@ -207,7 +214,7 @@ class Scheduler:
         request = self.held.pop(request_id, None)
         self.held_since.pop(request_id, None)
         if request is not None:
-            self.kv.free(request_id)
+            self._free_kv(request_id)
         return request
 
     def expire_held(self, max_age_s: float) -> list[str]:
@@ -221,7 +228,8 @@ class Scheduler:
     # -- scheduling ---------------------------------------------------------------------
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
-        self.kv.free(victim.request_id)
+        self._free_kv(victim.request_id)
+        victim.kv_evicted = False  # recomputed from scratch, then evicted again
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -229,6 +237,38 @@ class Scheduler:
         if victim.request_id in self._seen_by_runner:
             self._seen_by_runner.discard(victim.request_id)
         bisect.insort(self.waiting, victim, key=Request.sort_key)
+
+    def _free_kv(self, request_id: str) -> None:
+        """Give back a request's blocks, whichever layout holds them."""
+        self.kv.free(request_id)
+        if self.head_kv is not None:
+            self.head_kv.free(request_id)
+            self._head_slots.pop(request_id, None)
+            self._pending_moves.pop(request_id, None)  # its blocks are free: nothing to copy
+
+    def _allocate(self, request: Request, num_total_tokens: int, admission: bool = False) -> bool:
+        """Room for the request's first `num_total_tokens` tokens in its layout (all-or-nothing).
+        A compressed request appends the new ones to every head now, and its slots wait in
+        `_head_slots` for `_schedule_one`."""
+        if not request.compressed:
+            return self.kv.allocate_slots(request.request_id, num_total_tokens, admission=admission)
+        assert self.head_kv is not None, "a compressed request on an engine without a head-block pool"
+        num_new = num_total_tokens - self.head_kv.num_appended.get(request.request_id, 0)
+        if num_new <= 0:
+            return True
+        slots = self.head_kv.append_slots(request.request_id, num_new)
+        if slots is None:
+            return False
+        self._head_slots[request.request_id] = slots
+        return True
+
+    def _last_running_in_pool(self, request: Request) -> Request:
+        """The latest-arriving running request whose blocks come from the same pool as
+        `request`'s (preempting another pool's request frees nothing it can use)."""
+        for candidate in reversed(self.running):
+            if candidate.compressed == request.compressed:
+                return candidate
+        return self.running[-1]
 
     def _schedule_one(
         self, request: Request, num_new: int, scheduled: list[ScheduledRequest], drafts: list[int] | None = None
@@ -250,7 +290,7 @@ class Scheduler:
                 request_id=request.request_id,
                 token_ids=token_ids,
                 start_position=start,
-                block_ids=self.kv.block_table(request.request_id).block_ids,
+                block_ids=[] if request.compressed else self.kv.block_table(request.request_id).block_ids,
                 sample=end == request.num_tokens,
                 sampling_params=request.sampling_params,
                 output_token_ids=request.output_token_ids,
@@ -261,6 +301,15 @@ class Scheduler:
                 prompt_token_ids=request.prompt_token_ids if num_draft_slots else [],
             )
         )
+        if request.compressed:
+            assert self.head_kv is not None
+            item = scheduled[-1]
+            tables = self.head_kv.head_tables(request.request_id)
+            item.head_slots = self._head_slots.pop(request.request_id, [[] for _ in tables])
+            item.head_block_ids = [list(t.block_ids) for t in tables]
+            item.head_num_tokens = [t.num_tokens for t in tables]
+            item.observe = item.sample and not request.kv_evicted
+            item.kv_compression_rate = request.kv_compression_rate
 
     def schedule(self) -> SchedulerOutput:
         """One step: per priority class (interactive, then batch), first its running requests,
@@ -303,11 +352,19 @@ class Scheduler:
                 self._admit_waiting(priority, step, cap)
 
         finished_ids, self._finished_ids = self._finished_ids, []
+        move_src: list[int] = []
+        move_dst: list[int] = []
+        for src, dst in self._pending_moves.values():
+            move_src += src
+            move_dst += dst
+        self._pending_moves.clear()
         return SchedulerOutput(
             scheduled=step.scheduled,
             num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
             preempted_request_ids=step.preempted,
             finished_request_ids=finished_ids,
+            head_move_src_slots=move_src,
+            head_move_dst_slots=move_dst,
         )
 
     def _computes_interactive_prompt(self, step: _Step) -> bool:
@@ -428,10 +485,8 @@ class Scheduler:
                 drafts = drafts[: max(0, cap - num_new)]
             else:
                 drafts = []
-            while not self.kv.allocate_slots(
-                request.request_id, request.num_computed_tokens + num_new + len(drafts)
-            ):
-                victim = self.running[-1]
+            while not self._allocate(request, request.num_computed_tokens + num_new + len(drafts)):
+                victim = self._last_running_in_pool(request)
                 # With decoders first, the victim may already hold a share of this step: it
                 # gives it back (to the cap too, when it is of this class).
                 returned = self._preempt_in_step(victim, step)
@@ -469,7 +524,11 @@ class Scheduler:
             if lora is not None and lora not in active_loras and len(active_loras) >= self.max_loras:
                 position += 1  # every LoRA slot is taken by running requests' adapters
                 continue
-            if request.num_computed_tokens == 0 and request.request_id not in self.kv.tables:
+            if (
+                request.num_computed_tokens == 0
+                and not request.compressed  # its blocks are private: no prefix cache
+                and request.request_id not in self.kv.tables
+            ):
                 cached = self.kv.allocate_cached_prefix(
                     request.request_id, request.num_tokens, request.token_ids_slice, self.cache_salt(request)
                 )
@@ -478,10 +537,10 @@ class Scheduler:
                     request.num_cached_tokens = cached
             num_new = self._chunk(request, cap)
             total = request.num_computed_tokens + num_new
-            if not self.kv.allocate_slots(request.request_id, total, admission=True):
-                lower = self._lower_priority_victim(request)
+            if not self._allocate(request, total, admission=True):
+                lower = self._lower_priority_victim(request, same_pool=True)
                 if lower is None:
-                    self.kv.free(request.request_id)  # give back any prefix-cache hits
+                    self._free_kv(request.request_id)  # give back any prefix-cache hits
                     request.num_computed_tokens = 0
                     break
                 self._preempt_in_step(lower, step)
@@ -518,16 +577,24 @@ class Scheduler:
         return (request.lora_name, tenant)
 
     def _batch_has_room(self, request: Request) -> bool:
-        pool = self.kv.pool
-        need = self.kv.num_new_blocks_needed(request.request_id, request.num_tokens)
+        if request.compressed and self.head_kv is not None:
+            pool = self.head_kv.pool
+            done = self.head_kv.num_appended.get(request.request_id, 0)
+            need = self.head_kv.num_new_blocks_needed(request.request_id, request.num_tokens - done)
+        else:
+            pool = self.kv.pool
+            need = self.kv.num_new_blocks_needed(request.request_id, request.num_tokens)
         if pool.num_used_blocks == 0:
             return True  # alone it always runs, however long its prompt
         return pool.num_used_blocks + need <= self.batch_kv_occupancy_limit * pool.num_blocks
 
-    def _lower_priority_victim(self, request: Request) -> Request | None:
-        """The running request of strictly lower priority that arrived last, if any."""
+    def _lower_priority_victim(self, request: Request, same_pool: bool = False) -> Request | None:
+        """The running request of strictly lower priority that arrived last, if any (with
+        `same_pool`, only one whose blocks `request` could use: the same KV layout)."""
         for candidate in reversed(self.running):
-            if candidate.priority > request.priority:
+            if candidate.priority > request.priority and (
+                not same_pool or candidate.compressed == request.compressed
+            ):
                 return candidate
         return None
 
@@ -541,6 +608,11 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None:  # finished while the step ran (abort)
                 continue
+            kept = result.kept_tokens.get(item.request_id)
+            if kept is not None and self.head_kv is not None and request.compressed:
+                moves = self.head_kv.evict(request.request_id, kept)
+                self._pending_moves[request.request_id] = (moves.src_slots, moves.dst_slots)
+                request.kv_evicted = True
             token_ids = result.sampled_token_ids.get(item.request_id) or []
             num_drafts = item.num_draft_tokens
             num_accepted = min(max(0, len(token_ids) - 1), num_drafts)
@@ -612,6 +684,9 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+        if self.head_kv is not None:
+            self.head_kv.check_integrity()
+            assert set(self.head_kv.tables) <= set(self.requests) | set(self.held), "orphan head tables"
         live = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
         assert not set(self.held) & set(self.requests), "a held request is still live"
         assert live == set(self.requests), "queues disagree with the request map"
@@ -622,6 +697,10 @@ class Scheduler:
         for request in self.running:
             assert request.status is RequestStatus.RUNNING
             assert request.num_computed_tokens <= request.num_tokens
+            if request.compressed:
+                assert self.head_kv is not None and request.request_id not in self.kv.tables
+                assert self.head_kv.num_appended[request.request_id] >= request.num_computed_tokens
+                continue
             table = self.kv.tables.get(request.request_id)
             need = self.kv.num_blocks_for(request.num_computed_tokens)
             assert table is not None and len(table.block_ids) >= need, request.request_id
@@ -629,3 +708,4 @@ class Scheduler:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             if request.num_computed_tokens == 0:
                 assert request.request_id not in self.kv.tables, "waiting request holds blocks"
+                assert self.head_kv is None or request.request_id not in self.head_kv.tables

@@ -40,6 +40,21 @@ class ScheduledRequest:
     # slots are allocated; the runner appends the drafts to `token_ids` itself).
     num_draft_slots: int = 0
     prompt_token_ids: list[int] = field(default_factory=list)  # the draft model catches up on them
+    # KV compression (`Request.compressed`): the request's KV lives in head blocks, per
+    # (layer, KV head) `h = layer * num_kv_heads + kv_head`; `block_ids` is then empty.
+    # head_slots[h]: the flat head slots this step's tokens are written to (in order);
+    # head_block_ids[h] / head_num_tokens[h]: head h's table and token count once they are written.
+    head_slots: list[list[int]] | None = None
+    head_block_ids: list[list[int]] = field(default_factory=list)
+    head_num_tokens: list[int] = field(default_factory=list)
+    # This chunk completes the request's context: the runner scores its tokens and returns what
+    # each head keeps at `kv_compression_rate` (`RunnerResult.kept_tokens`).
+    observe: bool = False
+    kv_compression_rate: float | None = None
+
+    @property
+    def is_compressed(self) -> bool:
+        return self.head_slots is not None
 
     @property
     def num_draft_tokens(self) -> int:
@@ -55,6 +70,10 @@ class SchedulerOutput:
     num_scheduled_tokens: int  # of the step's token budget, drafts included
     preempted_request_ids: list[str] = field(default_factory=list)  # lost their KV this step
     finished_request_ids: list[str] = field(default_factory=list)  # freed since the last step
+    # Copies the runner makes in the head-block pool before anything else this step (evictions
+    # decided after the last step; `head_kv_cache.EvictionMoves`): all sources are read first.
+    head_move_src_slots: list[int] = field(default_factory=list)
+    head_move_dst_slots: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -74,12 +93,16 @@ class RunnerResult:
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request_id -> why it failed (client-safe)
     forward_failed: bool = False  # the model pass raised for every request of the step, each alone
+    # Per observed compressed request: per head (layer * num_kv_heads + kv_head), the indices of
+    # the head's tokens it keeps, increasing (`HeadKVCacheManager.evict`).
+    kept_tokens: dict[str, list[list[int]]] = field(default_factory=dict)
 
     def merge(self, other: RunnerResult) -> None:
         """Add `other`'s requests (a part of the same step, computed separately)."""
         self.sampled_token_ids.update(other.sampled_token_ids)
         self.logprobs.update(other.logprobs)
         self.failed.update(other.failed)
+        self.kept_tokens.update(other.kept_tokens)
 
 
 @dataclass

@@ -18,7 +18,11 @@ new tokens still sit last in every head.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+
+from tandem.kernels.kv_eviction import observation_scores
 
 
 def write_head_kv(
@@ -115,3 +119,47 @@ def reference_head_attention(
             weights = torch.softmax((k[:visible].float() @ q[j, g].float()) * scale, dim=-1)
             out[j, g] = (weights @ v[:visible].float()).to(q.dtype)
     return out
+
+
+@dataclass
+class HeadAttentionMetadata:
+    """One step of compressed requests over the head-block pool, built once per step and read by
+    every layer (`head_attention_layer`). Row order is the step's: request i owns q rows
+    `query_start_loc[i]:query_start_loc[i + 1]`."""
+
+    k_pool: torch.Tensor  # [N, bs, D]
+    v_pool: torch.Tensor  # [N, bs, D]
+    head_slots: torch.Tensor  # [L, T, Hk] int64: where each layer writes each row's K/V
+    block_tables: torch.Tensor  # [L, B, Hk, M] int64 (padded with block 0)
+    head_lens: torch.Tensor  # [L, B, Hk] int64, this step's rows included
+    query_start_loc: list[int]  # [B + 1]
+    # Requests whose context this step completes: (request index, window size W). Their last W
+    # rows' queries are scored against all their tokens, per layer, into `scores`.
+    observe: list[tuple[int, int]] = field(default_factory=list)
+    scores: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # index -> per layer [Hk, T]
+
+
+def head_attention_layer(
+    metadata: HeadAttentionMetadata,
+    layer: int,
+    q: torch.Tensor,  # [T, Hq, D] after RoPE
+    k: torch.Tensor,  # [T, Hk, D] after RoPE
+    v: torch.Tensor,  # [T, Hk, D]
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Write the rows' K/V into the layer's head blocks, score observed requests' windows, and
+    attend (`head_paged_attention`)."""
+    write_head_kv(k, v, metadata.k_pool, metadata.v_pool, metadata.head_slots[layer])
+    block_size = metadata.k_pool.shape[1]
+    head_dim = k.shape[-1]
+    for index, window in metadata.observe:
+        end = metadata.query_start_loc[index + 1]
+        start = max(metadata.query_start_loc[index], end - window)
+        num_tokens = int(metadata.head_lens[layer, index].max())
+        slots = head_slots_of(metadata.block_tables[layer, index], block_size)[:, :num_tokens]  # [Hk, T]
+        keys = metadata.k_pool.view(-1, head_dim)[slots].transpose(0, 1)  # [T, Hk, D]
+        metadata.scores.setdefault(index, []).append(observation_scores(q[start:end], keys, scale))
+    return head_paged_attention(
+        q, metadata.query_start_loc, metadata.k_pool, metadata.v_pool,
+        metadata.block_tables[layer], metadata.head_lens[layer], scale,
+    )  # fmt: skip

@@ -20,6 +20,7 @@ baseline, keeps `budget / num_kv_heads` tokens in every head.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -98,3 +99,30 @@ def select_kept(
     keep[:, num_tokens - protected :] = True  # ties at +inf could leave some out of the top-k
     keep[:, :prefix] = True
     return [torch.nonzero(row).flatten().tolist() for row in keep]
+
+
+@dataclass(frozen=True)
+class EvictionPolicy:
+    """How a compressed request's context is cut down once it is computed (engine settings)."""
+
+    window: int = 16  # observation window: its queries score the context; its tokens are kept
+    sinks: int = 4  # the first tokens, always kept
+    pool_kernel: int = 7  # score pooling over neighbours (odd; 1: none)
+    per_head: bool = True  # Ada-KV budget over each layer's heads; False: uniform
+
+
+def plan_kept(
+    layer_scores: list[torch.Tensor],  # per layer [Hk, T]: `observation_scores` of the window
+    rate: float,
+    policy: EvictionPolicy,
+) -> list[list[int]]:  # per head (layer * Hk + kv_head): kept token indices, increasing
+    """What every head of every layer keeps at compression `rate`: per layer,
+    `num_kept_for_rate` vectors chosen by `select_kept` from the pooled scores."""
+    kept: list[list[int]] = []
+    for scores in layer_scores:
+        num_kv_heads, num_tokens = scores.shape
+        budget = num_kept_for_rate(num_tokens, num_kv_heads, rate, policy.window, policy.sinks)
+        kept += select_kept(
+            pool_scores(scores, policy.pool_kernel), budget, policy.window, policy.per_head, policy.sinks
+        )
+    return kept

@@ -167,6 +167,22 @@ class EngineConfig(BaseModel):
         "chunk: 0 keeps a prompt's steps, and so its time to first token, as without batch traffic. "
         "None: batch_tokens_under_load.",
     )
+    kv_compression_rate: float | None = Field(
+        None,
+        ge=1.0,
+        le=1024.0,
+        description="Compress every request's KV cache by per-head eviction at this rate unless the "
+        "request sets its own (implies enable_kv_compression). None: only requests that ask.",
+    )
+    enable_kv_compression: bool = Field(
+        False, description="Keep a KV compression pool (per-(layer, head) blocks) for requests that ask."
+    )
+    kv_compression_memory_fraction: float = Field(
+        0.5, gt=0.0, lt=1.0, description="Share of the KV budget the compression pool takes, when it exists."
+    )
+    kv_compression_policy: Literal["per_head", "uniform"] = Field(
+        "per_head", description="Budget split over each layer's heads by score (Ada-KV), or equal per head."
+    )
     enable_lora: bool = Field(False, description="Serve LoRA adapters (reserves max_loras device slots).")
     max_loras: int = Field(4, ge=1, description="Distinct adapters in one batch (device slots).")
     max_lora_rank: int = Field(16, ge=1, le=256, description="Largest adapter rank accepted.")

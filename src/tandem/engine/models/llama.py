@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels.attention import AttentionMetadata, finite_kv, paged_attention, write_kv
+from tandem.kernels.head_attention import HeadAttentionMetadata, head_attention_layer
 from tandem.kernels.rotary import apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -123,7 +124,7 @@ class LlamaAttention(nn.Module):
         cos: torch.Tensor,  # [T, 1, D]
         sin: torch.Tensor,
         kv_cache: KVLayer,
-        metadata: AttentionMetadata,
+        metadata: AttentionMetadata | HeadAttentionMetadata,
         lora: LoRAContext | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -134,6 +135,9 @@ class LlamaAttention(nn.Module):
         q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if isinstance(metadata, HeadAttentionMetadata):  # compressed requests: head-block pool
+            out = head_attention_layer(metadata, self.layer_idx, q, k, v, self.scale)
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
         k_cache, v_cache, k_scale, v_scale = kv_cache
         if lora is not None:  # an adapter's rows may be non-finite: never let them into the cache
             k, v = finite_kv(k, k_cache.dtype), finite_kv(v, v_cache.dtype)
@@ -179,7 +183,7 @@ class LlamaDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVLayer,
-        metadata: AttentionMetadata,
+        metadata: AttentionMetadata | HeadAttentionMetadata,
         lora: LoRAContext | None = None,
     ) -> torch.Tensor:
         normed = rms_norm(x, self.input_layernorm, self.eps)
@@ -218,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[KVLayer],  # per layer
-        metadata: AttentionMetadata,
+        metadata: AttentionMetadata | HeadAttentionMetadata,
         logits_indices: torch.Tensor,  # [B] rows whose next-token logits are wanted
         lora: LoRAContext | None = None,  # adapters of this step's rows, if any
         return_hidden: bool = False,

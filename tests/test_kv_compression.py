@@ -1,0 +1,98 @@
+"""KV compression in the engine: compressed requests keep their KV in per-(layer, KV head) blocks,
+evicted after their context is computed; uncompressed ones keep the shared layout beside them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.platform.errors import InvalidRequestError
+
+OPTIONS = {"dtype": "float32", "weight_dtype": "dense", "speculative": None, "max_num_seqs": 8}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: Path) -> LLM:
+    return LLM(str(tiny_model_dir), kv_cache_memory=8 << 20, enable_kv_compression=True, block_size=4, **OPTIONS)
+
+
+def greedy(max_tokens: int, rate: float | None = None) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, kv_compression_rate=rate)
+
+
+def test_a_compressed_request_that_keeps_everything_matches_the_shared_layout(llm: LLM) -> None:
+    """A prompt shorter than the protected window plus sinks keeps every token: its greedy output
+    through the head-block pool is the shared layout's, token for token, alone and in one batch
+    beside uncompressed requests."""
+    prompts = ["the cat sat on the mat", "a dog ran far away", "red fish blue fish"]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(12))]
+    alone = [llm.generate([p], greedy(12, rate=8.0))[0].outputs[0].token_ids for p in prompts]
+    assert alone == want
+    mixed = llm.generate(prompts, [greedy(12, 8.0), greedy(12), greedy(12, 8.0)])
+    assert [o.outputs[0].token_ids for o in mixed] == want
+    llm.engine.scheduler.check_integrity()
+    assert llm.engine.head_kv is not None and llm.engine.head_kv.pool.num_used_blocks == 0
+
+
+def test_eviction_frees_head_blocks_and_the_request_goes_on(llm: LLM) -> None:
+    """A 120-token prompt at rate 8 keeps ceil(Hk * 120 / 8) vectors per layer (at least the
+    window and sinks per head): after its prefill step the pool holds only the kept tokens' blocks,
+    and decoding continues from there."""
+    engine = llm.engine
+    head_kv = engine.head_kv
+    assert head_kv is not None
+    prompt_ids = [(7 * i) % 300 + 5 for i in range(120)]
+    from tandem.engine.protocol import GenerationRequest
+
+    gen = GenerationRequest(request_id="long", prompt_token_ids=prompt_ids, sampling_params=greedy(6, 8.0))
+    engine.add_request(gen)
+    engine.step()  # the whole prompt (budget permitting) and the first token, then eviction
+    while engine.scheduler.requests["long"].num_computed_tokens < len(prompt_ids):
+        engine.step()
+    engine.step()  # the eviction's copies are applied, one more token appended per head
+    kept = head_kv.num_tokens("long")
+    num_layers, num_kv_heads = head_kv.num_layers, head_kv.num_kv_heads
+    assert len(kept) == num_layers * num_kv_heads
+    per_layer = [sum(kept[layer * num_kv_heads : (layer + 1) * num_kv_heads]) for layer in range(num_layers)]
+    # Kept at eviction (ceil(2 * 120 / 8) = 30, but at least (16 + 4) per head = 40), plus one token per head since.
+    assert per_layer == [40 + num_kv_heads] * num_layers
+    assert head_kv.num_blocks_used("long") == sum(-(-k // head_kv.block_size) for k in kept)
+    assert head_kv.num_blocks_used("long") < num_layers * num_kv_heads * -(-121 // head_kv.block_size)
+    while engine.scheduler.has_unfinished():
+        engine.step()
+    engine.scheduler.check_integrity()
+    assert head_kv.pool.num_used_blocks == 0
+
+
+def test_compression_needs_its_pool_and_checks_its_rate(tiny_model_dir: Path, llm: LLM) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(kv_compression_rate=0.5)
+    assert info.value.param == "kv_compression_rate"
+    plain = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, **OPTIONS)
+    with pytest.raises(InvalidRequestError) as info:
+        plain.generate(["hello"], greedy(4, 8.0))
+    assert info.value.param == "kv_compression_rate"
+    capacity = llm.engine.compressed_capacity_tokens
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate(["hello"], greedy(capacity, 8.0))
+    assert info.value.param == "max_tokens"
+
+
+def test_compressed_requests_preempted_for_head_blocks_recompute_the_same_tokens(tiny_model_dir: Path) -> None:
+    """A head pool for about three of these requests and five running: compressed requests
+    preempt each other (the latest first; never an uncompressed one, whose blocks they cannot
+    use), recompute, and every output is still the shared layout's. (Prompt plus output stay
+    within the protected window and sinks, so no eviction drops anything: a preempted request
+    that recomputes a longer context is evicted again over it, and may keep other tokens.)"""
+    small = LLM(str(tiny_model_dir), kv_cache_memory=72 << 10, enable_kv_compression=True, block_size=4, **OPTIONS)
+    prompts = ["cat", "dog", "fish", "bird", "frog"]
+    assert all(len(small.tokenizer.encode(p)) + 13 <= 20 for p in prompts)
+    want = [o.outputs[0].token_ids for o in small.generate(prompts, greedy(13))]
+    before = small.engine.scheduler.num_preemptions_total
+    got = small.generate(prompts, [greedy(13, 4.0)] * 4 + [greedy(13)])
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert small.engine.scheduler.num_preemptions_total > before
+    small.engine.scheduler.check_integrity()
+    assert small.engine.head_kv is not None and small.engine.head_kv.pool.num_used_blocks == 0
