@@ -375,3 +375,64 @@ def test_a_preempted_batch_decoder_gives_back_its_share_of_the_step() -> None:
         if not sched.has_unfinished():
             break
     assert not sched.has_unfinished()
+
+
+class MixedCompressionMachine(SchedulerMachine):
+    """The same random add / step / abort, with some requests compressed: they live in a small
+    head-block pool (2 layers x 2 KV heads), are evicted (random kept sets) once their context is
+    computed, and preempt only each other for head blocks. Integrity of both pools after every
+    rule; every request finishes with its tokens; both pools end empty."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tandem.engine.head_kv_cache import HeadKVCacheManager
+
+        self.head_kv = HeadKVCacheManager(48, 4, num_layers=2, num_kv_heads=2)  # one 42-token request alone fits
+        self.sched.head_kv = self.head_kv
+        self.rng = __import__("random").Random(0)
+
+    @rule(num_prompt=st.integers(1, 30), max_tokens=st.integers(1, 12), batch=st.booleans())
+    def add_compressed(self, num_prompt: int, max_tokens: int, batch: bool) -> None:
+        rid = f"c{self.counter}"
+        self.counter += 1
+        request = make_request(rid, num_prompt, max_tokens, Priority.BATCH if batch else Priority.INTERACTIVE,
+                               arrival=float(self.counter))  # fmt: skip
+        request.kv_compression_rate = 4.0
+        self.sched.add_request(request)
+        self.expected_outputs[rid] = max_tokens
+
+    @rule()
+    def step(self) -> None:
+        out = self.sched.schedule()
+        assert out.num_scheduled_tokens <= 16
+        result = fake_run(out)
+        for item in out.scheduled:
+            request = self.sched.requests[item.request_id]
+            if not request.compressed:
+                assert item.head_slots is None
+                table = self.sched.kv.block_table(item.request_id)
+                assert len(table.block_ids) * 4 >= item.start_position + len(item.token_ids)
+                continue
+            assert item.head_slots is not None and item.block_ids == []
+            assert all(len(slots) == len(item.token_ids) for slots in item.head_slots)
+            assert item.head_num_tokens == self.head_kv.num_tokens(item.request_id)
+            assert item.observe == (item.sample and not request.kv_evicted)
+            if item.observe:
+                result.kept_tokens[item.request_id] = [
+                    sorted(self.rng.sample(range(n), self.rng.randint(1, n))) for n in item.head_num_tokens
+                ]
+        moves = len(out.head_move_src_slots) == len(out.head_move_dst_slots)
+        assert moves
+        for update in self.sched.update_from_output(out, result):
+            if update.finished:
+                rid = update.request.request_id
+                assert update.request.num_output_tokens == self.expected_outputs[rid]
+                self.finished.add(rid)
+
+    def teardown(self) -> None:
+        super().teardown()
+        assert self.head_kv.pool.num_used_blocks == 0
+
+
+TestMixedCompressionMachine = MixedCompressionMachine.TestCase
+TestMixedCompressionMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
