@@ -25,9 +25,13 @@ an attention function registered here that applies exactly that visibility per h
 `tests/test_head_kv_cache.py` shows attention over the real per-head paged cache equals dense
 attention over the kept tokens, which is what this computes.
 
-Not measured here yet: tokens/s and admitted requests at a fixed KV budget in the engine (the
-engine does not run compressed requests yet); `capacity` below counts, with the real head-block
-bookkeeping, how many of these contexts one KV budget holds at each rate.
+Serving (`--serve-requests`, 0 to skip): the engine itself (`LLM`, its defaults otherwise) at one
+KV budget (`--kv-budget-mb`), `--serve-requests` long prompts (`--context` tokens of natural text
+each) generating `--serve-new-tokens` tokens, greedy, EOS ignored: without compression (the shared
+cache takes the whole budget) and at each `--serve-rates` (the compression pool takes
+`--pool-fraction` of the same budget). Output tokens/s over the wall time, and the most requests
+running at once (what the budget admits). `capacity` counts, with the head-block bookkeeping alone,
+how many of the quality contexts one budget holds at each rate.
 
     python benchmarks/kv_compression.py            # -> benchmarks/results/kv_compression.json
     python benchmarks/kv_compression.py --rates 8 --context 256 --samples 1   # quick
@@ -210,6 +214,8 @@ def capacity(samples: list[Sample], kept_per_rate: dict[str, dict[float, list[li
         return out
     for label, per_rate in kept_per_rate.items():
         for rate, kept_counts in per_rate.items():
+            if not kept_counts:  # quality runs skipped
+                continue
             kv = HeadKVCacheManager(budget_blocks, block_size, num_layers, num_kv_heads)
             admitted = 0
             while True:
@@ -222,6 +228,51 @@ def capacity(samples: list[Sample], kept_per_rate: dict[str, dict[float, list[li
                 admitted += 1
             out[f"{label}@{rate:g}x"] = admitted
     return out
+
+
+def serve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    """Engine throughput at one KV budget, without compression and at each of `--serve-rates`."""
+    from tandem import LLM, SamplingParams
+    from tandem.engine.protocol import GenerationRequest
+
+    budget = int(args.kv_budget_mb * (1 << 20))
+    runs: dict[str, Any] = {}
+    for rate in [None, *args.serve_rates]:
+        options: dict[str, Any] = {"kv_cache_memory": budget, "max_num_seqs": args.serve_requests}
+        if rate is not None:
+            options |= {"kv_compression_rate": rate, "kv_compression_memory_fraction": args.pool_fraction}
+        llm = LLM(args.model, **options)
+        engine = llm.engine
+        params = SamplingParams(max_tokens=args.serve_new_tokens, temperature=0.0, ignore_eos=True)
+        llm.generate([prompts[0][:32]], SamplingParams(max_tokens=2))  # warm-up
+        for i in range(args.serve_requests):
+            engine.add_request(GenerationRequest(f"s{i}", prompt_token_ids=prompts[i % len(prompts)], sampling_params=params))
+        most_running, num_tokens = 0, 0
+        started = time.perf_counter()
+        while engine.scheduler.has_unfinished():
+            for output in engine.step():
+                if output.finished:
+                    num_tokens += len(output.outputs[0].token_ids)
+            most_running = max(most_running, engine.scheduler.num_running)
+        wall = time.perf_counter() - started
+        label = "full_cache" if rate is None else f"per_head@{rate:g}x"
+        stats = engine.stats()
+        runs[label] = {
+            "tokens_per_s": num_tokens / wall,
+            "wall_s": wall,
+            "output_tokens": num_tokens,
+            "most_running": most_running,
+            "preemptions": stats["num_preemptions"],
+            "kv_blocks": stats["kv_blocks_total"],
+            "compression_head_blocks": stats.get("kv_compression_head_blocks_total", 0),
+            "vectors_evicted": stats.get("kv_compression_vectors_evicted", 0),
+        }
+        log(f"serve {label}: {num_tokens / wall:.1f} tok/s, {wall:.1f} s, at most {most_running} running")
+        del llm, engine
+    base = runs["full_cache"]["tokens_per_s"]
+    for run in runs.values():
+        run["tokens_per_s_ratio_vs_full"] = run["tokens_per_s"] / base
+    return runs
 
 
 def main() -> None:
@@ -239,6 +290,12 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--serve-requests", type=int, default=16, help="0: skip the serving runs")
+    parser.add_argument("--serve-new-tokens", type=int, default=64)
+    parser.add_argument("--serve-rates", type=float, nargs="+", default=[8.0])
+    parser.add_argument("--kv-budget-mb", type=float, default=100.0, help="KV budget of the serving runs")
+    parser.add_argument("--pool-fraction", type=float, default=0.9, help="compression pool's share of it")
+    parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "kv_compression.json"))
     args = parser.parse_args()
     if args.threads:
@@ -258,7 +315,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     kept_counts: dict[str, dict[float, list[list[int]]]] = {m: {r: [] for r in args.rates} for m in METHODS}
     started = time.perf_counter()
-    for index, sample in enumerate(samples):
+    for index, sample in enumerate([] if args.skip_quality else samples):
         full = evaluate(model, attention, sample, None)
         scores = dict(attention.scores)
         row: dict[str, Any] = {"task": sample.task, "sample": sample.name, "context_tokens": len(sample.context_ids),
@@ -322,8 +379,13 @@ def main() -> None:
                        args.block_size, 8 * blocks_per_context),  # fmt: skip
         },
         "rows": rows,
-        "not_measured": "tokens/s at a fixed KV budget: the engine does not run compressed requests yet",
     }
+    if args.serve_requests:
+        # Distinct prompts (no prefix-cache hits for the shared layout): windows of all the texts.
+        stream = [t for text in natural_texts() for t in tokenizer.encode(text, add_special_tokens=False)]
+        prompts = [stream[i * args.context : (i + 1) * args.context] for i in range(len(stream) // args.context)]
+        del model
+        result["serving"] = serve(args, prompts)
     for key, value in headline.items():
         log(f"{key}: {value}")
     write_result(args.out, result)

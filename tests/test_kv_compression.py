@@ -74,9 +74,11 @@ def test_compression_needs_its_pool_and_checks_its_rate(tiny_model_dir: Path, ll
     with pytest.raises(InvalidRequestError) as info:
         plain.generate(["hello"], greedy(4, 8.0))
     assert info.value.param == "kv_compression_rate"
-    capacity = llm.engine.compressed_capacity_tokens
+    # A compressed request's context is the compression pool's (before eviction), not the shared cache's.
+    engine = llm.engine
+    assert engine.compressed_max_len == min(engine.compressed_capacity_tokens, engine.max_positions)
     with pytest.raises(InvalidRequestError) as info:
-        llm.generate(["hello"], greedy(capacity, 8.0))
+        llm.generate(["hello"], greedy(engine.compressed_max_len, 8.0))
     assert info.value.param == "max_tokens"
 
 
@@ -96,3 +98,47 @@ def test_compressed_requests_preempted_for_head_blocks_recompute_the_same_tokens
     assert small.engine.scheduler.num_preemptions_total > before
     small.engine.scheduler.check_integrity()
     assert small.engine.head_kv is not None and small.engine.head_kv.pool.num_used_blocks == 0
+
+
+def test_the_api_takes_kv_compression_rate_as_an_extension_field(tiny_model_dir: Path) -> None:
+    """Through the openai client: `kv_compression_rate` in the body runs the request compressed
+    (same greedy text as uncompressed here: the prompt keeps every token); a rate below 1 is a 400
+    naming the field; on a server without a compression pool it is a 400 too."""
+    import openai
+    from fastapi.testclient import TestClient
+
+    from tandem import AsyncEngine
+    from tandem.deployments.adapters import LocalEngineClient
+    from tandem.deployments.ingress import create_app
+    from tandem.deployments.openai_server import OpenAIServer
+    from tandem.platform.tenancy import TenantRegistry, parse_keys
+
+    for compression in (True, False):
+        engine = AsyncEngine.from_options(
+            str(tiny_model_dir), kv_cache_memory=4 << 20, served_model_name="tiny",
+            enable_kv_compression=compression, **OPTIONS,
+        )  # fmt: skip
+        try:
+            server = OpenAIServer(LocalEngineClient(engine), TenantRegistry(parse_keys("sk-a=acme")))
+            with TestClient(create_app(server)) as http:
+                client = openai.OpenAI(base_url="http://testserver/v1", api_key="sk-a", http_client=http, max_retries=0)
+
+                def ask(**extra: object) -> str:
+                    reply = client.chat.completions.create(
+                        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                        temperature=0, extra_body={"ignore_eos": True, **extra},
+                    )  # fmt: skip
+                    return reply.choices[0].message.content or ""
+
+                with pytest.raises(openai.BadRequestError) as bad:
+                    ask(kv_compression_rate=0.5)
+                assert bad.value.status_code == 400 and bad.value.body["param"] == "kv_compression_rate"  # type: ignore[index]
+                if compression:
+                    assert ask(kv_compression_rate=8.0) == ask()
+                    assert engine.engine.stats()["kv_compression_evictions"] == 1
+                else:
+                    with pytest.raises(openai.BadRequestError) as bad:
+                        ask(kv_compression_rate=8.0)
+                    assert bad.value.body["param"] == "kv_compression_rate"  # type: ignore[index]
+        finally:
+            engine.shutdown()

@@ -72,6 +72,7 @@ def sampling_params_from(req: ChatCompletionRequest | CompletionRequest) -> Samp
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         speculative=req.speculative,
+        kv_compression_rate=req.kv_compression_rate,
         structured=structured,
     )
 

@@ -96,6 +96,7 @@ class EngineParts:
     precision: PrecisionChoice | None = None  # what dtype / weight_dtype "auto" resolved to, and why
     grammars: GrammarCompiler | None = None  # output constraints (the runner's); None: refused
     num_head_blocks: int = 0  # head blocks of the KV compression pool (0: no compressed requests)
+    max_positions: int | None = None  # positions the model's RoPE tables cover (None: max_model_len)
 
 
 class LLMEngine:
@@ -108,6 +109,7 @@ class LLMEngine:
         self.tokenizer = parts.tokenizer
         self.eos_token_ids = parts.eos_token_ids
         self.max_model_len = parts.max_model_len
+        self.max_positions = parts.max_positions or parts.max_model_len  # the model's RoPE tables
         self.runner = parts.runner
         self.lora = parts.lora
         self.kv_cache_dtype = parts.kv_cache_dtype
@@ -137,7 +139,9 @@ class LLMEngine:
             self.kv_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
+            # Compressed requests may be longer than the shared cache holds: the engine checks
+            # each request's context when it is made; this is only the backstop.
+            max_model_len=max(self.max_model_len, self.compressed_max_len),
             batch_kv_occupancy_limit=config.batch_kv_occupancy_limit,
             batch_max_prefill_tokens=config.batch_max_prefill_tokens,
             batch_tokens_under_load=config.batch_tokens_under_load,
@@ -232,13 +236,16 @@ class LLMEngine:
         if head is not None:
             max_model_len = min(max_model_len, head.max_positions)
 
+        # Compressed requests' context is the compression pool's (before eviction), within the model's.
+        compressed_len = (num_head_blocks // (cfg.num_hidden_layers * cfg.num_key_value_heads)) * config.block_size
+        max_positions = max(max_model_len, min(cfg.max_position_embeddings, compressed_len))
         hybrid = precision.weight_dtype == "hybrid"
         build = functools.partial(
             build_model,
             loaded,
             dtype=dtype,
             device=device,
-            max_positions=max_model_len,
+            max_positions=max_positions,
             int4_group_size=config.int4_group_size,
             int4_double_quant=config.int4_double_quant,
             int4_kernel=config.int4_kernel,
@@ -315,6 +322,7 @@ class LLMEngine:
             precision=precision,
             grammars=grammars,
             num_head_blocks=num_head_blocks,
+            max_positions=max_positions,
         )
         del loaded
         logger.info(
@@ -342,8 +350,9 @@ class LLMEngine:
         return cls.from_config(EngineConfig(**options))
 
     # -- requests -----------------------------------------------------------------------
-    def make_request(self, gen: GenerationRequest) -> tuple[Request, str | None]:
-        """Validate and tokenise; raises `InvalidRequestError` before anything is allocated."""
+    def make_request(self, gen: GenerationRequest, *, compress: bool = True) -> tuple[Request, str | None]:
+        """Validate and tokenise; raises `InvalidRequestError` before anything is allocated.
+        `compress=False`: the shared layout whatever the request or engine asks (KV hand-over)."""
         given = [x is not None for x in (gen.prompt, gen.prompt_token_ids, gen.messages)]
         if sum(given) != 1:
             raise InvalidRequestError(
@@ -366,28 +375,32 @@ class LLMEngine:
             vocab = self.model_config.vocab_size
             if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
                 raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        if len(token_ids) >= self.max_model_len:
-            raise ContextLengthExceededError(
-                f"the prompt has {len(token_ids)} tokens; this model's context is {self.max_model_len} tokens "
-                "and at least one must be left to generate"
-            )
         params = gen.sampling_params
-        remaining = self.max_model_len - len(token_ids)
+        rate = params.kv_compression_rate if params.kv_compression_rate is not None else self.config.kv_compression_rate
+        compressed = compress and rate is not None and rate > 1.0
+        if compressed:
+            params = self._check_compression(params, gen)
+        # A compressed request must fit the compression pool alone before eviction (so it can
+        # always run); the others, the shared cache.
+        context = self.compressed_max_len if compressed else self.max_model_len
+        if len(token_ids) >= context:
+            raise ContextLengthExceededError(
+                f"the prompt has {len(token_ids)} tokens; this model's context is {context} tokens "
+                f"{'(the KV compression pool) ' if compressed else ''}and at least one must be left to generate"
+            )
+        remaining = context - len(token_ids)
         if params.max_tokens is None:
             limit = remaining if gen.default_max_tokens is None else min(remaining, gen.default_max_tokens)
             params = dataclasses.replace(params, max_tokens=limit)
         elif params.max_tokens > remaining:
             raise ContextLengthExceededError(
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"This model's maximum context length is {context} tokens; the prompt has "
                 f"{len(token_ids)} and max_tokens asks for {params.max_tokens} more. Reduce the prompt or "
                 f"max_tokens (at most {remaining} here), or leave max_tokens out",
                 param="max_tokens",
             )
         if gen.lora_name is not None:
             self._check_lora(gen.lora_name)
-        rate = params.kv_compression_rate if params.kv_compression_rate is not None else self.config.kv_compression_rate
-        if rate is not None and rate > 1.0:
-            params = self._check_compression(params, len(token_ids), gen)
         if params.structured is not None:
             if self.grammars is None:
                 raise InvalidRequestError(
@@ -402,13 +415,13 @@ class LLMEngine:
             priority=gen.priority,
             tenant_id=gen.tenant_id,
             lora_name=gen.lora_name,
-            kv_compression_rate=rate if rate is not None and rate > 1.0 else None,
+            kv_compression_rate=rate if compressed else None,
         )
         return request, prompt
 
-    def _check_compression(self, params: SamplingParams, num_prompt: int, gen: GenerationRequest) -> SamplingParams:
-        """A compressed request needs the head-block pool, and must fit in it alone before any
-        eviction (so it can always run); it does not speculate (its heads keep different tokens)."""
+    def _check_compression(self, params: SamplingParams, gen: GenerationRequest) -> SamplingParams:
+        """A compressed request needs the head-block pool and no adapter; it does not speculate
+        (its heads keep different tokens)."""
         if self.head_kv is None:
             raise InvalidRequestError(
                 "this engine has no KV compression pool; start it with kv_compression_rate or "
@@ -419,15 +432,6 @@ class LLMEngine:
             raise InvalidRequestError(
                 "KV compression cannot be combined with a LoRA adapter yet", param="kv_compression_rate"
             )
-        assert params.max_tokens is not None
-        capacity = self.compressed_capacity_tokens
-        if num_prompt + params.max_tokens > capacity:
-            raise ContextLengthExceededError(
-                f"a compressed request must fit the KV compression pool before eviction: {capacity} tokens; "
-                f"the prompt has {num_prompt} and max_tokens asks for {params.max_tokens}. Reduce them, "
-                "or raise kv_compression_memory_fraction",
-                param="max_tokens",
-            )
         return dataclasses.replace(params, speculative=False)
 
     @property
@@ -436,6 +440,11 @@ class LLMEngine:
         if self.head_kv is None:
             return 0
         return (self.head_kv.pool.num_blocks // self.head_kv.num_heads) * self.head_kv.block_size
+
+    @property
+    def compressed_max_len(self) -> int:
+        """The context of a compressed request: the compression pool's, within the model's."""
+        return min(self.compressed_capacity_tokens, self.max_positions)
 
     def _check_lora(self, name: str) -> None:
         if self.lora is None:
@@ -516,10 +525,9 @@ class LLMEngine:
     def make_prefill_request(self, gen: GenerationRequest) -> tuple[Request, str | None]:
         """`make_request` for a prefill: compute the prompt, sample one token, and keep the KV
         blocks for `export_kv` (or until `kv_hold_ttl_s` passes)."""
-        request, prompt = self.make_request(gen)
+        request, prompt = self.make_request(gen, compress=False)  # handed over in the shared layout, whole
         request.sampling_params = dataclasses.replace(request.sampling_params, max_tokens=1, speculative=False)
         request.hold_kv = True
-        request.kv_compression_rate = None  # handed over in the shared layout, whole
         return request, prompt
 
     def add_prefill_request(self, gen: GenerationRequest) -> Request:
@@ -533,7 +541,7 @@ class LLMEngine:
     def cached_prefix_pages(self, gen: GenerationRequest) -> int:
         """How many leading pages (blocks) of `gen`'s prompt this engine's prefix cache holds now:
         a sender need not send them (`export_kv(skip_pages=...)`)."""
-        request, _ = self.make_request(gen)
+        request, _ = self.make_request(gen, compress=False)
         return self.kv_manager.num_cached_prefix_blocks(
             request.num_tokens, request.token_ids_slice, self.scheduler.cache_salt(request)
         )
@@ -578,8 +586,7 @@ class LLMEngine:
         cache type, checksums, the prompt's tokens), copy its pages into blocks of this cache, and
         decode from there. Returns the output of its first token (sampled by the sender). A bad
         transfer raises `KVTransferError` and allocates nothing; no free blocks: 503."""
-        request, prompt = self.make_request(gen)
-        request.kv_compression_rate = None  # the transfer's pages go to the shared layout
+        request, prompt = self.make_request(gen, compress=False)  # the transfer's pages: shared layout
         verify(
             transfer,
             model_fingerprint=self.kv_fingerprint(),
@@ -807,6 +814,19 @@ class LLMEngine:
             "step_thread_cpu_s": self.step_thread_cpu_s,
             "grammar_mask_s": float(getattr(self.runner, "grammar_mask_s", 0.0)),
             **(self.grammars.stats() if self.grammars is not None else {}),
+            **self._compression_stats(),
+        }
+
+    def _compression_stats(self) -> dict[str, Any]:
+        head_kv = self.head_kv
+        if head_kv is None:
+            return {}
+        return {
+            "kv_compression_head_blocks_total": head_kv.pool.num_blocks,
+            "kv_compression_head_blocks_used": head_kv.pool.num_used_blocks,
+            "kv_compression_capacity_tokens": self.compressed_capacity_tokens,
+            "kv_compression_evictions": self.scheduler.num_compressed_evictions,
+            "kv_compression_vectors_evicted": self.scheduler.num_vectors_evicted,
         }
 
 

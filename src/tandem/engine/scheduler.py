@@ -98,6 +98,8 @@ class Scheduler:
         self.head_kv = head_kv
         self._head_slots: dict[str, list[list[int]]] = {}  # appended this step, not yet handed out
         self._pending_moves: dict[str, tuple[list[int], list[int]]] = {}  # evictions to copy
+        self.num_compressed_evictions = 0  # evictions applied (one per context computed)
+        self.num_vectors_evicted = 0  # (layer, head, token) K/V vectors dropped by them
         # Prompt-lookup speculation (None: off): per request an n-gram index and its running
         # acceptance; the step cost model decides how many drafts a step verifies.
         self.speculation = speculation
@@ -610,7 +612,10 @@ class Scheduler:
                 continue
             kept = result.kept_tokens.get(item.request_id)
             if kept is not None and self.head_kv is not None and request.compressed:
+                held = sum(self.head_kv.num_tokens(request.request_id))
                 moves = self.head_kv.evict(request.request_id, kept)
+                self.num_compressed_evictions += 1
+                self.num_vectors_evicted += held - sum(len(k) for k in kept)
                 self._pending_moves[request.request_id] = (moves.src_slots, moves.dst_slots)
                 request.kv_evicted = True
             token_ids = result.sampled_token_ids.get(item.request_id) or []

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from tandem.kernels.kv_eviction import observation_scores
 
@@ -71,7 +72,9 @@ def head_paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of each request's new rows over its own per-head paged KV (see the module
-    docstring for the mask). One request at a time; heads batched."""
+    docstring for the mask). One request at a time, all heads in one `scaled_dot_product_attention`
+    (GQA native); a request whose heads hold equal counts (not evicted yet: every prompt chunk)
+    shares one [n, L] mask across heads."""
     num_rows, num_q_heads, head_dim = q.shape
     num_kv_heads = block_tables.shape[1]
     group = num_q_heads // num_kv_heads
@@ -87,17 +90,24 @@ def head_paged_attention(
         lens = head_lens[i]  # [Hk]
         max_len = int(lens.max())
         slots = head_slots_of(block_tables[i], block_size)[:, :max_len]  # [Hk, Lmax]
-        keys = k_flat[slots].to(q.dtype)  # [Hk, Lmax, D]
-        values = v_flat[slots].to(q.dtype)
-        qi = q[start:end].view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hk, G, n, D]
-        scores = torch.matmul(qi, keys.unsqueeze(1).transpose(-1, -2)) * scale  # [Hk, G, n, Lmax]
+        keys = k_flat[slots].to(q.dtype).unsqueeze(0)  # [1, Hk, Lmax, D]
+        values = v_flat[slots].to(q.dtype).unsqueeze(0)
         key_index = torch.arange(max_len, device=q.device)  # [Lmax]
-        last_visible = (lens.view(-1, 1) - n + torch.arange(n, device=q.device).view(1, -1))  # [Hk, n]
-        visible = key_index.view(1, 1, -1) <= last_visible.unsqueeze(-1)  # [Hk, n, Lmax]
-        scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out_i = torch.matmul(probs, values.unsqueeze(1))  # [Hk, G, n, D]
-        out[start:end] = out_i.permute(2, 0, 1, 3).reshape(n, num_q_heads, head_dim)
+        row_offset = torch.arange(n, device=q.device)
+        visible: torch.Tensor | None
+        if n == max_len and int(lens.min()) == max_len:
+            visible = None  # a whole context in one chunk: plain causal
+        elif int(lens.min()) == max_len:
+            visible = key_index.view(1, -1) <= (max_len - n + row_offset).view(-1, 1)  # [n, Lmax]
+        else:
+            last_visible = lens.view(-1, 1) - n + row_offset.view(1, -1)  # [Hk, n]
+            visible = key_index.view(1, 1, -1) <= last_visible.unsqueeze(-1)  # [Hk, n, Lmax]
+            visible = visible.repeat_interleave(group, dim=0).unsqueeze(0)  # [1, Hq, n, Lmax]
+        qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        attended = F.scaled_dot_product_attention(
+            qi, keys, values, attn_mask=visible, is_causal=visible is None, scale=scale, enable_gqa=True
+        )  # [1, Hq, n, D]
+        out[start:end] = attended[0].transpose(0, 1)
     return out
 
 

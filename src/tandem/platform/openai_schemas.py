@@ -273,6 +273,9 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[Int32] | None = None
     # Tandem extension: false turns speculative decoding off for this request (when the server has it on)
     speculative: bool = True
+    # Tandem extension: compress this request's KV cache by per-head eviction at this rate (the
+    # server needs a KV compression pool: `enable_kv_compression` / `kv_compression_rate`)
+    kv_compression_rate: float | None = Field(None, ge=1.0, le=1024.0)
 
 
 class ChatCompletionRequest(_SamplingRequest):
