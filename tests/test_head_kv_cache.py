@@ -76,13 +76,15 @@ def _layer_tables(kv: HeadKVCacheManager, request_ids: list[str], layer: int) ->
     return block_tables, head_lens
 
 
+@pytest.mark.parametrize("num_new", [3, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_over_a_compressed_per_head_cache_equals_dense_attention_over_kept_tokens(
-    dtype: torch.dtype,
+    dtype: torch.dtype, num_new: int
 ) -> None:
     """Two requests, 2 layers, GQA 6/2 heads: prefill, per-head eviction with a different number
-    kept in each head, then a 3-token step (new tokens appended to every head). The paged result
-    equals dense attention over exactly the tokens each head kept, in order."""
+    kept in each head, then a step of `num_new` tokens each (appended to every head; one token
+    each is the batched decode path). The paged result equals dense attention over exactly the
+    tokens each head kept, in order."""
     torch.manual_seed(0)
     num_layers, num_kv_heads, num_q_heads, head_dim, bs = 2, 2, 6, 8, 4
     kv = HeadKVCacheManager(num_blocks=64, block_size=bs, num_layers=num_layers, num_kv_heads=num_kv_heads)
@@ -103,17 +105,17 @@ def test_attention_over_a_compressed_per_head_cache_equals_dense_attention_over_
         moves = kv.evict(request_id, keep)
         move_head_slots(k_pool, v_pool, torch.tensor(moves.src_slots, dtype=torch.long),
                         torch.tensor(moves.dst_slots, dtype=torch.long))  # fmt: skip
-    new = {r: (torch.randn(num_layers, 3, num_kv_heads, head_dim, dtype=dtype),
-               torch.randn(num_layers, 3, num_kv_heads, head_dim, dtype=dtype)) for r in lengths}  # fmt: skip
+    new = {r: (torch.randn(num_layers, num_new, num_kv_heads, head_dim, dtype=dtype),
+               torch.randn(num_layers, num_new, num_kv_heads, head_dim, dtype=dtype)) for r in lengths}  # fmt: skip
     for request_id, (keys, values) in new.items():
         _fill(kv, request_id, k_pool, v_pool, keys, values)
     kv.check_integrity()
 
-    q = torch.randn(6, num_q_heads, head_dim, dtype=dtype)  # 3 rows per request
+    q = torch.randn(2 * num_new, num_q_heads, head_dim, dtype=dtype)  # num_new rows per request
     scale = head_dim**-0.5
     for layer in range(num_layers):
         block_tables, head_lens = _layer_tables(kv, ["a", "b"], layer)
-        out = head_paged_attention(q, [0, 3, 6], k_pool, v_pool, block_tables, head_lens, scale)
+        out = head_paged_attention(q, [0, num_new, 2 * num_new], k_pool, v_pool, block_tables, head_lens, scale)
         for i, request_id in enumerate(["a", "b"]):
             keys, values = dense[request_id]
             new_keys, new_values = new[request_id]
@@ -125,9 +127,10 @@ def test_attention_over_a_compressed_per_head_cache_equals_dense_attention_over_
                 torch.cat([values[layer, kept[request_id][layer * num_kv_heads + h], h], new_values[layer, :, h]])
                 for h in range(num_kv_heads)
             ]
-            want = reference_head_attention(q[3 * i : 3 * i + 3], per_head_k, per_head_v, scale)
+            rows = slice(num_new * i, num_new * (i + 1))
+            want = reference_head_attention(q[rows], per_head_k, per_head_v, scale)
             tol = 1e-5 if dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(out[3 * i : 3 * i + 3], want, atol=tol, rtol=tol)
+            torch.testing.assert_close(out[rows], want, atol=tol, rtol=tol)
 
 
 def test_compression_frees_the_blocks_it_claims() -> None:

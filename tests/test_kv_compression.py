@@ -123,7 +123,7 @@ def test_the_api_takes_kv_compression_rate_as_an_extension_field(tiny_model_dir:
             with TestClient(create_app(server)) as http:
                 client = openai.OpenAI(base_url="http://testserver/v1", api_key="sk-a", http_client=http, max_retries=0)
 
-                def ask(**extra: object) -> str:
+                def ask(client: openai.OpenAI = client, **extra: object) -> str:
                     reply = client.chat.completions.create(
                         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
                         temperature=0, extra_body={"ignore_eos": True, **extra},

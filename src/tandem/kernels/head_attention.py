@@ -82,10 +82,30 @@ def head_paged_attention(
     out = torch.empty_like(q)
     k_flat = k_pool.view(-1, head_dim)
     v_flat = v_pool.view(-1, head_dim)
-    for i in range(len(query_start_loc) - 1):
+    num_requests = len(query_start_loc) - 1
+    decoding = [i for i in range(num_requests) if query_start_loc[i + 1] - query_start_loc[i] == 1]
+    done: set[int] = set()
+    if len(decoding) > 1:  # one row each: all of them in one padded call
+        index = torch.tensor(decoding, device=q.device)
+        rows = torch.tensor([query_start_loc[i] for i in decoding], device=q.device)
+        lens = head_lens.index_select(0, index)  # [b, Hk]
+        max_len = int(lens.max())
+        slots = head_slots_of(block_tables.index_select(0, index).flatten(0, 1), block_size)
+        slots = slots[:, :max_len].view(len(decoding), num_kv_heads, max_len)  # [b, Hk, Lmax]
+        keys = k_flat[slots].to(q.dtype)  # [b, Hk, Lmax, D]
+        values = v_flat[slots].to(q.dtype)
+        held = torch.arange(max_len, device=q.device).view(1, 1, 1, -1) < lens.view(*lens.shape, 1, 1)  # [b,Hk,1,L]
+        # Two small matmuls: at one query row CPU SDPA with a mask costs several times more.
+        qg = q.index_select(0, rows).view(len(decoding), num_kv_heads, group, head_dim)  # [b, Hk, G, D]
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [b, Hk, G, Lmax]
+        probs = torch.softmax(scores.masked_fill(~held, float("-inf")), dim=-1).to(q.dtype)
+        attended = torch.matmul(probs, values)  # [b, Hk, G, D]
+        out.index_copy_(0, rows, attended.reshape(len(decoding), num_q_heads, head_dim))
+        done = set(decoding)
+    for i in range(num_requests):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         n = end - start
-        if n == 0:
+        if n == 0 or i in done:
             continue
         lens = head_lens[i]  # [Hk]
         max_len = int(lens.max())
