@@ -487,7 +487,8 @@ def test_replica_env_vars_reach_the_replica_process_only(served: str) -> None:
         try:
             cmdline = " ".join(proc.cmdline())
             if "ServeReplica:tandem:" in cmdline:
-                env_by_process[cmdline.split(":")[-1].split()[0]] = proc.environ()
+                # The title names the method an actor is running, if any: "LLMReplica.record_routing_stats".
+                env_by_process[cmdline.split(":")[-1].split()[0].split(".")[0]] = proc.environ()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     assert sorted(env_by_process) == ["BatchWorker", "FleetState", "LLMReplica", "OpenAIIngress"], sorted(env_by_process)
