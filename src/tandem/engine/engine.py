@@ -43,6 +43,7 @@ from tandem.engine.speculative import SpeculationSettings
 from tandem.engine.step import RequestUpdate, RunnerResult, ScheduledRequest, SchedulerOutput
 from tandem.engine.tokenizer import Tokenizer
 from tandem.kernels import int4_native
+from tandem.kernels.head_attention import head_pool_dtype
 from tandem.kernels.kv_eviction import EvictionPolicy
 from tandem.platform.config import EngineConfig
 from tandem.platform.cpu import cpu_flags
@@ -195,8 +196,7 @@ class LLMEngine:
         num_head_blocks = 0
         if config.enable_kv_compression or config.kv_compression_rate is not None:
             # The compression pool (per-(layer, head) blocks, 16-bit) takes its share of the budget.
-            head_dtype = kv_dtype if kv_dtype.itemsize >= 2 else dtype
-            head_block_bytes = 2 * config.block_size * cfg.head_dim * head_dtype.itemsize
+            head_block_bytes = 2 * config.block_size * cfg.head_dim * head_pool_dtype(kv_dtype, dtype).itemsize
             head_budget = int(config.kv_compression_memory_fraction * budget)
             num_head_blocks = head_budget // head_block_bytes
             if num_head_blocks < cfg.num_hidden_layers * cfg.num_key_value_heads:

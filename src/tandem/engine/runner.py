@@ -21,7 +21,7 @@ from tandem.engine.models.llama import KVLayer, LlamaForCausalLM
 from tandem.engine.models.native import NativeLlama, NativeStep
 from tandem.engine.step import RunnerResult, ScheduledRequest, SchedulerOutput
 from tandem.kernels.attention import build_attention_metadata, quantize_fp8
-from tandem.kernels.head_attention import HeadAttentionMetadata, move_head_slots
+from tandem.kernels.head_attention import HeadAttentionMetadata, head_pool_dtype, move_head_slots
 from tandem.kernels.kv_eviction import EvictionPolicy, plan_kept
 from tandem.kernels.sampling import (
     apply_penalties,
@@ -148,7 +148,7 @@ class ModelRunner:
         self.eviction = eviction or EvictionPolicy()
         self.head_pool: tuple[torch.Tensor, torch.Tensor] | None = None
         if num_head_blocks > 0:
-            pool_dtype = kv_spec.dtype if kv_spec.dtype.is_floating_point and kv_spec.dtype.itemsize >= 2 else model.norm.dtype
+            pool_dtype = head_pool_dtype(kv_spec.dtype, model.norm.dtype)
             shape = (num_head_blocks, kv_spec.block_size, kv_spec.head_dim)
             self.head_pool = (
                 torch.zeros(shape, dtype=pool_dtype, device=device),

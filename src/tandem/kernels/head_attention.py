@@ -26,6 +26,12 @@ import torch.nn.functional as F
 from tandem.kernels.kv_eviction import observation_scores
 
 
+def head_pool_dtype(cache_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
+    """What head blocks store: the shared cache's type when it is 16 or 32-bit, else (FP8) the
+    compute type. One rule for sizing the pool (engine) and allocating it (runner)."""
+    return cache_dtype if cache_dtype.is_floating_point and cache_dtype.itemsize >= 2 else compute_dtype
+
+
 def write_head_kv(
     k: torch.Tensor,  # [T, Hk, D] one layer's new keys
     v: torch.Tensor,  # [T, Hk, D]
