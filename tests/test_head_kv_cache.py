@@ -1,5 +1,5 @@
 """Per-(layer, KV head) paging for compressed requests: bookkeeping, attention over it, and which
-tokens eviction keeps (issue 27's foundation; the engine does not use it yet)."""
+tokens eviction keeps (the engine side is in test_kv_compression.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,23 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tandem.engine.head_kv_cache import HeadKVCacheManager
 from tandem.kernels.head_attention import (
+    HeadAttentionMetadata,
+    head_attention_layer,
     head_paged_attention,
+    head_slots_of,
     move_head_slots,
+    native_decode_available,
     reference_head_attention,
     write_head_kv,
 )
-from tandem.kernels.kv_eviction import num_kept_for_rate, observation_scores, pool_scores, select_kept
+from tandem.kernels.kv_eviction import (
+    EvictionPolicy,
+    num_kept_for_rate,
+    observation_scores,
+    plan_kept,
+    pool_scores,
+    select_kept,
+)
 
 
 def test_head_tables_hold_exact_block_ids_through_append_evict_and_free() -> None:
@@ -76,15 +87,17 @@ def _layer_tables(kv: HeadKVCacheManager, request_ids: list[str], layer: int) ->
     return block_tables, head_lens
 
 
-@pytest.mark.parametrize("num_new", [3, 1])
+@pytest.mark.parametrize("num_new,native", [(3, False), (1, False), (1, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_over_a_compressed_per_head_cache_equals_dense_attention_over_kept_tokens(
-    dtype: torch.dtype, num_new: int
+    dtype: torch.dtype, num_new: int, native: bool
 ) -> None:
     """Two requests, 2 layers, GQA 6/2 heads: prefill, per-head eviction with a different number
     kept in each head, then a step of `num_new` tokens each (appended to every head; one token
-    each is the batched decode path). The paged result equals dense attention over exactly the
-    tokens each head kept, in order."""
+    each is the decode path: batched matmuls, or the native kernel). The paged result equals
+    dense attention over exactly the tokens each head kept, in order."""
+    if native and not native_decode_available(torch.device("cpu"), dtype):
+        pytest.skip("the native library is not available here")
     torch.manual_seed(0)
     num_layers, num_kv_heads, num_q_heads, head_dim, bs = 2, 2, 6, 8, 4
     kv = HeadKVCacheManager(num_blocks=64, block_size=bs, num_layers=num_layers, num_kv_heads=num_kv_heads)
@@ -115,7 +128,9 @@ def test_attention_over_a_compressed_per_head_cache_equals_dense_attention_over_
     scale = head_dim**-0.5
     for layer in range(num_layers):
         block_tables, head_lens = _layer_tables(kv, ["a", "b"], layer)
-        out = head_paged_attention(q, [0, num_new, 2 * num_new], k_pool, v_pool, block_tables, head_lens, scale)
+        out = head_paged_attention(
+            q, [0, num_new, 2 * num_new], k_pool, v_pool, block_tables, head_lens, scale, native=native
+        )
         for i, request_id in enumerate(["a", "b"]):
             keys, values = dense[request_id]
             new_keys, new_values = new[request_id]
@@ -182,6 +197,56 @@ def test_observation_scores_are_squared_causal_attention_summed_over_the_group()
             weights = torch.softmax(k[: position + 1, h] @ q[j, g] * 0.3, dim=-1)
             want[h, : position + 1] += weights.square()
     torch.testing.assert_close(scores, want)
+
+
+def test_observation_scores_over_ragged_heads_read_each_heads_own_tokens() -> None:
+    """After an eviction heads hold different numbers of tokens (padded to the longest): window
+    query j of head h reads that head's indices up to lengths[h] - W + j, padding scores 0."""
+    torch.manual_seed(3)
+    num_tokens, window, num_q_heads, num_kv_heads, head_dim = 9, 2, 4, 2, 8
+    lengths = torch.tensor([9, 5])
+    q = torch.randn(window, num_q_heads, head_dim)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim)
+    k[5:, 1] = 1e4  # head 1's padding: read, it would take all the attention
+    scores = observation_scores(q, k, scale=0.3, lengths=lengths)
+    want = torch.zeros(num_kv_heads, num_tokens)
+    for g in range(num_q_heads):
+        h = g // (num_q_heads // num_kv_heads)
+        for j in range(window):
+            last = int(lengths[h]) - window + j
+            weights = torch.softmax(k[: last + 1, h] @ q[j, g] * 0.3, dim=-1)
+            want[h, : last + 1] += weights.square()
+    torch.testing.assert_close(scores, want)
+    assert scores[1, 5:].eq(0).all()
+    torch.testing.assert_close(observation_scores(q, k[:, :1], 0.3, lengths[:1]), observation_scores(q, k[:, :1], 0.3))
+
+
+def test_select_kept_over_ragged_heads_keeps_no_padding_and_each_heads_own_tail() -> None:
+    num_tokens, window, sinks = 12, 2, 1
+    scores = torch.rand(3, num_tokens, generator=torch.Generator().manual_seed(4))
+    scores[:, 8:] = 5.0  # high scores on indices past heads 1 and 2's lengths: padding there
+    lengths = [12, 8, 4]
+    for per_head in (True, False):
+        kept = select_kept(scores, 12, window, per_head, sinks, lengths)
+        for head, (keep, length) in enumerate(zip(kept, lengths, strict=True)):
+            assert keep == sorted(keep) and all(index < length for index in keep), (per_head, head, keep)
+            assert {0, length - 2, length - 1} <= set(keep)  # sink and the head's own last tokens
+        assert sum(len(keep) for keep in kept) == 12 if per_head else [len(k) for k in kept] == [4, 4, 4]
+    assert select_kept(scores, 100, window, True, sinks, lengths) == [list(range(n)) for n in lengths]
+    with pytest.raises(ValueError):
+        select_kept(scores, 4, window, True, sinks, [13, 1, 1])
+
+
+def test_a_later_eviction_keeps_the_rate_of_all_tokens_seen() -> None:
+    """Budget of a decode-time eviction: ceil(Hk * seen / rate) per layer, however many tokens the
+    heads hold, and never more than they hold."""
+    policy = EvictionPolicy(window=2, sinks=1, pool_kernel=1)
+    head_lens = [20, 30, 25, 25]  # 2 layers x 2 KV heads, after an earlier eviction and decodes
+    scores = [torch.rand(2, 30), torch.rand(2, 25)]
+    kept = plan_kept(scores, 8.0, policy, head_lens=head_lens, num_seen=160)
+    assert [sum(len(k) for k in kept[0:2]), sum(len(k) for k in kept[2:4])] == [40, 40]
+    assert all(max(k) < n for k, n in zip(kept, head_lens, strict=True))
+    assert plan_kept(scores, 8.0, policy, head_lens=head_lens, num_seen=800) == [list(range(n)) for n in head_lens]
 
 
 def test_pooled_scores_keep_a_read_span_whole() -> None:
@@ -271,3 +336,36 @@ class HeadCacheMachine(RuleBasedStateMachine):
 
 TestHeadCacheMachine = HeadCacheMachine.TestCase
 TestHeadCacheMachine.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+
+
+def test_decode_rows_observed_together_score_as_each_alone() -> None:
+    """Observed decode rows of several requests, scored in one padded call, equal
+    `observation_scores` of each row alone over its own ragged heads."""
+    torch.manual_seed(5)
+    num_layers, num_kv_heads, num_q_heads, head_dim, bs = 1, 2, 6, 8, 4
+    kv = HeadKVCacheManager(num_blocks=64, block_size=bs, num_layers=num_layers, num_kv_heads=num_kv_heads)
+    k_pool = torch.randn(64, bs, head_dim)
+    v_pool = torch.randn(64, bs, head_dim)
+    for request_id, length in (("a", 11), ("b", 6), ("c", 9)):
+        kv.append_slots(request_id, length)
+    kv.evict("a", [[0, 3, 10], list(range(11))])
+    kv.evict("c", [list(range(9)), [8]])
+    for request_id in ("a", "b", "c"):
+        kv.append_slots(request_id, 1)  # this step's decode row
+    block_tables, head_lens = _layer_tables(kv, ["a", "b", "c"], 0)
+    q = torch.randn(3, num_q_heads, head_dim)
+    k = torch.randn(3, num_kv_heads, head_dim)
+    metadata = HeadAttentionMetadata(
+        k_pool=k_pool, v_pool=v_pool,
+        head_slots=torch.tensor([kv.head_tables(r)[h].block_ids[-1] * bs + (kv.head_tables(r)[h].num_tokens - 1) % bs
+                                 for r in ("a", "b", "c") for h in range(num_kv_heads)]).view(1, 3, num_kv_heads),
+        block_tables=block_tables.unsqueeze(0), head_lens=head_lens.unsqueeze(0),
+        query_start_loc=[0, 1, 2, 3], observe=[(0, 16), (1, 16), (2, 16)],
+    )  # fmt: skip
+    head_attention_layer(metadata, 0, q, k, k, scale=0.3)
+    for i in range(3):
+        lengths = head_lens[i]
+        slots = head_slots_of(block_tables[i], bs)[:, : int(lengths.max())]
+        keys = k_pool.view(-1, head_dim)[slots].transpose(0, 1)
+        want = observation_scores(q[i : i + 1], keys, 0.3, lengths)
+        torch.testing.assert_close(metadata.scores[i][0], want)

@@ -1,5 +1,6 @@
 """KV compression in the engine: compressed requests keep their KV in per-(layer, KV head) blocks,
-evicted after their context is computed; uncompressed ones keep the shared layout beside them."""
+evicted after their context is computed and then every `kv_compression_interval` decode steps;
+uncompressed ones keep the shared layout beside them."""
 
 from __future__ import annotations
 
@@ -64,6 +65,50 @@ def test_eviction_frees_head_blocks_and_the_request_goes_on(llm: LLM) -> None:
         engine.step()
     engine.scheduler.check_integrity()
     assert head_kv.pool.num_used_blocks == 0
+
+
+def test_a_generating_request_is_evicted_again_every_interval_and_stays_at_its_rate(tiny_model_dir: Path) -> None:
+    """With `kv_compression_interval=8`, a 120-token prompt at rate 8 generating 40 tokens is
+    evicted once its context is computed (at 120 tokens) and again after every 8 decode steps (128,
+    136, 144, 152): after each, every layer holds its floor of (16 + 4) tokens per head (the rate's
+    share, ceil(Hk * seen / 8), is below it); in between it grows by one token per step. Without
+    the interval it is evicted once and grows to the end."""
+    from tandem.engine.protocol import GenerationRequest
+
+    prompt_ids = [(7 * i) % 300 + 5 for i in range(120)]
+    held_by_interval = {}
+    for interval in (8, 0):
+        llm = LLM(str(tiny_model_dir), kv_cache_memory=8 << 20, enable_kv_compression=True, block_size=4,
+                  kv_compression_interval=interval, **OPTIONS)  # fmt: skip
+        engine = llm.engine
+        head_kv = engine.head_kv
+        assert head_kv is not None
+        num_layers, num_kv_heads = head_kv.num_layers, head_kv.num_kv_heads
+        engine.add_request(
+            GenerationRequest(request_id="g", prompt_token_ids=prompt_ids, sampling_params=greedy(40, 8.0))
+        )
+        request = engine.scheduler.requests["g"]
+        held: dict[int, list[int]] = {}  # tokens computed -> per layer, vectors held after that step
+        while engine.scheduler.has_unfinished():
+            engine.step()
+            if "g" in engine.scheduler.requests and request.num_computed_tokens >= 120:
+                kept = head_kv.num_tokens("g")
+                held[request.num_computed_tokens] = [
+                    sum(kept[layer * num_kv_heads : (layer + 1) * num_kv_heads]) for layer in range(num_layers)
+                ]
+                assert head_kv.num_blocks_used("g") == sum(-(-k // head_kv.block_size) for k in kept)
+        engine.scheduler.check_integrity()
+        assert head_kv.pool.num_used_blocks == 0
+        assert engine.stats()["kv_compression_evictions"] == (5 if interval else 1)
+        held_by_interval[interval] = held
+    floor = 20 * num_kv_heads
+    last_eviction = 120
+    for seen, per_layer in sorted(held_by_interval[8].items()):
+        if seen % 8 == 0:
+            last_eviction = seen
+        assert per_layer == [floor + num_kv_heads * (seen - last_eviction)] * num_layers, seen
+    last = max(held_by_interval[0])
+    assert last > 150 and held_by_interval[0][last] == [floor + num_kv_heads * (last - 120)] * num_layers
 
 
 def test_compression_needs_its_pool_and_checks_its_rate(tiny_model_dir: Path, llm: LLM) -> None:

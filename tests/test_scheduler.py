@@ -380,8 +380,9 @@ def test_a_preempted_batch_decoder_gives_back_its_share_of_the_step() -> None:
 class MixedCompressionMachine(SchedulerMachine):
     """The same random add / step / abort, with some requests compressed: they live in a small
     head-block pool (2 layers x 2 KV heads), are evicted (random kept sets) once their context is
-    computed, and preempt only each other for head blocks. Integrity of both pools after every
-    rule; every request finishes with its tokens; both pools end empty."""
+    computed and then every 3 decode steps (observed over the last 2), and preempt only each
+    other for head blocks. Integrity of both pools after every rule; every request finishes with
+    its tokens; both pools end empty."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -389,6 +390,7 @@ class MixedCompressionMachine(SchedulerMachine):
 
         self.head_kv = HeadKVCacheManager(48, 4, num_layers=2, num_kv_heads=2)  # one 42-token request alone fits
         self.sched.head_kv = self.head_kv
+        self.sched.eviction_interval, self.sched.eviction_window = 3, 2
         self.rng = __import__("random").Random(0)
 
     @rule(num_prompt=st.integers(1, 30), max_tokens=st.integers(1, 12), batch=st.booleans())
@@ -416,8 +418,13 @@ class MixedCompressionMachine(SchedulerMachine):
             assert item.head_slots is not None and item.block_ids == []
             assert all(len(slots) == len(item.token_ids) for slots in item.head_slots)
             assert item.head_num_tokens == self.head_kv.num_tokens(item.request_id)
-            assert item.observe == (item.sample and not request.kv_evicted)
-            if item.observe:
+            if not request.kv_evicted:  # the context's eviction
+                assert item.observe == item.evict == item.sample
+            else:  # decode evictions: observed over the last 2 of every 3 steps, the last evicting
+                since = item.start_position + len(item.token_ids) - request.num_tokens_at_eviction
+                assert item.sample and 1 <= since <= 3
+                assert (item.observe, item.evict) == (since > 1, since == 3)
+            if item.evict:
                 result.kept_tokens[item.request_id] = [
                     sorted(self.rng.sample(range(n), self.rng.randint(1, n))) for n in item.head_num_tokens
                 ]

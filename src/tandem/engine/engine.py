@@ -153,6 +153,8 @@ class LLMEngine:
             share_prefix_cache_across_tenants=config.share_prefix_cache_across_tenants,
             speculation=_speculation_settings(config, has_draft=getattr(parts.runner, "draft", None) is not None),
             head_kv=self.head_kv,
+            eviction_interval=config.kv_compression_interval,
+            eviction_window=_eviction_policy(config).window,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -306,7 +308,7 @@ class LLMEngine:
             native_decoder=config.native_decoder,
             grammars=grammars,
             num_head_blocks=num_head_blocks,
-            eviction=EvictionPolicy(per_head=config.kv_compression_policy == "per_head"),
+            eviction=_eviction_policy(config),
         )
         runner.warmup_decode()
         parts = EngineParts(
@@ -828,6 +830,13 @@ class LLMEngine:
             "kv_compression_evictions": self.scheduler.num_compressed_evictions,
             "kv_compression_vectors_evicted": self.scheduler.num_vectors_evicted,
         }
+
+
+def _eviction_policy(config: EngineConfig) -> EvictionPolicy:
+    """How compressed requests are evicted (the runner scores and plans; the scheduler times)."""
+    return EvictionPolicy(
+        per_head=config.kv_compression_policy == "per_head", interval=config.kv_compression_interval
+    )
 
 
 def _speculation_settings(config: EngineConfig, *, has_draft: bool) -> SpeculationSettings | None:

@@ -61,9 +61,12 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # KV compression (per-head eviction) rate, resolved by the engine; None or 1: the shared
     # block layout. A compressed request's KV lives in per-(layer, head) blocks and is evicted
-    # once its prompt is computed (`kv_evicted`; again after a preemption recomputes it).
+    # once its prompt is computed (`kv_evicted`; again after a preemption recomputes it), then
+    # every `EvictionPolicy.interval` decode steps; `num_tokens_at_eviction`: tokens computed
+    # when it was last evicted.
     kv_compression_rate: float | None = None
     kv_evicted: bool = False
+    num_tokens_at_eviction: int = 0
 
     @property
     def compressed(self) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from tandem.engine.draft import PagedDraftCache
 from tandem.engine.grammar import GrammarCompiler, GrammarMatcher
@@ -83,6 +84,13 @@ def allocate_kv_caches(kv_spec: KVCacheSpec, num_blocks: int, device: torch.devi
 NATIVE_MAX_ROWS = 16
 
 
+def _add_padded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # [Hk, Ta] + [Hk, Tb]
+    """Sum of two score tensors over the same heads' tokens, the shorter padded with zeros at its
+    end (a head's tokens keep their indices until the next eviction; new ones are appended)."""
+    width = max(a.shape[1], b.shape[1])
+    return F.pad(a, (0, width - a.shape[1])) + F.pad(b, (0, width - b.shape[1]))
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -146,6 +154,9 @@ class ModelRunner:
         self._matchers: dict[str, GrammarMatcher] = {}
         self.grammar_mask_s = 0.0  # wall seconds computing and applying grammar masks
         self.eviction = eviction or EvictionPolicy()
+        # Compressed requests inside a decode observation window: per layer [Hk, T] the squared
+        # attention their observed rows gave each head's tokens so far (`ScheduledRequest.observe`).
+        self._observed: dict[str, list[torch.Tensor]] = {}
         self.head_pool: tuple[torch.Tensor, torch.Tensor] | None = None
         if num_head_blocks > 0:
             pool_dtype = head_pool_dtype(kv_spec.dtype, model.norm.dtype)
@@ -223,6 +234,7 @@ class ModelRunner:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
             self._matchers.pop(request_id, None)
+            self._observed.pop(request_id, None)
         if self.draft is not None:
             self.draft.forget(request_ids)
 
@@ -241,6 +253,8 @@ class ModelRunner:
                 torch.tensor(sched.head_move_src_slots, dtype=torch.int64, device=self.device),
                 torch.tensor(sched.head_move_dst_slots, dtype=torch.int64, device=self.device),
             )
+        for request_id in sched.preempted_request_ids:  # its head tokens are recomputed anew
+            self._observed.pop(request_id, None)
         if self.draft is not None:  # a preempted request's draft KV went with its blocks
             self.draft.forget(sched.preempted_request_ids)
         try:
@@ -326,10 +340,21 @@ class ModelRunner:
         result = self._finish(items, logits, False, {})
         for index, layer_scores in metadata.scores.items():
             item = items[index]
+            observed = self._observed.pop(item.request_id, None)
             if item.request_id in result.failed:
                 continue
-            rate = item.kv_compression_rate or 1.0
-            result.kept_tokens[item.request_id] = plan_kept(layer_scores, rate, self.eviction)
+            if observed is not None:  # earlier steps of this observation window
+                layer_scores = [_add_padded(a, b) for a, b in zip(observed, layer_scores, strict=True)]
+            if not item.evict:
+                self._observed[item.request_id] = layer_scores
+                continue
+            result.kept_tokens[item.request_id] = plan_kept(
+                layer_scores,
+                item.kv_compression_rate or 1.0,
+                self.eviction,
+                head_lens=item.head_num_tokens,
+                num_seen=item.start_position + len(item.token_ids),
+            )
         return result
 
     def _execute_shared(self, items: list[ScheduledRequest]) -> RunnerResult:

@@ -91,6 +91,8 @@ class Scheduler:
         speculation: SpeculationSettings | None = None,
         clock: Callable[[], float] = time.monotonic,
         head_kv: HeadKVCacheManager | None = None,
+        eviction_interval: int = 0,
+        eviction_window: int = 16,
     ) -> None:
         self.kv = kv_manager
         # Compressed requests (`Request.compressed`) keep their KV here, per (layer, KV head),
@@ -98,7 +100,11 @@ class Scheduler:
         self.head_kv = head_kv
         self._head_slots: dict[str, list[list[int]]] = {}  # appended this step, not yet handed out
         self._pending_moves: dict[str, tuple[list[int], list[int]]] = {}  # evictions to copy
-        self.num_compressed_evictions = 0  # evictions applied (one per context computed)
+        # After its context's eviction, a compressed request is evicted again every
+        # `eviction_interval` decode steps (0: never), observed over the last `eviction_window`.
+        self.eviction_interval = eviction_interval
+        self.eviction_window = eviction_window
+        self.num_compressed_evictions = 0  # evictions applied (contexts computed, and later ones)
         self.num_vectors_evicted = 0  # (layer, head, token) K/V vectors dropped by them
         # Prompt-lookup speculation (None: off): per request an n-gram index and its running
         # acceptance; the step cost model decides how many drafts a step verifies.
@@ -310,7 +316,12 @@ class Scheduler:
             item.head_slots = self._head_slots.pop(request.request_id, [[] for _ in tables])
             item.head_block_ids = [list(t.block_ids) for t in tables]
             item.head_num_tokens = [t.num_tokens for t in tables]
-            item.observe = item.sample and not request.kv_evicted
+            if not request.kv_evicted:  # the chunk that completes the context
+                item.observe = item.evict = item.sample
+            elif self.eviction_interval and item.sample:
+                since = end - request.num_tokens_at_eviction  # this step's tokens included
+                item.observe = since > self.eviction_interval - self.eviction_window
+                item.evict = since >= self.eviction_interval
             item.kv_compression_rate = request.kv_compression_rate
 
     def schedule(self) -> SchedulerOutput:
@@ -618,6 +629,7 @@ class Scheduler:
                 self.num_vectors_evicted += held - sum(len(k) for k in kept)
                 self._pending_moves[request.request_id] = (moves.src_slots, moves.dst_slots)
                 request.kv_evicted = True
+                request.num_tokens_at_eviction = item.start_position + len(item.token_ids)
             token_ids = result.sampled_token_ids.get(item.request_id) or []
             num_drafts = item.num_draft_tokens
             num_accepted = min(max(0, len(token_ids) - 1), num_drafts)

@@ -47,9 +47,14 @@ class ScheduledRequest:
     head_slots: list[list[int]] | None = None
     head_block_ids: list[list[int]] = field(default_factory=list)
     head_num_tokens: list[int] = field(default_factory=list)
-    # This chunk completes the request's context: the runner scores its tokens and returns what
-    # each head keeps at `kv_compression_rate` (`RunnerResult.kept_tokens`).
+    # observe: the runner scores this step's last rows' queries (the observation window) against
+    # the tokens each head holds, adding to what it observed of the request since its last
+    # eviction. evict: then it returns what each head keeps at `kv_compression_rate`
+    # (`RunnerResult.kept_tokens`), from all of that. The chunk that completes the context is
+    # observed and evicted at once; later decode rows are observed over the last `window` steps
+    # of every `interval` (`EvictionPolicy`), the last of them evicting.
     observe: bool = False
+    evict: bool = False
     kv_compression_rate: float | None = None
 
     @property

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels import int4_native
+from tandem.kernels.attention import NATIVE_ATTENTION, native_paged_attention
 from tandem.kernels.kv_eviction import observation_scores
 
 
@@ -60,6 +62,16 @@ def move_head_slots(
         flat.index_copy_(0, dst_slots, flat.index_select(0, src_slots))
 
 
+def native_decode_available(device: torch.device, pool_dtype: torch.dtype) -> bool:
+    """Whether decode rows can attend through the native kernel here."""
+    return (
+        device.type == "cpu"
+        and pool_dtype in (torch.float32, torch.bfloat16)
+        and NATIVE_ATTENTION
+        and int4_native.load() is not None
+    )
+
+
 def head_slots_of(
     block_tables: torch.Tensor,  # [Hk, M] int64 head block ids (padding: any valid id)
     block_size: int,
@@ -76,11 +88,14 @@ def head_paged_attention(
     block_tables: torch.Tensor,  # [B, Hk, M] int64, this layer's head block tables (padded)
     head_lens: torch.Tensor,  # [B, Hk] int64 tokens held per head, this step's included
     scale: float,
+    native: bool | None = None,  # decode rows through the native kernel; None: where it runs
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of each request's new rows over its own per-head paged KV (see the module
-    docstring for the mask). One request at a time, all heads in one `scaled_dot_product_attention`
-    (GQA native); a request whose heads hold equal counts (not evicted yet: every prompt chunk)
-    shares one [n, L] mask across heads."""
+    docstring for the mask). Decode rows (one row per request) all at once: natively on CPU
+    (`attention.native_paged_attention`, each (request, KV head) a row of its own over its own
+    block table, no gathers), else in one padded pair of matmuls. Other requests one at a time,
+    all heads in one `scaled_dot_product_attention` (GQA native); a request whose heads hold equal
+    counts (not evicted yet: every prompt chunk) shares one [n, L] mask across heads."""
     num_rows, num_q_heads, head_dim = q.shape
     num_kv_heads = block_tables.shape[1]
     group = num_q_heads // num_kv_heads
@@ -91,7 +106,24 @@ def head_paged_attention(
     num_requests = len(query_start_loc) - 1
     decoding = [i for i in range(num_requests) if query_start_loc[i + 1] - query_start_loc[i] == 1]
     done: set[int] = set()
-    if len(decoding) > 1:  # one row each: all of them in one padded call
+    if native is None:
+        native = native_decode_available(q.device, k_pool.dtype)
+    if decoding and native:
+        index = torch.tensor(decoding, device=q.device)
+        rows = torch.tensor([query_start_loc[i] for i in decoding], device=q.device)
+        tables = block_tables.index_select(0, index)  # [b, Hk, M]
+        # (request, KV head) pairs as the rows of a one-KV-head cache: q [b * Hk, G, D].
+        attended = native_paged_attention(
+            q.index_select(0, rows).reshape(len(decoding) * num_kv_heads, group, head_dim),
+            k_pool.unsqueeze(2),  # [N, bs, 1, D]
+            v_pool.unsqueeze(2),
+            tables.reshape(len(decoding) * num_kv_heads, -1),
+            head_lens.index_select(0, index).reshape(-1) - 1,  # each row reads its head's tokens
+            scale,
+        )  # [b * Hk, G, D] float32
+        out.index_copy_(0, rows, attended.view(len(decoding), num_q_heads, head_dim).to(q.dtype))
+        done = set(decoding)
+    elif len(decoding) > 1:  # one row each: all of them in one padded call
         index = torch.tensor(decoding, device=q.device)
         rows = torch.tensor([query_start_loc[i] for i in decoding], device=q.device)
         lens = head_lens.index_select(0, index)  # [b, Hk]
@@ -169,8 +201,9 @@ class HeadAttentionMetadata:
     block_tables: torch.Tensor  # [L, B, Hk, M] int64 (padded with block 0)
     head_lens: torch.Tensor  # [L, B, Hk] int64, this step's rows included
     query_start_loc: list[int]  # [B + 1]
-    # Requests whose context this step completes: (request index, window size W). Their last W
-    # rows' queries are scored against all their tokens, per layer, into `scores`.
+    # Requests whose rows this step are observed for an eviction: (request index, window size W).
+    # Their last W rows' queries (at most W) are scored against the tokens each head holds, per
+    # layer, into `scores` (`kv_eviction.observation_scores`).
     observe: list[tuple[int, int]] = field(default_factory=list)
     scores: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # index -> per layer [Hk, T]
 
@@ -188,14 +221,48 @@ def head_attention_layer(
     write_head_kv(k, v, metadata.k_pool, metadata.v_pool, metadata.head_slots[layer])
     block_size = metadata.k_pool.shape[1]
     head_dim = k.shape[-1]
+    qs = metadata.query_start_loc
+    single = [index for index, _ in metadata.observe if qs[index + 1] - qs[index] == 1]
+    if len(single) > 1:  # decode rows: one padded call for all of them
+        for index, scores in zip(single, _decode_row_scores(metadata, layer, q, single, scale), strict=True):
+            metadata.scores.setdefault(index, []).append(scores)
     for index, window in metadata.observe:
+        if len(single) > 1 and index in single:
+            continue
         end = metadata.query_start_loc[index + 1]
         start = max(metadata.query_start_loc[index], end - window)
-        num_tokens = int(metadata.head_lens[layer, index].max())
+        lengths = metadata.head_lens[layer, index]  # [Hk]: heads may differ after an eviction
+        num_tokens = int(lengths.max())
         slots = head_slots_of(metadata.block_tables[layer, index], block_size)[:, :num_tokens]  # [Hk, T]
-        keys = metadata.k_pool.view(-1, head_dim)[slots].transpose(0, 1)  # [T, Hk, D]
-        metadata.scores.setdefault(index, []).append(observation_scores(q[start:end], keys, scale))
+        keys = metadata.k_pool.view(-1, head_dim)[slots].transpose(0, 1)  # [T, Hk, D], padded
+        metadata.scores.setdefault(index, []).append(observation_scores(q[start:end], keys, scale, lengths))
     return head_paged_attention(
         q, metadata.query_start_loc, metadata.k_pool, metadata.v_pool,
         metadata.block_tables[layer], metadata.head_lens[layer], scale,
     )  # fmt: skip
+
+
+def _decode_row_scores(
+    metadata: HeadAttentionMetadata,
+    layer: int,
+    q: torch.Tensor,  # [T, Hq, D]
+    indices: list[int],  # requests with one row this step, observed
+    scale: float,
+) -> list[torch.Tensor]:  # per request [Hk, its longest head]: `observation_scores` of its row
+    """`observation_scores` of one query row per request (a decode row sees every token its heads
+    hold), for all the requests in one padded gather and two matmuls."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    block_size = metadata.k_pool.shape[1]
+    index = torch.tensor(indices, device=q.device)
+    rows = torch.tensor([metadata.query_start_loc[i] for i in indices], device=q.device)
+    lens = metadata.head_lens[layer].index_select(0, index)  # [b, Hk]
+    num_requests, num_kv_heads = lens.shape
+    max_len = int(lens.max())
+    tables = metadata.block_tables[layer].index_select(0, index).flatten(0, 1)  # [b * Hk, M]
+    slots = head_slots_of(tables, block_size)[:, :max_len].view(num_requests, num_kv_heads, max_len)
+    keys = metadata.k_pool.view(-1, head_dim)[slots].float()  # [b, Hk, Lmax, D]
+    qg = q.index_select(0, rows).float().view(num_requests, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    logits = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [b, Hk, G, Lmax]
+    padding = torch.arange(max_len, device=q.device).view(1, 1, 1, -1) >= lens.view(num_requests, num_kv_heads, 1, 1)
+    scores = torch.softmax(logits.masked_fill(padding, float("-inf")), dim=-1).square().sum(dim=2)  # [b, Hk, Lmax]
+    return [scores[j, :, : int(lens[j].max())] for j in range(num_requests)]

@@ -20,27 +20,34 @@ baseline, keeps `budget / num_kv_heads` tokens in every head.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 
 def observation_scores(
-    q_window: torch.Tensor,  # [W, Hq, D] queries of the last W prompt positions
-    k: torch.Tensor,  # [T, Hk, D] keys of all T prompt positions (after RoPE)
+    q_window: torch.Tensor,  # [W, Hq, D] queries of the last W positions
+    k: torch.Tensor,  # [T, Hk, D] keys each head holds (after RoPE), padded to T
     scale: float,
-) -> torch.Tensor:  # [Hk, T] float32
+    lengths: torch.Tensor | None = None,  # [Hk] tokens head h holds (<= T); None: T in every head
+) -> torch.Tensor:  # [Hk, T] float32 (0 at padding)
     """Squared causal attention of the window queries, summed over each KV head's query group.
-    Window query j sits at position T - W + j and reads keys at positions <= its own."""
+    Window query j is head h's token `lengths[h] - W + j` and reads that head's tokens up to its
+    own. Before any eviction every head holds the T positions in order (`lengths` None); after
+    one, a head's tokens are its kept ones in order, so the rule reads indices, not positions."""
     num_window, num_q_heads, head_dim = q_window.shape
     num_tokens, num_kv_heads, _ = k.shape
     group = num_q_heads // num_kv_heads
+    if lengths is None:
+        lengths = torch.full((num_kv_heads,), num_tokens, dtype=torch.int64, device=k.device)
     q = q_window.float().view(num_window, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hk,G,W,D]
     keys = k.float().permute(1, 0, 2).unsqueeze(1)  # [Hk, 1, T, D]
     logits = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [Hk, G, W, T]
-    positions = torch.arange(num_tokens, device=k.device)
-    query_positions = torch.arange(num_tokens - num_window, num_tokens, device=k.device)
-    logits = logits.masked_fill(positions.view(1, -1) > query_positions.view(-1, 1), float("-inf"))
+    indices = torch.arange(num_tokens, device=k.device)
+    last_read = lengths.to(k.device).view(-1, 1) - num_window + torch.arange(num_window, device=k.device)  # [Hk, W]
+    hidden = indices.view(1, 1, -1) > last_read.unsqueeze(-1)  # [Hk, W, T]
+    logits = logits.masked_fill(hidden.unsqueeze(1), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return probs.square().sum(dim=(1, 2))  # [Hk, T]
 
@@ -74,19 +81,26 @@ def select_kept(
     protected_window: int,  # the last this-many tokens of every head are always kept
     per_head: bool = True,  # False: uniform, budget // Hk tokens in every head
     protected_prefix: int = 0,  # the first this-many tokens of every head are always kept
-) -> list[list[int]]:  # per KV head: kept token indices, increasing
+    lengths: Sequence[int] | None = None,  # tokens head h holds (<= T); None: T in every head
+) -> list[list[int]]:  # per KV head: kept token indices (< its length), increasing
     """The tokens each head keeps. Protected tokens count against the budget; every head keeps at
     least one token. With `per_head`, the rest of the budget goes to the highest scores over all
     heads together; without it, each head keeps its own top `budget // Hk` (remainder to the
-    first heads)."""
+    first heads). Indices at or past a head's length (padding) are never kept."""
     num_kv_heads, num_tokens = scores.shape
-    protected = min(max(protected_window, 1), num_tokens)
-    prefix = min(protected_prefix, num_tokens)
+    held = torch.full((num_kv_heads,), num_tokens) if lengths is None else torch.tensor(list(lengths))
+    if int(held.max()) > num_tokens or int(held.min()) < 1:
+        raise ValueError(f"head lengths must be within 1..{num_tokens}, got {held.tolist()}")
+    index = torch.arange(num_tokens).view(1, -1)
+    valid = index < held.view(-1, 1)  # [Hk, T]
+    protected = held.clamp(max=max(protected_window, 1))  # [Hk]
+    prefix = held.clamp(max=protected_prefix)
+    always = valid & ((index >= (held - protected).view(-1, 1)) | (index < prefix.view(-1, 1)))
     ranked = scores.float().clone()
-    ranked[:, num_tokens - protected :] = float("inf")
-    ranked[:, :prefix] = float("inf")
+    ranked[always] = float("inf")
+    ranked[~valid] = float("-inf")
     if per_head:
-        top = torch.topk(ranked.flatten(), min(budget, ranked.numel())).indices
+        top = torch.topk(ranked.flatten(), min(budget, int(valid.sum()))).indices
         keep = torch.zeros(num_kv_heads * num_tokens, dtype=torch.bool)
         keep[top] = True
         keep = keep.view(num_kv_heads, num_tokens)
@@ -94,35 +108,51 @@ def select_kept(
         keep = torch.zeros(num_kv_heads, num_tokens, dtype=torch.bool)
         base, extra = divmod(budget, num_kv_heads)
         for head in range(num_kv_heads):
-            count = min(num_tokens, max(protected + prefix, base + (1 if head < extra else 0)))
+            floor = int(protected[head]) + int(prefix[head])
+            count = min(int(held[head]), max(floor, base + (1 if head < extra else 0)))
             keep[head, torch.topk(ranked[head], count).indices] = True
-    keep[:, num_tokens - protected :] = True  # ties at +inf could leave some out of the top-k
-    keep[:, :prefix] = True
+    keep |= always  # ties at +inf could leave some out of the top-k
+    keep &= valid
     return [torch.nonzero(row).flatten().tolist() for row in keep]
 
 
 @dataclass(frozen=True)
 class EvictionPolicy:
-    """How a compressed request's context is cut down once it is computed (engine settings)."""
+    """How a compressed request's cache is cut down (engine settings): once its context is
+    computed, and then every `interval` decode steps (0: never again), each time scored by the
+    queries of the last `window` positions."""
 
-    window: int = 16  # observation window: its queries score the context; its tokens are kept
+    window: int = 16  # observation window: its queries score the cache; its tokens are kept
     sinks: int = 4  # the first tokens, always kept
     pool_kernel: int = 7  # score pooling over neighbours (odd; 1: none)
     per_head: bool = True  # Ada-KV budget over each layer's heads; False: uniform
+    interval: int = 64  # decode steps between evictions after the first; 0: evict once
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.sinks < 0 or self.interval < 0:
+            raise ValueError(f"eviction window must be >= 1, sinks and interval >= 0: {self}")
 
 
 def plan_kept(
     layer_scores: list[torch.Tensor],  # per layer [Hk, T]: `observation_scores` of the window
     rate: float,
     policy: EvictionPolicy,
+    head_lens: Sequence[int] | None = None,  # per head (layer * Hk + kv_head): tokens it holds
+    num_seen: int | None = None,  # tokens the request has computed (default: T)
 ) -> list[list[int]]:  # per head (layer * Hk + kv_head): kept token indices, increasing
-    """What every head of every layer keeps at compression `rate`: per layer,
-    `num_kept_for_rate` vectors chosen by `select_kept` from the pooled scores."""
+    """What every head of every layer keeps at compression `rate`: per layer, the
+    `num_kept_for_rate` share of the `num_seen` tokens the request has computed (never more than
+    the layer's heads hold), chosen by `select_kept` from the pooled scores. The first eviction
+    has every head holding all `num_seen` tokens; a later one holds what the last one kept plus
+    the tokens computed since, so the request stays at `rate` as it grows."""
     kept: list[list[int]] = []
-    for scores in layer_scores:
+    for layer, scores in enumerate(layer_scores):
         num_kv_heads, num_tokens = scores.shape
-        budget = num_kept_for_rate(num_tokens, num_kv_heads, rate, policy.window, policy.sinks)
+        lengths = None if head_lens is None else list(head_lens[layer * num_kv_heads : (layer + 1) * num_kv_heads])
+        held = num_kv_heads * num_tokens if lengths is None else sum(lengths)
+        seen = num_tokens if num_seen is None else num_seen
+        budget = min(held, num_kept_for_rate(seen, num_kv_heads, rate, policy.window, policy.sinks))
         kept += select_kept(
-            pool_scores(scores, policy.pool_kernel), budget, policy.window, policy.per_head, policy.sinks
+            pool_scores(scores, policy.pool_kernel), budget, policy.window, policy.per_head, policy.sinks, lengths
         )
     return kept

@@ -183,6 +183,12 @@ class EngineConfig(BaseModel):
     kv_compression_policy: Literal["per_head", "uniform"] = Field(
         "per_head", description="Budget split over each layer's heads by score (Ada-KV), or equal per head."
     )
+    kv_compression_interval: int = Field(
+        64,
+        ge=0,
+        description="A compressed request is evicted once its context is computed, then again every this "
+        "many decode steps, so it stays at its rate as it generates. 0: only once.",
+    )
     enable_lora: bool = Field(False, description="Serve LoRA adapters (reserves max_loras device slots).")
     max_loras: int = Field(4, ge=1, description="Distinct adapters in one batch (device slots).")
     max_lora_rank: int = Field(16, ge=1, le=256, description="Largest adapter rank accepted.")
