@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tandem.engine.head_kv_cache import HeadKVCacheManager
+from tandem.kernels.attention import quantize_fp8
 from tandem.kernels.head_attention import (
     HeadAttentionMetadata,
     head_attention_layer,
@@ -47,6 +48,14 @@ def test_head_tables_hold_exact_block_ids_through_append_evict_and_free() -> Non
     assert kv.append_slots("r", 3) == [[2, 3, 16], [13, 14, 15]]
     assert [t.block_ids for t in kv.head_tables("r")] == [[0, 4], [2, 3]]
     kv.check_integrity()
+    # Integrity tags: each block's generation as handed out; a reassigned block makes "r" stale.
+    assert [t.generations for t in kv.head_tables("r")] == [[1, 1], [1, 1]]
+    assert kv.stale_requests(["r", "absent"]) == []
+    kv.pool.generations[4] += 1  # block 4 handed to someone else behind the table's back
+    assert kv.stale_requests(["r"]) == ["r"]
+    with pytest.raises(AssertionError, match="reassigned"):
+        kv.check_integrity()
+    kv.pool.generations[4] -= 1
     kv.free("r")
     assert kv.pool.num_free_blocks == 16
     kv.check_integrity()
@@ -67,7 +76,8 @@ def test_append_never_partially_allocates_and_eviction_input_is_checked() -> Non
 
 
 def _fill(kv: HeadKVCacheManager, request_id: str, k_pool: torch.Tensor, v_pool: torch.Tensor,
-          keys: torch.Tensor, values: torch.Tensor) -> None:  # fmt: skip
+          keys: torch.Tensor, values: torch.Tensor, k_scale: torch.Tensor | None = None,
+          v_scale: torch.Tensor | None = None) -> None:  # fmt: skip
     """Append keys/values [L, T, Hk, D] (all layers) to every head of the request."""
     num_tokens = keys.shape[1]
     slots = kv.append_slots(request_id, num_tokens)
@@ -75,7 +85,7 @@ def _fill(kv: HeadKVCacheManager, request_id: str, k_pool: torch.Tensor, v_pool:
     heads = kv.num_kv_heads
     for layer in range(kv.num_layers):
         head_slots = torch.tensor(slots[layer * heads : (layer + 1) * heads]).T  # [T, Hk]
-        write_head_kv(keys[layer], values[layer], k_pool, v_pool, head_slots)
+        write_head_kv(keys[layer], values[layer], k_pool, v_pool, head_slots, k_scale, v_scale)
 
 
 def _layer_tables(kv: HeadKVCacheManager, request_ids: list[str], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,29 +97,40 @@ def _layer_tables(kv: HeadKVCacheManager, request_ids: list[str], layer: int) ->
     return block_tables, head_lens
 
 
+def _fp8_round_trip(x: torch.Tensor) -> torch.Tensor:  # what an FP8 pool gives back
+    codes, scale = quantize_fp8(x)
+    return (codes.float() * scale.float().unsqueeze(-1)).to(x.dtype)
+
+
 @pytest.mark.parametrize("num_new,native", [(3, False), (1, False), (1, True)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,pool_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                              (torch.bfloat16, torch.float8_e4m3fn)])  # fmt: skip
 def test_attention_over_a_compressed_per_head_cache_equals_dense_attention_over_kept_tokens(
-    dtype: torch.dtype, num_new: int, native: bool
+    dtype: torch.dtype, pool_dtype: torch.dtype, num_new: int, native: bool
 ) -> None:
     """Two requests, 2 layers, GQA 6/2 heads: prefill, per-head eviction with a different number
     kept in each head, then a step of `num_new` tokens each (appended to every head; one token
     each is the decode path: batched matmuls, or the native kernel). The paged result equals
-    dense attention over exactly the tokens each head kept, in order."""
-    if native and not native_decode_available(torch.device("cpu"), dtype):
+    dense attention over exactly the tokens each head kept, in order (for an FP8 pool, over the
+    vectors as FP8 gives them back: e4m3 codes times their scales)."""
+    if native and not native_decode_available(torch.device("cpu"), pool_dtype):
         pytest.skip("the native library is not available here")
+    fp8 = pool_dtype == torch.float8_e4m3fn
     torch.manual_seed(0)
     num_layers, num_kv_heads, num_q_heads, head_dim, bs = 2, 2, 6, 8, 4
     kv = HeadKVCacheManager(num_blocks=64, block_size=bs, num_layers=num_layers, num_kv_heads=num_kv_heads)
-    k_pool = torch.zeros(64, bs, head_dim, dtype=dtype)
-    v_pool = torch.zeros(64, bs, head_dim, dtype=dtype)
+    k_pool = torch.zeros(64, bs, head_dim, dtype=pool_dtype)
+    v_pool = torch.zeros(64, bs, head_dim, dtype=pool_dtype)
+    k_scale = torch.ones(64, bs, dtype=torch.float16) if fp8 else None
+    v_scale = torch.ones(64, bs, dtype=torch.float16) if fp8 else None
+    stored = _fp8_round_trip if fp8 else (lambda x: x)
     lengths = {"a": 13, "b": 7}
     dense: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for request_id, length in lengths.items():
         keys = torch.randn(num_layers, length, num_kv_heads, head_dim, dtype=dtype)
         values = torch.randn(num_layers, length, num_kv_heads, head_dim, dtype=dtype)
-        _fill(kv, request_id, k_pool, v_pool, keys, values)
-        dense[request_id] = (keys, values)
+        _fill(kv, request_id, k_pool, v_pool, keys, values, k_scale, v_scale)
+        dense[request_id] = (stored(keys), stored(values))
     kept = {
         "a": [[0, 1, 5, 12], [2, 3, 4, 6, 7, 8, 9, 10, 11, 12], [12], list(range(13))],
         "b": [[6], [0, 6], [1, 2, 3, 4, 5, 6], [0, 3, 6]],
@@ -117,11 +138,12 @@ def test_attention_over_a_compressed_per_head_cache_equals_dense_attention_over_
     for request_id, keep in kept.items():
         moves = kv.evict(request_id, keep)
         move_head_slots(k_pool, v_pool, torch.tensor(moves.src_slots, dtype=torch.long),
-                        torch.tensor(moves.dst_slots, dtype=torch.long))  # fmt: skip
+                        torch.tensor(moves.dst_slots, dtype=torch.long), k_scale, v_scale)  # fmt: skip
     new = {r: (torch.randn(num_layers, num_new, num_kv_heads, head_dim, dtype=dtype),
                torch.randn(num_layers, num_new, num_kv_heads, head_dim, dtype=dtype)) for r in lengths}  # fmt: skip
     for request_id, (keys, values) in new.items():
-        _fill(kv, request_id, k_pool, v_pool, keys, values)
+        _fill(kv, request_id, k_pool, v_pool, keys, values, k_scale, v_scale)
+        new[request_id] = (stored(keys), stored(values))
     kv.check_integrity()
 
     q = torch.randn(2 * num_new, num_q_heads, head_dim, dtype=dtype)  # num_new rows per request
@@ -129,8 +151,9 @@ def test_attention_over_a_compressed_per_head_cache_equals_dense_attention_over_
     for layer in range(num_layers):
         block_tables, head_lens = _layer_tables(kv, ["a", "b"], layer)
         out = head_paged_attention(
-            q, [0, num_new, 2 * num_new], k_pool, v_pool, block_tables, head_lens, scale, native=native
-        )
+            q, [0, num_new, 2 * num_new], k_pool, v_pool, block_tables, head_lens, scale, native=native,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
         for i, request_id in enumerate(["a", "b"]):
             keys, values = dense[request_id]
             new_keys, new_values = new[request_id]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tandem import LLM, SamplingParams
 from tandem.platform.errors import InvalidRequestError
@@ -35,6 +36,29 @@ def test_a_compressed_request_that_keeps_everything_matches_the_shared_layout(ll
     assert [o.outputs[0].token_ids for o in mixed] == want
     llm.engine.scheduler.check_integrity()
     assert llm.engine.head_kv is not None and llm.engine.head_kv.pool.num_used_blocks == 0
+
+
+def test_an_fp8_engine_keeps_fp8_head_blocks_and_matches_its_shared_layout(tiny_model_dir: Path) -> None:
+    """With an FP8 KV cache the head blocks are FP8 too (e4m3 codes and a float16 scale per vector,
+    quantised as the shared cache does), so the same budget holds about twice the head blocks of
+    a 16-bit pool; a request that keeps everything decodes as in the shared FP8 layout."""
+    sizes = {}
+    for kv_dtype in ("fp8_e4m3", "bfloat16"):
+        llm = LLM(str(tiny_model_dir), kv_cache_memory=8 << 20, enable_kv_compression=True, block_size=4,
+                  kv_cache_dtype=kv_dtype, **OPTIONS)  # fmt: skip
+        head_pool = llm.engine.runner.head_pool
+        assert head_pool is not None and llm.engine.head_kv is not None
+        sizes[kv_dtype] = llm.engine.head_kv.pool.num_blocks
+        if kv_dtype != "fp8_e4m3":
+            continue
+        assert head_pool[0].dtype == torch.float8_e4m3fn and head_pool[2] is not None
+        prompts = ["the cat sat on the mat", "a dog ran far away"]
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(10))]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(10, rate=8.0))]
+        assert got == want
+        assert llm.engine.head_kv.pool.num_used_blocks == 0
+    # Per slot: 2 * (D + 2) bytes against 2 * 2 * D (the tiny model's head_dim is at least 8).
+    assert sizes["fp8_e4m3"] > 1.5 * sizes["bfloat16"]
 
 
 def test_eviction_frees_head_blocks_and_the_request_goes_on(llm: LLM) -> None:
@@ -109,6 +133,40 @@ def test_a_generating_request_is_evicted_again_every_interval_and_stays_at_its_r
         assert per_layer == [floor + num_kv_heads * (seen - last_eviction)] * num_layers, seen
     last = max(held_by_interval[0])
     assert last > 150 and held_by_interval[0][last] == [floor + num_kv_heads * (last - 120)] * num_layers
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_reassigned_head_block_aborts_only_its_request(llm: LLM, overwrite: bool) -> None:
+    """Integrity tags on head blocks: one of a compressed request's head blocks is handed out
+    again mid-decode (and, with `overwrite`, scribbled over). That request ends with
+    `kv_integrity` and nothing generated after the fault; a compressed and an uncompressed request
+    beside it finish exactly as in a clean run."""
+    from tandem.engine.protocol import GenerationRequest
+
+    engine = llm.engine
+    prompts = ["the cat sat on the mat", "a dog ran far away", "red fish blue fish"]
+    rates = [8.0, 8.0, None]
+    clean = [o.outputs[0].token_ids for o in llm.generate(prompts, [greedy(12, r) for r in rates])]
+    ids = [f"head-fault-{overwrite}-{i}" for i in range(3)]
+    for rid, prompt, rate in zip(ids, prompts, rates, strict=True):
+        engine.add_request(GenerationRequest(rid, prompt=prompt, sampling_params=greedy(12, rate)))
+    finished = {}
+    aborts_before = engine.num_kv_integrity_aborts
+    for step in range(100):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if step == 3:  # mid-decode: the last head block of the first request's last head
+            engine.inject_kv_fault(ids[0], -1, overwrite=overwrite)
+        if not engine.has_unfinished_requests():
+            break
+    victim = finished[ids[0]].outputs[0]
+    assert finished[ids[0]].error_code == "kv_integrity" and victim.finish_reason == "error"
+    assert len(victim.token_ids) < 12 and victim.token_ids == clean[0][: len(victim.token_ids)]
+    assert [finished[r].outputs[0].token_ids for r in ids[1:]] == clean[1:]
+    assert engine.num_kv_integrity_aborts == aborts_before + 1
+    engine.scheduler.check_integrity()
+    assert engine.head_kv is not None and engine.head_kv.pool.num_used_blocks == 0
 
 
 def test_compression_needs_its_pool_and_checks_its_rate(tiny_model_dir: Path, llm: LLM) -> None:

@@ -43,7 +43,7 @@ from tandem.engine.speculative import SpeculationSettings
 from tandem.engine.step import RequestUpdate, RunnerResult, ScheduledRequest, SchedulerOutput
 from tandem.engine.tokenizer import Tokenizer
 from tandem.kernels import int4_native
-from tandem.kernels.head_attention import head_pool_dtype
+from tandem.kernels.head_attention import head_pool_dtype, head_slot_bytes
 from tandem.kernels.kv_eviction import EvictionPolicy
 from tandem.platform.config import EngineConfig
 from tandem.platform.cpu import cpu_flags
@@ -198,7 +198,7 @@ class LLMEngine:
         num_head_blocks = 0
         if config.enable_kv_compression or config.kv_compression_rate is not None:
             # The compression pool (per-(layer, head) blocks, 16-bit) takes its share of the budget.
-            head_block_bytes = 2 * config.block_size * cfg.head_dim * head_pool_dtype(kv_dtype, dtype).itemsize
+            head_block_bytes = config.block_size * head_slot_bytes(head_pool_dtype(kv_dtype, dtype), cfg.head_dim)
             head_budget = int(config.kv_compression_memory_fraction * budget)
             num_head_blocks = head_budget // head_block_bytes
             if num_head_blocks < cfg.num_hidden_layers * cfg.num_key_value_heads:
@@ -745,7 +745,10 @@ class LLMEngine:
         """KV-page integrity: a scheduled request holding a block whose generation changed (the
         block was reassigned: an allocator bug, a late KV transfer) is aborted alone, before the
         step could compute or answer anything from someone else's KV."""
-        stale = self.kv_manager.stale_requests([s.request_id for s in scheduled.scheduled])
+        request_ids = [s.request_id for s in scheduled.scheduled]
+        stale = self.kv_manager.stale_requests(request_ids)
+        if self.head_kv is not None:  # compressed requests' head blocks carry the same tags
+            stale += self.head_kv.stale_requests([r for r in request_ids if r not in stale])
         if not stale:
             return []
         outputs = []
@@ -766,7 +769,17 @@ class LLMEngine:
     def inject_kv_fault(self, request_id: str, block_index: int = 0, *, overwrite: bool = False) -> int:
         """Test hook: act as a buggy allocator (or a late KV transfer) on a running request's
         block: hand it out again (its generation changes) and, with `overwrite`, scribble over its
-        KV. Returns the physical block id."""
+        KV. Returns the physical block id. For a compressed request: its head blocks, in table
+        order over all its heads (`HeadKVCacheManager`), and the head-block pool."""
+        request = self.scheduler.requests.get(request_id)
+        if request is not None and request.compressed and self.head_kv is not None:
+            head_block_ids = [b for table in self.head_kv.head_tables(request_id) for b in table.block_ids]
+            block_id = head_block_ids[block_index]
+            self.head_kv.pool.generations[block_id] += 1
+            if overwrite and self.runner.head_pool is not None:
+                for pool in self.runner.head_pool[:2]:
+                    pool[block_id].view(torch.uint8).fill_(0x7F)
+            return block_id
         block_id = self.kv_manager.block_table(request_id).block_ids[block_index]
         self.kv_manager.pool.generations[block_id] += 1
         if overwrite:

@@ -18,7 +18,9 @@ Invariants (checked by `check_integrity()`):
   compressed state of a request is private to it, so no request can read another's evictions);
 - a head's table has exactly `ceil(num_tokens / block_size)` blocks, its tokens packed from slot 0;
 - all heads of a request have received the same number of tokens in total (appended), evicted
-  ones included.
+  ones included;
+- every head block still carries the generation it had when its table got it (integrity tags,
+  as in `kv_cache`: `stale_requests` finds holders of reassigned blocks).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class HeadTable:
 
     block_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    generations: list[int] = field(default_factory=list)  # each block's generation when handed out
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,9 @@ class HeadKVCacheManager:
         for table in tables:
             num_new_blocks = self._blocks_for(table.num_tokens + num_new_tokens) - len(table.block_ids)
             if num_new_blocks:
-                table.block_ids.extend(self.pool.allocate(num_new_blocks))
+                new_ids = self.pool.allocate(num_new_blocks)
+                table.block_ids.extend(new_ids)
+                table.generations.extend(self.pool.generations[b] for b in new_ids)
             start = table.num_tokens
             slots.append(
                 [table.block_ids[i // bs] * bs + i % bs for i in range(start, start + num_new_tokens)]
@@ -136,6 +141,7 @@ class HeadKVCacheManager:
             num_keep_blocks = self._blocks_for(len(keep))
             tail = table.block_ids[num_keep_blocks:]
             del table.block_ids[num_keep_blocks:]
+            del table.generations[num_keep_blocks:]
             table.num_tokens = len(keep)
             freed.extend(tail)
         self.pool.free(freed)
@@ -146,6 +152,20 @@ class HeadKVCacheManager:
         self.num_appended.pop(request_id, None)
         if tables is not None:
             self.pool.free([b for t in tables for b in t.block_ids])
+
+    def stale_requests(self, request_ids: Sequence[str]) -> list[str]:
+        """Of `request_ids`, those holding a head block whose generation changed since it was
+        handed to them (the KV integrity tags of `kv_cache`, per head block): such a block was
+        given to someone else, and its contents may be theirs. O(their blocks)."""
+        generations = self.pool.generations
+        stale: list[str] = []
+        for request_id in request_ids:
+            tables = self.tables.get(request_id)
+            if tables is None:
+                continue
+            if any(generations[b] != g for t in tables for b, g in zip(t.block_ids, t.generations, strict=True)):
+                stale.append(request_id)
+        return stale
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
@@ -158,10 +178,13 @@ class HeadKVCacheManager:
                     f"{request_id} head {head}: {len(table.block_ids)} blocks for {table.num_tokens} tokens"
                 )
                 assert table.num_tokens <= self.num_appended[request_id], (request_id, head)
+                assert len(table.generations) == len(table.block_ids), (request_id, head)
                 for block_id in table.block_ids:
                     assert block_id not in owners, f"block {block_id} shared by {owners[block_id]}"
                     owners[block_id] = (request_id, head)
         assert len(owners) == self.pool.num_used_blocks, "head blocks used but owned by no table"
+        stale = self.stale_requests(list(self.tables))
+        assert not stale, f"{stale} hold reassigned head blocks"
 
 
 __all__ = ["EvictionMoves", "HeadKVCacheManager", "HeadTable", "NoFreeBlocksError"]

@@ -22,7 +22,7 @@ from tandem.engine.models.llama import KVLayer, LlamaForCausalLM
 from tandem.engine.models.native import NativeLlama, NativeStep
 from tandem.engine.step import RunnerResult, ScheduledRequest, SchedulerOutput
 from tandem.kernels.attention import build_attention_metadata, quantize_fp8
-from tandem.kernels.head_attention import HeadAttentionMetadata, head_pool_dtype, move_head_slots
+from tandem.kernels.head_attention import HeadAttentionMetadata, HeadPool, head_pool_dtype, move_head_slots
 from tandem.kernels.kv_eviction import EvictionPolicy, plan_kept
 from tandem.kernels.sampling import (
     apply_penalties,
@@ -157,13 +157,18 @@ class ModelRunner:
         # Compressed requests inside a decode observation window: per layer [Hk, T] the squared
         # attention their observed rows gave each head's tokens so far (`ScheduledRequest.observe`).
         self._observed: dict[str, list[torch.Tensor]] = {}
-        self.head_pool: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Compressed requests' head blocks: (k, v) [N, bs, D], and for an FP8 pool their
+        # per-vector scales (k, v) [N, bs] float16 (else None).
+        self.head_pool: HeadPool | None = None
         if num_head_blocks > 0:
             pool_dtype = head_pool_dtype(kv_spec.dtype, model.norm.dtype)
             shape = (num_head_blocks, kv_spec.block_size, kv_spec.head_dim)
+            fp8 = pool_dtype == torch.float8_e4m3fn
             self.head_pool = (
                 torch.zeros(shape, dtype=pool_dtype, device=device),
                 torch.zeros(shape, dtype=pool_dtype, device=device),
+                torch.ones(shape[:2], dtype=torch.float16, device=device) if fp8 else None,
+                torch.ones(shape[:2], dtype=torch.float16, device=device) if fp8 else None,
             )
 
     # -- KV pages for hand-over (kv_transfer.py) -------------------------------------------------
@@ -248,10 +253,14 @@ class ModelRunner:
         the runner itself is broken."""
         self.forget(sched.finished_request_ids)
         if sched.head_move_src_slots and self.head_pool is not None:  # evictions, before any write
+            k_pool, v_pool, k_scale, v_scale = self.head_pool
             move_head_slots(
-                *self.head_pool,
+                k_pool,
+                v_pool,
                 torch.tensor(sched.head_move_src_slots, dtype=torch.int64, device=self.device),
                 torch.tensor(sched.head_move_dst_slots, dtype=torch.int64, device=self.device),
+                k_scale,
+                v_scale,
             )
         for request_id in sched.preempted_request_ids:  # its head tokens are recomputed anew
             self._observed.pop(request_id, None)
@@ -323,13 +332,15 @@ class ModelRunner:
         metadata = HeadAttentionMetadata(
             k_pool=self.head_pool[0],
             v_pool=self.head_pool[1],
+            k_scale=self.head_pool[2],
+            v_scale=self.head_pool[3],
             head_slots=torch.cat(head_slots, dim=1).to(self.device),  # [L, T, Hk]
             block_tables=tables.permute(1, 0, 2, 3).contiguous().to(self.device),  # [L, B, Hk, M]
             head_lens=lens.view(len(items), num_layers, num_kv_heads).permute(1, 0, 2).contiguous().to(self.device),
             query_start_loc=query_start_loc,
             observe=[(i, self.eviction.window) for i, item in enumerate(items) if item.observe],
         )
-        caches: list[KVLayer] = [(self.head_pool[0], self.head_pool[1], None, None)] * num_layers
+        caches: list[KVLayer] = [self.head_pool] * num_layers  # the model reads `metadata`, not these
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),

@@ -1,7 +1,9 @@
-"""Attention over a KV cache paged per (layer, KV head), for compressed requests (plain torch).
+"""Attention over a KV cache paged per (layer, KV head), for compressed requests (plain torch,
+and the native paged-attention kernel for decode rows on CPU).
 
 Pool layout, shared by every layer and head: `k_pool`, `v_pool`: [num_head_blocks, block_size,
-head_dim]. One head block holds `block_size` tokens of one (layer, KV head); flat head slot
+head_dim], in float32, 16-bit or FP8 (e4m3 codes; then `k_scale`, `v_scale` [num_head_blocks,
+block_size] float16 hold one scale per vector, as the shared FP8 cache does). One head block holds `block_size` tokens of one (layer, KV head); flat head slot
 `s` is block `s // block_size`, offset `s % block_size`. A request's head h (of one layer) holds
 `head_lens[h]` tokens packed from slot 0 of its block table `block_tables[h]`
 (`engine.head_kv_cache.HeadKVCacheManager` decides which blocks).
@@ -24,14 +26,25 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import int4_native
-from tandem.kernels.attention import NATIVE_ATTENTION, native_paged_attention
+from tandem.kernels.attention import NATIVE_ATTENTION, native_paged_attention, quantize_fp8
 from tandem.kernels.kv_eviction import observation_scores
+
+FP8 = torch.float8_e4m3fn
+# A head-block pool: keys, values [N, bs, D]; an FP8 pool's per-vector scales [N, bs] (else None).
+HeadPool = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+_POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, FP8)
 
 
 def head_pool_dtype(cache_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
-    """What head blocks store: the shared cache's type when it is 16 or 32-bit, else (FP8) the
-    compute type. One rule for sizing the pool (engine) and allocating it (runner)."""
-    return cache_dtype if cache_dtype.is_floating_point and cache_dtype.itemsize >= 2 else compute_dtype
+    """What head blocks store: the shared cache's type (FP8 included: e4m3 codes with a float16
+    scale per vector, as the shared cache quantises), else the compute type. One rule for sizing
+    the pool (engine) and allocating it (runner)."""
+    return cache_dtype if cache_dtype in _POOL_DTYPES else compute_dtype
+
+
+def head_slot_bytes(pool_dtype: torch.dtype, head_dim: int) -> int:
+    """Bytes of one (token, head) slot, keys and values: the vectors, and FP8's scales."""
+    return 2 * (head_dim * pool_dtype.itemsize + (2 if pool_dtype == FP8 else 0))
 
 
 def write_head_kv(
@@ -40,12 +53,22 @@ def write_head_kv(
     k_pool: torch.Tensor,  # [N, bs, D]
     v_pool: torch.Tensor,  # [N, bs, D]
     head_slots: torch.Tensor,  # [T, Hk] int64: flat head slot of token t in KV head h
+    k_scale: torch.Tensor | None = None,  # [N, bs] float16: an FP8 pool's per-vector scales
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """k_pool.view(-1, D)[head_slots[t, h]] = k[t, h] (and the same for v)."""
+    """k_pool.view(-1, D)[head_slots[t, h]] = k[t, h] (and the same for v); an FP8 pool stores
+    each vector quantised with its own scale (`attention.quantize_fp8`)."""
     head_dim = k.shape[-1]
     flat = head_slots.reshape(-1)
-    k_pool.view(-1, head_dim).index_copy_(0, flat, k.reshape(-1, head_dim).to(k_pool.dtype))
-    v_pool.view(-1, head_dim).index_copy_(0, flat, v.reshape(-1, head_dim).to(v_pool.dtype))
+    for values, pool, scales in ((k, k_pool, k_scale), (v, v_pool, v_scale)):
+        rows = values.reshape(-1, head_dim)
+        if scales is None:
+            pool.view(-1, head_dim).index_copy_(0, flat, rows.to(pool.dtype))
+            continue
+        codes, scale = quantize_fp8(rows)
+        # As bytes: CPU torch has no index_copy_ for float8 dtypes.
+        pool.view(torch.uint8).view(-1, head_dim).index_copy_(0, flat, codes.view(torch.uint8))
+        scales.view(-1).index_copy_(0, flat, scale)
 
 
 def move_head_slots(
@@ -53,20 +76,39 @@ def move_head_slots(
     v_pool: torch.Tensor,  # [N, bs, D]
     src_slots: torch.Tensor,  # [M] int64
     dst_slots: torch.Tensor,  # [M] int64
+    k_scale: torch.Tensor | None = None,  # [N, bs] float16 (FP8 pool)
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Apply an eviction's moves: every source is read before any destination is written."""
     if src_slots.numel() == 0:
         return
     for pool in (k_pool, v_pool):
-        flat = pool.view(-1, pool.shape[-1])
+        flat = pool.view(torch.uint8).view(-1, pool.shape[-1] * pool.element_size())
         flat.index_copy_(0, dst_slots, flat.index_select(0, src_slots))
+    for scales in (k_scale, v_scale):
+        if scales is not None:
+            flat_scales = scales.view(-1)
+            flat_scales.index_copy_(0, dst_slots, flat_scales.index_select(0, src_slots))
+
+
+def gather_head_vectors(
+    pool: torch.Tensor,  # [N, bs, D]
+    scales: torch.Tensor | None,  # [N, bs] float16 for an FP8 pool
+    slots: torch.Tensor,  # [...] int64 flat head slots
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [..., D] in dtype (FP8: codes times their scales)
+    head_dim = pool.shape[-1]
+    if scales is None:
+        return pool.view(-1, head_dim)[slots].to(dtype)
+    codes = pool.view(torch.uint8).view(-1, head_dim)[slots].view(FP8).float()
+    return (codes * scales.view(-1)[slots].float().unsqueeze(-1)).to(dtype)
 
 
 def native_decode_available(device: torch.device, pool_dtype: torch.dtype) -> bool:
     """Whether decode rows can attend through the native kernel here."""
     return (
         device.type == "cpu"
-        and pool_dtype in (torch.float32, torch.bfloat16)
+        and pool_dtype in (torch.float32, torch.bfloat16, FP8)
         and NATIVE_ATTENTION
         and int4_native.load() is not None
     )
@@ -89,20 +131,24 @@ def head_paged_attention(
     head_lens: torch.Tensor,  # [B, Hk] int64 tokens held per head, this step's included
     scale: float,
     native: bool | None = None,  # decode rows through the native kernel; None: where it runs
+    k_scale: torch.Tensor | None = None,  # [N, bs] float16: an FP8 pool's scales
+    v_scale: torch.Tensor | None = None,
+    k: torch.Tensor | None = None,  # [T, Hk, D] this step's keys as computed (before the pool)
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of each request's new rows over its own per-head paged KV (see the module
     docstring for the mask). Decode rows (one row per request) all at once: natively on CPU
     (`attention.native_paged_attention`, each (request, KV head) a row of its own over its own
     block table, no gathers), else in one padded pair of matmuls. Other requests one at a time,
     all heads in one `scaled_dot_product_attention` (GQA native); a request whose heads hold equal
-    counts (not evicted yet: every prompt chunk) shares one [n, L] mask across heads."""
+    counts (not evicted yet: every prompt chunk) shares one [n, L] mask across heads. A request
+    whose whole context is this step's rows attends over `k`, `v` as computed when they are given
+    (as the shared layout does: an FP8 pool's rounding then starts at the next step)."""
     num_rows, num_q_heads, head_dim = q.shape
     num_kv_heads = block_tables.shape[1]
     group = num_q_heads // num_kv_heads
     block_size = k_pool.shape[1]
     out = torch.empty_like(q)
-    k_flat = k_pool.view(-1, head_dim)
-    v_flat = v_pool.view(-1, head_dim)
     num_requests = len(query_start_loc) - 1
     decoding = [i for i in range(num_requests) if query_start_loc[i + 1] - query_start_loc[i] == 1]
     done: set[int] = set()
@@ -120,6 +166,8 @@ def head_paged_attention(
             tables.reshape(len(decoding) * num_kv_heads, -1),
             head_lens.index_select(0, index).reshape(-1) - 1,  # each row reads its head's tokens
             scale,
+            None if k_scale is None else k_scale.unsqueeze(2),  # [N, bs, 1]
+            None if v_scale is None else v_scale.unsqueeze(2),
         )  # [b * Hk, G, D] float32
         out.index_copy_(0, rows, attended.view(len(decoding), num_q_heads, head_dim).to(q.dtype))
         done = set(decoding)
@@ -130,8 +178,8 @@ def head_paged_attention(
         max_len = int(lens.max())
         slots = head_slots_of(block_tables.index_select(0, index).flatten(0, 1), block_size)
         slots = slots[:, :max_len].view(len(decoding), num_kv_heads, max_len)  # [b, Hk, Lmax]
-        keys = k_flat[slots].to(q.dtype)  # [b, Hk, Lmax, D]
-        values = v_flat[slots].to(q.dtype)
+        keys = gather_head_vectors(k_pool, k_scale, slots, q.dtype)  # [b, Hk, Lmax, D]
+        values = gather_head_vectors(v_pool, v_scale, slots, q.dtype)
         held = torch.arange(max_len, device=q.device).view(1, 1, 1, -1) < lens.view(*lens.shape, 1, 1)  # [b,Hk,1,L]
         # Two small matmuls: at one query row CPU SDPA with a mask costs several times more.
         qg = q.index_select(0, rows).view(len(decoding), num_kv_heads, group, head_dim)  # [b, Hk, G, D]
@@ -147,9 +195,13 @@ def head_paged_attention(
             continue
         lens = head_lens[i]  # [Hk]
         max_len = int(lens.max())
-        slots = head_slots_of(block_tables[i], block_size)[:, :max_len]  # [Hk, Lmax]
-        keys = k_flat[slots].to(q.dtype).unsqueeze(0)  # [1, Hk, Lmax, D]
-        values = v_flat[slots].to(q.dtype).unsqueeze(0)
+        if k is not None and v is not None and n == max_len and int(lens.min()) == max_len:
+            keys = k[start:end].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hk, n, D]
+            values = v[start:end].transpose(0, 1).unsqueeze(0).to(q.dtype)
+        else:
+            slots = head_slots_of(block_tables[i], block_size)[:, :max_len]  # [Hk, Lmax]
+            keys = gather_head_vectors(k_pool, k_scale, slots, q.dtype).unsqueeze(0)  # [1, Hk, Lmax, D]
+            values = gather_head_vectors(v_pool, v_scale, slots, q.dtype).unsqueeze(0)
         key_index = torch.arange(max_len, device=q.device)  # [Lmax]
         row_offset = torch.arange(n, device=q.device)
         visible: torch.Tensor | None
@@ -201,6 +253,8 @@ class HeadAttentionMetadata:
     block_tables: torch.Tensor  # [L, B, Hk, M] int64 (padded with block 0)
     head_lens: torch.Tensor  # [L, B, Hk] int64, this step's rows included
     query_start_loc: list[int]  # [B + 1]
+    k_scale: torch.Tensor | None = None  # [N, bs] float16: an FP8 pool's per-vector scales
+    v_scale: torch.Tensor | None = None
     # Requests whose rows this step are observed for an eviction: (request index, window size W).
     # Their last W rows' queries (at most W) are scored against the tokens each head holds, per
     # layer, into `scores` (`kv_eviction.observation_scores`).
@@ -218,9 +272,10 @@ def head_attention_layer(
 ) -> torch.Tensor:  # [T, Hq, D]
     """Write the rows' K/V into the layer's head blocks, score observed requests' windows, and
     attend (`head_paged_attention`)."""
-    write_head_kv(k, v, metadata.k_pool, metadata.v_pool, metadata.head_slots[layer])
+    write_head_kv(
+        k, v, metadata.k_pool, metadata.v_pool, metadata.head_slots[layer], metadata.k_scale, metadata.v_scale
+    )
     block_size = metadata.k_pool.shape[1]
-    head_dim = k.shape[-1]
     qs = metadata.query_start_loc
     single = [index for index, _ in metadata.observe if qs[index + 1] - qs[index] == 1]
     if len(single) > 1:  # decode rows: one padded call for all of them
@@ -234,11 +289,12 @@ def head_attention_layer(
         lengths = metadata.head_lens[layer, index]  # [Hk]: heads may differ after an eviction
         num_tokens = int(lengths.max())
         slots = head_slots_of(metadata.block_tables[layer, index], block_size)[:, :num_tokens]  # [Hk, T]
-        keys = metadata.k_pool.view(-1, head_dim)[slots].transpose(0, 1)  # [T, Hk, D], padded
+        keys = gather_head_vectors(metadata.k_pool, metadata.k_scale, slots, q.dtype).transpose(0, 1)  # [T, Hk, D]
         metadata.scores.setdefault(index, []).append(observation_scores(q[start:end], keys, scale, lengths))
     return head_paged_attention(
         q, metadata.query_start_loc, metadata.k_pool, metadata.v_pool,
         metadata.block_tables[layer], metadata.head_lens[layer], scale,
+        k_scale=metadata.k_scale, v_scale=metadata.v_scale, k=k, v=v,
     )  # fmt: skip
 
 
@@ -260,7 +316,7 @@ def _decode_row_scores(
     max_len = int(lens.max())
     tables = metadata.block_tables[layer].index_select(0, index).flatten(0, 1)  # [b * Hk, M]
     slots = head_slots_of(tables, block_size)[:, :max_len].view(num_requests, num_kv_heads, max_len)
-    keys = metadata.k_pool.view(-1, head_dim)[slots].float()  # [b, Hk, Lmax, D]
+    keys = gather_head_vectors(metadata.k_pool, metadata.k_scale, slots, torch.float32)  # [b, Hk, Lmax, D]
     qg = q.index_select(0, rows).float().view(num_requests, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     logits = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [b, Hk, G, Lmax]
     padding = torch.arange(max_len, device=q.device).view(1, 1, 1, -1) >= lens.view(num_requests, num_kv_heads, 1, 1)
