@@ -135,6 +135,37 @@ def test_a_generating_request_is_evicted_again_every_interval_and_stays_at_its_r
     assert last > 150 and held_by_interval[0][last] == [floor + num_kv_heads * (last - 120)] * num_layers
 
 
+def test_a_compressed_request_copies_a_cached_prefix_and_leaves_it_intact(tiny_model_dir: Path) -> None:
+    """Prefix caching with compressed requests (private copies): a compressed request whose prompt
+    starts with a cached prefix copies those blocks' KV into its own head blocks instead of
+    computing them (leaving at least the observation window to compute), then evicts its copy at
+    rate 8. Its tokens are those of an engine without prefix caching; the shared blocks are
+    released after the copy, and an uncompressed request that hits the same prefix afterwards
+    reads it unchanged (its tokens are the reference engine's too)."""
+    base = [(11 * i) % 300 + 5 for i in range(96)]  # 24 blocks of 4
+    compressed_prompt = base + [7, 8, 9, 10, 11] * 4
+    plain_prompt = base + [12, 13, 14] * 3
+    options = {"kv_cache_memory": 8 << 20, "enable_kv_compression": True, "block_size": 4, **OPTIONS}
+    reference = LLM(str(tiny_model_dir), enable_prefix_caching=False, **options)
+    want_compressed = reference.generate([compressed_prompt], greedy(10, 8.0))[0].outputs[0].token_ids
+    want_plain = reference.generate([plain_prompt], greedy(10))[0].outputs[0].token_ids
+    del reference
+
+    llm = LLM(str(tiny_model_dir), enable_prefix_caching=True, **options)
+    engine = llm.engine
+    assert llm.generate([base + [1]], greedy(2))[0].metrics.num_cached_tokens == 0  # caches the prefix
+    evictions = engine.stats()["kv_compression_evictions"]
+    out = llm.generate([compressed_prompt], greedy(10, 8.0))[0]
+    assert out.metrics.num_cached_tokens == 96  # 116 tokens: 100 cached, but 16 are left to compute
+    assert out.outputs[0].token_ids == want_compressed
+    assert engine.stats()["kv_compression_evictions"] == evictions + 1  # its copy, not the cache
+    assert engine.kv_manager.pool.num_used_blocks == 0  # the shared blocks went back after the copy
+    again = llm.generate([plain_prompt], greedy(10))[0]
+    assert again.metrics.num_cached_tokens == 96 and again.outputs[0].token_ids == want_plain
+    engine.scheduler.check_integrity()
+    assert engine.head_kv is not None and engine.head_kv.pool.num_used_blocks == 0
+
+
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_a_reassigned_head_block_aborts_only_its_request(llm: LLM, overwrite: bool) -> None:
     """Integrity tags on head blocks: one of a compressed request's head blocks is handed out

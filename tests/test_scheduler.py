@@ -391,7 +391,9 @@ class MixedCompressionMachine(SchedulerMachine):
         self.head_kv = HeadKVCacheManager(48, 4, num_layers=2, num_kv_heads=2)  # one 42-token request alone fits
         self.sched.head_kv = self.head_kv
         self.sched.eviction_interval, self.sched.eviction_window = 3, 2
+        self.sched.kv.enable_prefix_caching = True  # prompts share prefixes: compressed ones copy them
         self.rng = __import__("random").Random(0)
+        self.num_prefix_copies = 0
 
     @rule(num_prompt=st.integers(1, 30), max_tokens=st.integers(1, 12), batch=st.booleans())
     def add_compressed(self, num_prompt: int, max_tokens: int, batch: bool) -> None:
@@ -417,6 +419,14 @@ class MixedCompressionMachine(SchedulerMachine):
                 continue
             assert item.head_slots is not None and item.block_ids == []
             assert all(len(slots) == len(item.token_ids) for slots in item.head_slots)
+            if item.prefix_src_slots:  # a cached prefix, held in shared blocks until the step ends
+                num_copied = len(item.prefix_src_slots)
+                assert item.start_position == num_copied
+                assert request.num_preemptions or request.num_cached_tokens == num_copied
+                assert num_copied <= request.num_tokens - 2  # the observation window is computed
+                assert all(len(slots) == num_copied for slots in item.prefix_dst_head_slots)
+                shared = self.sched.kv.block_table(item.request_id).block_ids
+                assert {slot // 4 for slot in item.prefix_src_slots} == set(shared)
             assert item.head_num_tokens == self.head_kv.num_tokens(item.request_id)
             if not request.kv_evicted:  # the context's eviction
                 assert item.observe == item.evict == item.sample
@@ -435,6 +445,10 @@ class MixedCompressionMachine(SchedulerMachine):
                 rid = update.request.request_id
                 assert update.request.num_output_tokens == self.expected_outputs[rid]
                 self.finished.add(rid)
+        for item in out.scheduled:  # compressed requests hold no shared block after their step
+            request = self.sched.requests.get(item.request_id)
+            assert request is None or not request.compressed or item.request_id not in self.sched.kv.tables
+        self.num_prefix_copies += sum(1 for item in out.scheduled if item.prefix_src_slots)
 
     def teardown(self) -> None:
         super().teardown()

@@ -309,6 +309,9 @@ class ModelRunner:
             raise RuntimeError("a compressed request reached a runner without a head-block pool")
         cfg = self.model.config
         num_layers, num_kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+        for item in items:
+            if item.prefix_src_slots:
+                self._copy_prefix_into_heads(item)
         input_ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
@@ -367,6 +370,29 @@ class ModelRunner:
                 num_seen=item.start_position + len(item.token_ids),
             )
         return result
+
+    def _copy_prefix_into_heads(self, item: ScheduledRequest) -> None:
+        """A compressed request's cached prompt prefix, from the shared cache into its own head
+        blocks (`ScheduledRequest.prefix_src_slots`): the same bytes, as both hold one dtype
+        (`head_pool_dtype`), FP8 scales included."""
+        assert self.head_pool is not None
+        k_pool, v_pool, k_scale, v_scale = self.head_pool
+        num_kv_heads = self.kv_spec.num_kv_heads
+        src = torch.tensor(item.prefix_src_slots, dtype=torch.int64, device=self.device)  # [n]
+        dst = torch.tensor(item.prefix_dst_head_slots, dtype=torch.int64, device=self.device)  # [L * Hk, n]
+        target_layers = self.kv_caches[: self.model.config.num_hidden_layers]
+        for layer, (k_cache, v_cache, k_cache_scale, v_cache_scale) in enumerate(target_layers):
+            layer_dst = dst[layer * num_kv_heads : (layer + 1) * num_kv_heads].reshape(-1)  # [Hk * n]
+            for cache, pool in ((k_cache, k_pool), (v_cache, v_pool)):
+                if cache.dtype != pool.dtype:
+                    raise RuntimeError(f"prefix copy from a {cache.dtype} cache into a {pool.dtype} head pool")
+                width = cache.shape[-1] * cache.element_size()
+                rows = cache.view(torch.uint8).view(-1, num_kv_heads, width).index_select(0, src)  # [n, Hk, B]
+                pool.view(torch.uint8).view(-1, width).index_copy_(0, layer_dst, rows.transpose(0, 1).reshape(-1, width))
+            for cache_scale, pool_scale in ((k_cache_scale, k_scale), (v_cache_scale, v_scale)):
+                if cache_scale is not None and pool_scale is not None:
+                    scales = cache_scale.view(-1, num_kv_heads).index_select(0, src)  # [n, Hk]
+                    pool_scale.view(-1).index_copy_(0, layer_dst, scales.transpose(0, 1).reshape(-1))
 
     def _execute_shared(self, items: list[ScheduledRequest]) -> RunnerResult:
         draft_probs: dict[str, torch.Tensor] = {}

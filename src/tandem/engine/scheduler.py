@@ -100,6 +100,9 @@ class Scheduler:
         self.head_kv = head_kv
         self._head_slots: dict[str, list[list[int]]] = {}  # appended this step, not yet handed out
         self._pending_moves: dict[str, tuple[list[int], list[int]]] = {}  # evictions to copy
+        # Compressed requests admitted with a prefix-cache hit: tokens to copy from the shared
+        # blocks they hold (in `kv`) into their heads, in their first step.
+        self._prefix_copies: dict[str, int] = {}
         # After its context's eviction, a compressed request is evicted again every
         # `eviction_interval` decode steps (0: never), observed over the last `eviction_window`.
         self.eviction_interval = eviction_interval
@@ -253,6 +256,7 @@ class Scheduler:
             self.head_kv.free(request_id)
             self._head_slots.pop(request_id, None)
             self._pending_moves.pop(request_id, None)  # its blocks are free: nothing to copy
+            self._prefix_copies.pop(request_id, None)
 
     def _allocate(self, request: Request, num_total_tokens: int, admission: bool = False) -> bool:
         """Room for the request's first `num_total_tokens` tokens in its layout (all-or-nothing).
@@ -314,6 +318,13 @@ class Scheduler:
             item = scheduled[-1]
             tables = self.head_kv.head_tables(request.request_id)
             item.head_slots = self._head_slots.pop(request.request_id, [[] for _ in tables])
+            copied = self._prefix_copies.pop(request.request_id, 0)
+            if copied:  # its first appended tokens are the cached prefix: copied, not computed
+                bs = self.kv.block_size
+                shared = self.kv.block_table(request.request_id).block_ids
+                item.prefix_src_slots = [shared[i // bs] * bs + i % bs for i in range(copied)]
+                item.prefix_dst_head_slots = [slots[:copied] for slots in item.head_slots]
+                item.head_slots = [slots[copied:] for slots in item.head_slots]
             item.head_block_ids = [list(t.block_ids) for t in tables]
             item.head_num_tokens = [t.num_tokens for t in tables]
             if not request.kv_evicted:  # the chunk that completes the context
@@ -537,17 +548,20 @@ class Scheduler:
             if lora is not None and lora not in active_loras and len(active_loras) >= self.max_loras:
                 position += 1  # every LoRA slot is taken by running requests' adapters
                 continue
-            if (
-                request.num_computed_tokens == 0
-                and not request.compressed  # its blocks are private: no prefix cache
-                and request.request_id not in self.kv.tables
-            ):
+            if request.num_computed_tokens == 0 and request.request_id not in self.kv.tables:
+                # A compressed request copies the cached prefix into its own heads (and leaves at
+                # least the observation window to compute, whose queries score its tokens).
+                lookup_tokens = request.num_tokens
+                if request.compressed:
+                    lookup_tokens = max(1, request.num_tokens - self.eviction_window + 1)
                 cached = self.kv.allocate_cached_prefix(
-                    request.request_id, request.num_tokens, request.token_ids_slice, self.cache_salt(request)
+                    request.request_id, lookup_tokens, request.token_ids_slice, self.cache_salt(request)
                 )
                 request.num_computed_tokens = cached
                 if request.num_preemptions == 0:
                     request.num_cached_tokens = cached
+                if request.compressed and cached:
+                    self._prefix_copies[request.request_id] = cached
             num_new = self._chunk(request, cap)
             total = request.num_computed_tokens + num_new
             if not self._allocate(request, total, admission=True):
@@ -621,6 +635,8 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None:  # finished while the step ran (abort)
                 continue
+            if item.prefix_src_slots:  # copied into its heads: the shared blocks go back
+                self.kv.free(item.request_id)
             kept = result.kept_tokens.get(item.request_id)
             if kept is not None and self.head_kv is not None and request.compressed:
                 held = sum(self.head_kv.num_tokens(request.request_id))

@@ -56,6 +56,13 @@ class ScheduledRequest:
     observe: bool = False
     evict: bool = False
     kv_compression_rate: float | None = None
+    # A compressed request's prompt prefix found in the prefix cache: before its rows run, the
+    # runner copies the shared cache's KV at flat slots `prefix_src_slots` (one per token, in
+    # order) into every head, head h's copies at `prefix_dst_head_slots[h]` (same order). The
+    # copies are the request's own: eviction never touches the shared blocks, which it holds
+    # only until this step ends.
+    prefix_src_slots: list[int] = field(default_factory=list)
+    prefix_dst_head_slots: list[list[int]] = field(default_factory=list)
 
     @property
     def is_compressed(self) -> bool:
