@@ -163,7 +163,9 @@ class HeadKVCacheManager:
             tables = self.tables.get(request_id)
             if tables is None:
                 continue
-            if any(generations[b] != g for t in tables for b, g in zip(t.block_ids, t.generations, strict=True)):
+            block_ids = [b for t in tables for b in t.block_ids]
+            expected = [g for t in tables for g in t.generations]
+            if list(map(generations.__getitem__, block_ids)) != expected:
                 stale.append(request_id)
         return stale
 
