@@ -29,6 +29,7 @@ from tandem.kernels.kv_eviction import (
     observation_scores,
     plan_kept,
     pool_scores,
+    protected_window_for,
     select_kept,
 )
 
@@ -258,6 +259,16 @@ def test_select_kept_over_ragged_heads_keeps_no_padding_and_each_heads_own_tail(
     assert select_kept(scores, 100, window, True, sinks, lengths) == [list(range(n)) for n in lengths]
     with pytest.raises(ValueError):
         select_kept(scores, 4, window, True, sinks, [13, 1, 1])
+
+
+def test_high_rates_protect_fewer_recent_tokens_so_the_rate_is_met() -> None:
+    """The protected window shrinks where a head's share of the budget could not hold it, the
+    sinks and as much again by score: the requested rate is then met, not held up by a floor."""
+    assert [protected_window_for(1024, rate, 16, 4) for rate in (2, 8, 32, 64, 1024)] == [16, 16, 14, 6, 1]
+    assert protected_window_for(20, 64, 16, 4) == 16  # a short context is all protected
+    for rate in (8, 32, 64):
+        protected = protected_window_for(1024, rate, 16, 4)
+        assert num_kept_for_rate(1024, 3, rate, protected, 4) == math.ceil(3 * 1024 / rate)
 
 
 def test_a_later_eviction_keeps_the_rate_of_all_tokens_seen() -> None:

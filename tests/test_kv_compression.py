@@ -4,6 +4,7 @@ uncompressed ones keep the shared layout beside them."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -81,8 +82,9 @@ def test_eviction_frees_head_blocks_and_the_request_goes_on(llm: LLM) -> None:
     num_layers, num_kv_heads = head_kv.num_layers, head_kv.num_kv_heads
     assert len(kept) == num_layers * num_kv_heads
     per_layer = [sum(kept[layer * num_kv_heads : (layer + 1) * num_kv_heads]) for layer in range(num_layers)]
-    # Kept at eviction (ceil(2 * 120 / 8) = 30, but at least (16 + 4) per head = 40), plus one token per head since.
-    assert per_layer == [40 + num_kv_heads] * num_layers
+    # Kept at eviction: ceil(Hk * 120 / 8) (a head's share, 15, holds 4 sinks and 5 protected
+    # recent tokens: `protected_window_for`), plus one token per head since.
+    assert per_layer == [math.ceil(num_kv_heads * 120 / 8) + num_kv_heads] * num_layers
     assert head_kv.num_blocks_used("long") == sum(-(-k // head_kv.block_size) for k in kept)
     assert head_kv.num_blocks_used("long") < num_layers * num_kv_heads * -(-121 // head_kv.block_size)
     while engine.scheduler.has_unfinished():
@@ -94,9 +96,9 @@ def test_eviction_frees_head_blocks_and_the_request_goes_on(llm: LLM) -> None:
 def test_a_generating_request_is_evicted_again_every_interval_and_stays_at_its_rate(tiny_model_dir: Path) -> None:
     """With `kv_compression_interval=8`, a 120-token prompt at rate 8 generating 40 tokens is
     evicted once its context is computed (at 120 tokens) and again after every 8 decode steps (128,
-    136, 144, 152): after each, every layer holds its floor of (16 + 4) tokens per head (the rate's
-    share, ceil(Hk * seen / 8), is below it); in between it grows by one token per step. Without
-    the interval it is evicted once and grows to the end."""
+    136, 144, 152): after each, every layer holds ceil(Hk * seen / 8) vectors, the rate's share of
+    every token it has seen; in between it grows by one token per head and step. Without the
+    interval it is evicted once and grows to the end."""
     from tandem.engine.protocol import GenerationRequest
 
     prompt_ids = [(7 * i) % 300 + 5 for i in range(120)]
@@ -125,14 +127,16 @@ def test_a_generating_request_is_evicted_again_every_interval_and_stays_at_its_r
         assert head_kv.pool.num_used_blocks == 0
         assert engine.stats()["kv_compression_evictions"] == (5 if interval else 1)
         held_by_interval[interval] = held
-    floor = 20 * num_kv_heads
+    def kept_at(seen: int) -> int:
+        return math.ceil(num_kv_heads * seen / 8)
+
     last_eviction = 120
     for seen, per_layer in sorted(held_by_interval[8].items()):
         if seen % 8 == 0:
             last_eviction = seen
-        assert per_layer == [floor + num_kv_heads * (seen - last_eviction)] * num_layers, seen
+        assert per_layer == [kept_at(last_eviction) + num_kv_heads * (seen - last_eviction)] * num_layers, seen
     last = max(held_by_interval[0])
-    assert last > 150 and held_by_interval[0][last] == [floor + num_kv_heads * (last - 120)] * num_layers
+    assert last > 150 and held_by_interval[0][last] == [kept_at(120) + num_kv_heads * (last - 120)] * num_layers
 
 
 def test_a_compressed_request_copies_a_cached_prefix_and_leaves_it_intact(tiny_model_dir: Path) -> None:
@@ -276,3 +280,52 @@ def test_the_api_takes_kv_compression_rate_as_an_extension_field(tiny_model_dir:
                     assert bad.value.body["param"] == "kv_compression_rate"  # type: ignore[index]
         finally:
             engine.shutdown()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16", "fp8_e4m3"])
+def test_compressed_decode_rows_through_the_native_stack_match_the_torch_path(
+    tiny_model_dir: Path, kv_cache_dtype: str
+) -> None:
+    """With native INT4 weights, compressed requests' decode steps that no eviction observes run
+    the native decoder stack over the head-block pool (per-(layer, head) tables, ragged after
+    eviction). Greedy tokens and their logprobs equal the torch path's (the same INT4 matmuls;
+    attention over the same kept vectors), in a batch beside an uncompressed request, up to a
+    near-tie (two candidates within 0.01 in logprob) where float32 summation order may pick
+    either; from there the two runs may part."""
+    from tandem.kernels import int4_native
+
+    if int4_native.load() is None:
+        pytest.skip(f"native INT4 kernel unavailable: {int4_native.unavailable_reason()}")
+    llm = LLM(str(tiny_model_dir), weight_dtype="int4", kv_cache_dtype=kv_cache_dtype, kv_cache_memory=8 << 20,
+              enable_kv_compression=True, kv_compression_interval=32, block_size=4, speculative=None,
+              max_num_seqs=8, enable_prefix_caching=False)  # fmt: skip
+    runner = llm.engine.runner
+    assert runner.native_heads is not None
+    prompts = [[(7 * i + 3 * j) % 300 + 5 for i in range(90 + 7 * j)] for j in range(3)]
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2, kv_compression_rate=rate)
+        for rate in (4.0, 4.0, None)
+    ]
+    native = llm.generate(prompts, params)
+    assert runner.num_native_head_steps > 10
+    stack, runner.native_heads = runner.native_heads, None
+    try:
+        steps = runner.num_native_head_steps
+        torch_path = llm.generate(prompts, params)
+        assert runner.num_native_head_steps == steps
+    finally:
+        runner.native_heads = stack
+    for ours, want in zip(native, torch_path, strict=True):
+        tokens, ref_tokens = ours.outputs[0].token_ids, want.outputs[0].token_ids
+        got = [max(p.values()) for p in ours.outputs[0].logprobs or []]
+        ref_logprobs = want.outputs[0].logprobs or []
+        ref = [max(p.values()) for p in ref_logprobs]
+        same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b), len(tokens))
+        if same < len(tokens):
+            top_two = sorted(ref_logprobs[same].values(), reverse=True)[:2]
+            assert top_two[0] - top_two[1] < 0.01, (same, ref_logprobs[same])
+        assert same >= 20
+        # FP8 re-rounds every written vector, so a last-bit difference can move a code: looser.
+        tolerance = 5e-2 if kv_cache_dtype == "fp8_e4m3" else 1e-2
+        torch.testing.assert_close(torch.tensor(got[:same]), torch.tensor(ref[:same]), atol=tolerance, rtol=0)
+    assert llm.engine.head_kv is not None and llm.engine.head_kv.pool.num_used_blocks == 0

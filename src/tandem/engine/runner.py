@@ -170,6 +170,13 @@ class ModelRunner:
                 torch.ones(shape[:2], dtype=torch.float16, device=device) if fp8 else None,
                 torch.ones(shape[:2], dtype=torch.float16, device=device) if fp8 else None,
             )
+        # The native decoder stack over that pool, for compressed requests' decode rows (where the
+        # stack runs for shared decode steps).
+        self.native_heads: NativeLlama | None = None
+        if self.native is not None and self.head_pool is not None:
+            pool_layers: list[KVLayer] = [self.head_pool] * model.config.num_hidden_layers
+            self.native_heads = NativeLlama.build(self.decode_model, pool_layers, self.block_size)
+        self.num_native_head_steps = 0
 
     # -- KV pages for hand-over (kv_transfer.py) -------------------------------------------------
     def export_pages(self, block_ids: list[int], num_tokens: int, dtype: torch.dtype) -> list[bytes]:
@@ -332,6 +339,18 @@ class ModelRunner:
             [[ids + [0] * (width - len(ids)) for ids in item.head_block_ids] for item in items], dtype=torch.int64
         ).view(len(items), num_layers, num_kv_heads, width)
         lens = torch.tensor([item.head_num_tokens for item in items], dtype=torch.int64)
+        decoding = all(item.sample and len(item.token_ids) == 1 and not item.observe for item in items)
+        if self.native_heads is not None and decoding and len(items) <= NATIVE_MAX_ROWS:
+            # Decode rows that no eviction observes: the native stack, no per-layer torch ops.
+            self.num_native_head_steps += 1
+            logits = self.native_heads.forward_heads(
+                torch.tensor(input_ids, dtype=torch.int64),
+                torch.tensor(positions, dtype=torch.int64),
+                torch.cat(head_slots, dim=1).contiguous(),  # [L, T, Hk]
+                tables.permute(1, 0, 2, 3).contiguous(),  # [L, T, Hk, M]
+                lens.view(len(items), num_layers, num_kv_heads).permute(1, 0, 2).contiguous(),
+            )
+            return self._finish(items, logits, False, {})
         metadata = HeadAttentionMetadata(
             k_pool=self.head_pool[0],
             v_pool=self.head_pool[1],

@@ -64,6 +64,18 @@ def pool_scores(
     return pooled.squeeze(0)
 
 
+def protected_window_for(num_tokens: int, rate: float, window: int, sinks: int) -> int:
+    """Recent tokens every head keeps whatever their scores: `window`, unless a head's share of
+    the budget (ceil(T / rate)) is too small to hold the window, the sinks and as many tokens
+    again chosen by score; then half of what the sinks leave. So a high rate is met (not held up
+    by the protected tokens), and some of every head's budget still follows its scores. A context
+    of at most `window + sinks` tokens is all protected (nothing to gain from evicting it)."""
+    share = math.ceil(num_tokens / rate)
+    if share >= 2 * window + sinks or num_tokens <= window + sinks:
+        return window
+    return max(1, min(window, (share - sinks) // 2))
+
+
 def num_kept_for_rate(
     num_tokens: int, num_kv_heads: int, rate: float, protected_window: int, protected_prefix: int = 0
 ) -> int:
@@ -142,7 +154,8 @@ def plan_kept(
 ) -> list[list[int]]:  # per head (layer * Hk + kv_head): kept token indices, increasing
     """What every head of every layer keeps at compression `rate`: per layer, the
     `num_kept_for_rate` share of the `num_seen` tokens the request has computed (never more than
-    the layer's heads hold), chosen by `select_kept` from the pooled scores. The first eviction
+    the layer's heads hold), chosen by `select_kept` from the pooled scores, the last
+    `protected_window_for` tokens and the sinks always among them. The first eviction
     has every head holding all `num_seen` tokens; a later one holds what the last one kept plus
     the tokens computed since, so the request stays at `rate` as it grows."""
     kept: list[list[int]] = []
@@ -151,8 +164,9 @@ def plan_kept(
         lengths = None if head_lens is None else list(head_lens[layer * num_kv_heads : (layer + 1) * num_kv_heads])
         held = num_kv_heads * num_tokens if lengths is None else sum(lengths)
         seen = num_tokens if num_seen is None else num_seen
-        budget = min(held, num_kept_for_rate(seen, num_kv_heads, rate, policy.window, policy.sinks))
+        protected = protected_window_for(seen, rate, policy.window, policy.sinks)
+        budget = min(held, num_kept_for_rate(seen, num_kv_heads, rate, protected, policy.sinks))
         kept += select_kept(
-            pool_scores(scores, policy.pool_kernel), budget, policy.window, policy.per_head, policy.sinks, lengths
+            pool_scores(scores, policy.pool_kernel), budget, protected, policy.per_head, policy.sinks, lengths
         )
     return kept

@@ -182,8 +182,35 @@ class DecoderWeights:
             captures.data_ptr(), len(capture_layers), None if captured is None else captured.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
-        if status == -1:
-            raise MemoryError(f"native decoder could not allocate scratch for {num_rows} rows")
-        if status != 0:
-            raise ValueError(f"native decoder failed with status {status} (unsupported INT4 group size)")
+        _check(status, num_rows)
         return captured
+
+    def run_heads(
+        self,
+        x: torch.Tensor,  # [T, H] float32, updated in place: one decode row per request
+        positions: torch.Tensor,  # [T] int64
+        head_slots: torch.Tensor,  # [L, T, Hk] int64: flat head slot of each row's K/V
+        head_tables: torch.Tensor,  # [L, T, Hk, max_blocks] int64 head block tables (padded)
+        head_lens: torch.Tensor,  # [L, T, Hk] int64 tokens each head holds, this row included
+    ) -> None:
+        """The stack over a head-block pool (compressed requests' decode rows; the layers' caches
+        this was built with must be that pool): as `head_attention.head_paged_attention` for one
+        row per request, K/V written to `head_slots` first."""
+        num_rows = x.shape[0]
+        assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == self.hidden
+        for t in (positions, head_slots, head_tables, head_lens):
+            assert t.dtype == torch.int64 and t.is_contiguous()
+        assert head_slots.shape[:2] == head_lens.shape[:2] == head_tables.shape[:2] == (self.num_layers, num_rows)
+        status = int4_native.load().tandem_decoder_layers_heads(  # type: ignore[union-attr]
+            ctypes.byref(self._dims), self._layers, x.data_ptr(), num_rows, positions.data_ptr(),
+            head_slots.data_ptr(), head_tables.data_ptr(), head_tables.shape[-1], head_lens.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        _check(status, num_rows)
+
+
+def _check(status: int, num_rows: int) -> None:
+    if status == -1:
+        raise MemoryError(f"native decoder could not allocate scratch for {num_rows} rows")
+    if status != 0:
+        raise ValueError(f"native decoder failed with status {status} (unsupported INT4 group size)")

@@ -145,3 +145,21 @@ class NativeLlama:
             return logits
         states = captured if captured is not None else x
         return logits, states.to(dtype)
+
+    def forward_heads(
+        self,
+        input_ids: torch.Tensor,  # [T] int64: one decode row per compressed request
+        positions: torch.Tensor,  # [T] int64
+        head_slots: torch.Tensor,  # [L, T, Hk] int64
+        head_tables: torch.Tensor,  # [L, T, Hk, max_blocks] int64
+        head_lens: torch.Tensor,  # [L, T, Hk] int64
+    ) -> torch.Tensor:  # [T, vocab] float32 logits
+        """Decode rows of compressed requests over the head-block pool this stack was built on
+        (`DecoderWeights.run_heads`); the same logits as the model's forward with
+        `HeadAttentionMetadata` for those rows, up to float32 summation order."""
+        model = self.model
+        x = model.embed_tokens(input_ids).float().contiguous()  # [T, H]
+        self.weights.run_heads(x, positions, head_slots, head_tables, head_lens)
+        last = x.to(model.norm.dtype)
+        return model.lm_head(rms_norm(last, model.norm, model.config.rms_norm_eps)).float()
+

@@ -44,6 +44,17 @@ typedef struct {
     const float *rope_cos, *rope_sin; /* [max_positions, D] float32 */
 } TandemDecoderDims;
 
+/* A compressed request's KV paged per (layer, KV head) (tandem/kernels/head_attention.py): every
+ * layer's k/v cache is the one head-block pool [num_head_blocks, block_size, D] (e4m3: scales
+ * [num_head_blocks, block_size]); each (layer, request, KV head) has its own block table and token
+ * count. Decode rows only: row t is request t, and its K/V are written before it attends. */
+typedef struct {
+    const int64_t *slots;  /* [L, T, Hk] flat head slot of row t's K/V in each layer and KV head */
+    const int64_t *tables; /* [L, T, Hk, max_blocks] head block tables */
+    const int64_t *lens;   /* [L, T, Hk] tokens each head holds, this step's row included */
+    int64_t max_blocks;
+} TandemHeadPaging;
+
 /* -- element conversions (torch's rounding: nearest, ties to even) ------------------------------ */
 
 static inline uint16_t float_to_bf16(float f) {
@@ -116,10 +127,10 @@ static void rope_rows(float *x, int64_t num_heads, int64_t D, const float *cos, 
     }
 }
 
-/* One (token, head) vector into the cache at `slot` (torch's write_kv / quantize_fp8). */
-static void write_vector(const TandemDecoderDims *d, void *cache, uint16_t *scales, int64_t slot, int64_t head,
-                         const float *v) {
-    const int64_t D = d->head_dim, row = slot * d->num_kv_heads + head;
+/* One (token, head) vector into cache row `row` (torch's write_kv / quantize_fp8): slot *
+ * num_kv_heads + head in the shared layout, the flat head slot in a head-block pool. */
+static void write_vector(const TandemDecoderDims *d, void *cache, uint16_t *scales, int64_t row, const float *v) {
+    const int64_t D = d->head_dim;
     if (d->kv_dtype == 0) {
         memcpy((float *)cache + row * D, v, sizeof(float) * D);
     } else if (d->kv_dtype == 1) {
@@ -168,11 +179,17 @@ static inline float dot(const float *a, const float *b, int64_t n) {
  * and value is read (and widened from its cache dtype) once per group. */
 static void attention(const TandemDecoderDims *d, const TandemLayer *layer, const float *q_base, int64_t q_stride,
                       int64_t T, const int64_t *positions, const int64_t *block_tables, int64_t max_blocks,
-                      const int64_t *row_tables, float *out, int num_threads) {
+                      const int64_t *row_tables, float *out, int num_threads, const TandemHeadPaging *paging,
+                      int64_t layer_index) {
     const int64_t Hq = d->num_heads, Hk = d->num_kv_heads, D = d->head_dim, bs = d->block_size;
     const int64_t group = Hq / Hk;
     int64_t max_len = 0;
     for (int64_t t = 0; t < T; t++) max_len = positions[t] + 1 > max_len ? positions[t] + 1 : max_len;
+    /* A head holds at most its request's tokens so far: max_len bounds it too. */
+    const int64_t *head_lens = paging ? paging->lens + layer_index * T * Hk : NULL;
+    const int64_t *head_tables = paging ? paging->tables + layer_index * T * Hk * paging->max_blocks : NULL;
+    const int64_t head_width = paging ? paging->max_blocks : 0;
+    const int64_t row_heads = paging ? 1 : Hk; /* cache rows per slot */
 #pragma omp parallel num_threads(num_threads)
     {
         float *scores = malloc(sizeof(float) * (size_t)(max_len * group));
@@ -182,12 +199,17 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
         for (int64_t t = 0; t < T; t++) {
             for (int64_t kv_head = 0; kv_head < Hk; kv_head++) {
                 const float *q = q_base + t * q_stride + kv_head * group * D; /* the group's heads */
-                const int64_t length = positions[t] + 1;
-                const int64_t *table = block_tables + (row_tables ? row_tables[t] : t) * max_blocks;
+                int64_t length = positions[t] + 1, head = kv_head;
+                const int64_t *table = block_tables ? block_tables + (row_tables ? row_tables[t] : t) * max_blocks : NULL;
+                if (paging) { /* this head's own table and count; its pool rows are its slots */
+                    length = head_lens[t * Hk + kv_head];
+                    table = head_tables + (t * Hk + kv_head) * head_width;
+                    head = 0;
+                }
                 float largest[group], total[group];
                 for (int64_t g = 0; g < group; g++) largest[g] = -INFINITY, total[g] = 0.0f;
                 for (int64_t j = 0; j < length; j++) {
-                    const int64_t row = (table[j / bs] * bs + j % bs) * Hk + kv_head;
+                    const int64_t row = (table[j / bs] * bs + j % bs) * row_heads + head;
                     const float s = read_vector(d, layer->k_cache, layer->k_scale, row, vec) * d->scale;
                     for (int64_t g = 0; g < group; g++) {
                         const float score = dot(q + g * D, vec, D) * s;
@@ -204,7 +226,7 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
                 }
                 for (int64_t i = 0; i < group * D; i++) acc[i] = 0.0f;
                 for (int64_t j = 0; j < length; j++) {
-                    const int64_t row = (table[j / bs] * bs + j % bs) * Hk + kv_head;
+                    const int64_t row = (table[j / bs] * bs + j % bs) * row_heads + head;
                     const float s = read_vector(d, layer->v_cache, layer->v_scale, row, vec);
                     for (int64_t g = 0; g < group; g++) {
                         const float p = scores[g * length + j] / total[g] * s;
@@ -235,15 +257,18 @@ void tandem_paged_attention(const float *q, int64_t T, int64_t num_heads, int64_
     TandemLayer layer;
     memset(&layer, 0, sizeof layer);
     layer.k_cache = k_cache, layer.v_cache = v_cache, layer.k_scale = k_scale, layer.v_scale = v_scale;
-    attention(&d, &layer, q, num_heads * head_dim, T, positions, block_tables, max_blocks, NULL, out, num_threads);
+    attention(&d, &layer, q, num_heads * head_dim, T, positions, block_tables, max_blocks, NULL, out, num_threads,
+              NULL, 0);
 }
 
 /* Runs every layer over x in place. Returns 0, -1 when scratch memory cannot be allocated, -2 for
- * an unsupported INT4 group size (the first matmul that fails stops the stack). */
-int tandem_decoder_layers(const TandemDecoderDims *d, const TandemLayer *layers, float *x, int64_t T,
+ * an unsupported INT4 group size (the first matmul that fails stops the stack). With `paging`,
+ * the KV is a head-block pool (see TandemHeadPaging) and slot_mapping / block_tables / row_tables
+ * are unused. */
+static int decoder_layers(const TandemDecoderDims *d, const TandemLayer *layers, float *x, int64_t T,
                           const int64_t *positions, const int64_t *slot_mapping, const int64_t *block_tables,
                           int64_t max_blocks, const int64_t *row_tables, const int64_t *capture_layers,
-                          int64_t num_capture, float *captured, int num_threads) {
+                          int64_t num_capture, float *captured, int num_threads, const TandemHeadPaging *paging) {
     e4m3_init();
     const int64_t H = d->hidden, I = d->intermediate, D = d->head_dim;
     const int64_t Hq = d->num_heads, Hk = d->num_kv_heads, width = (Hq + 2 * Hk) * D;
@@ -261,11 +286,13 @@ int tandem_decoder_layers(const TandemDecoderDims *d, const TandemLayer *layers,
             float *row = qkv + t * width;
             rope_rows(row, Hq + Hk, D, cos, sin); /* q heads then k heads: contiguous */
             for (int64_t h = 0; h < Hk; h++) {
-                write_vector(d, layer->k_cache, layer->k_scale, slot_mapping[t], h, row + (Hq + h) * D);
-                write_vector(d, layer->v_cache, layer->v_scale, slot_mapping[t], h, row + (Hq + Hk + h) * D);
+                const int64_t cache_row = paging ? paging->slots[(l * T + t) * Hk + h] : slot_mapping[t] * Hk + h;
+                write_vector(d, layer->k_cache, layer->k_scale, cache_row, row + (Hq + h) * D);
+                write_vector(d, layer->v_cache, layer->v_scale, cache_row, row + (Hq + Hk + h) * D);
             }
         }
-        attention(d, layer, qkv, width, T, positions, block_tables, max_blocks, row_tables, attn, num_threads);
+        attention(d, layer, qkv, width, T, positions, block_tables, max_blocks, row_tables, attn, num_threads,
+                  paging, l);
         if ((status = linear(&layer->o, attn, T, proj, num_threads)) != 0) break;
         for (int64_t i = 0; i < T * H; i++) x[i] += proj[i];
         rms_norm_rows(x, layer->post_norm, d->eps, T, H, normed);
@@ -284,6 +311,22 @@ int tandem_decoder_layers(const TandemDecoderDims *d, const TandemLayer *layers,
     }
     free(normed); free(qkv); free(attn); free(proj);
     return status;
+}
+
+int tandem_decoder_layers(const TandemDecoderDims *d, const TandemLayer *layers, float *x, int64_t T,
+                          const int64_t *positions, const int64_t *slot_mapping, const int64_t *block_tables,
+                          int64_t max_blocks, const int64_t *row_tables, const int64_t *capture_layers,
+                          int64_t num_capture, float *captured, int num_threads) {
+    return decoder_layers(d, layers, x, T, positions, slot_mapping, block_tables, max_blocks, row_tables,
+                          capture_layers, num_capture, captured, num_threads, NULL);
+}
+
+/* The stack over a head-block pool: T decode rows, row t of request t (TandemHeadPaging). */
+int tandem_decoder_layers_heads(const TandemDecoderDims *d, const TandemLayer *layers, float *x, int64_t T,
+                                const int64_t *positions, const int64_t *head_slots, const int64_t *head_tables,
+                                int64_t max_blocks, const int64_t *head_lens, int num_threads) {
+    const TandemHeadPaging paging = {head_slots, head_tables, head_lens, max_blocks};
+    return decoder_layers(d, layers, x, T, positions, NULL, NULL, 0, NULL, NULL, 0, NULL, num_threads, &paging);
 }
 
 /* -- INT8 matmul (the LM head of the native path) ------------------------------------------------
