@@ -340,8 +340,10 @@ class ModelRunner:
         ).view(len(items), num_layers, num_kv_heads, width)
         lens = torch.tensor([item.head_num_tokens for item in items], dtype=torch.int64)
         decoding = all(item.sample and len(item.token_ids) == 1 and not item.observe for item in items)
-        if self.native_heads is not None and decoding and len(items) <= NATIVE_MAX_ROWS:
-            # Decode rows that no eviction observes: the native stack, no per-layer torch ops.
+        if self.native_heads is not None and decoding and len(items) <= min(NATIVE_MAX_ROWS, self.decode_model_max_batch):
+            # Decode rows that no eviction observes, as many as the INT4 copy serves for shared
+            # decode steps (beyond, the dense model is as fast: 16 rows, 2026-12-02): the native
+            # stack, no per-layer torch ops.
             self.num_native_head_steps += 1
             logits = self.native_heads.forward_heads(
                 torch.tensor(input_ids, dtype=torch.int64),

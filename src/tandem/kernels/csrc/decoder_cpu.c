@@ -19,6 +19,8 @@
  *   captured      [T, num_capture * H] float32: outputs of the layers in capture_layers (ascending)
  * Every row's K/V of a layer are written before any row attends, so several rows of one request
  * (a verification step) see each other causally through the cache, as in the torch path.
+ * tandem_decoder_layers_heads runs the same stack over a head-block pool (compressed requests,
+ * one decode row each; TandemHeadPaging), as head_attention.head_paged_attention attends.
  */
 #include "int4_cpu.c"
 
