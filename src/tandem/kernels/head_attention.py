@@ -3,8 +3,9 @@ and the native paged-attention kernel for decode rows on CPU).
 
 Pool layout, shared by every layer and head: `k_pool`, `v_pool`: [num_head_blocks, block_size,
 head_dim], in float32, 16-bit or FP8 (e4m3 codes; then `k_scale`, `v_scale` [num_head_blocks,
-block_size] float16 hold one scale per vector, as the shared FP8 cache does). One head block holds `block_size` tokens of one (layer, KV head); flat head slot
-`s` is block `s // block_size`, offset `s % block_size`. A request's head h (of one layer) holds
+block_size] float16 hold one scale per vector, as the shared FP8 cache does). One head block
+holds `block_size` tokens of one (layer, KV head); flat head slot `s` is block
+`s // block_size`, offset `s % block_size`. A request's head h (of one layer) holds
 `head_lens[h]` tokens packed from slot 0 of its block table `block_tables[h]`
 (`engine.head_kv_cache.HeadKVCacheManager` decides which blocks).
 

@@ -162,4 +162,3 @@ class NativeLlama:
         self.weights.run_heads(x, positions, head_slots, head_tables, head_lens)
         last = x.to(model.norm.dtype)
         return model.lm_head(rms_norm(last, model.norm, model.config.rms_norm_eps)).float()
-
