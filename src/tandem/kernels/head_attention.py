@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import int4_native
-from tandem.kernels.attention import NATIVE_ATTENTION, native_paged_attention, quantize_fp8
+from tandem.kernels.attention import NATIVE_ATTENTION, native_paged_attention, write_kv
 from tandem.kernels.kv_eviction import observation_scores
 
 FP8 = torch.float8_e4m3fn
@@ -58,18 +58,18 @@ def write_head_kv(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """k_pool.view(-1, D)[head_slots[t, h]] = k[t, h] (and the same for v); an FP8 pool stores
-    each vector quantised with its own scale (`attention.quantize_fp8`)."""
+    each vector quantised with its own scale. The shared cache's `attention.write_kv`, with every
+    (token, head) vector a token of a one-head cache."""
     head_dim = k.shape[-1]
-    flat = head_slots.reshape(-1)
-    for values, pool, scales in ((k, k_pool, k_scale), (v, v_pool, v_scale)):
-        rows = values.reshape(-1, head_dim)
-        if scales is None:
-            pool.view(-1, head_dim).index_copy_(0, flat, rows.to(pool.dtype))
-            continue
-        codes, scale = quantize_fp8(rows)
-        # As bytes: CPU torch has no index_copy_ for float8 dtypes.
-        pool.view(torch.uint8).view(-1, head_dim).index_copy_(0, flat, codes.view(torch.uint8))
-        scales.view(-1).index_copy_(0, flat, scale)
+    write_kv(
+        k.reshape(-1, 1, head_dim),
+        v.reshape(-1, 1, head_dim),
+        k_pool.unsqueeze(2),  # [N, bs, 1, D]
+        v_pool.unsqueeze(2),
+        head_slots.reshape(-1),
+        None if k_scale is None else k_scale.unsqueeze(2),  # [N, bs, 1]
+        None if v_scale is None else v_scale.unsqueeze(2),
+    )
 
 
 def move_head_slots(
@@ -279,11 +279,12 @@ def head_attention_layer(
     block_size = metadata.k_pool.shape[1]
     qs = metadata.query_start_loc
     single = [index for index, _ in metadata.observe if qs[index + 1] - qs[index] == 1]
-    if len(single) > 1:  # decode rows: one padded call for all of them
+    batched = set(single) if len(single) > 1 else set()  # decode rows: one padded call for all
+    if batched:
         for index, scores in zip(single, _decode_row_scores(metadata, layer, q, single, scale), strict=True):
             metadata.scores.setdefault(index, []).append(scores)
     for index, window in metadata.observe:
-        if len(single) > 1 and index in single:
+        if index in batched:
             continue
         end = metadata.query_start_loc[index + 1]
         start = max(metadata.query_start_loc[index], end - window)
