@@ -6,9 +6,10 @@ testable with forced CPU features):
 - An explicit `dtype` is the whole model in that dtype: `weight_dtype="auto"` then means dense
   weights (the unquantised model the HF identity checks compare against).
 - On CUDA, `auto` is bfloat16, dense.
-- On CPU, `dtype="auto"` is bfloat16 where the CPU computes it natively (AMX-BF16 or
-  AVX512-BF16: oneDNN's bfloat16 GEMMs there run about twice as fast as float32 at large
-  batches) and float32 elsewhere (AVX2-only CPUs emulate bfloat16, slower than float32).
+- On CPU, `dtype="auto"` is bfloat16 where the CPU has AMX-BF16 (oneDNN's bfloat16 GEMMs run
+  on the tile units there, about twice float32's rate at large batches) and float32 elsewhere:
+  with AVX512-BF16 alone oneDNN's bfloat16 GEMMs measured slower than float32 (docs/performance.md,
+  2026-12-02), and AVX2-only CPUs emulate bfloat16.
   `weight_dtype="auto"` is "hybrid" where Tandem's native INT4 kernel runs (x86-64 with AVX2,
   FMA and F16C, and a C compiler): small decode steps read INT4 weights (an eighth of float32's
   bytes, through the native decoder stack), prefill and large batches use the compute dtype.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-NATIVE_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
+FAST_BF16_FLAGS = frozenset({"amx_bf16"})  # where bfloat16 GEMMs beat float32
 PIN_ENV = "TANDEM_AUTO_PRECISION"
 
 
@@ -57,12 +58,15 @@ def choose_precision(
     elif device_type == "cuda":
         chosen_dtype = "bfloat16"
         reasons.append("dtype bfloat16 on CUDA")
-    elif native := sorted(flags & NATIVE_BF16_FLAGS):
+    elif fast := sorted(flags & FAST_BF16_FLAGS):
         chosen_dtype = "bfloat16"
-        reasons.append(f"dtype bfloat16: the CPU computes it natively ({', '.join(native)})")
+        reasons.append(f"dtype bfloat16: the CPU has bfloat16 matrix units ({', '.join(fast)})")
+    elif "avx512_bf16" in flags:
+        chosen_dtype = "float32"
+        reasons.append("dtype float32: AVX512-BF16 without AMX, where bfloat16 GEMMs are slower than float32")
     else:
         chosen_dtype = "float32"
-        reasons.append("dtype float32: the CPU has neither AMX-BF16 nor AVX512-BF16")
+        reasons.append("dtype float32: the CPU has no bfloat16 matrix units (AMX-BF16)")
 
     if weight_dtype != "auto":
         chosen_weights = weight_dtype

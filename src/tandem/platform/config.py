@@ -70,7 +70,7 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="Compute dtype of weights and activations. 'auto': bfloat16 on CUDA and on CPUs "
-        "with AMX-BF16 or AVX512-BF16, float32 on other CPUs (engine/precision.py; stats() and the "
+        "with AMX-BF16, float32 on other CPUs (engine/precision.py; stats() and the "
         "start-up log say what was chosen and why). An explicit dtype is the whole unquantised "
         "model in that dtype (with weight_dtype 'auto').",
     )
