@@ -23,7 +23,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def cpu() -> dict[str, Any]:
     """The CPU's model name and the instruction-set flags that decide which kernels run fastest."""
-    model, flags = "", set()
+    model = ""
+    flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -12,6 +12,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.engine.precision import PIN_ENV, choose_precision
 from tandem.kernels import int4_native
+from tandem.kernels.int8 import Int8HeadLinear
 from tandem.platform.cpu import cpu_flags
 from tests.test_hf_parity import PROMPTS, check_parity
 
@@ -73,6 +74,22 @@ def test_engine_records_the_automatic_choice(tiny_model_dir: Path, monkeypatch: 
         assert stats["native_decoder"]
         llm.generate(["The quick brown fox"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         assert llm.stats()["num_native_decoder_steps"] >= 3
+
+
+def test_hybrid_decode_model_shares_the_dense_lm_head(tiny_model_dir: Path) -> None:
+    """With hybrid weights the INT4 decode model serves steps above the INT8 head's rows with the
+    dense model's LM head (compute dtype), not a bfloat16 copy of its own."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", weight_dtype="hybrid", kv_cache_memory=4 << 20, speculative=None)
+    runner = llm.engine.runner
+    head = runner.decode_model.lm_head
+    assert isinstance(head, Int8HeadLinear)
+    assert head.dense_head is not None and head.dense_head[0] is runner.model.lm_head
+    assert head.dense_head[1] == torch.float32 and head.weight.numel() == 0
+    outputs = llm.generate(
+        ["The quick brown fox", "Paged attention", "Hello there", "Numbers 1 2 3", "A B C", "Once upon"],
+        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+    )
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outputs)
 
 
 def test_explicit_float32_is_the_float32_model_and_matches_hf(

@@ -28,6 +28,8 @@ from tandem.kernels.int4 import (
     int4_linear_reference,
     quantize_int4,
 )
+from tandem.kernels.int8 import INT8_GEMV_MAX_ROWS, Int8HeadLinear, dequantize_int8, int8_mm
+from tandem.kernels.linear import PackedLinear, onednn_available
 
 requires_native_int4 = pytest.mark.skipif(
     int4_native.load() is None, reason=f"native INT4 kernel unavailable: {int4_native.unavailable_reason()}"
@@ -228,6 +230,36 @@ def test_native_int4_compiles_as_one_graph_and_is_refused_where_it_cannot_run() 
     with pytest.raises(RuntimeError, match="int4_kernel='native' cannot be used: group size 512"):
         Int4Linear(wide, torch.device("cpu"), kernel="native")
     assert Int4Linear(wide, torch.device("cpu")).kernel == "torch"  # 'auto' falls back
+
+
+@requires_native_int4
+def test_int8_head_takes_the_dense_head_for_larger_steps() -> None:
+    """Small steps read the INT8 copy; larger ones the bfloat16 copy, until the dense model's head
+    is shared (`use_dense_head`, as a hybrid engine does): then exactly that head's output, in its
+    dtype, and the bfloat16 copy is gone."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(300, 128, generator=gen) * 0.05
+    head = Int8HeadLinear(weight)
+    assert head.int8 is not None
+    small = torch.randn(INT8_GEMV_MAX_ROWS, 128, generator=gen)
+    large = torch.randn(INT8_GEMV_MAX_ROWS + 3, 128, generator=gen)
+    assert torch.equal(head(small), int8_mm(small, head.int8))
+    torch.testing.assert_close(head(small), small @ dequantize_int8(head.int8).T, rtol=1e-3, atol=1e-4)
+    before = head(large)
+    exact = large @ weight.T
+    assert not torch.equal(before, exact)  # the bfloat16 copy rounds
+    dense: torch.nn.Module = (
+        PackedLinear(weight) if onednn_available(torch.device("cpu"), torch.float32) else torch.nn.Linear(128, 300, bias=False)
+    )
+    if isinstance(dense, torch.nn.Linear):
+        dense.weight.data.copy_(weight)
+    head.use_dense_head(dense, torch.float32)
+    assert head.weight.numel() == 0
+    assert torch.equal(head(large), dense(large))
+    torch.testing.assert_close(head(large), exact, rtol=1e-5, atol=1e-5)
+    assert (head(large) - exact).abs().max() < (before - exact).abs().max()
+    assert torch.equal(head(small), int8_mm(small, head.int8))  # small steps still read INT8
+    assert not list(head.children())  # the dense head stays the dense model's (not a submodule)
 
 
 def test_double_quantised_int4_stores_int8_group_params_and_keeps_the_values() -> None:

@@ -44,6 +44,7 @@ from tandem.engine.step import RequestUpdate, RunnerResult, ScheduledRequest, Sc
 from tandem.engine.tokenizer import Tokenizer
 from tandem.kernels import int4_native
 from tandem.kernels.head_attention import head_pool_dtype, head_slot_bytes
+from tandem.kernels.int8 import Int8HeadLinear
 from tandem.kernels.kv_eviction import EvictionPolicy
 from tandem.platform.config import EngineConfig
 from tandem.platform.cpu import cpu_flags
@@ -258,6 +259,10 @@ class LLMEngine:
             weight_dtype="int4" if precision.weight_dtype == "int4" else "dense",
         )
         decode_model = build(weight_dtype="int4") if hybrid else None
+        if decode_model is not None and isinstance(decode_model.lm_head, Int8HeadLinear):
+            # Decode steps above the INT8 head's rows take the dense model's head (its compute
+            # dtype, prepacked): no second 16-bit copy, and the logits of the dense path.
+            decode_model.lm_head.use_dense_head(model.lm_head, dtype)
         draft: PagedDraftCache | None = None
         if head is not None and draft_spec is not None:
             weights = loaded.weights

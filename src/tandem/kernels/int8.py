@@ -68,14 +68,16 @@ def int8_mm(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:  # [M, K] float32 -
 
 
 # Most rows that take the INT8 kernel: at batch 1 it reads 0.53x the bytes of a bfloat16 weight
-# and runs about 3x faster on two cores; by 16 rows the bfloat16 GEMM is faster.
+# and runs about 3x faster on two cores; by 16 rows the 16-bit and float32 GEMMs are faster.
 INT8_GEMV_MAX_ROWS = 4
 
 
 class Int8HeadLinear(nn.Module):
     """`y = x @ weight.T` for an LM head: the INT8 copy (`quantize_int8`) for steps of at most
-    `INT8_GEMV_MAX_ROWS` rows where the native kernel runs, the bfloat16 weight otherwise (a tied
-    head shares it with the embedding, so the INT8 copy is the only extra memory)."""
+    `INT8_GEMV_MAX_ROWS` rows where the native kernel runs; larger steps go to the dense model's
+    head where one is shared (`use_dense_head`: the engine's hybrid weights, so the decode model
+    keeps no 16-bit copy of its own and a step's logits are computed as the dense model's are),
+    else to a bfloat16 copy of the weight."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -83,10 +85,22 @@ class Int8HeadLinear(nn.Module):
         self.weight: torch.Tensor
         self.register_buffer("weight", weight.detach().to(torch.bfloat16), persistent=False)
         self.int8: Int8Weight | None = None
+        # (module, its input dtype): not registered as a submodule, it belongs to the dense model.
+        self.dense_head: tuple[nn.Module, torch.dtype] | None = None
         if weight.device.type == "cpu" and self.in_features % RUN == 0 and int4_native.load() is not None:
             self.int8 = quantize_int8(weight)
+
+    def use_dense_head(self, head: nn.Module, dtype: torch.dtype) -> None:
+        """Serve steps of more than `INT8_GEMV_MAX_ROWS` rows with `head` (same weight, computing
+        in `dtype`; oneDNN's prepacked GEMM where the dense model has one) and drop the bfloat16
+        copy."""
+        self.dense_head = (head, dtype)
+        self.weight = torch.empty(0, dtype=torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
         if self.int8 is not None and x.shape[0] <= INT8_GEMV_MAX_ROWS:
             return int8_mm(x, self.int8).to(x.dtype)
+        if self.dense_head is not None:
+            head, dtype = self.dense_head
+            return head(x.to(dtype)).to(x.dtype)
         return F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)

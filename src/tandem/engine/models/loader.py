@@ -378,6 +378,7 @@ def apply_int4(
             setattr(parent, attr, Int4Linear(weight, device, kernel))
     # The LM head (often the tied embedding) is not INT4: INT4 there moved the default model's
     # greedy tokens within a few steps, while INT4 everywhere else keeps most of them. It is INT8
-    # (Q8_0-style) for small steps where the native kernel runs, bfloat16 otherwise.
+    # (Q8_0-style) for small steps where the native kernel runs, bfloat16 otherwise (a hybrid
+    # engine hands it the dense model's head for those instead: `Int8HeadLinear.use_dense_head`).
     model.lm_head = Int8HeadLinear(model.lm_head.weight)  # type: ignore[assignment]
     model.embed_tokens.to(torch.bfloat16)  # rows are looked up, then cast to the compute dtype
