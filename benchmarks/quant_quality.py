@@ -6,9 +6,11 @@
   the KV cache (which is where FP8 KV acts);
 - mean KL(P_base || P_variant) of the next-token distributions over the same positions;
 - greedy agreement on 32 prompts x 64 new tokens: the fraction of positions whose token equals the
-  base model's, and the mean length of the identical prefix.
+  base model's, and the mean length of the identical prefix (`--greedy-batch N`: in waves of N
+  requests, e.g. 8 for a hybrid engine's INT4 decode steps, whose LM head is INT8 up to 4 rows and
+  the dense model's beyond).
 
-Variants: FP8 KV, INT4 weights, both (and a 16-bit KV for scale).
+Variants: FP8 KV, INT4 weights, both (and a 16-bit KV for scale), hybrid weights with float32.
 
     python benchmarks/quant_quality.py      # -> benchmarks/results/quant_quality.json
 """
@@ -37,6 +39,7 @@ VARIANTS = {
     "int4_dq": {"dtype": "float32", "weight_dtype": "int4", "int4_double_quant": True},
     "int4_kv_fp8": {"dtype": "float32", "weight_dtype": "int4", "kv_cache_dtype": "fp8_e4m3"},
     "bf16": {"dtype": "bfloat16"},
+    "hybrid_fp32": {"dtype": "float32", "weight_dtype": "hybrid"},  # INT4 decode steps, float32 rest
     "auto": {},  # what this CPU gets by default (dtype and weight_dtype "auto")
 }
 TOPICS = [
@@ -82,6 +85,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--out", default="benchmarks/results/quant_quality.json")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument(
+        "--greedy-batch", type=int, default=0,
+        help="greedy prompts run in waves of this many at once (0: all at once); a hybrid engine's "
+        "decode steps of at most hybrid_int4_max_batch requests run its INT4 copy",
+    )  # fmt: skip
     args = parser.parse_args()
     variants = ["base_fp32"] + [v for v in args.variants if v != "base_fp32"]  # the reference first
 
@@ -99,7 +107,8 @@ def main() -> None:
         logprobs = teacher_forced_logprobs(llm, token_ids, args.chunk)
         targets = torch.tensor(token_ids[1:])
         nll = -logprobs.gather(1, targets[:, None]).squeeze(1)
-        outs = llm.chat(prompts, params)
+        wave = args.greedy_batch or len(prompts)
+        outs = [o for i in range(0, len(prompts), wave) for o in llm.chat(prompts[i : i + wave], params)]
         tokens = [o.outputs[0].token_ids for o in outs]
         entry: dict[str, float] = {
             "perplexity": math.exp(nll.mean().item()),
