@@ -92,6 +92,29 @@ def test_hybrid_decode_model_shares_the_dense_lm_head(tiny_model_dir: Path) -> N
     assert all(len(o.outputs[0].token_ids) == 4 for o in outputs)
 
 
+@pytest.mark.slow
+def test_hybrid_compiled_decode_calls_the_shared_head_eagerly(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`compile_decode` over the INT4 decode model: a step of more rows than the INT8 head takes
+    reaches the dense model's prepacked head, which inductor cannot lower; it runs outside the
+    graph, so every step stays whole (no rerun one request at a time) and the tokens are the eager
+    decode model's."""
+    prompts = ["The quick brown fox", "Paged attention", "Hello there", "Numbers 1 2 3", "A B C", "Once upon"]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    options: dict = {"dtype": "float32", "weight_dtype": "hybrid", "native_decoder": False, "speculative": None}
+    eager = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, **options)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    compiled = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, compile_decode=True, **options)
+    assert compiled.engine.runner.compiles_decode
+    with caplog.at_level("WARNING"):
+        got = [o.outputs[0].token_ids for o in compiled.generate(prompts, params)]
+    assert not [r for r in caplog.records if "step failed" in r.getMessage()]
+    runner = compiled.engine.runner
+    assert 0 < runner.num_compiled_steps <= compiled.stats()["num_steps"]  # whole steps, compiled
+    assert got == want
+
+
 def test_explicit_float32_is_the_float32_model_and_matches_hf(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -102,5 +102,10 @@ class Int8HeadLinear(nn.Module):
             return int8_mm(x, self.int8).to(x.dtype)
         if self.dense_head is not None:
             head, dtype = self.dense_head
-            return head(x.to(dtype)).to(x.dtype)
+            return _dense_head_forward(head, x, dtype)
         return F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+
+
+@torch.compiler.disable  # oneDNN's prepacked weight is opaque to inductor: a compiled decode graph calls out
+def _dense_head_forward(head: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return head(x.to(dtype)).to(x.dtype)
