@@ -29,7 +29,7 @@ from tandem.kernels.int4 import (
     quantize_int4,
 )
 from tandem.kernels.int8 import INT8_GEMV_MAX_ROWS, Int8HeadLinear, dequantize_int8, int8_mm
-from tandem.kernels.linear import PackedLinear, onednn_available
+from tandem.kernels.linear import pack_linears
 
 requires_native_int4 = pytest.mark.skipif(
     int4_native.load() is None, reason=f"native INT4 kernel unavailable: {int4_native.unavailable_reason()}"
@@ -248,11 +248,10 @@ def test_int8_head_takes_the_dense_head_for_larger_steps() -> None:
     before = head(large)
     exact = large @ weight.T
     assert not torch.equal(before, exact)  # the bfloat16 copy rounds
-    dense: torch.nn.Module = (
-        PackedLinear(weight) if onednn_available(torch.device("cpu"), torch.float32) else torch.nn.Linear(128, 300, bias=False)
-    )
-    if isinstance(dense, torch.nn.Linear):
-        dense.weight.data.copy_(weight)
+    dense_model = torch.nn.Sequential(torch.nn.Linear(128, 300, bias=False))
+    dense_model[0].weight.data.copy_(weight)
+    pack_linears(dense_model)  # as the engine's dense model: oneDNN prepacked where available
+    dense = dense_model[0]
     head.use_dense_head(dense, torch.float32)
     assert head.weight.numel() == 0
     assert torch.equal(head(large), dense(large))
