@@ -122,9 +122,10 @@ class ModelRunner:
         verification, and its matcher advances on the tokens it is given.
 
         `num_head_blocks` > 0 allocates the head-block pool of compressed requests (KV paged per
-        (layer, KV head), `kernels.head_attention`; 16-bit even when the shared cache is FP8):
-        their rows run through `model` in a forward of their own, and `eviction` decides what
-        each head keeps once a request's context is computed."""
+        (layer, KV head), `kernels.head_attention`; of the shared cache's type, `head_pool_dtype`):
+        their rows run in a forward of their own (small unobserved decode steps through the native
+        stack over the pool), and `eviction` decides what each head keeps once a request's context
+        is computed and again every `eviction.interval` decode steps (0: once)."""
         self.model = model
         self.decode_model = decode_model or model
         self.decode_model_max_batch = decode_model_max_batch if decode_model is not None else 1 << 30
