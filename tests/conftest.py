@@ -175,12 +175,24 @@ def serve_with_worker(app: Any, worker: Any) -> Iterator[str]:
         worker_thread.join(timeout=30)
 
 
-def free_port() -> int:
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free loopback ports. Every socket stays bound until all are picked: ports
+    taken one by one (each socket closed before the next bind) may repeat, and a server given the
+    same port for two of its components refuses to start."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
 
 
 @pytest.fixture(scope="session")
@@ -230,7 +242,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unty
         "filer.port.grpc", "s3.port", "s3.port.grpc", "webdav.port", "admin.port", "admin.port.grpc",
         "s3.port.iceberg", "s3.port.lance", "metricsPort",
     ]  # fmt: skip
-    ports = {name: free_port() for name in names}
+    ports = dict(zip(names, free_ports(len(names)), strict=True))
     args = [weed, "mini", f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false"]
     args += [f"-{name}={port}" for name, port in ports.items()]
     env = dict(

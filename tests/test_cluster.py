@@ -26,7 +26,7 @@ import openai
 import pytest
 import yaml
 
-from .conftest import free_port
+from .conftest import free_port, free_ports
 
 KEY, OPERATOR_KEY = "sk-cluster", "sk-op-cluster"
 RAY = str(Path(sys.executable).parent / "ray")
@@ -45,14 +45,13 @@ class RayNode:
 
     def __init__(self, args: list[str], log: Path) -> None:
         self.log = log
-        ports = [
-            "--node-manager-port", str(free_port()),
-            "--object-manager-port", str(free_port()),
-            "--dashboard-agent-listen-port", str(free_port()),
-            "--dashboard-agent-grpc-port", str(free_port()),
-            "--runtime-env-agent-port", str(free_port()),
-            "--metrics-export-port", str(free_port()),
+        names = [
+            "--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
+            "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port",
         ]  # fmt: skip
+        # One call for all: ports picked one by one may repeat, and Ray refuses a port given to two
+        # of its components ("is used by other components").
+        ports = [arg for name, port in zip(names, free_ports(len(names)), strict=True) for arg in (name, str(port))]
         with open(log, "ab") as out:
             self.process = subprocess.Popen(
                 [RAY, "start", "--block", "--node-ip-address", "127.0.0.1", "--disable-usage-stats", *ports, *args],
@@ -61,6 +60,9 @@ class RayNode:
                 env=_env(),
                 start_new_session=True,
             )
+
+    def log_tail(self, num_lines: int = 20) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-num_lines:])
 
     def kill(self) -> None:
         """Lose the node: SIGKILL to its whole process group, nothing shut down cleanly."""
@@ -101,14 +103,14 @@ def _until(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.5)
 def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
     # Ray's session dir holds AF_UNIX sockets (paths of at most 107 bytes): a short root of its own.
     ray_root = Path(tempfile.mkdtemp(prefix="tr-", dir="/tmp"))
-    gcs_port, dashboard_port = free_port(), free_port()
+    gcs_port, dashboard_port, client_server_port = free_ports(3)
     head = RayNode(
         [
             "--head",
             "--port", str(gcs_port),
             "--dashboard-host", "127.0.0.1",
             "--dashboard-port", str(dashboard_port),
-            "--ray-client-server-port", str(free_port()),
+            "--ray-client-server-port", str(client_server_port),
             "--num-cpus", "2",
             "--resources", json.dumps({"tandem_service": 100}),
             "--temp-dir", str(ray_root),
@@ -128,7 +130,7 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
 
     try:
         def head_up() -> bool:
-            assert head.process.poll() is None, f"ray start --head exited; see {head.log}"
+            assert head.process.poll() is None, f"ray start --head exited:\n{head.log_tail()}"
             return _get(f"{dashboard}/api/version") is not None
 
         _until(head_up, 120, "the head's dashboard")
