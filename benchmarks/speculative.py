@@ -7,8 +7,8 @@ Workloads (chat-templated, greedy, the model's EOS ends a request, at most `--ne
 - `chat`: open questions, where little of the answer is in the prompt;
 - `grounded`: edit, continue or summarise a text or code given in the prompt.
 At batch 1 each prompt runs alone; at `--concurrency` N, N requests (the chat prompts, repeated)
-run at once (two rounds). Each wave runs in every mode in turn, so that other load on the machine
-falls on all alike. HF: `generate`
+run at once (two rounds). Each wave runs in every mode in turn, each wave starting with the next
+mode, so that other load on the machine falls on all alike. HF: `generate`
 with and without `prompt_lookup_num_tokens`, batch 1 only (its prompt lookup is batch 1 only).
 Reported: generated tokens / wall seconds, ratios with / without speculation, acceptance, and
 whether our greedy tokens were identical with speculation.
@@ -73,9 +73,13 @@ def run_ours(
     the `auto` engine with speculation off per request."""
     totals = {mode: {"generated": 0, "wall": 0.0, "drafts": 0, "accepted": 0, "steps": 0, "draft_wall": 0.0,
                      "step_wall": 0.0, "token_ids": []} for mode in MODES}
+    turn = 0
     for _ in range(rounds):
         for wave in waves:
-            for mode in MODES:
+            # Each wave starts with the next mode: the first run after a pause (or after another
+            # engine ran) is often slower, and a fixed order would charge that to one mode.
+            turn += 1
+            for mode in MODES[turn % len(MODES) :] + MODES[: turn % len(MODES)]:
                 llm = engines["auto" if mode == "plain" else mode]
                 params = SamplingParams(max_tokens=new_tokens, temperature=0.0, speculative=mode != "plain")
                 before = llm.stats()
@@ -169,6 +173,8 @@ def main() -> None:
         result["batch_1"][name] = row
     for n in args.concurrency:
         wave = [workloads["chat"][i % len(CHAT)] for i in range(n)]
+        for engine in engines.values():  # warm-up at this batch size (first steps of a shape are slow)
+            engine.generate(wave, SamplingParams(max_tokens=8, temperature=0.0))
         row = summary(run_ours(engines, [wave], args.new_tokens, rounds=2))
         log(f"concurrency {n} chat: {row}")
         result["concurrent"][str(n)] = row
