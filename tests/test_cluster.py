@@ -26,7 +26,7 @@ import openai
 import pytest
 import yaml
 
-from .conftest import free_port, free_ports
+from .conftest import free_ports
 
 KEY, OPERATOR_KEY = "sk-cluster", "sk-op-cluster"
 RAY = str(Path(sys.executable).parent / "ray")
@@ -43,15 +43,16 @@ def _env() -> dict[str, str]:
 class RayNode:
     """One `ray start --block` process (and, in its process group, what it starts)."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    PORT_FLAGS = (
+        "--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
+        "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port",
+    )  # fmt: skip
+
+    def __init__(self, args: list[str], log: Path, node_ports: list[int]) -> None:
+        """`node_ports`: one per `PORT_FLAGS`, distinct from each other and from any port in `args`
+        (ports picked one by one may repeat, and Ray refuses a port given to two of its components)."""
         self.log = log
-        names = [
-            "--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
-            "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port",
-        ]  # fmt: skip
-        # One call for all: ports picked one by one may repeat, and Ray refuses a port given to two
-        # of its components ("is used by other components").
-        ports = [arg for name, port in zip(names, free_ports(len(names)), strict=True) for arg in (name, str(port))]
+        ports = [arg for flag, port in zip(self.PORT_FLAGS, node_ports, strict=True) for arg in (flag, str(port))]
         with open(log, "ab") as out:
             self.process = subprocess.Popen(
                 [RAY, "start", "--block", "--node-ip-address", "127.0.0.1", "--disable-usage-stats", *ports, *args],
@@ -103,7 +104,11 @@ def _until(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.5)
 def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
     # Ray's session dir holds AF_UNIX sockets (paths of at most 107 bytes): a short root of its own.
     ray_root = Path(tempfile.mkdtemp(prefix="tr-", dir="/tmp"))
-    gcs_port, dashboard_port, client_server_port = free_ports(3)
+    # Every port this cluster is given, picked at once or checked against the others: a port
+    # picked but not yet bound (a node still starting, Serve's proxy not yet deployed) is free to
+    # be picked again.
+    gcs_port, dashboard_port, client_server_port, http_port, *node_ports = free_ports(4 + len(RayNode.PORT_FLAGS))
+    given = {gcs_port, dashboard_port, client_server_port, http_port, *node_ports}
     head = RayNode(
         [
             "--head",
@@ -116,14 +121,19 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
             "--temp-dir", str(ray_root),
         ],
         tmp_path / "head.log",
+        node_ports,
     )  # fmt: skip
     nodes: list[RayNode] = [head]
     dashboard = f"http://127.0.0.1:{dashboard_port}"
 
     def add_engine_node() -> RayNode:
+        while (engine_ports := free_ports(len(RayNode.PORT_FLAGS))) and given & set(engine_ports):
+            pass
+        given.update(engine_ports)
         node = RayNode(
             ["--address", f"127.0.0.1:{gcs_port}", "--num-cpus", "2", "--resources", json.dumps({"tandem_engine": 1})],
             tmp_path / f"engine-{len(nodes)}.log",
+            engine_ports,
         )
         nodes.append(node)
         return node
@@ -134,7 +144,7 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
             return _get(f"{dashboard}/api/version") is not None
 
         _until(head_up, 120, "the head's dashboard")
-        yield {"dashboard": dashboard, "add_engine_node": add_engine_node, "tmp": tmp_path}
+        yield {"dashboard": dashboard, "http_port": http_port, "add_engine_node": add_engine_node, "tmp": tmp_path}
     finally:
         for node in reversed(nodes):
             node.stop()
@@ -179,7 +189,7 @@ def test_engines_on_a_second_node_survive_its_loss(cluster: dict[str, Any], tiny
     engine_node = cluster["add_engine_node"]()
     # The operator's Serve YAML, with this test's model, object store, keys and port.
     config = yaml.safe_load((Path(__file__).parents[1] / "infra" / "serve" / "colocated.yaml").read_text())
-    http_port = free_port()
+    http_port = cluster["http_port"]
     config["proxy_location"] = "HeadOnly"  # one proxy: both nodes share this machine's ports
     config["http_options"] = {"host": "127.0.0.1", "port": http_port}
     args = config["applications"][0]["args"]
