@@ -19,6 +19,8 @@ from tests.test_hf_parity import PROMPTS, check_parity
 AMX = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8"})
 AVX512_BF16 = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512_bf16"})
 AVX2_ONLY = frozenset({"avx2", "fma", "f16c"})
+# More requests than the INT8 LM head takes in one step (INT8_GEMV_MAX_ROWS).
+SIX_PROMPTS = ["The quick brown fox", "Paged attention", "Hello there", "Numbers 1 2 3", "A B C", "Once upon"]
 
 
 @pytest.mark.parametrize(
@@ -86,7 +88,7 @@ def test_hybrid_decode_model_shares_the_dense_lm_head(tiny_model_dir: Path) -> N
     assert head.dense_head is not None and head.dense_head[0] is runner.model.lm_head
     assert head.dense_head[1] == torch.float32 and head.weight.numel() == 0
     outputs = llm.generate(
-        ["The quick brown fox", "Paged attention", "Hello there", "Numbers 1 2 3", "A B C", "Once upon"],
+        SIX_PROMPTS,
         SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
     )
     assert all(len(o.outputs[0].token_ids) == 4 for o in outputs)
@@ -100,7 +102,7 @@ def test_hybrid_compiled_decode_calls_the_shared_head_eagerly(
     reaches the dense model's prepacked head, which inductor cannot lower; it runs outside the
     graph, so every step stays whole (no rerun one request at a time) and the tokens are the eager
     decode model's."""
-    prompts = ["The quick brown fox", "Paged attention", "Hello there", "Numbers 1 2 3", "A B C", "Once upon"]
+    prompts = SIX_PROMPTS
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     options: dict = {"dtype": "float32", "weight_dtype": "hybrid", "native_decoder": False, "speculative": None}
     eager = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, **options)
