@@ -131,6 +131,9 @@ def _serve(args: argparse.Namespace) -> int:
         config = serve_config(_app_args(args), host=args.host, port=args.port)
         print(yaml.safe_dump(config, sort_keys=False), end="")
         return 0
+    from tandem.engine.models.loader import check_model
+
+    check_model(args.model)  # a model the engine cannot serve exactly: refused now, by name
     if args.address is None:
         _free_port(args.host, args.port)  # fail now, not after minutes of Ray and model start-up
     app_args = _app_args(args)

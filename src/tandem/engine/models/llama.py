@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.engine.models.support import rope_settings
 from tandem.kernels.attention import AttentionMetadata, finite_kv, paged_attention, write_kv
 from tandem.kernels.head_attention import HeadAttentionMetadata, head_attention_layer
 from tandem.kernels.rotary import apply_rope, rope_cos_sin, rope_inv_freq
@@ -45,13 +46,7 @@ class LlamaConfig:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
-        rope_scaling = cfg.get("rope_scaling")
-        rope_theta = cfg.get("rope_theta")
-        rope_params = cfg.get("rope_parameters")  # transformers >= 5 layout
-        if rope_params:
-            rope_theta = rope_params.get("rope_theta", rope_theta)
-            if rope_params.get("rope_type", "default") != "default":
-                rope_scaling = rope_params
+        rope_theta, rope_scaling, _ = rope_settings(cfg)
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,

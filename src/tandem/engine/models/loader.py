@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from tandem.engine.models.llama import LlamaConfig, LlamaForCausalLM
+from tandem.engine.models.support import check_config, check_tensor_names
 from tandem.engine.tokenizer import Tokenizer
 from tandem.kernels.int4 import (
     Int4Kernel,
@@ -69,22 +70,42 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
-def load_model(model: str, *, cache_dir: Path | None = None) -> LoadedModel:
-    """Load weights, config and tokenizer. A GGUF file is dequantised once into an HF-format
-    folder under `cache_dir` (default `$TANDEM_CACHE_DIR` or ~/.cache/tandem) and read from there."""
+def _checkpoint_path(model: str) -> Path:
+    """The HF folder or the .gguf file that `model` names (a folder holding only one GGUF is
+    that file)."""
     path = resolve_model_path(model)
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
-        if not (path / "config.json").exists() and len(ggufs) == 1:
-            path = ggufs[0]
-        else:
-            return _load_hf_folder(model, path)
+        if (path / "config.json").exists() or len(ggufs) != 1:
+            return path
+        path = ggufs[0]
     if path.is_file() and path.suffix == ".gguf":
-        folder = gguf_to_hf_folder(path, cache_dir or default_cache_dir())
-        loaded = _load_hf_folder(model, folder)
-        loaded.path = path
-        return loaded
+        return path
     raise ModelLoadError(f"{path}: expected an HF model folder or a .gguf file", param="model")
+
+
+def load_model(model: str, *, cache_dir: Path | None = None) -> LoadedModel:
+    """Load weights, config and tokenizer. A GGUF file is dequantised once into an HF-format
+    folder under `cache_dir` (default `$TANDEM_CACHE_DIR` or ~/.cache/tandem) and read from there."""
+    path = _checkpoint_path(model)
+    if path.is_dir():
+        return _load_hf_folder(model, path)
+    folder = gguf_to_hf_folder(path, cache_dir or default_cache_dir())
+    loaded = _load_hf_folder(model, folder)
+    loaded.path = path
+    return loaded
+
+
+def check_model(model: str) -> None:
+    """Refuse a model the engine would not compute exactly, without loading its weights: its
+    config keys and its tensor names (`models/support.py`). Raises `ModelLoadError`; cheap enough
+    to run before starting servers (`tandem serve`)."""
+    path = _checkpoint_path(model)
+    if path.is_dir():
+        config = _read_hf_config(path)
+        check_tensor_names(_safetensors_names(_safetensors_files(path)), config.num_hidden_layers, source=str(path))
+    else:
+        _gguf_tensor_names(path)
 
 
 def default_cache_dir() -> Path:
@@ -137,17 +158,15 @@ def gguf_to_hf_folder(path: Path, cache_dir: Path) -> Path:
 
 
 # -- HF folder ------------------------------------------------------------------------------
-def _load_hf_folder(name: str, folder: Path) -> LoadedModel:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+def _read_hf_config(folder: Path) -> LlamaConfig:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"{folder}: config.json not found", param="model")
     try:
         raw_config = json.loads(config_path.read_text())
+        check_config(raw_config)
         config = LlamaConfig.from_hf_dict(raw_config)
-    except (json.JSONDecodeError, KeyError, ValueError) as exc:
+    except (json.JSONDecodeError, KeyError, ValueError, TypeError) as exc:
         raise ModelLoadError(f"{config_path}: invalid model config ({exc})", param="model") from exc
     gen_config_path = folder / "generation_config.json"
     if gen_config_path.is_file():
@@ -155,11 +174,39 @@ def _load_hf_folder(name: str, folder: Path) -> LoadedModel:
         for token_id in [eos] if isinstance(eos, int) else (eos or []):
             if token_id not in config.eos_token_ids:
                 config.eos_token_ids.append(token_id)
+    return config
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(
             f"{folder}: no *.safetensors weights (pickle checkpoints are not loaded)", param="model"
         )
+    return files
+
+
+def _safetensors_names(files: list[Path]) -> list[str]:
+    """Tensor names from the files' headers (no tensor is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    names: list[str] = []
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                names.extend(handle.keys())
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelLoadError(f"{file}: corrupt safetensors file ({exc})", param="model") from exc
+    return names
+
+
+def _load_hf_folder(name: str, folder: Path) -> LoadedModel:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config = _read_hf_config(folder)
+    files = _safetensors_files(folder)
+    check_tensor_names(_safetensors_names(files), config.num_hidden_layers, source=str(folder))
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         try:
@@ -201,10 +248,7 @@ def _read_gguf(path: Path) -> LoadedModel:
         reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises ValueError/struct.error/IndexError on junk
         raise ModelLoadError(f"{path}: corrupt or unsupported GGUF file ({exc})", param="model") from exc
-    fields = {key: field.contents() for key, field in reader.fields.items()}
-    arch = fields.get("general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} unsupported (only 'llama')", param="model")
+    fields = _gguf_fields(path, reader)
 
     def meta(key: str, default: Any = None) -> Any:
         return fields.get(f"llama.{key}", default)
@@ -216,6 +260,7 @@ def _read_gguf(path: Path) -> LoadedModel:
     if meta("rope.scaling.type") not in (None, "none"):
         rope_scaling = {"rope_type": meta("rope.scaling.type"), "factor": meta("rope.scaling.factor")}
     tensor_names = {t.name for t in reader.tensors}
+    _check_gguf_tensor_names(path, tensor_names, int(meta("block_count")))
     config = LlamaConfig(
         vocab_size=int(meta("vocab_size") or len(fields["tokenizer.ggml.tokens"])),
         hidden_size=hidden,
@@ -242,14 +287,45 @@ def _read_gguf(path: Path) -> LoadedModel:
             ) from exc
         array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
         hf_name = _gguf_to_hf_name(tensor.name)
-        if hf_name is None:
-            continue
+        assert hf_name is not None  # every name was checked above
         if hf_name.endswith("q_proj.weight"):
             array = _unpermute_rope(array, config.num_attention_heads)
         elif hf_name.endswith("k_proj.weight"):
             array = _unpermute_rope(array, config.num_key_value_heads)
         weights[hf_name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
     return LoadedModel(path.name, path, config, weights, tokenizer)
+
+
+def _gguf_fields(path: Path, reader: Any) -> dict[str, Any]:
+    """The file's metadata; refuses any architecture but llama and llama.cpp rope scaling types
+    the Llama module does not compute."""
+    fields = {key: field.contents() for key, field in reader.fields.items()}
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} unsupported (only 'llama')", param="model")
+    scaling = fields.get("llama.rope.scaling.type")
+    if scaling not in (None, "none", "linear"):
+        raise ModelLoadError(
+            f"{path}: GGUF key llama.rope.scaling.type={scaling!r} is not supported (none, linear)", param="model"
+        )
+    return fields
+
+
+def _check_gguf_tensor_names(path: Path, names: set[str], num_layers: int) -> None:
+    """Refuse tensors with no HF counterpart the Llama module consumes (e.g. `rope_freqs`, which
+    carries llama3 rope scaling the metadata does not state)."""
+    check_tensor_names([_gguf_to_hf_name(n) or n for n in names], num_layers, source=str(path))
+
+
+def _gguf_tensor_names(path: Path) -> None:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError/struct.error/IndexError on junk
+        raise ModelLoadError(f"{path}: corrupt or unsupported GGUF file ({exc})", param="model") from exc
+    fields = _gguf_fields(path, reader)
+    _check_gguf_tensor_names(path, {t.name for t in reader.tensors}, int(fields["llama.block_count"]))
 
 
 def _gguf_to_hf_name(name: str) -> str | None:
@@ -263,7 +339,7 @@ def _gguf_to_hf_name(name: str) -> str | None:
         _, index, kind, suffix = name.split(".", 3)
         if kind in _GGUF_LAYER_NAMES:
             return f"model.layers.{index}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
-    return None  # e.g. rope_freqs: recomputed from the config
+    return None  # e.g. rope_freqs: refused by `_check_gguf_tensor_names`
 
 
 def build_model(
@@ -288,7 +364,10 @@ def build_model(
     except ValueError as exc:
         raise ModelLoadError(f"{loaded.path}: {exc}", param="model") from exc
     model = model.to(dtype=dtype)
-    model.init_rope()  # after the dtype cast: the cos/sin tables stay float32
+    try:
+        model.init_rope()  # after the dtype cast: the cos/sin tables stay float32
+    except (KeyError, ValueError) as exc:
+        raise ModelLoadError(f"{loaded.path}: rope scaling: {exc}", param="model") from exc
     if weight_dtype == "int4":
         use_native = loaded.path.suffix == ".gguf" and int4_group_size is None
         native = read_gguf_int4(loaded.path, loaded.config) if use_native else {}
