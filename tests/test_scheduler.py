@@ -209,6 +209,49 @@ TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
+class TenantSchedulerMachine(SchedulerMachine):
+    """The same random add / step / abort, with requests of three tenants (one weighted 2:1):
+    integrity after every rule, every request finishes with its tokens, fair-share bookkeeping
+    counts exactly the live requests, and counters never go down."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tandem.engine.fair_share import FairShare
+
+        self.sched.fair = FairShare({"t0": 2.0})
+        self.last_counters: dict = {}
+
+    @rule(
+        num_prompt=st.integers(1, 30),
+        max_tokens=st.integers(1, 12),
+        batch=st.booleans(),
+        tenant=st.sampled_from(["t0", "t1", "t2"]),
+    )
+    def add_for_tenant(self, num_prompt: int, max_tokens: int, batch: bool, tenant: str) -> None:
+        rid = f"r{self.counter}"
+        self.counter += 1
+        prio = Priority.BATCH if batch else Priority.INTERACTIVE
+        request = make_request(rid, num_prompt, max_tokens, prio, arrival=float(self.counter))
+        request.tenant_id = tenant
+        self.sched.add_request(request)
+        self.expected_outputs[rid] = max_tokens
+
+    @invariant()
+    def fair_bookkeeping(self) -> None:
+        live: dict = {}
+        for request in self.sched.requests.values():
+            key = (request.priority, request.tenant_id)
+            live[key] = live.get(key, 0) + 1
+        assert dict(self.sched.fair.live) == live
+        for key, value in self.last_counters.items():
+            assert self.sched.fair.counters[key] >= value
+        self.last_counters = dict(self.sched.fair.counters)
+
+
+TestTenantSchedulerMachine = TenantSchedulerMachine.TestCase
+TestTenantSchedulerMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+
+
 def test_batch_requests_only_fill_idle_capacity() -> None:
     """Batch work is admitted while KV occupancy (its whole prompt counted) stays under the limit,
     its prefill chunks are capped, and interactive work is never held back by it."""

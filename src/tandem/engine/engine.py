@@ -19,6 +19,7 @@ import torch
 from tandem.engine.draft import DraftProposer, EagleProposer, PagedDraftCache
 from tandem.engine.grammar import GrammarCompiler
 from tandem.engine.head_kv_cache import HeadKVCacheManager
+from tandem.engine.fair_share import FairShare
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.kv_transfer import (
     KVPage,
@@ -156,6 +157,7 @@ class LLMEngine:
             head_kv=self.head_kv,
             eviction_interval=config.kv_compression_interval,
             eviction_window=_eviction_policy(config).window,
+            fair_share=FairShare(config.tenant_weights),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 

@@ -5,10 +5,15 @@ One scheduling model, as in vLLM v1: each request has `num_computed_tokens`; eac
 chunks when the budget is short, decodes (one token) and prefill chunks share a batch, and a
 preempted request simply restarts from `num_computed_tokens = 0` (recompute).
 
-Order of service, per priority class (`interactive`, then `batch`): the class's running
-requests (by arrival), then its waiting ones; so a waiting interactive request gets tokens before
-any batch request does. When a running request needs a block and none is free, the
-lowest-priority, latest-arriving running request is preempted. Batch requests fill idle capacity
+Order of service, per priority class (`interactive`, then `batch`): the class's decoding
+requests, then its running prompts' chunks and its waiting requests' admissions in one fair order
+between tenants (`fair_share.py`: virtual token counters, weighted; first-come first-served
+within a tenant); so a waiting interactive request gets tokens before any batch request does,
+and one tenant's long prompts or many requests do not hold another's back. Seats
+(`max_num_seqs`) are shared by weight among the tenants with live requests: when all are taken, a
+request of a tenant under its share takes the seat of the tenant most over it. When a running
+request needs a block and none is free, the lowest-priority class's tenant most over its share
+gives up its latest-arriving running request (with one tenant: the latest arrival). Batch requests fill idle capacity
 only: one is admitted while the KV cache stays under `batch_kv_occupancy_limit` with its whole
 prompt counted, its prefill chunks are capped at `batch_max_prefill_tokens`, and while any
 interactive request runs or waits all batch requests together get at most
@@ -27,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tandem.engine.fair_share import FairShare
 from tandem.engine.head_kv_cache import HeadKVCacheManager
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.request import Priority, Request, RequestStatus
@@ -93,8 +99,11 @@ class Scheduler:
         head_kv: HeadKVCacheManager | None = None,
         eviction_interval: int = 0,
         eviction_window: int = 16,
+        fair_share: FairShare | None = None,
     ) -> None:
         self.kv = kv_manager
+        # Tenants' shares inside a priority class: order of service, seats and preemption.
+        self.fair = fair_share or FairShare()
         # Compressed requests (`Request.compressed`) keep their KV here, per (layer, KV head),
         # instead of in `kv`; None: the engine runs no compressed request.
         self.head_kv = head_kv
@@ -164,6 +173,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.requests[request.request_id] = request
+        self.fair.add(request)
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=Request.sort_key)
 
@@ -173,6 +183,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.requests[request.request_id] = request
+        self.fair.add(request)
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=Request.sort_key)
 
@@ -183,6 +194,7 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self.fair.remove(request)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -274,13 +286,12 @@ class Scheduler:
         self._head_slots[request.request_id] = slots
         return True
 
-    def _last_running_in_pool(self, request: Request) -> Request:
-        """The latest-arriving running request whose blocks come from the same pool as
-        `request`'s (preempting another pool's request frees nothing it can use)."""
-        for candidate in reversed(self.running):
-            if candidate.compressed == request.compressed:
-                return candidate
-        return self.running[-1]
+    def _victim_in_pool(self, request: Request) -> Request:
+        """Whom to preempt when `request` needs blocks: among running requests whose blocks come
+        from the same pool (preempting another pool's request frees nothing it can use), the
+        lowest priority class, the tenant most over its share, its latest arrival."""
+        same_pool = [r for r in self.running if r.compressed == request.compressed]
+        return self.fair.victim(same_pool or self.running)
 
     def _schedule_one(
         self, request: Request, num_new: int, scheduled: list[ScheduledRequest], drafts: list[int] | None = None
@@ -369,11 +380,7 @@ class Scheduler:
             throttled = priority is Priority.BATCH and batch_cap is not None
             if priority is Priority.BATCH and batch_cap is not None:
                 cap = min(cap, batch_cap)
-            # Throttled batch tokens go to decodes first: a step of decodes only stays small and
-            # fast (the INT4 stack's), where a prompt chunk beside them would make it a dense one.
-            cap = self._schedule_running(priority, step, cap, decoders_first=throttled)
-            if not step.preempted:  # memory is tight when running requests had to be preempted
-                self._admit_waiting(priority, step, cap)
+            self._schedule_class(priority, step, cap, prompts_wait=throttled)
 
         finished_ids, self._finished_ids = self._finished_ids, []
         move_src: list[int] = []
@@ -490,14 +497,29 @@ class Scheduler:
             num_new = min(num_new, self.batch_max_prefill_tokens)
         return num_new
 
-    def _schedule_running(self, priority: Priority, step: _Step, cap: int, decoders_first: bool = False) -> int:
-        """Schedule running requests of `priority` (arrival order; with `decoders_first`, those
-        decoding before those still in their prompt) within `cap` tokens; preempt from the back
-        of `running` (lowest priority, latest arrival) when blocks run out. Returns what is left
-        of `cap`."""
-        candidates = [r for r in self.running if r.priority is priority]
-        if decoders_first:  # stable: arrival order within each group
-            candidates.sort(key=lambda r: r.num_computed_tokens < r.num_tokens - 1)
+    def _schedule_class(self, priority: Priority, step: _Step, cap: int, prompts_wait: bool = False) -> None:
+        """One priority class within `cap` tokens: first its decoding requests (one token each,
+        plus drafts), then its running prompts' chunks and its waiting requests' admissions in
+        one fair order (`FairShare.order`), so a tenant's long prompt shares the budget with
+        another tenant's newly arrived one instead of going first. With `prompts_wait` (throttled
+        batch tokens) running prompts' chunks come before admissions (the few tokens go to work
+        already started: decodes first, so a step of decodes only stays small and fast)."""
+        running = [r for r in self.running if r.priority is priority]
+        decoding = [r for r in running if r.num_computed_tokens >= r.num_tokens - 1]
+        cap = self._schedule_running(self.fair.order(decoding, self._num_uncomputed), step, cap)
+        prompting = [r for r in running if r.num_computed_tokens < r.num_tokens - 1]
+        waiting = [r for r in self.waiting if r.priority is priority]
+        if prompts_wait:
+            cap = self._schedule_running(self.fair.order(prompting, self._num_uncomputed), step, cap)
+            self._admit_waiting(self.fair.order(waiting, self._num_uncomputed), step, cap)
+        else:
+            queue = sorted(prompting + waiting, key=Request.sort_key)
+            self._admit_waiting(self.fair.order(queue, self._num_uncomputed), step, cap)
+
+    def _schedule_running(self, candidates: list[Request], step: _Step, cap: int) -> int:
+        """Schedule these running requests, in this order, within `cap` tokens; when blocks run
+        out, preempt (`_victim_in_pool`: lowest priority, tenant most over its share, latest
+        arrival). Returns what is left of `cap`."""
         for request in candidates:
             if cap <= 0:
                 break
@@ -510,11 +532,11 @@ class Scheduler:
             else:
                 drafts = []
             while not self._allocate(request, request.num_computed_tokens + num_new + len(drafts)):
-                victim = self._last_running_in_pool(request)
-                # With decoders first, the victim may already hold a share of this step: it
-                # gives it back (to the cap too, when it is of this class).
+                victim = self._victim_in_pool(request)
+                # The victim may already hold a share of this step: it gives it back (to the cap
+                # too, when it is of this class).
                 returned = self._preempt_in_step(victim, step)
-                if victim.priority is priority:
+                if victim.priority is request.priority:
                     cap += returned
                 if victim is request:
                     break
@@ -525,25 +547,51 @@ class Scheduler:
                 cap -= num_new + len(drafts)
         return cap
 
-    def _admit_waiting(self, priority: Priority, step: _Step, cap: int) -> None:
-        """Admit waiting requests of `priority` (arrival order) within `cap` tokens, `max_num_seqs`
-        and free blocks; a waiting request may preempt a running one of lower priority."""
+    @staticmethod
+    def _num_uncomputed(request: Request) -> int:
+        return max(1, request.num_tokens - request.num_computed_tokens)
+
+    def _admit_waiting(self, candidates: list[Request], step: _Step, cap: int) -> int:
+        """Admit waiting requests of one class, in this order, within `cap` tokens,
+        `max_num_seqs` and free blocks; running requests among `candidates` (prompts) get their
+        next chunk at their place. A waiting request may preempt a running one of lower priority,
+        or, for a seat or for room, one of its own class whose tenant is over its share while its
+        own tenant is under. Admission stops for the step when memory is tight (a running request
+        had to be preempted, or a request found no room). Returns what is left of `cap`."""
         active_loras = {r.lora_name for r in self.running if r.lora_name is not None}
-        position = 0  # requests before it wait for a LoRA slot; later ones may still go ahead
-        while position < len(self.waiting) and self.waiting[position].priority is priority and cap > 0:
-            request = self.waiting[position]
+        admitting = not step.preempted  # memory is tight when running requests had to be preempted
+        position = 0  # requests before it wait for a LoRA slot or a seat; later ones may go ahead
+        seatless: set[str | None] = set()  # tenants found at their seat share while full
+        while position < len(candidates) and cap > 0:
+            request = candidates[position]
+            if request.status is RequestStatus.RUNNING:  # a prompt's next chunk
+                num_preempted = len(step.preempted)
+                cap = self._schedule_running([request], step, cap)
+                admitting = admitting and len(step.preempted) == num_preempted
+                position += 1
+                continue
+            if not admitting or request.request_id in step.preempted:
+                position += 1
+                continue
             if len(self.running) >= self.max_num_seqs:
                 # Full: a request of higher priority than some running one takes its seat (an
                 # interactive request never waits for batch requests, which are throttled while it
-                # waits, to finish); otherwise admission stops here.
-                lower = self._lower_priority_victim(request)
-                if lower is None:
-                    break
-                self._preempt_in_step(lower, step)
+                # waits, to finish); so does one whose tenant is under its share of the seats.
+                victim = None
+                if request.tenant_id not in seatless:
+                    victim = self._lower_priority_victim(request) or self.fair.seat_victim(
+                        request, self.running, self.max_num_seqs
+                    )
+                if victim is None:
+                    seatless.add(request.tenant_id)
+                    position += 1  # another tenant's request may still be under its share
+                    continue
+                self._preempt_in_step(victim, step)
                 active_loras = {r.lora_name for r in self.running if r.lora_name is not None}
                 continue
-            if priority is Priority.BATCH and not self._batch_has_room(request):
-                break
+            if request.priority is Priority.BATCH and not self._batch_has_room(request):
+                admitting = False
+                continue
             lora = request.lora_name
             if lora is not None and lora not in active_loras and len(active_loras) >= self.max_loras:
                 position += 1  # every LoRA slot is taken by running requests' adapters
@@ -565,15 +613,19 @@ class Scheduler:
             num_new = self._chunk(request, cap)
             total = request.num_computed_tokens + num_new
             if not self._allocate(request, total, admission=True):
-                lower = self._lower_priority_victim(request, same_pool=True)
-                if lower is None:
+                victim = self._lower_priority_victim(request, same_pool=True) or self.fair.seat_victim(
+                    request, (r for r in self.running if r.compressed == request.compressed), self.max_num_seqs
+                )
+                if victim is None:
                     self._free_kv(request.request_id)  # give back any prefix-cache hits
                     request.num_computed_tokens = 0
-                    break
-                self._preempt_in_step(lower, step)
+                    admitting = False
+                    continue
+                self._preempt_in_step(victim, step)
                 active_loras = {r.lora_name for r in self.running if r.lora_name is not None}
                 continue
-            self.waiting.pop(position)
+            self.waiting.remove(request)
+            candidates.pop(position)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=Request.sort_key)
             if lora is not None:
@@ -582,6 +634,7 @@ class Scheduler:
             step.scheduled_ids.add(request.request_id)
             step.budget -= num_new
             cap -= num_new
+        return cap
 
     def _preempt_in_step(self, request: Request, step: _Step) -> int:
         """Preempt a running request, giving back its share of this step if it had one (its
@@ -616,14 +669,15 @@ class Scheduler:
         return pool.num_used_blocks + need <= self.batch_kv_occupancy_limit * pool.num_blocks
 
     def _lower_priority_victim(self, request: Request, same_pool: bool = False) -> Request | None:
-        """The running request of strictly lower priority that arrived last, if any (with
-        `same_pool`, only one whose blocks `request` could use: the same KV layout)."""
-        for candidate in reversed(self.running):
-            if candidate.priority > request.priority and (
-                not same_pool or candidate.compressed == request.compressed
-            ):
-                return candidate
-        return None
+        """A running request of strictly lower priority, if any: of the lowest class, the tenant
+        most over its share, its latest arrival (with `same_pool`, only one whose blocks
+        `request` could use: the same KV layout)."""
+        lower = [
+            r
+            for r in self.running
+            if r.priority > request.priority and (not same_pool or r.compressed == request.compressed)
+        ]
+        return self.fair.victim(lower) if lower else None
 
     # -- applying the runner's result ----------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, result: RunnerResult) -> list[RequestUpdate]:
@@ -635,6 +689,7 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None:  # finished while the step ran (abort)
                 continue
+            self.fair.charge(request, len(item.token_ids) + item.num_draft_slots)
             if item.prefix_src_slots:  # copied into its heads: the shared blocks go back
                 self.kv.free(item.request_id)
             kept = result.kept_tokens.get(item.request_id)

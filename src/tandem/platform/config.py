@@ -5,7 +5,7 @@ Names follow what vLLM users expect (`kv_cache_memory`, `block_size`, `max_num_s
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -166,6 +166,11 @@ class EngineConfig(BaseModel):
         description="Tokens batch requests share in a step that computes an interactive prompt "
         "chunk: 0 keeps a prompt's steps, and so its time to first token, as without batch traffic. "
         "None: batch_tokens_under_load.",
+    )
+    tenant_weights: dict[str, Annotated[float, Field(gt=0.0)]] = Field(
+        default_factory=dict,
+        description="Fair-share weight per tenant id (default 1 for every tenant): inside a priority "
+        "class the scheduler serves tenants tokens, seats and preemption in proportion to these.",
     )
     kv_compression_rate: float | None = Field(
         None,
