@@ -45,3 +45,37 @@ def test_serve_refuses_a_port_in_use(tiny_model_dir: Path) -> None:
         result = run_serve(tiny_model_dir, "--port", str(port))
     assert result.returncode == 2
     assert '"param": "port"' in result.stderr and "choose another --port" in result.stderr
+
+
+def test_serve_tenant_limits_from_flags_environment_and_defaults(tiny_model_dir: Path) -> None:
+    """`--print-config` shows the per-tenant limits `tandem serve` runs with: by default a tenant
+    holds at most half of the engines' seats; the environment and then the flags override."""
+    import os
+
+    import yaml
+
+    def app_args(*args: str, **env: str) -> dict:
+        result = run_serve(tiny_model_dir, "--print-config", *args, env={**os.environ, **env})
+        assert result.returncode == 0, result.stderr
+        return yaml.safe_load(result.stdout)["applications"][0]["args"]
+
+    default = app_args()
+    assert default["max_concurrent_requests_per_tenant"] == 32  # 64 seats of one replica / 2
+    assert "tokens_per_minute_per_tenant" not in default
+    assert app_args("--num-replicas", "3")["max_concurrent_requests_per_tenant"] == 96
+    from_env = app_args(
+        TANDEM_MAX_CONCURRENT_PER_TENANT="5", TANDEM_TOKENS_PER_MINUTE_PER_TENANT="900",
+        TANDEM_TENANT_WEIGHTS="gold=3,silver=1.5",
+    )  # fmt: skip
+    assert from_env["max_concurrent_requests_per_tenant"] == 5
+    assert from_env["tokens_per_minute_per_tenant"] == 900
+    assert from_env["engine"]["tenant_weights"] == {"gold": 3.0, "silver": 1.5}
+    flags = app_args(
+        "--max-concurrent-per-tenant", "7", "--tokens-per-minute-per-tenant", "0", "--tenant-weight", "gold=2",
+        TANDEM_MAX_CONCURRENT_PER_TENANT="5", TANDEM_TOKENS_PER_MINUTE_PER_TENANT="900",
+    )  # fmt: skip
+    assert flags["max_concurrent_requests_per_tenant"] == 7
+    assert "tokens_per_minute_per_tenant" not in flags  # 0: no limit
+    assert flags["engine"]["tenant_weights"] == {"gold": 2.0}
+    result = run_serve(tiny_model_dir, "--print-config", "--tenant-weight", "gold=-1")
+    assert result.returncode == 2 and '"param": "tenant_weight"' in result.stderr

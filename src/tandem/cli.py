@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from tandem.batch_cli import add_batch_parser, run_batch_command
-from tandem.platform.config import DEFAULT_MODEL
+from tandem.platform.config import DEFAULT_MODEL, EngineConfig
 from tandem.platform.errors import InvalidRequestError, TandemError
 
 
@@ -73,9 +73,64 @@ def _free_port(host: str, port: int = 0) -> int:
         return int(sock.getsockname()[1])
 
 
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidRequestError(f"${name} must be a whole number, not {value!r}", param=name) from None
+
+
+def _tenant_weights(specs: list[str]) -> dict[str, float]:
+    """'TENANT=WEIGHT' pairs (flags, then comma-separated $TANDEM_TENANT_WEIGHTS) -> weights."""
+    weights: dict[str, float] = {}
+    for spec in [*os.environ.get("TANDEM_TENANT_WEIGHTS", "").split(","), *specs]:
+        if not spec.strip():
+            continue
+        tenant, _, weight = spec.partition("=")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = 0.0
+        if not tenant.strip() or not value > 0:  # also NaN
+            raise InvalidRequestError(
+                f"tenant weight {spec!r} must look like TENANT=WEIGHT with WEIGHT > 0", param="tenant_weight"
+            )
+        weights[tenant.strip()] = value
+    return weights
+
+
+def tenant_limits(args: argparse.Namespace) -> dict[str, int | None]:
+    """Per-tenant limits for `tandem serve`: the flag, else $TANDEM_MAX_CONCURRENT_PER_TENANT /
+    $TANDEM_TOKENS_PER_MINUTE_PER_TENANT, else the defaults: a tenant holds at most half of the
+    fleet's engine seats (so another tenant always finds some) and has no token rate limit.
+    0 means no limit."""
+    concurrent = args.max_concurrent_per_tenant
+    if concurrent is None:
+        concurrent = _env_int("TANDEM_MAX_CONCURRENT_PER_TENANT")
+    if concurrent is None:
+        seats = args.num_replicas * EngineConfig.model_fields["max_num_seqs"].default
+        concurrent = max(1, seats // 2)
+    tokens = args.tokens_per_minute_per_tenant
+    if tokens is None:
+        tokens = _env_int("TANDEM_TOKENS_PER_MINUTE_PER_TENANT")
+    for name, value in (("max_concurrent_per_tenant", concurrent), ("tokens_per_minute_per_tenant", tokens)):
+        if value is not None and value < 0:
+            raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= 0 (0: no limit)", param=name)
+    return {
+        "max_concurrent_requests_per_tenant": concurrent or None,
+        "tokens_per_minute_per_tenant": tokens or None,
+    }
+
+
 def _app_args(args: argparse.Namespace) -> dict[str, Any]:
     """`AppConfig` fields from `tandem serve`'s flags (keys come from the environment at run time)."""
     engine: dict[str, object] = {"model": args.model}
+    weights = _tenant_weights(args.tenant_weight)
+    if weights:
+        engine["tenant_weights"] = weights
     if args.served_model_name:
         engine["served_model_name"] = args.served_model_name
     if args.max_model_len:
@@ -91,6 +146,7 @@ def _app_args(args: argparse.Namespace) -> dict[str, Any]:
         "replica_num_cpus": 0 if args.address is None else 1,
         "object_store": args.object_store or "file://" + os.path.join(os.path.abspath(args.data_dir), "objects"),
         "adapter_source_prefixes": args.adapter_source_prefix,
+        **tenant_limits(args),
     }
 
 
@@ -213,6 +269,30 @@ def main(argv: list[str] | None = None) -> int:
         "with {tenant} in it (e.g. s3://adapters/{tenant}/); repeatable; default: none (uploads only)",
     )
     srv.add_argument("--num-replicas", type=int, default=1)
+    srv.add_argument(
+        "--max-concurrent-per-tenant",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests one tenant may have in flight; more get 429 with Retry-After "
+        "($TANDEM_MAX_CONCURRENT_PER_TENANT; default: half of the replicas' engine seats; 0: no limit)",
+    )
+    srv.add_argument(
+        "--tokens-per-minute-per-tenant",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompt + completion tokens one tenant may use per minute "
+        "($TANDEM_TOKENS_PER_MINUTE_PER_TENANT; default and 0: no limit)",
+    )
+    srv.add_argument(
+        "--tenant-weight",
+        action="append",
+        default=[],
+        metavar="TENANT=WEIGHT",
+        help="a tenant's fair-share weight in the engines (default 1 each); repeatable; also "
+        "$TANDEM_TENANT_WEIGHTS='a=2,b=1'",
+    )
     srv.add_argument(
         "--mode",
         choices=["colocated", "disaggregated"],
