@@ -16,6 +16,7 @@ from .conftest import make_tiny_model
 pytestmark = pytest.mark.ray
 
 KEY = "sk-serve-test"
+OTHER_KEY = "sk-serve-test-globex"  # a second tenant of the `served` app
 OPERATOR_KEY = "sk-serve-test-operator"
 STATS_PERIOD_S = 0.25  # how often replicas report their engine figures to /metrics
 
@@ -61,6 +62,7 @@ def served(ray_serve: str, tmp_path_factory: pytest.TempPathFactory) -> str:
         tmp_path_factory,
         "tandem",
         "/",
+        api_keys=f"{KEY}=acme,{OTHER_KEY}=globex",
         object_store=f"file://{store}",
         batch={"shard_size": 3, "lease_ttl_s": 2.0},
         batch_poll_interval_s=0.1,
@@ -449,11 +451,11 @@ def test_adapter_upload_and_multiplexed_use_through_serve(served: str, peft_adap
     check_adapter_upload_and_use(served, peft_adapters["all-r8"])
 
 
-def upload_adapter(base_url: str, name: str, folder: Path) -> None:
+def upload_adapter(base_url: str, name: str, folder: Path, key: str = KEY) -> None:
     """POST a PEFT folder's two files to `/v1/adapters` as `name` (200 expected)."""
     response = httpx.post(
         f"{base_url}/v1/adapters",
-        headers={"Authorization": f"Bearer {KEY}"},
+        headers={"Authorization": f"Bearer {key}"},
         data={"name": name},
         files={
             "adapter_config": ("adapter_config.json", (folder / "adapter_config.json").read_bytes()),
@@ -476,6 +478,51 @@ def check_adapter_upload_and_use(served: str, folder: Path) -> None:
     second = client.completions.create(model="tiny:served-bot", **kwargs)
     assert first.model == "tiny:served-bot" and first.choices[0].text == second.choices[0].text != base
     assert "tiny:served-bot" in [m.id for m in client.models.list().data]
+
+
+def test_batch_lines_on_the_tenants_adapter_through_serve(served: str, peft_adapters: dict) -> None:
+    """A batch whose lines name the owner's adapter runs through the BatchWorker deployment on Ray:
+    each answer equals the real-time answer of that adapter; a line naming another tenant's
+    adapter is that line's 404 (`model_not_found`), and the base model's line is the base's."""
+    import io
+    import time
+
+    upload_adapter(served, "batch-bot", peft_adapters["all-r8"])
+    upload_adapter(served, "rival-bot", peft_adapters["all-r8"], key=OTHER_KEY)
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key=KEY, max_retries=0)
+    prompts = ["The quick brown fox", "Paged attention stores", "Continuous batching lets"]
+    kwargs = dict(max_tokens=8, temperature=0)
+    realtime = {
+        (model, prompt): client.completions.create(model=model, prompt=prompt, extra_body={"ignore_eos": True}, **kwargs)
+        .choices[0].text
+        for model in ("tiny:batch-bot", "tiny")
+        for prompt in prompts
+    }  # fmt: skip
+    assert all(realtime[("tiny:batch-bot", p)] != realtime[("tiny", p)] for p in prompts)
+    lines = [
+        {"custom_id": f"{model}|{prompt}", "method": "POST", "url": "/v1/completions",
+         "body": {"model": model, "prompt": prompt, "ignore_eos": True, **kwargs}}
+        for model in ("tiny:batch-bot", "tiny", "tiny:rival-bot")
+        for prompt in prompts
+    ]  # fmt: skip
+    data = io.BytesIO("".join(json.dumps(line) + "\n" for line in lines).encode())
+    file_id = client.files.create(file=("adapters.jsonl", data), purpose="batch").id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 180
+    while (batch := client.batches.retrieve(batch.id)).status != "completed":
+        assert batch.status in ("validating", "in_progress", "finalizing") and time.monotonic() < deadline, batch
+        time.sleep(0.1)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (6, 3)
+    answered = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+    for line in answered:
+        model, prompt = line["custom_id"].split("|")
+        assert line["response"]["body"]["choices"][0]["text"] == realtime[(model, prompt)], line["custom_id"]
+        assert line["response"]["body"]["model"] == model
+    failed = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+    assert sorted(line["custom_id"] for line in failed) == sorted(f"tiny:rival-bot|{p}" for p in prompts)
+    for line in failed:
+        assert line["response"]["status_code"] == 404
+        assert line["response"]["body"]["error"]["code"] == "model_not_found"
 
 
 def test_replica_env_vars_reach_the_replica_process_only(served: str) -> None:

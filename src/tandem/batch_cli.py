@@ -177,7 +177,7 @@ def _write_in_input_order(client: Any, batch: Any, path: str) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from tandem.batch.service import BatchLimits, BatchService
     from tandem.batch.worker import BatchWorker
-    from tandem.deployments.adapters import LocalEngineClient
+    from tandem.deployments.adapters import AdapterStore, LocalEngineClient
     from tandem.deployments.openai_server import OpenAIServer
     from tandem.engine.async_engine import AsyncEngine
     from tandem.platform.config import DEFAULT_MODEL
@@ -189,10 +189,13 @@ def _worker(args: argparse.Namespace) -> int:
         options["served_model_name"] = args.served_model_name
     if args.kv_cache_memory:
         options["kv_cache_memory"] = args.kv_cache_memory
+    options["enable_lora"] = True  # lines may name their owner's adapters in the store
     engine = AsyncEngine.from_options(args.model or DEFAULT_MODEL, **options)
     limits = BatchLimits(lease_ttl_s=args.lease_ttl, shard_size=args.shard_size)
-    service = BatchService(open_object_store(args.object_store), {engine.model_name}, limits)
-    server = OpenAIServer(LocalEngineClient(engine), TenantRegistry({}))
+    store = open_object_store(args.object_store)
+    service = BatchService(store, {engine.model_name}, limits)
+    adapters = AdapterStore(store, engine.model_name)  # lines may name the owner's adapters
+    server = OpenAIServer(LocalEngineClient(engine, adapters), TenantRegistry({}), adapters=adapters)
     worker = BatchWorker(service, partial(execute_batch_line, server))
     print(f"[tandem] batch worker {worker.worker_id} on {args.object_store}", file=sys.stderr, flush=True)
     try:

@@ -17,6 +17,7 @@ from ray.serve.handle import DeploymentHandle
 
 from tandem.batch.service import BatchLimits, BatchService
 from tandem.batch.worker import BatchWorker
+from tandem.deployments.adapters import AdapterStore
 from tandem.deployments.batch_execution import execute_batch_line
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.object_store import open_object_store
@@ -37,9 +38,15 @@ class BatchWorkerReplica:
     ) -> None:
         from tandem.deployments.app import HandleEngineClient
 
-        service = BatchService(open_object_store(object_store), {model_name}, BatchLimits(**limits))
+        store = open_object_store(object_store)
+        service = BatchService(store, {model_name}, BatchLimits(**limits))
+        # Lines may name the batch owner's adapters ("base:adapter"), resolved in the same store
+        # the ingress uploads them to; the LLM replicas load them as for real-time requests.
         server = OpenAIServer(
-            HandleEngineClient(llm, model_name), TenantRegistry({}), max_tokens_default=max_tokens_default
+            HandleEngineClient(llm, model_name),
+            TenantRegistry({}),
+            max_tokens_default=max_tokens_default,
+            adapters=AdapterStore(store, model_name),
         )
         self.worker = BatchWorker(service, partial(execute_batch_line, server), poll_interval_s=poll_interval_s)
         self._task = asyncio.get_event_loop().create_task(self.worker.run_forever())
