@@ -466,6 +466,39 @@ def test_a_worker_keeps_several_shards_in_flight(tmp_path: Path) -> None:
     assert (totals.completed, totals.failed, len(done.shard_counts)) == (10, 0, 5)
 
 
+@pytest.mark.parametrize(("weights", "expected"), [({}, "ABABAAAAAAAA"), ({"A": 2.0}, "ABAABAAAAAAA")])
+def test_tenants_take_turns_at_shards(tmp_path: Path, weights: dict[str, float], expected: str) -> None:
+    """A's large batch is older, B's small one newer: one worker claims shards in tenant turns
+    (weighted), so B's batch runs while A's does, not after it; every line answered exactly once."""
+    service = BatchService(
+        FileObjectStore(str(tmp_path / "objects")), {"tiny"}, BatchLimits(shard_size=2, max_shards_in_flight=1)
+    )
+    batches = {}
+    for tenant, num_lines in (("A", 20), ("B", 4)):
+        lines = [_line(f"{tenant}-{i}", content=f"{tenant}-{i}") for i in range(num_lines)]
+        file_id = service.create_file(tenant, "in.jsonl", "batch", ("\n".join(lines) + "\n").encode()).id
+        batches[tenant] = service.create_batch(tenant, file_id, CHAT, "24h").id
+    calls: list[str] = []
+
+    async def execute(endpoint: str, body: dict[str, Any], tenant: str) -> ExecutedRequest:
+        calls.append(body["messages"][0]["content"])
+        return ExecutedRequest(200, "req", {"ok": True}, None, output_tokens=1)
+
+    async def scenario() -> None:
+        worker = BatchWorker(service, execute, poll_interval_s=0.01, worker_id="fair", tenant_weights=weights)
+        task = asyncio.ensure_future(worker.run_forever())
+        deadline = time.monotonic() + 30
+        while any(service.get_batch(t, b).status != "completed" for t, b in batches.items()):
+            assert time.monotonic() < deadline, "batches did not complete"
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(scenario())
+    assert "".join(c[0] for c in calls[::2]) == expected  # one shard (2 lines) at a time
+    assert sorted(calls) == sorted([f"A-{i}" for i in range(20)] + [f"B-{i}" for i in range(4)])
+
+
 def test_failures_not_of_the_requests_making_are_retried_never_answered(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

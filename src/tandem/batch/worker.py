@@ -1,7 +1,10 @@
 """Batch workers: claim a shard, run its requests, commit the results exactly once.
 
-A worker loops over the queue (oldest batch first). For a batch `in_progress` it takes the lease
-of the first shard that has no committed result and no live lease, runs the shard's requests
+A worker loops over the queue, tenants in fair turn: the batches of the tenant that has claimed
+the fewest shards (divided by its weight) come first, each tenant's oldest batch first, so a small
+batch starts while another tenant's large one runs (a tenant whose batches were all done starts
+level with the others, banking no credit). For a batch `in_progress` it takes the lease of the
+first shard that has no committed result and no live lease, runs the shard's requests
 concurrently through `execute` (the same code path as the real-time API, at batch priority),
 renews the lease while they run, then commits the shard's results with put-if-absent and releases
 the lease. Up to `BatchLimits.max_shards_in_flight` shards run at once per worker, each its own
@@ -141,8 +144,13 @@ class BatchWorker:
         *,
         worker_id: str | None = None,
         poll_interval_s: float = 1.0,
+        tenant_weights: dict[str, float] | None = None,
     ) -> None:
         self.service = service
+        # Fair turns between tenants: shards this worker claimed per tenant with queued batches,
+        # divided by the tenant's weight (default 1).
+        self.tenant_weights = dict(tenant_weights or {})
+        self.claimed: dict[str, float] = {}
         self.store = service.store
         self.execute = execute
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{id(self):x}"
@@ -194,12 +202,22 @@ class BatchWorker:
         `BatchLimits.max_shards_in_flight` run, resume validations, finalize finished batches.
         True when it started, finished or reaped something."""
         did_work = self._reap()
-        for tenant, batch_id in await asyncio.to_thread(self.service.queued_batches):
+        for tenant, batch_id in self._fair_order(await asyncio.to_thread(self.service.queued_batches)):
             if await self._advance(tenant, batch_id):
                 did_work = True
-                break  # the next pass starts from the oldest batch again
+                break  # the next pass starts again from the tenant whose turn it is
         return did_work
 
+    def _fair_order(self, queued: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """`queued` (oldest first) by tenant turn: fewest weighted claims first, oldest batch
+        first within a tenant. Tenants with nothing queued are forgotten; one that appears starts
+        at the lowest count among the others (no credit for time away)."""
+        active = {tenant for tenant, _ in queued}
+        self.claimed = {t: n for t, n in self.claimed.items() if t in active}
+        floor = min(self.claimed.values(), default=0.0)
+        for tenant in active - self.claimed.keys():
+            self.claimed[tenant] = floor
+        return sorted(queued, key=lambda item: self.claimed[item[0]])  # stable: age within a tenant
     def _reap(self) -> bool:
         """Forget finished shard tasks (logging any that raised); True when there were some."""
         done = {task for task in self._shards if task.done()}
@@ -235,6 +253,7 @@ class BatchWorker:
                 return False
             lease_and_shard = await asyncio.to_thread(self._claim_shard, record)
             if lease_and_shard is not None:
+                self.claimed[tenant] = self.claimed.get(tenant, 0.0) + 1.0 / self.tenant_weights.get(tenant, 1.0)
                 self._shards.add(asyncio.ensure_future(self._run_shard(record, *lease_and_shard)))
                 return True
         return await asyncio.to_thread(self._try_finalize, record)

@@ -453,5 +453,5 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     )
     if cfg.object_store is None:
         return ingress.bind(llm, fleet, cfg.model_dump())
-    batch_worker = worker.bind(llm, *worker_args, fleet, max_batch_requests(cfg))
+    batch_worker = worker.bind(llm, *worker_args, fleet, max_batch_requests(cfg), cfg.engine.tenant_weights)
     return ingress.bind(llm, fleet, cfg.model_dump(), batch_worker)

@@ -35,6 +35,7 @@ class BatchWorkerReplica:
         max_tokens_default: int = 256,
         fleet: DeploymentHandle | None = None,
         batch_seats_per_replica: int | None = None,
+        tenant_weights: dict[str, float] | None = None,
     ) -> None:
         from tandem.deployments.app import HandleEngineClient
 
@@ -48,7 +49,9 @@ class BatchWorkerReplica:
             max_tokens_default=max_tokens_default,
             adapters=AdapterStore(store, model_name),
         )
-        self.worker = BatchWorker(service, partial(execute_batch_line, server), poll_interval_s=poll_interval_s)
+        self.worker = BatchWorker(
+            service, partial(execute_batch_line, server), poll_interval_s=poll_interval_s, tenant_weights=tenant_weights
+        )
         self._task = asyncio.get_event_loop().create_task(self.worker.run_forever())
         # What bounds useful workers: the LLM replicas (as the fleet state knows them) times the
         # batch requests each takes, over the lines one worker keeps out.
