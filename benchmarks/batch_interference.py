@@ -25,12 +25,7 @@ import argparse
 import asyncio
 import io
 import json
-import os
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -38,7 +33,7 @@ from typing import Any
 
 import torch
 
-from common import log, percentile, write_result
+from common import free_port, log, percentile, start_server, stop_server, write_result
 from tandem import AsyncEngine, SamplingParams
 from tandem.engine.protocol import GenerationRequest
 from tandem.engine.request import Priority
@@ -143,50 +138,6 @@ OPERATOR_KEY = "sk-op-bench-interference"
 TOPICS = ["rivers", "old maps", "bread", "the moon", "chess", "bees", "winter", "trains", "jazz", "tea"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _start_server(data_dir: str, port: int) -> tuple[subprocess.Popen[bytes], str]:
-    """`tandem serve` on the engine's defaults; returns the process and its base URL once
-    `/health` answers 200, i.e. an engine replica is ready (polled, with a deadline: the first
-    start on a machine dequantises the GGUF)."""
-    import httpx
-
-    env = {**os.environ, "TANDEM_API_KEYS": f"{SERVE_KEY}=bench", "TANDEM_OPERATOR_KEYS": OPERATOR_KEY}
-    command = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), "--data-dir", data_dir]
-    log(" ".join(command[1:]))
-    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
-    base = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + 900
-    while True:
-        if server.poll() is not None:
-            raise RuntimeError(f"tandem serve exited with {server.returncode}")
-        try:
-            if (
-                httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code
-                == 200
-            ):
-                return server, base
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError("tandem serve did not answer within 900 s")
-        time.sleep(1.0)
-
-
-def _stop_server(server: subprocess.Popen[bytes]) -> None:
-    """SIGTERM (the server shuts Serve and its local Ray down), then SIGKILL its process group."""
-    server.send_signal(signal.SIGTERM)
-    try:
-        server.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
-
-
 def _batch_tokens(base: str) -> float:
     """Tokens the engines generated for batch requests so far (`/metrics`, as the replicas last
     reported them): batch progress between shard commits."""
@@ -262,7 +213,9 @@ def run_through_serve(args: argparse.Namespace) -> dict[str, Any]:
     import openai
 
     with tempfile.TemporaryDirectory(prefix="tandem-interference-") as data_dir:
-        server, base = _start_server(data_dir, _free_port())
+        server, base = start_server(
+            data_dir, free_port(), {"TANDEM_API_KEYS": f"{SERVE_KEY}=bench", "TANDEM_OPERATOR_KEYS": OPERATOR_KEY}
+        )
         try:
             client = openai.OpenAI(base_url=base, api_key=SERVE_KEY, max_retries=0, timeout=600)
             model = client.models.list().data[0].id
@@ -313,7 +266,7 @@ def run_through_serve(args: argparse.Namespace) -> dict[str, Any]:
             if batch.status not in ("completed", "failed", "cancelled", "expired"):
                 client.batches.cancel(batch.id)
         finally:
-            _stop_server(server)
+            stop_server(server)
     ratios = {k: with_batch[k] / alone[k] for k in alone}
     log("with batch / alone: " + ", ".join(f"{k}={v:.3f}x" for k, v in ratios.items()))
     return {

@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,3 +52,48 @@ def write_result(path: str | Path, result: dict[str, Any]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**result, "machine": machine()}, indent=2))
     log(f"wrote {out}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_server(
+    data_dir: str, port: int, env: dict[str, str], args: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`tandem serve` (its own local Ray, in its own process group) with `env` added and `args`;
+    returns the process and its base URL (`.../v1`) once `/health` answers 200, i.e. an engine
+    replica is ready (polled, with a deadline: the first start on a machine dequantises the GGUF)."""
+    import httpx
+
+    command = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), "--data-dir", data_dir, *args]
+    log(" ".join(command[1:]))
+    log_path = os.path.join(data_dir, "serve.log")  # Ray's and the replicas' lines, kept out of the report
+    with open(log_path, "ab") as log_file:
+        server = subprocess.Popen(
+            command, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=log_file, start_new_session=True
+        )
+    deadline = time.monotonic() + 900
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"tandem serve exited with {server.returncode}; see {log_path}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200:
+                return server, f"http://127.0.0.1:{port}/v1"
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("tandem serve did not answer within 900 s")
+        time.sleep(1.0)
+
+
+def stop_server(server: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (the server shuts Serve and its local Ray down), then SIGKILL its process group."""
+    server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()

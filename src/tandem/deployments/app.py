@@ -22,7 +22,7 @@ from tandem.deployments.autoscaling import AutoscalingConfig, BatchQueueTargets,
 from tandem.deployments.batch_worker import BatchWorkerReplica
 from tandem.deployments.fleet import FLEET_STATE_DEPLOYMENT, FleetState, FleetTenantLimiter
 from tandem.deployments.ingress import create_app, install_server
-from tandem.deployments.openai_server import EngineClient, OpenAIServer
+from tandem.deployments.openai_server import EngineClient, LocalTenantLimiter, OpenAIServer, TenantLimiter
 from tandem.deployments.replicas import (
     LLM_DEPLOYMENT,
     PREFILL_DEPLOYMENT,
@@ -90,6 +90,13 @@ class AppConfig(BaseModel):
     keys_file: str | None = Field(None, description="file of key=tenant lines")
     max_concurrent_requests_per_tenant: int | None = None
     tokens_per_minute_per_tenant: int | None = None
+    tenant_queue_wait_s: float = Field(
+        30.0,
+        ge=0.0,
+        description="A request over its tenant's concurrency limit waits this long for one of the "
+        "tenant's requests to end (first come first served per tenant) before its 429 (0: at once). "
+        "With several ingress replicas the 429 is immediate",
+    )
     max_tokens_default: int = 256
     num_replicas: int = 1
     routing: RoutingConfig = Field(
@@ -305,7 +312,9 @@ def openai_server(
             source_prefixes=tuple(cfg.adapter_source_prefixes),
             max_adapter_bytes=cfg.max_adapter_bytes,
         )
-    limiter = FleetTenantLimiter(fleet, tenants) if fleet is not None and cfg.ingress_num_replicas > 1 else None
+    limiter: TenantLimiter = LocalTenantLimiter(tenants, max_wait_s=cfg.tenant_queue_wait_s)
+    if fleet is not None and cfg.ingress_num_replicas > 1:
+        limiter = FleetTenantLimiter(fleet, tenants)
     server = OpenAIServer(
         client,
         tenants,

@@ -74,6 +74,9 @@ def parse_operator_keys(spec: str) -> frozenset[str]:
     return frozenset(hash_key(k.strip()) for k in spec.replace("\n", ",").split(",") if k.strip())
 
 
+CONCURRENCY_LIMITED = "rate_limit_exceeded"  # the 429's code when a tenant is at its concurrency limit
+
+
 @dataclass
 class _Usage:
     in_flight: int = 0
@@ -102,6 +105,7 @@ class TenantUsage:
                 f"tenant {tenant!r} has {usage.in_flight} requests in flight "
                 f"(limit {limits.max_concurrent_requests}); retry when one finishes",
                 retry_after_s=1.0,
+                code=CONCURRENCY_LIMITED,
             )
         if limits.tokens_per_minute is not None:
             while usage.token_events and usage.token_events[0][0] <= now - 60.0:
