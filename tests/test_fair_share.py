@@ -121,6 +121,25 @@ def test_three_tenants_prompt_chunks_round_robin() -> None:
     assert prompt_owners(sched, 9) == "abcabcabc"
 
 
+def test_a_lighter_tenants_short_prompt_runs_in_a_step_of_its_own() -> None:
+    """a decodes 3 streams; b's short prompt arrives: that step computes b's prompt alone (a's
+    decodes sit out one step), then everyone decodes together. A prompt too long for one step
+    shares its steps with a's decodes instead, and a tenant's own new request never holds back
+    its other streams."""
+    sched = make_scheduler(max_seqs=8, budget=16)
+    a = add(sched, "a", 3, num_prompt=4)
+    step(sched)
+    b = add(sched, "b", num_prompt=6)
+    assert [(s.request_id, len(s.token_ids)) for s in step(sched).scheduled] == [(b[0], 6)]
+    assert sorted(s.request_id for s in step(sched).scheduled) == sorted([*a, *b])
+    long_prompt = add(sched, "c", num_prompt=40)
+    out = step(sched)
+    assert {s.request_id for s in out.scheduled} == {*a, *b, *long_prompt}
+    a_more = add(sched, "a", num_prompt=3)
+    out = step(sched)
+    assert {*a, *b} <= {s.request_id for s in out.scheduled} and a_more[0] in {s.request_id for s in out.scheduled}
+
+
 def test_decodes_go_first_and_the_rest_is_shared() -> None:
     """A decodes one token per step beside b's prompt chunks: a's decode is never skipped and b's
     chunks take the rest of the budget."""
@@ -140,6 +159,7 @@ def test_preemption_picks_the_tenant_most_over_its_share() -> None:
     a = add(sched, "a", 3, num_prompt=7)  # 2 blocks each, the 2nd full after one decode
     step(sched)
     b = add(sched, "b", 1, num_prompt=1)  # 1 block, the latest arrival
+    assert [s.request_id for s in step(sched).scheduled] == [b[0]]  # its prompt first, alone
     step(sched)
     assert sched.kv.pool.num_free_blocks == 0
     assert sched.fair.counter(sched.requests[a[0]]) > sched.fair.counter(sched.requests[b[0]])

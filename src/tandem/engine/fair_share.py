@@ -10,7 +10,10 @@ chunk, decode, draft) adds `1 / weight` to its counter. The scheduler then
 - gives seats (`max_num_seqs`) in proportion to the weights of the tenants with live requests:
   a waiting request of a tenant under its share takes the seat of the tenant most over its share
   (`seat_victim`);
-- preempts, among requests of one class, the tenant most over its share first (`victim`).
+- preempts, among requests of one class, the tenant most over its share first (`victim`);
+- lets a lighter tenant's short new prompt run in a step of its own: the decodes of tenants with
+  more running requests per weight sit out that one step (`heavier_tenants`), so one tenant's many
+  streams do not multiply another's time to first token.
 
 A tenant that had no live request in a class is lifted to the lowest counter of the tenants that
 do when one arrives (`add`), so idle time is not banked as credit. With one tenant (or none:
@@ -116,6 +119,19 @@ class FairShare:
             return None
         tenant = max(over, key=lambda t: (over[t], self.counters[(request.priority, t)]))
         return next(r for r in reversed(same_class) if r.tenant_id == tenant)
+
+    def heavier_tenants(self, running: Iterable[Request], newcomers: Iterable[Request]) -> set[str | None]:
+        """Tenants holding more running requests per weight than the lightest tenant among
+        `newcomers`' (requests about to start): their decodes may sit out one step so that the
+        newcomer's prompt runs in a short step of its own (time to first token as on a quiet
+        engine, where a step of every tenant's decodes beside it would be several times longer)."""
+        loads: dict[str | None, float] = defaultdict(float)
+        for r in running:
+            loads[r.tenant_id] += 1.0 / self.weight(r.tenant_id)
+        lightest = min((loads.get(r.tenant_id, 0.0) for r in newcomers), default=None)
+        if lightest is None:
+            return set()
+        return {t for t, load in loads.items() if load > lightest + 1e-9}
 
     def victim(self, candidates: Sequence[Request]) -> Request:
         """Whom to preempt among `candidates` (in `Request.sort_key` order): the lowest-priority
