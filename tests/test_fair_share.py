@@ -7,7 +7,7 @@ from collections import Counter
 
 from tandem.engine.fair_share import FairShare
 from tandem.engine.kv_cache import KVCacheManager
-from tandem.engine.request import Priority, Request
+from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.step import RunnerResult, SchedulerOutput

@@ -30,8 +30,9 @@ def test_excess_requests_wait_their_turn_in_order() -> None:
         await limiter.acquire("b")  # another tenant is not held up by a's queue
         admitted.append("b")
         for _ in range(3):
+            num_admitted = len(admitted)
             limiter.release("a", 0)
-            await asyncio.wait_for(_until(lambda n=len(admitted): len(admitted) > n), 5)
+            await asyncio.wait_for(_until(lambda: len(admitted) > num_admitted), 5)
         await asyncio.gather(*waiting)
         return admitted
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from tandem.engine.draft import DraftProposer, EagleProposer, PagedDraftCache
+from tandem.engine.fair_share import FairShare
 from tandem.engine.grammar import GrammarCompiler
 from tandem.engine.head_kv_cache import HeadKVCacheManager
-from tandem.engine.fair_share import FairShare
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.kv_transfer import (
     KVPage,
