@@ -32,15 +32,16 @@ def test_excess_requests_wait_their_turn_in_order() -> None:
         for _ in range(3):
             num_admitted = len(admitted)
             limiter.release("a", 0)
-            await asyncio.wait_for(_until(lambda: len(admitted) > num_admitted), 5)
+            await asyncio.wait_for(_grown(admitted, num_admitted), 5)
         await asyncio.gather(*waiting)
         return admitted
 
     assert asyncio.run(scenario()) == ["b", "a0", "a1", "a2"]
 
 
-async def _until(predicate) -> None:  # type: ignore[no-untyped-def]
-    while not predicate():
+async def _grown(items: list[str], size: int) -> None:
+    """Return once `items` holds more than `size` entries (a waiter was admitted)."""
+    while len(items) <= size:
         await asyncio.sleep(0.001)
 
 
