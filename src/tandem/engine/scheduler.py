@@ -508,33 +508,37 @@ class Scheduler:
         decoding = [r for r in running if r.num_computed_tokens >= r.num_tokens - 1]
         prompting = [r for r in running if r.num_computed_tokens < r.num_tokens - 1]
         waiting = [r for r in self.waiting if r.priority is priority]
-        if priority is Priority.INTERACTIVE and not prompts_wait and self._prompt_first(decoding, waiting, step, cap):
-            return
-        cap = self._schedule_running(self.fair.order(decoding, self._num_uncomputed), step, cap)
         if prompts_wait:
+            cap = self._schedule_running(self.fair.order(decoding, self._num_uncomputed), step, cap)
             cap = self._schedule_running(self.fair.order(prompting, self._num_uncomputed), step, cap)
             self._admit_waiting(self.fair.order(waiting, self._num_uncomputed), step, cap)
-        else:
-            queue = sorted(prompting + waiting, key=Request.sort_key)
-            self._admit_waiting(self.fair.order(queue, self._num_uncomputed), step, cap)
+            return
+        queue = self.fair.order(sorted(prompting + waiting, key=Request.sort_key), self._num_uncomputed)
+        if priority is Priority.INTERACTIVE and self._prompt_first(decoding, queue, step, cap):
+            return
+        cap = self._schedule_running(self.fair.order(decoding, self._num_uncomputed), step, cap)
+        self._admit_waiting(queue, step, cap)
 
-    def _prompt_first(self, decoding: list[Request], waiting: list[Request], step: _Step, cap: int) -> bool:
+    def _prompt_first(self, decoding: list[Request], queue: list[Request], step: _Step, cap: int) -> bool:
         """A step of its own for a lighter tenant's short new prompt: when a waiting request's
         whole prompt fits this step and a seat is free, and other tenants hold more running
         requests per weight (`FairShare.heavier_tenants`), prompts and admissions go first (the
         decoders' tokens held in reserve); if such a request was admitted, the heavier tenants'
-        decodes sit out this step. Returns whether it scheduled the class (False: nothing to do)."""
+        decodes sit out this step. `queue`: the class's running prompts and waiting requests in
+        fair order. Returns whether it scheduled the class (False: nothing to do)."""
         if len(self.running) >= self.max_num_seqs:
             return False
         reserve = len(decoding)
-        newcomers = [r for r in waiting if 0 < r.num_tokens - r.num_computed_tokens <= cap - reserve]
+        newcomers = [
+            r
+            for r in queue
+            if r.status is not RequestStatus.RUNNING and r.num_tokens - r.num_computed_tokens <= cap - reserve
+        ]
         heavier = self.fair.heavier_tenants(self.running, newcomers)
         if not heavier or all(r.tenant_id in heavier for r in newcomers):
             return False
-        prompting = [r for r in self.running if r.priority is Priority.INTERACTIVE and r not in decoding]
         first = len(step.scheduled)
-        queue = sorted(prompting + waiting, key=Request.sort_key)
-        cap = self._admit_waiting(self.fair.order(queue, self._num_uncomputed), step, cap - reserve) + reserve
+        cap = self._admit_waiting(queue, step, cap - reserve) + reserve
         started = any(
             item.is_new and item.sample and self.requests[item.request_id].tenant_id not in heavier
             for item in step.scheduled[first:]
