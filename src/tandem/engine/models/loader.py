@@ -244,11 +244,7 @@ def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def _read_gguf(path: Path) -> LoadedModel:
     import gguf
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises ValueError/struct.error/IndexError on junk
-        raise ModelLoadError(f"{path}: corrupt or unsupported GGUF file ({exc})", param="model") from exc
-    fields = _gguf_fields(path, reader)
+    reader, fields = _open_gguf(path)
 
     def meta(key: str, default: Any = None) -> Any:
         return fields.get(f"llama.{key}", default)
@@ -296,9 +292,15 @@ def _read_gguf(path: Path) -> LoadedModel:
     return LoadedModel(path.name, path, config, weights, tokenizer)
 
 
-def _gguf_fields(path: Path, reader: Any) -> dict[str, Any]:
-    """The file's metadata; refuses any architecture but llama and llama.cpp rope scaling types
-    the Llama module does not compute."""
+def _open_gguf(path: Path) -> tuple[Any, dict[str, Any]]:
+    """The file's reader (tensors are read lazily) and metadata; refuses a corrupt file, any
+    architecture but llama, and llama.cpp rope scaling types the Llama module does not compute."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError/struct.error/IndexError on junk
+        raise ModelLoadError(f"{path}: corrupt or unsupported GGUF file ({exc})", param="model") from exc
     fields = {key: field.contents() for key, field in reader.fields.items()}
     arch = fields.get("general.architecture")
     if arch != "llama":
@@ -308,7 +310,7 @@ def _gguf_fields(path: Path, reader: Any) -> dict[str, Any]:
         raise ModelLoadError(
             f"{path}: GGUF key llama.rope.scaling.type={scaling!r} is not supported (none, linear)", param="model"
         )
-    return fields
+    return reader, fields
 
 
 def _check_gguf_tensor_names(path: Path, names: set[str], num_layers: int) -> None:
@@ -318,13 +320,7 @@ def _check_gguf_tensor_names(path: Path, names: set[str], num_layers: int) -> No
 
 
 def _gguf_tensor_names(path: Path) -> None:
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises ValueError/struct.error/IndexError on junk
-        raise ModelLoadError(f"{path}: corrupt or unsupported GGUF file ({exc})", param="model") from exc
-    fields = _gguf_fields(path, reader)
+    reader, fields = _open_gguf(path)
     _check_gguf_tensor_names(path, {t.name for t in reader.tensors}, int(fields["llama.block_count"]))
 
 
