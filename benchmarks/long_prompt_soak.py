@@ -51,8 +51,8 @@ async def soak(base: str, args: argparse.Namespace) -> dict[str, Any]:
     headers_a, headers_b = {"Authorization": f"Bearer {KEY_A}"}, {"Authorization": f"Bearer {KEY_B}"}
     stop = asyncio.Event()
     statuses: dict[str, int] = {}
-    # A prompt of about `prompt_tokens` tokens: one short word per token, under the context limit.
-    prompt = " ".join(f"w{i % 97}" for i in range(args.prompt_tokens // 2))
+    # A prompt of about `prompt_tokens` tokens: " apple" is one token of the default model's vocabulary.
+    prompt = " ".join(["apple"] * (args.prompt_tokens - 8))
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
 
         async def streamer(i: int) -> None:
