@@ -534,7 +534,8 @@ class Scheduler:
             for r in queue
             if r.status is not RequestStatus.RUNNING and r.num_tokens - r.num_computed_tokens <= cap - reserve
         ]
-        heavier = self.fair.heavier_tenants(self.running, newcomers)
+        interactive = [r for r in self.running if r.priority is Priority.INTERACTIVE]
+        heavier = self.fair.heavier_tenants(interactive, newcomers)  # batch work is no weight here
         if not heavier or all(r.tenant_id in heavier for r in newcomers):
             return False
         first = len(step.scheduled)

@@ -20,7 +20,12 @@ import numpy as np
 import torch
 
 from tandem.engine.models.llama import LlamaConfig, LlamaForCausalLM
-from tandem.engine.models.support import check_config, check_tensor_names
+from tandem.engine.models.support import (
+    check_config,
+    check_tensor_names,
+    safetensors_files,
+    safetensors_names,
+)
 from tandem.engine.tokenizer import Tokenizer
 from tandem.kernels.int4 import (
     Int4Kernel,
@@ -103,7 +108,7 @@ def check_model(model: str) -> None:
     path = _checkpoint_path(model)
     if path.is_dir():
         config = _read_hf_config(path)
-        check_tensor_names(_safetensors_names(_safetensors_files(path)), config.num_hidden_layers, source=str(path))
+        check_tensor_names(safetensors_names(safetensors_files(path)), config.num_hidden_layers, source=str(path))
     else:
         _gguf_tensor_names(path)
 
@@ -177,36 +182,13 @@ def _read_hf_config(folder: Path) -> LlamaConfig:
     return config
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(
-            f"{folder}: no *.safetensors weights (pickle checkpoints are not loaded)", param="model"
-        )
-    return files
-
-
-def _safetensors_names(files: list[Path]) -> list[str]:
-    """Tensor names from the files' headers (no tensor is read)."""
-    from safetensors import SafetensorError, safe_open
-
-    names: list[str] = []
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                names.extend(handle.keys())
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise ModelLoadError(f"{file}: corrupt safetensors file ({exc})", param="model") from exc
-    return names
-
-
 def _load_hf_folder(name: str, folder: Path) -> LoadedModel:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     config = _read_hf_config(folder)
-    files = _safetensors_files(folder)
-    check_tensor_names(_safetensors_names(files), config.num_hidden_layers, source=str(folder))
+    files = safetensors_files(folder)
+    check_tensor_names(safetensors_names(files), config.num_hidden_layers, source=str(folder))
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from tandem.platform.errors import ModelLoadError
@@ -132,3 +133,27 @@ def check_tensor_names(names: Iterable[str], num_layers: int, *, source: str) ->
     if unused:
         shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
         raise _refuse(f"{source}: {len(unused)} checkpoint tensor(s) no module consumes: {shown}")
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The folder's weight files (safetensors only: pickle checkpoints are never loaded)."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"{folder}: no *.safetensors weights (pickle checkpoints are not loaded)", param="model"
+        )
+    return files
+
+
+def safetensors_names(files: list[Path]) -> list[str]:
+    """Tensor names from the files' headers (no tensor is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    names: list[str] = []
+    for file in files:
+        try:
+            with safe_open(str(file), framework="numpy") as handle:
+                names.extend(handle.keys())
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelLoadError(f"{file}: corrupt safetensors file ({exc})", param="model") from exc
+    return names
