@@ -123,7 +123,7 @@ def test_logprobs(client: openai.OpenAI) -> None:
         ),
         (
             lambda c: c.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": "x"}], n=2
+                model="tiny", messages=[{"role": "user", "content": "x"}], n=129
             ),
             400,
             "n",
@@ -506,3 +506,54 @@ def test_a_replica_refuses_batch_requests_over_its_seats_and_never_real_time_one
         assert stats["num_batch_requests"] == 0 and stats["num_batch_requests_refused"] == 1
 
     asyncio.run(scenario())
+
+
+def test_n_choices_seeded_greedy_streamed_and_usage(client: openai.OpenAI) -> None:
+    """n > 1: seeded choices are reproducible and equal separate requests with seeds seed+i;
+    greedy choices are identical; a stream interleaves the choices' indexes; usage counts the
+    prompt once."""
+    messages = [{"role": "user", "content": "Tell me about paged attention"}]
+    sampled = dict(model="tiny", messages=messages, max_tokens=8, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    first = client.chat.completions.create(n=4, **sampled)  # type: ignore[call-overload]
+    again = client.chat.completions.create(n=4, **sampled)  # type: ignore[call-overload]
+    assert [c.index for c in first.choices] == [0, 1, 2, 3]
+    texts = [c.message.content for c in first.choices]
+    assert texts == [c.message.content for c in again.choices] and len(set(texts)) > 1
+    one = client.chat.completions.create(**{**sampled, "seed": 12})  # type: ignore[call-overload]
+    assert one.choices[0].message.content == texts[1]
+    assert first.usage is not None and one.usage is not None
+    assert first.usage.prompt_tokens == one.usage.prompt_tokens
+    assert first.usage.completion_tokens == 4 * 8
+
+    greedy = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0, n=3, extra_body={"ignore_eos": True}
+    )
+    assert len(greedy.choices) == 3 and len({c.message.content for c in greedy.choices}) == 1
+
+    stream = client.chat.completions.create(
+        n=2, stream=True, stream_options={"include_usage": True}, **sampled  # type: ignore[call-overload]
+    )
+    indexes: list[int] = []
+    streamed = {0: "", 1: ""}
+    finishes = {}
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                indexes.append(choice.index)
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason is not None:
+                finishes[choice.index] = choice.finish_reason
+    assert [streamed[0], streamed[1]] == texts[:2]
+    assert finishes == {0: "length", 1: "length"}
+    last_of_0 = len(indexes) - 1 - indexes[::-1].index(0)
+    assert indexes.index(1) < last_of_0  # interleaved: choice 1's text starts before choice 0's ends
+    assert usage is not None and usage.completion_tokens == 16 and usage.prompt_tokens == first.usage.prompt_tokens
+
+    completion = client.completions.create(
+        model="tiny", prompt="Paged attention", n=3, max_tokens=5, temperature=1.0, seed=3, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in completion.choices] == [0, 1, 2]
+    assert completion.usage is not None and completion.usage.completion_tokens == 15

@@ -326,6 +326,42 @@ def test_streamed_tool_call_deltas_reassemble_to_the_same_calls(server: Server) 
     assert all(call["id"] for call in calls.values())
 
 
+def test_a_call_cut_by_max_tokens_comes_back_in_tool_calls(server: Server) -> None:
+    """max_tokens=20 cuts the call: `tool_calls` holds it with its partial arguments, `content`
+    holds no markup, finish_reason is "length"; the stream says the same."""
+    client = server.client()
+    kwargs: dict[str, Any] = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather like in Paris, in celsius?"}],
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=20,
+    )
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    calls = choice.message.tool_calls or []
+    assert len(calls) == 1 and calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
+    arguments = calls[0].function.arguments
+    assert arguments.startswith("{") and not _is_json_text(arguments)  # cut: not whole JSON yet
+    streamed_args, streamed_content, finishes = "", "", []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for streamed in chunk.choices:
+            streamed_content += streamed.delta.content or ""
+            finishes += [streamed.finish_reason] if streamed.finish_reason else []
+            for delta in streamed.delta.tool_calls or []:
+                streamed_args += (delta.function.arguments or "") if delta.function else ""
+    assert finishes == ["length"] and streamed_content == "" and streamed_args == arguments
+
+
+def _is_json_text(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
 def test_tool_call_stream_parser_matches_the_whole_text_parser() -> None:
     text = (
         'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris}\\n", "unit": "celsius"}}'
@@ -346,7 +382,39 @@ def test_tool_call_stream_parser_matches_the_whole_text_parser() -> None:
                 pieces.setdefault(call["index"], []).append(call["function"]["arguments"])
         assert streamed_content == content
         assert [(names[i], "".join(pieces[i])) for i in sorted(pieces)] == [(c.name, c.arguments) for c in calls]
-    assert parse_tool_calls('<tool_call>\n{"name": "add", "arguments": {"a": 1')[1] == []  # cut short: text
+    assert parse_tool_calls('<tool_call>\n{"name": "add", "arguments": {"a": 1')[1] == []  # ended, not cut: text
+
+
+def test_a_cut_call_is_a_call_with_partial_arguments_streamed_and_not() -> None:
+    """At every cut point of a text with content and two calls: the whole-text parser and the
+    stream parser agree, no call markup is ever content, and a call cut after its name is a call
+    whose arguments are the start of the full arguments."""
+    text = (
+        'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+        '\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    )
+    _, whole_calls = parse_tool_calls(text)
+    full_args = [c.arguments for c in whole_calls]
+    for cut in range(1, len(text)):
+        piece = text[:cut]
+        content, calls = parse_tool_calls(piece, cut=True)
+        assert "<" not in (content or "")  # no markup, not even a cut marker
+        for index, call in enumerate(calls):
+            assert call.name == whole_calls[index].name and full_args[index].startswith(call.arguments)
+        if piece.endswith('"a": 1'):
+            assert calls[-1].arguments == '{"a": 1'
+        if piece.endswith('"celsius"}'):  # the closing marker's brace is not taken for arguments
+            assert calls[-1].arguments == full_args[0]
+        stream = ToolCallStream()
+        deltas = [d for i in range(0, cut, 7) for d in stream.feed(piece[i : i + 7])]
+        deltas += stream.feed("", final=True, cut=True)
+        streamed = "".join(d.get("content", "") for d in deltas)
+        pieces: dict[int, str] = {}
+        for delta in deltas:
+            for call_delta in delta.get("tool_calls", []):
+                pieces[call_delta["index"]] = pieces.get(call_delta["index"], "") + call_delta["function"]["arguments"]
+        assert streamed == (content or "")
+        assert [pieces[i] for i in sorted(pieces)] == [c.arguments for c in calls]
 
 
 @pytest.mark.parametrize(

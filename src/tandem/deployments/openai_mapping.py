@@ -64,6 +64,7 @@ def sampling_params_from(req: ChatCompletionRequest | CompletionRequest) -> Samp
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=req.top_k or 0,
         min_p=req.min_p or 0.0,
+        n=req.n,
         seed=req.seed,
         stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
         stop_token_ids=list(req.stop_token_ids or []),
@@ -124,32 +125,59 @@ class TokenNames:
 NO_TOKEN_NAMES = TokenNames([])  # for requests without logprobs
 
 
-def stream_chunk(
-    out: RequestOutput, *, model: str, created: int, chat: bool, num_top: int, names: TokenNames
-) -> dict[str, Any]:
-    """One streamed message for `out`'s new tokens: a `chat.completion.chunk` or a
-    `text_completion` chunk."""
-    completion = out.outputs[0]
-    finish = completion.finish_reason
-    if chat:
-        delta = {"content": completion.delta_text} if completion.delta_text or finish is None else {}
-        return chat_chunk(
-            request_id=out.request_id,
-            model=model,
-            created=created,
-            delta=delta,
-            finish_reason=finish,
-            logprobs=names.chat_logprobs(completion.delta_token_ids, completion.delta_logprobs, num_top),
+def stream_chunks(
+    out: RequestOutput,
+    *,
+    model: str,
+    created: int,
+    chat: bool,
+    num_top: int,
+    names: TokenNames,
+    ended: set[int],
+) -> list[dict[str, Any]]:
+    """The streamed messages for `out`'s new tokens, one per choice it updates (each with its
+    `index`): `chat.completion.chunk`s or `text_completion` chunks. `ended` holds the indexes of
+    choices whose finish was sent (a choice reported again in the last output is skipped); this
+    adds to it."""
+    chunks = []
+    for completion in out.outputs:
+        if completion.index in ended:
+            continue
+        finish = completion.finish_reason
+        if finish is not None:
+            ended.add(completion.index)
+        if chat:
+            delta = {"content": completion.delta_text} if completion.delta_text or finish is None else {}
+            chunks.append(
+                chat_chunk(
+                    request_id=out.request_id,
+                    model=model,
+                    created=created,
+                    delta=delta,
+                    finish_reason=finish,
+                    logprobs=names.chat_logprobs(completion.delta_token_ids, completion.delta_logprobs, num_top),
+                    index=completion.index,
+                )
+            )
+            continue
+        chunks.append(
+            text_completion(
+                request_id=out.request_id,
+                model=model,
+                created=created,
+                text=completion.delta_text,
+                finish_reason=finish,
+                usage=None,
+                logprobs=names.completion_logprobs(completion.delta_token_ids, completion.delta_logprobs),
+                index=completion.index,
+            )
         )
-    return text_completion(
-        request_id=out.request_id,
-        model=model,
-        created=created,
-        text=completion.delta_text,
-        finish_reason=finish,
-        usage=None,
-        logprobs=names.completion_logprobs(completion.delta_token_ids, completion.delta_logprobs),
-    )
+    return chunks
+
+
+def failed_choice(out: RequestOutput) -> bool:
+    """Whether `out` reports an error: the request's, or one of its choices'."""
+    return out.error is not None or any(c.finish_reason == "error" for c in out.outputs)
 
 
 def engine_error(out: RequestOutput) -> RequestFailedError:
@@ -161,8 +189,9 @@ def engine_error(out: RequestOutput) -> RequestFailedError:
 
 
 def usage(out: RequestOutput) -> Usage:
+    """The prompt once, and the tokens of every choice (`out` is a final output: whole)."""
     prompt = len(out.prompt_token_ids)
-    completion = len(out.outputs[0].token_ids)
+    completion = sum(len(c.token_ids) for c in out.outputs)
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
@@ -172,7 +201,7 @@ def usage(out: RequestOutput) -> Usage:
 
 
 def num_tokens(out: RequestOutput) -> int:
-    return len(out.prompt_token_ids) + len(out.outputs[0].token_ids)
+    return len(out.prompt_token_ids) + sum(len(c.token_ids) for c in out.outputs)
 
 
 def sse_event(payload: dict[str, Any]) -> str:

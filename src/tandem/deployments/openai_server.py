@@ -23,10 +23,11 @@ from tandem.deployments.openai_mapping import (
     ResponseTiming,
     TokenNames,
     engine_error,
+    failed_choice,
     num_tokens,
     sampling_params_from,
     sse_event,
-    stream_chunk,
+    stream_chunks,
     usage,
 )
 from tandem.deployments.structured_output import (
@@ -36,7 +37,7 @@ from tandem.deployments.structured_output import (
     parse_tool_calls,
     tool_mode,
 )
-from tandem.engine.protocol import GenerationRequest, RequestOutput
+from tandem.engine.protocol import CompletionOutput, GenerationRequest, RequestOutput
 from tandem.engine.request import Priority
 from tandem.platform.errors import NotFoundError, TandemError
 from tandem.platform.openai_schemas import (
@@ -44,6 +45,7 @@ from tandem.platform.openai_schemas import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    chat_choice,
     chat_chunk,
     chat_completion,
     internal_error_body,
@@ -196,14 +198,15 @@ class OpenAIServer:
         started_ns: int,
         first_at: float,
     ) -> None:
-        completion = last.outputs[0]
+        finish_reason = last.outputs[0].finish_reason if last.outputs else None
+        num_output_tokens = sum(len(c.token_ids) for c in last.outputs)  # every choice's
         get_telemetry().record_request(
             tenant=tenant,
             model=self.model_name,
             request_id=gen.request_id,
-            finish_reason=completion.finish_reason,
+            finish_reason=finish_reason,
             num_prompt_tokens=len(last.prompt_token_ids),
-            num_output_tokens=len(completion.token_ids),
+            num_output_tokens=num_output_tokens,
             ttft_s=first_at - started,
             e2e_s=time.monotonic() - started,
             phases=last.metrics.phase_durations(),
@@ -214,8 +217,8 @@ class OpenAIServer:
             extra={
                 "tenant": tenant,
                 "request_id": gen.request_id,
-                "finish_reason": completion.finish_reason,
-                "completion_tokens": len(completion.token_ids),
+                "finish_reason": finish_reason,
+                "completion_tokens": num_output_tokens,
             },
         )
 
@@ -356,7 +359,7 @@ class OpenAIServer:
         try:
             first = await anext(outputs)  # validation errors surface here, before any byte is sent
             first_at = time.monotonic()
-            if first.outputs[0].finish_reason == "error":  # failed before its first token: HTTP error
+            if failed_choice(first):  # failed before its first token: HTTP error
                 raise engine_error(first)
         except BaseException:
             if accounted:
@@ -392,49 +395,66 @@ class OpenAIServer:
             if accounted:
                 self.limiter.release(tenant, num_tokens(last))
         self._record(gen, tenant, last, started, started_ns, first_at)
-        completion = last.outputs[0]
-        if completion.finish_reason == "error":
+        if failed_choice(last):
             raise engine_error(last)
-        last_usage = usage(last)
-        if chat:
+        return self._final_body(gen, last, chat=chat, tool_calls=tool_calls)
+
+    def _final_body(self, gen: GenerationRequest, last: RequestOutput, *, chat: bool, tool_calls: bool) -> dict[str, Any]:
+        """The JSON body of a finished request: one choice per `last.outputs` (every choice's final
+        output), usage counting the prompt once."""
+        num_top = gen.sampling_params.logprobs or 0
+        names = self._names()
+        if not chat:
+            body = text_completion(
+                request_id=gen.request_id,
+                model=self._api_model(gen),
+                created=now(),
+                text="",
+                finish_reason=None,
+                usage=usage(last),
+                no_choices=True,
+            )
+            body["choices"] = [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "logprobs": names.completion_logprobs(c.token_ids, c.logprobs),
+                    "finish_reason": c.finish_reason,
+                }
+                for c in last.outputs
+            ]
+            return body
+        choices = []
+        for completion in last.outputs:
             content: str | None = completion.text
             calls: list[dict[str, Any]] = []
             finish_reason = completion.finish_reason
             if tool_calls:
-                content, parsed = parse_tool_calls(completion.text)
+                content, parsed = parse_tool_calls(completion.text, cut=finish_reason == "length")
                 calls = [call.as_openai(new_call_id()) for call in parsed]
                 if calls and finish_reason == "stop":
                     finish_reason = "tool_calls"
-            return chat_completion(
-                request_id=gen.request_id,
-                model=self._api_model(gen),
-                text=content,
-                finish_reason=finish_reason,
-                usage=last_usage,
-                tool_calls=calls,
-                logprobs=self._names().chat_logprobs(
-                    completion.token_ids, completion.logprobs, gen.sampling_params.logprobs or 0
-                ),
+            choices.append(
+                chat_choice(
+                    index=completion.index,
+                    text=content,
+                    finish_reason=finish_reason,
+                    tool_calls=calls,
+                    logprobs=names.chat_logprobs(completion.token_ids, completion.logprobs, num_top),
+                )
             )
-        return text_completion(
-            request_id=gen.request_id,
-            model=self._api_model(gen),
-            created=now(),
-            text=completion.text,
-            finish_reason=completion.finish_reason,
-            usage=last_usage,
-            logprobs=self._names().completion_logprobs(completion.token_ids, completion.logprobs),
+        return chat_completion(
+            request_id=gen.request_id, model=self._api_model(gen), choices=choices, usage=usage(last)
         )
 
     def _tool_call_events(
-        self, out: RequestOutput, calls: ToolCallStream, gen: GenerationRequest, created: int
+        self, completion: CompletionOutput, calls: ToolCallStream, gen: GenerationRequest, created: int
     ) -> list[str]:
-        """The chunks of one engine output of a request with tools: its text as content and
+        """The chunks of one choice's update in a request with tools: its text as content and
         tool-call deltas (`ToolCallStream`), then, at the end, the finish reason (`tool_calls` when
-        it made calls and stopped by itself). Logprobs ride on the output's first chunk."""
-        completion = out.outputs[0]
+        it made calls and stopped by itself). Logprobs ride on the update's first chunk."""
         finish = completion.finish_reason
-        deltas = calls.feed(completion.delta_text, final=finish is not None)
+        deltas = calls.feed(completion.delta_text, final=finish is not None, cut=finish == "length")
         if finish is not None:
             deltas.append({})
         logprobs = self._names().chat_logprobs(
@@ -452,6 +472,7 @@ class OpenAIServer:
                         delta=delta,
                         finish_reason=("tool_calls" if calls.num_calls and finish == "stop" else finish) if last else None,
                         logprobs=logprobs if position == 0 else None,
+                        index=completion.index,
                     )
                 )
             )
@@ -471,38 +492,47 @@ class OpenAIServer:
     ) -> AsyncGenerator[str, None]:
         created = now()
         last = first
-        calls = ToolCallStream() if tool_calls else None
+        num_choices = gen.sampling_params.n
+        calls = {index: ToolCallStream() for index in range(num_choices)} if tool_calls else None
+        ended: set[int] = set()  # choices whose finish was sent
         try:
             if chat:
-                yield sse_event(
-                    chat_chunk(
-                        request_id=gen.request_id,
-                        model=self._api_model(gen),
-                        created=created,
-                        delta={"role": "assistant", "content": ""},
-                        finish_reason=None,
+                for index in range(num_choices):
+                    yield sse_event(
+                        chat_chunk(
+                            request_id=gen.request_id,
+                            model=self._api_model(gen),
+                            created=created,
+                            delta={"role": "assistant", "content": ""},
+                            finish_reason=None,
+                            index=index,
+                        )
                     )
-                )
             out: RequestOutput | None = first
             while out is not None:
                 last = out
-                if out.outputs[0].finish_reason == "error":  # the engine ended it: no more text
+                if failed_choice(out):  # the engine ended it: no more text
                     raise engine_error(out)
                 if calls is not None:
-                    for event in self._tool_call_events(out, calls, gen, created):
-                        yield event
+                    for completion in out.outputs:
+                        if completion.index in ended:
+                            continue
+                        if completion.finish_reason is not None:
+                            ended.add(completion.index)
+                        for event in self._tool_call_events(completion, calls[completion.index], gen, created):
+                            yield event
                     out = await anext(outputs, None)
                     continue
-                yield sse_event(
-                    stream_chunk(
-                        out,
-                        model=self._api_model(gen),
-                        created=created,
-                        chat=chat,
-                        num_top=gen.sampling_params.logprobs or 0,
-                        names=self._names(),
-                    )
-                )
+                for chunk in stream_chunks(
+                    out,
+                    model=self._api_model(gen),
+                    created=created,
+                    chat=chat,
+                    num_top=gen.sampling_params.logprobs or 0,
+                    names=self._names(),
+                    ended=ended,
+                ):
+                    yield sse_event(chunk)
                 out = await anext(outputs, None)
             if include_usage:
                 last_usage = usage(last)

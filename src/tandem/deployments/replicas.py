@@ -190,7 +190,8 @@ class DecodeReplica(LLMReplica):
     """An `LLMReplica` whose prompts a prefill replica computes (disaggregated mode): it asks the
     prefill pool for the prompt's KV in its own cache dtype, imports it (verified) and decodes.
     A prefill replica that fails or dies is retried once on another; a LoRA request is computed
-    here whole (prefill replicas hold no adapters)."""
+    here whole (prefill replicas hold no adapters), and so is a request for n > 1 choices (its
+    choices share the prompt's blocks in one engine)."""
 
     def __init__(
         self,
@@ -221,7 +222,7 @@ class DecodeReplica(LLMReplica):
         }
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        if request.lora_name is not None:
+        if request.lora_name is not None or request.sampling_params.n > 1:
             async for output in super().stream(request):
                 yield output
             return

@@ -187,11 +187,16 @@ class ParsedCall:
         return {"id": call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
+def parse_tool_calls(text: str, *, cut: bool = False) -> tuple[str | None, list[ParsedCall]]:
     """The content before the first call block (None when blank) and the complete blocks. Text
-    with no complete block (no call, or one cut short by max_tokens) is all content."""
+    with no complete block (no call) is all content. With `cut` (generation stopped by
+    max_tokens), a call block cut short is a call too, with the arguments text written so far (a
+    block cut before its name ends is left out), and the start of a call marker is not content:
+    tool-call markup is never returned as text."""
     start = text.find(CALL_OPEN)
     if start < 0:
+        if cut:
+            text = text[: len(text) - _partial_suffix(text, CALL_OPEN)]
         return text, []
     calls: list[ParsedCall] = []
     position = start
@@ -203,10 +208,46 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedCall]]:
         position = text.find(CALL_OPEN, end)
         if position < 0:
             break
-    if not calls:
+    if cut and position >= 0:
+        partial = _cut_call(text[position:])
+        if partial is not None:
+            calls.append(partial)
+    if not calls and not cut:
         return text, []
     content = text[:start]
     return (content if content.strip() else None), calls
+
+
+def _cut_call(block: str) -> ParsedCall | None:
+    """A call block cut short: its name and the arguments text so far; None before the name
+    ends. A cut closing marker's first character (the `}` that ends the call object) is left out
+    of the arguments when the arguments are whole JSON without it."""
+    head = f"{CALL_OPEN}\n{CALL_PREFIX}"
+    if not block.startswith(head):
+        return None
+    name_end = block.find(CALL_ARGS, len(head))
+    if name_end < 0:
+        return None
+    return ParsedCall(block[len(head) : name_end], _cut_arguments(block[name_end + len(CALL_ARGS) :]))
+
+
+def _cut_arguments(arguments: str) -> str:
+    """Arguments text cut short, without the start of the closing marker when it is there."""
+    end = arguments.find(CALL_END)
+    if end >= 0:
+        return arguments[:end]
+    keep = _partial_suffix(arguments, CALL_END)
+    if keep and _is_json(arguments[:-keep]):
+        return arguments[:-keep]
+    return arguments
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def _parse_block(text: str, position: int) -> tuple[ParsedCall | None, int]:
@@ -237,16 +278,31 @@ class ToolCallStream:
     state: str = "text"  # "text" | "head" (in a block, before its arguments) | "args" | "between"
     num_calls: int = 0
     call_ids: list[str] = field(default_factory=list)
+    arguments: str = ""  # the current call's arguments sent so far
 
-    def feed(self, text: str, *, final: bool = False) -> list[dict[str, Any]]:
-        """The deltas for `text` (plus anything held back, when `final`)."""
+    def feed(self, text: str, *, final: bool = False, cut: bool = False) -> list[dict[str, Any]]:
+        """The deltas for `text` (plus anything held back, when `final`). With `cut` (the last
+        piece of a generation stopped by max_tokens): a call cut short keeps the arguments sent
+        so far (and the last held-back piece, unless it starts the closing marker), and a cut
+        call marker is dropped, never sent as content (as `parse_tool_calls(cut=True)`)."""
         self.buffer += text
         deltas: list[dict[str, Any]] = []
         while True:
-            progressed = self._step(deltas, final)
+            progressed = self._step(deltas, final and not cut)
             if not progressed:
                 break
+        if final and cut:
+            self._cut(deltas)
         return deltas
+
+    def _cut(self, deltas: list[dict[str, Any]]) -> None:
+        """Settle what `_step` held back at a cut: arguments of the open call, not markup."""
+        if self.state == "args" and self.buffer:
+            whole = _cut_arguments(self.arguments + self.buffer)
+            rest = whole[len(self.arguments) :]
+            if rest:
+                deltas.append({"tool_calls": [{"index": self.num_calls, "function": {"arguments": rest}}]})
+        self.buffer = ""
 
     def _step(self, deltas: list[dict[str, Any]], final: bool) -> bool:
         if self.state in ("text", "between"):
@@ -285,11 +341,13 @@ class ToolCallStream:
             )
             self.buffer = self.buffer[name_end + len(CALL_ARGS) :]
             self.state = "args"
+            self.arguments = ""
             return True
         # "args": everything up to CALL_END is arguments
         close = self.buffer.find(CALL_END)
         end = close if close >= 0 else len(self.buffer) - (0 if final else _partial_suffix(self.buffer, CALL_END))
         if end > 0:
+            self.arguments += self.buffer[:end]
             deltas.append({"tool_calls": [{"index": self.num_calls, "function": {"arguments": self.buffer[:end]}}]})
         self.buffer = self.buffer[end:]
         if close < 0:

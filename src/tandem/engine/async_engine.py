@@ -5,8 +5,9 @@ serving HTTP stays responsive. Adds and aborts are handed to the loop thread thr
 condition variable and applied between steps; when idle the thread sleeps on that condition.
 
 Contract: `async for out in engine.generate(request)` yields `RequestOutput`s whose
-`outputs[0].delta_text` / `delta_token_ids` are new since the previous one; the last has
-`finished=True`. Leaving the loop early (client disconnect, cancellation) aborts the request,
+`outputs[k].delta_text` / `delta_token_ids` are new since the previous one (with n > 1 choices,
+`outputs` holds the choices that changed, each with its `index`); the last has `finished=True`
+and every choice's final output. Leaving the loop early (client disconnect, cancellation) aborts the request,
 and its KV blocks are freed before the next step runs.
 """
 
@@ -23,7 +24,7 @@ from typing import Any, cast
 
 from tandem.engine.engine import LLMEngine
 from tandem.engine.kv_transfer import KVTransfer
-from tandem.engine.protocol import GenerationRequest, RequestOutput, merge_deltas
+from tandem.engine.protocol import GenerationRequest, RequestOutput, merge_outputs
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.tokenizer import Tokenizer
 from tandem.platform.errors import InvalidRequestError, RequestFailedError, ServiceUnavailableError
@@ -204,7 +205,7 @@ class AsyncEngine:
                     finished = True
                     raise item
                 if held is not None:
-                    merge_deltas(held.outputs[0], item.outputs[0])
+                    merge_outputs(held, item)
                     held = None
                 # Coalesce updates that queued up while the consumer was busy into one.
                 while not item.finished and not stream.queue.empty():
@@ -212,10 +213,10 @@ class AsyncEngine:
                     if isinstance(following, BaseException):
                         pending = following
                         break
-                    merge_deltas(item.outputs[0], following.outputs[0])
+                    merge_outputs(item, following)
                     item = following
                 finished = item.finished
-                if not finished and num_yielded and len(item.outputs[0].delta_token_ids) < stream_interval:
+                if not finished and num_yielded and item.num_new_tokens() < stream_interval:
                     held = item
                     continue
                 yield item
@@ -353,8 +354,7 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
         except RuntimeError:  # "Event loop is closed"
             self._streams.pop(request_id, None)
-            if request_id in self.engine.scheduler.requests:
-                self.engine.abort_request(request_id)
+            self.engine.abort_request(request_id)  # nothing when it has finished
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -33,9 +33,10 @@ from tandem.engine.lora import LoRAAdapter, LoRALimits, LoRAManager, LoRAModelSh
 from tandem.engine.models.eagle import EagleDraft, is_eagle_folder, load_eagle
 from tandem.engine.models.loader import build_model, load_model, resolve_model_path
 from tandem.engine.output_processor import OutputProcessor
+from tandem.engine.parallel_sampling import ChoiceFamilies, choice_requests
 from tandem.engine.precision import PrecisionChoice, choose_precision
 from tandem.engine.precision import pinned as pinned_precision
-from tandem.engine.protocol import GenerationRequest, RequestOutput
+from tandem.engine.protocol import GenerationRequest, RequestOutput, merge_deltas
 from tandem.engine.request import Priority, Request, RequestStatus
 from tandem.engine.runner import KVCacheSpec, ModelRunner, allocate_kv_caches
 from tandem.engine.sampling_params import SamplingParams
@@ -160,6 +161,7 @@ class LLMEngine:
             fair_share=FairShare(config.tenant_weights),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.families = ChoiceFamilies()  # requests with n > 1 choices, by parent id
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -518,16 +520,21 @@ class LLMEngine:
         """Queue a request built by `make_request` (validated and tokenised once, by the caller).
         `stream_text`: decode text at every step; `final_only`: `step()` returns only the request's
         first output and its last (`GenerationRequest.stream`)."""
-        if request.request_id in self.scheduler.requests:
+        if request.request_id in self.scheduler.requests or request.request_id in self.families:
             raise InvalidRequestError(
                 f"request id {request.request_id!r} is already running", param="request_id"
             )
         if request.lora_name is not None:
             self._check_lora(request.lora_name)
-            assert self.lora is not None
-            self.lora.acquire(request.lora_name)  # raises when it was removed meanwhile
-        self.scheduler.add_request(request)
-        self.output_processor.add(request, prompt, stream_text, final_only)
+        children = choice_requests(request) if request.sampling_params.n > 1 else [request]
+        for child in children:
+            if child.lora_name is not None:
+                assert self.lora is not None
+                self.lora.acquire(child.lora_name)  # raises when it was removed meanwhile
+            self.scheduler.add_request(child)
+            self.output_processor.add(child, prompt, stream_text, final_only)
+        if len(children) > 1:
+            self.families.add(request.request_id, [c.request_id for c in children])
         return request
 
     # -- KV hand-over (kv_transfer.py) ----------------------------------------------------------
@@ -535,7 +542,7 @@ class LLMEngine:
         """`make_request` for a prefill: compute the prompt, sample one token, and keep the KV
         blocks for `export_kv` (or until `kv_hold_ttl_s` passes)."""
         request, prompt = self.make_request(gen, compress=False)  # handed over in the shared layout, whole
-        request.sampling_params = dataclasses.replace(request.sampling_params, max_tokens=1, speculative=False)
+        request.sampling_params = dataclasses.replace(request.sampling_params, max_tokens=1, n=1, speculative=False)
         request.hold_kv = True
         return request, prompt
 
@@ -596,6 +603,8 @@ class LLMEngine:
         decode from there. Returns the output of its first token (sampled by the sender). A bad
         transfer raises `KVTransferError` and allocates nothing; no free blocks: 503."""
         request, prompt = self.make_request(gen, compress=False)  # the transfer's pages: shared layout
+        if request.sampling_params.n > 1:
+            raise InvalidRequestError("a handed-over prompt continues as one choice: compute n > 1 here", param="n")
         verify(
             transfer,
             model_fingerprint=self.kv_fingerprint(),
@@ -669,11 +678,33 @@ class LLMEngine:
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
     ) -> RequestOutput | None:
         """Finish a request now; its KV blocks are free when this returns."""
+        if request_id in self.families:  # every choice of a request with n > 1
+            outputs = [self._finish_one(c, status) for c in self.families.unfinished_children(request_id)]
+            parents, _ = self.families.to_parents([o for o in outputs if o is not None])
+            return parents[0] if parents else None
+        output = self._finish_one(request_id, status)
+        if output is None:
+            return None
+        return self._to_parents([output])[0]
+
+    def _finish_one(self, request_id: str, status: RequestStatus) -> RequestOutput | None:
         request = self.scheduler.finish_request(request_id, status)
         if request is None:
             return None
         self._release(request)
         return self.output_processor.finish(request)
+
+    def _to_parents(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Choices' outputs as their parents' (`ChoiceFamilies`); a choice that failed ends its
+        siblings, whose last outputs join the parent's."""
+        if not self.families.families:
+            return outputs
+        parents, to_end = self.families.to_parents(outputs)
+        while to_end:
+            ended = [self._finish_one(c, RequestStatus.FINISHED_ABORTED) for c in to_end]
+            more, to_end = self.families.to_parents([o for o in ended if o is not None])
+            parents = _merge_by_id(parents, more)
+        return parents
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -691,7 +722,7 @@ class LLMEngine:
         if self.config.kv_integrity_check and not scheduled.is_empty:
             aborted = self._abort_stale(scheduled)
         if scheduled.is_empty:
-            return aborted
+            return self._to_parents(aborted)
         self.output_processor.mark_scheduled(
             [s.request_id for s in scheduled.scheduled if s.is_new], time.monotonic()
         )
@@ -706,7 +737,7 @@ class LLMEngine:
         self.num_steps += 1
         self.step_wall_s += time.perf_counter() - started_wall
         self.step_thread_cpu_s += time.thread_time() - started_cpu
-        return aborted + outputs
+        return self._to_parents(aborted + outputs)
 
     def _outputs(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
         """Outputs for applied updates; requests that finished (a stop token, length, or a stop
@@ -743,7 +774,7 @@ class LLMEngine:
                 continue
             request.error, request.error_code = message, "request_failed"
             self.num_failed_requests += 1
-            output = self.abort_request(request_id, RequestStatus.FINISHED_ERROR)
+            output = self._finish_one(request_id, RequestStatus.FINISHED_ERROR)  # step() maps choices
             if output is not None:
                 outputs.append(output)
         return outputs
@@ -766,7 +797,7 @@ class LLMEngine:
                 request.error_code = "kv_integrity"
             logger.error("kv integrity violation; aborting request", extra={"request_id": request_id})
             self.num_kv_integrity_aborts += 1
-            output = self.abort_request(request_id, RequestStatus.FINISHED_ERROR)
+            output = self._finish_one(request_id, RequestStatus.FINISHED_ERROR)  # step() maps choices
             if output is not None:
                 outputs.append(output)
         stale_ids = set(stale)
@@ -850,6 +881,28 @@ class LLMEngine:
             "kv_compression_evictions": self.scheduler.num_compressed_evictions,
             "kv_compression_vectors_evicted": self.scheduler.num_vectors_evicted,
         }
+
+
+def _merge_by_id(first: list[RequestOutput], then: list[RequestOutput]) -> list[RequestOutput]:
+    """`first` with the outputs of `then` of the same request folded in (their completions
+    replace those of the same index; a finished one carries every choice)."""
+    by_id = {o.request_id: o for o in first}
+    merged = list(first)
+    for output in then:
+        earlier = by_id.get(output.request_id)
+        if earlier is None:
+            merged.append(output)
+            continue
+        earlier_by_index = {c.index: c for c in earlier.outputs}
+        completions = [
+            merge_deltas(earlier_by_index.pop(c.index), c) if c.index in earlier_by_index else c
+            for c in output.outputs
+        ]
+        earlier.outputs = sorted([*earlier_by_index.values(), *completions], key=lambda c: c.index)
+        earlier.finished = output.finished
+        earlier.metrics = output.metrics
+        earlier.error, earlier.error_code = output.error or earlier.error, output.error_code or earlier.error_code
+    return merged
 
 
 def _eviction_policy(config: EngineConfig) -> EvictionPolicy:

@@ -9,6 +9,8 @@ Invariants (checked by `check_integrity()`):
 - a block's generation tag changes every time it is handed out, so a holder of a stale
   (block id, generation) pair can tell that the block was reassigned;
 - block tables are append-only while a request runs, and freed as a whole;
+- only full, computed blocks are in more than one table (prefix-cache hits, `fork`), so a
+  shared block is never written again;
 - prefix cache: a full block may carry a hash (of its parent block's hash, its tokens and the
   request's cache salt: adapter and tenant); `cached` maps each hash to exactly one block with that
   hash. A cached block stays cached while free (it is only evicted when the free list hands it
@@ -192,6 +194,19 @@ class KVCacheManager:
             self.pool.touch(block_id)
         self.tables[request_id] = BlockTable(hits, [self.pool.generations[b] for b in hits])
         return len(hits) * self.block_size
+
+    def fork(self, request_id: str, parent_id: str, num_blocks: int) -> int:
+        """For a request about to be admitted (no blocks yet) whose tokens start as `parent_id`'s:
+        share the parent's first `num_blocks` blocks (full and computed: they are never written
+        again, so sharing needs no copy) and return how many tokens they hold."""
+        assert request_id not in self.tables, f"{request_id} already holds blocks"
+        parent = self.tables[parent_id]
+        assert 0 <= num_blocks <= len(parent.block_ids), "fork beyond the parent's blocks"
+        shared = parent.block_ids[:num_blocks]
+        for block_id in shared:
+            self.pool.touch(block_id)
+        self.tables[request_id] = BlockTable(list(shared), list(parent.generations[:num_blocks]))
+        return num_blocks * self.block_size
 
     def num_cached_prefix_blocks(self, num_tokens: int, tokens: TokenSlice, salt: object) -> int:
         """How many leading full blocks of a prompt of `num_tokens` tokens the prefix cache holds

@@ -104,15 +104,38 @@ class RequestOutput:
         """A copy for streaming between processes: deltas only (the final output keeps all)."""
         if self.finished:
             return self
-        c = self.outputs[0]
-        slim = CompletionOutput(
-            index=c.index,
-            text="",
-            token_ids=[],
-            finish_reason=None,
-            logprobs=None,
-            delta_text=c.delta_text,
-            delta_token_ids=c.delta_token_ids,
-            delta_logprobs=c.delta_logprobs,
-        )
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [slim], False, self.metrics)
+        slim = [
+            CompletionOutput(
+                index=c.index,
+                text="",
+                token_ids=[],
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                logprobs=None,
+                delta_text=c.delta_text,
+                delta_token_ids=c.delta_token_ids,
+                delta_logprobs=c.delta_logprobs,
+            )
+            if c.finish_reason is None
+            else c  # a choice that ended before the others: whole, as a final output is
+            for c in self.outputs
+        ]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, slim, False, self.metrics)
+
+    def num_new_tokens(self) -> int:
+        """Tokens this output adds, over all its choices."""
+        return sum(len(c.delta_token_ids) for c in self.outputs)
+
+
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """`later` with `earlier`'s new tokens folded in, choice by choice (`index`): one update
+    carrying both. A choice only `earlier` updated is carried over as it is."""
+    later_indexes = {c.index for c in later.outputs}
+    carried = [c for c in earlier.outputs if c.index not in later_indexes]
+    by_index = {c.index: c for c in earlier.outputs}
+    for completion in later.outputs:
+        if completion.index in by_index:
+            merge_deltas(by_index[completion.index], completion)
+    if carried:
+        later.outputs = sorted([*carried, *later.outputs], key=lambda c: c.index)
+    return later

@@ -49,6 +49,9 @@ class Request:
     tenant_id: str | None = None
     lora_name: str | None = None  # the LoRA adapter this request runs with, if any
     hold_kv: bool = False  # keep its blocks when it finishes (prefill for a hand-over)
+    # Parallel sampling (parallel_sampling.py): the sibling whose full prompt blocks this request
+    # shares once they are computed; it waits until then (None: it computes its own prompt).
+    fork_of: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)

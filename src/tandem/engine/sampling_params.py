@@ -9,6 +9,7 @@ from typing import Literal
 from tandem.platform.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+MAX_N = 128  # choices per request (OpenAI's limit)
 # A seed is what `torch.Generator.manual_seed` takes: any signed or unsigned 64-bit integer.
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 # Integer fields that reach tensors (top_k, token ids) stay in the range of a signed 32-bit int.
@@ -51,6 +52,7 @@ class SamplingParams:
     """
 
     max_tokens: int | None = 16  # None: the request's `default_max_tokens`, within the context
+    n: int = 1  # choices to generate for the prompt (parallel_sampling.py), computed once
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
@@ -88,6 +90,8 @@ class SamplingParams:
                 raise bad(name, f"must be a finite number, got {value!r}")
         if self.max_tokens is not None and (_not_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32):
             raise bad("max_tokens", f"must be an integer in [1, {MAX_INT32}], got {self.max_tokens!r}")
+        if _not_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.temperature < 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -507,7 +507,7 @@ class Scheduler:
         running = [r for r in self.running if r.priority is priority]
         decoding = [r for r in running if r.num_computed_tokens >= r.num_tokens - 1]
         prompting = [r for r in running if r.num_computed_tokens < r.num_tokens - 1]
-        waiting = [r for r in self.waiting if r.priority is priority]
+        waiting = [r for r in self.waiting if r.priority is priority and self._may_start(r)]
         if prompts_wait:
             cap = self._schedule_running(self.fair.order(decoding, self._num_uncomputed), step, cap)
             cap = self._schedule_running(self.fair.order(prompting, self._num_uncomputed), step, cap)
@@ -518,6 +518,24 @@ class Scheduler:
             return
         cap = self._schedule_running(self.fair.order(decoding, self._num_uncomputed), step, cap)
         self._admit_waiting(queue, step, cap)
+
+    def _may_start(self, request: Request) -> bool:
+        """False for a parallel-sampling choice whose leader is still computing the prompt it will
+        share (`Request.fork_of`); a choice whose leader is gone forgets it and starts alone."""
+        if request.fork_of is None:
+            return True
+        leader = self.requests.get(request.fork_of)
+        if leader is None or leader.status.is_finished:
+            request.fork_of = None
+            return True
+        return leader.status is RequestStatus.RUNNING and leader.num_computed_tokens >= self._num_forked_tokens(
+            request
+        )
+
+    def _num_forked_tokens(self, request: Request) -> int:
+        """Tokens of the prompt a choice shares with its leader: its full blocks, leaving at least
+        one token to compute (the choice samples its own first token from its logits)."""
+        return (request.num_prompt_tokens - 1) // self.kv.block_size * self.kv.block_size
 
     def _prompt_first(self, decoding: list[Request], queue: list[Request], step: _Step, cap: int) -> bool:
         """A step of its own for a lighter tenant's short new prompt: when a waiting request's
@@ -630,19 +648,10 @@ class Scheduler:
                 position += 1  # every LoRA slot is taken by running requests' adapters
                 continue
             if request.num_computed_tokens == 0 and request.request_id not in self.kv.tables:
-                # A compressed request copies the cached prefix into its own heads (and leaves at
-                # least the observation window to compute, whose queries score its tokens).
-                lookup_tokens = request.num_tokens
-                if request.compressed:
-                    lookup_tokens = max(1, request.num_tokens - self.eviction_window + 1)
-                cached = self.kv.allocate_cached_prefix(
-                    request.request_id, lookup_tokens, request.token_ids_slice, self.cache_salt(request)
-                )
-                request.num_computed_tokens = cached
-                if request.num_preemptions == 0:
-                    request.num_cached_tokens = cached
-                if request.compressed and cached:
-                    self._prefix_copies[request.request_id] = cached
+                if not self._may_start(request):  # its leader was preempted in this step
+                    position += 1
+                    continue
+                self._take_prefix(request)
             num_new = self._chunk(request, cap)
             total = request.num_computed_tokens + num_new
             if not self._allocate(request, total, admission=True):
@@ -659,6 +668,7 @@ class Scheduler:
                 continue
             self.waiting.remove(request)
             candidates.pop(position)
+            request.fork_of = None  # it holds its blocks now; a preemption recomputes it alone
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=Request.sort_key)
             if lora is not None:
@@ -668,6 +678,29 @@ class Scheduler:
             step.budget -= num_new
             cap -= num_new
         return cap
+
+    def _take_prefix(self, request: Request) -> None:
+        """Before admission: the computed tokens a request starts with, as blocks it shares. A
+        parallel-sampling choice shares its leader's full prompt blocks; any other request takes
+        what the prefix cache holds of its tokens (a compressed request copies the cached prefix
+        into its own heads, and leaves at least the observation window to compute, whose queries
+        score its tokens)."""
+        if request.fork_of is not None:
+            num_blocks = self._num_forked_tokens(request) // self.kv.block_size
+            request.num_computed_tokens = self.kv.fork(request.request_id, request.fork_of, num_blocks)
+            request.num_cached_tokens = request.num_computed_tokens
+            return
+        lookup_tokens = request.num_tokens
+        if request.compressed:
+            lookup_tokens = max(1, request.num_tokens - self.eviction_window + 1)
+        cached = self.kv.allocate_cached_prefix(
+            request.request_id, lookup_tokens, request.token_ids_slice, self.cache_salt(request)
+        )
+        request.num_computed_tokens = cached
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = cached
+        if request.compressed and cached:
+            self._prefix_copies[request.request_id] = cached
 
     def _preempt_in_step(self, request: Request, step: _Step) -> int:
         """Preempt a running request, giving back its share of this step if it had one (its

@@ -255,7 +255,7 @@ class _SamplingRequest(_Request):
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    n: int = Field(1, ge=1, le=128)  # choices, computed from one prompt (OpenAI's limit: 128)
     stop: NonEmptyText | list[NonEmptyText] | None = None
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -362,33 +362,31 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def chat_completion(
+def chat_choice(
     *,
-    request_id: str,
-    model: str,
+    index: int,
     text: str | None,
     finish_reason: str | None,
-    usage: Usage,
     logprobs: dict[str, Any] | None = None,
     tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """`text` is the message content (None with tool calls and no text before them)."""
+    """One choice of a chat completion; `text` is the message content (None with tool calls and
+    no text before them)."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if tool_calls:
         message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_completion(
+    *, request_id: str, model: str, choices: list[dict[str, Any]], usage: Usage
+) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": now(),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-        ],
+        "choices": choices,
         "usage": usage.model_dump(),
     }
 
@@ -403,6 +401,7 @@ def chat_chunk(
     logprobs: dict[str, Any] | None = None,
     usage: Usage | None = None,
     no_choices: bool = False,
+    index: int = 0,
 ) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": request_id,
@@ -411,7 +410,7 @@ def chat_chunk(
         "model": model,
         "choices": []
         if no_choices
-        else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+        else [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
     if usage is not None:
         chunk["usage"] = usage.model_dump()
@@ -428,6 +427,7 @@ def text_completion(
     usage: Usage | None,
     logprobs: dict[str, Any] | None = None,
     no_choices: bool = False,
+    index: int = 0,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "id": request_id,
@@ -436,7 +436,7 @@ def text_completion(
         "model": model,
         "choices": []
         if no_choices
-        else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+        else [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
     if usage is not None:
         body["usage"] = usage.model_dump()
@@ -449,5 +449,3 @@ def reject_unsupported(body: dict[str, Any]) -> None:
             raise InvalidRequestError(
                 f"'{name}' is not supported by this server", param=name, code="unsupported_parameter"
             )
-    if body.get("n", 1) not in (1, None):
-        raise InvalidRequestError("only n=1 is supported", param="n", code="unsupported_parameter")
