@@ -578,3 +578,25 @@ def apply_row(bitmask_row: torch.Tensor, vocab: int) -> torch.Tensor:
     """One bitmask row as a [vocab] bool tensor of allowed tokens."""
     shifts = torch.arange(32, dtype=torch.int32)
     return (((bitmask_row.unsqueeze(-1) >> shifts) & 1).flatten()[:vocab]).bool()
+
+
+def test_langchain_structured_output_cut_by_max_tokens_raises_a_length_error(server: Server) -> None:
+    """LangChain's default `with_structured_output` (json_schema) and its function-calling method,
+    at a max_tokens too small for the answer: each raises its length error, not a parse error of
+    markup; with room, both return the object."""
+    from langchain_openai import ChatOpenAI
+
+    def chat(max_tokens: int) -> ChatOpenAI:
+        return ChatOpenAI(
+            model=MODEL, base_url=f"{server.base_url}/v1", api_key=KEY, temperature=0, max_tokens=max_tokens, max_retries=0  # type: ignore[arg-type]
+        )
+
+    question = "Invent a person who lives in Italy and describe them."
+    with pytest.raises(openai.LengthFinishReasonError):
+        chat(20).with_structured_output(Person).invoke(question)
+    assert isinstance(chat(200).with_structured_output(Person).invoke(question), Person)
+    raw = chat(20).with_structured_output(Person, method="function_calling", include_raw=True).invoke(question)
+    message = raw["raw"]
+    assert message.response_metadata["finish_reason"] == "length"  # type: ignore[union-attr]
+    assert "<tool_call>" not in str(message.content)  # type: ignore[union-attr]
+    assert message.invalid_tool_calls or message.tool_calls  # type: ignore[union-attr]
