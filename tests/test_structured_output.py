@@ -441,6 +441,34 @@ def test_bad_constraints_are_400s_naming_the_field(server: Server, body: dict[st
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
 
 
+CYCLE = {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"}
+SELF_REQUIRED = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "child": {"$ref": "#"}},
+    "required": ["name", "child"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("schema", [CYCLE, SELF_REQUIRED], ids=["cycle", "self-required"])
+def test_schemas_with_no_finite_value_are_400s_within_a_second(server: Server, schema: dict[str, Any]) -> None:
+    """A $ref cycle and a required recursive $ref: a 400 naming the field, found before anything
+    is generated, as a response format and as a tool's parameters."""
+    for body, param in (
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}, "response_format"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}], "tool_choice": "required"},
+            "tools.0.function.parameters",
+        ),
+    ):
+        started = time.monotonic()
+        response = server.post({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, **body})
+        assert time.monotonic() - started < 1.0
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and "no finite value" in error["message"], error
+
+
 def test_a_batch_file_with_response_format_lines(server: Server) -> None:
     client = server.client()
     response_format = {"type": "json_schema", "json_schema": {"name": "review", "schema": REVIEW_SCHEMA}}

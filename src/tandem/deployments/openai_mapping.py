@@ -12,7 +12,7 @@ from typing import Any
 from tandem.deployments.structured_output import request_constraint, response_format_constraint
 from tandem.engine.protocol import RequestOutput
 from tandem.engine.sampling_params import SamplingParams
-from tandem.platform.errors import RequestFailedError
+from tandem.platform.errors import InvalidRequestError, RequestFailedError, TandemError
 from tandem.platform.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -180,12 +180,16 @@ def failed_choice(out: RequestOutput) -> bool:
     return out.error is not None or any(c.finish_reason == "error" for c in out.outputs)
 
 
-def engine_error(out: RequestOutput) -> RequestFailedError:
-    """The error a request that finished with `finish_reason: error` gets (names its id)."""
-    return RequestFailedError(
-        f"{out.error or 'the engine could not compute this request'} (request id {out.request_id})",
-        code=out.error_code or "request_failed",
-    )
+def engine_error(out: RequestOutput, param: str | None = None) -> TandemError:
+    """The error a request that finished with `finish_reason: error` gets (names its id). An
+    output constraint the model could not continue (`constraint_failed`) is a 400 naming
+    `param`, the constraint's field: the schema or grammar needs changing, retrying will not help."""
+    message = f"{out.error or 'the engine could not compute this request'} (request id {out.request_id})"
+    if out.error_code == "constraint_failed":
+        return InvalidRequestError(
+            f"{message}; simplify the schema or grammar, or raise max_tokens", param=param, code="constraint_failed"
+        )
+    return RequestFailedError(message, code=out.error_code or "request_failed")
 
 
 def usage(out: RequestOutput) -> Usage:

@@ -360,7 +360,7 @@ class OpenAIServer:
             first = await anext(outputs)  # validation errors surface here, before any byte is sent
             first_at = time.monotonic()
             if failed_choice(first):  # failed before its first token: HTTP error
-                raise engine_error(first)
+                raise engine_error(first, _constraint_param(gen))
         except BaseException:
             if accounted:
                 self.limiter.release(tenant, 0)
@@ -396,7 +396,7 @@ class OpenAIServer:
                 self.limiter.release(tenant, num_tokens(last))
         self._record(gen, tenant, last, started, started_ns, first_at)
         if failed_choice(last):
-            raise engine_error(last)
+            raise engine_error(last, _constraint_param(gen))
         return self._final_body(gen, last, chat=chat, tool_calls=tool_calls)
 
     def _final_body(self, gen: GenerationRequest, last: RequestOutput, *, chat: bool, tool_calls: bool) -> dict[str, Any]:
@@ -512,7 +512,7 @@ class OpenAIServer:
             while out is not None:
                 last = out
                 if failed_choice(out):  # the engine ended it: no more text
-                    raise engine_error(out)
+                    raise engine_error(out, _constraint_param(gen))
                 if calls is not None:
                     for completion in out.outputs:
                         if completion.index in ended:
@@ -573,6 +573,12 @@ class OpenAIServer:
             if last.finished:
                 self._record(gen, tenant, last, *times)
         yield "data: [DONE]\n\n"  # after an error event too: every stream ends the same way
+
+
+def _constraint_param(gen: GenerationRequest) -> str | None:
+    """The request field its output constraint came from (`response_format`, `tools`)."""
+    structured = gen.sampling_params.structured
+    return structured.param if structured is not None else None
 
 
 class _Events:

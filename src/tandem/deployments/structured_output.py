@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.sampling_params import JSON_GRAMMAR_OPTIONS, StructuredOutput
+from tandem.engine.schema_check import finite_value_problem
+from tandem.platform.errors import InvalidRequestError
 from tandem.platform.openai_schemas import (
     ChatCompletionRequest,
     ChatMessage,
@@ -83,6 +85,11 @@ def request_constraint(req: ChatCompletionRequest) -> StructuredOutput | None:
         return response_format_constraint(req)
     assert req.tools is not None
     tools = req.tools
+    for position, tool in enumerate(tools):
+        problem = finite_value_problem(tool.function.parameters or {})
+        if problem is not None:
+            param = f"tools.{position}.function.parameters"
+            raise InvalidRequestError(f"{param} ({tool.function.name}): {problem}", param=param)
     if isinstance(req.tool_choice, NamedToolChoice):
         name = req.tool_choice.function.name
         tools = [tool for tool in tools if tool.function.name == name]
@@ -100,6 +107,9 @@ def request_constraint(req: ChatCompletionRequest) -> StructuredOutput | None:
         lines.append(r"TEXT: /(.|\n)*/")
         lines.append(f"prefix[lazy]: TEXT {json.dumps(CALL_OPEN)}")
     else:  # the response format's JSON, or calls
+        problem = finite_value_problem(text_schema)
+        if problem is not None:
+            raise InvalidRequestError(f"response_format: {problem}", param="response_format")
         lines.append(f"start: answer | call{repeat}")
         lines.append(f"answer: %json {json.dumps({**text_schema, 'x-guidance': JSON_GRAMMAR_OPTIONS})}")
     return StructuredOutput("lark", "\n".join(lines), param="tools")

@@ -38,7 +38,7 @@ from tandem.engine.precision import PrecisionChoice, choose_precision
 from tandem.engine.precision import pinned as pinned_precision
 from tandem.engine.protocol import GenerationRequest, RequestOutput, merge_deltas
 from tandem.engine.request import Priority, Request, RequestStatus
-from tandem.engine.runner import KVCacheSpec, ModelRunner, allocate_kv_caches
+from tandem.engine.runner import GRAMMAR_FAILED, KVCacheSpec, ModelRunner, allocate_kv_caches
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.speculative import SpeculationSettings
@@ -772,7 +772,8 @@ class LLMEngine:
             request = self.scheduler.requests.get(request_id)
             if request is None:
                 continue
-            request.error, request.error_code = message, "request_failed"
+            # A constraint the model could not continue is the schema's to fix, not a server fault.
+            request.error, request.error_code = message, ("constraint_failed" if message == GRAMMAR_FAILED else "request_failed")
             self.num_failed_requests += 1
             output = self._finish_one(request_id, RequestStatus.FINISHED_ERROR)  # step() maps choices
             if output is not None:

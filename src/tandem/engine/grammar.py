@@ -33,6 +33,7 @@ import llguidance as llg
 import torch
 
 from tandem.engine.sampling_params import JSON_GRAMMAR_OPTIONS, StructuredOutput
+from tandem.engine.schema_check import finite_value_problem
 from tandem.engine.tokenizer import Tokenizer
 from tandem.platform.errors import InvalidRequestError
 
@@ -47,6 +48,9 @@ def grammar_text(spec: StructuredOutput) -> str:
             raise InvalidRequestError(f"{spec.param}: the schema is not valid JSON ({exc})", param=spec.param) from exc
         if not isinstance(schema, dict):
             raise InvalidRequestError(f"{spec.param}: the schema must be a JSON object", param=spec.param)
+        problem = finite_value_problem(schema)
+        if problem is not None:
+            raise InvalidRequestError(f"{spec.param}: {problem}", param=spec.param)
         return llg.LLMatcher.grammar_from_json_schema(schema, defaults=cast(Any, JSON_GRAMMAR_OPTIONS))
     if spec.kind == "regex":
         return llg.LLMatcher.grammar_from_regex(spec.value)
@@ -161,6 +165,8 @@ class GrammarCompiler:
         tokenizer = self.llg_tokenizer
         try:
             grammar = grammar_text(spec)
+        except InvalidRequestError:  # named the field already
+            raise
         except ValueError as exc:  # the library's refusal of the value itself
             raise InvalidRequestError(f"{spec.param}: {exc}", param=spec.param) from exc
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
