@@ -185,3 +185,32 @@ def test_bad_uploads_get_clear_errors(
         http.post("/v1/adapters", headers={"Authorization": "Bearer nope"}, data={"name": "x"}).status_code
         == 401
     )
+
+
+def test_per_tenant_adapter_count_and_bytes_limits(
+    engine: AsyncEngine, tmp_path: Path, peft_adapters: dict[str, Path]
+) -> None:
+    """A tenant at its adapter count, or one whose next upload would pass its bytes, gets a 400
+    naming the limit; deleting one makes room; another tenant is unaffected."""
+    folder = peft_adapters["all-r8"]
+    size = (folder / "adapter_model.safetensors").stat().st_size
+    adapters = AdapterStore(
+        FileObjectStore(str(tmp_path / "objects")), "tiny", max_adapters_per_tenant=3, max_adapter_bytes_per_tenant=None
+    )
+    server = OpenAIServer(LocalEngineClient(engine, adapters), TenantRegistry(parse_keys(f"{KEY_A}=acme,{KEY_B}=globex")), adapters=adapters)
+    with TestClient(create_app(server)) as http:
+        for index in range(3):
+            assert upload(http, KEY_A, f"a{index}", folder).status_code == 200
+        refused = upload(http, KEY_A, "a3", folder)
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["param"] == "max_adapters_per_tenant" and error["code"] == "adapter_limit_reached"
+        assert upload(http, KEY_B, "b0", folder).status_code == 200  # per tenant
+        assert http.delete("/v1/adapters/a0", headers={"Authorization": f"Bearer {KEY_A}"}).status_code == 200
+        assert upload(http, KEY_A, "a3", folder).status_code == 200
+    adapters.max_adapters_per_tenant, adapters.max_adapter_bytes_per_tenant = None, 2 * size + size // 2
+    server = OpenAIServer(LocalEngineClient(engine, adapters), TenantRegistry(parse_keys(f"{KEY_B}=globex")), adapters=adapters)
+    with TestClient(create_app(server)) as http:
+        assert upload(http, KEY_B, "b1", folder).status_code == 200  # 2 of 2.5 sizes
+        over = upload(http, KEY_B, "b2", folder)
+        assert over.status_code == 400 and over.json()["error"]["param"] == "max_adapter_bytes_per_tenant"

@@ -65,16 +65,18 @@ def test_serve_tenant_limits_from_flags_environment_and_defaults(tiny_model_dir:
     assert app_args("--num-replicas", "3")["max_concurrent_requests_per_tenant"] == 96
     from_env = app_args(
         TANDEM_MAX_CONCURRENT_PER_TENANT="5", TANDEM_TOKENS_PER_MINUTE_PER_TENANT="900",
-        TANDEM_TENANT_WEIGHTS="gold=3,silver=1.5",
+        TANDEM_TENANT_WEIGHTS="gold=3,silver=1.5", TANDEM_MAX_ADAPTERS_PER_TENANT="9",
     )  # fmt: skip
+    assert from_env["max_adapters_per_tenant"] == 9 and "max_adapter_bytes_per_tenant" not in from_env  # default
     assert from_env["max_concurrent_requests_per_tenant"] == 5
     assert from_env["tokens_per_minute_per_tenant"] == 900
     assert from_env["engine"]["tenant_weights"] == {"gold": 3.0, "silver": 1.5}
     flags = app_args(
         "--max-concurrent-per-tenant", "7", "--tokens-per-minute-per-tenant", "0", "--tenant-weight", "gold=2",
+        "--max-adapter-bytes-per-tenant", "1000",
         TANDEM_MAX_CONCURRENT_PER_TENANT="5", TANDEM_TOKENS_PER_MINUTE_PER_TENANT="900",
     )  # fmt: skip
-    assert flags["max_concurrent_requests_per_tenant"] == 7
+    assert flags["max_concurrent_requests_per_tenant"] == 7 and flags["max_adapter_bytes_per_tenant"] == 1000
     assert "tokens_per_minute_per_tenant" not in flags  # 0: no limit
     assert flags["engine"]["tenant_weights"] == {"gold": 2.0}
     result = run_serve(tiny_model_dir, "--print-config", "--tenant-weight", "gold=-1")

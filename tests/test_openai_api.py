@@ -150,6 +150,15 @@ def test_logprobs(client: openai.OpenAI) -> None:
         ),
         (lambda c: c.completions.create(model="tiny", prompt="word " * 600), 400, "prompt"),
         (lambda c: c.completions.create(model="tiny", prompt="x", max_tokens=0), 400, "max_tokens"),
+        # limits at the edge: at most 16 stop strings of at most 1,000 characters, token ids of
+        # this model's vocabulary, extension fields of their own type only
+        (lambda c: c.completions.create(model="tiny", prompt="x", stop=[f"s{i}" for i in range(17)]), 400, "stop"),
+        (lambda c: c.completions.create(model="tiny", prompt="x", stop=["s" * 1001]), 400, "stop.0"),
+        (lambda c: c.completions.create(model="tiny", prompt="x", stop="s" * 1001), 400, "stop"),
+        (lambda c: c.completions.create(model="tiny", prompt="x", extra_body={"stop_token_ids": [1_000_000_000]}), 400, "stop_token_ids"),
+        (lambda c: c.completions.create(model="tiny", prompt="x", extra_body={"speculative": "yes"}), 400, "speculative"),
+        (lambda c: c.completions.create(model="tiny", prompt="x", extra_body={"ignore_eos": 1}), 400, "ignore_eos"),
+        (lambda c: c.completions.create(model="tiny", prompt="x", extra_body={"max_tokens": "5"}), 400, "max_tokens"),
     ],
 )
 def test_bad_requests_get_openai_errors(client: openai.OpenAI, call, status: int, param: str) -> None:  # type: ignore[no-untyped-def]

@@ -104,9 +104,10 @@ def _tenant_weights(specs: list[str]) -> dict[str, float]:
 
 def tenant_limits(args: argparse.Namespace) -> dict[str, int | None]:
     """Per-tenant limits for `tandem serve`: the flag, else $TANDEM_MAX_CONCURRENT_PER_TENANT /
-    $TANDEM_TOKENS_PER_MINUTE_PER_TENANT, else the defaults: a tenant holds at most half of the
-    fleet's engine seats (so another tenant always finds some) and has no token rate limit.
-    0 means no limit."""
+    $TANDEM_TOKENS_PER_MINUTE_PER_TENANT / $TANDEM_MAX_ADAPTERS_PER_TENANT /
+    $TANDEM_MAX_ADAPTER_BYTES_PER_TENANT, else the defaults: a tenant holds at most half of the
+    fleet's engine seats (so another tenant always finds some), has no token rate limit, and
+    stores at most 64 adapters of 4 GiB in all. 0 means no limit."""
     concurrent = args.max_concurrent_per_tenant
     if concurrent is None:
         concurrent = _env_int("TANDEM_MAX_CONCURRENT_PER_TENANT")
@@ -116,12 +117,29 @@ def tenant_limits(args: argparse.Namespace) -> dict[str, int | None]:
     tokens = args.tokens_per_minute_per_tenant
     if tokens is None:
         tokens = _env_int("TANDEM_TOKENS_PER_MINUTE_PER_TENANT")
-    for name, value in (("max_concurrent_per_tenant", concurrent), ("tokens_per_minute_per_tenant", tokens)):
+    adapters = args.max_adapters_per_tenant
+    if adapters is None:
+        adapters = _env_int("TANDEM_MAX_ADAPTERS_PER_TENANT")
+    if adapters is None:
+        adapters = 64
+    adapter_bytes = args.max_adapter_bytes_per_tenant
+    if adapter_bytes is None:
+        adapter_bytes = _env_int("TANDEM_MAX_ADAPTER_BYTES_PER_TENANT")
+    if adapter_bytes is None:
+        adapter_bytes = 4 << 30
+    for name, value in (
+        ("max_concurrent_per_tenant", concurrent),
+        ("tokens_per_minute_per_tenant", tokens),
+        ("max_adapters_per_tenant", adapters),
+        ("max_adapter_bytes_per_tenant", adapter_bytes),
+    ):
         if value is not None and value < 0:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be >= 0 (0: no limit)", param=name)
     return {
         "max_concurrent_requests_per_tenant": concurrent or None,
         "tokens_per_minute_per_tenant": tokens or None,
+        "max_adapters_per_tenant": adapters or None,
+        "max_adapter_bytes_per_tenant": adapter_bytes or None,
     }
 
 
@@ -284,6 +302,21 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="prompt + completion tokens one tenant may use per minute "
         "($TANDEM_TOKENS_PER_MINUTE_PER_TENANT; default and 0: no limit)",
+    )
+    srv.add_argument(
+        "--max-adapters-per-tenant",
+        type=int,
+        default=None,
+        metavar="N",
+        help="LoRA adapters one tenant may store ($TANDEM_MAX_ADAPTERS_PER_TENANT; default 64; 0: no limit)",
+    )
+    srv.add_argument(
+        "--max-adapter-bytes-per-tenant",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="adapter weight bytes one tenant may store in all "
+        "($TANDEM_MAX_ADAPTER_BYTES_PER_TENANT; default 4 GiB; 0: no limit)",
     )
     srv.add_argument(
         "--tenant-weight",

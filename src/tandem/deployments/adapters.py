@@ -95,14 +95,20 @@ class AdapterStore:
         *,
         source_prefixes: tuple[str, ...] = (),
         max_adapter_bytes: int = 256 << 20,
+        max_adapters_per_tenant: int | None = 64,
+        max_adapter_bytes_per_tenant: int | None = 4 << 30,
         s3_settings: S3Settings | None = None,
     ) -> None:
         """`s3_settings`: how `s3://` sources are read (default: the environment's endpoint and
-        credentials, the server's own)."""
+        credentials, the server's own). A tenant stores at most `max_adapters_per_tenant`
+        adapters of `max_adapter_bytes_per_tenant` weight bytes in all (None: no limit); two
+        uploads racing past the limit may both land (the check reads the tenant's records)."""
         self.store = store
         self.base_model = base_model
         self.source_prefixes = tuple(check_source_prefix(p) for p in source_prefixes)
         self.max_adapter_bytes = max_adapter_bytes
+        self.max_adapters_per_tenant = max_adapters_per_tenant
+        self.max_adapter_bytes_per_tenant = max_adapter_bytes_per_tenant
         self.s3_settings = s3_settings
 
     def create(
@@ -123,6 +129,7 @@ class AdapterStore:
             )
         if self.store.exists(_record_key(tenant, name)):
             raise ConflictError(f"adapter {name!r} already exists; delete it first", param="name")
+        self._check_tenant_room(tenant, len(weights))
         limits = LoRALimits(max_lora_rank=max_lora_rank, max_adapter_bytes=self.max_adapter_bytes)
         adapter = check_peft_adapter(config, weights, shape, limits)
         record = AdapterRecord(
@@ -139,6 +146,30 @@ class AdapterStore:
         self.store.put(_data_key(tenant, name, record.version, WEIGHTS_FILE), weights)
         self.store.put(_record_key(tenant, name), record.model_dump_json().encode(), if_none_match=True)
         return record
+
+    def _check_tenant_room(self, tenant: str, num_bytes: int) -> None:
+        """A 400 naming the limit when one more adapter of `num_bytes` would take `tenant` past
+        its adapter count or bytes."""
+        if self.max_adapters_per_tenant is None and self.max_adapter_bytes_per_tenant is None:
+            return
+        records = self.list(tenant)
+        if self.max_adapters_per_tenant is not None and len(records) >= self.max_adapters_per_tenant:
+            raise InvalidRequestError(
+                f"tenant {tenant!r} has {len(records)} adapters, the limit (max_adapters_per_tenant = "
+                f"{self.max_adapters_per_tenant}); delete one first, or ask the operator to raise the limit",
+                param="max_adapters_per_tenant",
+                code="adapter_limit_reached",
+            )
+        stored = sum(r.bytes for r in records)
+        limit = self.max_adapter_bytes_per_tenant
+        if limit is not None and stored + num_bytes > limit:
+            raise InvalidRequestError(
+                f"tenant {tenant!r} stores {stored} adapter bytes; {num_bytes} more would pass the limit "
+                f"(max_adapter_bytes_per_tenant = {limit}); delete an adapter first, or ask the operator "
+                "to raise the limit",
+                param="max_adapter_bytes_per_tenant",
+                code="adapter_limit_reached",
+            )
 
     def fetch_source(self, tenant: str, source: str) -> tuple[bytes, bytes]:
         """The two PEFT files of the folder `source`, which must lie under one of `tenant`'s own

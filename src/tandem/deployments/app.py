@@ -163,6 +163,10 @@ class AppConfig(BaseModel):
     )
 
     max_adapter_bytes: int = 256 << 20
+    max_adapters_per_tenant: int | None = Field(64, ge=1, description="Adapters one tenant may store (None: no limit)")
+    max_adapter_bytes_per_tenant: int | None = Field(
+        4 << 30, ge=1, description="Adapter weight bytes one tenant may store in all (None: no limit)"
+    )
 
     @field_validator("adapter_source_prefixes")
     @classmethod
@@ -311,6 +315,8 @@ def openai_server(
             client.model_name,
             source_prefixes=tuple(cfg.adapter_source_prefixes),
             max_adapter_bytes=cfg.max_adapter_bytes,
+            max_adapters_per_tenant=cfg.max_adapters_per_tenant,
+            max_adapter_bytes_per_tenant=cfg.max_adapter_bytes_per_tenant,
         )
     limiter: TenantLimiter = LocalTenantLimiter(tenants, max_wait_s=cfg.tenant_queue_wait_s)
     if fleet is not None and cfg.ingress_num_replicas > 1:

@@ -387,6 +387,9 @@ class LLMEngine:
             if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
                 raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         params = gen.sampling_params
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be token ids of this model: in [0, {vocab})", param="stop_token_ids")
         rate = params.kv_compression_rate if params.kv_compression_rate is not None else self.config.kv_compression_rate
         compressed = compress and rate is not None and rate > 1.0
         if compressed:

@@ -10,6 +10,7 @@ from tandem.platform.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MAX_N = 128  # choices per request (OpenAI's limit)
+MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 1000  # stop strings are searched for at every step
 # A seed is what `torch.Generator.manual_seed` takes: any signed or unsigned 64-bit integer.
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 # Integer fields that reach tensors (top_k, token ids) stay in the range of a signed 32-bit int.
@@ -110,6 +111,8 @@ class SamplingParams:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in self.stop):
+            raise bad("stop", f"may hold at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters")
         if any(_not_int(t) or not 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"must be integers in [0, {MAX_INT32}]")
         rate = self.kv_compression_rate

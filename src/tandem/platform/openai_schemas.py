@@ -130,12 +130,17 @@ Text = Annotated[str, AfterValidator(_unicode_text)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_unicode_text)]
 # Integers that reach tensors or counters stay within a signed 32-bit int.
 Int32 = Annotated[int, Field(ge=0, le=MAX_INT32)]
+# Stop strings: each one is searched for in the text at every step (OpenAI allows 4).
+MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 1000
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH), AfterValidator(_unicode_text)]
 
 
 class _Request(BaseModel):
-    """Base of request bodies: unknown fields, NaN and infinities are refused."""
+    """Base of request bodies: unknown fields, NaN and infinities are refused, and values are
+    taken only as the type they are (strict: `"yes"` is no boolean and `"5"` no integer, where
+    lax parsing would coerce them; an integer is still a number)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Request):
@@ -186,7 +191,7 @@ class ChatMessage(_Request):
 
 
 class JSONSchemaSpec(_Request):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, populate_by_name=True)
 
     name: Name
     description: Text | None = None
@@ -256,7 +261,7 @@ class _SamplingRequest(_Request):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=128)  # choices, computed from one prompt (OpenAI's limit: 128)
-    stop: NonEmptyText | list[NonEmptyText] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
