@@ -47,9 +47,11 @@ class ServeProcess:
     """`tandem serve` on a tiny model in a subprocess with a Ray of its own; its stderr lines are
     read as they come."""
 
-    def __init__(self, tmp_path: Path, *args: str) -> None:
-        model_dir = make_tiny_model(tmp_path / "model", max_positions=4096)
-        self.port = free_port()
+    def __init__(self, tmp_path: Path, *args: str, port: int | None = None) -> None:
+        model_dir = tmp_path / "model"
+        if not (model_dir / "config.json").exists():
+            make_tiny_model(model_dir, max_positions=4096)
+        self.port = port or free_port()
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         env["TANDEM_API_KEYS"] = f"{KEY}=acme"
         env["TANDEM_OPERATOR_KEYS"] = OPERATOR_KEY
@@ -96,6 +98,38 @@ def replica_pids(server: ServeProcess, deployment: str) -> list[int]:
     return pids
 
 
+def check_logs(server: ServeProcess, base_url: str) -> None:
+    """A 400 from the engine is one structured INFO line (route, status, code, param, tenant,
+    request id) and no traceback; then an idle server writes nothing for a while (no per-second
+    lines from internal calls)."""
+    import time
+
+    import httpx
+
+    reply = httpx.post(
+        f"{base_url}/v1/completions",
+        json={"model": "tiny", "prompt": "word " * 5000, "max_tokens": 2},
+        headers={"Authorization": f"Bearer {KEY}", "X-Request-ID": "log-check-400"},
+        timeout=60,
+    )
+    assert reply.status_code == 400
+    line = server.wait_for(r"log-check-400").string
+    assert re.search(r"\bINFO \S+ tandem\.api request refused ", line) and line.count("log-check-400") == 1, line
+    for field in ("route=/v1/completions", "status=400", "code=context_length_exceeded", "param=prompt", "tenant=acme"):
+        assert field in line, (field, line)
+    idle: list[str] = []
+    quiet_from = time.monotonic()
+    while (left := 12.0 - (time.monotonic() - quiet_from)) > 0:
+        try:
+            idle.append(server.lines.get(timeout=left))
+        except queue.Empty:
+            break
+    server.output += idle
+    assert not any("Traceback" in out for out in server.output), "".join(server.output[-40:])
+    assert not any("log-check-400" in out for out in idle), idle  # one line for the request
+    assert len(idle) <= 2, f"an idle server wrote {len(idle)} lines in 12 s: {idle[:5]}"
+
+
 def test_serve_runs_the_app_graph_and_stops_on_sigterm(tmp_path: Path) -> None:
     """`tandem serve` runs the one application graph: Serve's proxy on the user's port, the
     ingress deployment, the LLM replica and the batch worker; SIGTERM stops it cleanly."""
@@ -109,6 +143,7 @@ def test_serve_runs_the_app_graph_and_stops_on_sigterm(tmp_path: Path) -> None:
         base_url = f"http://127.0.0.1:{port}"
         check_openai_client(base_url)
         check_errors(base_url)
+        check_logs(server, base_url)
         # `tandem serve`'s replicas report every second (RoutingConfig.stats_period_s).
         check_disconnect_frees_kv_blocks(base_url, lambda: scraped_engine_stats(base_url), staleness_s=2.0)
 
@@ -159,3 +194,109 @@ def test_serve_answers_again_after_the_engine_replica_is_killed(tmp_path: Path) 
         assert replica_pids(server, "LLMReplica") and victim not in replica_pids(server, "LLMReplica")
     finally:
         server.stop()
+
+
+def _stream_until_done(base_url: str, max_tokens: int, lines: list[str], started: threading.Event) -> None:
+    """A raw SSE chat stream: its non-empty lines (an error ends the list with the exception)."""
+    import httpx
+
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hello there"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    headers = {"Authorization": f"Bearer {KEY}"}
+    try:
+        with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=headers, timeout=120) as response:
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+    except Exception as exc:  # noqa: BLE001 - what the client saw, asserted by the test
+        lines.append(f"error: {exc!r}")
+        started.set()
+
+
+def test_sigterm_drains_streams_and_releases_batch_leases_and_the_port_is_free_again(tmp_path: Path) -> None:
+    """SIGTERM during two streams and a batch: new requests get 503 `shutting_down`, the streams
+    end with `[DONE]` (the short one finished, the long one with an error event at the drain's
+    end), the process exits 0, a new `tandem serve` on the same port starts and answers, and the
+    batch completes there with every line exactly once."""
+    import json
+    import time
+
+    import httpx
+    import openai
+
+    server = ServeProcess(tmp_path, "--drain-timeout", "4")
+    port = server.port
+    try:
+        server.wait_for(r"serving .* at http://")
+        base_url = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=60)
+        lines = [
+            json.dumps({
+                "custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
+                "body": {"model": "tiny", "prompt": f"count {i}", "max_tokens": 400, "ignore_eos": True},
+            })  # fmt: skip
+            for i in range(24)
+        ]
+        file_id = client.files.create(file=("in.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch").id
+        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+        short: list[str] = []
+        long: list[str] = []
+        events = [threading.Event(), threading.Event()]
+        streams = [
+            threading.Thread(target=_stream_until_done, args=(base_url, 20, short, events[0])),
+            threading.Thread(target=_stream_until_done, args=(base_url, 3500, long, events[1])),
+        ]
+        for thread in streams:
+            thread.start()
+        assert all(event.wait(60) for event in events)
+        status = client.batches.retrieve(batch.id)
+        assert status.status in ("validating", "in_progress"), status.status  # still running
+
+        server.process.send_signal(signal.SIGTERM)
+        server.wait_for(r"stopping: draining")
+        refused = None
+        while server.process.poll() is None:  # the drain reaches the ingress within a poll
+            reply = httpx.post(
+                f"{base_url}/v1/completions",
+                json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+                headers={"Authorization": f"Bearer {KEY}"},
+                timeout=30,
+            )
+            if reply.status_code == 503:
+                refused = reply
+                break
+        assert refused is not None and refused.json()["error"]["code"] == "shutting_down"
+        assert refused.headers.get("retry-after")
+        for thread in streams:
+            thread.join(60)
+        assert short[-1] == "data: [DONE]", short[-3:]
+        assert long[-1] == "data: [DONE]", long[-3:]
+        assert json.loads(long[-2][6:])["error"]["code"] == "shutting_down"
+        assert server.process.wait(timeout=90) == 0
+        exited_at = time.monotonic()
+    finally:
+        server.stop()
+
+    restarted = ServeProcess(tmp_path, port=port)  # the same port and data folder
+    try:
+        restarted.wait_for(r"serving .* at http://")
+        reply = client.completions.create(model="tiny", prompt="again", max_tokens=2)
+        answered_s = time.monotonic() - exited_at
+        print(f"\nthe new server answered {answered_s:.1f} s after the old one exited")
+        assert reply.choices[0].text is not None
+        deadline = time.monotonic() + 180
+        while (status := client.batches.retrieve(batch.id)).status != "completed":
+            assert status.status in ("validating", "in_progress", "finalizing"), status.status
+            assert time.monotonic() < deadline, "the batch did not complete on the new server"
+            time.sleep(0.5)
+        assert status.output_file_id is not None
+        output = client.files.content(status.output_file_id).text.splitlines()
+        assert sorted(json.loads(line)["custom_id"] for line in output) == sorted(f"line-{i}" for i in range(24))
+    finally:
+        restarted.stop()

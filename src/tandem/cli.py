@@ -14,6 +14,7 @@ from typing import Any
 from tandem.batch_cli import add_batch_parser, run_batch_command
 from tandem.platform.config import DEFAULT_MODEL, EngineConfig
 from tandem.platform.errors import InvalidRequestError, TandemError
+from tandem.platform.logs import configure_logging
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -57,11 +58,20 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# Every Ray worker process of the app (the Serve replicas) writes tandem's logs as structured
+# lines (platform/logs.py); set up when the process starts, not in the classes' constructors, which
+# tests also run in their own process.
+RUNTIME_ENV = {"worker_process_setup_hook": "tandem.platform.logs.configure_logging"}
+
+
 def _free_port(host: str, port: int = 0) -> int:
-    """`port` on `host` if it is free (a free one of the system's choosing for 0)."""
+    """`port` on `host` if it is free (a free one of the system's choosing for 0). With
+    SO_REUSEADDR, as servers bind: a server that just stopped leaves its connections in
+    TIME-WAIT for a minute, which blocks a plain bind but not a new server's listening socket."""
     import socket
 
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as exc:
@@ -181,6 +191,7 @@ def serve_config(app_args: dict[str, Any], *, host: str = "0.0.0.0", port: int =
                 "name": "tandem",
                 "route_prefix": "/",
                 "import_path": "tandem.deployments.app:build_app",
+                "runtime_env": RUNTIME_ENV,
                 "args": AppConfig(**app_args).model_dump(mode="json", exclude_defaults=True),
             }
         ],
@@ -220,7 +231,7 @@ def _serve(args: argparse.Namespace) -> int:
         app_args["operator_keys"] = dev_operator_key
     app = build_app(app_args)
     if args.address:
-        ray.init(address=args.address)
+        ray.init(address=args.address, runtime_env=RUNTIME_ENV)
     else:
         os.makedirs(args.data_dir, exist_ok=True)
         # Ray starts workers, and so the engine, at niceness 15 below its own processes and any
@@ -228,16 +239,11 @@ def _serve(args: argparse.Namespace) -> int:
         os.environ.setdefault("RAY_worker_niceness", str(args.worker_niceness))  # noqa: SIM112
         # A Ray of its own ("local"), even with $RAY_ADDRESS set: the settings above apply only to
         # processes this command starts; --address joins a cluster.
-        ray.init(address="local", include_dashboard=False, configure_logging=False)
+        ray.init(address="local", include_dashboard=False, configure_logging=False, runtime_env=RUNTIME_ENV)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, name="tandem", route_prefix="/")
     base = f"http://{args.host}:{args.port}"
-    print(f"[tandem] serving {args.model} at {base}/v1", file=sys.stderr)
-    if dev_key:
-        print(f"[tandem] dev API key (this run only): {dev_key}", file=sys.stderr)
-    if dev_operator_key:
-        print(f"[tandem] dev operator key for /metrics (this run only): {dev_operator_key}", file=sys.stderr)
-    print(f"[tandem] try: curl {base}/v1/models -H 'Authorization: Bearer <key>'", file=sys.stderr)
+    print(_banner(args.model, base, dev_key, dev_operator_key), file=sys.stderr, flush=True)
 
     def _stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -246,11 +252,51 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         threading.Event().wait()
     except KeyboardInterrupt:
-        print("[tandem] shutting down", file=sys.stderr)
+        print(f"[tandem] stopping: draining requests in flight (up to {args.drain_timeout:g} s)", file=sys.stderr)
+        try:
+            _drain(serve, args.drain_timeout)
+        except KeyboardInterrupt:  # a second signal: stop now
+            print("[tandem] stopping now", file=sys.stderr)
     finally:
         serve.shutdown()
         ray.shutdown()  # stops the local Ray processes this command started
+        print("[tandem] stopped", file=sys.stderr)
     return 0
+
+
+def _banner(model: str, base: str, dev_key: str | None, dev_operator_key: str | None) -> str:
+    """What a newcomer needs, after Ray's start-up lines: where, which keys, a request to try."""
+    key = dev_key or "$YOUR_KEY"
+    lines = [f"serving {model} at {base}/v1"]
+    if dev_key:
+        lines.append(f"API key (this run only):          {dev_key}")
+    if dev_operator_key:
+        lines.append(f"operator key for /metrics:         {dev_operator_key}")
+    lines.append("try:")
+    lines.append(
+        f"  curl {base}/v1/chat/completions -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
+        f"""-d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'"""
+    )
+    lines.append("stop: Ctrl-C (requests in flight finish first)")
+    rule = "=" * 72
+    return "\n".join([rule, *(f"[tandem] {line}" for line in lines), rule])
+
+
+def _drain(serve: Any, timeout_s: float) -> None:
+    """The graceful stop: the fleet stops admitting (503 `shutting_down`), batch workers release
+    their shards' leases, and this waits until no ingress has a request in flight, for at most
+    `timeout_s` (then the ingress ends what is left with an error) plus a moment to send it."""
+    from tandem.deployments.fleet import DRAIN_POLL_S, FLEET_STATE_DEPLOYMENT
+
+    fleet = serve.get_deployment_handle(FLEET_STATE_DEPLOYMENT, app_name="tandem")
+    fleet.begin_drain.remote(timeout_s).result(timeout_s=30)
+    began = time.monotonic()
+    while time.monotonic() - began < timeout_s + 5 * DRAIN_POLL_S + 2:
+        num_members, num_reported, num_in_flight = fleet.drain_progress.remote().result(timeout_s=30)
+        if num_reported == num_members and num_in_flight == 0 and time.monotonic() - began > 2 * DRAIN_POLL_S:
+            break
+        time.sleep(DRAIN_POLL_S / 2)
+    print(f"[tandem] drained in {time.monotonic() - began:.1f} s", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,6 +333,14 @@ def main(argv: list[str] | None = None) -> int:
         "with {tenant} in it (e.g. s3://adapters/{tenant}/); repeatable; default: none (uploads only)",
     )
     srv.add_argument("--num-replicas", type=int, default=1)
+    srv.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C: new requests get 503 and requests in flight get this long to finish "
+        "before they end with an error (default 30; a second signal stops at once)",
+    )
     srv.add_argument(
         "--max-concurrent-per-tenant",
         type=int,
@@ -360,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     add_batch_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(message)s")
+    configure_logging(args.log_level)  # tandem's own lines: structured (platform/logs.py)
     try:
         if args.command == "generate":
             return _generate(args)

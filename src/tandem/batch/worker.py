@@ -160,6 +160,7 @@ class BatchWorker:
         self.num_duplicate_commits = 0
         self._wake = asyncio.Event()
         self._shards: set[asyncio.Future[None]] = set()  # shards in flight, each its own task
+        self.stopping = False  # `stop()` was called: nothing more is claimed
         limits = service.limits
         self.window = LineWindow(limits.max_shards_in_flight * limits.shard_size)
 
@@ -193,6 +194,18 @@ class BatchWorker:
     def wake(self) -> None:
         self._wake.set()
 
+    async def stop(self) -> None:
+        """Stop for good (a graceful stop of the server): claim nothing more, end the shards in
+        flight without committing them and release their leases, so another worker resumes
+        them at once instead of after the lease's time (their lines run again there: a shard
+        is committed whole or not at all, so none is answered twice)."""
+        self.stopping = True
+        shards = list(self._shards)
+        for task in shards:
+            task.cancel()
+        await asyncio.gather(*shards, return_exceptions=True)
+        logger.info("batch worker stopped", extra={"worker": self.worker_id, "shards_released": len(shards)})
+
     @property
     def num_shards_in_flight(self) -> int:
         return len(self._shards)
@@ -202,6 +215,8 @@ class BatchWorker:
         `BatchLimits.max_shards_in_flight` run, resume validations, finalize finished batches.
         True when it started, finished or reaped something."""
         did_work = self._reap()
+        if self.stopping:
+            return did_work
         for tenant, batch_id in self._fair_order(await asyncio.to_thread(self.service.queued_batches)):
             if await self._advance(tenant, batch_id):
                 did_work = True
@@ -298,7 +313,15 @@ class BatchWorker:
         log = {"tenant": tenant, "batch_id": batch_id, "shard": shard, "worker": self.worker_id}
         logger.info("shard claimed", extra={**log, "requests": len(inputs)})
         tasks = [asyncio.ensure_future(self._run_one(record, row)) for row in inputs]
-        stop_reason = await self._supervise(tenant, batch_id, lease, tasks)
+        try:
+            stop_reason = await self._supervise(tenant, batch_id, lease, tasks)
+        except asyncio.CancelledError:  # the worker stops: the lease goes back now, not at its expiry
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.leases.release(lease)
+            logger.info("shard released", extra=log)
+            raise
         if stop_reason == "lease_lost":
             logger.warning("lease lost; shard left to its new owner", extra=log)
             return

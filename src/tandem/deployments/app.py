@@ -20,7 +20,7 @@ from tandem.batch.service import BatchLimits, BatchService
 from tandem.deployments.adapters import AdapterStore, check_source_prefix
 from tandem.deployments.autoscaling import AutoscalingConfig, BatchQueueTargets, PrefillQueueTargets
 from tandem.deployments.batch_worker import BatchWorkerReplica
-from tandem.deployments.fleet import FLEET_STATE_DEPLOYMENT, FleetState, FleetTenantLimiter
+from tandem.deployments.fleet import FLEET_STATE_DEPLOYMENT, FleetState, FleetTenantLimiter, watch_drain
 from tandem.deployments.ingress import create_app, install_server
 from tandem.deployments.openai_server import EngineClient, LocalTenantLimiter, OpenAIServer, TenantLimiter
 from tandem.deployments.replicas import (
@@ -33,7 +33,7 @@ from tandem.deployments.replicas import (
 from tandem.deployments.routing import RoutingConfig
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.config import EngineConfig
-from tandem.platform.errors import OverloadedError, ReplicaLostError, ServiceUnavailableError
+from tandem.platform.errors import OverloadedError, ReplicaLostError, ServiceUnavailableError, TandemError
 from tandem.platform.object_store import open_object_store
 from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys, parse_operator_keys
 
@@ -255,7 +255,10 @@ class HandleEngineClient:
                 handle = handle.options(multiplexed_model_id=request.lora_name)
             response = cast(DeploymentResponseGenerator, handle.generate.remote(request))
             outputs = aiter(response)
-            yield await self._first_output(outputs)
+            first: RequestOutput | TandemError = await self._first_output(outputs)
+            if isinstance(first, TandemError):  # a client error the replica sent as a value
+                raise first
+            yield first
             async for output in outputs:
                 yield output
         except BackPressureError as exc:  # every replica's queue is full: 429, never a hang
@@ -285,7 +288,13 @@ class OpenAIIngress:
     ) -> None:
         cfg = AppConfig(**config)
         client = HandleEngineClient(llm, cfg.engine.api_model_name, fleet)
-        install_server(openai_server(cfg, client, batch_worker, fleet))
+        server = openai_server(cfg, client, batch_worker, fleet)
+        install_server(server)
+        # A graceful stop: the fleet's drain stops admission here and ends what is still
+        # running when its time is up (`OpenAIServer.begin_drain`).
+        self._drain_watch = asyncio.get_event_loop().create_task(
+            watch_drain(fleet, lambda: server.num_in_flight, server.begin_drain)
+        )
 
 
 def openai_server(
@@ -345,6 +354,12 @@ def max_batch_requests(cfg: AppConfig) -> int:
     return max(1, min(cfg.engine.max_num_seqs, cfg.max_ongoing_requests // 2))
 
 
+# Serve's access log writes a line per call to a replica: the fleet state's reports each second
+# and every internal call. Tandem logs its own line per request (`tandem.api`: route, tenant,
+# status, code), so Serve's is off everywhere.
+QUIET_LOGGING: dict[str, Any] = {"enable_access_log": False}
+
+
 def replica_options(cfg: AppConfig) -> dict[str, Any]:
     """Serve options of the `LLMReplica` deployment: resources, environment, backpressure and
     scaling."""
@@ -353,6 +368,7 @@ def replica_options(cfg: AppConfig) -> dict[str, Any]:
         actor_options["runtime_env"] = {"env_vars": dict(cfg.replica_env_vars)}
     options: dict[str, Any] = {
         "ray_actor_options": actor_options,
+        "logging_config": QUIET_LOGGING,
         "max_ongoing_requests": cfg.max_ongoing_requests,
         "max_queued_requests": cfg.max_queued_requests,
         "request_router_config": cfg.routing.serve_options(),
@@ -378,6 +394,7 @@ def prefill_replica_options(cfg: AppConfig) -> dict[str, Any]:
     scaling on queued prompt tokens with Serve's delays as the LLM replicas have them."""
     options: dict[str, Any] = {
         "ray_actor_options": cfg.placement_of(PREFILL_DEPLOYMENT).actor_options(cfg.replica_num_cpus),
+        "logging_config": QUIET_LOGGING,
         "max_ongoing_requests": cfg.max_ongoing_requests,
     }
     targets = cfg.prefill_autoscaling
@@ -415,6 +432,7 @@ def batch_worker_options(cfg: AppConfig) -> dict[str, Any]:
     targets = cfg.batch_workers
     return {
         "ray_actor_options": cfg.placement_of("BatchWorker").actor_options(0),
+        "logging_config": QUIET_LOGGING,
         "autoscaling_config": {
             "min_replicas": targets.min_replicas,
             "max_replicas": targets.max_replicas,
@@ -441,7 +459,11 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     )
     fleet = (
         serve.deployment(name=FLEET_STATE_DEPLOYMENT)(FleetState)
-        .options(num_replicas=1, ray_actor_options=cfg.placement_of(FLEET_STATE_DEPLOYMENT).actor_options(0))
+        .options(
+            num_replicas=1,
+            ray_actor_options=cfg.placement_of(FLEET_STATE_DEPLOYMENT).actor_options(0),
+            logging_config=QUIET_LOGGING,
+        )
         .bind(max(10.0, 5 * cfg.routing.stats_period_s))
     )
     engine_options = replica_engine_options(cfg)
@@ -463,6 +485,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         )
     ingress = cast(serve.Deployment, OpenAIIngress).options(
         num_replicas=cfg.ingress_num_replicas,
+        logging_config=QUIET_LOGGING,
         ray_actor_options=cfg.placement_of("OpenAIIngress").actor_options(0),
         max_ongoing_requests=cfg.ingress_max_ongoing_requests,
     )

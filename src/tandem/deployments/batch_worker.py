@@ -19,6 +19,7 @@ from tandem.batch.service import BatchLimits, BatchService
 from tandem.batch.worker import BatchWorker
 from tandem.deployments.adapters import AdapterStore
 from tandem.deployments.batch_execution import execute_batch_line
+from tandem.deployments.fleet import watch_drain
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.object_store import open_object_store
 from tandem.platform.tenancy import TenantRegistry
@@ -53,6 +54,15 @@ class BatchWorkerReplica:
             service, partial(execute_batch_line, server), poll_interval_s=poll_interval_s, tenant_weights=tenant_weights
         )
         self._task = asyncio.get_event_loop().create_task(self.worker.run_forever())
+        # A graceful stop: on the fleet's drain, the worker stops claiming and releases the
+        # leases of its shards in flight, so another worker resumes them at once.
+        self._drain_watch = (
+            asyncio.get_event_loop().create_task(
+                watch_drain(fleet, lambda: self.worker.num_shards_in_flight, lambda _: self.worker.stop())
+            )
+            if fleet is not None
+            else None
+        )
         # What bounds useful workers: the LLM replicas (as the fleet state knows them) times the
         # batch requests each takes, over the lines one worker keeps out.
         self.fleet = fleet

@@ -98,6 +98,23 @@ def tandem_error_reply(exc: TandemError, request_id: str) -> tuple[int, dict[str
     return exc.status_code, tandem_error_body(exc, request_id), headers
 
 
+def log_refusal(route: str, status: int, body: dict[str, Any], request_id: str | None, tenant: str | None) -> None:
+    """One INFO line for a refused request (4xx): route, status, error code and param, request
+    id and tenant. A 5xx is logged where it happens, with its traceback."""
+    error = body.get("error", {})
+    logger.info(
+        "request refused",
+        extra={
+            "route": route,
+            "status": status,
+            "code": error.get("code"),
+            "param": error.get("param"),
+            "request_id": request_id,
+            "tenant": tenant,
+        },
+    )
+
+
 def validation_error_reply(errors: Sequence[Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
     """400 `invalid_request_error` naming the first offending field (`messages.0.content`), as
     OpenAI answers (never FastAPI's 422)."""
@@ -166,6 +183,7 @@ class CompletionRoutes:
             response_started = True
             await send(message)
 
+        tenant: str | None = None
         try:
             server, tenant, body = await self._read_request(scope, headers, receive)
             async with _CancelOnDisconnect(receive):
@@ -185,17 +203,19 @@ class CompletionRoutes:
         except TandemError as exc:  # raised before the response started (a stream reports in-band)
             request_id = timing.request_id or new_id("req")
             await self._refuse(
-                scope, send, tandem_error_reply(exc, request_id), client_request_id, request_id
+                scope, send, tandem_error_reply(exc, request_id), client_request_id, request_id, tenant
             )
         except ValidationError as exc:
             reply = validation_error_reply(exc.errors())
-            await self._refuse(scope, send, reply, client_request_id, timing.request_id)
+            await self._refuse(scope, send, reply, client_request_id, timing.request_id, tenant)
         except Exception:  # a bug: the traceback goes to the log under the request id, not to the client
             request_id = timing.request_id or new_id("req")
-            logger.exception("request failed", extra={"path": scope["path"], "request_id": request_id})
+            logger.exception(
+                "request failed", extra={"route": scope["path"], "request_id": request_id, "tenant": tenant}
+            )
             if not response_started:
                 reply = (500, internal_error_body(request_id), {})
-                await self._refuse(scope, send, reply, client_request_id, request_id)
+                await self._refuse(scope, send, reply, client_request_id, request_id, tenant)
 
     async def _refuse(
         self,
@@ -204,17 +224,17 @@ class CompletionRoutes:
         reply: tuple[int, dict[str, Any], dict[str, str]],
         client_request_id: bytes | None,
         request_id: str | None,
+        tenant: str | None = None,
     ) -> None:
-        """Send an error reply, and log it (with the client's `X-Request-ID`, else ours)."""
+        """Send an error reply, and log it as one line, no traceback (with the client's
+        `X-Request-ID`, else ours): a client's mistake is not the server's failure."""
         status, body, headers = reply
-        logger.info(
-            "request refused",
-            extra={
-                "path": scope["path"],
-                "status": status,
-                "code": body["error"]["code"],
-                "request_id": client_request_id.decode("latin-1") if client_request_id else request_id,
-            },
+        log_refusal(
+            scope["path"],
+            status,
+            body,
+            client_request_id.decode("latin-1") if client_request_id else request_id,
+            tenant,
         )
         await _send_json(send, status, body, headers)
 

@@ -5,6 +5,9 @@
   whenever Serve collects its routing stats (`RoutingConfig.stats_period_s`), and the ingress reads
   them all at once. A replica that stops reporting (it died, or was scaled down) drops out after
   `stats_ttl_s`.
+- **The drain before a stop**: `tandem serve`, on SIGTERM, starts it here; the ingress and batch
+  worker replicas see it within `DRAIN_POLL_S` (`watch_drain`) and report their requests in
+  flight until none is left.
 - **Tenant limits across ingress replicas** (`FleetTenantLimiter`), when there are several:
   every admission and release goes through one `TenantUsage`. Each ingress replica is an owner
   that heartbeats while it holds slots; an owner silent for `owner_ttl_s` (its process died) gets
@@ -21,6 +24,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 from ray.serve.handle import DeploymentHandle
@@ -31,6 +35,31 @@ logger = logging.getLogger("tandem.fleet")
 
 # The Serve deployment name of the fleet state.
 FLEET_STATE_DEPLOYMENT = "FleetState"
+# How often a drain member reports (and so how soon it sees a drain), and how long one that
+# stopped reporting still counts.
+DRAIN_POLL_S = 0.5
+MEMBER_TTL_S = 5.0
+
+
+async def watch_drain(
+    fleet: DeploymentHandle, in_flight: Callable[[], int], on_drain: Callable[[float], Awaitable[None] | None]
+) -> None:
+    """A drain member's loop (run as a task for the replica's life): report `in_flight()` every
+    `DRAIN_POLL_S`; once the fleet drains, call `on_drain(seconds left)` once and keep reporting
+    (the CLI waits for every member's in-flight count to reach 0)."""
+    member = uuid.uuid4().hex
+    drained = False
+    while True:
+        try:
+            deadline = await fleet.drain_state.remote(member, in_flight())
+        except Exception:  # the fleet state restarted or is unreachable: try again next poll
+            deadline = None
+        if deadline is not None and not drained:
+            drained = True
+            result = on_drain(max(0.0, deadline - time.time()))
+            if result is not None:
+                await result
+        await asyncio.sleep(DRAIN_POLL_S)
 
 
 class FleetState:
@@ -41,6 +70,9 @@ class FleetState:
         self._reports: dict[str, tuple[float, dict[str, Any]]] = {}  # replica id -> (when, stats)
         self._usage = TenantUsage()
         self._owner_seen: dict[str, float] = {}  # ingress replica -> last heard from
+        self._drain_deadline: float | None = None  # epoch seconds, once a drain began
+        self._drain_began: float | None = None  # time.monotonic() when it began
+        self._members: dict[str, tuple[float, int]] = {}  # drain member -> (last report, in flight)
 
     # -- engine figures ---------------------------------------------------------------------
     def report(self, replica_id: str, stats: dict[str, Any]) -> None:
@@ -52,6 +84,30 @@ class FleetState:
         for replica_id in [rid for rid, (when, _) in self._reports.items() if when < cutoff]:
             del self._reports[replica_id]
         return {rid: stats for rid, (_, stats) in self._reports.items()}
+
+    # -- graceful stop ----------------------------------------------------------------------
+    def begin_drain(self, timeout_s: float) -> float:
+        """Start the fleet's drain (`tandem serve` on SIGTERM): members (ingress and batch worker
+        replicas) see it at their next `drain_state` call. Returns the drain's end (epoch
+        seconds); a second call keeps the first end."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.time() + timeout_s
+            self._drain_began = time.monotonic()
+        return self._drain_deadline
+
+    def drain_state(self, member: str, num_in_flight: int) -> float | None:
+        """A member's report of its requests in flight; the drain's end once a drain began."""
+        self._members[member] = (time.monotonic(), num_in_flight)
+        return self._drain_deadline
+
+    def drain_progress(self) -> tuple[int, int, int]:
+        """(members heard from lately, of which reported since the drain began, requests in
+        flight they reported then)."""
+        now = time.monotonic()
+        live = {m: (when, n) for m, (when, n) in self._members.items() if when > now - MEMBER_TTL_S}
+        began = self._drain_began if self._drain_began is not None else now
+        since = [n for when, n in live.values() if when >= began]
+        return len(live), len(since), sum(since)
 
     # -- tenant limits ----------------------------------------------------------------------
     def acquire(

@@ -26,6 +26,7 @@ from tandem.deployments.adapter_routes import adapter_router
 from tandem.deployments.batch_routes import batch_router
 from tandem.deployments.completion_routes import (
     CompletionRoutes,
+    log_refusal,
     parse_json_object,
     tandem_error_reply,
     validation_error_reply,
@@ -145,11 +146,17 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
 
     @app.exception_handler(TandemError)
     async def _tandem_error(request: Request, exc: TandemError) -> JSONResponse:
-        return _reply_response(*tandem_error_reply(exc, request.headers.get("x-request-id") or new_id("req")))
+        request_id = request.headers.get("x-request-id") or new_id("req")
+        reply = tandem_error_reply(exc, request_id)
+        if reply[0] < 500:
+            log_refusal(request.url.path, reply[0], reply[1], request_id, None)
+        return _reply_response(*reply)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _reply_response(*validation_error_reply(list(exc.errors())))
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        reply = validation_error_reply(list(exc.errors()))
+        log_refusal(request.url.path, reply[0], reply[1], request.headers.get("x-request-id"), None)
+        return _reply_response(*reply)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -39,7 +39,7 @@ from tandem.deployments.structured_output import (
 )
 from tandem.engine.protocol import CompletionOutput, GenerationRequest, RequestOutput
 from tandem.engine.request import Priority
-from tandem.platform.errors import NotFoundError, TandemError
+from tandem.platform.errors import NotFoundError, ShuttingDownError, TandemError
 from tandem.platform.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -181,6 +181,42 @@ class OpenAIServer:
         self.adapters = adapters  # per-tenant LoRA adapters; None when no object store is configured
         self._lora_info: dict[str, Any] | None = None
         self._token_names: TokenNames | None = None  # from the engine's table, once logprobs are asked
+        # Graceful stop (`begin_drain`): requests running now, and the drain's end, once set.
+        self.num_in_flight = 0
+        self.draining = False
+        self._drain_deadline: float | None = None  # time.monotonic()
+
+    # -- graceful stop --------------------------------------------------------------------
+    def begin_drain(self, timeout_s: float) -> None:
+        """Stop admitting (new requests: 503 `shutting_down` with Retry-After) and give requests
+        in flight `timeout_s` seconds to finish; then each still running ends with that error (a
+        stream: an error event, then `[DONE]`) at its next output. Any thread may call it; a
+        second call keeps the first deadline."""
+        if self.draining:
+            return
+        self._drain_deadline = time.monotonic() + max(0.0, timeout_s)
+        self.draining = True
+        logger.info("draining", extra={"timeout_s": timeout_s, "in_flight": self.num_in_flight})
+
+    def _check_admitting(self) -> None:
+        if self.draining:
+            raise ShuttingDownError("the server is shutting down; retry the request on another one shortly")
+
+    async def _next_output(self, outputs: AsyncGenerator[RequestOutput, None]) -> RequestOutput | None:
+        """The engine's next output (None at the end), or, once a drain's time is up,
+        `ShuttingDownError` (the caller's cleanup closes the engine stream, aborting it)."""
+        deadline = self._drain_deadline
+        if deadline is None:
+            return await anext(outputs, None)
+        remaining = deadline - time.monotonic()
+        if remaining > 0:
+            following = asyncio.ensure_future(anext(outputs, None))
+            done, _ = await asyncio.wait({following}, timeout=remaining)
+            if done:
+                return following.result()
+            following.cancel()
+            await asyncio.gather(following, return_exceptions=True)
+        raise ShuttingDownError("the server shut down before this request finished; retry it")
 
     async def refresh_engine_stats(self) -> int:
         """Pull every replica's engine gauges (KV occupancy, queue) into telemetry; called on each
@@ -349,6 +385,7 @@ class OpenAIServer:
         `tool_calls` (a chat request with tools), the text is parsed into tool calls."""
         if timing is not None:
             timing.request_id = gen.request_id
+        self._check_admitting()
         if gen.sampling_params.logprobs is not None:
             await self.load_token_table()
         accounted = gen.priority is Priority.INTERACTIVE  # batch work has its own flow control
@@ -356,12 +393,16 @@ class OpenAIServer:
             await self.limiter.acquire(tenant)
         started, started_ns = time.monotonic(), time.time_ns()
         outputs = self.client.generate(gen)
+        self.num_in_flight += 1
         try:
-            first = await anext(outputs)  # validation errors surface here, before any byte is sent
+            first = await self._next_output(outputs)  # validation errors surface here, before any byte is sent
+            if first is None:
+                raise RuntimeError(f"the engine stream of {gen.request_id} ended without an output")
             first_at = time.monotonic()
             if failed_choice(first):  # failed before its first token: HTTP error
                 raise engine_error(first, _constraint_param(gen))
         except BaseException:
+            self.num_in_flight -= 1
             if accounted:
                 self.limiter.release(tenant, 0)
             await outputs.aclose()
@@ -383,15 +424,18 @@ class OpenAIServer:
             )
 
             async def close_unstarted() -> None:  # what `_sse`'s own `finally` would have done
+                self.num_in_flight -= 1
                 self.limiter.release(tenant, 0)
                 await outputs.aclose()
 
             return _Events(events, close_unstarted)
         last = first
         try:
-            async for out in outputs:
+            while (out := await self._next_output(outputs)) is not None:
                 last = out
         finally:
+            self.num_in_flight -= 1
+            await outputs.aclose()  # at a drain's end the stream is still open: this aborts it
             if accounted:
                 self.limiter.release(tenant, num_tokens(last))
         self._record(gen, tenant, last, started, started_ns, first_at)
@@ -521,7 +565,7 @@ class OpenAIServer:
                             ended.add(completion.index)
                         for event in self._tool_call_events(completion, calls[completion.index], gen, created):
                             yield event
-                    out = await anext(outputs, None)
+                    out = await self._next_output(outputs)
                     continue
                 for chunk in stream_chunks(
                     out,
@@ -533,7 +577,7 @@ class OpenAIServer:
                     ended=ended,
                 ):
                     yield sse_event(chunk)
-                out = await anext(outputs, None)
+                out = await self._next_output(outputs)
             if include_usage:
                 last_usage = usage(last)
                 if chat:
@@ -568,6 +612,7 @@ class OpenAIServer:
         finally:
             # The slot first: on a client disconnect this block runs under cancellation, and an
             # await may be interrupted; `release` never waits.
+            self.num_in_flight -= 1
             self.limiter.release(tenant, num_tokens(last))
             await outputs.aclose()  # on client disconnect this aborts the request in the engine
             if last.finished:

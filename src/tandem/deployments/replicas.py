@@ -28,7 +28,7 @@ from tandem.deployments.adapters import AdapterStore, load_into_engine
 from tandem.engine.kv_transfer import KVPrefixEvictedError, KVTransfer
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Priority
-from tandem.platform.errors import BatchCapacityError, ServiceUnavailableError
+from tandem.platform.errors import BatchCapacityError, ServiceUnavailableError, TandemError
 from tandem.platform.object_store import open_object_store
 
 if TYPE_CHECKING:  # the engine (and torch) loads in the replica's process only, not in the ingress's
@@ -97,20 +97,29 @@ class LLMReplica:
         async for output in self.engine.generate(request, self.stream_interval):
             yield output
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput | TandemError]:
         """`stream` for callers in other processes (ingress, batch workers). A batch request over
-        `max_batch_requests` is refused before it starts (`BatchCapacityError`)."""
+        `max_batch_requests` is refused before it starts (`BatchCapacityError`). A client's error
+        (a 4xx: bad input, a prompt too long) is sent as the only value, for the caller to raise:
+        raised here, Serve would log it as a replica failure with its traceback."""
         is_batch = request.priority is Priority.BATCH
         if is_batch:
             if self.max_batch_requests is not None and self.num_batch_requests >= self.max_batch_requests:
                 self.num_batch_requests_refused += 1
-                raise BatchCapacityError(
+                yield BatchCapacityError(
                     f"this replica runs {self.num_batch_requests} batch requests, its limit; send it again later"
                 )
+                return
             self.num_batch_requests += 1
+        started = False
         try:
             async for output in self.stream(request):
+                started = True
                 yield output.without_cumulative()  # cumulative fields cross processes once, at the end
+        except TandemError as exc:
+            if started or exc.status_code >= 500:
+                raise
+            yield exc
         finally:
             if is_batch:
                 self.num_batch_requests -= 1

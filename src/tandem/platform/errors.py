@@ -100,6 +100,15 @@ class ServiceUnavailableError(TandemError):
         super().__init__(message, code=code)
 
 
+class ShuttingDownError(ServiceUnavailableError):
+    """The server is draining before it stops (HTTP 503 with `Retry-After`): it takes no new
+    request, and a request still running at the end of the drain ends with this error."""
+
+    def __init__(self, message: str, *, retry_after_s: float = 5.0) -> None:
+        super().__init__(message, code="shutting_down")
+        self.retry_after_s = retry_after_s
+
+
 class ReplicaLostError(ServiceUnavailableError):
     """The model replica serving the request died under it (HTTP 503): not the request's fault,
     and safe to retry from the start (Serve is replacing the replica; others may serve it now)."""
