@@ -285,10 +285,10 @@ def test_sigterm_drains_streams_and_releases_batch_leases_and_the_port_is_free_a
 
     restarted = ServeProcess(tmp_path, port=port)  # the same port and data folder
     try:
-        restarted.wait_for(r"serving .* at http://")
+        ready = restarted.wait_for(r"serving .* at http://").string.strip()
         reply = client.completions.create(model="tiny", prompt="again", max_tokens=2)
         answered_s = time.monotonic() - exited_at
-        print(f"\nthe new server answered {answered_s:.1f} s after the old one exited")
+        print(f"\nthe new server answered {answered_s:.1f} s after the old one exited; {ready}")
         assert reply.choices[0].text is not None
         deadline = time.monotonic() + 180
         while (status := client.batches.retrieve(batch.id)).status != "completed":

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -618,3 +620,40 @@ def test_disaggregated_mode_answers_as_colocated(served: str, tmp_path_factory: 
         assert prefill_stats["num_steps"] >= 4 and prefill_stats["kv_blocks_used"] == 0  # it computed the prompts
     finally:
         serve.delete("tandem-pd")
+
+
+def test_n_choices_through_serve(served: str) -> None:
+    """n > 1 through Ray Serve: seeded choices equal single requests with seed + i, a stream
+    carries every choice's index with one [DONE], usage counts the prompt once, and a batch line
+    with n gets its choices too."""
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key=KEY, max_retries=0, timeout=120)
+    sampled = dict(
+        model="tiny", messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=6, temperature=1.0,
+        seed=21, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    reply = client.chat.completions.create(n=3, **sampled)  # type: ignore[call-overload]
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    single = client.chat.completions.create(**{**sampled, "seed": 23})  # type: ignore[call-overload]
+    assert reply.choices[2].message.content == single.choices[0].message.content
+    assert reply.usage is not None and single.usage is not None
+    assert reply.usage.prompt_tokens == single.usage.prompt_tokens and reply.usage.completion_tokens == 18
+    streamed: dict[int, str] = {}
+    for chunk in client.chat.completions.create(n=2, stream=True, **sampled):  # type: ignore[call-overload]
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    assert [streamed[0], streamed[1]] == [c.message.content for c in reply.choices[:2]]
+
+    line = {
+        "custom_id": "n-line", "method": "POST", "url": "/v1/completions",
+        "body": {"model": "tiny", "prompt": "Once upon", "n": 4, "max_tokens": 3, "temperature": 1.0, "seed": 5, "ignore_eos": True},
+    }  # fmt: skip
+    file_id = client.files.create(file=("n.jsonl", io.BytesIO((json.dumps(line) + "\n").encode())), purpose="batch").id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while (batch := client.batches.retrieve(batch.id)).status != "completed":
+        assert batch.status in ("validating", "in_progress", "finalizing") and time.monotonic() < deadline
+        time.sleep(0.1)
+    assert batch.output_file_id is not None
+    [output] = [json.loads(text) for text in client.files.content(batch.output_file_id).text.splitlines()]
+    body = output["response"]["body"]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3] and body["usage"]["completion_tokens"] == 12

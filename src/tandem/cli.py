@@ -218,6 +218,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     from tandem.engine.models.loader import check_model
 
+    started = time.monotonic()
     check_model(args.model)  # a model the engine cannot serve exactly: refused now, by name
     if args.address is None:
         _free_port(args.host, args.port)  # fail now, not after minutes of Ray and model start-up
@@ -240,10 +241,12 @@ def _serve(args: argparse.Namespace) -> int:
         # A Ray of its own ("local"), even with $RAY_ADDRESS set: the settings above apply only to
         # processes this command starts; --address joins a cluster.
         ray.init(address="local", include_dashboard=False, configure_logging=False, runtime_env=RUNTIME_ENV)
+    ray_ready = time.monotonic()
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, name="tandem", route_prefix="/")
     base = f"http://{args.host}:{args.port}"
-    print(_banner(args.model, base, dev_key, dev_operator_key), file=sys.stderr, flush=True)
+    timing = f"ready in {time.monotonic() - started:.1f} s: Ray {ray_ready - started:.1f} s, replicas {time.monotonic() - ray_ready:.1f} s"
+    print(_banner(args.model, base, dev_key, dev_operator_key, timing), file=sys.stderr, flush=True)
 
     def _stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -264,10 +267,10 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _banner(model: str, base: str, dev_key: str | None, dev_operator_key: str | None) -> str:
+def _banner(model: str, base: str, dev_key: str | None, dev_operator_key: str | None, timing: str) -> str:
     """What a newcomer needs, after Ray's start-up lines: where, which keys, a request to try."""
     key = dev_key or "$YOUR_KEY"
-    lines = [f"serving {model} at {base}/v1"]
+    lines = [f"serving {model} at {base}/v1 ({timing})"]
     if dev_key:
         lines.append(f"API key (this run only):          {dev_key}")
     if dev_operator_key:
