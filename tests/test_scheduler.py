@@ -252,6 +252,85 @@ TestTenantSchedulerMachine = TenantSchedulerMachine.TestCase
 TestTenantSchedulerMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 
 
+class ParallelSamplingMachine(SchedulerMachine):
+    """The same random add / step / abort, plus requests of n choices (`choice_requests`): block
+    ref counts stay exact while choices share their leader's prompt blocks (`check_integrity`),
+    a choice never computes its shared prompt tokens again, and every choice finishes with its
+    tokens though leaders are preempted or aborted under it."""
+
+    @rule(
+        num_prompt=st.integers(1, 30),
+        max_tokens=st.integers(1, 12),
+        n=st.integers(2, 4),
+        batch=st.booleans(),
+    )
+    def add_family(self, num_prompt: int, max_tokens: int, n: int, batch: bool) -> None:
+        from tandem.engine.parallel_sampling import choice_requests
+
+        rid = f"f{self.counter}"
+        self.counter += 1
+        prio = Priority.BATCH if batch else Priority.INTERACTIVE
+        parent = make_request(rid, num_prompt, max_tokens, prio, arrival=float(self.counter))
+        parent.sampling_params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True)
+        for child in choice_requests(parent):
+            self.sched.add_request(child)
+            self.expected_outputs[child.request_id] = max_tokens
+
+    @rule()
+    def step_checking_forks(self) -> None:
+        """A step in which no choice that forked computes a token of its shared blocks."""
+        def shared(request: Request) -> int:
+            return (request.num_prompt_tokens - 1) // 4 * 4
+
+        ready = {  # choices whose leader runs with their shared blocks computed
+            r.request_id: shared(r)
+            for r in self.sched.waiting
+            if r.fork_of is not None
+            and (leader := self.sched.requests.get(r.fork_of)) is not None
+            and leader.status is RequestStatus.RUNNING
+            and leader.num_computed_tokens >= shared(r)
+        }
+        out = self.sched.schedule()
+        for item in out.scheduled:
+            if item.request_id in ready and item.is_new:
+                assert item.start_position >= ready[item.request_id], (item.request_id, item.start_position)
+        for update in self.sched.update_from_output(out, fake_run(out)):
+            if update.finished:
+                rid = update.request.request_id
+                assert update.request.num_output_tokens == self.expected_outputs[rid]
+                self.finished.add(rid)
+
+
+TestParallelSamplingMachine = ParallelSamplingMachine.TestCase
+TestParallelSamplingMachine.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
+
+
+def test_choices_wait_for_their_leader_then_share_its_prompt_blocks() -> None:
+    from tandem.engine.parallel_sampling import choice_requests
+
+    sched = make_scheduler(num_blocks=16, block_size=4, budget=8)
+    parent = make_request("p", 10, max_tokens=3)
+    parent.sampling_params = SamplingParams(n=3, max_tokens=3, ignore_eos=True)
+    for child in choice_requests(parent):
+        sched.add_request(child)
+    first = sched.schedule()  # the leader's first chunk only: the others wait for its prompt
+    assert [(s.request_id, len(s.token_ids)) for s in first.scheduled] == [("p#0", 8)]
+    sched.update_from_output(first, fake_run(first))
+    # Its full blocks are computed: the choices start beside its last chunk, each computing only
+    # the last, partial block of the prompt.
+    second = sched.schedule()
+    assert [(s.request_id, s.start_position, len(s.token_ids)) for s in second.scheduled] == [
+        ("p#0", 8, 2),
+        ("p#1", 8, 2),
+        ("p#2", 8, 2),
+    ]
+    tables = [sched.kv.block_table(f"p#{i}").block_ids for i in range(3)]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]  # the two full prompt blocks, shared
+    assert len({t[2] for t in tables}) == 3  # the partial one: each its own
+    assert all(sched.kv.pool.ref_counts[b] == 3 for b in tables[0][:2])
+    sched.check_integrity()
+
+
 def test_batch_requests_only_fill_idle_capacity() -> None:
     """Batch work is admitted while KV occupancy (its whole prompt counted) stays under the limit,
     its prefill chunks are capped, and interactive work is never held back by it."""

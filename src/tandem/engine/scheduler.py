@@ -220,9 +220,11 @@ class Scheduler:
         return len(self.waiting)
 
     def num_uncomputed_prompt_tokens(self) -> int:
-        """Prompt tokens of live requests whose KV is not computed yet (the prefill backlog)."""
+        """Prompt tokens of live requests whose KV is not computed yet (the prefill backlog); a
+        parallel-sampling choice waiting for its leader's blocks counts only what it will compute."""
         return sum(
-            max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in (*self.waiting, *self.running)
+            max(0, r.num_prompt_tokens - max(r.num_computed_tokens, self._num_forked_tokens(r) if r.fork_of else 0))
+            for r in (*self.waiting, *self.running)
         )
 
     @property
