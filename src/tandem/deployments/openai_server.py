@@ -191,10 +191,11 @@ class OpenAIServer:
         """Stop admitting (new requests: 503 `shutting_down` with Retry-After) and give requests
         in flight `timeout_s` seconds to finish; then each still running ends with that error (a
         stream: an error event, then `[DONE]`) at its next output. Any thread may call it; a
-        second call keeps the first deadline."""
-        if self.draining:
+        later call can only bring the end closer (a second signal: stop sooner)."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        if self._drain_deadline is not None and self._drain_deadline <= deadline:
             return
-        self._drain_deadline = time.monotonic() + max(0.0, timeout_s)
+        self._drain_deadline = deadline
         self.draining = True
         logger.info("draining", extra={"timeout_s": timeout_s, "in_flight": self.num_in_flight})
 
