@@ -175,6 +175,32 @@ def serve_with_worker(app: Any, worker: Any) -> Iterator[str]:
         worker_thread.join(timeout=30)
 
 
+def sse_lines(base_url: str, key: str, max_tokens: int, lines: list[str], started: threading.Event) -> None:
+    """A raw streamed chat request ("tiny", ignore_eos) to `base_url`: its non-empty SSE lines go
+    to `lines` as they come (`started` is set at the first); a transport error ends the list with
+    `error: ...` (what the client saw)."""
+    import httpx
+
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hello there"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    try:
+        with httpx.stream(
+            "POST", f"{base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120
+        ) as response:
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+    except httpx.HTTPError as exc:
+        lines.append(f"error: {exc!r}")
+        started.set()
+
+
 def free_ports(count: int) -> list[int]:
     """`count` distinct free loopback ports. Every socket stays bound until all are picked: ports
     taken one by one (each socket closed before the next bind) may repeat, and a server given the

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from .conftest import free_port, make_tiny_model
+from .conftest import free_port, make_tiny_model, sse_lines
 from .test_serve import (
     KEY,
     OPERATOR_KEY,
@@ -196,29 +196,6 @@ def test_serve_answers_again_after_the_engine_replica_is_killed(tmp_path: Path) 
         server.stop()
 
 
-def _stream_until_done(base_url: str, max_tokens: int, lines: list[str], started: threading.Event) -> None:
-    """A raw SSE chat stream: its non-empty lines (an error ends the list with the exception)."""
-    import httpx
-
-    body = {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": "Hello there"}],
-        "max_tokens": max_tokens,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    headers = {"Authorization": f"Bearer {KEY}"}
-    try:
-        with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=headers, timeout=120) as response:
-            for line in response.iter_lines():
-                if line:
-                    lines.append(line)
-                    started.set()
-    except Exception as exc:  # noqa: BLE001 - what the client saw, asserted by the test
-        lines.append(f"error: {exc!r}")
-        started.set()
-
-
 def test_sigterm_drains_streams_and_releases_batch_leases_and_the_port_is_free_again(tmp_path: Path) -> None:
     """SIGTERM during two streams and a batch: new requests get 503 `shutting_down`, the streams
     end with `[DONE]` (the short one finished, the long one with an error event at the drain's
@@ -249,8 +226,8 @@ def test_sigterm_drains_streams_and_releases_batch_leases_and_the_port_is_free_a
         long: list[str] = []
         events = [threading.Event(), threading.Event()]
         streams = [
-            threading.Thread(target=_stream_until_done, args=(base_url, 20, short, events[0])),
-            threading.Thread(target=_stream_until_done, args=(base_url, 3500, long, events[1])),
+            threading.Thread(target=sse_lines, args=(base_url, KEY, 20, short, events[0])),
+            threading.Thread(target=sse_lines, args=(base_url, KEY, 3500, long, events[1])),
         ]
         for thread in streams:
             thread.start()

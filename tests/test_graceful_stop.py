@@ -24,7 +24,7 @@ from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.object_store import FileObjectStore
 from tandem.platform.tenancy import TenantRegistry, parse_keys
 
-from .conftest import serve_with_worker
+from .conftest import serve_with_worker, sse_lines
 
 KEY = "sk-drain"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
@@ -44,21 +44,6 @@ def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         engine.shutdown()
 
 
-def stream_lines(base_url: str, max_tokens: int, lines: list[str], started: threading.Event) -> None:
-    body = {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": "Hello there"}],
-        "max_tokens": max_tokens,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=HEADERS, timeout=60) as response:
-        for line in response.iter_lines():
-            if line:
-                lines.append(line)
-                started.set()
-
-
 def test_drain_refuses_new_requests_and_ends_streams_with_done(served: tuple[str, OpenAIServer]) -> None:
     """During a drain: a new request is a 503 `shutting_down` with Retry-After, a stream in
     flight that ends within the drain finishes normally, and one still running at the drain's
@@ -68,8 +53,8 @@ def test_drain_refuses_new_requests_and_ends_streams_with_done(served: tuple[str
     long: list[str] = []
     events = [threading.Event(), threading.Event()]
     threads = [
-        threading.Thread(target=stream_lines, args=(base_url, 6, short, events[0])),
-        threading.Thread(target=stream_lines, args=(base_url, 480, long, events[1])),
+        threading.Thread(target=sse_lines, args=(base_url, KEY, 6, short, events[0])),
+        threading.Thread(target=sse_lines, args=(base_url, KEY, 480, long, events[1])),
     ]
     for thread in threads:
         thread.start()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.deployments.structured_output import request_constraint, response_format_constraint
-from tandem.engine.protocol import RequestOutput
+from tandem.engine.protocol import CompletionOutput, RequestOutput
 from tandem.engine.sampling_params import SamplingParams
 from tandem.platform.errors import InvalidRequestError, RequestFailedError, TandemError
 from tandem.platform.openai_schemas import (
@@ -140,12 +140,8 @@ def stream_chunks(
     choices whose finish was sent (a choice reported again in the last output is skipped); this
     adds to it."""
     chunks = []
-    for completion in out.outputs:
-        if completion.index in ended:
-            continue
+    for completion in unsent_choices(out, ended):
         finish = completion.finish_reason
-        if finish is not None:
-            ended.add(completion.index)
         if chat:
             delta = {"content": completion.delta_text} if completion.delta_text or finish is None else {}
             chunks.append(
@@ -173,6 +169,14 @@ def stream_chunks(
             )
         )
     return chunks
+
+
+def unsent_choices(out: RequestOutput, ended: set[int]) -> list[CompletionOutput]:
+    """`out`'s choices whose finish was not sent yet (`ended` holds the indexes of those whose
+    was; a choice the last output reports again is left out); the finished ones join `ended`."""
+    unsent = [c for c in out.outputs if c.index not in ended]
+    ended.update(c.index for c in unsent if c.finish_reason is not None)
+    return unsent
 
 
 def failed_choice(out: RequestOutput) -> bool:

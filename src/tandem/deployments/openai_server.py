@@ -28,6 +28,7 @@ from tandem.deployments.openai_mapping import (
     sampling_params_from,
     sse_event,
     stream_chunks,
+    unsent_choices,
     usage,
 )
 from tandem.deployments.structured_output import (
@@ -559,11 +560,7 @@ class OpenAIServer:
                 if failed_choice(out):  # the engine ended it: no more text
                     raise engine_error(out, _constraint_param(gen))
                 if calls is not None:
-                    for completion in out.outputs:
-                        if completion.index in ended:
-                            continue
-                        if completion.finish_reason is not None:
-                            ended.add(completion.index)
+                    for completion in unsent_choices(out, ended):
                         for event in self._tool_call_events(completion, calls[completion.index], gen, created):
                             yield event
                     out = await self._next_output(outputs)
