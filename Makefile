@@ -25,9 +25,11 @@ generate: install
 	$(VENV)/bin/tandem generate --prompt "$(PROMPT)"
 
 test: install
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install
+	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/mypy
 
