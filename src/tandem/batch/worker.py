@@ -160,6 +160,7 @@ class BatchWorker:
         self.num_duplicate_commits = 0
         self._wake = asyncio.Event()
         self._shards: set[asyncio.Future[None]] = set()  # shards in flight, each its own task
+        self._shard_leases: dict[asyncio.Future[None], Lease] = {}  # their leases
         self.stopping = False  # `stop()` was called: nothing more is claimed
         limits = service.limits
         self.window = LineWindow(limits.max_shards_in_flight * limits.shard_size)
@@ -187,9 +188,7 @@ class BatchWorker:
                     finally:
                         waker.cancel()
         finally:
-            for task in self._shards:
-                task.cancel()
-            await asyncio.gather(*self._shards, return_exceptions=True)
+            await self._end_shards()
 
     def wake(self) -> None:
         self._wake.set()
@@ -200,11 +199,21 @@ class BatchWorker:
         them at once instead of after the lease's time (their lines run again there: a shard
         is committed whole or not at all, so none is answered twice)."""
         self.stopping = True
-        shards = list(self._shards)
+        num_released = await self._end_shards()
+        logger.info("batch worker stopped", extra={"worker": self.worker_id, "shards_released": num_released})
+
+    async def _end_shards(self) -> int:
+        """Cancel the shards in flight and give their leases back (a task cancelled before it
+        started never runs its own cleanup, so the leases are released here); how many."""
+        shards = dict(self._shard_leases)
         for task in shards:
             task.cancel()
         await asyncio.gather(*shards, return_exceptions=True)
-        logger.info("batch worker stopped", extra={"worker": self.worker_id, "shards_released": len(shards)})
+        for lease in shards.values():  # after a commit the lease is gone already: a no-op then
+            await asyncio.to_thread(self.leases.release, lease)
+        self._shards.clear()
+        self._shard_leases.clear()
+        return len(shards)
 
     @property
     def num_shards_in_flight(self) -> int:
@@ -240,6 +249,8 @@ class BatchWorker:
             if not task.cancelled() and task.exception() is not None:
                 logger.error("batch shard failed", exc_info=task.exception(), extra={"worker": self.worker_id})
         self._shards -= done
+        for task in done:
+            self._shard_leases.pop(task, None)
         return bool(done)
 
     def queued_shards(self) -> int:
@@ -267,9 +278,14 @@ class BatchWorker:
             if len(self._shards) >= self.service.limits.max_shards_in_flight:
                 return False
             lease_and_shard = await asyncio.to_thread(self._claim_shard, record)
+            if lease_and_shard is not None and self.stopping:  # stopped while it claimed
+                await asyncio.to_thread(self.leases.release, lease_and_shard[0])
+                return False
             if lease_and_shard is not None:
                 self.claimed[tenant] = self.claimed.get(tenant, 0.0) + 1.0 / self.tenant_weights.get(tenant, 1.0)
-                self._shards.add(asyncio.ensure_future(self._run_shard(record, *lease_and_shard)))
+                task = asyncio.ensure_future(self._run_shard(record, *lease_and_shard))
+                self._shards.add(task)
+                self._shard_leases[task] = lease_and_shard[0]
                 return True
         return await asyncio.to_thread(self._try_finalize, record)
 
@@ -307,20 +323,20 @@ class BatchWorker:
         return {int(k.rsplit("/", 1)[1].removesuffix(".parquet")) for k in keys}
 
     async def _run_shard(self, record: BatchRecord, lease: Lease, shard: int) -> None:
+        """Run a claimed shard and commit it. Cancelled (the worker stops), it commits nothing;
+        `_end_shards` gives its lease back."""
         tenant, batch_id = record.tenant, record.id
+        log = {"tenant": tenant, "batch_id": batch_id, "shard": shard, "worker": self.worker_id}
         data = await asyncio.to_thread(self.store.get, input_shard_key(tenant, batch_id, shard))
         inputs = decode_inputs(data.data)
-        log = {"tenant": tenant, "batch_id": batch_id, "shard": shard, "worker": self.worker_id}
         logger.info("shard claimed", extra={**log, "requests": len(inputs)})
         tasks = [asyncio.ensure_future(self._run_one(record, row)) for row in inputs]
         try:
             stop_reason = await self._supervise(tenant, batch_id, lease, tasks)
-        except asyncio.CancelledError:  # the worker stops: the lease goes back now, not at its expiry
+        except asyncio.CancelledError:  # its lines' requests end with it
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            self.leases.release(lease)
-            logger.info("shard released", extra=log)
             raise
         if stop_reason == "lease_lost":
             logger.warning("lease lost; shard left to its new owner", extra=log)
