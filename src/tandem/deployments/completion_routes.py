@@ -4,7 +4,7 @@ These two routes carry nearly all traffic, and at 16 concurrent streams on a sma
 request's trip through FastAPI (its middleware stack, route matching, dependency solving, and
 `StreamingResponse`'s anyio task group with a disconnect listener) was paid one request after
 another on the event loop before the engine saw the request and again before its first token
-left: more than half of the 0.95 ms a streamed request cost the loop (see docs/operations.md,
+left: more than half of what a streamed request cost the loop (figures: docs/operations.md,
 "Serving overhead").
 `CompletionRoutes` answers them itself and hands every other request to the app behind it.
 

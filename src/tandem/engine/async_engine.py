@@ -64,11 +64,9 @@ class AsyncEngine:
 
         Why not load here and hand the engine to a new thread: torch's CPU kernels run in OpenMP
         teams, one per thread that calls them, and once a second thread of the process has run an
-        OpenMP region (model loading does), the engine thread's kernels ran about 2x slower on a
-        2-core host for the rest of the process (a bfloat16 [64, 576] x [576, 1536] linear: 97 us
-        -> 206 us; 256 requests through `AsyncEngine`: 448 tok/s where `LLM` in its one thread
-        made 935; docs/performance.md, 2026-12-01). Keep the threads that call an `AsyncEngine`
-        free of torch work."""
+        OpenMP region (model loading does), the engine thread's kernels ran markedly slower for
+        the rest of the process (figures: docs/performance.md, 2026-12-01). Keep the threads that
+        call an `AsyncEngine` free of torch work."""
         built: queue.Queue[AsyncEngine | BaseException] = queue.Queue(maxsize=1)
 
         def build_then_run() -> None:

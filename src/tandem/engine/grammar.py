@@ -6,8 +6,8 @@ vocabulary), the runner sets every other logit to the lowest value, and the samp
 back to the matcher. A finished grammar allows only the end-of-sequence tokens, so the request
 stops there. Rows without a constraint are untouched.
 
-The library is llguidance (Microsoft, MIT): an abi3 CPU wheel of 3 MB with no dependencies,
-masks in tens of microseconds per row for JSON schemas (docs/performance.md), JSON schema, regex
+The library is llguidance (Microsoft, MIT): a small abi3 CPU wheel with no dependencies, fast
+masks for JSON schemas (figures: docs/performance.md), JSON schema, regex
 and Lark grammars (which can inline JSON schemas, used for tool calls). Against it: xgrammar
 0.2.9's wheel requires triton and apache-tvm-ffi (hundreds of MB, for a CPU host), and
 outlines-core compiles each schema to a regex index up front (seconds for large schemas) and has

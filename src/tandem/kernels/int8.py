@@ -67,8 +67,8 @@ def int8_mm(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:  # [M, K] float32 -
     return y
 
 
-# Most rows that take the INT8 kernel: at batch 1 it reads 0.53x the bytes of a bfloat16 weight
-# and runs about 3x faster on two cores; by 16 rows the 16-bit and float32 GEMMs are faster.
+# Most rows that take the INT8 kernel: at few rows it reads about half the bytes of a 16-bit
+# weight and is faster; at many rows the 16-bit and float32 GEMMs win (docs/performance.md).
 INT8_GEMV_MAX_ROWS = 4
 
 

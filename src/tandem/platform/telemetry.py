@@ -210,8 +210,8 @@ class Telemetry:
 
         Phase durations come from the engine's clock (possibly another process), so only their
         lengths are used, not absolute times. Without a span processor (no OTLP endpoint) nothing
-        would receive the spans, so none are built: that is about 0.1 ms of the event loop per
-        request."""
+        would receive the spans, so none are built (their cost on the event loop per request is
+        in docs/performance.md)."""
         if not self._num_span_processors:
             return
         from opentelemetry import trace
