@@ -32,13 +32,13 @@ def main() -> None:
     llm = LLM(args.model, kv_cache_memory=256 << 20, enable_prefix_caching=False)
     engine, runner = llm.engine, llm.engine.runner
     timings = {"check_s": 0.0, "step_s": 0.0}
-    original_sample, original_step = runner.sample, engine.step
+    original_sample, original_step = runner.sampler.sample, engine.step
 
-    def timed_sample(logits, items):  # type: ignore[no-untyped-def]
+    def timed_sample(logits, items, draft_probs=None):  # type: ignore[no-untyped-def]
         start = time.perf_counter()
         torch.isfinite(logits.sum(dim=-1)).tolist()  # the check, once more at this shape
         timings["check_s"] += time.perf_counter() - start
-        return original_sample(logits, items)
+        return original_sample(logits, items, draft_probs)
 
     def timed_step():  # type: ignore[no-untyped-def]
         start = time.perf_counter()
@@ -47,7 +47,7 @@ def main() -> None:
         finally:
             timings["step_s"] += time.perf_counter() - start
 
-    runner.sample = timed_sample  # type: ignore[method-assign]
+    runner.sampler.sample = timed_sample  # type: ignore[method-assign]
     engine.step = timed_step  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate([[100] * 16], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up

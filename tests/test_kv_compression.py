@@ -308,13 +308,14 @@ def test_compressed_decode_rows_through_the_native_stack_match_the_torch_path(
     ]
     native = llm.generate(prompts, params)
     assert runner.num_native_head_steps > 10
-    stack, runner.native_heads = runner.native_heads, None
+    heads = runner.heads  # the head-block pool's forward (`runner/compressed.py`)
+    stack, heads.native_heads = heads.native_heads, None
     try:
         steps = runner.num_native_head_steps
         torch_path = llm.generate(prompts, params)
         assert runner.num_native_head_steps == steps
     finally:
-        runner.native_heads = stack
+        heads.native_heads = stack
     for ours, want in zip(native, torch_path, strict=True):
         tokens, ref_tokens = ours.outputs[0].token_ids, want.outputs[0].token_ids
         got = [max(p.values()) for p in ours.outputs[0].logprobs or []]

@@ -21,7 +21,7 @@ from tandem.engine.speculative import (
     StepCostModel,
     plan_drafts,
 )
-from tandem.engine.step import RunnerResult, SchedulerOutput
+from tandem.engine.step import RunnerResult, RunnerStats, SchedulerOutput
 from tandem.kernels.sampling import verify_drafts
 
 from .conftest import make_tiny_model
@@ -248,7 +248,13 @@ def test_greedy_output_is_identical_with_speculation_for_lora_requests(
 
 class ScriptedRunner:
     """A fake runner: for each speculating request it accepts the first `accept` drafts and adds
-    token 99 of its own; without drafts it returns the next token of `script`."""
+    token 99 of its own; without drafts it returns the next token of `script`. It implements
+    what the engine uses of a runner (`step.Runner`) but the KV hand-over."""
+
+    has_draft = False
+
+    def stats(self) -> RunnerStats:
+        return RunnerStats()
 
     def __init__(self, accept: int, script: list[int]) -> None:
         self.accept, self.script = accept, script

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from tandem.engine.models.eagle import EagleDraft
-from tandem.engine.models.llama import KVLayer, LlamaForCausalLM
+from tandem.engine.models.interface import CausalLM, KVLayer
 from tandem.engine.step import ScheduledRequest
 from tandem.kernels.attention import AttentionMetadata, build_attention_metadata
 from tandem.kernels.sampling import filter_logits
@@ -104,7 +104,7 @@ class PagedDraftCache:
 class DraftProposer(PagedDraftCache):
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_caches: list[KVLayer],
         num_kv_heads: int,
         block_size: int,
@@ -149,7 +149,7 @@ class DraftProposer(PagedDraftCache):
             metadata, logits_rows = draft_step_metadata(
                 active, query_lens, depth, self.block_size, self.num_kv_heads, self.device
             )
-            logits = self.model(
+            logits = self.model.forward(
                 torch.tensor(input_ids, dtype=torch.int64, device=self.device),
                 torch.tensor(positions, dtype=torch.int64, device=self.device),
                 self.kv_caches,

@@ -1,61 +1,42 @@
-"""`LLMEngine`: validate and add requests, then `step()` = schedule -> run -> update.
+"""`LLMEngine`: validate and add requests, then `step()` = schedule -> execute -> update -> outputs.
 
-Single-threaded; `AsyncEngine` (async_engine.py) drives it from a background thread.
+Single-threaded; `AsyncEngine` (async_engine.py) drives it from a background thread. Building an
+engine from a config is `builder.py`; the prefill/decode hand-over is `handover.py`; the runner is
+seen only through the `Runner` protocol (`step.py`). A request finishes through one path,
+`Scheduler.finish_request` (stop token, length, stop string, abort, error, KV integrity), which
+calls `_on_finish` (its adapter is given back); the output processor makes its last output.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import os
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from tandem.engine.draft import DraftProposer, EagleProposer, PagedDraftCache
+from tandem.engine import handover
+from tandem.engine.builder import EngineParts, build_parts, eviction_policy, speculation_settings
+from tandem.engine.engine_stats import engine_stats
 from tandem.engine.fair_share import FairShare
 from tandem.engine.grammar import GrammarCompiler
 from tandem.engine.head_kv_cache import HeadKVCacheManager
 from tandem.engine.kv_cache import KVCacheManager
-from tandem.engine.kv_transfer import (
-    KVPage,
-    KVPrefixEvictedError,
-    KVTransfer,
-    fingerprint,
-    page_checksum,
-    verify,
-)
-from tandem.engine.lora import LoRAAdapter, LoRALimits, LoRAManager, LoRAModelShape, parse_peft_adapter
-from tandem.engine.models.eagle import EagleDraft, is_eagle_folder, load_eagle
-from tandem.engine.models.loader import build_model, load_model, resolve_model_path
+from tandem.engine.kv_transfer import KVTransfer
+from tandem.engine.lora import LoRAAdapter, parse_peft_adapter
 from tandem.engine.output_processor import OutputProcessor
-from tandem.engine.parallel_sampling import ChoiceFamilies, choice_requests
-from tandem.engine.precision import PrecisionChoice, choose_precision
-from tandem.engine.precision import pinned as pinned_precision
-from tandem.engine.protocol import GenerationRequest, RequestOutput, merge_deltas
-from tandem.engine.request import Priority, Request, RequestStatus
-from tandem.engine.runner import GRAMMAR_FAILED, KVCacheSpec, ModelRunner, allocate_kv_caches
+from tandem.engine.parallel_sampling import ChoiceFamilies, choice_requests, merge_by_id
+from tandem.engine.protocol import GenerationRequest, RequestOutput
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.runner import GRAMMAR_FAILED
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
-from tandem.engine.speculative import SpeculationSettings
-from tandem.engine.step import RequestUpdate, RunnerResult, ScheduledRequest, SchedulerOutput
-from tandem.engine.tokenizer import Tokenizer
-from tandem.kernels import int4_native
-from tandem.kernels.head_attention import head_pool_dtype, head_slot_bytes
-from tandem.kernels.int8 import Int8HeadLinear
-from tandem.kernels.kv_eviction import EvictionPolicy
+from tandem.engine.step import RequestUpdate, RunnerResult, SchedulerOutput
 from tandem.platform.config import EngineConfig
-from tandem.platform.cpu import cpu_flags
-from tandem.platform.errors import (
-    ContextLengthExceededError,
-    InvalidRequestError,
-    NotFoundError,
-    ServiceUnavailableError,
-)
+from tandem.platform.errors import ContextLengthExceededError, InvalidRequestError, NotFoundError
+
+__all__ = ["EngineBrokenError", "EngineParts", "LLMEngine"]
 
 logger = logging.getLogger("tandem.engine")
 
@@ -63,44 +44,11 @@ logger = logging.getLogger("tandem.engine")
 # (one bad request fails alone; the same failure step after step is the runner, not a request).
 MAX_CONSECUTIVE_FAILED_STEPS = 3
 
+KV_INTEGRITY_ERROR = "a KV block of this request was reassigned; retry the request"
+
 
 class EngineBrokenError(RuntimeError):
     """The runner failed in a way no single request explains; the engine must be replaced."""
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
-
-
-@dataclasses.dataclass
-class EngineParts:
-    """What an engine runs on. `LLMEngine.from_config` loads the model and builds them; a test
-    may pass its own (a fake runner, a small tokenizer)."""
-
-    model_name: str
-    model_config: Any  # the model's LlamaConfig (vocab_size is read)
-    tokenizer: Tokenizer
-    eos_token_ids: frozenset[int]
-    runner: Any  # ModelRunner, or anything with its execute(SchedulerOutput) -> RunnerResult
-    num_blocks: int  # KV blocks the runner's cache holds
-    max_model_len: int
-    kv_cache_dtype: str  # what the cache stores, for stats ("float32", "float8_e4m3fn", ...)
-    lora: LoRAManager | None = None
-    precision: PrecisionChoice | None = None  # what dtype / weight_dtype "auto" resolved to, and why
-    grammars: GrammarCompiler | None = None  # output constraints (the runner's); None: refused
-    num_head_blocks: int = 0  # head blocks of the KV compression pool (0: no compressed requests)
-    max_positions: int | None = None  # positions the model's RoPE tables cover (None: max_model_len)
 
 
 class LLMEngine:
@@ -118,15 +66,13 @@ class LLMEngine:
         self.lora = parts.lora
         self.kv_cache_dtype = parts.kv_cache_dtype
         self.precision = parts.precision
-        self.grammars = parts.grammars
+        self.grammars: GrammarCompiler | None = parts.grammars
         self.kv_manager = KVCacheManager(
             parts.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
+        cfg = parts.model_config
         self.head_kv = (
-            HeadKVCacheManager(
-                parts.num_head_blocks, config.block_size,
-                parts.model_config.num_hidden_layers, parts.model_config.num_key_value_heads,
-            )  # fmt: skip
+            HeadKVCacheManager(parts.num_head_blocks, config.block_size, cfg.num_hidden_layers, cfg.num_key_value_heads)
             if parts.num_head_blocks
             else None
         )
@@ -139,7 +85,13 @@ class LLMEngine:
         self.num_steps = 0
         self.step_wall_s = 0.0
         self.step_thread_cpu_s = 0.0
-        self.scheduler = Scheduler(
+        self.scheduler = self._build_scheduler()
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.families = ChoiceFamilies()  # requests with n > 1 choices, by parent id
+
+    def _build_scheduler(self) -> Scheduler:
+        config = self.config
+        return Scheduler(
             self.kv_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -154,205 +106,20 @@ class LLMEngine:
             interactive_quiet_s=config.interactive_quiet_s,
             max_loras=config.max_loras if config.enable_lora else 0,
             share_prefix_cache_across_tenants=config.share_prefix_cache_across_tenants,
-            speculation=_speculation_settings(config, has_draft=getattr(parts.runner, "draft", None) is not None),
+            speculation=speculation_settings(config, has_draft=self.runner.has_draft),
             head_kv=self.head_kv,
             eviction_interval=config.kv_compression_interval,
-            eviction_window=_eviction_policy(config).window,
+            eviction_window=eviction_policy(config).window,
             fair_share=FairShare(config.tenant_weights),
+            kv_hold_ttl_s=config.kv_hold_ttl_s,
+            check_kv_integrity=config.kv_integrity_check,
+            on_finish=self._on_finish,
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.families = ChoiceFamilies()  # requests with n > 1 choices, by parent id
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
-        """Load `config.model`, size the KV cache, build the model (and its INT4 decode copy with
-        `weight_dtype="hybrid"`), the LoRA manager and the runner."""
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        device = _resolve_device(config.device)
-        precision = choose_precision(
-            device_type=device.type,
-            dtype=config.dtype,
-            weight_dtype=config.weight_dtype,
-            flags=cpu_flags(),
-            native_int4=device.type == "cpu" and config.int4_kernel != "torch" and int4_native.load() is not None,
-            pin=pinned_precision(),
-        )
-        dtype_name = precision.dtype
-        dtype = _DTYPES[dtype_name]
-        loaded = load_model(config.model)
-        cfg = loaded.config
-        kv_dtype = {"auto": dtype, "fp8_e4m3": torch.float8_e4m3fn, **_DTYPES}[config.kv_cache_dtype]
-        kv_spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, config.block_size, kv_dtype)
-        draft_path = _draft_path(config)
-        head: EagleDraft | None = None
-        draft_loaded = None
-        draft_spec = None
-        if draft_path is not None and is_eagle_folder(draft_path):
-            try:
-                head = load_eagle(draft_path, dtype=dtype, device=device, max_positions=cfg.max_position_embeddings)
-            except ValueError as exc:
-                raise InvalidRequestError(str(exc), param="speculative.draft_model") from exc
-            hcfg = head.config
-            draft_spec = KVCacheSpec(1, hcfg.num_key_value_heads, hcfg.head_dim, config.block_size, kv_dtype)
-        elif draft_path is not None:
-            draft_loaded = _load_draft(config, loaded)
-            dcfg = draft_loaded.config
-            draft_spec = KVCacheSpec(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim, config.block_size, kv_dtype)
-        budget = config.kv_cache_memory or int(config.kv_cache_memory_fraction * _available_memory_bytes(device))
-        num_head_blocks = 0
-        if config.enable_kv_compression or config.kv_compression_rate is not None:
-            # The compression pool (per-(layer, head) blocks, 16-bit) takes its share of the budget.
-            head_block_bytes = config.block_size * head_slot_bytes(head_pool_dtype(kv_dtype, dtype), cfg.head_dim)
-            head_budget = int(config.kv_compression_memory_fraction * budget)
-            num_head_blocks = head_budget // head_block_bytes
-            if num_head_blocks < cfg.num_hidden_layers * cfg.num_key_value_heads:
-                raise InvalidRequestError(
-                    f"the KV compression pool ({head_budget} bytes) holds less than one block per head; "
-                    "raise kv_cache_memory or kv_compression_memory_fraction",
-                    param="kv_compression_memory_fraction",
-                )
-            budget -= head_budget
-        # A draft model's cache sits beside the target's, block for block: both come out of the budget.
-        num_blocks = budget // (kv_spec.bytes_per_block + (draft_spec.bytes_per_block if draft_spec else 0))
-        if num_blocks < 2:
-            raise InvalidRequestError(
-                f"kv_cache_memory {budget} bytes holds {num_blocks} blocks of {kv_spec.bytes_per_block} bytes; "
-                "give at least two blocks' worth",
-                param="kv_cache_memory",
-            )
-        capacity = num_blocks * config.block_size
-        if config.max_model_len is not None:
-            if config.max_model_len > cfg.max_position_embeddings:
-                raise InvalidRequestError(
-                    f"max_model_len {config.max_model_len} exceeds the model's context "
-                    f"({cfg.max_position_embeddings})",
-                    param="max_model_len",
-                )
-            if config.max_model_len > capacity:
-                raise InvalidRequestError(
-                    f"max_model_len {config.max_model_len} exceeds the KV cache capacity ({capacity} tokens); "
-                    "raise kv_cache_memory or lower max_model_len",
-                    param="max_model_len",
-                )
-            max_model_len = config.max_model_len
-        else:
-            max_model_len = min(cfg.max_position_embeddings, capacity)
-        if draft_loaded is not None:
-            max_model_len = min(max_model_len, draft_loaded.config.max_position_embeddings)
-        if head is not None:
-            max_model_len = min(max_model_len, head.max_positions)
-
-        # Compressed requests' context is the compression pool's (before eviction), within the model's.
-        compressed_len = (num_head_blocks // (cfg.num_hidden_layers * cfg.num_key_value_heads)) * config.block_size
-        max_positions = max(max_model_len, min(cfg.max_position_embeddings, compressed_len))
-        hybrid = precision.weight_dtype == "hybrid"
-        build = functools.partial(
-            build_model,
-            loaded,
-            dtype=dtype,
-            device=device,
-            max_positions=max_positions,
-            int4_group_size=config.int4_group_size,
-            int4_double_quant=config.int4_double_quant,
-            int4_kernel=config.int4_kernel,
-        )
-        model = build(
-            # inductor cannot lower oneDNN's prepacked (opaque) weights; it plans its own GEMMs
-            pack_weights=hybrid or not config.compile_decode,
-            weight_dtype="int4" if precision.weight_dtype == "int4" else "dense",
-        )
-        decode_model = build(weight_dtype="int4") if hybrid else None
-        if decode_model is not None and isinstance(decode_model.lm_head, Int8HeadLinear):
-            # Decode steps above the INT8 head's rows take the dense model's head (its compute
-            # dtype, prepacked): no second 16-bit copy, and the logits of the dense path.
-            decode_model.lm_head.use_dense_head(model.lm_head, dtype)
-        draft: PagedDraftCache | None = None
-        if head is not None and draft_spec is not None:
-            weights = loaded.weights
-            prefix = "model." if "model.norm.weight" in weights else ""
-            try:
-                head.attach_target(
-                    model.embed_tokens,
-                    weights[prefix + "norm.weight"],
-                    weights.get("lm_head.weight", weights[prefix + "embed_tokens.weight"]),
-                )
-            except ValueError as exc:
-                raise InvalidRequestError(str(exc), param="speculative.draft_model") from exc
-            draft = EagleProposer(
-                head, allocate_kv_caches(draft_spec, num_blocks, device), draft_spec.num_kv_heads, config.block_size, device
-            )
-        elif draft_loaded is not None and draft_spec is not None:
-            draft_model = build_model(draft_loaded, dtype=dtype, device=device, max_positions=max_model_len)
-            draft = DraftProposer(
-                draft_model,
-                allocate_kv_caches(draft_spec, num_blocks, device),
-                draft_spec.num_kv_heads,
-                config.block_size,
-                device,
-            )
-        lora = None
-        if config.enable_lora:
-            lora = LoRAManager(
-                LoRAModelShape.from_config(cfg),
-                max_loras=config.max_loras,
-                max_cpu_loras=config.max_cpu_loras or 4 * config.max_loras,
-                limits=LoRALimits(max_lora_rank=config.max_lora_rank),
-                device=device,
-                dtype=dtype,
-            )
-        eos_token_ids = frozenset(cfg.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
-        grammars = GrammarCompiler(loaded.tokenizer, cfg.vocab_size, sorted(eos_token_ids))
-        runner = ModelRunner(
-            model,
-            kv_spec,
-            num_blocks,
-            device,
-            seed=config.seed,
-            lora=lora,
-            compile_decode=config.compile_decode,
-            decode_model=decode_model,
-            decode_model_max_batch=config.hybrid_int4_max_batch,
-            draft=draft,
-            native_decoder=config.native_decoder,
-            grammars=grammars,
-            num_head_blocks=num_head_blocks,
-            eviction=_eviction_policy(config),
-        )
-        runner.warmup_decode()
-        parts = EngineParts(
-            model_name=loaded.name,
-            model_config=cfg,
-            tokenizer=loaded.tokenizer,
-            eos_token_ids=eos_token_ids,
-            runner=runner,
-            num_blocks=num_blocks,
-            max_model_len=max_model_len,
-            kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
-            lora=lora,
-            precision=precision,
-            grammars=grammars,
-            num_head_blocks=num_head_blocks,
-            max_positions=max_positions,
-        )
-        del loaded
-        logger.info(
-            "engine ready",
-            extra={
-                "model": parts.model_name,
-                "device": str(device),
-                "dtype": dtype_name,
-                "weight_dtype": precision.weight_dtype,
-                "precision_reason": precision.reason,
-                "native_decoder": runner.native is not None,
-                "native_decoder_unavailable": runner.native_unavailable_reason if runner.native is None else "",
-                "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
-                "kv_blocks": num_blocks,
-                "kv_capacity_tokens": capacity,
-                "max_model_len": max_model_len,
-            },
-        )
-        return cls(config, parts)
+        """Load `config.model` and build the engine's parts (`builder.build_parts`)."""
+        return cls(config, build_parts(config))
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> LLMEngine:
@@ -364,28 +131,7 @@ class LLMEngine:
     def make_request(self, gen: GenerationRequest, *, compress: bool = True) -> tuple[Request, str | None]:
         """Validate and tokenise; raises `InvalidRequestError` before anything is allocated.
         `compress=False`: the shared layout whatever the request or engine asks (KV hand-over)."""
-        given = [x is not None for x in (gen.prompt, gen.prompt_token_ids, gen.messages)]
-        if sum(given) != 1:
-            raise InvalidRequestError(
-                "give exactly one of prompt, prompt_token_ids or messages", param="prompt"
-            )
-        prompt = gen.prompt
-        if gen.messages is not None:
-            if not gen.messages:
-                raise InvalidRequestError("messages must not be empty", param="messages")
-            prompt = self.tokenizer.apply_chat_template(gen.messages, add_generation_prompt=True)
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        elif prompt is not None:
-            if not isinstance(prompt, str) or not prompt:
-                raise InvalidRequestError("prompt must be a non-empty string", param="prompt")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(gen.prompt_token_ids or [])
-            if not token_ids:
-                raise InvalidRequestError("prompt_token_ids must not be empty", param="prompt")
-            vocab = self.model_config.vocab_size
-            if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        token_ids, prompt = self._prompt_token_ids(gen)
         params = gen.sampling_params
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
@@ -394,25 +140,7 @@ class LLMEngine:
         compressed = compress and rate is not None and rate > 1.0
         if compressed:
             params = self._check_compression(params, gen)
-        # A compressed request must fit the compression pool alone before eviction (so it can
-        # always run); the others, the shared cache.
-        context = self.compressed_max_len if compressed else self.max_model_len
-        if len(token_ids) >= context:
-            raise ContextLengthExceededError(
-                f"the prompt has {len(token_ids)} tokens; this model's context is {context} tokens "
-                f"{'(the KV compression pool) ' if compressed else ''}and at least one must be left to generate"
-            )
-        remaining = context - len(token_ids)
-        if params.max_tokens is None:
-            limit = remaining if gen.default_max_tokens is None else min(remaining, gen.default_max_tokens)
-            params = dataclasses.replace(params, max_tokens=limit)
-        elif params.max_tokens > remaining:
-            raise ContextLengthExceededError(
-                f"This model's maximum context length is {context} tokens; the prompt has "
-                f"{len(token_ids)} and max_tokens asks for {params.max_tokens} more. Reduce the prompt or "
-                f"max_tokens (at most {remaining} here), or leave max_tokens out",
-                param="max_tokens",
-            )
+        params = self._with_max_tokens(params, gen, len(token_ids), compressed)
         if gen.lora_name is not None:
             self._check_lora(gen.lora_name)
         if params.structured is not None:
@@ -432,6 +160,54 @@ class LLMEngine:
             kv_compression_rate=rate if compressed else None,
         )
         return request, prompt
+
+    def _prompt_token_ids(self, gen: GenerationRequest) -> tuple[list[int], str | None]:
+        """The prompt's token ids (tokenised from text or messages, or checked as given) and its
+        text (None when given as ids)."""
+        given = [x is not None for x in (gen.prompt, gen.prompt_token_ids, gen.messages)]
+        if sum(given) != 1:
+            raise InvalidRequestError("give exactly one of prompt, prompt_token_ids or messages", param="prompt")
+        if gen.messages is not None:
+            if not gen.messages:
+                raise InvalidRequestError("messages must not be empty", param="messages")
+            prompt = self.tokenizer.apply_chat_template(gen.messages, add_generation_prompt=True)
+            return self.tokenizer.encode(prompt, add_special_tokens=False), prompt
+        if gen.prompt is not None:
+            if not isinstance(gen.prompt, str) or not gen.prompt:
+                raise InvalidRequestError("prompt must be a non-empty string", param="prompt")
+            return self.tokenizer.encode(gen.prompt), gen.prompt
+        token_ids = list(gen.prompt_token_ids or [])
+        if not token_ids:
+            raise InvalidRequestError("prompt_token_ids must not be empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return token_ids, None
+
+    def _with_max_tokens(
+        self, params: SamplingParams, gen: GenerationRequest, num_prompt_tokens: int, compressed: bool
+    ) -> SamplingParams:
+        """`params` with `max_tokens` resolved against the context left after the prompt. A
+        compressed request must fit the compression pool alone before eviction (so it can always
+        run); the others, the shared cache."""
+        context = self.compressed_max_len if compressed else self.max_model_len
+        if num_prompt_tokens >= context:
+            raise ContextLengthExceededError(
+                f"the prompt has {num_prompt_tokens} tokens; this model's context is {context} tokens "
+                f"{'(the KV compression pool) ' if compressed else ''}and at least one must be left to generate"
+            )
+        remaining = context - num_prompt_tokens
+        if params.max_tokens is None:
+            limit = remaining if gen.default_max_tokens is None else min(remaining, gen.default_max_tokens)
+            return dataclasses.replace(params, max_tokens=limit)
+        if params.max_tokens > remaining:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {context} tokens; the prompt has "
+                f"{num_prompt_tokens} and max_tokens asks for {params.max_tokens} more. Reduce the prompt or "
+                f"max_tokens (at most {remaining} here), or leave max_tokens out",
+                param="max_tokens",
+            )
+        return params
 
     def _check_compression(self, params: SamplingParams, gen: GenerationRequest) -> SamplingParams:
         """A compressed request needs the head-block pool and no adapter; it does not speculate
@@ -467,6 +243,18 @@ class LLMEngine:
             )
         if not self.lora.has(name):
             raise NotFoundError(f"LoRA adapter {name!r} is not loaded", param="model", code="model_not_found")
+
+    def acquire_lora(self, name: str) -> None:
+        """Hold adapter `name` for a request (checked first); `_on_finish` gives it back."""
+        self._check_lora(name)
+        assert self.lora is not None
+        self.lora.acquire(name)
+
+    def _on_finish(self, request: Request) -> None:
+        """Every finished request passes here once (`Scheduler.finish_request`, whatever ended it)."""
+        if request.lora_name is not None and self.lora is not None:
+            self.lora.release(request.lora_name)
+
 
     # -- LoRA adapters --------------------------------------------------------------------
     def add_lora(self, name: str, source: str | LoRAAdapter) -> LoRAAdapter:
@@ -532,150 +320,33 @@ class LLMEngine:
         children = choice_requests(request) if request.sampling_params.n > 1 else [request]
         for child in children:
             if child.lora_name is not None:
-                assert self.lora is not None
-                self.lora.acquire(child.lora_name)  # raises when it was removed meanwhile
+                self.acquire_lora(child.lora_name)  # raises when it was removed meanwhile
             self.scheduler.add_request(child)
             self.output_processor.add(child, prompt, stream_text, final_only)
         if len(children) > 1:
             self.families.add(request.request_id, [c.request_id for c in children])
         return request
 
-    # -- KV hand-over (kv_transfer.py) ----------------------------------------------------------
+
+    # -- KV hand-over (handover.py) --------------------------------------------------------------
     def make_prefill_request(self, gen: GenerationRequest) -> tuple[Request, str | None]:
-        """`make_request` for a prefill: compute the prompt, sample one token, and keep the KV
-        blocks for `export_kv` (or until `kv_hold_ttl_s` passes)."""
-        request, prompt = self.make_request(gen, compress=False)  # handed over in the shared layout, whole
-        request.sampling_params = dataclasses.replace(request.sampling_params, max_tokens=1, n=1, speculative=False)
-        request.hold_kv = True
-        return request, prompt
+        return handover.make_prefill_request(self, gen)
 
     def add_prefill_request(self, gen: GenerationRequest) -> Request:
-        """Queue `gen` as a prefill (`make_prefill_request`)."""
+        """Queue `gen` as a prefill (`handover.make_prefill_request`)."""
         return self.add_prepared(*self.make_prefill_request(gen))
 
     def kv_fingerprint(self) -> str:
-        cfg = self.model_config
-        return fingerprint(self.model_name, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size)
+        return handover.kv_fingerprint(self)
 
     def cached_prefix_pages(self, gen: GenerationRequest) -> int:
-        """How many leading pages (blocks) of `gen`'s prompt this engine's prefix cache holds now:
-        a sender need not send them (`export_kv(skip_pages=...)`)."""
-        request, _ = self.make_request(gen, compress=False)
-        return self.kv_manager.num_cached_prefix_blocks(
-            request.num_tokens, request.token_ids_slice, self.scheduler.cache_salt(request)
-        )
+        return handover.cached_prefix_pages(self, gen)
 
     def export_kv(self, request_id: str, cache_dtype: str | None = None, skip_pages: int = 0) -> KVTransfer:
-        """The prompt KV of a finished prefill request (`add_prefill_request`) as checksummed
-        pages in `cache_dtype` (this cache's own, or "float8_e4m3fn" for an FP8 receiver), from
-        page `skip_pages` on (the receiver holds the ones before), and its first token; its
-        blocks are freed. Raises `NotFoundError` when it is not held."""
-        request = self.scheduler.held.get(request_id)
-        if request is None:
-            raise NotFoundError(f"no prefilled KV is held for request {request_id!r} (expired or never made)")
-        try:
-            dtype = self.kv_cache_dtype if cache_dtype is None else cache_dtype
-            if dtype not in (self.kv_cache_dtype, "float8_e4m3fn"):
-                raise InvalidRequestError(
-                    f"this engine's {self.kv_cache_dtype} cache exports as itself or float8_e4m3fn, not {dtype}",
-                    param="cache_dtype",
-                )
-            prompt = request.prompt_token_ids
-            size = self.kv_manager.block_size
-            if not 0 <= skip_pages <= (len(prompt) - 1) // size:
-                raise InvalidRequestError(
-                    f"skip_pages {skip_pages} must be between 0 and {(len(prompt) - 1) // size} for a prompt of "
-                    f"{len(prompt)} tokens (the last token's page is always sent)",
-                    param="skip_pages",
-                )
-            block_ids = self.kv_manager.block_table(request_id).block_ids
-            datas = self.runner.export_pages(block_ids[skip_pages:], len(prompt) - skip_pages * size, getattr(torch, dtype))
-            pages = []
-            for index, data in enumerate(datas, start=skip_pages):
-                tokens = tuple(prompt[index * size : (index + 1) * size])
-                pages.append(KVPage(index, tokens, data, page_checksum(request_id, index, tokens, dtype, data)))
-            return KVTransfer(
-                request_id, self.kv_fingerprint(), dtype, size, request.output_token_ids[0], tuple(pages), skip_pages
-            )
-        finally:
-            self.scheduler.release_held(request_id)
+        return handover.export_kv(self, request_id, cache_dtype, skip_pages)
 
     def add_request_with_kv(self, gen: GenerationRequest, transfer: KVTransfer, *, stream_text: bool = False) -> RequestOutput:
-        """Continue a request whose prompt another engine computed: verify the transfer (model,
-        cache type, checksums, the prompt's tokens), copy its pages into blocks of this cache, and
-        decode from there. Returns the output of its first token (sampled by the sender). A bad
-        transfer raises `KVTransferError` and allocates nothing; no free blocks: 503."""
-        request, prompt = self.make_request(gen, compress=False)  # the transfer's pages: shared layout
-        if request.sampling_params.n > 1:
-            raise InvalidRequestError("a handed-over prompt continues as one choice: compute n > 1 here", param="n")
-        verify(
-            transfer,
-            model_fingerprint=self.kv_fingerprint(),
-            cache_dtype=self.kv_cache_dtype,
-            block_size=self.kv_manager.block_size,
-            prompt_token_ids=request.prompt_token_ids,
-        )
-        if request.request_id in self.scheduler.requests:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already running", param="request_id")
-        num_prompt = request.num_prompt_tokens
-        size = self.kv_manager.block_size
-        num_cached_blocks = 0
-        if transfer.num_skipped_pages:  # take the pages left out from this engine's prefix cache
-            cached = self.kv_manager.allocate_cached_prefix(
-                request.request_id, request.num_tokens, request.token_ids_slice, self.scheduler.cache_salt(request)
-            )
-            num_cached_blocks = cached // size
-            if num_cached_blocks < transfer.num_skipped_pages:
-                self.kv_manager.free(request.request_id)
-                raise KVPrefixEvictedError(
-                    f"{transfer.num_skipped_pages} prompt pages were left out of the KV transfer but only "
-                    f"{num_cached_blocks} are still cached here; the request needs a whole transfer"
-                )
-            request.num_cached_tokens = cached
-        if not self.kv_manager.allocate_slots(request.request_id, num_prompt + 1, admission=True):
-            self.kv_manager.free(request.request_id)
-            raise ServiceUnavailableError("no free KV blocks for a handed-over request; retry shortly", code="kv_cache_full")
-        try:
-            block_ids = self.kv_manager.block_table(request.request_id).block_ids
-            # Never into cached (shared) blocks: only the pages past this engine's own prefix.
-            imported = [p for p in transfer.pages if p.index >= num_cached_blocks]
-            self.runner.import_pages(
-                block_ids[num_cached_blocks:], [(len(p.token_ids), p.data) for p in imported]
-            )
-            if hasattr(self.runner, "imported_prompt"):
-                self.runner.imported_prompt(request.request_id, num_cached_blocks * size, num_prompt)
-            if request.lora_name is not None:
-                self._check_lora(request.lora_name)
-                assert self.lora is not None
-                self.lora.acquire(request.lora_name)
-        except BaseException:
-            self.kv_manager.free(request.request_id)
-            raise
-        request.num_computed_tokens = num_prompt
-        self.scheduler.add_running(request)
-        self.output_processor.add(request, prompt, stream_text)
-        # The sender's first token, through the same stop checks and output path as any other.
-        result = RunnerResult({request.request_id: [transfer.first_token_id]})
-        handed = SchedulerOutput(
-            [
-                ScheduledRequest(
-                    request_id=request.request_id,
-                    token_ids=[],
-                    start_position=num_prompt,
-                    block_ids=block_ids,
-                    sample=True,
-                    sampling_params=request.sampling_params,
-                    output_token_ids=[],
-                    is_new=False,
-                )
-            ],
-            0,
-        )
-        return self._outputs(self.scheduler.update_from_output(handed, result))[0]
-
-    def _release(self, request: Request) -> None:
-        if request.lora_name is not None and self.lora is not None:
-            self.lora.release(request.lora_name)
+        return handover.add_request_with_kv(self, gen, transfer, stream_text=stream_text)
 
     def abort_request(
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -691,10 +362,9 @@ class LLMEngine:
         return self._to_parents([output])[0]
 
     def _finish_one(self, request_id: str, status: RequestStatus) -> RequestOutput | None:
-        request = self.scheduler.finish_request(request_id, status)
+        request = self.scheduler.finish_request(request_id, status)  # releases its adapter (`_on_finish`)
         if request is None:
             return None
-        self._release(request)
         return self.output_processor.finish(request)
 
     def _to_parents(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -706,7 +376,7 @@ class LLMEngine:
         while to_end:
             ended = [self._finish_one(c, RequestStatus.FINISHED_ABORTED) for c in to_end]
             more, to_end = self.families.to_parents([o for o in ended if o is not None])
-            parents = _merge_by_id(parents, more)
+            parents = merge_by_id(parents, more)
         return parents
 
     def has_unfinished_requests(self) -> bool:
@@ -716,43 +386,35 @@ class LLMEngine:
     def new_request_id() -> str:
         return uuid.uuid4().hex
 
+
     # -- the loop -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.scheduler.held:
-            self.scheduler.expire_held(self.config.kv_hold_ttl_s)
+        """One step: schedule, execute, update, outputs (choices mapped to their parents)."""
         scheduled = self.scheduler.schedule()
-        aborted: list[RequestOutput] = []
-        if self.config.kv_integrity_check and not scheduled.is_empty:
-            aborted = self._abort_stale(scheduled)
-        if scheduled.is_empty:
-            return self._to_parents(aborted)
-        self.output_processor.mark_scheduled(
-            [s.request_id for s in scheduled.scheduled if s.is_new], time.monotonic()
-        )
+        ended = self._end_stale(scheduled.stale_request_ids)
+        if not scheduled.is_empty:
+            ended += self._execute(scheduled)
+        return self._to_parents(ended)
+
+    def _execute(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+        """Run a scheduled step and apply it: the requests the runner failed end first (none of
+        their tokens is kept), then the others' tokens and outputs."""
+        self.output_processor.mark_scheduled([s.request_id for s in scheduled.scheduled if s.is_new], time.monotonic())
         started_wall, started_cpu = time.perf_counter(), time.thread_time()
         result = self.runner.execute(scheduled)
-        num_rows = sum(1 + s.num_draft_tokens for s in scheduled.scheduled if s.sample)
-        self.scheduler.step_cost.observe(
-            scheduled.num_scheduled_tokens, num_rows, time.perf_counter() - started_wall
-        )
-        aborted += self._fail_requests(result, len(scheduled.scheduled))
-        outputs = self._outputs(self.scheduler.update_from_output(scheduled, result))
+        outputs = self._fail_requests(result, len(scheduled.scheduled))
+        outputs += self.outputs(self.scheduler.update_from_output(scheduled, result))
         self.num_steps += 1
         self.step_wall_s += time.perf_counter() - started_wall
         self.step_thread_cpu_s += time.thread_time() - started_cpu
-        return self._to_parents(aborted + outputs)
+        return outputs
 
-    def _outputs(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
-        """Outputs for applied updates; requests that finished (a stop token, length, or a stop
-        string the output processor found) give back their adapter and blocks."""
+    def outputs(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
+        """Outputs for applied updates; a request whose stop string the output processor found
+        is finished (the same path as every other finish)."""
         outputs, stopped_ids = self.output_processor.process(updates)
-        for update in updates:
-            if update.finished:
-                self._release(update.request)
-        for request_id in stopped_ids:  # a stop string matched: release the request's blocks
-            stopped = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
-            if stopped is not None:
-                self._release(stopped)
+        for request_id in stopped_ids:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
         return outputs
 
     def _fail_requests(self, result: RunnerResult, num_scheduled: int) -> list[RequestOutput]:
@@ -772,41 +434,33 @@ class LLMEngine:
             self.num_consecutive_failed_steps = 0
         outputs = []
         for request_id, message in result.failed.items():
-            request = self.scheduler.requests.get(request_id)
-            if request is None:
-                continue
             # A constraint the model could not continue is the schema's to fix, not a server fault.
-            request.error, request.error_code = message, ("constraint_failed" if message == GRAMMAR_FAILED else "request_failed")
-            self.num_failed_requests += 1
-            output = self._finish_one(request_id, RequestStatus.FINISHED_ERROR)  # step() maps choices
+            code = "constraint_failed" if message == GRAMMAR_FAILED else "request_failed"
+            output = self._end_with_error(request_id, message, code)
+            if output is not None:
+                self.num_failed_requests += 1
+                outputs.append(output)
+        return outputs
+
+    def _end_stale(self, request_ids: list[str]) -> list[RequestOutput]:
+        """KV-page integrity: a request the scheduler left out because a block of it was reassigned
+        (an allocator bug, a late KV transfer) ends alone, before anything is computed or answered
+        from someone else's KV."""
+        outputs = []
+        for request_id in request_ids:
+            logger.error("kv integrity violation; aborting request", extra={"request_id": request_id})
+            self.num_kv_integrity_aborts += 1
+            output = self._end_with_error(request_id, KV_INTEGRITY_ERROR, "kv_integrity")
             if output is not None:
                 outputs.append(output)
         return outputs
 
-    def _abort_stale(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
-        """KV-page integrity: a scheduled request holding a block whose generation changed (the
-        block was reassigned: an allocator bug, a late KV transfer) is aborted alone, before the
-        step could compute or answer anything from someone else's KV."""
-        request_ids = [s.request_id for s in scheduled.scheduled]
-        stale = self.kv_manager.stale_requests(request_ids)
-        if self.head_kv is not None:  # compressed requests' head blocks carry the same tags
-            stale += self.head_kv.stale_requests([r for r in request_ids if r not in stale])
-        if not stale:
-            return []
-        outputs = []
-        for request_id in stale:
-            request = self.scheduler.requests.get(request_id)
-            if request is not None:
-                request.error = "a KV block of this request was reassigned; retry the request"
-                request.error_code = "kv_integrity"
-            logger.error("kv integrity violation; aborting request", extra={"request_id": request_id})
-            self.num_kv_integrity_aborts += 1
-            output = self._finish_one(request_id, RequestStatus.FINISHED_ERROR)  # step() maps choices
-            if output is not None:
-                outputs.append(output)
-        stale_ids = set(stale)
-        scheduled.scheduled = [s for s in scheduled.scheduled if s.request_id not in stale_ids]
-        return outputs
+    def _end_with_error(self, request_id: str, message: str, code: str) -> RequestOutput | None:
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return None
+        request.error, request.error_code = message, code
+        return self._finish_one(request_id, RequestStatus.FINISHED_ERROR)  # step() maps choices
 
     def inject_kv_fault(self, request_id: str, block_index: int = 0, *, overwrite: bool = False) -> int:
         """Test hook: act as a buggy allocator (or a late KV transfer) on a running request's
@@ -818,150 +472,12 @@ class LLMEngine:
             head_block_ids = [b for table in self.head_kv.head_tables(request_id) for b in table.block_ids]
             block_id = head_block_ids[block_index]
             self.head_kv.pool.generations[block_id] += 1
-            if overwrite and self.runner.head_pool is not None:
-                for pool in self.runner.head_pool[:2]:
-                    pool[block_id].view(torch.uint8).fill_(0x7F)
-            return block_id
-        block_id = self.kv_manager.block_table(request_id).block_ids[block_index]
-        self.kv_manager.pool.generations[block_id] += 1
+        else:
+            block_id = self.kv_manager.block_table(request_id).block_ids[block_index]
+            self.kv_manager.pool.generations[block_id] += 1
         if overwrite:
-            for layer in self.runner.kv_caches:
-                layer[0][block_id].view(torch.uint8).fill_(0x7F)
-                layer[1][block_id].view(torch.uint8).fill_(0x7F)
+            self.runner.corrupt_block(block_id, head_pool=request is not None and request.compressed)
         return block_id
 
     def stats(self) -> dict[str, Any]:
-        pool = self.kv_manager.pool
-        loras = self.list_loras()
-        return {
-            "kv_capacity_tokens": self.kv_manager.capacity_tokens,
-            "kv_cache_dtype": self.kv_cache_dtype,
-            "prefix_cache_queries": self.kv_manager.num_prefix_queries,
-            "prefix_cache_hits": self.kv_manager.num_prefix_hits,
-            "prefix_cache_hit_rate": self.kv_manager.num_prefix_hits
-            / max(1, self.kv_manager.num_prefix_queries),
-            "prefix_cache_evictions": self.kv_manager.pool.num_evictions,
-            "num_kv_integrity_aborts": self.num_kv_integrity_aborts,
-            "num_failed_requests": self.num_failed_requests,
-            "loras_loaded": loras,
-            "num_loras_loaded": len(loras),
-            "dtype": self.precision.dtype if self.precision else None,
-            "weight_dtype": self.precision.weight_dtype if self.precision else self.config.weight_dtype,
-            "precision_reason": self.precision.reason if self.precision else "",
-            "native_decoder": getattr(self.runner, "native", None) is not None,
-            "num_native_decoder_steps": int(getattr(self.runner, "num_native_steps", 0)),
-            "kv_blocks_total": pool.num_blocks,
-            "kv_blocks_used": pool.num_used_blocks,
-            "kv_occupancy": pool.num_used_blocks / pool.num_blocks,
-            "block_size": self.kv_manager.block_size,
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "queued_prompt_tokens": self.scheduler.num_uncomputed_prompt_tokens(),
-            "num_preemptions": self.scheduler.num_preemptions_total,
-            "num_output_tokens_interactive": self.scheduler.num_output_tokens_total[Priority.INTERACTIVE],
-            "num_output_tokens_batch": self.scheduler.num_output_tokens_total[Priority.BATCH],
-            "max_model_len": self.max_model_len,
-            "num_steps": self.num_steps,
-            "num_draft_tokens": self.scheduler.num_draft_tokens_total,
-            "num_accepted_draft_tokens": self.scheduler.num_accepted_tokens_total,
-            "draft_acceptance_rate": self.scheduler.num_accepted_tokens_total
-            / max(1, self.scheduler.num_draft_tokens_total),
-            "draft_wall_s": float(getattr(self.runner, "draft_wall_s", 0.0)),
-            "step_wall_s": self.step_wall_s,
-            "step_thread_cpu_s": self.step_thread_cpu_s,
-            "grammar_mask_s": float(getattr(self.runner, "grammar_mask_s", 0.0)),
-            **(self.grammars.stats() if self.grammars is not None else {}),
-            **self._compression_stats(),
-        }
-
-    def _compression_stats(self) -> dict[str, Any]:
-        head_kv = self.head_kv
-        if head_kv is None:
-            return {}
-        return {
-            "kv_compression_head_blocks_total": head_kv.pool.num_blocks,
-            "kv_compression_head_blocks_used": head_kv.pool.num_used_blocks,
-            "kv_compression_capacity_tokens": self.compressed_capacity_tokens,
-            "kv_compression_evictions": self.scheduler.num_compressed_evictions,
-            "kv_compression_vectors_evicted": self.scheduler.num_vectors_evicted,
-        }
-
-
-def _merge_by_id(first: list[RequestOutput], then: list[RequestOutput]) -> list[RequestOutput]:
-    """`first` with the outputs of `then` of the same request folded in (their completions
-    replace those of the same index; a finished one carries every choice)."""
-    by_id = {o.request_id: o for o in first}
-    merged = list(first)
-    for output in then:
-        earlier = by_id.get(output.request_id)
-        if earlier is None:
-            merged.append(output)
-            continue
-        earlier_by_index = {c.index: c for c in earlier.outputs}
-        completions = [
-            merge_deltas(earlier_by_index.pop(c.index), c) if c.index in earlier_by_index else c
-            for c in output.outputs
-        ]
-        earlier.outputs = sorted([*earlier_by_index.values(), *completions], key=lambda c: c.index)
-        earlier.finished = output.finished
-        earlier.metrics = output.metrics
-        earlier.error, earlier.error_code = output.error or earlier.error, output.error_code or earlier.error_code
-    return merged
-
-
-def _eviction_policy(config: EngineConfig) -> EvictionPolicy:
-    """How compressed requests are evicted (the runner scores and plans; the scheduler times)."""
-    return EvictionPolicy(
-        per_head=config.kv_compression_policy == "per_head", interval=config.kv_compression_interval
-    )
-
-
-def _speculation_settings(config: EngineConfig, *, has_draft: bool) -> SpeculationSettings | None:
-    spec = config.speculative
-    if spec is None:
-        return None
-    method = {"auto": "both" if has_draft else "ngram", "ngram": "ngram", "draft": "draft"}[spec.method]
-    return SpeculationSettings(
-        method=method,
-        num_speculative_tokens=spec.num_speculative_tokens,
-        prompt_lookup_min=spec.prompt_lookup_min,
-        prompt_lookup_max=spec.prompt_lookup_max,
-    )
-
-
-# Draft heads trained for bundled models (scripts/train_draft.py), by model name.
-BUNDLED_DRAFTS = {"smollm2-135m-instruct": Path(__file__).parent / "drafts" / "smollm2-135m-instruct-eagle"}
-
-
-def _draft_path(config: EngineConfig) -> Path | None:
-    """Where the draft comes from: `draft_model`, else the head bundled for the model (methods
-    'draft' and 'auto'); None for prompt lookup alone."""
-    spec = config.speculative
-    if spec is None or spec.method == "ngram":
-        return None
-    if spec.draft_model is not None:
-        return resolve_model_path(spec.draft_model)
-    bundled = BUNDLED_DRAFTS.get(config.model.lower())
-    if bundled is not None and (bundled / "model.safetensors").exists():
-        return bundled
-    if spec.method == "draft":
-        raise InvalidRequestError(
-            f"speculative method 'draft' needs draft_model: no draft is bundled for {config.model!r}",
-            param="speculative.draft_model",
-        )
-    return None
-
-
-def _load_draft(config: EngineConfig, target: Any) -> Any:
-    """The draft model's loaded weights, checked to share the target's vocabulary token for
-    token."""
-    spec = config.speculative
-    assert spec is not None and spec.draft_model is not None
-    draft = load_model(spec.draft_model)
-    if draft.tokenizer.token_bytes_table() != target.tokenizer.token_bytes_table():
-        raise InvalidRequestError(
-            f"draft model {spec.draft_model!r} does not share the target's vocabulary; a draft must "
-            "tokenise exactly as the target does",
-            param="speculative.draft_model",
-        )
-    return draft
+        return engine_stats(self)

@@ -22,7 +22,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from tandem.engine.protocol import CompletionOutput, RequestMetrics, RequestOutput
+from tandem.engine.protocol import CompletionOutput, RequestMetrics, RequestOutput, merge_deltas
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import MAX_SEED, MIN_SEED
 
@@ -160,3 +160,25 @@ class ChoiceFamilies:
             parent.metrics = dataclasses.replace(family.metrics, finished_time=time.monotonic())
         if family.error is not None:
             parent.error, parent.error_code = family.error, family.error_code
+
+
+def merge_by_id(first: list[RequestOutput], then: list[RequestOutput]) -> list[RequestOutput]:
+    """`first` with the outputs of `then` of the same request folded in (their completions
+    replace those of the same index; a finished one carries every choice)."""
+    by_id = {o.request_id: o for o in first}
+    merged = list(first)
+    for output in then:
+        earlier = by_id.get(output.request_id)
+        if earlier is None:
+            merged.append(output)
+            continue
+        earlier_by_index = {c.index: c for c in earlier.outputs}
+        completions = [
+            merge_deltas(earlier_by_index.pop(c.index), c) if c.index in earlier_by_index else c
+            for c in output.outputs
+        ]
+        earlier.outputs = sorted([*earlier_by_index.values(), *completions], key=lambda c: c.index)
+        earlier.finished = output.finished
+        earlier.metrics = output.metrics
+        earlier.error, earlier.error_code = output.error or earlier.error, output.error_code or earlier.error_code
+    return merged

@@ -100,8 +100,18 @@ class Scheduler:
         eviction_interval: int = 0,
         eviction_window: int = 16,
         fair_share: FairShare | None = None,
+        kv_hold_ttl_s: float | None = None,
+        check_kv_integrity: bool = False,
+        on_finish: Callable[[Request], None] | None = None,
     ) -> None:
+        """`kv_hold_ttl_s`: held KV (`Request.hold_kv`) not collected this long is freed at the
+        next `schedule()`. `check_kv_integrity`: `schedule()` leaves out requests holding a block
+        whose generation changed (`SchedulerOutput.stale_request_ids`). `on_finish` is called with
+        every request that finishes, whatever ends it (`finish_request` is the one path)."""
         self.kv = kv_manager
+        self.kv_hold_ttl_s = kv_hold_ttl_s
+        self.check_kv_integrity = check_kv_integrity
+        self.on_finish = on_finish
         # Tenants' shares inside a priority class: order of service, seats and preemption.
         self.fair = fair_share or FairShare()
         # Compressed requests (`Request.compressed`) keep their KV here, per (layer, KV head),
@@ -208,6 +218,8 @@ class Scheduler:
         self._forget(request_id)
         self._ngrams.pop(request_id, None)
         self._draft_match_len.pop(request_id, None)
+        if self.on_finish is not None:
+            self.on_finish(request)
         return request
 
     def _forget(self, request_id: str) -> None:
@@ -353,7 +365,11 @@ class Scheduler:
         then its waiting ones; so a waiting interactive request is admitted before any batch
         request gets tokens. While interactive requests exist, batch requests share at most
         `batch_tokens_under_load` tokens per step (the rest keep their KV and wait), and at most
-        `batch_tokens_beside_interactive_prompt` in a step that computes an interactive prompt."""
+        `batch_tokens_beside_interactive_prompt` in a step that computes an interactive prompt.
+        Held KV past its lease is freed first; with `check_kv_integrity`, requests holding a
+        reassigned block are left out of the step (`stale_request_ids`) for the engine to end."""
+        if self.held and self.kv_hold_ttl_s is not None:
+            self.expire_held(self.kv_hold_ttl_s)
         step = _Step(budget=self.max_num_batched_tokens)
         interactive_active = any(r.priority is Priority.INTERACTIVE for r in self.running) or bool(
             self.waiting and self.waiting[0].priority is Priority.INTERACTIVE
@@ -391,14 +407,27 @@ class Scheduler:
             move_src += src
             move_dst += dst
         self._pending_moves.clear()
+        stale = self._stale_requests(step.scheduled)
         return SchedulerOutput(
-            scheduled=step.scheduled,
+            scheduled=[s for s in step.scheduled if s.request_id not in stale] if stale else step.scheduled,
             num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
             preempted_request_ids=step.preempted,
             finished_request_ids=finished_ids,
             head_move_src_slots=move_src,
             head_move_dst_slots=move_dst,
+            stale_request_ids=stale,
         )
+
+    def _stale_requests(self, scheduled: list[ScheduledRequest]) -> list[str]:
+        """KV-page integrity: scheduled requests holding a block whose generation changed (it was
+        reassigned: an allocator bug, a late KV transfer), in either layout."""
+        if not self.check_kv_integrity or not scheduled:
+            return []
+        request_ids = [s.request_id for s in scheduled]
+        stale = self.kv.stale_requests(request_ids)
+        if self.head_kv is not None:  # compressed requests' head blocks carry the same tags
+            stale += self.head_kv.stale_requests([r for r in request_ids if r not in stale])
+        return stale
 
     def _computes_interactive_prompt(self, step: _Step) -> bool:
         """Whether the step so far holds a chunk of an interactive request's prompt (not only
@@ -751,7 +780,10 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput, result: RunnerResult) -> list[RequestUpdate]:
         """Apply the runner's tokens: each request's computed count advances past its own tokens
         and its accepted drafts only (rejected drafts' slots are rewritten later and never cached),
-        then its new tokens are appended one by one until one of them stops it."""
+        then its new tokens are appended one by one until one of them stops it. The step's cost
+        (`result.wall_s`) feeds the speculation's step-cost model."""
+        num_rows = sum(1 + s.num_draft_tokens for s in output.scheduled if s.sample)
+        self.step_cost.observe(output.num_scheduled_tokens, num_rows, result.wall_s)
         updates: list[RequestUpdate] = []
         for item in output.scheduled:
             request = self.requests.get(item.request_id)
@@ -762,52 +794,69 @@ class Scheduler:
                 self.kv.free(item.request_id)
             kept = result.kept_tokens.get(item.request_id)
             if kept is not None and self.head_kv is not None and request.compressed:
-                held = sum(self.head_kv.num_tokens(request.request_id))
-                moves = self.head_kv.evict(request.request_id, kept)
-                self.num_compressed_evictions += 1
-                self.num_vectors_evicted += held - sum(len(k) for k in kept)
-                self._pending_moves[request.request_id] = (moves.src_slots, moves.dst_slots)
-                request.kv_evicted = True
-                request.num_tokens_at_eviction = item.start_position + len(item.token_ids)
+                self._apply_eviction(request, item, kept)
             token_ids = result.sampled_token_ids.get(item.request_id) or []
             num_drafts = item.num_draft_tokens
             num_accepted = min(max(0, len(token_ids) - 1), num_drafts)
             if num_drafts:
                 self._record_acceptance(request.request_id, num_drafts, num_accepted)
-            before = request.num_computed_tokens
             if not token_ids:  # a prefill chunk short of the prompt's end (never has drafts)
+                before = request.num_computed_tokens
                 request.num_computed_tokens += len(item.token_ids)
                 self._maybe_cache(request, before)
                 continue
-            new_tokens: list[int] = []
-            status: RequestStatus | None = None
-            for token_id in token_ids[: num_accepted + 1]:
-                request.output_token_ids.append(token_id)
-                new_tokens.append(token_id)
-                status = self._check_stop(request, token_id)
-                if status is not None:
-                    break
-            # Every token but the newest now has its KV written: this step's own tokens and the
-            # accepted drafts (rejected drafts' slots lie beyond and are rewritten next step). A
-            # stop inside the accepted drafts ends the request there.
-            request.num_computed_tokens = request.num_tokens - 1
-            self.num_output_tokens_total[request.priority] += len(new_tokens)
-            self._maybe_cache(request, before)
-            index = self._ngrams.get(request.request_id)
-            if index is not None:
-                index.extend(new_tokens)
             logprobs = result.logprobs.get(item.request_id)
-            if status is not None:
-                self.finish_request(request.request_id, status)
-            updates.append(
-                RequestUpdate(
-                    request=request,
-                    new_token_ids=new_tokens,
-                    new_logprobs=logprobs[: len(new_tokens)] if logprobs is not None else None,
-                    finished=status is not None,
-                )
-            )
+            updates.append(self._append_tokens(request, token_ids[: num_accepted + 1], logprobs))
         return updates
+
+    def add_handed_over(self, request: Request, first_token_id: int) -> RequestUpdate:
+        """Admit a request whose prompt KV another engine computed, its blocks allocated and filled
+        (`num_computed_tokens` = its prompt), with the first token that engine sampled: the token
+        goes through the same stop checks and bookkeeping as a token sampled here."""
+        self.add_running(request)
+        return self._append_tokens(request, [first_token_id], None)
+
+    def _append_tokens(
+        self, request: Request, token_ids: list[int], logprobs: list[dict[int, float]] | None
+    ) -> RequestUpdate:
+        """Append a request's new tokens until one of them stops it; every token but the newest
+        now has its KV written (this step's own tokens and accepted drafts; a stop inside the
+        accepted drafts ends the request there)."""
+        before = request.num_computed_tokens
+        new_tokens: list[int] = []
+        status: RequestStatus | None = None
+        for token_id in token_ids:
+            request.output_token_ids.append(token_id)
+            new_tokens.append(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                break
+        request.num_computed_tokens = request.num_tokens - 1
+        self.num_output_tokens_total[request.priority] += len(new_tokens)
+        self._maybe_cache(request, before)
+        index = self._ngrams.get(request.request_id)
+        if index is not None:
+            index.extend(new_tokens)
+        if status is not None:
+            self.finish_request(request.request_id, status)
+        return RequestUpdate(
+            request=request,
+            new_token_ids=new_tokens,
+            new_logprobs=logprobs[: len(new_tokens)] if logprobs is not None else None,
+            finished=status is not None,
+        )
+
+    def _apply_eviction(self, request: Request, item: ScheduledRequest, kept: list[list[int]]) -> None:
+        """What each head of a compressed request keeps (the runner's plan): the moves are copied
+        before the next step writes anything."""
+        assert self.head_kv is not None
+        held = sum(self.head_kv.num_tokens(request.request_id))
+        moves = self.head_kv.evict(request.request_id, kept)
+        self.num_compressed_evictions += 1
+        self.num_vectors_evicted += held - sum(len(k) for k in kept)
+        self._pending_moves[request.request_id] = (moves.src_slots, moves.dst_slots)
+        request.kv_evicted = True
+        request.num_tokens_at_eviction = item.start_position + len(item.token_ids)
 
     def _maybe_cache(self, request: Request, computed_before: int) -> None:
         """Publish blocks that this step filled with computed tokens to the prefix cache."""

@@ -14,6 +14,7 @@ lie beyond it, are overwritten by the next step, and are never published to the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
@@ -86,6 +87,9 @@ class SchedulerOutput:
     # decided after the last step; `head_kv_cache.EvictionMoves`): all sources are read first.
     head_move_src_slots: list[int] = field(default_factory=list)
     head_move_dst_slots: list[int] = field(default_factory=list)
+    # Scheduled requests left out of the step: a block of theirs was reassigned (KV integrity);
+    # the engine ends them with an error before anything is computed from that KV.
+    stale_request_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -108,6 +112,7 @@ class RunnerResult:
     # Per observed compressed request: per head (layer * num_kv_heads + kv_head), the indices of
     # the head's tokens it keeps, increasing (`HeadKVCacheManager.evict`).
     kept_tokens: dict[str, list[list[int]]] = field(default_factory=dict)
+    wall_s: float = 0.0  # the step's wall seconds in the runner (the scheduler's step-cost model)
 
     def merge(self, other: RunnerResult) -> None:
         """Add `other`'s requests (a part of the same step, computed separately)."""
@@ -125,3 +130,45 @@ class RequestUpdate:
     new_token_ids: list[int]  # appended to the request's output this step (after stop checks)
     new_logprobs: list[dict[int, float]] | None  # one per new token, when logprobs were asked
     finished: bool  # the scheduler finished it this step (stop token, length)
+
+
+@dataclass
+class RunnerStats:
+    """What a runner reports for `LLMEngine.stats()`."""
+
+    native_decoder: bool = False  # the native CPU decoder stack is built
+    num_native_decoder_steps: int = 0
+    draft_wall_s: float = 0.0  # wall seconds spent proposing with a draft model
+    grammar_mask_s: float = 0.0  # wall seconds computing and applying grammar masks
+
+
+class Runner(Protocol):
+    """All the engine uses of a runner (`runner.ModelRunner`; tests inject their own)."""
+
+    @property
+    def has_draft(self) -> bool:
+        """A draft model or head proposes speculative tokens (`ScheduledRequest.num_draft_slots`)."""
+        ...
+
+    def execute(self, sched: SchedulerOutput) -> RunnerResult:
+        """Compute one step; failure per request (`RunnerResult.failed`)."""
+        ...
+
+    def stats(self) -> RunnerStats: ...
+
+    def export_pages(self, block_ids: list[int], num_tokens: int, dtype_name: str) -> list[bytes]:
+        """The KV of the first `num_tokens` tokens in `block_ids`, one page per block, in the
+        cache dtype `dtype_name` (`kv_transfer.KVPage`)."""
+        ...
+
+    def import_pages(self, block_ids: list[int], pages: list[tuple[int, bytes]]) -> None:
+        """Write (token count, page bytes) into `block_ids`, in order."""
+        ...
+
+    def imported_prompt(self, request_id: str, first_position: int, num_tokens: int) -> None:
+        """Positions first_position..num_tokens-1 of the request's prompt were imported."""
+        ...
+
+    def corrupt_block(self, block_id: int, *, head_pool: bool = False) -> None:
+        """Test hook: overwrite a KV block (of the head-block pool with `head_pool`) with garbage."""
+        ...

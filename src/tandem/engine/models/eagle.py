@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tandem.engine.models.llama import KVLayer, LlamaConfig, LlamaDecoderLayer, rms_norm
+from tandem.engine.models.interface import KVLayer
+from tandem.engine.models.llama import LlamaConfig, LlamaDecoderLayer, rms_norm
 from tandem.kernels.attention import AttentionMetadata
 from tandem.kernels.rotary import apply_rope, rope_cos_sin, rope_inv_freq
 

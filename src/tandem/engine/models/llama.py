@@ -7,13 +7,20 @@ load time. Attention reads and writes the paged KV cache through `tandem.kernels
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.models.support import rope_settings
+from tandem.engine.models.interface import Int4Target, KVLayer, LoRAContext
+from tandem.engine.models.registry import Architecture, register
+from tandem.engine.models.support import (
+    SUPPORTED_MODEL_TYPES,
+    check_config,
+    expected_tensor_names,
+    rope_settings,
+)
 from tandem.kernels.attention import AttentionMetadata, finite_kv, paged_attention, write_kv
 from tandem.kernels.head_attention import HeadAttentionMetadata, head_attention_layer
 from tandem.kernels.rotary import apply_rope, rope_cos_sin, rope_inv_freq
@@ -38,11 +45,6 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
-        arch = cfg.get("model_type", "llama")
-        if arch not in ("llama", "mistral", "qwen2") and "LlamaForCausalLM" not in cfg.get(
-            "architectures", []
-        ):
-            raise ValueError(f"unsupported model_type {arch!r}: only Llama-family models load")
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
@@ -88,16 +90,6 @@ class LlamaConfig:
             "mlp_bias": False,
             "torch_dtype": "float32",
         }
-
-
-# One layer's cache: (k, v, k_scale, v_scale); the scales are None unless the cache is FP8.
-KVLayer = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
-
-
-class LoRAContext(Protocol):
-    """Per-step multi-LoRA state the layers call into (`engine.lora.LoRAStep`)."""
-
-    def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
 
 
 class LlamaAttention(nn.Module):
@@ -241,6 +233,21 @@ class LlamaForCausalLM(nn.Module):
             return logits
         return logits, (torch.cat(states, dim=-1) if hidden_layers else x)
 
+    def int4_targets(self) -> list[Int4Target]:
+        """The fused q/k/v, o, fused gate/up and down linears of every layer."""
+        targets = []
+        layers: list[LlamaDecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        for index, layer in enumerate(layers):
+            p = f"model.layers.{index}."
+            attn, mlp = layer.self_attn, layer.mlp
+            targets += [
+                Int4Target(attn, "qkv_proj", (p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj")),
+                Int4Target(attn, "o_proj", (p + "self_attn.o_proj",)),
+                Int4Target(mlp, "gate_up_proj", (p + "mlp.gate_proj", p + "mlp.up_proj")),
+                Int4Target(mlp, "down_proj", (p + "mlp.down_proj",)),
+            ]
+        return targets
+
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy HF-named weights in, fusing q/k/v and gate/up. Raises on missing or misshapen."""
         cfg = self.config
@@ -281,3 +288,19 @@ class LlamaForCausalLM(nn.Module):
                 take(p + "post_attention_layernorm.weight"),
                 p + "post_attention_layernorm",
             )
+
+
+def llama_tensor_names(config: LlamaConfig, prefix: str) -> set[str]:
+    return expected_tensor_names(config.num_hidden_layers, prefix=prefix)
+
+
+LLAMA = Architecture(
+    name="llama",
+    model_types=SUPPORTED_MODEL_TYPES,
+    hf_classes=("LlamaForCausalLM",),
+    check_config=check_config,
+    parse_config=LlamaConfig.from_hf_dict,
+    model_class=LlamaForCausalLM,
+    tensor_names=llama_tensor_names,
+)
+register(LLAMA, replace=True)

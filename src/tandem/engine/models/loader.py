@@ -1,7 +1,8 @@
-"""Find and load a model: a bundled name, an HF Llama-family folder, or a GGUF file.
+"""Find and load a model: a bundled name, an HF folder of a registered architecture, or a GGUF file.
 
-Returns HF-named float weights plus config and tokenizer; `build_model` turns them into a
-`LlamaForCausalLM` on the target device without random-initialising it first.
+Returns HF-named float weights plus config, tokenizer and architecture (`registry.py`);
+`build_model` turns them into that architecture's module on the target device without
+random-initialising it first.
 """
 
 from __future__ import annotations
@@ -19,13 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.engine.models.llama import LlamaConfig, LlamaForCausalLM
-from tandem.engine.models.support import (
-    check_config,
-    check_tensor_names,
-    safetensors_files,
-    safetensors_names,
-)
+from tandem.engine.models.interface import CausalLM
+from tandem.engine.models.llama import LLAMA, LlamaConfig
+from tandem.engine.models.registry import Architecture, architecture_for
+from tandem.engine.models.support import check_tensor_names, safetensors_files, safetensors_names
 from tandem.engine.tokenizer import Tokenizer
 from tandem.kernels.int4 import (
     Int4Kernel,
@@ -49,9 +47,10 @@ BUNDLED_MODELS = {
 class LoadedModel:
     name: str
     path: Path
-    config: LlamaConfig
+    config: Any  # the architecture's config (`interface.ModelConfig`)
     weights: dict[str, torch.Tensor]  # HF names, float32
     tokenizer: Tokenizer
+    architecture: Architecture = LLAMA
 
 
 def resolve_model_path(model: str) -> Path:
@@ -107,8 +106,9 @@ def check_model(model: str) -> None:
     to run before starting servers (`tandem serve`)."""
     path = _checkpoint_path(model)
     if path.is_dir():
-        config = _read_hf_config(path)
-        check_tensor_names(safetensors_names(safetensors_files(path)), config.num_hidden_layers, source=str(path))
+        architecture, config = _read_hf_config(path)
+        names = safetensors_names(safetensors_files(path))
+        check_tensor_names(names, lambda prefix: architecture.tensor_names(config, prefix), source=str(path))
     else:
         _gguf_tensor_names(path)
 
@@ -163,14 +163,16 @@ def gguf_to_hf_folder(path: Path, cache_dir: Path) -> Path:
 
 
 # -- HF folder ------------------------------------------------------------------------------
-def _read_hf_config(folder: Path) -> LlamaConfig:
+def _read_hf_config(folder: Path) -> tuple[Architecture, Any]:
+    """The folder's architecture (`registry.architecture_for`) and its parsed, checked config."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"{folder}: config.json not found", param="model")
     try:
         raw_config = json.loads(config_path.read_text())
-        check_config(raw_config)
-        config = LlamaConfig.from_hf_dict(raw_config)
+        architecture = architecture_for(raw_config)
+        architecture.check_config(raw_config)
+        config = architecture.parse_config(raw_config)
     except (json.JSONDecodeError, KeyError, ValueError, TypeError) as exc:
         raise ModelLoadError(f"{config_path}: invalid model config ({exc})", param="model") from exc
     gen_config_path = folder / "generation_config.json"
@@ -179,16 +181,17 @@ def _read_hf_config(folder: Path) -> LlamaConfig:
         for token_id in [eos] if isinstance(eos, int) else (eos or []):
             if token_id not in config.eos_token_ids:
                 config.eos_token_ids.append(token_id)
-    return config
+    return architecture, config
 
 
 def _load_hf_folder(name: str, folder: Path) -> LoadedModel:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    config = _read_hf_config(folder)
+    architecture, config = _read_hf_config(folder)
     files = safetensors_files(folder)
-    check_tensor_names(safetensors_names(files), config.num_hidden_layers, source=str(folder))
+    names = safetensors_names(files)
+    check_tensor_names(names, lambda prefix: architecture.tensor_names(config, prefix), source=str(folder))
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         try:
@@ -196,7 +199,7 @@ def _load_hf_folder(name: str, folder: Path) -> LoadedModel:
         except (SafetensorError, OSError, ValueError) as exc:
             raise ModelLoadError(f"{file}: corrupt safetensors file ({exc})", param="model") from exc
     tokenizer = Tokenizer.from_hf_folder(folder, config.eos_token_ids)
-    return LoadedModel(name, folder, config, weights, tokenizer)
+    return LoadedModel(name, folder, config, weights, tokenizer, architecture)
 
 
 # -- GGUF -----------------------------------------------------------------------------------
@@ -298,7 +301,13 @@ def _open_gguf(path: Path) -> tuple[Any, dict[str, Any]]:
 def _check_gguf_tensor_names(path: Path, names: set[str], num_layers: int) -> None:
     """Refuse tensors with no HF counterpart the Llama module consumes (e.g. `rope_freqs`, which
     carries llama3 rope scaling the metadata does not state)."""
-    check_tensor_names([_gguf_to_hf_name(n) or n for n in names], num_layers, source=str(path))
+    hf_names = [_gguf_to_hf_name(n) or n for n in names]
+    check_tensor_names(hf_names, lambda prefix: LLAMA.tensor_names(_Layers(num_layers), prefix), source=str(path))
+
+
+@dataclass
+class _Layers:
+    num_hidden_layers: int  # all the tensor-name check reads of a config
 
 
 def _gguf_tensor_names(path: Path) -> None:
@@ -331,11 +340,11 @@ def build_model(
     int4_group_size: int | None = None,
     int4_double_quant: bool = False,
     int4_kernel: Int4Kernel = "auto",
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Build on 'meta' (no random init), load the weights, then either quantise the linears to
     INT4 (`weight_dtype="int4"`) or prepack them for the device's GEMM."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(loaded.config, max_positions=max_positions)
+        model = loaded.architecture.model_class(loaded.config, max_positions)
     model = model.to_empty(device=device)
     try:
         model.load_hf_state_dict(loaded.weights)
@@ -403,7 +412,7 @@ def _concat_int4(parts: list[Int4Weight]) -> Int4Weight | None:
 
 
 def apply_int4(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     native: dict[str, Int4Weight],
     group_size: int,
     device: torch.device,
@@ -415,27 +424,18 @@ def apply_int4(
     `double_quant`, their group scales and zeros then become int8 codes (`double_quantize_int4`);
     `kernel` picks the INT4 matmul (`Int4Linear`). The norms keep the model dtype; the LM head and
     the input embedding become bfloat16."""
-    fused_sources = {
-        "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        "self_attn.o_proj": ("self_attn.o_proj",),
-        "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-        "mlp.down_proj": ("mlp.down_proj",),
-    }
-    for index, layer in enumerate(model.layers):
-        for fused, sources in fused_sources.items():
-            parent_name, attr = fused.split(".")
-            parent = getattr(layer, parent_name)
-            names = [f"model.layers.{index}.{src}.weight" for src in sources]
-            weight = _concat_int4([native[n] for n in names]) if all(n in native for n in names) else None
-            if weight is None:
-                linear = getattr(parent, attr)
-                weight = quantize_int4(linear.weight.detach(), fit_group_size(linear.in_features, group_size))
-            if double_quant:
-                weight = double_quantize_int4(weight)
-            setattr(parent, attr, Int4Linear(weight, device, kernel))
+    for target in model.int4_targets():
+        names = [f"{name}.weight" for name in target.source_names]
+        weight = _concat_int4([native[n] for n in names]) if all(n in native for n in names) else None
+        if weight is None:
+            linear = getattr(target.parent, target.attr)
+            weight = quantize_int4(linear.weight.detach(), fit_group_size(linear.in_features, group_size))
+        if double_quant:
+            weight = double_quantize_int4(weight)
+        setattr(target.parent, target.attr, Int4Linear(weight, device, kernel))
     # The LM head (often the tied embedding) is not INT4: INT4 there moved the default model's
     # greedy tokens within a few steps, while INT4 everywhere else keeps most of them. It is INT8
     # (Q8_0-style) for small steps where the native kernel runs, bfloat16 otherwise (a hybrid
     # engine hands it the dense model's head for those instead: `Int8HeadLinear.use_dense_head`).
-    model.lm_head = Int8HeadLinear(model.lm_head.weight)  # type: ignore[assignment]
+    model.lm_head = Int8HeadLinear(model.lm_head.weight)
     model.embed_tokens.to(torch.bfloat16)  # rows are looked up, then cast to the compute dtype

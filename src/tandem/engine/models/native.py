@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from tandem.engine.models.llama import KVLayer, LlamaDecoderLayer, LlamaForCausalLM, rms_norm
+from tandem.engine.models.interface import CausalLM, KVLayer
+from tandem.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, rms_norm
 from tandem.kernels.int4 import Int4Linear
 from tandem.kernels.native_decoder import DecoderWeights, Int4Tensors, LayerTensors, unsupported_reason
 
@@ -73,8 +74,10 @@ class NativeLlama:
         self.weights = weights
 
     @staticmethod
-    def unsupported_reason(model: LlamaForCausalLM, kv_caches: list[KVLayer]) -> str:
+    def unsupported_reason(model: CausalLM, kv_caches: list[KVLayer]) -> str:
         """Why `build` would return None ("" if it would not)."""
+        if type(model) is not LlamaForCausalLM:  # subclasses change the maths
+            return f"it computes the Llama architecture only, not {type(model).__name__}"
         if model.norm.device.type != "cpu":
             return f"it runs on CPU only (the model is on {model.norm.device})"
         for layer in _decoder_layers(model):
@@ -84,8 +87,8 @@ class NativeLlama:
         return unsupported_reason(kv_caches[0][0].dtype)
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM, kv_caches: list[KVLayer], block_size: int) -> NativeLlama | None:
-        if cls.unsupported_reason(model, kv_caches):
+    def build(cls, model: CausalLM, kv_caches: list[KVLayer], block_size: int) -> NativeLlama | None:
+        if cls.unsupported_reason(model, kv_caches) or not isinstance(model, LlamaForCausalLM):
             return None
         cfg = model.config
 

@@ -9,7 +9,7 @@ wrong tokens is refused, never silently approximated.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -54,16 +54,10 @@ def rope_settings(cfg: dict[str, Any]) -> tuple[float | None, dict[str, Any] | N
 def check_config(cfg: dict[str, Any]) -> None:
     """Raise `ModelLoadError` for a config the Llama module would compute inexactly.
 
-    Refused: a `model_type` other than llama / mistral (unless `architectures` names
-    `LlamaForCausalLM`), biases, soft-capping, q/k norms, an activation other than SiLU, partial
+    Refused (the model type is the registry's to match, `registry.architecture_for`): biases, soft-capping, q/k norms, an activation other than SiLU, partial
     rotary embeddings, a sliding window shorter than the context, and rope types other than
     default / linear / llama3 (and dynamic NTK, which equals the default within the original
     context, only when that context is the whole one)."""
-    model_type = cfg.get("model_type", "llama")
-    if model_type not in SUPPORTED_MODEL_TYPES and "LlamaForCausalLM" not in (cfg.get("architectures") or []):
-        raise _refuse(
-            f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
     for key in _MUST_BE_OFF:
         if cfg.get(key):
             raise _refuse(f"config key {key}={cfg[key]!r} is not supported")
@@ -123,13 +117,18 @@ def expected_tensor_names(num_layers: int, *, prefix: str = "model.") -> set[str
     return names
 
 
-def check_tensor_names(names: Iterable[str], num_layers: int, *, source: str) -> None:
+def tensor_prefix(names: Iterable[str]) -> str:
+    """"model." when the checkpoint's decoder tensors carry it (HF's usual layout), else ""."""
+    return "model." if any(n.startswith("model.") for n in names) else ""
+
+
+def check_tensor_names(names: Iterable[str], expected: Callable[[str], set[str]], *, source: str) -> None:
     """Raise `ModelLoadError` naming the checkpoint tensors no module consumes (a bias, a norm,
-    an extra layer...): dropping them would change the answers."""
+    an extra layer...): dropping them would change the answers. `expected(prefix)`: every name
+    the architecture consumes."""
     names = list(names)
-    prefix = "model." if any(n.startswith("model.") for n in names) else ""
-    expected = expected_tensor_names(num_layers, prefix=prefix)
-    unused = sorted(n for n in names if n not in expected and not _DERIVED_TENSOR.match(n))
+    expected_names = expected(tensor_prefix(names))
+    unused = sorted(n for n in names if n not in expected_names and not _DERIVED_TENSOR.match(n))
     if unused:
         shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
         raise _refuse(f"{source}: {len(unused)} checkpoint tensor(s) no module consumes: {shown}")

@@ -1,0 +1,326 @@
+"""Building an engine's parts from an `EngineConfig`: precision, the model (and its INT4 decode
+copy), the draft model or head, KV sizing, LoRA, grammars and the runner (`build_parts`).
+
+`LLMEngine.from_config` calls it; `LLMEngine` itself takes ready parts, so tests inject their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.engine.draft import DraftProposer, EagleProposer, PagedDraftCache
+from tandem.engine.grammar import GrammarCompiler
+from tandem.engine.lora import LoRALimits, LoRAManager, LoRAModelShape
+from tandem.engine.models.eagle import EagleDraft, is_eagle_folder, load_eagle
+from tandem.engine.models.interface import CausalLM
+from tandem.engine.models.loader import LoadedModel, build_model, load_model, resolve_model_path
+from tandem.engine.precision import PrecisionChoice, choose_precision
+from tandem.engine.precision import pinned as pinned_precision
+from tandem.engine.runner import KVCacheSpec, ModelRunner, allocate_kv_caches
+from tandem.engine.speculative import SpeculationSettings
+from tandem.engine.step import Runner
+from tandem.engine.tokenizer import Tokenizer
+from tandem.kernels import int4_native
+from tandem.kernels.head_attention import head_pool_dtype, head_slot_bytes
+from tandem.kernels.int8 import Int8HeadLinear
+from tandem.kernels.kv_eviction import EvictionPolicy
+from tandem.platform.config import EngineConfig
+from tandem.platform.cpu import cpu_flags
+from tandem.platform.errors import InvalidRequestError
+
+logger = logging.getLogger("tandem.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Draft heads trained for bundled models (scripts/train_draft.py), by model name.
+BUNDLED_DRAFTS = {"smollm2-135m-instruct": Path(__file__).parent / "drafts" / "smollm2-135m-instruct-eagle"}
+
+
+@dataclasses.dataclass
+class EngineParts:
+    """What an engine runs on. `build_parts` loads the model and builds them; a test may pass its
+    own (a fake runner, a small tokenizer)."""
+
+    model_name: str
+    model_config: Any  # the model's config (`models.interface.ModelConfig`)
+    tokenizer: Tokenizer
+    eos_token_ids: frozenset[int]
+    runner: Runner
+    num_blocks: int  # KV blocks the runner's cache holds
+    max_model_len: int
+    kv_cache_dtype: str  # what the cache stores, for stats ("float32", "float8_e4m3fn", ...)
+    lora: LoRAManager | None = None
+    precision: PrecisionChoice | None = None  # what dtype / weight_dtype "auto" resolved to, and why
+    grammars: GrammarCompiler | None = None  # output constraints (the runner's); None: refused
+    num_head_blocks: int = 0  # head blocks of the KV compression pool (0: no compressed requests)
+    max_positions: int | None = None  # positions the model's RoPE tables cover (None: max_model_len)
+
+
+@dataclasses.dataclass
+class _Draft:
+    """A loaded draft: an EAGLE head or a small model of the same vocabulary, and its cache's shape."""
+
+    spec: KVCacheSpec
+    head: EagleDraft | None = None
+    model: LoadedModel | None = None
+
+
+@dataclasses.dataclass
+class _Sizes:
+    num_blocks: int  # of the shared cache (a draft's cache has as many)
+    num_head_blocks: int  # of the compression pool
+    max_model_len: int
+    max_positions: int  # what the position tables cover (compressed requests may be longer)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def eviction_policy(config: EngineConfig) -> EvictionPolicy:
+    """How compressed requests are evicted (the runner scores and plans; the scheduler times)."""
+    return EvictionPolicy(per_head=config.kv_compression_policy == "per_head", interval=config.kv_compression_interval)
+
+
+def build_parts(config: EngineConfig) -> EngineParts:
+    """Load `config.model`, size the KV cache, build the model (and its INT4 decode copy with
+    `weight_dtype="hybrid"`), the draft, the LoRA manager and the runner."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = resolve_device(config.device)
+    precision = choose_precision(
+        device_type=device.type,
+        dtype=config.dtype,
+        weight_dtype=config.weight_dtype,
+        flags=cpu_flags(),
+        native_int4=device.type == "cpu" and config.int4_kernel != "torch" and int4_native.load() is not None,
+        pin=pinned_precision(),
+    )
+    dtype = DTYPES[precision.dtype]
+    loaded = load_model(config.model)
+    cfg = loaded.config
+    kv_dtype = {"auto": dtype, "fp8_e4m3": torch.float8_e4m3fn, **DTYPES}[config.kv_cache_dtype]
+    kv_spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, config.block_size, kv_dtype)
+    draft = _load_draft(config, loaded, dtype, device, kv_dtype)
+    sizes = _size(config, cfg, kv_spec, draft, device, dtype)
+    model, decode_model = _build_models(config, loaded, precision, dtype, device, sizes.max_positions)
+    proposer = _build_proposer(config, loaded, model, draft, sizes, dtype, device)
+    lora = None
+    if config.enable_lora:
+        lora = LoRAManager(
+            LoRAModelShape.from_config(cfg),
+            max_loras=config.max_loras,
+            max_cpu_loras=config.max_cpu_loras or 4 * config.max_loras,
+            limits=LoRALimits(max_lora_rank=config.max_lora_rank),
+            device=device,
+            dtype=dtype,
+        )
+    eos_token_ids = frozenset(cfg.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
+    grammars = GrammarCompiler(loaded.tokenizer, cfg.vocab_size, sorted(eos_token_ids))
+    runner = ModelRunner(
+        model, kv_spec, sizes.num_blocks, device, seed=config.seed, lora=lora, compile_decode=config.compile_decode,
+        decode_model=decode_model, decode_model_max_batch=config.hybrid_int4_max_batch, draft=proposer,
+        native_decoder=config.native_decoder, grammars=grammars, num_head_blocks=sizes.num_head_blocks,
+        eviction=eviction_policy(config),
+    )  # fmt: skip
+    runner.warmup_decode()
+    kv_cache_dtype = str(kv_dtype).removeprefix("torch.")
+    logger.info(
+        "engine ready",
+        extra={
+            "model": loaded.name, "device": str(device), "dtype": precision.dtype,
+            "weight_dtype": precision.weight_dtype, "precision_reason": precision.reason,
+            "native_decoder": runner.native is not None,
+            "native_decoder_unavailable": runner.native_unavailable_reason if runner.native is None else "",
+            "kv_cache_dtype": kv_cache_dtype, "kv_blocks": sizes.num_blocks,
+            "kv_capacity_tokens": sizes.num_blocks * config.block_size, "max_model_len": sizes.max_model_len,
+        },
+    )  # fmt: skip
+    return EngineParts(
+        model_name=loaded.name, model_config=cfg, tokenizer=loaded.tokenizer, eos_token_ids=eos_token_ids,
+        runner=runner, num_blocks=sizes.num_blocks, max_model_len=sizes.max_model_len, kv_cache_dtype=kv_cache_dtype,
+        lora=lora, precision=precision, grammars=grammars, num_head_blocks=sizes.num_head_blocks,
+        max_positions=sizes.max_positions,
+    )  # fmt: skip
+
+
+def _load_draft(
+    config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype
+) -> _Draft | None:
+    """The configured draft (`draft_path`): an EAGLE head folder, or a model that tokenises
+    exactly as the target does."""
+    path = draft_path(config)
+    if path is None:
+        return None
+    if is_eagle_folder(path):
+        try:
+            head = load_eagle(path, dtype=dtype, device=device, max_positions=loaded.config.max_position_embeddings)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="speculative.draft_model") from exc
+        hcfg = head.config
+        return _Draft(KVCacheSpec(1, hcfg.num_key_value_heads, hcfg.head_dim, config.block_size, kv_dtype), head=head)
+    spec = config.speculative
+    assert spec is not None and spec.draft_model is not None
+    model = load_model(spec.draft_model)
+    if model.tokenizer.token_bytes_table() != loaded.tokenizer.token_bytes_table():
+        raise InvalidRequestError(
+            f"draft model {spec.draft_model!r} does not share the target's vocabulary; a draft must "
+            "tokenise exactly as the target does",
+            param="speculative.draft_model",
+        )
+    dcfg = model.config
+    return _Draft(KVCacheSpec(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim, config.block_size, kv_dtype), model=model)
+
+
+def _size(
+    config: EngineConfig, cfg: Any, kv_spec: KVCacheSpec, draft: _Draft | None, device: torch.device, dtype: torch.dtype
+) -> _Sizes:
+    """Blocks of the shared cache (a draft's cache sits beside it, block for block) and of the
+    compression pool out of the memory budget; the context that fits."""
+    budget = config.kv_cache_memory or int(config.kv_cache_memory_fraction * available_memory_bytes(device))
+    num_head_blocks = 0
+    if config.enable_kv_compression or config.kv_compression_rate is not None:
+        head_block_bytes = config.block_size * head_slot_bytes(head_pool_dtype(kv_spec.dtype, dtype), cfg.head_dim)
+        head_budget = int(config.kv_compression_memory_fraction * budget)
+        num_head_blocks = head_budget // head_block_bytes
+        if num_head_blocks < cfg.num_hidden_layers * cfg.num_key_value_heads:
+            raise InvalidRequestError(
+                f"the KV compression pool ({head_budget} bytes) holds less than one block per head; "
+                "raise kv_cache_memory or kv_compression_memory_fraction",
+                param="kv_compression_memory_fraction",
+            )
+        budget -= head_budget
+    num_blocks = budget // (kv_spec.bytes_per_block + (draft.spec.bytes_per_block if draft else 0))
+    if num_blocks < 2:
+        raise InvalidRequestError(
+            f"kv_cache_memory {budget} bytes holds {num_blocks} blocks of {kv_spec.bytes_per_block} bytes; "
+            "give at least two blocks' worth",
+            param="kv_cache_memory",
+        )
+    max_model_len = _max_model_len(config, cfg, num_blocks * config.block_size)
+    if draft is not None and draft.model is not None:
+        max_model_len = min(max_model_len, draft.model.config.max_position_embeddings)
+    if draft is not None and draft.head is not None:
+        max_model_len = min(max_model_len, draft.head.max_positions)
+    # Compressed requests' context is the compression pool's (before eviction), within the model's.
+    compressed_len = (num_head_blocks // (cfg.num_hidden_layers * cfg.num_key_value_heads)) * config.block_size
+    max_positions = max(max_model_len, min(cfg.max_position_embeddings, compressed_len))
+    return _Sizes(num_blocks, num_head_blocks, max_model_len, max_positions)
+
+
+def _max_model_len(config: EngineConfig, cfg: Any, capacity: int) -> int:
+    """`config.max_model_len` checked against the model's context and the cache, or the most of both."""
+    if config.max_model_len is None:
+        return int(min(cfg.max_position_embeddings, capacity))
+    if config.max_model_len > cfg.max_position_embeddings:
+        raise InvalidRequestError(
+            f"max_model_len {config.max_model_len} exceeds the model's context ({cfg.max_position_embeddings})",
+            param="max_model_len",
+        )
+    if config.max_model_len > capacity:
+        raise InvalidRequestError(
+            f"max_model_len {config.max_model_len} exceeds the KV cache capacity ({capacity} tokens); "
+            "raise kv_cache_memory or lower max_model_len",
+            param="max_model_len",
+        )
+    return config.max_model_len
+
+
+def _build_models(
+    config: EngineConfig, loaded: LoadedModel, precision: PrecisionChoice, dtype: torch.dtype, device: torch.device,
+    max_positions: int,
+) -> tuple[CausalLM, CausalLM | None]:  # fmt: skip
+    """The model, and with `weight_dtype="hybrid"` its INT4 copy for small decode steps."""
+    hybrid = precision.weight_dtype == "hybrid"
+    build = functools.partial(
+        build_model, loaded, dtype=dtype, device=device, max_positions=max_positions,
+        int4_group_size=config.int4_group_size, int4_double_quant=config.int4_double_quant,
+        int4_kernel=config.int4_kernel,
+    )  # fmt: skip
+    model = build(
+        # inductor cannot lower oneDNN's prepacked (opaque) weights; it plans its own GEMMs
+        pack_weights=hybrid or not config.compile_decode,
+        weight_dtype="int4" if precision.weight_dtype == "int4" else "dense",
+    )
+    decode_model = build(weight_dtype="int4") if hybrid else None
+    if decode_model is not None and isinstance(decode_model.lm_head, Int8HeadLinear):
+        # Decode steps above the INT8 head's rows take the dense model's head (its compute
+        # dtype, prepacked): no second 16-bit copy, and the logits of the dense path.
+        decode_model.lm_head.use_dense_head(model.lm_head, dtype)
+    return model, decode_model
+
+
+def _build_proposer(
+    config: EngineConfig, loaded: LoadedModel, model: CausalLM, draft: _Draft | None, sizes: _Sizes,
+    dtype: torch.dtype, device: torch.device,
+) -> PagedDraftCache | None:  # fmt: skip
+    """The draft's proposer over its own paged cache: an EAGLE head reading the target's
+    embedding, final norm and LM head, or a draft model."""
+    if draft is None:
+        return None
+    caches = allocate_kv_caches(draft.spec, sizes.num_blocks, device)
+    if draft.head is not None:
+        weights = loaded.weights
+        prefix = "model." if "model.norm.weight" in weights else ""
+        try:
+            draft.head.attach_target(
+                model.embed_tokens,
+                weights[prefix + "norm.weight"],
+                weights.get("lm_head.weight", weights[prefix + "embed_tokens.weight"]),
+            )
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="speculative.draft_model") from exc
+        return EagleProposer(draft.head, caches, draft.spec.num_kv_heads, config.block_size, device)
+    assert draft.model is not None
+    draft_model = build_model(draft.model, dtype=dtype, device=device, max_positions=sizes.max_model_len)
+    return DraftProposer(draft_model, caches, draft.spec.num_kv_heads, config.block_size, device)
+
+
+def speculation_settings(config: EngineConfig, *, has_draft: bool) -> SpeculationSettings | None:
+    """What the scheduler plans drafts with (None: no speculation); "auto" verifies the draft
+    model's drafts and prompt lookup's where a draft is loaded, else prompt lookup's."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    method = {"auto": "both" if has_draft else "ngram", "ngram": "ngram", "draft": "draft"}[spec.method]
+    return SpeculationSettings(
+        method=method,
+        num_speculative_tokens=spec.num_speculative_tokens,
+        prompt_lookup_min=spec.prompt_lookup_min,
+        prompt_lookup_max=spec.prompt_lookup_max,
+    )
+
+
+def draft_path(config: EngineConfig) -> Path | None:
+    """Where the draft comes from: `draft_model`, else the head bundled for the model (methods
+    'draft' and 'auto'); None for prompt lookup alone."""
+    spec = config.speculative
+    if spec is None or spec.method == "ngram":
+        return None
+    if spec.draft_model is not None:
+        return resolve_model_path(spec.draft_model)
+    bundled = BUNDLED_DRAFTS.get(config.model.lower())
+    if bundled is not None and (bundled / "model.safetensors").exists():
+        return bundled
+    if spec.method == "draft":
+        raise InvalidRequestError(
+            f"speculative method 'draft' needs draft_model: no draft is bundled for {config.model!r}",
+            param="speculative.draft_model",
+        )
+    return None

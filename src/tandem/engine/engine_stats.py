@@ -1,0 +1,69 @@
+"""`LLMEngine.stats()`: what an engine reports (KV occupancy, prefix cache, speculation, steps)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tandem.engine.request import Priority
+
+if TYPE_CHECKING:
+    from tandem.engine.engine import LLMEngine
+
+
+def engine_stats(engine: LLMEngine) -> dict[str, Any]:
+    """The engine's counters and gauges (`LLMEngine.stats`; replicas report them)."""
+    runner = engine.runner.stats()
+    pool = engine.kv_manager.pool
+    loras = engine.list_loras()
+    return {
+        "kv_capacity_tokens": engine.kv_manager.capacity_tokens,
+        "kv_cache_dtype": engine.kv_cache_dtype,
+        "prefix_cache_queries": engine.kv_manager.num_prefix_queries,
+        "prefix_cache_hits": engine.kv_manager.num_prefix_hits,
+        "prefix_cache_hit_rate": engine.kv_manager.num_prefix_hits
+        / max(1, engine.kv_manager.num_prefix_queries),
+        "prefix_cache_evictions": engine.kv_manager.pool.num_evictions,
+        "num_kv_integrity_aborts": engine.num_kv_integrity_aborts,
+        "num_failed_requests": engine.num_failed_requests,
+        "loras_loaded": loras,
+        "num_loras_loaded": len(loras),
+        "dtype": engine.precision.dtype if engine.precision else None,
+        "weight_dtype": engine.precision.weight_dtype if engine.precision else engine.config.weight_dtype,
+        "precision_reason": engine.precision.reason if engine.precision else "",
+        "native_decoder": runner.native_decoder,
+        "num_native_decoder_steps": runner.num_native_decoder_steps,
+        "kv_blocks_total": pool.num_blocks,
+        "kv_blocks_used": pool.num_used_blocks,
+        "kv_occupancy": pool.num_used_blocks / pool.num_blocks,
+        "block_size": engine.kv_manager.block_size,
+        "num_running": engine.scheduler.num_running,
+        "num_waiting": engine.scheduler.num_waiting,
+        "queued_prompt_tokens": engine.scheduler.num_uncomputed_prompt_tokens(),
+        "num_preemptions": engine.scheduler.num_preemptions_total,
+        "num_output_tokens_interactive": engine.scheduler.num_output_tokens_total[Priority.INTERACTIVE],
+        "num_output_tokens_batch": engine.scheduler.num_output_tokens_total[Priority.BATCH],
+        "max_model_len": engine.max_model_len,
+        "num_steps": engine.num_steps,
+        "num_draft_tokens": engine.scheduler.num_draft_tokens_total,
+        "num_accepted_draft_tokens": engine.scheduler.num_accepted_tokens_total,
+        "draft_acceptance_rate": engine.scheduler.num_accepted_tokens_total
+        / max(1, engine.scheduler.num_draft_tokens_total),
+        "draft_wall_s": runner.draft_wall_s,
+        "step_wall_s": engine.step_wall_s,
+        "step_thread_cpu_s": engine.step_thread_cpu_s,
+        "grammar_mask_s": runner.grammar_mask_s,
+        **(engine.grammars.stats() if engine.grammars is not None else {}),
+        **_compression_stats(engine),
+    }
+
+def _compression_stats(engine: LLMEngine) -> dict[str, Any]:
+    head_kv = engine.head_kv
+    if head_kv is None:
+        return {}
+    return {
+        "kv_compression_head_blocks_total": head_kv.pool.num_blocks,
+        "kv_compression_head_blocks_used": head_kv.pool.num_used_blocks,
+        "kv_compression_capacity_tokens": engine.compressed_capacity_tokens,
+        "kv_compression_evictions": engine.scheduler.num_compressed_evictions,
+        "kv_compression_vectors_evicted": engine.scheduler.num_vectors_evicted,
+    }

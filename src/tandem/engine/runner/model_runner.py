@@ -1,0 +1,385 @@
+"""`ModelRunner`: turns a `SchedulerOutput` into tensors, runs the model, samples.
+
+Owns everything torch: the models, the paged KV tensors (`kv_tensors`), the head-block pool of
+compressed requests (`compressed`), per-request sampling state (`sampler`, `constraints`) and the
+draft model's cache. The engine sees only the `Runner` protocol (`step.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import torch
+
+from tandem.engine.draft import PagedDraftCache
+from tandem.engine.grammar import GrammarCompiler
+from tandem.engine.lora import LoRAManager, LoRAStep
+from tandem.engine.models.interface import CausalLM
+from tandem.engine.models.native import NativeLlama, NativeStep
+from tandem.engine.runner.compressed import HeadPoolForward, allocate_head_pool
+from tandem.engine.runner.constraints import GrammarMasks
+from tandem.engine.runner.forward_path import ForwardPath, RunnerPaths, StepShape, choose_path
+from tandem.engine.runner.kv_tensors import (
+    KVCacheSpec,
+    allocate_kv_caches,
+    export_pages,
+    import_pages,
+    scribble,
+)
+from tandem.engine.runner.sampler import Sampler, failed_alone
+from tandem.engine.step import RunnerResult, RunnerStats, ScheduledRequest, SchedulerOutput
+from tandem.kernels.attention import build_attention_metadata
+from tandem.kernels.kv_eviction import EvictionPolicy
+
+logger = logging.getLogger("tandem.engine.runner")
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_spec: KVCacheSpec,
+        num_blocks: int,
+        device: torch.device,
+        seed: int = 0,
+        lora: LoRAManager | None = None,
+        compile_decode: bool = False,
+        decode_model: CausalLM | None = None,
+        decode_model_max_batch: int = 0,
+        draft: PagedDraftCache | None = None,
+        native_decoder: bool = True,
+        grammars: GrammarCompiler | None = None,
+        num_head_blocks: int = 0,
+        eviction: EvictionPolicy | None = None,
+    ) -> None:
+        """`decode_model` (optional, e.g. an INT4 copy of `model` sharing nothing but the cache)
+        serves decode steps of at most `decode_model_max_batch` requests; `native_decoder` allows
+        the native stack over its INT4 linears, `compile_decode` a compiled graph of it
+        (`forward_path` says which step takes which). `grammars` compiles requests' output
+        constraints (`constraints`). `num_head_blocks` > 0 allocates the head-block pool of
+        compressed requests, and `eviction` decides what their heads keep (`compressed`)."""
+        self.model = model
+        self.decode_model = decode_model or model
+        self.decode_model_max_batch = decode_model_max_batch if decode_model is not None else 1 << 30
+        self._decode_forward: Any = torch.compile(self.decode_model.forward, dynamic=True) if compile_decode else None
+        self.num_compiled_steps = 0
+        self.num_decode_model_steps = 0
+        self.num_native_steps = 0
+        self.lora = lora
+        self.kv_spec = kv_spec
+        self.device = device
+        self.block_size = kv_spec.block_size
+        self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, device)
+        self.native: NativeLlama | None = None
+        self.native_unavailable_reason = "disabled (native_decoder=False)"
+        if native_decoder and self._decode_forward is None:
+            self.native_unavailable_reason = NativeLlama.unsupported_reason(self.decode_model, self.kv_caches)
+            self.native = NativeLlama.build(self.decode_model, self.kv_caches, self.block_size)
+        self.draft = draft
+        self.draft_wall_s = 0.0  # wall seconds spent proposing with the draft model
+        self.vocab_size = model.config.vocab_size
+        self.masks = GrammarMasks(grammars)
+        self.sampler = Sampler(device, seed, self.masks)
+        self.heads: HeadPoolForward | None = None
+        if num_head_blocks > 0:
+            pool = allocate_head_pool(
+                num_head_blocks, kv_spec.block_size, kv_spec.head_dim, kv_spec.dtype, model.norm.dtype, device
+            )
+            native_heads = None
+            if self.native is not None:  # the native stack over the pool, where it runs shared steps
+                native_heads = NativeLlama.build(self.decode_model, [pool] * model.config.num_hidden_layers, self.block_size)
+            self.heads = HeadPoolForward(pool, model, native_heads, eviction or EvictionPolicy(), device)
+
+    # -- what the engine reads (`Runner` protocol) -------------------------------------------------
+    @property
+    def has_draft(self) -> bool:
+        return self.draft is not None
+
+    def stats(self) -> RunnerStats:
+        return RunnerStats(
+            native_decoder=self.native is not None,
+            num_native_decoder_steps=self.num_native_steps,
+            draft_wall_s=self.draft_wall_s,
+            grammar_mask_s=self.masks.mask_s,
+        )
+
+    @property
+    def paths(self) -> RunnerPaths:
+        return RunnerPaths(
+            native=self.native is not None,
+            native_heads=self.heads is not None and self.heads.native_heads is not None,
+            compiled=self._decode_forward is not None,
+            separate_decode_model=self.decode_model is not self.model,
+            decode_model_max_batch=self.decode_model_max_batch,
+        )
+
+    # Views of the head-block pool (tests and the fault hook read them).
+    @property
+    def head_pool(self) -> Any:
+        return self.heads.pool if self.heads is not None else None
+
+    @property
+    def native_heads(self) -> NativeLlama | None:
+        return self.heads.native_heads if self.heads is not None else None
+
+    @property
+    def num_native_head_steps(self) -> int:
+        return self.heads.num_native_steps if self.heads is not None else 0
+
+    @property
+    def compiles_decode(self) -> bool:
+        return self._decode_forward is not None
+
+    # -- KV pages for hand-over (kv_transfer.py) -------------------------------------------------
+    def export_pages(self, block_ids: list[int], num_tokens: int, dtype_name: str) -> list[bytes]:
+        """The KV of the first `num_tokens` tokens in `block_ids`, a page per block, in `dtype_name`
+        (this cache's own, or "float8_e4m3fn")."""
+        return export_pages(self.kv_caches, self.block_size, block_ids, num_tokens, getattr(torch, dtype_name))
+
+    def import_pages(self, block_ids: list[int], pages: list[tuple[int, bytes]]) -> None:
+        """Write pages (token count, bytes in this cache's dtype) into `block_ids`, in order."""
+        import_pages(self.kv_caches, self.kv_spec, block_ids, pages)
+
+    def imported_prompt(self, request_id: str, first_position: int, num_tokens: int) -> None:
+        """A request whose prompt KV another engine computed (positions first_position..num_tokens-1
+        imported; those before come from this cache's prefix blocks): there are no target states
+        for them, so a draft head catches up on them from zero states (never on the shared
+        prefix blocks, whose head KV their filler wrote)."""
+        if self.draft is not None and self.draft.wants_hidden and num_tokens > first_position:
+            width = self.model.config.hidden_size * max(1, len(self.draft.hidden_layers))
+            zeros = torch.zeros(num_tokens - first_position, width)
+            self.draft.record(request_id, first_position, self.draft.prepare_states(zeros))
+
+    def corrupt_block(self, block_id: int, *, head_pool: bool = False) -> None:
+        """Test hook (`LLMEngine.inject_kv_fault`): overwrite a block of the shared cache, or of
+        the head-block pool, with garbage."""
+        if head_pool:
+            if self.heads is not None:
+                scribble(list(self.heads.pool[:2]), block_id)
+            return
+        scribble([t for layer in self.kv_caches for t in layer[:2]], block_id)
+
+    # -- one step --------------------------------------------------------------------------------
+    def forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.sampler.forget(request_id)
+            if self.heads is not None:
+                self.heads.forget(request_id)
+        if self.draft is not None:
+            self.draft.forget(request_ids)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerResult:
+        """Run one step. Failure is per request: a request whose rows break the step (its
+        sampling parameters, its adapter, its logits) is reported in `RunnerResult.failed` and the
+        others are computed. When the batched step raises, each request is rerun alone (its KV
+        slots are rewritten with the same values) to find the ones that fail. When the model pass
+        raised for every request alone, `forward_failed` says so, and the engine decides whether
+        the runner itself is broken. `RunnerResult.wall_s` is the step's wall time."""
+        started = time.perf_counter()
+        self.forget(sched.finished_request_ids)
+        if self.heads is not None:
+            if sched.head_move_src_slots:  # evictions, before any write
+                self.heads.move(sched.head_move_src_slots, sched.head_move_dst_slots)
+            for request_id in sched.preempted_request_ids:  # its head tokens are recomputed anew
+                self.heads.forget(request_id)
+        if self.draft is not None:  # a preempted request's draft KV went with its blocks
+            self.draft.forget(sched.preempted_request_ids)
+        result = self._execute_isolated(sched.scheduled)
+        result.wall_s = time.perf_counter() - started
+        return result
+
+    def _execute_isolated(self, items: list[ScheduledRequest]) -> RunnerResult:
+        try:
+            return self._execute(items)
+        except Exception:
+            if len(items) == 1:
+                return dataclasses.replace(failed_alone(items[0]), forward_failed=True)
+            logger.warning("step failed; rerunning its requests one by one", extra={"num_requests": len(items)})
+        result = RunnerResult({})
+        num_raised = 0
+        for item in items:
+            try:
+                result.merge(self._execute([item]))
+            except Exception:
+                result.merge(failed_alone(item))
+                num_raised += 1
+        result.forward_failed = num_raised == len(items)
+        return result
+
+    def _execute(self, items: list[ScheduledRequest]) -> RunnerResult:
+        """Shared-layout rows in one forward, compressed requests' rows in another."""
+        compressed = [item for item in items if item.is_compressed]
+        if not compressed:
+            return self._execute_shared(items)
+        if self.heads is None:
+            raise RuntimeError("a compressed request reached a runner without a head-block pool")
+        path = choose_path(self.heads.shape_of(compressed), self.paths)
+        result = self.heads.execute(compressed, path, self.kv_caches, lambda i, logits: self._finish(i, logits, None, {}))
+        if len(compressed) < len(items):
+            result.merge(self._execute_shared([item for item in items if not item.is_compressed]))
+        return result
+
+    def _execute_shared(self, items: list[ScheduledRequest]) -> RunnerResult:
+        draft_probs: dict[str, torch.Tensor] = {}
+        if self.draft is not None and any(item.num_draft_slots for item in items):
+            items, draft_probs = self._propose(items)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        for item in items:
+            n = len(item.token_ids)
+            input_ids.extend(item.token_ids)
+            positions.extend(range(item.start_position, item.start_position + n))
+            if item.sample:  # the last token's row, and one per draft token before it
+                logits_rows.extend(range(len(input_ids) - 1 - item.num_draft_tokens, len(input_ids)))
+        lora_step = self._lora_step(items)
+        shape = StepShape(
+            num_requests=len(items),
+            num_rows=len(input_ids),
+            decoding=all(item.sample and len(item.token_ids) == 1 + item.num_draft_tokens for item in items),
+            has_lora=lora_step is not None,
+            has_multi_row=any(len(item.token_ids) > 1 for item in items),
+        )
+        path = choose_path(shape, self.paths)
+        hidden = self.draft.wants_hidden if self.draft is not None else False
+        hidden_layers = self.draft.hidden_layers if self.draft is not None else ()
+        rows = torch.tensor(logits_rows, dtype=torch.int64, device=self.device)
+        self._count(path)
+        if path is ForwardPath.NATIVE:
+            assert self.native is not None
+            step = NativeStep.build(
+                [i.token_ids for i in items], [i.start_position for i in items], [i.block_ids for i in items], self.block_size
+            )
+            output = self.native.forward(step, rows, return_hidden=hidden, hidden_layers=hidden_layers)
+        else:
+            metadata = build_attention_metadata(
+                [item.block_ids for item in items],
+                [len(item.token_ids) for item in items],
+                [item.start_position + len(item.token_ids) for item in items],
+                self.block_size,
+                self.kv_spec.num_kv_heads,
+                self.device,
+            )
+            forward = {
+                ForwardPath.COMPILED: self._decode_forward,
+                ForwardPath.DECODE_MODEL: self.decode_model.forward,
+            }.get(path, self.model.forward)
+            output = forward(
+                torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+                torch.tensor(positions, dtype=torch.int64, device=self.device),
+                self.kv_caches,
+                metadata,
+                rows,
+                lora=lora_step,
+                return_hidden=hidden,
+                hidden_layers=hidden_layers,
+            )
+        logits, states = output if hidden else (output, None)
+        return self._finish(items, logits, states, draft_probs)
+
+    def _count(self, path: ForwardPath) -> None:
+        if path in (ForwardPath.NATIVE, ForwardPath.COMPILED, ForwardPath.DECODE_MODEL):
+            self.num_decode_model_steps += 1
+        self.num_native_steps += path is ForwardPath.NATIVE
+        self.num_compiled_steps += path is ForwardPath.COMPILED
+
+    def _lora_step(self, items: list[ScheduledRequest]) -> LoRAStep | None:
+        """The adapters' per-row slots for this step, or None when no row runs an adapter."""
+        lora_names = {item.lora_name for item in items if item.lora_name is not None}
+        if self.lora is None or not lora_names:
+            return None
+        slot_of = self.lora.slots_for_step(lora_names)
+        token_slots: list[int] = []
+        for item in items:
+            token_slots.extend([slot_of[item.lora_name] if item.lora_name else -1] * len(item.token_ids))
+        return LoRAStep(self.lora.slots, torch.tensor(token_slots, device=self.device))
+
+    def _finish(
+        self,
+        items: list[ScheduledRequest],
+        logits: torch.Tensor,
+        hidden: torch.Tensor | None,
+        draft_probs: dict[str, torch.Tensor],
+    ) -> RunnerResult:
+        """Sample (and verify drafts) from a forward's logits; tell the draft model what was
+        accepted and hand a draft head its states."""
+        result = self.sampler.sample(logits, [item for item in items if item.sample], draft_probs)
+        if self.draft is not None:
+            for item in items:
+                tokens = result.sampled_token_ids.get(item.request_id)
+                if item.draft_token_ids and tokens:
+                    self.draft.accepted(item.request_id, item.start_position, len(item.draft_token_ids), len(tokens) - 1)
+        if hidden is not None:
+            self._record_states(items, hidden, result)
+        return result
+
+    def _record_states(self, items: list[ScheduledRequest], hidden: torch.Tensor, result: RunnerResult) -> None:
+        """Hand the draft head the target's states [T, hidden] of the positions each request
+        keeps: its own tokens and its accepted drafts (none of a failed request)."""
+        assert self.draft is not None
+        hidden = self.draft.prepare_states(hidden)  # once for the step's rows
+        offset = 0
+        for item in items:
+            num_rows = len(item.token_ids)
+            num_kept = num_rows
+            if item.sample:
+                tokens = result.sampled_token_ids.get(item.request_id)
+                num_kept = num_rows - item.num_draft_tokens + len(tokens) - 1 if tokens else 0
+            if num_kept > 0 and item.request_id not in result.failed:
+                self.draft.record(item.request_id, item.start_position, hidden[offset : offset + num_kept])
+            offset += num_rows
+
+    def _propose(self, items: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], dict[str, torch.Tensor]]:
+        """The draft model's drafts appended to the items that have draft slots, and the draft
+        distributions of sampled requests (for rejection sampling)."""
+        assert self.draft is not None
+        started = time.perf_counter()
+        proposals = self.draft.propose([item for item in items if item.num_draft_slots], self.sampler.generator_for)
+        self.draft_wall_s += time.perf_counter() - started
+        filled, draft_probs = [], {}
+        for item in items:
+            if not item.num_draft_slots:
+                filled.append(item)
+                continue
+            tokens, probs = proposals[item.request_id]
+            if probs is not None:
+                draft_probs[item.request_id] = probs
+            filled.append(
+                dataclasses.replace(item, token_ids=item.token_ids + tokens, draft_token_ids=tokens, num_draft_slots=0)
+            )
+        return filled, draft_probs
+
+    @torch.inference_mode()
+    def warmup_decode(self, batch_sizes: tuple[int, ...] = (1, 2)) -> None:
+        """Compile the decode graph before the first request (batch 1 and batch >= 2 are separate
+        graphs: torch specialises sizes 0 and 1). Writes one dummy token into block 0, which holds
+        no request's KV before the engine starts. On any compile error, decode stays eager."""
+        if self._decode_forward is None:
+            return
+        started = time.perf_counter()
+        try:
+            for batch in batch_sizes:
+                metadata = build_attention_metadata(
+                    [[0, 0]] * batch, [1] * batch, [2] * batch, self.block_size, self.kv_spec.num_kv_heads, self.device
+                )
+                self._decode_forward(
+                    torch.zeros(batch, dtype=torch.int64, device=self.device),
+                    torch.ones(batch, dtype=torch.int64, device=self.device),
+                    self.kv_caches,
+                    metadata,
+                    torch.arange(batch, dtype=torch.int64, device=self.device),
+                    return_hidden=self.draft is not None and self.draft.wants_hidden,
+                    hidden_layers=self.draft.hidden_layers if self.draft is not None else (),
+                )
+        except Exception as exc:  # noqa: BLE001 - any backend failure means: stay eager
+            logger.warning(
+                "decode compilation failed; decode steps run eagerly",
+                extra={"error": f"{type(exc).__name__}: {exc}"[:500]},
+            )
+            self._decode_forward = None
+            return
+        logger.info("decode graph compiled", extra={"seconds": round(time.perf_counter() - started, 1)})
