@@ -178,7 +178,7 @@ def main() -> None:
         row = summary(run_ours(engines, [wave], args.new_tokens, rounds=2))
         log(f"concurrency {n} chat: {row}")
         result["concurrent"][str(n)] = row
-    result["step_cost"] = dict(zip(("fixed_s", "per_token_s", "per_row_s"), llm.engine.scheduler.step_cost.coefficients(), strict=True))
+    result["step_cost"] = dict(zip(("fixed_s", "per_token_s", "per_row_s"), llm.engine.scheduler.speculation.step_cost.coefficients(), strict=True))
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 

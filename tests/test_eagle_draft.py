@@ -78,7 +78,7 @@ def spec_llm(target: Path, head: Path, method: str = "draft", **options: Any) ->
         **{**OPTIONS, **options},
     )
     # Verify drafts whatever this machine's step costs are (the planner would at batch 1 anyway).
-    llm.engine.scheduler.step_cost = StepCostModel(prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0)
+    llm.engine.scheduler.speculation.step_cost = StepCostModel(prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0)
     return llm
 
 

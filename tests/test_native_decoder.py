@@ -133,7 +133,7 @@ def test_engine_decodes_through_the_native_stack(default_model_path: Path) -> No
         str(default_model_path), speculative={"method": "ngram", "num_speculative_tokens": 3}, **options
     )
     # prompt lookup drafts only where the step cost model says it pays: make drafts look cheap
-    speculating.engine.scheduler.step_cost = StepCostModel(
+    speculating.engine.scheduler.speculation.step_cost = StepCostModel(
         prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0
     )
     repeated = ["one two three four one two three four one two three four one two"]

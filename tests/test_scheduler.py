@@ -6,6 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tandem.engine.batch_policy import BatchPolicy
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.request import Priority, Request, RequestStatus
 from tandem.engine.sampling_params import SamplingParams
@@ -337,9 +338,7 @@ def test_batch_requests_only_fill_idle_capacity() -> None:
     its prefill chunks are capped, and interactive work is never held back by it."""
     kv = KVCacheManager(10, 4, watermark=0.0)
     sched = Scheduler(
-        kv, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64,
-        batch_kv_occupancy_limit=0.4, batch_max_prefill_tokens=6, batch_tokens_under_load=32,
-    )  # fmt: skip
+        kv, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64, batch=BatchPolicy(kv_occupancy_limit=0.4, max_prefill_tokens=6, tokens_under_load=32))  # fmt: skip
     sched.add_request(make_request("b1", 12, priority=Priority.BATCH, arrival=0))  # 3 blocks
     sched.add_request(make_request("b2", 12, priority=Priority.BATCH, arrival=1))  # 2 used + 3 > 4
     out = sched.schedule()
@@ -356,8 +355,7 @@ def test_batch_requests_only_fill_idle_capacity() -> None:
 def test_waiting_interactive_goes_before_running_batch_and_batch_is_throttled() -> None:
     sched = Scheduler(
         KVCacheManager(64, 4, watermark=0.0), max_num_seqs=16, max_num_batched_tokens=16,
-        max_model_len=64, batch_tokens_under_load=2, batch_max_prefill_tokens=16,
-    )  # fmt: skip
+        max_model_len=64, batch=BatchPolicy(max_prefill_tokens=16, tokens_under_load=2))  # fmt: skip
     for i in range(4):
         sched.add_request(make_request(f"b{i}", 2, max_tokens=8, priority=Priority.BATCH, arrival=i))
     out = sched.schedule()  # no interactive traffic: batch may use the whole budget
@@ -376,8 +374,7 @@ def test_batch_throttle_caps_batch_tokens_even_with_budget_to_spare() -> None:
     step has budget left (so the cap, not an empty budget, is what holds them back)."""
     sched = Scheduler(
         KVCacheManager(64, 4, watermark=0.0), max_num_seqs=16, max_num_batched_tokens=64,
-        max_model_len=64, batch_tokens_under_load=2, batch_max_prefill_tokens=16,
-    )  # fmt: skip
+        max_model_len=64, batch=BatchPolicy(max_prefill_tokens=16, tokens_under_load=2))  # fmt: skip
     for i in range(4):
         sched.add_request(make_request(f"b{i}", 2, max_tokens=8, priority=Priority.BATCH, arrival=i))
     out = sched.schedule()
@@ -398,13 +395,7 @@ def test_batch_steps_stay_short_for_a_while_after_interactive_traffic() -> None:
         kv,
         max_num_seqs=16,
         max_num_batched_tokens=64,
-        max_model_len=64,
-        batch_max_prefill_tokens=64,
-        batch_tokens_under_load=1,
-        batch_tokens_after_interactive=3,
-        interactive_quiet_s=2.0,
-        clock=lambda: now[0],
-    )
+        max_model_len=64, batch=BatchPolicy(max_prefill_tokens=64, tokens_under_load=1, tokens_after_interactive=3, interactive_quiet_s=2.0, clock=lambda: now[0]))
     for i in range(8):
         sched.add_request(make_request(f"b{i}", 2, max_tokens=30, priority=Priority.BATCH, arrival=i))
 
@@ -434,9 +425,7 @@ def test_a_step_computing_an_interactive_prompt_carries_no_batch_tokens() -> Non
     again; a step of interactive decodes only is not a prompt step."""
     sched = Scheduler(
         KVCacheManager(64, 4, watermark=0.0), max_num_seqs=16, max_num_batched_tokens=8,
-        max_model_len=64, batch_tokens_under_load=2, batch_max_prefill_tokens=8,
-        batch_tokens_beside_interactive_prompt=0,
-    )  # fmt: skip
+        max_model_len=64, batch=BatchPolicy(max_prefill_tokens=8, tokens_under_load=2, tokens_beside_interactive_prompt=0))  # fmt: skip
     for i in range(4):
         sched.add_request(make_request(f"b{i}", 2, max_tokens=20, priority=Priority.BATCH, arrival=i))
     out = sched.schedule()
@@ -512,9 +501,10 @@ class MixedCompressionMachine(SchedulerMachine):
         from tandem.engine.head_kv_cache import HeadKVCacheManager
 
         self.head_kv = HeadKVCacheManager(48, 4, num_layers=2, num_kv_heads=2)  # one 42-token request alone fits
-        self.sched.head_kv = self.head_kv
-        self.sched.eviction_interval, self.sched.eviction_window = 3, 2
-        self.sched.kv.enable_prefix_caching = True  # prompts share prefixes: compressed ones copy them
+        kv = KVCacheManager(12, 4, watermark=0.0)
+        kv.enable_prefix_caching = True  # prompts share prefixes: compressed ones copy them
+        self.sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+                               head_kv=self.head_kv, eviction_interval=3, eviction_window=2)  # fmt: skip
         self.rng = __import__("random").Random(0)
         self.num_prefix_copies = 0
 
@@ -536,30 +526,31 @@ class MixedCompressionMachine(SchedulerMachine):
         for item in out.scheduled:
             request = self.sched.requests[item.request_id]
             if not request.compressed:
-                assert item.head_slots is None
+                assert item.head is None
                 table = self.sched.kv.block_table(item.request_id)
                 assert len(table.block_ids) * 4 >= item.start_position + len(item.token_ids)
                 continue
-            assert item.head_slots is not None and item.block_ids == []
-            assert all(len(slots) == len(item.token_ids) for slots in item.head_slots)
-            if item.prefix_src_slots:  # a cached prefix, held in shared blocks until the step ends
-                num_copied = len(item.prefix_src_slots)
+            head = item.head
+            assert head is not None and item.block_ids == []
+            assert all(len(slots) == len(item.token_ids) for slots in head.slots)
+            if head.prefix_src_slots:  # a cached prefix, held in shared blocks until the step ends
+                num_copied = len(head.prefix_src_slots)
                 assert item.start_position == num_copied
                 assert request.num_preemptions or request.num_cached_tokens == num_copied
                 assert num_copied <= request.num_tokens - 2  # the observation window is computed
-                assert all(len(slots) == num_copied for slots in item.prefix_dst_head_slots)
+                assert all(len(slots) == num_copied for slots in head.prefix_dst_slots)
                 shared = self.sched.kv.block_table(item.request_id).block_ids
-                assert {slot // 4 for slot in item.prefix_src_slots} == set(shared)
-            assert item.head_num_tokens == self.head_kv.num_tokens(item.request_id)
+                assert {slot // 4 for slot in head.prefix_src_slots} == set(shared)
+            assert head.num_tokens == self.head_kv.num_tokens(item.request_id)
             if not request.kv_evicted:  # the context's eviction
-                assert item.observe == item.evict == item.sample
+                assert head.observe == head.evict == item.sample
             else:  # decode evictions: observed over the last 2 of every 3 steps, the last evicting
                 since = item.start_position + len(item.token_ids) - request.num_tokens_at_eviction
                 assert item.sample and 1 <= since <= 3
-                assert (item.observe, item.evict) == (since > 1, since == 3)
-            if item.evict:
+                assert (head.observe, head.evict) == (since > 1, since == 3)
+            if head.evict:
                 result.kept_tokens[item.request_id] = [
-                    sorted(self.rng.sample(range(n), self.rng.randint(1, n))) for n in item.head_num_tokens
+                    sorted(self.rng.sample(range(n), self.rng.randint(1, n))) for n in head.num_tokens
                 ]
         moves = len(out.head_move_src_slots) == len(out.head_move_dst_slots)
         assert moves
@@ -571,7 +562,7 @@ class MixedCompressionMachine(SchedulerMachine):
         for item in out.scheduled:  # compressed requests hold no shared block after their step
             request = self.sched.requests.get(item.request_id)
             assert request is None or not request.compressed or item.request_id not in self.sched.kv.tables
-        self.num_prefix_copies += sum(1 for item in out.scheduled if item.prefix_src_slots)
+        self.num_prefix_copies += sum(1 for item in out.scheduled if item.head and item.head.prefix_src_slots)
 
     def teardown(self) -> None:
         super().teardown()

@@ -551,14 +551,14 @@ def test_constrained_tokens_equal_a_reference_masked_step_by_step(default_llm: A
     reference = _reference_tokens(hf_default_model, prompt_ids, spec, engine, 60)
     assert plain.outputs[0].token_ids == reference
     # Several tokens accepted in one step (prompt-lookup drafts verified under the masks): the same.
-    saved = engine.scheduler.step_cost
-    engine.scheduler.step_cost = StepCostModel(prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0)
-    drafts_before = engine.scheduler.num_draft_tokens_total
+    saved = engine.scheduler.speculation.step_cost
+    engine.scheduler.speculation.step_cost = StepCostModel(prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0)
+    drafts_before = engine.scheduler.speculation.num_draft_tokens_total
     try:
         (speculated,) = default_llm.chat([messages], SamplingParams(max_tokens=60, temperature=0, structured=spec))
     finally:
-        engine.scheduler.step_cost = saved
-    assert engine.scheduler.num_draft_tokens_total > drafts_before
+        engine.scheduler.speculation.step_cost = saved
+    assert engine.scheduler.speculation.num_draft_tokens_total > drafts_before
     assert speculated.outputs[0].token_ids == reference
 
 

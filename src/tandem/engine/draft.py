@@ -266,6 +266,17 @@ class EagleProposer(PagedDraftCache):
             rows[lo + 1 - start : hi + 2 - start] = states[lo - first : hi + 1 - first]
         return start, rows
 
+    def _consumed(self, items: list[ScheduledRequest]) -> None:
+        """After proposing: the head's KV covers each request's drafts; the states before its last
+        token's position are consumed."""
+        for item in items:
+            self.num_computed[item.request_id] = item.start_position + item.num_draft_slots
+            buffered = self._buffered(item.request_id)
+            if buffered is not None:
+                first, states = buffered
+                keep_from = max(first, item.start_position)
+                self.states[item.request_id] = [(keep_from, states[keep_from - first :])]
+
     @torch.inference_mode()
     def propose(
         self,
@@ -320,13 +331,7 @@ class EagleProposer(PagedDraftCache):
                 drafts[item.request_id].append(token)
                 assert q is not None
                 probs[item.request_id].append(q)
-        for item in items:
-            self.num_computed[item.request_id] = item.start_position + item.num_draft_slots
-            buffered = self._buffered(item.request_id)
-            if buffered is not None:  # states before the last token's position are consumed
-                first, states = buffered
-                keep_from = max(first, item.start_position)
-                self.states[item.request_id] = [(keep_from, states[keep_from - first :])]
+        self._consumed(items)
         return {
             rid: (tokens, torch.stack(probs[rid]) if probs[rid] else None) for rid, tokens in drafts.items()
         }

@@ -9,14 +9,14 @@ calls `_on_finish` (its adapter is given back); the output processor makes its l
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from tandem.engine import handover
+from tandem.engine import handover, request_validation
+from tandem.engine.batch_policy import BatchPolicy
 from tandem.engine.builder import EngineParts, build_parts, eviction_policy, speculation_settings
 from tandem.engine.engine_stats import engine_stats
 from tandem.engine.fair_share import FairShare
@@ -30,11 +30,10 @@ from tandem.engine.parallel_sampling import ChoiceFamilies, choice_requests, mer
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import GRAMMAR_FAILED
-from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.step import RequestUpdate, RunnerResult, SchedulerOutput
 from tandem.platform.config import EngineConfig
-from tandem.platform.errors import ContextLengthExceededError, InvalidRequestError, NotFoundError
+from tandem.platform.errors import InvalidRequestError, NotFoundError
 
 __all__ = ["EngineBrokenError", "EngineParts", "LLMEngine"]
 
@@ -98,12 +97,14 @@ class LLMEngine:
             # Compressed requests may be longer than the shared cache holds: the engine checks
             # each request's context when it is made; this is only the backstop.
             max_model_len=max(self.max_model_len, self.compressed_max_len),
-            batch_kv_occupancy_limit=config.batch_kv_occupancy_limit,
-            batch_max_prefill_tokens=config.batch_max_prefill_tokens,
-            batch_tokens_under_load=config.batch_tokens_under_load,
-            batch_tokens_after_interactive=config.batch_tokens_after_interactive,
-            batch_tokens_beside_interactive_prompt=config.batch_tokens_beside_interactive_prompt,
-            interactive_quiet_s=config.interactive_quiet_s,
+            batch=BatchPolicy(
+                kv_occupancy_limit=config.batch_kv_occupancy_limit,
+                max_prefill_tokens=config.batch_max_prefill_tokens,
+                tokens_under_load=config.batch_tokens_under_load,
+                tokens_after_interactive=config.batch_tokens_after_interactive,
+                tokens_beside_interactive_prompt=config.batch_tokens_beside_interactive_prompt,
+                interactive_quiet_s=config.interactive_quiet_s,
+            ),
             max_loras=config.max_loras if config.enable_lora else 0,
             share_prefix_cache_across_tenants=config.share_prefix_cache_across_tenants,
             speculation=speculation_settings(config, has_draft=self.runner.has_draft),
@@ -129,100 +130,10 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------
     def make_request(self, gen: GenerationRequest, *, compress: bool = True) -> tuple[Request, str | None]:
-        """Validate and tokenise; raises `InvalidRequestError` before anything is allocated.
-        `compress=False`: the shared layout whatever the request or engine asks (KV hand-over)."""
-        token_ids, prompt = self._prompt_token_ids(gen)
-        params = gen.sampling_params
-        vocab = self.model_config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be token ids of this model: in [0, {vocab})", param="stop_token_ids")
-        rate = params.kv_compression_rate if params.kv_compression_rate is not None else self.config.kv_compression_rate
-        compressed = compress and rate is not None and rate > 1.0
-        if compressed:
-            params = self._check_compression(params, gen)
-        params = self._with_max_tokens(params, gen, len(token_ids), compressed)
-        if gen.lora_name is not None:
-            self._check_lora(gen.lora_name)
-        if params.structured is not None:
-            if self.grammars is None:
-                raise InvalidRequestError(
-                    "this engine has no grammar support for structured output", param=params.structured.param
-                )
-            self.grammars.compile(params.structured)  # 400 for a bad schema; cached for the runner
-        request = Request(
-            request_id=gen.request_id,
-            prompt_token_ids=token_ids,
-            sampling_params=params,
-            eos_token_ids=self.eos_token_ids,
-            priority=gen.priority,
-            tenant_id=gen.tenant_id,
-            lora_name=gen.lora_name,
-            kv_compression_rate=rate if compressed else None,
-        )
-        return request, prompt
-
-    def _prompt_token_ids(self, gen: GenerationRequest) -> tuple[list[int], str | None]:
-        """The prompt's token ids (tokenised from text or messages, or checked as given) and its
-        text (None when given as ids)."""
-        given = [x is not None for x in (gen.prompt, gen.prompt_token_ids, gen.messages)]
-        if sum(given) != 1:
-            raise InvalidRequestError("give exactly one of prompt, prompt_token_ids or messages", param="prompt")
-        if gen.messages is not None:
-            if not gen.messages:
-                raise InvalidRequestError("messages must not be empty", param="messages")
-            prompt = self.tokenizer.apply_chat_template(gen.messages, add_generation_prompt=True)
-            return self.tokenizer.encode(prompt, add_special_tokens=False), prompt
-        if gen.prompt is not None:
-            if not isinstance(gen.prompt, str) or not gen.prompt:
-                raise InvalidRequestError("prompt must be a non-empty string", param="prompt")
-            return self.tokenizer.encode(gen.prompt), gen.prompt
-        token_ids = list(gen.prompt_token_ids or [])
-        if not token_ids:
-            raise InvalidRequestError("prompt_token_ids must not be empty", param="prompt")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return token_ids, None
-
-    def _with_max_tokens(
-        self, params: SamplingParams, gen: GenerationRequest, num_prompt_tokens: int, compressed: bool
-    ) -> SamplingParams:
-        """`params` with `max_tokens` resolved against the context left after the prompt. A
-        compressed request must fit the compression pool alone before eviction (so it can always
-        run); the others, the shared cache."""
-        context = self.compressed_max_len if compressed else self.max_model_len
-        if num_prompt_tokens >= context:
-            raise ContextLengthExceededError(
-                f"the prompt has {num_prompt_tokens} tokens; this model's context is {context} tokens "
-                f"{'(the KV compression pool) ' if compressed else ''}and at least one must be left to generate"
-            )
-        remaining = context - num_prompt_tokens
-        if params.max_tokens is None:
-            limit = remaining if gen.default_max_tokens is None else min(remaining, gen.default_max_tokens)
-            return dataclasses.replace(params, max_tokens=limit)
-        if params.max_tokens > remaining:
-            raise ContextLengthExceededError(
-                f"This model's maximum context length is {context} tokens; the prompt has "
-                f"{num_prompt_tokens} and max_tokens asks for {params.max_tokens} more. Reduce the prompt or "
-                f"max_tokens (at most {remaining} here), or leave max_tokens out",
-                param="max_tokens",
-            )
-        return params
-
-    def _check_compression(self, params: SamplingParams, gen: GenerationRequest) -> SamplingParams:
-        """A compressed request needs the head-block pool and no adapter; it does not speculate
-        (its heads keep different tokens)."""
-        if self.head_kv is None:
-            raise InvalidRequestError(
-                "this engine has no KV compression pool; start it with kv_compression_rate or "
-                "enable_kv_compression=True",
-                param="kv_compression_rate",
-            )
-        if gen.lora_name is not None:
-            raise InvalidRequestError(
-                "KV compression cannot be combined with a LoRA adapter yet", param="kv_compression_rate"
-            )
-        return dataclasses.replace(params, speculative=False)
+        """Validate and tokenise (`request_validation.make_request`); raises `InvalidRequestError`
+        before anything is allocated. `compress=False`: the shared layout whatever the request or
+        engine asks (KV hand-over)."""
+        return request_validation.make_request(self, gen, compress=compress)
 
     @property
     def compressed_capacity_tokens(self) -> int:

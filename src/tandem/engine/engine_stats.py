@@ -44,10 +44,10 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "num_output_tokens_batch": engine.scheduler.num_output_tokens_total[Priority.BATCH],
         "max_model_len": engine.max_model_len,
         "num_steps": engine.num_steps,
-        "num_draft_tokens": engine.scheduler.num_draft_tokens_total,
-        "num_accepted_draft_tokens": engine.scheduler.num_accepted_tokens_total,
-        "draft_acceptance_rate": engine.scheduler.num_accepted_tokens_total
-        / max(1, engine.scheduler.num_draft_tokens_total),
+        "num_draft_tokens": engine.scheduler.speculation.num_draft_tokens_total,
+        "num_accepted_draft_tokens": engine.scheduler.speculation.num_accepted_tokens_total,
+        "draft_acceptance_rate": engine.scheduler.speculation.num_accepted_tokens_total
+        / max(1, engine.scheduler.speculation.num_draft_tokens_total),
         "draft_wall_s": runner.draft_wall_s,
         "step_wall_s": engine.step_wall_s,
         "step_thread_cpu_s": engine.step_thread_cpu_s,
@@ -56,14 +56,15 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         **_compression_stats(engine),
     }
 
+
 def _compression_stats(engine: LLMEngine) -> dict[str, Any]:
-    head_kv = engine.head_kv
+    head_kv, layout = engine.head_kv, engine.scheduler.head_layout
     if head_kv is None:
         return {}
     return {
         "kv_compression_head_blocks_total": head_kv.pool.num_blocks,
         "kv_compression_head_blocks_used": head_kv.pool.num_used_blocks,
         "kv_compression_capacity_tokens": engine.compressed_capacity_tokens,
-        "kv_compression_evictions": engine.scheduler.num_compressed_evictions,
-        "kv_compression_vectors_evicted": engine.scheduler.num_vectors_evicted,
+        "kv_compression_evictions": layout.num_evictions if layout is not None else 0,
+        "kv_compression_vectors_evicted": layout.num_vectors_evicted if layout is not None else 0,
     }

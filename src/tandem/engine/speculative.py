@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Sized
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -182,7 +183,7 @@ class DraftCandidate:
     """One request that may speculate this step."""
 
     request_id: str
-    proposal: list[int]  # proposed next tokens (at most what may be verified)
+    proposal: Sized  # proposed next tokens, or a `speculation_planner.Proposal` (only its length is read)
     acceptance: float  # its running acceptance rate, in (0, 1)
 
 

@@ -21,6 +21,33 @@ from tandem.engine.sampling_params import SamplingParams
 
 
 @dataclass
+class HeadStep:
+    """A compressed request's share of a step in the per-head layout: its KV lives in head blocks,
+    per (layer, KV head) `h = layer * num_kv_heads + kv_head`."""
+
+    # slots[h]: the flat head slots this step's tokens are written to (in order);
+    # block_ids[h] / num_tokens[h]: head h's table and token count once they are written.
+    slots: list[list[int]]
+    block_ids: list[list[int]]
+    num_tokens: list[int]
+    # observe: the runner scores this step's last rows' queries (the observation window) against
+    # the tokens each head holds, adding to what it observed of the request since its last
+    # eviction. evict: then it returns what each head keeps at `kv_compression_rate`
+    # (`RunnerResult.kept_tokens`), from all of that. The chunk that completes the context is
+    # observed and evicted at once; later decode rows are observed over the last `window` steps
+    # of every `interval` (`EvictionPolicy`), the last of them evicting.
+    observe: bool = False
+    evict: bool = False
+    kv_compression_rate: float | None = None
+    # A prompt prefix found in the prefix cache: before its rows run, the runner copies the shared
+    # cache's KV at flat slots `prefix_src_slots` (one per token, in order) into every head, head
+    # h's copies at `prefix_dst_slots[h]` (same order). The copies are the request's own: eviction
+    # never touches the shared blocks, which it holds only until this step ends.
+    prefix_src_slots: list[int] = field(default_factory=list)
+    prefix_dst_slots: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
 class ScheduledRequest:
     """One request's share of a step. Lists are the scheduler's own (read-only for the runner)."""
 
@@ -41,33 +68,13 @@ class ScheduledRequest:
     # slots are allocated; the runner appends the drafts to `token_ids` itself).
     num_draft_slots: int = 0
     prompt_token_ids: list[int] = field(default_factory=list)  # the draft model catches up on them
-    # KV compression (`Request.compressed`): the request's KV lives in head blocks, per
-    # (layer, KV head) `h = layer * num_kv_heads + kv_head`; `block_ids` is then empty.
-    # head_slots[h]: the flat head slots this step's tokens are written to (in order);
-    # head_block_ids[h] / head_num_tokens[h]: head h's table and token count once they are written.
-    head_slots: list[list[int]] | None = None
-    head_block_ids: list[list[int]] = field(default_factory=list)
-    head_num_tokens: list[int] = field(default_factory=list)
-    # observe: the runner scores this step's last rows' queries (the observation window) against
-    # the tokens each head holds, adding to what it observed of the request since its last
-    # eviction. evict: then it returns what each head keeps at `kv_compression_rate`
-    # (`RunnerResult.kept_tokens`), from all of that. The chunk that completes the context is
-    # observed and evicted at once; later decode rows are observed over the last `window` steps
-    # of every `interval` (`EvictionPolicy`), the last of them evicting.
-    observe: bool = False
-    evict: bool = False
-    kv_compression_rate: float | None = None
-    # A compressed request's prompt prefix found in the prefix cache: before its rows run, the
-    # runner copies the shared cache's KV at flat slots `prefix_src_slots` (one per token, in
-    # order) into every head, head h's copies at `prefix_dst_head_slots[h]` (same order). The
-    # copies are the request's own: eviction never touches the shared blocks, which it holds
-    # only until this step ends.
-    prefix_src_slots: list[int] = field(default_factory=list)
-    prefix_dst_head_slots: list[list[int]] = field(default_factory=list)
+    # A compressed request's step in the per-head layout (`kv_layout.HeadLayout`); None for the
+    # shared layout. `block_ids` is then empty.
+    head: HeadStep | None = None
 
     @property
     def is_compressed(self) -> bool:
-        return self.head_slots is not None
+        return self.head is not None
 
     @property
     def num_draft_tokens(self) -> int:

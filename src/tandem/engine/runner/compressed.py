@@ -11,6 +11,7 @@ scheduler applies (`head_kv_cache.EvictionMoves`, copied here before the next st
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,12 +19,17 @@ import torch.nn.functional as F
 from tandem.engine.models.interface import CausalLM, KVLayer
 from tandem.engine.models.native import NativeLlama
 from tandem.engine.runner.forward_path import ForwardPath, StepShape
-from tandem.engine.step import RunnerResult, ScheduledRequest
+from tandem.engine.step import HeadStep, RunnerResult, ScheduledRequest
 from tandem.kernels.head_attention import HeadAttentionMetadata, HeadPool, head_pool_dtype, move_head_slots
 from tandem.kernels.kv_eviction import EvictionPolicy, plan_kept
 
 # Sample (and verify) a forward's logits [B, V] for the step's items.
 Finish = Callable[[list[ScheduledRequest], torch.Tensor], RunnerResult]
+
+
+def _head(item: ScheduledRequest) -> HeadStep:
+    assert item.head is not None, "a shared-layout request among compressed ones"
+    return item.head
 
 
 def _add_padded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # [Hk, Ta] + [Hk, Tb]
@@ -48,6 +54,19 @@ def allocate_head_pool(
         torch.ones(shape[:2], dtype=torch.float16, device=device) if fp8 else None,
         torch.ones(shape[:2], dtype=torch.float16, device=device) if fp8 else None,
     )
+
+
+@dataclass
+class _Rows:
+    """A step's rows as the head-pool forward reads them."""
+
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    logits_rows: list[int]  # [B'] the rows sampled (each sampling request's last)
+    query_start_loc: list[int]  # [B + 1]
+    head_slots: list[torch.Tensor]  # per request [L, n, Hk]: where each layer writes its rows' K/V
+    layer_tables: torch.Tensor  # [L, B, Hk, M] head block tables
+    layer_lens: torch.Tensor  # [L, B, Hk] head token counts once this step's rows are written
 
 
 class HeadPoolForward:
@@ -85,7 +104,7 @@ class HeadPoolForward:
         )
 
     def shape_of(self, items: list[ScheduledRequest]) -> StepShape:
-        decoding = all(item.sample and len(item.token_ids) == 1 and not item.observe for item in items)
+        decoding = all(item.sample and len(item.token_ids) == 1 and not _head(item).observe for item in items)
         return StepShape(len(items), sum(len(i.token_ids) for i in items), decoding, compressed=True)
 
     def execute(
@@ -93,31 +112,13 @@ class HeadPoolForward:
     ) -> RunnerResult:
         """One forward over the items' rows (`path`: the native stack or the model), then
         `finish`, then for observed requests their scores and (evicting) the tokens each head keeps."""
-        for item in items:
-            if item.prefix_src_slots:
-                self._copy_prefix_into_heads(item, shared_caches)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        logits_rows: list[int] = []
-        query_start_loc = [0]
-        head_slots: list[torch.Tensor] = []
-        for item in items:
-            n = len(item.token_ids)
-            input_ids.extend(item.token_ids)
-            positions.extend(range(item.start_position, item.start_position + n))
-            if item.sample:
-                logits_rows.append(len(input_ids) - 1)
-            query_start_loc.append(len(input_ids))
-            assert item.head_slots is not None
-            slots = torch.tensor(item.head_slots, dtype=torch.int64).view(self.num_layers, self.num_kv_heads, n)
-            head_slots.append(slots.transpose(1, 2))  # [L, n, Hk]
-        width = max(len(ids) for item in items for ids in item.head_block_ids)
-        tables = torch.tensor(
-            [[ids + [0] * (width - len(ids)) for ids in item.head_block_ids] for item in items], dtype=torch.int64
-        ).view(len(items), self.num_layers, self.num_kv_heads, width)
-        lens = torch.tensor([item.head_num_tokens for item in items], dtype=torch.int64)
-        layer_tables = tables.permute(1, 0, 2, 3).contiguous()  # [L, B, Hk, M]
-        layer_lens = lens.view(len(items), self.num_layers, self.num_kv_heads).permute(1, 0, 2).contiguous()
+        heads = [_head(item) for item in items]
+        for head in heads:
+            if head.prefix_src_slots:
+                self._copy_prefix_into_heads(head, shared_caches)
+        rows = self._rows(items, heads)
+        input_ids, positions, logits_rows, query_start_loc = rows.input_ids, rows.positions, rows.logits_rows, rows.query_start_loc
+        head_slots, layer_tables, layer_lens = rows.head_slots, rows.layer_tables, rows.layer_lens
         if path is ForwardPath.NATIVE_HEADS:
             assert self.native_heads is not None
             self.num_native_steps += 1
@@ -139,7 +140,7 @@ class HeadPoolForward:
             block_tables=layer_tables.to(self.device),
             head_lens=layer_lens.to(self.device),
             query_start_loc=query_start_loc,
-            observe=[(i, self.eviction.window) for i, item in enumerate(items) if item.observe],
+            observe=[(i, self.eviction.window) for i, head in enumerate(heads) if head.observe],
         )
         caches: list[KVLayer] = [self.pool] * self.num_layers  # the model reads `metadata`, not these
         logits = self.model.forward(
@@ -153,6 +154,32 @@ class HeadPoolForward:
         self._plan_evictions(items, metadata, result)
         return result
 
+    def _rows(self, items: list[ScheduledRequest], heads: list[HeadStep]) -> _Rows:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        query_start_loc = [0]
+        head_slots: list[torch.Tensor] = []
+        for item, head in zip(items, heads, strict=True):
+            n = len(item.token_ids)
+            input_ids.extend(item.token_ids)
+            positions.extend(range(item.start_position, item.start_position + n))
+            if item.sample:
+                logits_rows.append(len(input_ids) - 1)
+            query_start_loc.append(len(input_ids))
+            slots = torch.tensor(head.slots, dtype=torch.int64).view(self.num_layers, self.num_kv_heads, n)
+            head_slots.append(slots.transpose(1, 2))  # [L, n, Hk]
+        width = max(len(ids) for head in heads for ids in head.block_ids)
+        tables = torch.tensor(
+            [[ids + [0] * (width - len(ids)) for ids in head.block_ids] for head in heads], dtype=torch.int64
+        ).view(len(items), self.num_layers, self.num_kv_heads, width)
+        lens = torch.tensor([head.num_tokens for head in heads], dtype=torch.int64)
+        return _Rows(
+            input_ids, positions, logits_rows, query_start_loc, head_slots,
+            layer_tables=tables.permute(1, 0, 2, 3).contiguous(),
+            layer_lens=lens.view(len(items), self.num_layers, self.num_kv_heads).permute(1, 0, 2).contiguous(),
+        )  # fmt: skip
+
     def _plan_evictions(self, items: list[ScheduledRequest], metadata: HeadAttentionMetadata, result: RunnerResult) -> None:
         """Add the observed rows' scores to each request's window; on its evicting step, what each
         head keeps (`RunnerResult.kept_tokens`)."""
@@ -163,25 +190,26 @@ class HeadPoolForward:
                 continue
             if observed is not None:  # earlier steps of this observation window
                 layer_scores = [_add_padded(a, b) for a, b in zip(observed, layer_scores, strict=True)]
-            if not item.evict:
+            head = _head(item)
+            if not head.evict:
                 self._observed[item.request_id] = layer_scores
                 continue
             result.kept_tokens[item.request_id] = plan_kept(
                 layer_scores,
-                item.kv_compression_rate or 1.0,
+                head.kv_compression_rate or 1.0,
                 self.eviction,
-                head_lens=item.head_num_tokens,
+                head_lens=head.num_tokens,
                 num_seen=item.start_position + len(item.token_ids),
             )
 
-    def _copy_prefix_into_heads(self, item: ScheduledRequest, shared_caches: list[KVLayer]) -> None:
+    def _copy_prefix_into_heads(self, head: HeadStep, shared_caches: list[KVLayer]) -> None:
         """A compressed request's cached prompt prefix, from the shared cache into its own head
-        blocks (`ScheduledRequest.prefix_src_slots`): the same bytes, as both hold one dtype
+        blocks (`HeadStep.prefix_src_slots`): the same bytes, as both hold one dtype
         (`head_pool_dtype`), FP8 scales included."""
         k_pool, v_pool, k_scale, v_scale = self.pool
         num_kv_heads = self.num_kv_heads
-        src = torch.tensor(item.prefix_src_slots, dtype=torch.int64, device=self.device)  # [n]
-        dst = torch.tensor(item.prefix_dst_head_slots, dtype=torch.int64, device=self.device)  # [L * Hk, n]
+        src = torch.tensor(head.prefix_src_slots, dtype=torch.int64, device=self.device)  # [n]
+        dst = torch.tensor(head.prefix_dst_slots, dtype=torch.int64, device=self.device)  # [L * Hk, n]
         for layer, (k_cache, v_cache, k_cache_scale, v_cache_scale) in enumerate(shared_caches[: self.num_layers]):
             layer_dst = dst[layer * num_kv_heads : (layer + 1) * num_kv_heads].reshape(-1)  # [Hk * n]
             for cache, pool in ((k_cache, k_pool), (v_cache, v_pool)):
