@@ -325,3 +325,44 @@ def test_a_constrained_request_handed_over_continues_its_grammar(tiny_model_dir:
     text = receiver.tokenizer.decode(got)
     if len(got) < 24:  # ended by itself: a whole sentence of the grammar
         assert re.fullmatch(pattern, text), text
+
+
+def test_the_decode_replica_tokenises_a_chat_request_once(tiny_model_dir: Path) -> None:
+    """A chat request handed over (disaggregated) is templated and tokenised once, on the decode
+    side; the prefill side and the import read its token ids. The answer equals a colocated
+    engine's for the same messages."""
+    import asyncio
+
+    from tandem.deployments.replicas import DecodeReplica, PrefillReplica
+
+    options = {"model": str(tiny_model_dir), "kv_cache_memory": 4 << 20, "block_size": 4, "speculative": None,
+               "weight_dtype": "auto", "kv_cache_dtype": "auto"}  # fmt: skip
+    messages = [{"role": "user", "content": "the cat sat on the mat"}]
+    colocated = engine(tiny_model_dir)
+    colocated.add_request(GenerationRequest("r", messages=messages, sampling_params=PARAMS))
+    want = run(colocated)["r"]
+    prefill = PrefillReplica(options)
+    decode = DecodeReplica(FlakyPrefillPool(prefill, 0), options)  # type: ignore[arg-type]
+    calls: list[str] = []
+    for side, replica in (("decode", decode), ("prefill", prefill)):
+        tokenizer = replica.engine.engine.tokenizer
+        for name in ("encode", "apply_chat_template"):
+            original = getattr(tokenizer, name)
+
+            def counted(*args: Any, _original: Any = original, _tag: str = f"{side}.{name}", **kwargs: Any) -> Any:
+                calls.append(_tag)
+                return _original(*args, **kwargs)
+
+            setattr(tokenizer, name, counted)
+
+    async def main() -> list[int]:
+        gen = GenerationRequest("r", messages=messages, sampling_params=PARAMS)
+        return [t async for out in decode.stream(gen) for t in out.outputs[0].delta_token_ids]
+
+    try:
+        assert asyncio.run(main()) == want
+        assert sorted(calls) == ["decode.apply_chat_template", "decode.encode"]
+        wait_for_baseline(decode.engine, prefill.engine)
+    finally:
+        decode.engine.shutdown()
+        prefill.engine.shutdown()

@@ -235,8 +235,10 @@ class DecodeReplica(LLMReplica):
             async for output in super().stream(request):
                 yield output
             return
-        # Pages this replica's prefix cache holds are not sent; should they be evicted before the
-        # transfer arrives, the request asks once more for all of them.
+        # Tokenised once, here: the prefill replica and the import read the token ids. Pages this
+        # replica's prefix cache holds are not sent; should they be evicted before the transfer
+        # arrives, the request asks once more for all of them.
+        request = await self.engine.with_prompt_token_ids(request)
         skip_pages = await self.engine.cached_prefix_pages(request)
         transfer = await self._remote_prefill(request, skip_pages)
         try:

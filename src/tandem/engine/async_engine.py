@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from tandem.engine.engine import LLMEngine
+from tandem.engine.handover import with_token_ids
 from tandem.engine.kv_transfer import KVTransfer
 from tandem.engine.protocol import GenerationRequest, RequestOutput, merge_outputs
 from tandem.engine.request import Request, RequestStatus
@@ -119,6 +120,17 @@ class AsyncEngine:
             self._cv.notify()
         async for output in self._stream_outputs(request.request_id, stream, stream_interval):
             yield output
+
+    async def with_prompt_token_ids(self, request: GenerationRequest) -> GenerationRequest:
+        """`request` validated (`LLMEngine.make_request`) and carrying its prompt as token ids:
+        what a decode engine passes on to its prefill engine and back to itself, so that a
+        handed-over prompt is tokenised once."""
+
+        def tokenized(engine: LLMEngine) -> GenerationRequest:
+            prepared, _ = engine.make_request(request, compress=False)
+            return with_token_ids(request, prepared.prompt_token_ids)
+
+        return cast(GenerationRequest, await self._call(tokenized))
 
     async def cached_prefix_pages(self, request: GenerationRequest) -> int:
         """`LLMEngine.cached_prefix_pages`: leading prompt pages a sender need not send here."""
