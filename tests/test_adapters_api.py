@@ -15,7 +15,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tandem import AsyncEngine
-from tandem.deployments.adapters import AdapterStore, LocalEngineClient
+from tandem.deployments.adapters import AdapterStore
+from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.engine.tokenizer import Tokenizer

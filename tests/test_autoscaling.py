@@ -163,6 +163,23 @@ def test_prefill_replicas_follow_queued_prompt_tokens() -> None:
     assert prefill_replica_options(AppConfig(mode="disaggregated", num_prefill_replicas=2))["num_replicas"] == 2
 
 
+def test_prefill_engine_overrides_are_engine_settings() -> None:
+    """`prefill_engine` is checked when the config is read: an unknown key, a bad value, or the
+    model (always `engine`'s) is refused by name before any replica starts."""
+    from pydantic import ValidationError
+
+    from tandem.deployments.app import AppConfig
+
+    assert AppConfig(mode="disaggregated", prefill_engine={"max_num_seqs": 4}).prefill_engine == {"max_num_seqs": 4}
+    for overrides, named in (
+        ({"max_num_seq": 4}, "max_num_seq are not engine settings"),
+        ({"max_num_seqs": "four"}, "max_num_seqs"),
+        ({"model": "other"}, "model come from `engine`"),
+    ):
+        with pytest.raises(ValidationError, match=named):
+            AppConfig(mode="disaggregated", prefill_engine=overrides)
+
+
 def test_engine_reports_its_prefill_backlog(tiny_llm) -> None:  # type: ignore[no-untyped-def]
     from tandem import GenerationRequest, SamplingParams
 

@@ -27,8 +27,8 @@ from tandem.batch.records import batch_data_prefix, result_shard_key
 from tandem.batch.service import BatchLimits, BatchService
 from tandem.batch.validation import validate_batch_file
 from tandem.batch.worker import BatchWorker, ExecutedRequest
-from tandem.deployments.adapters import LocalEngineClient
 from tandem.deployments.batch_execution import execute_batch_line
+from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.object_store import (

@@ -17,8 +17,8 @@ import pytest
 from tandem import AsyncEngine
 from tandem.batch.service import BatchLimits, BatchService
 from tandem.batch.worker import BatchWorker
-from tandem.deployments.adapters import LocalEngineClient
 from tandem.deployments.batch_execution import execute_batch_line
+from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.object_store import FileObjectStore

@@ -28,8 +28,9 @@ from safetensors.torch import save as save_safetensors
 from tandem import AsyncEngine
 from tandem.batch.service import BatchLimits, BatchService
 from tandem.batch.worker import BatchWorker
-from tandem.deployments.adapters import AdapterRecord, AdapterStore, LocalEngineClient
+from tandem.deployments.adapters import AdapterRecord, AdapterStore
 from tandem.deployments.batch_execution import execute_batch_line
+from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.engine.lora import parse_peft_adapter

@@ -246,7 +246,7 @@ def test_the_api_takes_kv_compression_rate_as_an_extension_field(tiny_model_dir:
     from fastapi.testclient import TestClient
 
     from tandem import AsyncEngine
-    from tandem.deployments.adapters import LocalEngineClient
+    from tandem.deployments.engine_clients import LocalEngineClient
     from tandem.deployments.ingress import create_app
     from tandem.deployments.openai_server import OpenAIServer
     from tandem.platform.tenancy import TenantRegistry, parse_keys

@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tandem import AsyncEngine
-from tandem.deployments.adapters import LocalEngineClient
+from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys, parse_operator_keys
@@ -454,7 +454,7 @@ def test_a_stream_closed_before_its_first_event_frees_the_slot_and_the_request(e
     them still gives the tenant's slot back and ends the engine request."""
     import asyncio
 
-    from tandem.deployments.adapters import LocalEngineClient
+    from tandem.deployments.engine_clients import LocalEngineClient
     from tandem.deployments.openai_server import OpenAIServer
     from tandem.platform.openai_schemas import CompletionRequest
     from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys

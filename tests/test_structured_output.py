@@ -24,8 +24,8 @@ from pydantic import BaseModel, Field
 from tandem import AsyncEngine
 from tandem.batch.service import BatchLimits, BatchService
 from tandem.batch.worker import BatchWorker
-from tandem.deployments.adapters import LocalEngineClient
 from tandem.deployments.batch_execution import execute_batch_line
+from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.deployments.structured_output import ToolCallStream, parse_tool_calls

@@ -177,7 +177,8 @@ def _write_in_input_order(client: Any, batch: Any, path: str) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from tandem.batch.service import BatchLimits, BatchService
     from tandem.batch.worker import BatchWorker
-    from tandem.deployments.adapters import AdapterStore, LocalEngineClient
+    from tandem.deployments.adapters import AdapterStore
+    from tandem.deployments.engine_clients import LocalEngineClient
     from tandem.deployments.openai_server import OpenAIServer
     from tandem.engine.async_engine import AsyncEngine
     from tandem.platform.config import DEFAULT_MODEL

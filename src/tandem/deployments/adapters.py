@@ -16,13 +16,11 @@ requests are routed to replicas that already hold it).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import re
 import secrets
 import time
-from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlparse
@@ -31,7 +29,6 @@ from pydantic import BaseModel
 
 from tandem.batch.records import tenant_prefix
 from tandem.engine.lora_checkpoint import LoRALimits, LoRAModelShape, check_peft_adapter
-from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.errors import ConflictError, InvalidRequestError, NotFoundError
 from tandem.platform.object_store import ObjectNotFound, ObjectStore, S3ObjectStore, S3Settings
 
@@ -302,37 +299,3 @@ def load_into_engine(engine: Any, adapters: AdapterStore, lora_id: str) -> None:
         return
     config, weights = adapters.read(lora_id)
     engine.add_lora_checkpoint(lora_id, config, weights)
-
-
-LOCAL_REPLICA_ID = "local"  # the replica label of an in-process engine's figures
-
-
-class LocalEngineClient:
-    """`EngineClient` over an in-process `AsyncEngine` that loads adapters from the store on first
-    use (what a Serve replica does through `@serve.multiplexed`); for tests and single-process use."""
-
-    def __init__(self, engine: Any, adapters: AdapterStore | None = None) -> None:  # engine: AsyncEngine
-        self.engine = engine
-        self.adapters = adapters
-
-    @property
-    def model_name(self) -> str:
-        return str(self.engine.model_name)
-
-    async def stats(self) -> dict[str, Any]:
-        return dict(self.engine.stats())
-
-    async def replica_stats(self) -> dict[str, dict[str, Any]]:
-        return {LOCAL_REPLICA_ID: await self.stats()}
-
-    async def lora_info(self) -> dict[str, Any]:
-        return dict(self.engine.engine.lora_info())
-
-    async def token_table(self) -> list[bytes]:
-        return list(self.engine.token_table())
-
-    async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
-        if request.lora_name is not None and self.adapters is not None:  # store reads block: a thread
-            await asyncio.to_thread(load_into_engine, self.engine.engine, self.adapters, request.lora_name)
-        async for output in self.engine.generate(request):
-            yield output

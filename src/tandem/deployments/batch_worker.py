@@ -19,6 +19,7 @@ from tandem.batch.service import BatchLimits, BatchService
 from tandem.batch.worker import BatchWorker
 from tandem.deployments.adapters import AdapterStore
 from tandem.deployments.batch_execution import execute_batch_line
+from tandem.deployments.engine_clients import HandleEngineClient
 from tandem.deployments.fleet import watch_drain
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.object_store import open_object_store
@@ -38,8 +39,6 @@ class BatchWorkerReplica:
         batch_seats_per_replica: int | None = None,
         tenant_weights: dict[str, float] | None = None,
     ) -> None:
-        from tandem.deployments.app import HandleEngineClient
-
         store = open_object_store(object_store)
         service = BatchService(store, {model_name}, BatchLimits(**limits))
         # Lines may name the batch owner's adapters ("base:adapter"), resolved in the same store

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from tandem.batch.service import BatchService
 from tandem.deployments.adapters import AdapterStore
+from tandem.deployments.engine_clients import EngineClient
 from tandem.deployments.openai_mapping import (
     NO_TOKEN_NAMES,
     ResponseTiming,
@@ -60,29 +61,6 @@ from tandem.platform.tenancy import CONCURRENCY_LIMITED, RateLimitError, TenantR
 
 logger = logging.getLogger("tandem.api")
 
-
-
-class EngineClient(Protocol):
-    """What the server needs from an engine, all async: a streaming `generate`, the model name, and
-    the engine's stats, LoRA limits and token bytes table. `LocalEngineClient` (adapters.py) serves
-    an in-process `AsyncEngine`; `HandleEngineClient` (app.py) the replicas through Serve."""
-
-    @property
-    def model_name(self) -> str: ...
-
-    def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]: ...
-
-    async def stats(self) -> dict[str, Any]:
-        """One engine's stats (whichever answers): proves an engine is up."""
-        ...
-
-    async def replica_stats(self) -> dict[str, dict[str, Any]]:
-        """Every engine replica's stats, by replica id."""
-        ...
-
-    async def lora_info(self) -> dict[str, Any]: ...
-
-    async def token_table(self) -> list[bytes]: ...
 
 
 class TenantLimiter(Protocol):

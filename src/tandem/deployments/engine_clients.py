@@ -1,0 +1,161 @@
+"""The engine clients the OpenAI server is built on (`EngineClient`): `LocalEngineClient` over an
+in-process `AsyncEngine` (tests, the batch CLI), `HandleEngineClient` over the LLM replicas'
+Serve deployment handle (the ingress and the batch workers). Ray is imported only by the latter,
+when it runs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+from tandem.deployments.adapters import AdapterStore, load_into_engine
+from tandem.engine.protocol import GenerationRequest, RequestOutput
+from tandem.platform.errors import OverloadedError, ReplicaLostError, ServiceUnavailableError, TandemError
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+
+class EngineClient(Protocol):
+    """What the server needs from an engine, all async: a streaming `generate`, the model name, and
+    the engine's stats, LoRA limits and token bytes table. `LocalEngineClient` serves an
+    in-process `AsyncEngine`; `HandleEngineClient` the replicas through Serve."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]: ...
+
+    async def stats(self) -> dict[str, Any]:
+        """One engine's stats (whichever answers): proves an engine is up."""
+        ...
+
+    async def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """Every engine replica's stats, by replica id."""
+        ...
+
+    async def lora_info(self) -> dict[str, Any]: ...
+
+    async def token_table(self) -> list[bytes]: ...
+
+
+LOCAL_REPLICA_ID = "local"  # the replica label of an in-process engine's figures
+
+
+class LocalEngineClient:
+    """`EngineClient` over an in-process `AsyncEngine` that loads adapters from the store on first
+    use (what a Serve replica does through `@serve.multiplexed`); for tests and single-process use."""
+
+    def __init__(self, engine: Any, adapters: AdapterStore | None = None) -> None:  # engine: AsyncEngine
+        self.engine = engine
+        self.adapters = adapters
+
+    @property
+    def model_name(self) -> str:
+        return str(self.engine.model_name)
+
+    async def stats(self) -> dict[str, Any]:
+        return dict(self.engine.stats())
+
+    async def replica_stats(self) -> dict[str, dict[str, Any]]:
+        return {LOCAL_REPLICA_ID: await self.stats()}
+
+    async def lora_info(self) -> dict[str, Any]:
+        return dict(self.engine.engine.lora_info())
+
+    async def token_table(self) -> list[bytes]:
+        return list(self.engine.token_table())
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
+        if request.lora_name is not None and self.adapters is not None:  # store reads block: a thread
+            await asyncio.to_thread(load_into_engine, self.engine.engine, self.adapters, request.lora_name)
+        async for output in self.engine.generate(request):
+            yield output
+
+
+class HandleEngineClient:
+    """`EngineClient` over a Serve deployment handle to `LLMReplica` (streaming)."""
+
+    def __init__(
+        self,
+        handle: DeploymentHandle,
+        model_name: str,
+        fleet: DeploymentHandle | None = None,
+        liveness_check_s: float = 5.0,
+    ) -> None:
+        self.unary = handle
+        self.handle = handle.options(stream=True)
+        self.model_name = model_name
+        self.fleet = fleet
+        # A request with no first output after this long asks the fleet state whether any LLM
+        # replica still reports; with none (their node was lost, none restarted yet) it is a
+        # 503, not a wait for as long as the outage lasts.
+        self.liveness_check_s = liveness_check_s
+
+    async def _first_output(self, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+        first = asyncio.ensure_future(anext(outputs))
+        try:
+            while True:
+                done, _ = await asyncio.wait({first}, timeout=self.liveness_check_s)
+                if done:
+                    return first.result()
+                if self.fleet is not None and not await self.fleet.snapshot.remote():
+                    raise ServiceUnavailableError(
+                        "no model replica is running (a node may have been lost and not replaced yet); "
+                        "retry shortly",
+                        code="no_replica",
+                    )
+        finally:
+            if not first.done():
+                first.cancel()
+                with contextlib.suppress(BaseException):
+                    await first
+
+    async def stats(self) -> dict[str, Any]:
+        return cast(dict[str, Any], await self.unary.stats.remote())
+
+    async def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """From the fleet state, which every replica reports to each routing-stats period."""
+        if self.fleet is None:
+            raise RuntimeError("this client has no fleet state to read replicas' stats from")
+        return cast(dict[str, dict[str, Any]], await self.fleet.snapshot.remote())
+
+    async def lora_info(self) -> dict[str, Any]:
+        return cast(dict[str, Any], await self.unary.lora_info.remote())
+
+    async def token_table(self) -> list[bytes]:
+        return cast(list[bytes], await self.unary.token_table.remote())
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
+        from ray.exceptions import RayActorError
+        from ray.serve.exceptions import BackPressureError
+
+        response: DeploymentResponseGenerator | None = None
+        try:
+            # Inside a replica, `.remote()` itself may raise BackPressureError; outside, iterating does.
+            handle = self.handle
+            if request.lora_name is not None:  # route to replicas that already hold the adapter
+                handle = handle.options(multiplexed_model_id=request.lora_name)
+            response = cast("DeploymentResponseGenerator", handle.generate.remote(request))
+            outputs = aiter(response)
+            first: RequestOutput | TandemError = await self._first_output(outputs)
+            if isinstance(first, TandemError):  # a client error the replica sent as a value
+                raise first
+            yield first
+            async for output in outputs:
+                yield output
+        except BackPressureError as exc:  # every replica's queue is full: 429, never a hang
+            raise OverloadedError(
+                f"all replicas are busy ({exc.message}); retry shortly",
+                retry_after_s=exc.retry_after_s or 1.0,
+            ) from exc
+        except RayActorError as exc:  # the replica died (Serve replaces it): not the request's fault
+            raise ReplicaLostError() from exc
+        finally:
+            if response is not None:
+                # Aborts the request on the replica if it is still running. On a response that
+                # failed to be assigned, cancel() re-raises that failure: it must not replace ours.
+                with contextlib.suppress(Exception):
+                    response.cancel()
