@@ -124,7 +124,7 @@ class GrammarCompiler:
         cache_size: int = 256,
     ) -> None:
         """`vocab_size` is the model's (the logits' width; tokens past the tokenizer's are never
-        allowed). The library's tokenizer is built on first use (about 0.2 s for 49k tokens)."""
+        allowed). The library's tokenizer is built on first use."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)

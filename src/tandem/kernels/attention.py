@@ -90,7 +90,7 @@ def e4m3_to_float(raw: torch.Tensor) -> torch.Tensor:
     """[...] uint8 e4m3 codes -> [...] float32 values, exactly `raw.view(float8_e4m3fn).float()`
     for every code but NaN (0x7f/0xff, never written: `quantize_fp8` clamps to +-448).
 
-    CPU torch converts float8 element by element (about 4x slower than this)."""
+    CPU torch converts float8 element by element, much slower than this (docs/performance.md)."""
     return _e4m3_bits_as(raw, torch.float32).mul_(_E4M3_AS_WIDE_FACTOR)
 
 

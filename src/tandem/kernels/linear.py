@@ -3,7 +3,7 @@
 Semantics: `y = x @ weight.T` for x: [M, in_features], weight: [out_features, in_features].
 
 On CPU with oneDNN (float32/bfloat16) the weight is reordered once into oneDNN's blocked
-layout; at decode-sized M (1-64 rows) that is 1.3-2x faster than `F.linear` on MKL here.
+layout, which at decode-sized M beats `F.linear` on MKL (docs/performance.md).
 Elsewhere (CUDA, no oneDNN) it is `F.linear`, which is also the reference.
 """
 
