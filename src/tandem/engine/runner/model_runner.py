@@ -36,6 +36,12 @@ from tandem.kernels.kv_eviction import EvictionPolicy
 
 logger = logging.getLogger("tandem.engine.runner")
 
+# What a KV page may be exported as, by name (`kv_transfer.KVTransfer.cache_dtype`).
+PAGE_DTYPES = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}  # fmt: skip
+
 
 class ModelRunner:
     def __init__(
@@ -137,7 +143,7 @@ class ModelRunner:
     def export_pages(self, block_ids: list[int], num_tokens: int, dtype_name: str) -> list[bytes]:
         """The KV of the first `num_tokens` tokens in `block_ids`, a page per block, in `dtype_name`
         (this cache's own, or "float8_e4m3fn")."""
-        return export_pages(self.kv_caches, self.block_size, block_ids, num_tokens, getattr(torch, dtype_name))
+        return export_pages(self.kv_caches, self.block_size, block_ids, num_tokens, PAGE_DTYPES[dtype_name])
 
     def import_pages(self, block_ids: list[int], pages: list[tuple[int, bytes]]) -> None:
         """Write pages (token count, bytes in this cache's dtype) into `block_ids`, in order."""
