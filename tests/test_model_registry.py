@@ -20,7 +20,13 @@ import torch.nn.functional as F
 
 from tandem import LLM, SamplingParams
 from tandem.engine.models.interface import LoRAContext
-from tandem.engine.models.llama import LlamaConfig, LlamaForCausalLM, LlamaMLP, llama_tensor_names
+from tandem.engine.models.llama import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaMLP,
+    llama_kv_layers,
+    llama_tensor_names,
+)
 from tandem.engine.models.registry import Architecture, register, unregister
 from tandem.engine.models.support import check_config
 from tandem.platform.errors import ModelLoadError
@@ -50,6 +56,7 @@ TOY = Architecture(
     parse_config=LlamaConfig.from_hf_dict,
     model_class=GeluLlamaForCausalLM,
     tensor_names=llama_tensor_names,
+    kv_layers=llama_kv_layers,
 )
 # ---------------------------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from tandem.kernels.int8 import Int8HeadLinear
 from tandem.kernels.kv_eviction import EvictionPolicy
 from tandem.platform.config import EngineConfig
 from tandem.platform.cpu import cpu_flags
-from tandem.platform.errors import InvalidRequestError
+from tandem.platform.errors import InvalidRequestError, ModelLoadError
 
 logger = logging.getLogger("tandem.engine")
 
@@ -116,7 +116,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     loaded = load_model(config.model)
     cfg = loaded.config
     kv_dtype = {"auto": dtype, "fp8_e4m3": torch.float8_e4m3fn, **DTYPES}[config.kv_cache_dtype]
-    kv_spec = KVCacheSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, config.block_size, kv_dtype)
+    kv_spec = kv_cache_spec(loaded, config.block_size, kv_dtype)
     draft = _load_draft(config, loaded, dtype, device, kv_dtype)
     sizes = _size(config, cfg, kv_spec, draft, device, dtype)
     model, decode_model = _build_models(config, loaded, precision, dtype, device, sizes.max_positions)
@@ -160,6 +160,19 @@ def build_parts(config: EngineConfig) -> EngineParts:
     )  # fmt: skip
 
 
+def kv_cache_spec(loaded: LoadedModel, block_size: int, kv_dtype: torch.dtype) -> KVCacheSpec:
+    """The paged cache for a model, from its architecture's per-layer KV (`Architecture.kv_layers`).
+    Raises `ModelLoadError` for layers that differ: the paged cache holds one shape for all."""
+    layers = loaded.architecture.kv_layers(loaded.config)
+    if any(layer != layers[0] for layer in layers):
+        shapes = sorted({(layer.num_kv_heads, layer.head_dim) for layer in layers})
+        raise ModelLoadError(
+            f"{loaded.path}: layers with different KV shapes (kv heads, head dim) {shapes} are not supported",
+            param="model",
+        )
+    return KVCacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim, block_size, kv_dtype)
+
+
 def _load_draft(
     config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype
 ) -> _Draft | None:
@@ -184,8 +197,7 @@ def _load_draft(
             "tokenise exactly as the target does",
             param="speculative.draft_model",
         )
-    dcfg = model.config
-    return _Draft(KVCacheSpec(dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim, config.block_size, kv_dtype), model=model)
+    return _Draft(kv_cache_spec(model, config.block_size, kv_dtype), model=model)
 
 
 def _size(

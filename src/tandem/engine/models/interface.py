@@ -27,6 +27,16 @@ class LoRAContext(Protocol):
 
 
 @dataclass(frozen=True)
+class LayerKV:
+    """What one layer keeps in the KV cache: K and V of `num_kv_heads` heads of `head_dim` per
+    token (a layout per layer, so that architectures whose layers differ can say so; the paged
+    cache serves models whose layers are alike and refuses others by name at load)."""
+
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
 class Int4Target:
     """A linear the INT4 path quantises: `getattr(parent, attr)`, whose weight is the
     concatenation (along output rows) of the checkpoint tensors `<source_names[i]>.weight`."""

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.models.interface import Int4Target, KVLayer, LoRAContext
+from tandem.engine.models.interface import Int4Target, KVLayer, LayerKV, LoRAContext
 from tandem.engine.models.registry import Architecture, register
 from tandem.engine.models.support import (
     SUPPORTED_MODEL_TYPES,
@@ -294,6 +294,10 @@ def llama_tensor_names(config: LlamaConfig, prefix: str) -> set[str]:
     return expected_tensor_names(config.num_hidden_layers, prefix=prefix)
 
 
+def llama_kv_layers(config: LlamaConfig) -> list[LayerKV]:
+    return [LayerKV(config.num_key_value_heads, config.head_dim)] * config.num_hidden_layers
+
+
 LLAMA = Architecture(
     name="llama",
     model_types=SUPPORTED_MODEL_TYPES,
@@ -302,5 +306,6 @@ LLAMA = Architecture(
     parse_config=LlamaConfig.from_hf_dict,
     model_class=LlamaForCausalLM,
     tensor_names=llama_tensor_names,
+    kv_layers=llama_kv_layers,
 )
 register(LLAMA, replace=True)

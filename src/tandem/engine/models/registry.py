@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from tandem.platform.errors import ModelLoadError
 
 if TYPE_CHECKING:
-    from tandem.engine.models.interface import CausalLM, ModelConfig
+    from tandem.engine.models.interface import CausalLM, LayerKV, ModelConfig
 
 # Modules that register the built-in architectures (imported on first lookup).
 BUILTIN_MODULES = ("tandem.engine.models.llama",)
@@ -32,6 +32,7 @@ class Architecture:
     parse_config: Callable[[dict[str, Any]], ModelConfig]  # from an HF config dict (checked)
     model_class: Callable[[Any, int], CausalLM]  # (config, max_positions) -> the module (built on 'meta')
     tensor_names: Callable[[Any, str], set[str]]  # (config, prefix) -> every tensor name it consumes
+    kv_layers: Callable[[Any], list[LayerKV]]  # config -> each layer's KV (what the cache is sized by)
 
 
 _ARCHITECTURES: dict[str, Architecture] = {}
