@@ -169,8 +169,8 @@ _NATIVE_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2
 # rows (a verification step's 1 + k rows); whole prompts and longer chunks to
 # scaled_dot_product_attention.
 NATIVE_SEGMENT_MAX_ROWS = 16
-# Steps with more rows than this for the native kernel use the torch paths for all of them: at 32
-# decode rows the batched gather-and-matmul path was 10% faster end to end (performance.md).
+# Steps with more rows than this for the native kernel use the torch paths for all of them: in
+# large steps the batched gather-and-matmul path is faster (docs/performance.md).
 NATIVE_ATTENTION_MAX_ROWS = 16
 NATIVE_ATTENTION = os.environ.get("TANDEM_NATIVE_ATTENTION", "1") != "0"
 

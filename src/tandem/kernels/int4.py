@@ -43,9 +43,8 @@ from tandem.kernels import int4_native
 
 Int4Kernel = Literal["auto", "native", "torch"]
 # Above this many rows (tokens) the native kernel dequantises the weight once and runs torch's
-# float32 GEMM, which reuses each weight across rows better than a GEMV does. Per call on the
-# 2-core AVX2 dev machine the GEMV kernel wins up to 16 rows and dequantise + GEMM from about 32
-# (docs/architecture.md, Quantisation).
+# float32 GEMM, which reuses each weight across rows better than a GEMV does (where each wins:
+# docs/performance.md, "Design measurements").
 NATIVE_GEMV_MAX_ROWS = 16
 
 

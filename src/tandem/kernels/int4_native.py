@@ -3,7 +3,7 @@
 
 Why: torch's `_weight_int4pack_mm_for_cpu` takes each group's (scale, zero) as a bfloat16 tensor,
 so double-quantised parameters had to be multiplied out before every call, and at batch 1 the
-kernel itself moves about 3.4 GB/s of weights. This kernel reads the packed nibbles and the int8
+kernel itself moves weights well below memory bandwidth (docs/performance.md). This kernel reads the packed nibbles and the int8
 parameter codes directly (exact integer dot products on int16-scaled activations, AVX2), and for
 large M dequantises the weight once and leaves the GEMM to torch.
 

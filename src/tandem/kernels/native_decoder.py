@@ -6,7 +6,8 @@ attention of row t over its request's keys at positions 0..positions[t], o, RMSN
 SiLU, down, residuals), in float32 activations. That eager model is the reference; the two differ
 only by float32 summation order (the INT4 matmuls are the same kernel).
 
-Why: at small batch the eager step is dominated by per-op overhead (about 2,000 torch ops); here
+Why: at small batch the eager step is dominated by per-op overhead (thousands of small torch ops
+per step; docs/performance.md, "Design measurements"); here
 a layer is four INT4 matmuls and one parallel attention loop.
 
 Inputs (CPU, contiguous): x [T, H] float32 is updated in place to the last layer's output;
