@@ -111,12 +111,14 @@ class SpeculationPlanner:
         step_tokens = min(self.max_num_batched_tokens, sum(tokens.values()))
         step_cost_s, draft_cost_s = self._draft_costs(num_decoding, step_tokens)
         candidates: list[DraftCandidate] = []
+        proposals: dict[str, Proposal] = {}
         for request in running:
             if request.num_computed_tokens != request.num_tokens - 1 or not self._may_speculate(request, batch_cap):
                 continue
             proposal, match_len = self._propose(request, step_cost_s, draft_cost_s)
             if proposal:
                 self._match_len[request.request_id] = match_len
+                proposals[request.request_id] = proposal
                 candidates.append(DraftCandidate(request.request_id, proposal, self.acceptance.estimate(match_len)))
         if not candidates:
             return {}
@@ -127,11 +129,7 @@ class SpeculationPlanner:
             draft_cost_s=draft_cost_s,
             max_draft_tokens=self.max_num_batched_tokens - step_tokens,
         )
-        return {
-            c.request_id: c.proposal.truncated(planned[c.request_id])
-            for c in candidates
-            if c.request_id in planned and isinstance(c.proposal, Proposal)
-        }
+        return {request_id: proposals[request_id].truncated(num) for request_id, num in planned.items()}
 
     @staticmethod
     def _may_speculate(request: Request, batch_cap: int | None) -> bool:

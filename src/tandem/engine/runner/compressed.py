@@ -117,17 +117,15 @@ class HeadPoolForward:
             if head.prefix_src_slots:
                 self._copy_prefix_into_heads(head, shared_caches)
         rows = self._rows(items, heads)
-        input_ids, positions, logits_rows, query_start_loc = rows.input_ids, rows.positions, rows.logits_rows, rows.query_start_loc
-        head_slots, layer_tables, layer_lens = rows.head_slots, rows.layer_tables, rows.layer_lens
         if path is ForwardPath.NATIVE_HEADS:
             assert self.native_heads is not None
             self.num_native_steps += 1
             logits = self.native_heads.forward_heads(
-                torch.tensor(input_ids, dtype=torch.int64),
-                torch.tensor(positions, dtype=torch.int64),
-                torch.cat(head_slots, dim=1).contiguous(),  # [L, T, Hk]
-                layer_tables,
-                layer_lens,
+                torch.tensor(rows.input_ids, dtype=torch.int64),
+                torch.tensor(rows.positions, dtype=torch.int64),
+                torch.cat(rows.head_slots, dim=1).contiguous(),  # [L, T, Hk]
+                rows.layer_tables,
+                rows.layer_lens,
             )
             return finish(items, logits)
         k_pool, v_pool, k_scale, v_scale = self.pool
@@ -136,19 +134,19 @@ class HeadPoolForward:
             v_pool=v_pool,
             k_scale=k_scale,
             v_scale=v_scale,
-            head_slots=torch.cat(head_slots, dim=1).to(self.device),  # [L, T, Hk]
-            block_tables=layer_tables.to(self.device),
-            head_lens=layer_lens.to(self.device),
-            query_start_loc=query_start_loc,
+            head_slots=torch.cat(rows.head_slots, dim=1).to(self.device),  # [L, T, Hk]
+            block_tables=rows.layer_tables.to(self.device),
+            head_lens=rows.layer_lens.to(self.device),
+            query_start_loc=rows.query_start_loc,
             observe=[(i, self.eviction.window) for i, head in enumerate(heads) if head.observe],
         )
         caches: list[KVLayer] = [self.pool] * self.num_layers  # the model reads `metadata`, not these
         logits = self.model.forward(
-            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            torch.tensor(rows.input_ids, dtype=torch.int64, device=self.device),
+            torch.tensor(rows.positions, dtype=torch.int64, device=self.device),
             caches,
             metadata,
-            torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
+            torch.tensor(rows.logits_rows, dtype=torch.int64, device=self.device),
         )
         result = finish(items, logits)
         self._plan_evictions(items, metadata, result)
