@@ -162,3 +162,64 @@ def test_native_decode_attention_matches_the_torch_gather_path(cache_dtype: torc
         head_dim**-0.5,
     ).view(4, num_heads, head_dim)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize(("window", "softcap"), [(4, None), (None, 2.0), (5, 3.0), (64, None)])
+def test_sliding_window_and_softcap_match_dense(
+    monkeypatch: pytest.MonkeyPatch, native: bool, cache_dtype: torch.dtype, window: int | None, softcap: float | None
+) -> None:
+    """Every path of `paged_attention` (native rows, gathered decode, whole prompts, chunks after a
+    cached prefix, short and long) with a sliding window and soft-capped scores, against the dense
+    reference over the keys as the cache holds them (FP8: dequantised)."""
+    from tandem.kernels import attention, int4_native
+    from tandem.kernels.attention import _gather_rows
+
+    if native and int4_native.load() is None:
+        pytest.skip(f"native library unavailable: {int4_native.unavailable_reason()}")
+    monkeypatch.setattr(attention, "NATIVE_ATTENTION", native)
+    torch.manual_seed(2)
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 6, 2, 8, 4, 96
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    k_scale = torch.zeros(num_blocks, block_size, num_kv_heads, dtype=torch.float16) if fp8 else None
+    v_scale = torch.zeros_like(k_scale) if fp8 else None
+    # (cached, new): a whole prompt, a short chunk after a prefix (native rows), a long chunk
+    # after a prefix, decodes shorter and longer than the window
+    shapes = [(0, 11), (9, 3), (6, 20), (13, 1), (2, 1), (30, 1)]
+    perm = torch.randperm(num_blocks).tolist()
+    tables = [[perm.pop() for _ in range(-(-(c + n) // block_size))] for c, n in shapes]
+    full_k = [torch.randn(c + n, num_kv_heads, head_dim) * 2 for c, n in shapes]
+    full_v = [torch.randn(c + n, num_kv_heads, head_dim) for c, n in shapes]
+    cpu = torch.device("cpu")
+    for (cached, _), table, k, v in zip(shapes, tables, full_k, full_v, strict=True):
+        if cached:
+            meta = build_attention_metadata([table], [cached], [cached], block_size, num_kv_heads, cpu)
+            write_kv(k[:cached], v[:cached], k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    lens = [c + n for c, n in shapes]
+    meta = build_attention_metadata(tables, [n for _, n in shapes], lens, block_size, num_kv_heads, cpu)
+    assert (meta.native_rows is not None) == native
+    q = torch.randn(sum(n for _, n in shapes), num_heads, head_dim)
+    k_new = torch.cat([k[c:] for (c, _), k in zip(shapes, full_k, strict=True)])
+    v_new = torch.cat([v[c:] for (c, _), v in zip(shapes, full_v, strict=True)])
+    write_kv(k_new, v_new, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    out = paged_attention(
+        q, k_new, v_new, k_cache, v_cache, meta, head_dim**-0.5, k_scale, v_scale, window=window, softcap=softcap
+    )
+    row = 0
+    for (cached, new), table, k, v in zip(shapes, tables, full_k, full_v, strict=True):
+        if cached:  # what attention reads back: the cache's values (a whole prompt attends its own as computed)
+            slots = torch.tensor([table[i // block_size] * block_size + i % block_size for i in range(cached + new)])
+            index = (slots[:, None] * num_kv_heads + torch.arange(num_kv_heads)).reshape(-1)
+            k = _gather_rows(k_cache.view(-1, head_dim), None if k_scale is None else k_scale.view(-1), index, torch.float32)
+            v = _gather_rows(v_cache.view(-1, head_dim), None if v_scale is None else v_scale.view(-1), index, torch.float32)
+            k, v = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
+        expected = reference_attention(q[row : row + new], k, v, head_dim**-0.5, window=window, softcap=softcap)
+        torch.testing.assert_close(out[row : row + new], expected, atol=1e-4, rtol=1e-4)
+        row += new
+    if window is not None and window < 30:  # the window is not a no-op: the full context differs
+        last = full_k[-1], full_v[-1]
+        unwindowed = reference_attention(q[-1:], last[0], last[1], head_dim**-0.5, softcap=softcap)
+        assert not torch.allclose(out[-1:], unwindowed, atol=1e-3)

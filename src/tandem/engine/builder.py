@@ -117,6 +117,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     cfg = loaded.config
     kv_dtype = {"auto": dtype, "fp8_e4m3": torch.float8_e4m3fn, **DTYPES}[config.kv_cache_dtype]
     kv_spec = kv_cache_spec(loaded, config.block_size, kv_dtype)
+    check_features(config, loaded)
     draft = _load_draft(config, loaded, dtype, device, kv_dtype)
     sizes = _size(config, cfg, kv_spec, draft, device, dtype)
     model, decode_model = _build_models(config, loaded, precision, dtype, device, sizes.max_positions)
@@ -160,11 +161,35 @@ def build_parts(config: EngineConfig) -> EngineParts:
     )  # fmt: skip
 
 
+def check_features(config: EngineConfig, loaded: LoadedModel) -> None:
+    """Refuse, naming the setting, engine features the model's architecture does not compute
+    exactly: per-head KV compression over sliding-window or soft-capped attention (the head-block
+    pool attends every kept key, unwindowed and uncapped), and LoRA where the architecture's
+    module names are not PEFT's q/k/v/o and gate/up/down (`Architecture.supports_lora`)."""
+    architecture, layers = loaded.architecture, loaded.architecture.kv_layers(loaded.config)
+    windowed = any(layer.window is not None for layer in layers)
+    capped = getattr(loaded.config, "attn_logit_softcap", None) is not None
+    if (config.enable_kv_compression or config.kv_compression_rate is not None) and (windowed or capped):
+        kind = "sliding-window" if windowed else "soft-capped"
+        raise InvalidRequestError(
+            f"per-head KV compression is not supported for {architecture.name} models ({kind} attention); "
+            "leave enable_kv_compression off for this model",
+            param="enable_kv_compression",
+        )
+    if config.enable_lora and not architecture.supports_lora:
+        raise InvalidRequestError(
+            f"LoRA adapters are not supported for {architecture.name} models (their checkpoint's fused "
+            "module names are not the q/k/v/o and gate/up/down projections adapters target); "
+            "leave enable_lora off for this model",
+            param="enable_lora",
+        )
+
+
 def kv_cache_spec(loaded: LoadedModel, block_size: int, kv_dtype: torch.dtype) -> KVCacheSpec:
     """The paged cache for a model, from its architecture's per-layer KV (`Architecture.kv_layers`).
     Raises `ModelLoadError` for layers that differ: the paged cache holds one shape for all."""
     layers = loaded.architecture.kv_layers(loaded.config)
-    if any(layer != layers[0] for layer in layers):
+    if any((layer.num_kv_heads, layer.head_dim) != (layers[0].num_kv_heads, layers[0].head_dim) for layer in layers):
         shapes = sorted({(layer.num_kv_heads, layer.head_dim) for layer in layers})
         raise ModelLoadError(
             f"{loaded.path}: layers with different KV shapes (kv heads, head dim) {shapes} are not supported",

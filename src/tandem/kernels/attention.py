@@ -17,7 +17,7 @@ The metadata is built once per step (`build_attention_metadata`) and reused by e
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -146,8 +146,9 @@ def _decode_attention(
     v: tuple[torch.Tensor, torch.Tensor | None],
     mask: torch.Tensor,  # [B, 1, 1, L] True = valid key
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [B, Hk, G, D]
-    """softmax(q K^T * scale, masked) V with per-key scales s_k, s_v folded in:
+    """softmax(q K^T * scale (soft-capped), masked) V with per-key scales s_k, s_v folded in:
     (q . k_l s_k[l]) = (q . k_l) s_k[l] and sum_l p_l s_v[l] v_l. Plain matmuls: at one query per
     request they beat CPU flash attention, and the FP8 scales cost an [.., L] multiply each."""
     batch, num_kv_heads, _, head_dim = q.shape
@@ -157,7 +158,10 @@ def _decode_attention(
     scores = torch.matmul(q, k_rows.view(shape).transpose(-1, -2))  # [B, Hk, G, L]
     if k_scales is not None:
         scores.mul_(k_scales.view(batch, num_kv_heads, 1, -1))
-    scores.mul_(scale).masked_fill_(~mask, float("-inf"))
+    scores.mul_(scale)
+    if softcap:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
+    scores.masked_fill_(~mask, float("-inf"))
     probs = scores.softmax(dim=-1)
     if v_scales is not None:
         probs.mul_(v_scales.view(batch, num_kv_heads, 1, -1))
@@ -186,6 +190,21 @@ class PrefillSegment:
     # At most NATIVE_SEGMENT_MAX_ROWS rows after a cached prefix (a verification step): its rows
     # are in `native_rows`. A whole prompt attends its own keys as computed, not as cached.
     short: bool = False
+    context_len: int = 0  # L: the request's tokens after this step (its rows sit at L - n .. L - 1)
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> [n, L] (built once per step)
+
+    def mask_for(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """[n, L] bool: what query row i (position L - n + i) attends with a sliding `window`
+        (keys p - window + 1 .. p, HF's `kv_idx > q_idx - sliding_window`); without one, `mask`."""
+        if window is None or window >= self.context_len:
+            return self.mask
+        if window not in self.window_masks:
+            n, length = self.query_end - self.query_start, self.context_len
+            keys = torch.arange(length)[None, :]
+            query_positions = torch.arange(length - n, length)[:, None]
+            allowed = (keys <= query_positions) & (keys > query_positions - window)
+            self.window_masks[window] = allowed.to(device)
+        return self.window_masks[window]
 
 
 @dataclass
@@ -210,6 +229,18 @@ class AttentionMetadata:
     native_rows: torch.Tensor | None = None  # [R] int64 rows of q
     native_positions: torch.Tensor | None = None  # [R] int64
     native_block_tables: torch.Tensor | None = None  # [R, max_blocks] int64
+    decode_lens: torch.Tensor | None = None  # [Bd] int64 context length of each decode row
+    decode_window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> [Bd, 1, 1, Lmax]
+
+    def decode_mask_for(self, window: int | None) -> torch.Tensor:
+        """`decode_mask` narrowed to each decode row's last `window` keys."""
+        if window is None or window >= self.decode_max_len or self.decode_lens is None:
+            return self.decode_mask
+        if window not in self.decode_window_masks:
+            keys = torch.arange(self.decode_max_len, device=self.decode_mask.device)
+            recent = keys[None, :] >= (self.decode_lens[:, None] - window)
+            self.decode_window_masks[window] = self.decode_mask & recent.view_as(self.decode_mask)
+        return self.decode_window_masks[window]
 
 
 def _head_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -266,7 +297,7 @@ def build_attention_metadata(
             if ctx != n:  # cached prefix: query j (position ctx-n+j) sees keys <= its position
                 kv_index = _head_rows(all_slots, num_kv_heads).reshape(-1).to(device)
                 mask = (torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]).to(device)
-            prefills.append(PrefillSegment(row, row + n, kv_index, mask, short=short))
+            prefills.append(PrefillSegment(row, row + n, kv_index, mask, short=short, context_len=ctx))
         row += n
 
     num_decodes = len(decode_rows)
@@ -299,6 +330,7 @@ def build_attention_metadata(
         native_rows=torch.tensor(native_rows, dtype=torch.int64, device=device) if native_rows else None,
         native_positions=torch.tensor(native_positions, dtype=torch.int64, device=device) if native_rows else None,
         native_block_tables=None if native_block_tables is None else native_block_tables.to(device),
+        decode_lens=torch.tensor(decode_lens, dtype=torch.int64, device=device),
     )
 
 
@@ -316,6 +348,8 @@ def native_paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,  # [N, bs, Hk] float16 for an FP8 cache
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,  # row r attends only keys positions[r] - window + 1 .. positions[r]
+    softcap: float | None = None,  # scores -> softcap * tanh(score / softcap)
 ) -> torch.Tensor:  # [R, Hq, D] float32
     """Paged attention of independent rows in one native call (`csrc/decoder_cpu.c`,
     `tandem_paged_attention`): for a decode row the same as `_decode_attention` over the gathered
@@ -333,8 +367,8 @@ def native_paged_attention(
         q32.data_ptr(), batch, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
         _NATIVE_KV_DTYPES[k_cache.dtype], scale, k_cache.data_ptr(), v_cache.data_ptr(),
         None if k_scale is None else k_scale.data_ptr(), None if v_scale is None else v_scale.data_ptr(),
-        positions.contiguous().data_ptr(), tables.data_ptr(), tables.shape[1], out.data_ptr(),
-        torch.get_num_threads(),
+        positions.contiguous().data_ptr(), tables.data_ptr(), tables.shape[1], window or 0, softcap or 0.0,
+        out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out
 
@@ -349,7 +383,12 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,  # [N, bs, Hk] for an FP8 cache (dequantised on read)
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,  # sliding window: a row at position p attends keys p - window + 1 .. p
+    softcap: float | None = None,  # scores -> softcap * tanh(score / softcap) before masking
 ) -> torch.Tensor:  # [T, Hq, D]
+    """Each row's attention over its request's keys (module docstring), for one layer: with a
+    `window`, only the last `window` positions (keys before it are never read, so their blocks may
+    already be freed); with `softcap`, Gemma 2's capped scores."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -366,7 +405,7 @@ def paged_attention(
         assert metadata.native_positions is not None
         o_native = native_paged_attention(
             q.index_select(0, metadata.native_rows), k_cache, v_cache, metadata.native_block_tables,
-            metadata.native_positions, scale, k_scale, v_scale,
+            metadata.native_positions, scale, k_scale, v_scale, window, softcap,
         )  # fmt: skip
         out.index_copy_(0, metadata.native_rows, o_native.to(q.dtype))
     elif metadata.num_decodes:
@@ -377,8 +416,9 @@ def paged_attention(
             q_dec,
             _gather_unscaled(k_rows, k_scale_rows, metadata.decode_kv_index, q.dtype),
             _gather_unscaled(v_rows, v_scale_rows, metadata.decode_kv_index, q.dtype),
-            metadata.decode_mask,
+            metadata.decode_mask_for(window),
             scale,
+            softcap,
         )
         out.index_copy_(0, metadata.decode_rows, o_dec.reshape(bd, num_heads, head_dim))
 
@@ -398,13 +438,38 @@ def paged_attention(
             v_seg = _gather_rows(v_rows, v_scale_rows, seg.kv_index, q.dtype).view(
                 1, num_kv_heads, length, head_dim
             )
-        o_seg = F.scaled_dot_product_attention(
-            q_seg, k_seg, v_seg, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scale, enable_gqa=True
-        )
+        mask = seg.mask_for(window, q.device)
+        if softcap:
+            o_seg = _capped_attention(q_seg, k_seg, v_seg, mask, scale, softcap)
+        else:
+            o_seg = F.scaled_dot_product_attention(
+                q_seg, k_seg, v_seg, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+            )
         out[seg.query_start : seg.query_end] = (
             o_seg.squeeze(0).transpose(0, 1).reshape(n, num_heads, head_dim)
         )
     return out
+
+
+def _capped_attention(
+    q: torch.Tensor,  # [1, Hq, n, D]
+    k: torch.Tensor,  # [1, Hk, L, D]
+    v: torch.Tensor,  # [1, Hk, L, D]
+    mask: torch.Tensor | None,  # [n, L] True = attend; None: causal over the last n positions
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:  # [1, Hq, n, D]
+    """softmax(softcap * tanh(q K^T * scale / softcap), masked) V: SDPA has no soft-capping, so
+    the scores are materialised ([Hq, n, L]; chunked prefill bounds n)."""
+    group = q.shape[1] // k.shape[1]
+    n, length = q.shape[2], k.shape[2]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale).div_(softcap).tanh_().mul_(softcap)
+    if mask is None:
+        keys = torch.arange(length, device=q.device)[None, :]
+        mask = keys <= torch.arange(length - n, length, device=q.device)[:, None]
+    scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v)
 
 
 def reference_attention(
@@ -412,6 +477,8 @@ def reference_attention(
     k: torch.Tensor,  # [L, Hk, D] contiguous keys of the whole context
     v: torch.Tensor,  # [L, Hk, D]
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [n, Hq, D]
     """Dense causal attention with explicit GQA expansion, for testing `paged_attention`."""
     n, num_heads, _ = q.shape
@@ -420,6 +487,12 @@ def reference_attention(
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     q_pos = torch.arange(seq_len - n, seq_len)[:, None]
-    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
+    key_pos = torch.arange(seq_len)[None, :]
+    hidden = key_pos > q_pos
+    if window is not None:
+        hidden |= key_pos <= q_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)

@@ -145,9 +145,13 @@ class Int4Linear(nn.Module):
     `kernel`: "auto" (native where it can be built for this CPU, else torch's), "native" (raises
     if it cannot be used) or "torch". `self.kernel` says which one runs."""
 
-    def __init__(self, w: Int4Weight, device: torch.device, kernel: Int4Kernel = "auto") -> None:
+    def __init__(
+        self, w: Int4Weight, device: torch.device, kernel: Int4Kernel = "auto", bias: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = w.q.shape
+        self.bias: torch.Tensor | None  # [N] float32, added after the matmul (kept dense)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().to(device))
         self.group_size = w.group_size
         self.num_weight_bytes = w.num_bytes
         self.kernel = _choose_kernel(kernel, device, w.group_size)
@@ -201,6 +205,10 @@ class Int4Linear(nn.Module):
         return (codes * self.superblock_scales).view(num_groups, rows, 2)  # int8 * bf16 -> bf16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        y = self._matmul(x)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         if self.kernel == "native":
             return self._forward_native(x)
         x16 = x.to(torch.bfloat16)

@@ -30,10 +30,12 @@ class LoRAContext(Protocol):
 class LayerKV:
     """What one layer keeps in the KV cache: K and V of `num_kv_heads` heads of `head_dim` per
     token (a layout per layer, so that architectures whose layers differ can say so; the paged
-    cache serves models whose layers are alike and refuses others by name at load)."""
+    cache serves models whose layers have one KV shape and refuses others by name at load), and
+    how far back the layer attends (its sliding window, None for the whole context)."""
 
     num_kv_heads: int
     head_dim: int
+    window: int | None = None  # sliding window: the layer reads only its last `window` positions
 
 
 @dataclass(frozen=True)

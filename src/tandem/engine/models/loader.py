@@ -23,7 +23,12 @@ import torch
 from tandem.engine.models.interface import CausalLM
 from tandem.engine.models.llama import LLAMA, LlamaConfig
 from tandem.engine.models.registry import Architecture, architecture_for
-from tandem.engine.models.support import check_tensor_names, safetensors_files, safetensors_names
+from tandem.engine.models.support import (
+    check_tensor_names,
+    expected_tensor_names,
+    safetensors_files,
+    safetensors_names,
+)
 from tandem.engine.tokenizer import Tokenizer
 from tandem.kernels.int4 import (
     Int4Kernel,
@@ -302,12 +307,7 @@ def _check_gguf_tensor_names(path: Path, names: set[str], num_layers: int) -> No
     """Refuse tensors with no HF counterpart the Llama module consumes (e.g. `rope_freqs`, which
     carries llama3 rope scaling the metadata does not state)."""
     hf_names = [_gguf_to_hf_name(n) or n for n in names]
-    check_tensor_names(hf_names, lambda prefix: LLAMA.tensor_names(_Layers(num_layers), prefix), source=str(path))
-
-
-@dataclass
-class _Layers:
-    num_hidden_layers: int  # all the tensor-name check reads of a config
+    check_tensor_names(hf_names, lambda prefix: expected_tensor_names(num_layers, prefix=prefix), source=str(path))
 
 
 def _gguf_tensor_names(path: Path) -> None:
@@ -427,12 +427,12 @@ def apply_int4(
     for target in model.int4_targets():
         names = [f"{name}.weight" for name in target.source_names]
         weight = _concat_int4([native[n] for n in names]) if all(n in native for n in names) else None
+        linear = getattr(target.parent, target.attr)
         if weight is None:
-            linear = getattr(target.parent, target.attr)
             weight = quantize_int4(linear.weight.detach(), fit_group_size(linear.in_features, group_size))
         if double_quant:
             weight = double_quantize_int4(weight)
-        setattr(target.parent, target.attr, Int4Linear(weight, device, kernel))
+        setattr(target.parent, target.attr, Int4Linear(weight, device, kernel, bias=linear.bias))
     # The LM head (often the tied embedding) is not INT4: INT4 there moved the default model's
     # greedy tokens within a few steps, while INT4 everywhere else keeps most of them. It is INT8
     # (Q8_0-style) for small steps where the native kernel runs, bfloat16 otherwise (a hybrid

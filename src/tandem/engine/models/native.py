@@ -78,6 +78,8 @@ class NativeLlama:
         """Why `build` would return None ("" if it would not)."""
         if type(model) is not LlamaForCausalLM:  # subclasses change the maths
             return f"it computes the Llama architecture only, not {type(model).__name__}"
+        if not model.config.is_plain_llama():
+            return "it computes plain Llama layers only (no biases, q/k norms, windows or soft-capping)"
         if model.norm.device.type != "cpu":
             return f"it runs on CPU only (the model is on {model.norm.device})"
         for layer in _decoder_layers(model):

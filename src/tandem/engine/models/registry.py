@@ -20,7 +20,13 @@ if TYPE_CHECKING:
     from tandem.engine.models.interface import CausalLM, LayerKV, ModelConfig
 
 # Modules that register the built-in architectures (imported on first lookup).
-BUILTIN_MODULES = ("tandem.engine.models.llama",)
+BUILTIN_MODULES = (
+    "tandem.engine.models.llama",
+    "tandem.engine.models.mistral",
+    "tandem.engine.models.qwen",
+    "tandem.engine.models.gemma",
+    "tandem.engine.models.phi3",
+)
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,9 @@ class Architecture:
     model_class: Callable[[Any, int], CausalLM]  # (config, max_positions) -> the module (built on 'meta')
     tensor_names: Callable[[Any, str], set[str]]  # (config, prefix) -> every tensor name it consumes
     kv_layers: Callable[[Any], list[LayerKV]]  # config -> each layer's KV (what the cache is sized by)
+    # PEFT LoRA adapters target the HF module names q/k/v/o_proj and gate/up/down_proj; an
+    # architecture whose checkpoint names differ (Phi-3's fused qkv_proj) refuses `enable_lora`.
+    supports_lora: bool = True
 
 
 _ARCHITECTURES: dict[str, Architecture] = {}

@@ -1,30 +1,40 @@
-"""What the Llama-family module computes exactly, and the refusal of everything else (no torch).
+"""What the architecture modules compute exactly, and the refusal of everything else (no torch).
 
-A checkpoint is served only when every config key that changes the maths has a value the model
-module implements, and every tensor in it is consumed by a module (or is a known derived buffer).
+A checkpoint is served only when every config key that changes the maths has a value its module
+implements, and every tensor in it is consumed by a module (or is a known derived buffer).
 Anything else raises `ModelLoadError` naming the key or the tensors: a model we would answer with
-wrong tokens is refused, never silently approximated.
+wrong tokens is refused, never silently approximated. The family modules (`llama.py`,
+`qwen.py`, `gemma.py`, ...) call `check_common` with what they implement and read the shared
+fields with `decoder_fields`.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
 
 from tandem.platform.errors import ModelLoadError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama",)
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+GELU_TANH_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+_ROPE_REQUIRED = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("original_max_position_embeddings",),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+}
 
 # Tensors some checkpoints carry that are derived from the config, not weights (old HF Llama
 # checkpoints saved each layer's RoPE inverse frequencies).
 _DERIVED_TENSOR = re.compile(r"^(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
-# Keys whose only exact value here is "off"; any other value changes the maths.
-_MUST_BE_OFF = (
+# Keys whose only value Llama computes is "off"; a family that implements one says so
+# (`check_common(implemented=...)`).
+MATH_KEYS = (
     "attention_bias",
     "mlp_bias",
     "attn_logit_softcapping",
@@ -37,64 +47,141 @@ def _refuse(message: str) -> ModelLoadError:
     return ModelLoadError(message + " (not implemented: refused rather than answered inexactly)", param="model")
 
 
-def rope_settings(cfg: dict[str, Any]) -> tuple[float | None, dict[str, Any] | None, str]:
+def rope_settings(
+    cfg: dict[str, Any], layer_type: str = "full_attention"
+) -> tuple[float | None, dict[str, Any] | None, str]:
     """(rope_theta, the scaling dict or None, which key it came from) from either layout:
-    `rope_scaling` + `rope_theta`, or transformers 5's `rope_parameters`."""
+    `rope_scaling` + `rope_theta`, or transformers 5's `rope_parameters` (per layer type where it
+    is keyed by layer type, as Gemma 3's is)."""
     theta = cfg.get("rope_theta")
     scaling = cfg.get("rope_scaling")
     key = "rope_scaling"
     params = cfg.get("rope_parameters")
+    if params and isinstance(params.get(layer_type), dict):
+        params, key = params[layer_type], f"rope_parameters.{layer_type}"
+    elif params:
+        key = "rope_parameters"
     if params:
         theta = params.get("rope_theta", theta)
-        if params.get("rope_type", params.get("type", "default")) != "default":
-            scaling, key = params, "rope_parameters"
+        scaling = params if params.get("rope_type", params.get("type", "default")) != "default" else None
+    elif key == "rope_scaling" and scaling is not None:
+        scaling = dict(scaling)
+    if scaling is not None and scaling.get("original_max_position_embeddings") is None:
+        original = cfg.get("original_max_position_embeddings")  # Phi-3 states it at the top level
+        if original is not None:
+            scaling = {**scaling, "original_max_position_embeddings": original}
     return theta, scaling, key
 
 
-def check_config(cfg: dict[str, Any]) -> None:
-    """Raise `ModelLoadError` for a config the Llama module would compute inexactly.
+def check_rope(cfg: dict[str, Any], layer_type: str = "full_attention") -> None:
+    """Refuse rope types and parameters the rotary tables do not compute exactly (HF's values)."""
+    max_positions = int(cfg.get("max_position_embeddings", 2048))
+    _, scaling, key = rope_settings(cfg, layer_type)
+    if not scaling:
+        return
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise _refuse(
+            f"config key {key}.rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    partial = scaling.get("partial_rotary_factor")
+    if partial is not None and float(partial) != 1.0:
+        raise _refuse(f"config key {key}.partial_rotary_factor={partial!r} is not supported (only 1.0)")
+    original = scaling.get("original_max_position_embeddings")
+    if rope_type == "dynamic" and original is not None and int(original) < max_positions:
+        raise _refuse(
+            f"config key {key}.rope_type='dynamic' beyond its original context "
+            f"({original} < max_position_embeddings={max_positions}) is not supported"
+        )
+    missing = [name for name in _ROPE_REQUIRED.get(rope_type, ()) if scaling.get(name) is None]
+    if missing:
+        raise ModelLoadError(f"config key {key} ({rope_type}) lacks {', '.join(missing)}", param="model")
 
-    Refused (the model type is the registry's to match, `registry.architecture_for`): biases, soft-capping, q/k norms, an activation other than SiLU, partial
-    rotary embeddings, a sliding window shorter than the context, and rope types other than
-    default / linear / llama3 (and dynamic NTK, which equals the default within the original
-    context, only when that context is the whole one)."""
-    for key in _MUST_BE_OFF:
-        if cfg.get(key):
+
+def check_common(
+    cfg: dict[str, Any],
+    *,
+    implemented: Collection[str] = (),
+    activations: Collection[str] = SUPPORTED_ACTIVATIONS,
+    sliding_window: bool = False,
+) -> None:
+    """Raise `ModelLoadError` for a config a family module would compute inexactly: a key of
+    `MATH_KEYS` set that the family does not list in `implemented`, an activation not in
+    `activations`, partial rotary embeddings, a sliding window shorter than the context when the
+    family has none, and rope types or parameters `check_rope` refuses."""
+    for key in MATH_KEYS:
+        if cfg.get(key) and key not in implemented:
             raise _refuse(f"config key {key}={cfg[key]!r} is not supported")
     for key in ("hidden_act", "hidden_activation"):
         act = cfg.get(key)
-        if act is not None and act not in SUPPORTED_ACTIVATIONS:
-            raise _refuse(f"config key {key}={act!r} is not supported; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
+        if act is not None and act not in activations:
+            raise _refuse(f"config key {key}={act!r} is not supported; supported: {', '.join(activations)}")
     partial = cfg.get("partial_rotary_factor")
     if partial is not None and float(partial) != 1.0:
         raise _refuse(f"config key partial_rotary_factor={partial!r} is not supported (only 1.0)")
     max_positions = int(cfg.get("max_position_embeddings", 2048))
     window = cfg.get("sliding_window")
-    if window is not None and cfg.get("use_sliding_window", True) and int(window) < max_positions:
+    if (
+        not sliding_window
+        and window is not None
+        and cfg.get("use_sliding_window", True)
+        and int(window) < max_positions
+    ):
         raise _refuse(
             f"config key sliding_window={window} is shorter than the context "
-            f"(max_position_embeddings={max_positions}); sliding-window attention is not supported"
+            f"(max_position_embeddings={max_positions}); sliding-window attention is not supported "
+            f"for model_type {cfg.get('model_type', 'llama')!r}"
         )
-    _, scaling, key = rope_settings(cfg)
-    if scaling:
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise _refuse(
-                f"config key {key}.rope_type={rope_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
-        original = scaling.get("original_max_position_embeddings")
-        if rope_type == "dynamic" and original is not None and int(original) < max_positions:
-            raise _refuse(
-                f"config key {key}.rope_type='dynamic' beyond its original context "
-                f"({original} < max_position_embeddings={max_positions}) is not supported"
-            )
-        required = {"linear": ("factor",), "llama3": (
-            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"
-        )}.get(rope_type, ())
-        missing = [name for name in required if scaling.get(name) is None]
-        if missing:
-            raise ModelLoadError(f"config key {key} ({rope_type}) lacks {', '.join(missing)}", param="model")
+    check_rope(cfg)
+
+
+def check_config(cfg: dict[str, Any]) -> None:
+    """Raise `ModelLoadError` for a config the Llama module would compute inexactly (Llama's
+    `attention_bias` and `mlp_bias` are computed; soft-capping, q/k norms, activations other than
+    SiLU, partial rotary embeddings and sliding windows are not)."""
+    check_common(cfg, implemented=("attention_bias", "mlp_bias"))
+
+
+def decoder_fields(cfg: dict[str, Any], *, default_eps: float = 1e-5) -> dict[str, Any]:
+    """The `DecoderConfig` fields every family reads the same way from an HF config dict."""
+    num_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    eos = cfg.get("eos_token_id")
+    rope_theta, rope_scaling, _ = rope_settings(cfg)
+    return {
+        "vocab_size": int(cfg["vocab_size"]),
+        "hidden_size": hidden,
+        "intermediate_size": int(cfg["intermediate_size"]),
+        "num_hidden_layers": int(cfg["num_hidden_layers"]),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(cfg.get("num_key_value_heads") or num_heads),
+        "head_dim": int(cfg.get("head_dim") or hidden // num_heads),
+        "rms_norm_eps": float(cfg.get("rms_norm_eps", default_eps)),
+        "rope_theta": float(rope_theta or 10000.0),
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": int(cfg.get("max_position_embeddings", 2048)),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "bos_token_id": cfg.get("bos_token_id"),
+        "eos_token_ids": [eos] if isinstance(eos, int) else list(eos or []),
+    }
+
+
+def layer_windows(cfg: dict[str, Any], default_types: list[str]) -> list[int | None] | None:
+    """Each layer's sliding window from `layer_types` ("sliding_attention" / "full_attention"),
+    or `default_types` (the family's rule) when the config has none; None when no layer slides."""
+    window = cfg.get("sliding_window")
+    if window is None:
+        return None
+    types = cfg.get("layer_types") or default_types
+    if len(types) != int(cfg["num_hidden_layers"]):
+        raise ModelLoadError(f"config key layer_types has {len(types)} entries, expected one per layer", param="model")
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise _refuse(f"config key layer_types: {', '.join(map(repr, unknown))} is not supported")
+    windows = [int(window) if kind == "sliding_attention" else None for kind in types]
+    max_positions = int(cfg.get("max_position_embeddings", 2048))
+    windows = [None if w is not None and w >= max_positions else w for w in windows]
+    return windows if any(w is not None for w in windows) else None
 
 
 def expected_tensor_names(num_layers: int, *, prefix: str = "model.") -> set[str]:

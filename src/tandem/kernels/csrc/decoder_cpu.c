@@ -44,6 +44,8 @@ typedef struct {
     int64_t kv_dtype; /* 0 float32, 1 bfloat16, 2 e4m3 + float16 scales */
     float eps, scale; /* RMSNorm epsilon; attention scale (head_dim ** -0.5) */
     const float *rope_cos, *rope_sin; /* [max_positions, D] float32 */
+    int64_t window; /* > 0: a row at position p attends keys p - window + 1 .. p only (sliding window) */
+    float softcap;  /* > 0: scores become softcap * tanh(score / softcap) before the softmax */
 } TandemDecoderDims;
 
 /* A compressed request's KV paged per (layer, KV head) (tandem/kernels/head_attention.py): every
@@ -176,7 +178,8 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 }
 
 /* out[T, Hq * D] = softmax(q K^T * scale) V per (row, query head), keys 0..positions[t] of the
- * row's request (block_tables row row_tables[t], or t when row_tables is NULL). q rows are
+ * row's request (only the last d->window of them when it is set; scores soft-capped when d->softcap
+ * is set) (block_tables row row_tables[t], or t when row_tables is NULL). q rows are
  * q_stride floats apart. The query heads of one GQA group are done together, so each cached key
  * and value is read (and widened from its cache dtype) once per group. */
 static void attention(const TandemDecoderDims *d, const TandemLayer *layer, const float *q_base, int64_t q_stride,
@@ -208,26 +211,30 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
                     table = head_tables + (t * Hk + kv_head) * head_width;
                     head = 0;
                 }
+                /* keys first..length-1: the window's (blocks before it may be freed) */
+                const int64_t first = (!paging && d->window > 0 && length > d->window) ? length - d->window : 0;
+                const float cap = d->softcap;
                 float largest[group], total[group];
                 for (int64_t g = 0; g < group; g++) largest[g] = -INFINITY, total[g] = 0.0f;
-                for (int64_t j = 0; j < length; j++) {
+                for (int64_t j = first; j < length; j++) {
                     const int64_t row = (table[j / bs] * bs + j % bs) * row_heads + head;
                     const float s = read_vector(d, layer->k_cache, layer->k_scale, row, vec) * d->scale;
                     for (int64_t g = 0; g < group; g++) {
-                        const float score = dot(q + g * D, vec, D) * s;
+                        float score = dot(q + g * D, vec, D) * s;
+                        if (cap > 0.0f) score = cap * tanhf(score / cap);
                         scores[g * length + j] = score;
                         largest[g] = fmaxf(largest[g], score);
                     }
                 }
                 for (int64_t g = 0; g < group; g++) {
                     float *sg = scores + g * length;
-                    for (int64_t j = 0; j < length; j++) {
+                    for (int64_t j = first; j < length; j++) {
                         sg[j] = expf(sg[j] - largest[g]);
                         total[g] += sg[j];
                     }
                 }
                 for (int64_t i = 0; i < group * D; i++) acc[i] = 0.0f;
-                for (int64_t j = 0; j < length; j++) {
+                for (int64_t j = first; j < length; j++) {
                     const int64_t row = (table[j / bs] * bs + j % bs) * row_heads + head;
                     const float s = read_vector(d, layer->v_cache, layer->v_scale, row, vec);
                     for (int64_t g = 0; g < group; g++) {
@@ -250,12 +257,14 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
 void tandem_paged_attention(const float *q, int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                             int64_t block_size, int64_t kv_dtype, float scale, void *k_cache, void *v_cache,
                             uint16_t *k_scale, uint16_t *v_scale, const int64_t *positions,
-                            const int64_t *block_tables, int64_t max_blocks, float *out, int num_threads) {
+                            const int64_t *block_tables, int64_t max_blocks, int64_t window, float softcap,
+                            float *out, int num_threads) {
     e4m3_init();
     TandemDecoderDims d;
     memset(&d, 0, sizeof d);
     d.num_heads = num_heads, d.num_kv_heads = num_kv_heads, d.head_dim = head_dim;
     d.block_size = block_size, d.kv_dtype = kv_dtype, d.scale = scale;
+    d.window = window, d.softcap = softcap;
     TandemLayer layer;
     memset(&layer, 0, sizeof layer);
     layer.k_cache = k_cache, layer.v_cache = v_cache, layer.k_scale = k_scale, layer.v_scale = v_scale;

@@ -1,0 +1,36 @@
+"""Mistral: Llama's maths with a sliding window on every layer (`sliding_window`; HF's
+`MistralForCausalLM`, whose q/k/v/o carry no biases)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.engine.models.decoder import DecoderConfig, DecoderLM, decoder_kv_layers, decoder_tensor_names
+from tandem.engine.models.registry import Architecture, register
+from tandem.engine.models.support import check_common, decoder_fields, layer_windows
+
+
+def check_mistral(cfg: dict[str, Any]) -> None:
+    check_common(cfg, sliding_window=True)
+
+
+def parse_mistral(cfg: dict[str, Any]) -> DecoderConfig:
+    layers = int(cfg["num_hidden_layers"])
+    return DecoderConfig(
+        **decoder_fields(cfg),
+        model_type="mistral",
+        layer_windows=layer_windows(cfg, ["sliding_attention"] * layers),
+    )
+
+
+MISTRAL = Architecture(
+    name="mistral",
+    model_types=("mistral",),
+    hf_classes=("MistralForCausalLM",),
+    check_config=check_mistral,
+    parse_config=parse_mistral,
+    model_class=DecoderLM,
+    tensor_names=decoder_tensor_names,
+    kv_layers=decoder_kv_layers,
+)
+register(MISTRAL, replace=True)

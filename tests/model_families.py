@@ -1,0 +1,118 @@
+"""Tiny random-weight checkpoints of every supported family, saved by `transformers` itself (the
+reference nobody here wrote): shared by the family parity tests and `benchmarks/`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WINDOW = 8  # sliding window of the families that have one: every test prompt is longer
+
+COMMON: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
+
+# family -> (transformers config class, causal-LM class, config overrides)
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama-bias": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": WINDOW, "head_dim": 16}),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2},
+    ),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "attention_bias": True}),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 2.0,  # small caps so that capping changes the answer
+            "final_logit_softcapping": 5.0,
+            "tie_word_embeddings": False,  # tied, a random model repeats its last token (embedding x sqrt(hidden))
+        },
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "query_pre_attn_scalar": 24,
+            "tie_word_embeddings": False,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+            },
+        },
+    ),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {
+            "sliding_window": WINDOW,
+            "original_max_position_embeddings": 256,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.25 * i for i in range(8)],
+                "long_factor": [4.0] * 8,
+                "original_max_position_embeddings": 256,
+            },
+        },
+    ),
+}
+
+
+def save_family_model(family: str, folder: Path, tokenizer_files: Path, *, seed: int = 0) -> Path:
+    """The family's tiny model with every parameter drawn at random (biases and norm weights
+    included: HF starts them at 0 / 1, where a dropped bias or a wrong norm offset would not
+    show), saved with the tokenizer of `tokenizer_files`."""
+    import transformers
+
+    config_name, model_name, overrides = FAMILIES[family]
+    vocab = json.loads((tokenizer_files / "config.json").read_text())
+    config = getattr(transformers, config_name)(
+        vocab_size=vocab["vocab_size"],
+        eos_token_id=vocab["eos_token_id"],
+        bos_token_id=vocab["bos_token_id"],
+        pad_token_id=None,
+        **{**COMMON, **overrides},
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") and "gemma" in family:  # (1 + w): w near 0
+                param.normal_(0.0, 0.2)
+            elif name.endswith("norm.weight"):
+                param.normal_(1.0, 0.2)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
+            else:
+                param.normal_(0.0, 0.12)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_files / name, folder / name)
+    return folder
+
+
+def load_hf(family: str, folder: Path) -> Any:
+    import transformers
+
+    _, model_name, _ = FAMILIES[family]
+    model = getattr(transformers, model_name).from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
+    return model.eval()

@@ -1,0 +1,137 @@
+"""Every supported architecture against HF `transformers` (float32), through the whole engine.
+
+Each family's tiny checkpoint is built and saved by `transformers` itself with every parameter
+random (biases and norm weights too), with a sliding window of 8 tokens where the family has one
+and prompts longer than it (`model_families.py`). Per family:
+
+- last-position logits within 1e-4 of HF's;
+- greedy tokens equal to HF's argmax loop (`generate`, KV cache) for every prompt, in one mixed
+  batch with chunked prefill (16-token budget), a prefix-cache hit and preemptions (a cache too
+  small for the batch): the stats say each happened;
+- the same tokens with prompt-lookup speculation on (drafts proposed and verified);
+- a PEFT LoRA adapter (every projection, random A and B) equal to PEFT's greedy tokens, or, where
+  the architecture's module names are not PEFT's (Phi-3), `enable_lora` refused by name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem import LLM, LoRARequest, SamplingParams
+from tandem.platform.errors import InvalidRequestError
+
+from .conftest import make_tiny_model
+from .model_families import FAMILIES, WINDOW, load_hf, save_family_model
+from .test_hf_parity import hf_greedy, our_prefill_logits
+
+SHARED_PREFIX = "Once upon a time, in a land far away, there lived a small dragon who "
+PROMPTS = [
+    SHARED_PREFIX + "loved to read books about the sea.",
+    SHARED_PREFIX + "could not fly.",
+    "The capital of France is Paris, and the capital of Italy is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+]
+NEW_TOKENS = 16
+LOGIT_ATOL = 1e-4
+# 4 layers x K and V x 2 heads x 16 dims x 4 bytes x 4 tokens = 2 KiB a block; a request is up to
+# 24 blocks (the byte-level tiny tokenizer makes ~80-token prompts): 56 blocks hold two of them at
+# a time, so the batch of four preempts.
+TIGHT = {"kv_cache_memory": 112 << 10, "block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 8}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("family-tokenizer"), num_layers=1)
+
+
+_CHECKPOINTS: dict[str, Path] = {}
+
+
+def checkpoint(family: str, tokenizer_files: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if family not in _CHECKPOINTS:
+        _CHECKPOINTS[family] = save_family_model(family, tmp_path_factory.mktemp(family), tokenizer_files)
+    return _CHECKPOINTS[family]
+
+
+def greedy(max_tokens: int = NEW_TOKENS) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_matches_hf(
+    family: str, tokenizer_files: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    folder = checkpoint(family, tokenizer_files, tmp_path_factory)
+    hf = load_hf(family, folder)
+    roomy = LLM(str(folder), dtype="float32", speculative=None, kv_cache_memory=1 << 20)
+    prompt_ids = [roomy.tokenizer.encode(p) for p in PROMPTS]
+    assert min(len(ids) for ids in prompt_ids) > 2 * WINDOW  # every prompt slides past the window
+    for ids in prompt_ids[:2]:
+        with torch.no_grad():
+            want_logits = hf(torch.tensor([ids])).logits[0, -1].float()
+        got_logits = our_prefill_logits(roomy, ids)[-1]
+        assert (got_logits - want_logits).abs().max().item() < LOGIT_ATOL
+
+    llm = LLM(str(folder), dtype="float32", speculative=None, **TIGHT)
+
+    want = [hf_greedy(hf, ids, NEW_TOKENS, None) for ids in prompt_ids]
+    assert llm.generate([prompt_ids[0]], greedy())[0].outputs[0].token_ids == want[0]
+    outs = llm.generate(prompt_ids, greedy())  # the mixed batch: prefix hit, chunks, preemption
+    assert [o.outputs[0].token_ids for o in outs] == want
+    stats = llm.stats()
+    assert stats["prefix_cache_hits"] > 0 and stats["num_preemptions"] > 0, stats
+
+    spec = LLM(
+        str(folder), dtype="float32", speculative={"method": "ngram", "num_speculative_tokens": 4}, **TIGHT
+    )
+    outs = spec.generate(prompt_ids, greedy())
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert spec.stats()["num_draft_tokens"] > 0
+
+
+def _peft_adapter(family: str, folder: Path, out: Path) -> Path:
+    import peft
+
+    base = load_hf(family, folder)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
+    )
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.15)
+    model.save_pretrained(str(out))
+    return out
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "phi3"])
+def test_family_lora_matches_peft(
+    family: str, tokenizer_files: Path, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    import peft
+
+    folder = checkpoint(family, tokenizer_files, tmp_path_factory)
+    adapter = _peft_adapter(family, folder, tmp_path / "adapter")
+    reference = peft.PeftModel.from_pretrained(load_hf(family, folder), str(adapter)).eval()
+    llm = LLM(str(folder), dtype="float32", enable_lora=True, max_lora_rank=8, kv_cache_memory=1 << 20)
+    prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS[1:3]]
+    want = [hf_greedy(reference, ids, 8, None) for ids in prompt_ids]
+    base = [hf_greedy(load_hf(family, folder), ids, 8, None) for ids in prompt_ids]
+    assert want != base  # the adapter changes the answers
+    lora = LoRARequest("adapter", str(adapter))
+    outs = llm.generate(prompt_ids, greedy(8), lora=[lora, lora])
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_lora_on_an_architecture_with_fused_module_names_is_refused(
+    tokenizer_files: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    folder = checkpoint("phi3", tokenizer_files, tmp_path_factory)
+    with pytest.raises(InvalidRequestError) as refused:
+        LLM(str(folder), dtype="float32", enable_lora=True, kv_cache_memory=1 << 20)
+    assert refused.value.param == "enable_lora" and "phi3" in refused.value.message
