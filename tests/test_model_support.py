@@ -1,9 +1,11 @@
 """Checkpoints the engine would answer inexactly are refused by name, never served.
 
 Tiny random-weight models built by `transformers` itself (the reference nobody here wrote): what
-it writes for Qwen2, Llama with biases, Mistral with a sliding window, YaRN rope, and a checkpoint
-with a tensor no module consumes are each refused with a `ModelLoadError` naming the key or the
-tensor; `tandem serve --model` exits with that message before starting anything.
+it writes for an unsupported architecture (OLMo), activations a family does not compute, keys
+no module implements, partial rotary embeddings, an unsupported rope type, and a checkpoint with a
+tensor no module consumes are each refused with a `ModelLoadError` naming the key or the tensor;
+`tandem serve --model` exits with that message before starting anything. (What each supported
+family computes is checked against HF in `test_model_families.py`.)
 """
 
 from __future__ import annotations
@@ -69,16 +71,14 @@ def refusal(path: Path) -> str:
 @pytest.mark.parametrize(
     ("config_class", "overrides", "named"),
     [
-        ("Qwen2Config", {}, "model_type 'qwen2'"),
-        ("LlamaConfig", {"attention_bias": True}, "attention_bias"),
-        ("LlamaConfig", {"mlp_bias": True}, "mlp_bias"),
+        ("OlmoConfig", {}, "model_type 'olmo'"),
         ("LlamaConfig", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
-        ("MistralConfig", {"sliding_window": 8}, "sliding_window=8"),
+        ("Gemma2Config", {"hidden_activation": "relu", "head_dim": 8}, "hidden_activation='relu'"),
+        ("Qwen3Config", {"use_qk_norm": True, "head_dim": 8}, "use_qk_norm"),  # not a Qwen3 key: refused
         (
-            "LlamaConfig",
-            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                                 "original_max_position_embeddings": 64}},
-            "rope_type='yarn'",
+            "Phi3Config",
+            {"partial_rotary_factor": 0.5, "pad_token_id": None},
+            "partial_rotary_factor",
         ),
     ],
 )
@@ -87,6 +87,16 @@ def test_inexact_configs_are_refused_by_key(
 ) -> None:
     message = refusal(hf_checkpoint(tmp_path / "m", tokenizer_files, config_class, **overrides))
     assert named in message
+
+
+@pytest.mark.parametrize("rope_type", ["proportional", "su"])
+def test_an_unsupported_rope_type_is_refused_by_key(tmp_path: Path, tokenizer_files: Path, rope_type: str) -> None:
+    folder = hf_checkpoint(tmp_path / "m", tokenizer_files, "LlamaConfig")
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": rope_type, "rope_theta": 10000.0, "factor": 2.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    message = refusal(folder)
+    assert f"rope_parameters.rope_type={rope_type!r}" in message
 
 
 def test_a_tensor_no_module_consumes_is_refused_by_name(tmp_path: Path, tokenizer_files: Path) -> None:
@@ -123,7 +133,7 @@ def _greedy(num: int):  # type: ignore[no-untyped-def]
 
 
 def test_tandem_serve_exits_with_the_refusal(tmp_path: Path, tokenizer_files: Path) -> None:
-    folder = hf_checkpoint(tmp_path / "m", tokenizer_files, "LlamaConfig", attention_bias=True)
+    folder = hf_checkpoint(tmp_path / "m", tokenizer_files, "OlmoConfig")
     env = {**os.environ, "TANDEM_API_KEYS": "k=t"}
     result = subprocess.run(
         [sys.executable, "-m", "tandem.cli", "serve", "--model", str(folder), "--port", "0"],
@@ -131,4 +141,4 @@ def test_tandem_serve_exits_with_the_refusal(tmp_path: Path, tokenizer_files: Pa
     )
     assert result.returncode == 2, result.stderr
     error = json.loads(result.stderr.strip().splitlines()[-1])["error"]
-    assert "attention_bias" in error["message"] and error["type"] == "model_load_error"
+    assert "model_type 'olmo'" in error["message"] and error["type"] == "model_load_error"
