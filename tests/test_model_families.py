@@ -135,3 +135,47 @@ def test_lora_on_an_architecture_with_fused_module_names_is_refused(
     with pytest.raises(InvalidRequestError) as refused:
         LLM(str(folder), dtype="float32", enable_lora=True, kv_cache_memory=1 << 20)
     assert refused.value.param == "enable_lora" and "phi3" in refused.value.message
+
+
+@pytest.mark.parametrize(("family", "released"), [("mistral", True), ("phi3", True), ("gemma2", False)])
+def test_sliding_window_memory_is_bounded(
+    family: str, released: bool, tokenizer_files: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A model whose every layer slides (window W = 8, blocks of 4) generating 4 W tokens: after
+    each step the request holds exactly its table less the blocks wholly before position
+    `computed - W + 1`, so never more than W / 4 + 2 blocks, and its tokens are HF's. A model
+    with a global layer (Gemma 2) keeps every block (one table serves all its layers)."""
+    from tandem.engine.kv_cache import FREED_BLOCK
+    from tandem.engine.protocol import GenerationRequest
+
+    folder = checkpoint(family, tokenizer_files, tmp_path_factory)
+    block_size, new_tokens = 4, 4 * WINDOW
+    llm = LLM(str(folder), dtype="float32", speculative=None, kv_cache_memory=1 << 20, block_size=block_size)
+    prompt = llm.tokenizer.encode(PROMPTS[2])
+    want = hf_greedy(load_hf(family, folder), prompt, new_tokens, None)
+    engine, kv = llm.engine, llm.engine.kv_manager
+    assert kv.sliding_window == (WINDOW if released else None)
+    engine.add_request(GenerationRequest("w", prompt_token_ids=prompt, sampling_params=greedy(new_tokens)))
+    held: list[int] = []
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = list(out.outputs[0].token_ids)
+        request = engine.scheduler.requests.get("w")
+        if request is None:
+            break
+        table = kv.block_table("w").block_ids
+        computed = request.num_computed_tokens
+        gone = max(0, computed - WINDOW + 1) // block_size if released else 0
+        assert table[:gone] == [FREED_BLOCK] * gone and FREED_BLOCK not in table[gone:]
+        assert kv.num_held_blocks("w") == len(table) - gone == kv.pool.num_used_blocks
+        held.append(kv.num_held_blocks("w"))
+    assert tokens == want
+    longest = -(-(len(prompt) + new_tokens) // block_size)
+    if released:
+        assert max(held[1:]) <= WINDOW // block_size + 2 < longest
+        assert kv.num_window_released >= longest - (WINDOW // block_size + 2)
+    else:
+        assert max(held) == longest - 1 or max(held) == longest
+    assert kv.pool.num_used_blocks == 0
+    kv.check_integrity()

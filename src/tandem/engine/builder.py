@@ -61,6 +61,7 @@ class EngineParts:
     grammars: GrammarCompiler | None = None  # output constraints (the runner's); None: refused
     num_head_blocks: int = 0  # head blocks of the KV compression pool (0: no compressed requests)
     max_positions: int | None = None  # positions the model's RoPE tables cover (None: max_model_len)
+    kv_window: int | None = None  # blocks before a request's last kv_window positions are given back
 
 
 @dataclasses.dataclass
@@ -157,7 +158,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         model_name=loaded.name, model_config=cfg, tokenizer=loaded.tokenizer, eos_token_ids=eos_token_ids,
         runner=runner, num_blocks=sizes.num_blocks, max_model_len=sizes.max_model_len, kv_cache_dtype=kv_cache_dtype,
         lora=lora, precision=precision, grammars=grammars, num_head_blocks=sizes.num_head_blocks,
-        max_positions=sizes.max_positions,
+        max_positions=sizes.max_positions, kv_window=kv_window(config, loaded, draft is not None),
     )  # fmt: skip
 
 
@@ -183,6 +184,18 @@ def check_features(config: EngineConfig, loaded: LoadedModel) -> None:
             "leave enable_lora off for this model",
             param="enable_lora",
         )
+
+
+def kv_window(config: EngineConfig, loaded: LoadedModel, has_draft: bool) -> int | None:
+    """How far back every layer attends, when all of them slide (Mistral, Phi-3): the engine
+    then gives back the blocks a request's queries can no longer read. None (keep every block)
+    when a layer attends its whole context (Gemma 2/3, Qwen2 with `max_window_layers`: one block
+    table serves all layers), for a draft model's cache (it shares the target's block tables and
+    may not slide), and for a prefill-role engine (its blocks are exported whole)."""
+    windows = [layer.window for layer in loaded.architecture.kv_layers(loaded.config)]
+    if has_draft or config.role == "prefill" or any(w is None for w in windows):
+        return None
+    return max(w for w in windows if w is not None)
 
 
 def kv_cache_spec(loaded: LoadedModel, block_size: int, kv_dtype: torch.dtype) -> KVCacheSpec:

@@ -67,7 +67,10 @@ class LLMEngine:
         self.precision = parts.precision
         self.grammars: GrammarCompiler | None = parts.grammars
         self.kv_manager = KVCacheManager(
-            parts.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+            parts.num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            sliding_window=parts.kv_window,
         )
         cfg = parts.model_config
         self.head_kv = (

@@ -8,7 +8,10 @@ Invariants (checked by `check_integrity()`):
 - the sum of ref counts equals the number of block-table entries of live requests;
 - a block's generation tag changes every time it is handed out, so a holder of a stale
   (block id, generation) pair can tell that the block was reassigned;
-- block tables are append-only while a request runs, and freed as a whole;
+- block tables are append-only while a request runs, and freed as a whole, except that with a
+  sliding window (every layer of the model attends only its last `sliding_window` positions) a
+  block no future query can read is given back early and its entry becomes `FREED_BLOCK`
+  (`release_outside_window`): a table's length stays the request's length in blocks;
 - only full, computed blocks are in more than one table (prefix-cache hits, `fork`), so a
   shared block is never written again;
 - prefix cache: a full block may carry a hash (of its parent block's hash, its tokens and the
@@ -29,6 +32,8 @@ from itertools import chain
 import numpy as np
 
 TokenSlice = Callable[[int, int], list[int]]  # (start, end) -> token ids [start, end) of a request
+# A block-table entry whose block left the sliding window and went back to the pool (generation 0).
+FREED_BLOCK = -1
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -104,6 +109,8 @@ class BlockPool:
         Blocks are released in reverse so a request's tail blocks are evicted before its head.
         """
         for block_id in reversed(block_ids):
+            if block_id == FREED_BLOCK:
+                continue
             ref = self.ref_counts[block_id]
             if ref <= 0:
                 raise RuntimeError(f"double free of block {block_id}")
@@ -134,9 +141,18 @@ class KVCacheManager:
     """Owns the block pool and one `BlockTable` per live request (plus the prefix cache)."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_prefix_caching: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         self.block_size = block_size
+        # Every layer attends at most this many latest positions: older blocks are given back
+        # (`release_outside_window`). None: a request keeps its blocks until it ends.
+        self.sliding_window = sliding_window
+        self.num_window_released = 0  # blocks given back early because they left the window
         self.pool = BlockPool(num_blocks)
         self.tables: dict[str, BlockTable] = {}
         # Admission keeps this many blocks spare so just-admitted requests do not preempt at once.
@@ -204,7 +220,8 @@ class KVCacheManager:
         assert 0 <= num_blocks <= len(parent.block_ids), "fork beyond the parent's blocks"
         shared = parent.block_ids[:num_blocks]
         for block_id in shared:
-            self.pool.touch(block_id)
+            if block_id != FREED_BLOCK:
+                self.pool.touch(block_id)
         self.tables[request_id] = BlockTable(list(shared), list(parent.generations[:num_blocks]))
         return num_blocks * self.block_size
 
@@ -234,7 +251,8 @@ class KVCacheManager:
         for block_id, block_hash in zip(
             table.block_ids, self._hashes(request_id, tokens, num_full, salt), strict=False
         ):
-            self.pool.cache(block_id, block_hash)
+            if block_id != FREED_BLOCK:
+                self.pool.cache(block_id, block_hash)
 
     def allocate_slots(self, request_id: str, num_total_tokens: int, *, admission: bool = False) -> bool:
         """Grow the request's table to hold `num_total_tokens` tokens. False if blocks are short.
@@ -251,6 +269,39 @@ class KVCacheManager:
             table.block_ids.extend(new_ids)
             table.generations.extend(self.pool.generations[b] for b in new_ids)
         return True
+
+    def release_outside_window(self, request_id: str, num_computed_tokens: int) -> int:
+        """Give back the request's blocks that hold only positions below
+        `num_computed_tokens - sliding_window + 1`: the next query (position `num_computed_tokens`
+        or later) attends keys from there on, so no layer reads them again. Their entries become
+        `FREED_BLOCK`; a prefix-cached block stays cached while free, as any freed block does.
+        Returns how many entries were released (0 without a window)."""
+        table = self.tables.get(request_id)
+        if self.sliding_window is None or table is None:
+            return 0
+        first_needed = max(0, num_computed_tokens - self.sliding_window + 1)
+        released = []
+        for index in range(min(first_needed // self.block_size, len(table.block_ids))):
+            if table.block_ids[index] != FREED_BLOCK:
+                released.append(table.block_ids[index])
+                table.block_ids[index] = FREED_BLOCK
+                table.generations[index] = 0
+        self.pool.free(released)
+        self.num_window_released += len(released)
+        return len(released)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (its table less the entries released by the window)."""
+        table = self.tables.get(request_id)
+        return 0 if table is None else sum(1 for b in table.block_ids if b != FREED_BLOCK)
+
+    def runner_block_ids(self, request_id: str) -> list[int]:
+        """The table as the attention kernels read it: released entries point at block 0, which
+        only ever holds finite values and is masked out (it is outside the window)."""
+        block_ids = self.tables[request_id].block_ids
+        if self.sliding_window is None:
+            return block_ids
+        return [0 if b == FREED_BLOCK else b for b in block_ids]
 
     def free(self, request_id: str) -> None:
         table = self.tables.pop(request_id, None)
@@ -269,7 +320,7 @@ class KVCacheManager:
             return []
         pool_generations = self.pool.generations
         current = np.fromiter(
-            (pool_generations[b] for t in tables if t for b in t.block_ids), np.int64, total
+            (pool_generations[b] if b != FREED_BLOCK else 0 for t in tables if t for b in t.block_ids), np.int64, total
         )
         expected = np.fromiter(chain.from_iterable(t.generations for t in tables if t), np.int64, total)
         mismatch = current != expected
@@ -288,7 +339,8 @@ class KVCacheManager:
         for request_id, table in self.tables.items():
             assert len(table.block_ids) == len(table.generations), request_id
             for block_id in table.block_ids:
-                refs[block_id] += 1
+                if block_id != FREED_BLOCK:
+                    refs[block_id] += 1
         assert refs == self.pool.ref_counts, "ref counts differ from block-table references"
         stale = self.stale_requests(list(self.tables))
         assert not stale, f"{stale} hold reassigned blocks"

@@ -67,7 +67,7 @@ class SharedLayout:
         return self.kv.num_new_blocks_needed(request.request_id, request.num_tokens)
 
     def describe(self, item: ScheduledRequest, request: Request) -> None:
-        item.block_ids = self.kv.block_table(request.request_id).block_ids
+        item.block_ids = self.kv.runner_block_ids(request.request_id)
 
     def stale_requests(self, request_ids: list[str]) -> list[str]:
         return self.kv.stale_requests(request_ids)

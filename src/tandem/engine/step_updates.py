@@ -47,9 +47,13 @@ def update_from_output(
             before = request.num_computed_tokens
             request.num_computed_tokens += len(item.token_ids)
             maybe_cache(sched, request, before)
+            sched.kv.release_outside_window(request.request_id, request.num_computed_tokens)
             continue
         logprobs = result.logprobs.get(item.request_id)
-        updates.append(append_tokens(sched, request, token_ids[: num_accepted + 1], logprobs))
+        update = append_tokens(sched, request, token_ids[: num_accepted + 1], logprobs)
+        if not update.finished:
+            sched.kv.release_outside_window(request.request_id, request.num_computed_tokens)
+        updates.append(update)
     return updates
 
 

@@ -221,6 +221,11 @@ class DecoderLayer(nn.Module):
 class DecoderLM(nn.Module):
     """A `CausalLM` (interface.py) for every `DecoderConfig`."""
 
+    rope_cos: torch.Tensor  # [max_positions, head_dim] float32 (`init_rope`)
+    rope_sin: torch.Tensor
+    local_rope_cos: torch.Tensor  # the sliding layers' tables when they have their own RoPE
+    local_rope_sin: torch.Tensor
+
     def __init__(self, cfg: DecoderConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg

@@ -64,8 +64,6 @@ class ModelConfig(Protocol):
     bos_token_id: int | None
     eos_token_ids: list[int]
 
-    def to_hf_dict(self) -> dict[str, Any]: ...
-
 
 class CausalLM(Protocol):
     """A decoder-only model over the paged KV cache.
