@@ -103,7 +103,7 @@ def main() -> None:
         options = VARIANTS[name]
         started = time.perf_counter()
         llm = LLM(args.model, kv_cache_memory=256 << 20, **options)
-        token_ids = llm.tokenizer.encode(text)
+        token_ids = llm.tokenizer.encode(text)[: llm.engine.max_positions]  # a tiny model's context may be short
         logprobs = teacher_forced_logprobs(llm, token_ids, args.chunk)
         targets = torch.tensor(token_ids[1:])
         nll = -logprobs.gather(1, targets[:, None]).squeeze(1)

@@ -116,3 +116,23 @@ def load_hf(family: str, folder: Path) -> Any:
     _, model_name, _ = FAMILIES[family]
     model = getattr(transformers, model_name).from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
     return model.eval()
+
+
+def main() -> None:
+    """`python -m tests.model_families OUT`: every family's tiny checkpoint under OUT/<family>
+    (for `benchmarks/quant_quality.py --model` and `benchmarks/engine_throughput.py --model`)."""
+    import argparse
+
+    from .conftest import make_tiny_model
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    args = parser.parse_args()
+    tokenizer_files = make_tiny_model(args.out / "_tokenizer", num_layers=1)
+    for family in args.families:
+        print(save_family_model(family, args.out / family, tokenizer_files))
+
+
+if __name__ == "__main__":
+    main()

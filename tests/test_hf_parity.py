@@ -137,6 +137,17 @@ def test_compiled_decode_matches_hf(tiny_model_dir: Path) -> None:
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        {  # DeepSeek-style: mscale / mscale_all_dim, untruncated ramp, other betas
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 32,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 16,
+            "beta_slow": 2,
+            "truncate": False,
+        },
     ],
 )
 def test_rope_scaling_and_tied_embeddings_match_hf(tmp_path: Path, scaling: dict) -> None:

@@ -657,3 +657,36 @@ def test_n_choices_through_serve(served: str) -> None:
     [output] = [json.loads(text) for text in client.files.content(batch.output_file_id).text.splitlines()]
     body = output["response"]["body"]
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3] and body["usage"]["completion_tokens"] == 12
+
+
+def test_a_sliding_window_model_through_disaggregated_serve(
+    served: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A Mistral checkpoint (window 8, saved by transformers) behind the disaggregated graph: the
+    prefill replica keeps whole prompts for the hand-over, the decode replica gives back blocks
+    that left the window; greedy answers, streamed and not, are HF's argmax tokens."""
+    from ray import serve
+
+    from tandem.engine.tokenizer import Tokenizer
+
+    from .model_families import load_hf, save_family_model
+    from .test_hf_parity import hf_greedy
+
+    tokenizer_files = make_tiny_model(tmp_path_factory.mktemp("window-tokenizer"), num_layers=1)
+    folder = save_family_model("mistral", tmp_path_factory.mktemp("mistral"), tokenizer_files)
+    engine = {"model": str(folder), "dtype": "float32", "block_size": 4, "speculative": None, "weight_dtype": "dense"}
+    deploy(tmp_path_factory, "tandem-window", "/window", mode="disaggregated", engine=engine)
+    try:
+        client = openai.OpenAI(base_url=f"{served}/window/v1", api_key=KEY, max_retries=0)
+        tokenizer = Tokenizer.from_hf_folder(folder, [])
+        hf = load_hf("mistral", folder)
+        prompt = "Once upon a time, in a land far away, there lived a small dragon"
+        want = tokenizer.decode(hf_greedy(hf, tokenizer.encode(prompt), 24, None))
+        kwargs = dict(model="tiny", prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+        assert client.completions.create(**kwargs).choices[0].text == want
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+        assert streamed == want
+        decode_stats = serve.get_deployment_handle("DecodeReplica", app_name="tandem-window").stats.remote().result()
+        assert decode_stats["kv_window_released_blocks"] > 0, decode_stats
+    finally:
+        serve.delete("tandem-window")

@@ -23,6 +23,7 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "prefix_cache_hit_rate": engine.kv_manager.num_prefix_hits
         / max(1, engine.kv_manager.num_prefix_queries),
         "prefix_cache_evictions": engine.kv_manager.pool.num_evictions,
+        "kv_window_released_blocks": engine.kv_manager.num_window_released,
         "num_kv_integrity_aborts": engine.num_kv_integrity_aborts,
         "num_failed_requests": engine.num_failed_requests,
         "loras_loaded": loras,

@@ -113,6 +113,11 @@ class Telemetry:
             ),
             ("tandem_engine_steps", "num_steps", "Engine steps that ran the model"),
             (
+                "tandem_kv_window_released_blocks",
+                "kv_window_released_blocks",
+                "KV blocks given back early because they left every layer's sliding window",
+            ),
+            (
                 "tandem_engine_output_tokens_interactive",
                 "num_output_tokens_interactive",
                 "Tokens the engine generated for real-time requests",
