@@ -9,8 +9,9 @@ and prompts longer than it (`model_families.py`). Per family:
   batch with chunked prefill (16-token budget), a prefix-cache hit and preemptions (a cache too
   small for the batch): the stats say each happened;
 - the same tokens with prompt-lookup speculation on (drafts proposed and verified);
-- a PEFT LoRA adapter (every projection, random A and B) equal to PEFT's greedy tokens, or, where
-  the architecture's module names are not PEFT's (Phi-3), `enable_lora` refused by name.
+- a PEFT LoRA adapter (every projection by the architecture's own module names, Phi-3's fused
+  `qkv_proj` / `gate_up_proj` included; random A and B) equal to PEFT's greedy tokens; an adapter
+  naming projections the model does not have is refused naming `target_modules`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import pytest
 import torch
 
 from tandem import LLM, LoRARequest, SamplingParams
-from tandem.platform.errors import InvalidRequestError
 
 from .conftest import make_tiny_model
 from .model_families import FAMILIES, WINDOW, load_hf, save_family_model
@@ -92,11 +92,15 @@ def test_family_matches_hf(
     assert spec.stats()["num_draft_tokens"] > 0
 
 
-def _peft_adapter(family: str, folder: Path, out: Path) -> Path:
+SEPARATE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+FUSED = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # Phi-3's module names
+
+
+def _peft_adapter(family: str, folder: Path, out: Path, targets: list[str] | None = None) -> Path:
     import peft
 
     base = load_hf(family, folder)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    targets = targets or (FUSED if family == "phi3" else SEPARATE)
     model = peft.get_peft_model(
         base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
     )
@@ -109,7 +113,7 @@ def _peft_adapter(family: str, folder: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "phi3"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_lora_matches_peft(
     family: str, tokenizer_files: Path, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:
@@ -128,13 +132,20 @@ def test_family_lora_matches_peft(
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
-def test_lora_on_an_architecture_with_fused_module_names_is_refused(
-    tokenizer_files: Path, tmp_path_factory: pytest.TempPathFactory
+def test_an_adapter_for_other_module_names_is_refused(
+    tokenizer_files: Path, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:
+    """An adapter naming projections the base model does not have (Llama's q_proj on Phi-3, whose
+    checkpoint fuses q/k/v) is a 400 naming `target_modules`, not silently half-applied."""
+    from tandem.engine.lora import AdapterError
+
     folder = checkpoint("phi3", tokenizer_files, tmp_path_factory)
-    with pytest.raises(InvalidRequestError) as refused:
-        LLM(str(folder), dtype="float32", enable_lora=True, kv_cache_memory=1 << 20)
-    assert refused.value.param == "enable_lora" and "phi3" in refused.value.message
+    llama = checkpoint("llama-bias", tokenizer_files, tmp_path_factory)
+    adapter = _peft_adapter("llama-bias", llama, tmp_path / "adapter")
+    llm = LLM(str(folder), dtype="float32", enable_lora=True, max_lora_rank=8, kv_cache_memory=1 << 20)
+    with pytest.raises(AdapterError) as refused:
+        llm.generate([[5, 6, 7]], greedy(2), lora=[LoRARequest("llama-names", str(adapter))])
+    assert refused.value.param == "target_modules" and "qkv_proj" in refused.value.message
 
 
 @pytest.mark.parametrize(("family", "released"), [("mistral", True), ("phi3", True), ("gemma2", False)])

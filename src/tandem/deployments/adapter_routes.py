@@ -84,7 +84,7 @@ def adapter_router(
             raise PayloadTooLargeError(
                 f"adapter_model is {len(weights)} bytes; the limit is {limit}", param="adapter_model"
             )
-        shape = LoRAModelShape(**info["shape"])
+        shape = LoRAModelShape(**{**info["shape"], "target_modules": tuple(info["shape"]["target_modules"])})
         record = await run_in_threadpool(
             store.create, tenant, name, config, weights, shape, info["max_lora_rank"]
         )

@@ -126,7 +126,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     lora = None
     if config.enable_lora:
         lora = LoRAManager(
-            LoRAModelShape.from_config(cfg),
+            LoRAModelShape.from_config(cfg, loaded.architecture.lora_targets),
             max_loras=config.max_loras,
             max_cpu_loras=config.max_cpu_loras or 4 * config.max_loras,
             limits=LoRALimits(max_lora_rank=config.max_lora_rank),
@@ -165,8 +165,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
 def check_features(config: EngineConfig, loaded: LoadedModel) -> None:
     """Refuse, naming the setting, engine features the model's architecture does not compute
     exactly: per-head KV compression over sliding-window or soft-capped attention (the head-block
-    pool attends every kept key, unwindowed and uncapped), and LoRA where the architecture's
-    module names are not PEFT's q/k/v/o and gate/up/down (`Architecture.supports_lora`)."""
+    pool attends every kept key, unwindowed and uncapped)."""
     architecture, layers = loaded.architecture, loaded.architecture.kv_layers(loaded.config)
     windowed = any(layer.window is not None for layer in layers)
     capped = getattr(loaded.config, "attn_logit_softcap", None) is not None
@@ -176,13 +175,6 @@ def check_features(config: EngineConfig, loaded: LoadedModel) -> None:
             f"per-head KV compression is not supported for {architecture.name} models ({kind} attention); "
             "leave enable_kv_compression off for this model",
             param="enable_kv_compression",
-        )
-    if config.enable_lora and not architecture.supports_lora:
-        raise InvalidRequestError(
-            f"LoRA adapters are not supported for {architecture.name} models (their checkpoint's fused "
-            "module names are not the q/k/v/o and gate/up/down projections adapters target); "
-            "leave enable_lora off for this model",
-            param="enable_lora",
         )
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from tandem.engine.lora_checkpoint import (
+    FUSED_AS_STORED,
     FUSED_MODULES,
     SUPPORTED_TARGETS,
     AdapterError,
@@ -74,12 +75,19 @@ def _fuse(
     fused_weights = {}
     for layer in range(shape.num_layers):
         for fused, subs in FUSED_MODULES.items():
-            present = [s for s in subs if (layer, s) in found]
-            if not present:
-                continue
             fan_in, fan_out = shape.fused_in_out(fused)
             a = torch.zeros(rank * len(subs), fan_in)
             b = torch.zeros(fan_out, rank * len(subs))
+            stored = FUSED_AS_STORED.get(fused)
+            if stored is not None and (layer, stored) in found:  # one pair for the whole fused linear
+                whole_a, whole_b = found[(layer, stored)]
+                a[:rank] = whole_a
+                b[:, :rank] = whole_b * scaling
+                fused_weights[(layer, fused)] = (a, b)
+                continue
+            present = [s for s in subs if (layer, s) in found]
+            if not present:
+                continue
             row = 0
             for index, sub in enumerate(subs):
                 sub_out = shape.in_out(sub)[1]

@@ -21,13 +21,18 @@ import safetensors
 
 from tandem.platform.errors import InvalidRequestError
 
+# The linears adapters may target, by the HF module names of the base architecture: separate
+# projections (Llama, Mistral, Qwen, Gemma) or the ones a checkpoint stores fused (Phi-3).
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_CHECKPOINT_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 FUSED_MODULES: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "o": ("o_proj",),
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
+# A fused linear's module name where the checkpoint stores it whole (its adapter is one A/B pair).
+FUSED_AS_STORED = {"qkv": "qkv_proj", "gate_up": "gate_up_proj"}
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -44,15 +49,17 @@ class LoRAModelShape:
     intermediate_size: int
     q_size: int
     kv_size: int
+    target_modules: tuple[str, ...] = SUPPORTED_TARGETS  # the base model's linears, by HF name
 
     @classmethod
-    def from_config(cls, cfg: Any) -> LoRAModelShape:  # cfg: LlamaConfig
+    def from_config(cls, cfg: Any, target_modules: tuple[str, ...] = SUPPORTED_TARGETS) -> LoRAModelShape:
         return cls(
             num_layers=cfg.num_hidden_layers,
             hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size,
             q_size=cfg.num_attention_heads * cfg.head_dim,
             kv_size=cfg.num_key_value_heads * cfg.head_dim,
+            target_modules=tuple(target_modules),
         )
 
     def in_out(self, module: str) -> tuple[int, int]:
@@ -65,6 +72,8 @@ class LoRAModelShape:
             "gate_proj": (h, i),
             "up_proj": (h, i),
             "down_proj": (i, h),
+            "qkv_proj": (h, q + 2 * kv),
+            "gate_up_proj": (h, 2 * i),
         }[module]
 
     def fused_in_out(self, fused: str) -> tuple[int, int]:
@@ -112,7 +121,7 @@ def check_peft_adapter(
             raise AdapterError(f"adapter_config is not valid JSON: {exc}", param="adapter_config") from exc
     if not isinstance(config, dict):
         raise AdapterError("adapter_config must be a JSON object", param="adapter_config")
-    rank, scaling, targets = _check_config(config, limits)
+    rank, scaling, targets = _check_config(config, limits, tuple(shape.target_modules))
     if len(tensors) > limits.max_adapter_bytes:
         raise AdapterError(
             f"adapter_model is {len(tensors)} bytes; the limit is {limits.max_adapter_bytes}",
@@ -124,7 +133,7 @@ def check_peft_adapter(
         match = _KEY.match(key)
         if match is None:
             raise AdapterError(
-                f"unexpected tensor {key!r}: only LoRA A/B weights of {list(SUPPORTED_TARGETS)} are supported",
+                f"unexpected tensor {key!r}: only LoRA A/B weights of {list(shape.target_modules)} are supported",
                 param="adapter_model",
             )
         layer, module, which = int(match[1]), match[2], match[3]
@@ -203,7 +212,9 @@ def _check_numbers(layer: int, module: str, a: np.ndarray, b_scaled: np.ndarray,
         )
 
 
-def _check_config(config: dict[str, Any], limits: LoRALimits) -> tuple[int, float, set[str]]:
+def _check_config(
+    config: dict[str, Any], limits: LoRALimits, supported: tuple[str, ...] = SUPPORTED_TARGETS
+) -> tuple[int, float, set[str]]:
     if config.get("peft_type", "LORA") != "LORA":
         raise AdapterError(
             f"peft_type {config.get('peft_type')!r} is not supported; only LORA", param="peft_type"
@@ -238,17 +249,17 @@ def _check_config(config: dict[str, Any], limits: LoRALimits) -> tuple[int, floa
         )
     targets_raw = config.get("target_modules")
     if targets_raw == "all-linear":
-        targets = set(SUPPORTED_TARGETS)
+        targets = set(supported)
     elif isinstance(targets_raw, list) and targets_raw and all(isinstance(t, str) for t in targets_raw):
         targets = {t.rsplit(".", 1)[-1] for t in targets_raw}
     else:
         raise AdapterError(
             "target_modules must be a list of module names (or 'all-linear')", param="target_modules"
         )
-    unsupported = targets - set(SUPPORTED_TARGETS)
+    unsupported = targets - set(supported)
     if unsupported:
         raise AdapterError(
-            f"target_modules {sorted(unsupported)} are not supported; use {list(SUPPORTED_TARGETS)}",
+            f"target_modules {sorted(unsupported)} are not supported for this base model; use {list(supported)}",
             param="target_modules",
         )
     return rank, float(scaling), targets

@@ -1,6 +1,6 @@
 """Phi-3: Llama's maths with q/k/v and gate/up stored fused in the checkpoint (`qkv_proj`,
-`gate_up_proj`), LongRoPE scaling, and a sliding window on every layer when `sliding_window` is
-shorter than the context.
+`gate_up_proj`; PEFT adapters target those names too), LongRoPE scaling, and a sliding window on
+every layer when `sliding_window` is shorter than the context.
 
 LongRoPE: HF uses the short factors while a sequence is within `original_max_position_embeddings`
 and re-rotates the whole sequence with the long ones beyond it (which a KV cache cannot do
@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tandem.engine.lora_checkpoint import FUSED_CHECKPOINT_TARGETS
 from tandem.engine.models.decoder import DecoderConfig, DecoderLM, decoder_kv_layers
 from tandem.engine.models.registry import Architecture, register
 from tandem.engine.models.support import check_common, decoder_fields, layer_windows
@@ -88,6 +89,6 @@ PHI3 = Architecture(
     model_class=Phi3ForCausalLM,
     tensor_names=phi3_tensor_names,
     kv_layers=decoder_kv_layers,
-    supports_lora=False,
+    lora_targets=FUSED_CHECKPOINT_TARGETS,
 )
 register(PHI3, replace=True)

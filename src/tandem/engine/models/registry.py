@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tandem.engine.lora_checkpoint import SUPPORTED_TARGETS
 from tandem.platform.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -39,9 +40,9 @@ class Architecture:
     model_class: Callable[[Any, int], CausalLM]  # (config, max_positions) -> the module (built on 'meta')
     tensor_names: Callable[[Any, str], set[str]]  # (config, prefix) -> every tensor name it consumes
     kv_layers: Callable[[Any], list[LayerKV]]  # config -> each layer's KV (what the cache is sized by)
-    # PEFT LoRA adapters target the HF module names q/k/v/o_proj and gate/up/down_proj; an
-    # architecture whose checkpoint names differ (Phi-3's fused qkv_proj) refuses `enable_lora`.
-    supports_lora: bool = True
+    # The HF module names of its linears that PEFT LoRA adapters target (`lora_checkpoint`):
+    # Llama's separate projections unless the architecture stores some fused (Phi-3's qkv_proj).
+    lora_targets: tuple[str, ...] = SUPPORTED_TARGETS
 
 
 _ARCHITECTURES: dict[str, Architecture] = {}
