@@ -120,7 +120,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
     kv_spec = kv_cache_spec(loaded, config.block_size, kv_dtype)
     check_features(config, loaded)
     draft = _load_draft(config, loaded, dtype, device, kv_dtype)
-    sizes = _size(config, cfg, kv_spec, draft, device, dtype)
+    window = kv_window(config, loaded, draft is not None)
+    sizes = _size(config, cfg, kv_spec, draft, device, dtype, window)
     model, decode_model = _build_models(config, loaded, precision, dtype, device, sizes.max_positions)
     proposer = _build_proposer(config, loaded, model, draft, sizes, dtype, device)
     lora = None
@@ -158,7 +159,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         model_name=loaded.name, model_config=cfg, tokenizer=loaded.tokenizer, eos_token_ids=eos_token_ids,
         runner=runner, num_blocks=sizes.num_blocks, max_model_len=sizes.max_model_len, kv_cache_dtype=kv_cache_dtype,
         lora=lora, precision=precision, grammars=grammars, num_head_blocks=sizes.num_head_blocks,
-        max_positions=sizes.max_positions, kv_window=kv_window(config, loaded, draft is not None),
+        max_positions=sizes.max_positions, kv_window=window,
     )  # fmt: skip
 
 
@@ -231,10 +232,13 @@ def _load_draft(
 
 
 def _size(
-    config: EngineConfig, cfg: Any, kv_spec: KVCacheSpec, draft: _Draft | None, device: torch.device, dtype: torch.dtype
-) -> _Sizes:
+    config: EngineConfig, cfg: Any, kv_spec: KVCacheSpec, draft: _Draft | None, device: torch.device, dtype: torch.dtype,
+    window: int | None = None,
+) -> _Sizes:  # fmt: skip
     """Blocks of the shared cache (a draft's cache sits beside it, block for block) and of the
-    compression pool out of the memory budget; the context that fits."""
+    compression pool out of the memory budget; the context that fits. With a sliding `window`
+    whose blocks are given back (`kv_window`), a request holds at most its window's blocks and one
+    step's chunk at a time, so once the cache holds that much the model's whole context fits."""
     budget = config.kv_cache_memory or int(config.kv_cache_memory_fraction * available_memory_bytes(device))
     num_head_blocks = 0
     if config.enable_kv_compression or config.kv_compression_rate is not None:
@@ -255,7 +259,13 @@ def _size(
             "give at least two blocks' worth",
             param="kv_cache_memory",
         )
-    max_model_len = _max_model_len(config, cfg, num_blocks * config.block_size)
+    capacity = num_blocks * config.block_size
+    if window is not None:
+        bs = config.block_size
+        most_held = -(-window // bs) + 1 + -(-config.max_num_batched_tokens // bs) + 1
+        if num_blocks >= most_held:
+            capacity = max(capacity, cfg.max_position_embeddings)
+    max_model_len = _max_model_len(config, cfg, capacity)
     if draft is not None and draft.model is not None:
         max_model_len = min(max_model_len, draft.model.config.max_position_embeddings)
     if draft is not None and draft.head is not None:
