@@ -197,3 +197,30 @@ def test_sliding_window_memory_is_bounded(
         assert max(held) == longest - 1 or max(held) == longest
     assert kv.pool.num_used_blocks == 0
     kv.check_integrity()
+
+
+def test_a_windowed_llama_runs_the_native_int4_stack(
+    tokenizer_files: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Mistral is Llama's maths with one window for every layer: in INT4 its decode steps take the
+    native decoder stack (which starts each row's attention at the window) and give the eager
+    INT4 engine's tokens, blocks given back past the window included. Gemma 2 (per-layer windows,
+    soft-capping) never does."""
+    from tandem.kernels import int4_native
+
+    if int4_native.load() is None:
+        pytest.skip(f"native library unavailable: {int4_native.unavailable_reason()}")
+    options = {"dtype": "float32", "weight_dtype": "int4", "speculative": None, "block_size": 4,
+               "kv_cache_memory": 1 << 20, "enable_prefix_caching": False}  # fmt: skip
+    params = greedy(3 * WINDOW)
+    folder = checkpoint("mistral", tokenizer_files, tmp_path_factory)
+    eager = LLM(str(folder), native_decoder=False, **options)
+    want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS[2:], params)]
+    native = LLM(str(folder), **options)
+    got = [o.outputs[0].token_ids for o in native.generate(PROMPTS[2:], params)]
+    assert native.stats()["num_native_decoder_steps"] >= params.max_tokens - 1
+    assert native.stats()["kv_window_released_blocks"] > 0
+    assert got == want
+    gemma = LLM(str(checkpoint("gemma2", tokenizer_files, tmp_path_factory)), **options)
+    gemma.generate(PROMPTS[2:3], greedy(4))
+    assert gemma.stats()["num_native_decoder_steps"] == 0

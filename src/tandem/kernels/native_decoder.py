@@ -74,7 +74,7 @@ class _Dims(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("rope_cos", ctypes.c_void_p),
         ("rope_sin", ctypes.c_void_p),
-        ("window", ctypes.c_int64),  # 0: every layer attends its whole context (the stack has no windows)
+        ("window", ctypes.c_int64),  # > 0: every layer attends only its last `window` positions
         ("softcap", ctypes.c_float),  # 0: no soft-capping
     ]
 
@@ -126,6 +126,7 @@ class DecoderWeights:
         eps: float,
         rope_cos: torch.Tensor,  # [max_positions, D] float32
         rope_sin: torch.Tensor,
+        window: int | None = None,  # every layer's sliding window (None: the whole context)
     ) -> None:
         kv_dtype = layers[0].kv_cache[0].dtype
         reason = unsupported_reason(kv_dtype)
@@ -153,7 +154,7 @@ class DecoderWeights:
         self._dims = _Dims(
             len(layers), hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size,
             _KV_DTYPES[kv_dtype], eps, head_dim**-0.5, ptr(rope_cos.float().contiguous()),
-            ptr(rope_sin.float().contiguous()), 0, 0.0,
+            ptr(rope_sin.float().contiguous()), window or 0, 0.0,
         )  # fmt: skip
         self._layers = (_Layer * len(layers))()
         for index, layer in enumerate(layers):

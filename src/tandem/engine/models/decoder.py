@@ -71,8 +71,15 @@ class DecoderConfig:
     def window(self, layer: int) -> int | None:
         return None if self.layer_windows is None else self.layer_windows[layer]
 
+    def uniform_window(self) -> int | None:
+        """The sliding window when every layer has the same one (Mistral), else None."""
+        windows = set(self.layer_windows or [None])
+        return next(iter(windows)) if len(windows) == 1 else None
+
     def is_plain_llama(self) -> bool:
-        """True when nothing beyond Llama's maths is on (what the native decoder stack computes)."""
+        """True when nothing beyond Llama's maths is on, a window shared by every layer aside (what
+        the native decoder stack computes)."""
+        uniform = self.layer_windows is None or len(set(self.layer_windows)) == 1
         return (
             not (self.qkv_bias or self.o_bias or self.mlp_bias or self.qk_norm or self.sandwich_norms)
             and self.norm_offset == 0.0
@@ -81,7 +88,7 @@ class DecoderConfig:
             and self.attention_scale is None
             and self.attn_logit_softcap is None
             and self.final_logit_softcap is None
-            and not any(w is not None for w in self.layer_windows or [])
+            and uniform
             and self.local_rope_theta is None
         )
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.engine.models.decoder import DecoderConfig, DecoderLM, decoder_kv_layers, decoder_tensor_names
+from tandem.engine.models.decoder import DecoderConfig, decoder_kv_layers, decoder_tensor_names
+from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.models.registry import Architecture, register
 from tandem.engine.models.support import check_common, decoder_fields, layer_windows
 
@@ -29,7 +30,7 @@ MISTRAL = Architecture(
     hf_classes=("MistralForCausalLM",),
     check_config=check_mistral,
     parse_config=parse_mistral,
-    model_class=DecoderLM,
+    model_class=LlamaForCausalLM,  # Llama's maths with a window: the native INT4 stack runs it
     tensor_names=decoder_tensor_names,
     kv_layers=decoder_kv_layers,
 )

@@ -79,7 +79,7 @@ class NativeLlama:
         if type(model) is not LlamaForCausalLM:  # subclasses change the maths
             return f"it computes the Llama architecture only, not {type(model).__name__}"
         if not model.config.is_plain_llama():
-            return "it computes plain Llama layers only (no biases, q/k norms, windows or soft-capping)"
+            return "it computes plain Llama layers only (no biases, q/k norms, per-layer windows or soft-capping)"
         if model.norm.device.type != "cpu":
             return f"it runs on CPU only (the model is on {model.norm.device})"
         for layer in _decoder_layers(model):
@@ -121,6 +121,7 @@ class NativeLlama:
             eps=cfg.rms_norm_eps,
             rope_cos=model.rope_cos,
             rope_sin=model.rope_sin,
+            window=cfg.uniform_window(),
         )
         return cls(model, weights)
 
