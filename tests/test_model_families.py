@@ -224,3 +224,36 @@ def test_a_windowed_llama_runs_the_native_int4_stack(
     gemma = LLM(str(checkpoint("gemma2", tokenizer_files, tmp_path_factory)), **options)
     gemma.generate(PROMPTS[2:3], greedy(4))
     assert gemma.stats()["num_native_decoder_steps"] == 0
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_hand_over_between_engines_of_a_windowed_model(
+    family: str, tokenizer_files: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Prefill on one engine, decode on another: the sender keeps a held prefill's blocks whole
+    (even where it gives back blocks past the window), the receiver releases them as it decodes;
+    the tokens are HF's."""
+    from tandem.engine.engine import LLMEngine
+    from tandem.engine.protocol import GenerationRequest
+
+    folder = checkpoint(family, tokenizer_files, tmp_path_factory)
+    options = {"dtype": "float32", "kv_cache_memory": 1 << 20, "block_size": 4, "speculative": None}
+    chunked = {"max_num_batched_tokens": 16, "max_num_seqs": 8}  # the prompt in chunks: blocks leave the window
+    sender = LLMEngine.from_options(str(folder), **options, **chunked)
+    receiver = LLMEngine.from_options(str(folder), **options)
+    hf = load_hf(family, folder)
+    params = greedy(2 * WINDOW)
+    for index, text in enumerate(PROMPTS[:2]):
+        prompt = sender.tokenizer.encode(text)
+        gen = GenerationRequest(f"r{index}", prompt_token_ids=prompt, sampling_params=params)
+        sender.add_prefill_request(gen)
+        while sender.has_unfinished_requests():
+            sender.step()
+        receiver.add_request_with_kv(gen, sender.export_kv(gen.request_id))
+        tokens: list[int] = []
+        while receiver.has_unfinished_requests():
+            for out in receiver.step():
+                tokens = list(out.outputs[0].token_ids)
+        assert tokens == hf_greedy(hf, prompt, params.max_tokens, None)
+    assert sender.stats()["kv_blocks_used"] == 0 and receiver.stats()["kv_blocks_used"] == 0
+    assert (receiver.stats()["kv_window_released_blocks"] > 0) == (family == "mistral")

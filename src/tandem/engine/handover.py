@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from tandem.engine.kv_cache import FREED_BLOCK
 from tandem.engine.kv_transfer import (
     KVPage,
     KVPrefixEvictedError,
@@ -80,6 +81,8 @@ def export_kv(engine: LLMEngine, request_id: str, cache_dtype: str | None = None
                 param="skip_pages",
             )
         block_ids = engine.kv_manager.block_table(request_id).block_ids
+        if FREED_BLOCK in block_ids:  # `hold_kv` keeps a prefill's blocks: this is a bug, not bad input
+            raise RuntimeError(f"request {request_id!r}: blocks past the sliding window were given back before export")
         datas = engine.runner.export_pages(block_ids[skip_pages:], len(prompt) - skip_pages * size, dtype)
         pages = []
         for index, data in enumerate(datas, start=skip_pages):

@@ -47,12 +47,12 @@ def update_from_output(
             before = request.num_computed_tokens
             request.num_computed_tokens += len(item.token_ids)
             maybe_cache(sched, request, before)
-            sched.kv.release_outside_window(request.request_id, request.num_computed_tokens)
+            release_outside_window(sched, request)
             continue
         logprobs = result.logprobs.get(item.request_id)
         update = append_tokens(sched, request, token_ids[: num_accepted + 1], logprobs)
         if not update.finished:
-            sched.kv.release_outside_window(request.request_id, request.num_computed_tokens)
+            release_outside_window(sched, request)
         updates.append(update)
     return updates
 
@@ -92,6 +92,14 @@ def append_tokens(
         new_logprobs=logprobs[: len(new_tokens)] if logprobs is not None else None,
         finished=status is not None,
     )
+
+
+def release_outside_window(sched: Scheduler, request: Request) -> None:
+    """Give back the blocks no query of the request can read again (a sliding-window model's;
+    `KVCacheManager.release_outside_window`), except for a prefill whose KV waits to be exported
+    whole (`hold_kv`)."""
+    if not request.hold_kv:
+        sched.kv.release_outside_window(request.request_id, request.num_computed_tokens)
 
 
 def maybe_cache(sched: Scheduler, request: Request, computed_before: int) -> None:
