@@ -667,6 +667,7 @@ def test_a_sliding_window_model_through_disaggregated_serve(
     that left the window; greedy answers, streamed and not, are HF's argmax tokens."""
     from ray import serve
 
+    from tandem.deployments.replicas import LLM_DEPLOYMENT
     from tandem.engine.tokenizer import Tokenizer
 
     from .model_families import load_hf, save_family_model
@@ -686,7 +687,7 @@ def test_a_sliding_window_model_through_disaggregated_serve(
         assert client.completions.create(**kwargs).choices[0].text == want
         streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
         assert streamed == want
-        decode_stats = serve.get_deployment_handle("DecodeReplica", app_name="tandem-window").stats.remote().result()
+        decode_stats = serve.get_deployment_handle(LLM_DEPLOYMENT, app_name="tandem-window").stats.remote().result()
         assert decode_stats["kv_window_released_blocks"] > 0, decode_stats
     finally:
         serve.delete("tandem-window")
