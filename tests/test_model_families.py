@@ -22,9 +22,10 @@ import pytest
 import torch
 
 from tandem import LLM, LoRARequest, SamplingParams
+from tandem.platform.errors import InvalidRequestError
 
 from .conftest import make_tiny_model
-from .model_families import FAMILIES, WINDOW, load_hf, save_family_model
+from .model_families import COMMON, FAMILIES, WINDOW, load_hf, save_family_model
 from .test_hf_parity import hf_greedy, our_prefill_logits
 
 SHARED_PREFIX = "Once upon a time, in a land far away, there lived a small dragon who "
@@ -257,3 +258,18 @@ def test_hand_over_between_engines_of_a_windowed_model(
         assert tokens == hf_greedy(hf, prompt, params.max_tokens, None)
     assert sender.stats()["kv_blocks_used"] == 0 and receiver.stats()["kv_blocks_used"] == 0
     assert (receiver.stats()["kv_window_released_blocks"] > 0) == (family == "mistral")
+
+
+def test_longrope_is_served_up_to_its_original_context(
+    tokenizer_files: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Beyond `original_max_position_embeddings` HF re-rotates the whole sequence with the long
+    factors (which cached keys cannot follow): a LongRoPE model's context is its original one, and
+    a longer prompt is refused with a 400 naming the prompt, not answered inexactly."""
+    folder = checkpoint("phi3", tokenizer_files, tmp_path_factory)
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory=1 << 20)
+    original = FAMILIES["phi3"][2]["original_max_position_embeddings"]
+    assert llm.engine.max_model_len == original < COMMON["max_position_embeddings"]
+    with pytest.raises(InvalidRequestError) as refused:
+        llm.generate([[5] * (original + 1)], greedy(1))
+    assert refused.value.param in ("prompt", "messages", "max_tokens")
