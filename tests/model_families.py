@@ -25,12 +25,19 @@ COMMON: dict[str, Any] = {
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama-bias": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": WINDOW, "head_dim": 16}),
+    "ministral": (
+        "MinistralConfig",
+        "MinistralForCausalLM",
+        {"sliding_window": WINDOW, "head_dim": 16,
+         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]},
+    ),  # fmt: skip
     "qwen2": (
         "Qwen2Config",
         "Qwen2ForCausalLM",
         {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2},
     ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "attention_bias": True}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16, "tie_word_embeddings": False, "attention_bias": True}),
     "gemma2": (
         "Gemma2Config",
         "Gemma2ForCausalLM",

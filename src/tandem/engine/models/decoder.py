@@ -7,7 +7,7 @@ config fields rather than code branches in the engine:
 - biases on q/k/v (Qwen2), on o (Llama `attention_bias`), on the MLP (Llama `mlp_bias`);
 - RMSNorm of each head of q and k before RoPE (Qwen3, Gemma 3);
 - `(1 + w)` RMSNorm weights (Gemma), norms after attention and after the MLP as well (Gemma 2/3);
-- GeLU-tanh instead of SiLU, the embedding scaled by sqrt(hidden) (Gemma);
+- GeLU (tanh or exact) instead of SiLU, the embedding scaled by sqrt(hidden) (Gemma);
 - the attention scale (`query_pre_attn_scalar`), attention and final-logit soft-capping (Gemma 2);
 - a sliding window per layer (Mistral, Qwen2, Gemma 2/3, Phi-3) and a second RoPE for the
   sliding layers (Gemma 3's local base).
@@ -32,7 +32,7 @@ from tandem.kernels.attention import AttentionMetadata, finite_kv, paged_attenti
 from tandem.kernels.head_attention import HeadAttentionMetadata, head_attention_layer
 from tandem.kernels.rotary import apply_rope, rope_cos_sin, rope_inv_freq
 
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 
 
 @dataclass
@@ -59,7 +59,7 @@ class DecoderConfig:
     qk_norm: bool = False  # RMSNorm over head_dim of each q and k head, before RoPE
     norm_offset: float = 0.0  # RMSNorm multiplies by (norm_offset + w): Gemma's 1
     sandwich_norms: bool = False  # also norms after attention and after the MLP (Gemma 2/3)
-    hidden_act: str = "silu"  # one of ACTIVATIONS
+    hidden_act: str = "silu"  # one of ACTIVATIONS ("gelu" is exact, "gelu_tanh" the tanh approximation)
     embedding_scale: float | None = None  # the embedding times this (Gemma: sqrt(hidden))
     attention_scale: float | None = None  # default head_dim ** -0.5
     attn_logit_softcap: float | None = None
@@ -108,7 +108,9 @@ def _norm_weight(size: int) -> nn.Parameter:
 
 
 def _activation(name: str, x: torch.Tensor) -> torch.Tensor:
-    return F.silu(x) if name == "silu" else F.gelu(x, approximate="tanh")
+    if name == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if name == "gelu_tanh" else "none")
 
 
 def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:

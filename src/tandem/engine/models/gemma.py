@@ -1,4 +1,5 @@
-"""Gemma 2 and Gemma 3 (text), on the shared decoder: GeLU-tanh MLP, the embedding scaled by
+"""Gemma (1), Gemma 2 and Gemma 3 (text), on the shared decoder. Gemma: GeLU MLP (HF's
+`hidden_act`), the embedding scaled by sqrt(hidden), `(1 + w)` RMSNorms. Gemma 2 and 3: GeLU-tanh MLP, the embedding scaled by
 sqrt(hidden), `(1 + w)` RMSNorms before and after both attention and MLP, the attention scale
 `query_pre_attn_scalar ** -0.5`, sliding-window layers (Gemma 2: every other one; Gemma 3: five
 of six), attention and final-logit soft-capping (Gemma 2), q/k norms and a separate RoPE base
@@ -44,6 +45,27 @@ def _gemma_fields(cfg: dict[str, Any], default_types: list[str]) -> dict[str, An
     }
 
 
+def check_gemma(cfg: dict[str, Any]) -> None:
+    check_common(
+        {**cfg, "hidden_activation": None}, implemented=("attention_bias",), activations=(*GELU_TANH_ACTIVATIONS, "gelu")
+    )
+
+
+def parse_gemma(cfg: dict[str, Any]) -> DecoderConfig:
+    """HF's `GemmaMLP` applies `hidden_act` as named: "gelu" is the exact GeLU."""
+    bias = bool(cfg.get("attention_bias", False))
+    act = cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    return DecoderConfig(
+        **{**decoder_fields(cfg, default_eps=1e-6), "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True))},
+        model_type="gemma",
+        qkv_bias=bias,
+        o_bias=bias,
+        norm_offset=1.0,
+        hidden_act="gelu" if act == "gelu" else "gelu_tanh",
+        embedding_scale=math.sqrt(int(cfg["hidden_size"])),
+    )
+
+
 def check_gemma2(cfg: dict[str, Any]) -> None:
     check_common(cfg, implemented=_IMPLEMENTED, activations=GELU_TANH_ACTIVATIONS, sliding_window=True)
 
@@ -86,6 +108,16 @@ def parse_gemma3(cfg: dict[str, Any]) -> DecoderConfig:
     )
 
 
+GEMMA = Architecture(
+    name="gemma",
+    model_types=("gemma",),
+    hf_classes=("GemmaForCausalLM",),
+    check_config=check_gemma,
+    parse_config=parse_gemma,
+    model_class=DecoderLM,
+    tensor_names=decoder_tensor_names,
+    kv_layers=decoder_kv_layers,
+)
 GEMMA2 = Architecture(
     name="gemma2",
     model_types=("gemma2",),
@@ -106,5 +138,6 @@ GEMMA3 = Architecture(
     tensor_names=decoder_tensor_names,
     kv_layers=decoder_kv_layers,
 )
+register(GEMMA, replace=True)
 register(GEMMA2, replace=True)
 register(GEMMA3, replace=True)

@@ -1,5 +1,6 @@
 """Mistral: Llama's maths with a sliding window on every layer (`sliding_window`; HF's
-`MistralForCausalLM`, whose q/k/v/o carry no biases)."""
+`MistralForCausalLM`, whose q/k/v/o carry no biases); Ministral: the same with the window on the
+layers its `layer_types` name."""
 
 from __future__ import annotations
 
@@ -19,15 +20,15 @@ def parse_mistral(cfg: dict[str, Any]) -> DecoderConfig:
     layers = int(cfg["num_hidden_layers"])
     return DecoderConfig(
         **decoder_fields(cfg),
-        model_type="mistral",
+        model_type=str(cfg.get("model_type", "mistral")),
         layer_windows=layer_windows(cfg, ["sliding_attention"] * layers),
     )
 
 
 MISTRAL = Architecture(
     name="mistral",
-    model_types=("mistral",),
-    hf_classes=("MistralForCausalLM",),
+    model_types=("mistral", "ministral"),
+    hf_classes=("MistralForCausalLM", "MinistralForCausalLM"),
     check_config=check_mistral,
     parse_config=parse_mistral,
     model_class=LlamaForCausalLM,  # Llama's maths with a window: the native INT4 stack runs it
