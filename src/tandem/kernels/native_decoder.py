@@ -57,6 +57,14 @@ class _Layer(ctypes.Structure):
         ("v_cache", ctypes.c_void_p),
         ("k_scale", ctypes.c_void_p),
         ("v_scale", ctypes.c_void_p),
+        ("qkv_bias", ctypes.c_void_p),
+        ("o_bias", ctypes.c_void_p),
+        ("gate_up_bias", ctypes.c_void_p),
+        ("down_bias", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("window", ctypes.c_int64),  # > 0: the layer attends only its last `window` positions
+        ("softcap", ctypes.c_float),  # unused by the stack (no soft-capping config runs it): 0
     ]
 
 
@@ -74,8 +82,6 @@ class _Dims(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("rope_cos", ctypes.c_void_p),
         ("rope_sin", ctypes.c_void_p),
-        ("window", ctypes.c_int64),  # > 0: every layer attends only its last `window` positions
-        ("softcap", ctypes.c_float),  # 0: no soft-capping
     ]
 
 
@@ -98,6 +104,13 @@ class LayerTensors:
     input_norm: torch.Tensor  # [H] float32
     post_norm: torch.Tensor  # [H] float32
     kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+    qkv_bias: torch.Tensor | None = None  # [(Hq + 2 Hk) * D] float32 (Qwen2)
+    o_bias: torch.Tensor | None = None  # [H]
+    gate_up_bias: torch.Tensor | None = None  # [2 I]
+    down_bias: torch.Tensor | None = None  # [H]
+    q_norm: torch.Tensor | None = None  # [D] float32, per-head RMSNorm of q before RoPE (Qwen3)
+    k_norm: torch.Tensor | None = None
+    window: int | None = None  # the layer's sliding window (None: its whole context)
 
 
 def unsupported_reason(kv_dtype: torch.dtype) -> str:
@@ -126,7 +139,6 @@ class DecoderWeights:
         eps: float,
         rope_cos: torch.Tensor,  # [max_positions, D] float32
         rope_sin: torch.Tensor,
-        window: int | None = None,  # every layer's sliding window (None: the whole context)
     ) -> None:
         kv_dtype = layers[0].kv_cache[0].dtype
         reason = unsupported_reason(kv_dtype)
@@ -154,7 +166,7 @@ class DecoderWeights:
         self._dims = _Dims(
             len(layers), hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size,
             _KV_DTYPES[kv_dtype], eps, head_dim**-0.5, ptr(rope_cos.float().contiguous()),
-            ptr(rope_sin.float().contiguous()), window or 0, 0.0,
+            ptr(rope_sin.float().contiguous()),
         )  # fmt: skip
         self._layers = (_Layer * len(layers))()
         for index, layer in enumerate(layers):
@@ -163,6 +175,10 @@ class DecoderWeights:
                 weight(layer.qkv), weight(layer.o), weight(layer.gate_up), weight(layer.down),
                 ptr(layer.input_norm.float().contiguous()), ptr(layer.post_norm.float().contiguous()),
                 ptr(k_cache), ptr(v_cache), ptr(k_scale), ptr(v_scale),
+                *(None if t is None else ptr(t.detach().float().contiguous()) for t in (
+                    layer.qkv_bias, layer.o_bias, layer.gate_up_bias, layer.down_bias, layer.q_norm, layer.k_norm
+                )),
+                layer.window or 0, 0.0,
             )  # fmt: skip
 
     def run(

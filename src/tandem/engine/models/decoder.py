@@ -71,26 +71,20 @@ class DecoderConfig:
     def window(self, layer: int) -> int | None:
         return None if self.layer_windows is None else self.layer_windows[layer]
 
-    def uniform_window(self) -> int | None:
-        """The sliding window when every layer has the same one (Mistral), else None."""
-        windows = set(self.layer_windows or [None])
-        return next(iter(windows)) if len(windows) == 1 else None
-
-    def is_plain_llama(self) -> bool:
-        """True when nothing beyond Llama's maths is on, a window shared by every layer aside (what
-        the native decoder stack computes)."""
-        uniform = self.layer_windows is None or len(set(self.layer_windows)) == 1
-        return (
-            not (self.qkv_bias or self.o_bias or self.mlp_bias or self.qk_norm or self.sandwich_norms)
-            and self.norm_offset == 0.0
-            and self.hidden_act == "silu"
-            and self.embedding_scale is None
-            and self.attention_scale is None
-            and self.attn_logit_softcap is None
-            and self.final_logit_softcap is None
-            and uniform
-            and self.local_rope_theta is None
-        )
+    def native_stack_reason(self) -> str:
+        """What the native INT4 decoder stack does not compute in this config ("" when it computes
+        all of it): it runs Llama's layers, with biases, per-head q/k RMSNorm (Qwen3) and a
+        sliding window per layer (Mistral, Ministral, Qwen2, Phi-3)."""
+        unsupported = {
+            "norms after attention and MLP": self.sandwich_norms,
+            "(1 + w) norms": self.norm_offset != 0.0,
+            f"the {self.hidden_act} activation": self.hidden_act != "silu",
+            "a scaled embedding": self.embedding_scale is not None,
+            "an attention scale other than head_dim ** -0.5": self.attention_scale is not None,
+            "soft-capping": self.attn_logit_softcap is not None or self.final_logit_softcap is not None,
+            "a second RoPE": self.local_rope_theta is not None,
+        }
+        return ", ".join(name for name, present in unsupported.items() if present)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:

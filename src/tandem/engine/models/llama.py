@@ -2,8 +2,7 @@
 untied embeddings, `attention_bias` / `mlp_bias`), on the shared decoder (`decoder.py`).
 
 `LlamaConfig` adds the round trip to an HF config dict (the GGUF reader writes one);
-`LlamaForCausalLM` is the decoder as Llama computes it, the one model class the native decoder
-stack runs (`native.py`, when `DecoderConfig.is_plain_llama`).
+`LlamaForCausalLM` is the decoder as Llama computes it (Mistral's too).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ MISTRAL = Architecture(
     hf_classes=("MistralForCausalLM", "MinistralForCausalLM"),
     check_config=check_mistral,
     parse_config=parse_mistral,
-    model_class=LlamaForCausalLM,  # Llama's maths with a window: the native INT4 stack runs it
+    model_class=LlamaForCausalLM,
     tensor_names=decoder_tensor_names,
     kv_layers=decoder_kv_layers,
 )

@@ -1,11 +1,13 @@
-"""`LlamaForCausalLM.forward` for small steps through the native decoder stack.
+"""`DecoderLM.forward` for small steps through the native decoder stack, for the configs it
+computes (`DecoderConfig.native_stack_reason`: Llama's layers, with biases, Qwen3's q/k norms and
+sliding windows per layer: Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3).
 
 `NativeLlama.forward` returns what the INT4 model's eager forward returns for the same step
 (logits at `logits_indices`, and the captured layer outputs an EAGLE head reads), with the decoder
 layers in one native call (`tandem.kernels.native_decoder`) instead of some 2,000 torch ops. It
 takes the step as block tables rather than `AttentionMetadata`, whose gather indices it does not
 need. It serves rows without LoRA only, on CPU, when every decoder linear is an INT4 linear with
-the native kernel; `NativeLlama.build` returns None, with the reason, otherwise.
+the native kernel; `NativeLlama.build` returns None, with the reason, otherwise (`unsupported_reason`).
 """
 
 from __future__ import annotations
@@ -16,14 +18,25 @@ from typing import Any
 
 import torch
 
+from tandem.engine.models.decoder import DecoderAttention, DecoderLayer, DecoderLM, DecoderMLP, rms_norm
 from tandem.engine.models.interface import CausalLM, KVLayer
-from tandem.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, rms_norm
 from tandem.kernels.int4 import Int4Linear
 from tandem.kernels.native_decoder import DecoderWeights, Int4Tensors, LayerTensors, unsupported_reason
 
 
-def _decoder_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:
+def _decoder_layers(model: DecoderLM) -> list[DecoderLayer]:
     return list(model.layers)  # type: ignore[arg-type]
+
+
+def _computes_the_shared_decoder(model: DecoderLM) -> bool:
+    """The model runs `DecoderLM.forward` over unmodified decoder layers (a subclass may change
+    how it loads, as Phi-3's does, but not what it computes)."""
+    if type(model).forward is not DecoderLM.forward:
+        return False
+    return all(
+        type(layer) is DecoderLayer and type(layer.self_attn) is DecoderAttention and type(layer.mlp) is DecoderMLP
+        for layer in model.layers
+    )
 
 
 @dataclass
@@ -69,17 +82,18 @@ class NativeStep:
 class NativeLlama:
     """The native decoder bound to one model and one KV cache (their storage must not move)."""
 
-    def __init__(self, model: LlamaForCausalLM, weights: DecoderWeights) -> None:
+    def __init__(self, model: DecoderLM, weights: DecoderWeights) -> None:
         self.model = model
         self.weights = weights
 
     @staticmethod
     def unsupported_reason(model: CausalLM, kv_caches: list[KVLayer]) -> str:
         """Why `build` would return None ("" if it would not)."""
-        if type(model) is not LlamaForCausalLM:  # subclasses change the maths
-            return f"it computes the Llama architecture only, not {type(model).__name__}"
-        if not model.config.is_plain_llama():
-            return "it computes plain Llama layers only (no biases, q/k norms, per-layer windows or soft-capping)"
+        if not isinstance(model, DecoderLM) or not _computes_the_shared_decoder(model):
+            return f"it computes the shared decoder's layers only, not {type(model).__name__}'s"
+        reason = model.config.native_stack_reason()
+        if reason:
+            return f"it does not compute {reason}"
         if model.norm.device.type != "cpu":
             return f"it runs on CPU only (the model is on {model.norm.device})"
         for layer in _decoder_layers(model):
@@ -90,7 +104,7 @@ class NativeLlama:
 
     @classmethod
     def build(cls, model: CausalLM, kv_caches: list[KVLayer], block_size: int) -> NativeLlama | None:
-        if cls.unsupported_reason(model, kv_caches) or not isinstance(model, LlamaForCausalLM):
+        if cls.unsupported_reason(model, kv_caches) or not isinstance(model, DecoderLM):
             return None
         cfg = model.config
 
@@ -107,6 +121,13 @@ class NativeLlama:
                 layer.input_layernorm.detach(),
                 layer.post_attention_layernorm.detach(),
                 kv_cache,
+                qkv_bias=layer.self_attn.qkv_proj.bias,
+                o_bias=layer.self_attn.o_proj.bias,
+                gate_up_bias=layer.mlp.gate_up_proj.bias,
+                down_bias=layer.mlp.down_proj.bias,
+                q_norm=layer.self_attn.q_norm,
+                k_norm=layer.self_attn.k_norm,
+                window=layer.self_attn.window,
             )
             for layer, kv_cache in zip(_decoder_layers(model), kv_caches, strict=True)
         ]
@@ -121,7 +142,6 @@ class NativeLlama:
             eps=cfg.rms_norm_eps,
             rope_cos=model.rope_cos,
             rope_sin=model.rope_sin,
-            window=cfg.uniform_window(),
         )
         return cls(model, weights)
 
@@ -132,7 +152,7 @@ class NativeLlama:
         return_hidden: bool = False,
         hidden_layers: tuple[int, ...] = (),
     ) -> Any:
-        """As `LlamaForCausalLM.forward` (float32 logits [R, vocab]; with `return_hidden`, also
+        """As `DecoderLM.forward` (float32 logits [R, vocab]; with `return_hidden`, also
         the captured states [T, ...])."""
         model = self.model
         x = model.embed_tokens(step.input_ids).float().contiguous()  # [T, H]

@@ -1,6 +1,8 @@
 /* A Llama decoder stack for small steps (decodes, speculative verification) in one call: every
  * layer's RMSNorm, INT4 q/k/v, RoPE, paged KV write, paged attention, INT4 o, RMSNorm, INT4
- * gate/up, SiLU, INT4 down and both residual adds, for T token rows at once. Called through
+ * gate/up, SiLU, INT4 down and both residual adds, for T token rows at once; with, where a layer
+ * has them, biases after each matmul, per-head q/k RMSNorm before RoPE (Qwen3) and a sliding
+ * window (TandemLayer). Called through
  * ctypes by tandem/kernels/native_decoder.py (its docstring states the contract); the plain-torch
  * reference is LlamaForCausalLM.forward with Int4Linear layers (same kernel, same arithmetic up
  * to float32 summation order).
@@ -37,6 +39,14 @@ typedef struct {
     const float *input_norm, *post_norm; /* [H] float32 */
     void *k_cache, *v_cache;
     uint16_t *k_scale, *v_scale; /* e4m3 caches only, else NULL */
+    /* Optional parts (NULL / 0 when the layer has none): biases added after each matmul
+     * (q/k/v [(Hq + 2 Hk) * D], o [H], gate/up [2 I], down [H]); RMSNorm weights [D] of each q and
+     * k head before RoPE (Qwen3); the sliding window (> 0: a row at position p attends keys
+     * p - window + 1 .. p only) and soft-capping of scores (> 0: cap * tanh(score / cap)). */
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+    const float *q_norm, *k_norm;
+    int64_t window;
+    float softcap;
 } TandemLayer;
 
 typedef struct {
@@ -44,8 +54,6 @@ typedef struct {
     int64_t kv_dtype; /* 0 float32, 1 bfloat16, 2 e4m3 + float16 scales */
     float eps, scale; /* RMSNorm epsilon; attention scale (head_dim ** -0.5) */
     const float *rope_cos, *rope_sin; /* [max_positions, D] float32 */
-    int64_t window; /* > 0: a row at position p attends keys p - window + 1 .. p only (sliding window) */
-    float softcap;  /* > 0: scores become softcap * tanh(score / softcap) before the softmax */
 } TandemDecoderDims;
 
 /* A compressed request's KV paged per (layer, KV head) (tandem/kernels/head_attention.py): every
@@ -113,6 +121,13 @@ static void rms_norm_rows(const float *x, const float *weight, float eps, int64_
     }
 }
 
+/* y[T, N] += bias[N] per row; nothing when bias is NULL. */
+static void add_bias(float *y, const float *bias, int64_t T, int64_t N) {
+    if (!bias) return;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < N; i++) y[t * N + i] += bias[i];
+}
+
 static int linear(const TandemInt4Weight *w, const float *x, int64_t T, float *y, int num_threads) {
     return tandem_int4_mm(x, w->packed, (int)w->mode, w->params, w->superblock_scales,
                           w->groups_per_superblock, T, w->rows, w->cols, w->group_size, y, num_threads);
@@ -178,8 +193,8 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 }
 
 /* out[T, Hq * D] = softmax(q K^T * scale) V per (row, query head), keys 0..positions[t] of the
- * row's request (only the last d->window of them when it is set; scores soft-capped when d->softcap
- * is set) (block_tables row row_tables[t], or t when row_tables is NULL). q rows are
+ * row's request (only the last layer->window of them when it is set; scores soft-capped when
+ * layer->softcap is set) (block_tables row row_tables[t], or t when row_tables is NULL). q rows are
  * q_stride floats apart. The query heads of one GQA group are done together, so each cached key
  * and value is read (and widened from its cache dtype) once per group. */
 static void attention(const TandemDecoderDims *d, const TandemLayer *layer, const float *q_base, int64_t q_stride,
@@ -212,8 +227,8 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
                     head = 0;
                 }
                 /* keys first..length-1: the window's (blocks before it may be freed) */
-                const int64_t first = (!paging && d->window > 0 && length > d->window) ? length - d->window : 0;
-                const float cap = d->softcap;
+                const int64_t first = (!paging && layer->window > 0 && length > layer->window) ? length - layer->window : 0;
+                const float cap = layer->softcap;
                 float largest[group], total[group];
                 for (int64_t g = 0; g < group; g++) largest[g] = -INFINITY, total[g] = 0.0f;
                 for (int64_t j = first; j < length; j++) {
@@ -264,10 +279,11 @@ void tandem_paged_attention(const float *q, int64_t T, int64_t num_heads, int64_
     memset(&d, 0, sizeof d);
     d.num_heads = num_heads, d.num_kv_heads = num_kv_heads, d.head_dim = head_dim;
     d.block_size = block_size, d.kv_dtype = kv_dtype, d.scale = scale;
-    d.window = window, d.softcap = softcap;
+
     TandemLayer layer;
     memset(&layer, 0, sizeof layer);
     layer.k_cache = k_cache, layer.v_cache = v_cache, layer.k_scale = k_scale, layer.v_scale = v_scale;
+    layer.window = window, layer.softcap = softcap;
     attention(&d, &layer, q, num_heads * head_dim, T, positions, block_tables, max_blocks, NULL, out, num_threads,
               NULL, 0);
 }
@@ -292,9 +308,15 @@ static int decoder_layers(const TandemDecoderDims *d, const TandemLayer *layers,
         const TandemLayer *layer = layers + l;
         rms_norm_rows(x, layer->input_norm, d->eps, T, H, normed);
         if ((status = linear(&layer->qkv, normed, T, qkv, num_threads)) != 0) break;
+        add_bias(qkv, layer->qkv_bias, T, width);
         for (int64_t t = 0; t < T; t++) {
             const float *cos = d->rope_cos + positions[t] * D, *sin = d->rope_sin + positions[t] * D;
             float *row = qkv + t * width;
+            if (layer->q_norm) /* in place: each head's sum of squares is taken before it is written */
+                for (int64_t h = 0; h < Hq; h++) rms_norm_rows(row + h * D, layer->q_norm, d->eps, 1, D, row + h * D);
+            if (layer->k_norm)
+                for (int64_t h = 0; h < Hk; h++)
+                    rms_norm_rows(row + (Hq + h) * D, layer->k_norm, d->eps, 1, D, row + (Hq + h) * D);
             rope_rows(row, Hq + Hk, D, cos, sin); /* q heads then k heads: contiguous */
             for (int64_t h = 0; h < Hk; h++) {
                 const int64_t cache_row = paging ? paging->slots[(l * T + t) * Hk + h] : slot_mapping[t] * Hk + h;
@@ -305,14 +327,17 @@ static int decoder_layers(const TandemDecoderDims *d, const TandemLayer *layers,
         attention(d, layer, qkv, width, T, positions, block_tables, max_blocks, row_tables, attn, num_threads,
                   paging, l);
         if ((status = linear(&layer->o, attn, T, proj, num_threads)) != 0) break;
+        add_bias(proj, layer->o_bias, T, H);
         for (int64_t i = 0; i < T * H; i++) x[i] += proj[i];
         rms_norm_rows(x, layer->post_norm, d->eps, T, H, normed);
         if ((status = linear(&layer->gate_up, normed, T, proj, num_threads)) != 0) break;
+        add_bias(proj, layer->gate_up_bias, T, 2 * I);
         for (int64_t t = 0; t < T; t++) {
             const float *gate = proj + t * 2 * I, *up = gate + I;
             for (int64_t i = 0; i < I; i++) normed[t * I + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
         }
         if ((status = linear(&layer->down, normed, T, proj, num_threads)) != 0) break;
+        add_bias(proj, layer->down_bias, T, H);
         for (int64_t i = 0; i < T * H; i++) x[i] += proj[i];
         if (next_capture < num_capture && capture_layers[next_capture] == l) {
             for (int64_t t = 0; t < T; t++)
