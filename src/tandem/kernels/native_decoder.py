@@ -64,7 +64,11 @@ class _Layer(ctypes.Structure):
         ("q_norm", ctypes.c_void_p),
         ("k_norm", ctypes.c_void_p),
         ("window", ctypes.c_int64),  # > 0: the layer attends only its last `window` positions
-        ("softcap", ctypes.c_float),  # unused by the stack (no soft-capping config runs it): 0
+        ("softcap", ctypes.c_float),  # > 0: attention scores soft-capped
+        ("post_attn_norm", ctypes.c_void_p),
+        ("post_ffn_norm", ctypes.c_void_p),
+        ("rope_cos", ctypes.c_void_p),
+        ("rope_sin", ctypes.c_void_p),
     ]
 
 
@@ -82,7 +86,11 @@ class _Dims(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("rope_cos", ctypes.c_void_p),
         ("rope_sin", ctypes.c_void_p),
+        ("activation", ctypes.c_int64),
     ]
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}  # the gated MLP's, as the stack numbers them
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,11 @@ class LayerTensors:
     q_norm: torch.Tensor | None = None  # [D] float32, per-head RMSNorm of q before RoPE (Qwen3)
     k_norm: torch.Tensor | None = None
     window: int | None = None  # the layer's sliding window (None: its whole context)
+    softcap: float | None = None  # attention scores -> softcap * tanh(score / softcap)
+    post_attn_norm: torch.Tensor | None = None  # [H]: norm of the attention output (Gemma 2/3)
+    post_ffn_norm: torch.Tensor | None = None  # [H]: norm of the MLP output (Gemma 2/3)
+    rope_cos: torch.Tensor | None = None  # [max_positions, D]: the layer's own RoPE (Gemma 3's local)
+    rope_sin: torch.Tensor | None = None
 
 
 def unsupported_reason(kv_dtype: torch.dtype) -> str:
@@ -139,6 +152,8 @@ class DecoderWeights:
         eps: float,
         rope_cos: torch.Tensor,  # [max_positions, D] float32
         rope_sin: torch.Tensor,
+        scale: float | None = None,  # attention scale (default head_dim ** -0.5)
+        activation: str = "silu",  # the gated MLP's: one of ACTIVATIONS
     ) -> None:
         kv_dtype = layers[0].kv_cache[0].dtype
         reason = unsupported_reason(kv_dtype)
@@ -165,8 +180,8 @@ class DecoderWeights:
         self.hidden = hidden
         self._dims = _Dims(
             len(layers), hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size,
-            _KV_DTYPES[kv_dtype], eps, head_dim**-0.5, ptr(rope_cos.float().contiguous()),
-            ptr(rope_sin.float().contiguous()),
+            _KV_DTYPES[kv_dtype], eps, head_dim**-0.5 if scale is None else scale, ptr(rope_cos.float().contiguous()),
+            ptr(rope_sin.float().contiguous()), ACTIVATIONS[activation],
         )  # fmt: skip
         self._layers = (_Layer * len(layers))()
         for index, layer in enumerate(layers):
@@ -178,7 +193,10 @@ class DecoderWeights:
                 *(None if t is None else ptr(t.detach().float().contiguous()) for t in (
                     layer.qkv_bias, layer.o_bias, layer.gate_up_bias, layer.down_bias, layer.q_norm, layer.k_norm
                 )),
-                layer.window or 0, 0.0,
+                layer.window or 0, layer.softcap or 0.0,
+                *(None if t is None else ptr(t.detach().float().contiguous()) for t in (
+                    layer.post_attn_norm, layer.post_ffn_norm, layer.rope_cos, layer.rope_sin
+                )),
             )  # fmt: skip
 
     def run(

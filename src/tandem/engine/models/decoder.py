@@ -71,21 +71,6 @@ class DecoderConfig:
     def window(self, layer: int) -> int | None:
         return None if self.layer_windows is None else self.layer_windows[layer]
 
-    def native_stack_reason(self) -> str:
-        """What the native INT4 decoder stack does not compute in this config ("" when it computes
-        all of it): it runs Llama's layers, with biases, per-head q/k RMSNorm (Qwen3) and a
-        sliding window per layer (Mistral, Ministral, Qwen2, Phi-3)."""
-        unsupported = {
-            "norms after attention and MLP": self.sandwich_norms,
-            "(1 + w) norms": self.norm_offset != 0.0,
-            f"the {self.hidden_act} activation": self.hidden_act != "silu",
-            "a scaled embedding": self.embedding_scale is not None,
-            "an attention scale other than head_dim ** -0.5": self.attention_scale is not None,
-            "soft-capping": self.attn_logit_softcap is not None or self.final_logit_softcap is not None,
-            "a second RoPE": self.local_rope_theta is not None,
-        }
-        return ", ".join(name for name, present in unsupported.items() if present)
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
     """HF LlamaRMSNorm: weight * (x / sqrt(mean(x^2) + eps)), computed in float32; with `offset`,
@@ -278,11 +263,8 @@ class DecoderLM(nn.Module):
         decoder layers' outputs for every token (what an EAGLE draft head reads): the last
         layer's [T, hidden] (before the final norm), or those of `hidden_layers` (indices,
         ascending) side by side [T, len(hidden_layers) * hidden]."""
-        cfg = self.config
         dtype = self.norm.dtype  # the compute dtype (the embedding may be stored narrower)
-        x = self.embed_tokens(input_ids).to(dtype)
-        if cfg.embedding_scale is not None:
-            x = x * torch.tensor(cfg.embedding_scale, dtype=dtype)
+        x = self.embed(input_ids, dtype)
         cos = self.rope_cos[positions].to(dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
         if self.local_rope_layers:
@@ -296,13 +278,22 @@ class DecoderLM(nn.Module):
             x = layer(x, layer_cos, layer_sin, kv_cache, metadata, lora)
             if return_hidden and index in hidden_layers:
                 states.append(x)
-        normed = rms_norm(x.index_select(0, logits_indices), self.norm, cfg.rms_norm_eps, cfg.norm_offset)
-        logits = self.lm_head(normed).float()
-        if cfg.final_logit_softcap is not None:
-            logits = _softcap(logits, cfg.final_logit_softcap)
+        logits = self.final_logits(x.index_select(0, logits_indices).to(dtype))
         if not return_hidden:
             return logits
         return logits, (torch.cat(states, dim=-1) if hidden_layers else x)
+
+    def embed(self, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [T] -> [T, hidden]
+        """The input embedding in `dtype` (times `embedding_scale`, Gemma's sqrt(hidden))."""
+        x = self.embed_tokens(input_ids).to(dtype)
+        scale = self.config.embedding_scale
+        return x if scale is None else x * torch.tensor(scale, dtype=dtype)
+
+    def final_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, hidden] -> [B, vocab] float32
+        """The final norm, the LM head and the final soft-capping (Gemma 2)."""
+        cfg = self.config
+        logits = self.lm_head(rms_norm(hidden, self.norm, cfg.rms_norm_eps, cfg.norm_offset)).float()
+        return logits if cfg.final_logit_softcap is None else _softcap(logits, cfg.final_logit_softcap)
 
     def decoder_layers(self) -> list[DecoderLayer]:
         return list(self.layers)  # type: ignore[arg-type]

@@ -1,6 +1,7 @@
-"""`DecoderLM.forward` for small steps through the native decoder stack, for the configs it
-computes (`DecoderConfig.native_stack_reason`: Llama's layers, with biases, Qwen3's q/k norms and
-sliding windows per layer: Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3).
+"""`DecoderLM.forward` for small steps through the native decoder stack: every `DecoderConfig`
+(Llama's layers with biases, q/k norms, sliding windows, soft-capping, Gemma's norms, GeLU and
+local RoPE; the embedding scale and the final norm and soft-capping stay in torch, `DecoderLM.embed`
+and `final_logits`).
 
 `NativeLlama.forward` returns what the INT4 model's eager forward returns for the same step
 (logits at `logits_indices`, and the captured layer outputs an EAGLE head reads), with the decoder
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tandem.engine.models.decoder import DecoderAttention, DecoderLayer, DecoderLM, DecoderMLP, rms_norm
+from tandem.engine.models.decoder import DecoderAttention, DecoderLayer, DecoderLM, DecoderMLP
 from tandem.engine.models.interface import CausalLM, KVLayer
 from tandem.kernels.int4 import Int4Linear
 from tandem.kernels.native_decoder import DecoderWeights, Int4Tensors, LayerTensors, unsupported_reason
@@ -91,9 +92,6 @@ class NativeLlama:
         """Why `build` would return None ("" if it would not)."""
         if not isinstance(model, DecoderLM) or not _computes_the_shared_decoder(model):
             return f"it computes the shared decoder's layers only, not {type(model).__name__}'s"
-        reason = model.config.native_stack_reason()
-        if reason:
-            return f"it does not compute {reason}"
         if model.norm.device.type != "cpu":
             return f"it runs on CPU only (the model is on {model.norm.device})"
         for layer in _decoder_layers(model):
@@ -112,24 +110,27 @@ class NativeLlama:
             params = linear.scales_and_zeros if linear.param_codes is None else linear.param_codes
             return Int4Tensors(linear.packed, params, linear.superblock_scales, linear.group_size)
 
+        def norm(weight: torch.Tensor | None) -> torch.Tensor | None:  # Gemma's (1 + w) as one weight
+            return None if weight is None else cfg.norm_offset + weight.detach().float()
+
+        def layer_tensors(index: int, layer: DecoderLayer, kv_cache: KVLayer) -> LayerTensors:
+            attn, mlp, sandwich = layer.self_attn, layer.mlp, layer.pre_feedforward_layernorm is not None
+            local = index in model.local_rope_layers
+            mlp_input_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+            return LayerTensors(
+                int4(attn.qkv_proj), int4(attn.o_proj), int4(mlp.gate_up_proj), int4(mlp.down_proj),
+                norm(layer.input_layernorm), norm(mlp_input_norm), kv_cache,  # type: ignore[arg-type]
+                qkv_bias=attn.qkv_proj.bias, o_bias=attn.o_proj.bias,
+                gate_up_bias=mlp.gate_up_proj.bias, down_bias=mlp.down_proj.bias,
+                q_norm=norm(attn.q_norm), k_norm=norm(attn.k_norm), window=attn.window, softcap=attn.softcap,
+                post_attn_norm=norm(layer.post_attention_layernorm) if sandwich else None,
+                post_ffn_norm=norm(layer.post_feedforward_layernorm),
+                rope_cos=model.local_rope_cos if local else None, rope_sin=model.local_rope_sin if local else None,
+            )  # fmt: skip
+
         layers = [
-            LayerTensors(
-                int4(layer.self_attn.qkv_proj),
-                int4(layer.self_attn.o_proj),
-                int4(layer.mlp.gate_up_proj),
-                int4(layer.mlp.down_proj),
-                layer.input_layernorm.detach(),
-                layer.post_attention_layernorm.detach(),
-                kv_cache,
-                qkv_bias=layer.self_attn.qkv_proj.bias,
-                o_bias=layer.self_attn.o_proj.bias,
-                gate_up_bias=layer.mlp.gate_up_proj.bias,
-                down_bias=layer.mlp.down_proj.bias,
-                q_norm=layer.self_attn.q_norm,
-                k_norm=layer.self_attn.k_norm,
-                window=layer.self_attn.window,
-            )
-            for layer, kv_cache in zip(_decoder_layers(model), kv_caches, strict=True)
+            layer_tensors(index, layer, kv_cache)
+            for index, (layer, kv_cache) in enumerate(zip(_decoder_layers(model), kv_caches, strict=True))
         ]
         weights = DecoderWeights(
             layers,
@@ -142,6 +143,8 @@ class NativeLlama:
             eps=cfg.rms_norm_eps,
             rope_cos=model.rope_cos,
             rope_sin=model.rope_sin,
+            scale=cfg.attention_scale,
+            activation=cfg.hidden_act,
         )
         return cls(model, weights)
 
@@ -155,7 +158,7 @@ class NativeLlama:
         """As `DecoderLM.forward` (float32 logits [R, vocab]; with `return_hidden`, also
         the captured states [T, ...])."""
         model = self.model
-        x = model.embed_tokens(step.input_ids).float().contiguous()  # [T, H]
+        x = model.embed(step.input_ids, torch.float32).contiguous()  # [T, H]
         captured = self.weights.run(
             x,
             step.positions,
@@ -165,8 +168,7 @@ class NativeLlama:
             hidden_layers if return_hidden else (),
         )
         dtype = model.norm.dtype
-        last = x.index_select(0, logits_indices).to(dtype)
-        logits = model.lm_head(rms_norm(last, model.norm, model.config.rms_norm_eps)).float()
+        logits = model.final_logits(x.index_select(0, logits_indices).to(dtype))
         if not return_hidden:
             return logits
         states = captured if captured is not None else x
@@ -184,7 +186,6 @@ class NativeLlama:
         (`DecoderWeights.run_heads`); the same logits as the model's forward with
         `HeadAttentionMetadata` for those rows, up to float32 summation order."""
         model = self.model
-        x = model.embed_tokens(input_ids).float().contiguous()  # [T, H]
+        x = model.embed(input_ids, torch.float32).contiguous()  # [T, H]
         self.weights.run_heads(x, positions, head_slots, head_tables, head_lens)
-        last = x.to(model.norm.dtype)
-        return model.lm_head(rms_norm(last, model.norm, model.config.rms_norm_eps)).float()
+        return model.final_logits(x.to(model.norm.dtype))

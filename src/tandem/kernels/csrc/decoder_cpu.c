@@ -1,8 +1,10 @@
 /* A Llama decoder stack for small steps (decodes, speculative verification) in one call: every
  * layer's RMSNorm, INT4 q/k/v, RoPE, paged KV write, paged attention, INT4 o, RMSNorm, INT4
  * gate/up, SiLU, INT4 down and both residual adds, for T token rows at once; with, where a layer
- * has them, biases after each matmul, per-head q/k RMSNorm before RoPE (Qwen3) and a sliding
- * window (TandemLayer). Called through
+ * has them, biases after each matmul, per-head q/k RMSNorm before RoPE (Qwen3, Gemma 3), a
+ * sliding window, soft-capped scores, norms after attention and MLP and a RoPE of its own (Gemma),
+ * and GeLU for SiLU (TandemLayer, TandemDecoderDims). Gemma's (1 + w) norm weights arrive as
+ * 1 + w; the embedding scale and the final norm and soft-capping are the caller's. Called through
  * ctypes by tandem/kernels/native_decoder.py (its docstring states the contract); the plain-torch
  * reference is LlamaForCausalLM.forward with Int4Linear layers (same kernel, same arithmetic up
  * to float32 summation order).
@@ -47,6 +49,11 @@ typedef struct {
     const float *q_norm, *k_norm;
     int64_t window;
     float softcap;
+    /* Gemma 2/3: norms [H] of the attention output and of the MLP output before their residual
+     * adds (post_norm is then the MLP input's norm); this layer's own RoPE tables [max_positions,
+     * D] (Gemma 3's sliding layers), NULL for the stack's. */
+    const float *post_attn_norm, *post_ffn_norm;
+    const float *rope_cos, *rope_sin;
 } TandemLayer;
 
 typedef struct {
@@ -54,6 +61,7 @@ typedef struct {
     int64_t kv_dtype; /* 0 float32, 1 bfloat16, 2 e4m3 + float16 scales */
     float eps, scale; /* RMSNorm epsilon; attention scale (head_dim ** -0.5) */
     const float *rope_cos, *rope_sin; /* [max_positions, D] float32 */
+    int64_t activation; /* of the gated MLP: 0 SiLU, 1 GeLU (tanh approximation), 2 GeLU (exact) */
 } TandemDecoderDims;
 
 /* A compressed request's KV paged per (layer, KV head) (tandem/kernels/head_attention.py): every
@@ -310,7 +318,9 @@ static int decoder_layers(const TandemDecoderDims *d, const TandemLayer *layers,
         if ((status = linear(&layer->qkv, normed, T, qkv, num_threads)) != 0) break;
         add_bias(qkv, layer->qkv_bias, T, width);
         for (int64_t t = 0; t < T; t++) {
-            const float *cos = d->rope_cos + positions[t] * D, *sin = d->rope_sin + positions[t] * D;
+            const float *cos_table = layer->rope_cos ? layer->rope_cos : d->rope_cos;
+            const float *sin_table = layer->rope_sin ? layer->rope_sin : d->rope_sin;
+            const float *cos = cos_table + positions[t] * D, *sin = sin_table + positions[t] * D;
             float *row = qkv + t * width;
             if (layer->q_norm) /* in place: each head's sum of squares is taken before it is written */
                 for (int64_t h = 0; h < Hq; h++) rms_norm_rows(row + h * D, layer->q_norm, d->eps, 1, D, row + h * D);
@@ -328,16 +338,27 @@ static int decoder_layers(const TandemDecoderDims *d, const TandemLayer *layers,
                   paging, l);
         if ((status = linear(&layer->o, attn, T, proj, num_threads)) != 0) break;
         add_bias(proj, layer->o_bias, T, H);
+        if (layer->post_attn_norm) rms_norm_rows(proj, layer->post_attn_norm, d->eps, T, H, proj);
         for (int64_t i = 0; i < T * H; i++) x[i] += proj[i];
         rms_norm_rows(x, layer->post_norm, d->eps, T, H, normed);
         if ((status = linear(&layer->gate_up, normed, T, proj, num_threads)) != 0) break;
         add_bias(proj, layer->gate_up_bias, T, 2 * I);
         for (int64_t t = 0; t < T; t++) {
             const float *gate = proj + t * 2 * I, *up = gate + I;
-            for (int64_t i = 0; i < I; i++) normed[t * I + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+            float *out = normed + t * I;
+            if (d->activation == 0)
+                for (int64_t i = 0; i < I; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+            else if (d->activation == 1)
+                for (int64_t i = 0; i < I; i++) {
+                    const float g = gate[i];
+                    out[i] = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * up[i];
+                }
+            else
+                for (int64_t i = 0; i < I; i++) out[i] = 0.5f * gate[i] * (1.0f + erff(gate[i] * 0.7071067811865476f)) * up[i];
         }
         if ((status = linear(&layer->down, normed, T, proj, num_threads)) != 0) break;
         add_bias(proj, layer->down_bias, T, H);
+        if (layer->post_ffn_norm) rms_norm_rows(proj, layer->post_ffn_norm, d->eps, T, H, proj);
         for (int64_t i = 0; i < T * H; i++) x[i] += proj[i];
         if (next_capture < num_capture && capture_layers[next_capture] == l) {
             for (int64_t t = 0; t < T; t++)
