@@ -312,3 +312,33 @@ def test_fp8_kv_perplexity_within_one_percent(
     assert fp8.stats()["kv_cache_dtype"] == "float8_e4m3fn"
     ratio = math.exp(_teacher_forced_nll(fp8, token_ids) - _teacher_forced_nll(base, token_ids))
     assert ratio != 1.0 and abs(ratio - 1) < 0.01, ratio  # FP8 moves the figure, within 1%
+
+
+def test_a_prefix_hit_needs_only_the_blocks_inside_the_window(
+    tokenizer_files: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """On a cache smaller than one request, a windowed model's first request gives back (and
+    reuses) its early blocks as it goes, so the start of its prompt is no longer cached when the
+    same prompt comes again. The second request still skips all but its last tokens: it takes the
+    cached blocks inside the window of its first computed position, and its tokens are HF's."""
+    from tandem.engine.kv_cache import FREED_BLOCK
+    from tandem.engine.protocol import GenerationRequest
+
+    folder = checkpoint("mistral", tokenizer_files, tmp_path_factory)
+    llm = LLM(str(folder), dtype="float32", speculative=None, **WINDOWED_TIGHT)
+    engine, kv = llm.engine, llm.engine.kv_manager
+    prompt = llm.tokenizer.encode(PROMPTS[0])
+    want = hf_greedy(load_hf("mistral", folder), prompt, NEW_TOKENS, None)
+    assert llm.generate([prompt], greedy())[0].outputs[0].token_ids == want
+    hits_before = kv.num_prefix_hits
+    engine.add_request(GenerationRequest("again", prompt_token_ids=prompt, sampling_params=greedy()))
+    engine.step()
+    table = kv.block_table("again").block_ids
+    assert table[0] == FREED_BLOCK  # block 0 was not cached any more: not needed either
+    skipped = kv.num_prefix_hits - hits_before
+    assert skipped >= len(prompt) - WINDOW - 2 * TIGHT["block_size"]
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = list(out.outputs[0].token_ids)
+    assert tokens == want

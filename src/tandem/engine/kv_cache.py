@@ -15,7 +15,8 @@ Invariants (checked by `check_integrity()`):
 - only full, computed blocks are in more than one table (prefix-cache hits, `fork`), so a
   shared block is never written again;
 - prefix cache: a full block may carry a hash (of its parent block's hash, its tokens and the
-  request's cache salt: adapter and tenant); `cached` maps each hash to exactly one block with that
+  request's cache salt: adapter and tenant; with a sliding window a hit needs only the blocks
+  inside the window of its first computed position, `_usable_prefix`); `cached` maps each hash to exactly one block with that
   hash. A cached block stays cached while free (it is only evicted when the free list hands it
   out again, oldest-freed first), so a new request with the same prefix reuses it without
   recomputing. Reusing a cached block does not change its generation (its contents are the same);
@@ -187,28 +188,47 @@ class KVCacheManager:
             hashes.append(hash((parent, tuple(tokens(index * bs, (index + 1) * bs)), salt)))
         return hashes[:num_full_blocks]
 
+    def _usable_prefix(self, hashes: list[int], whole: bool = False) -> list[int]:
+        """The block ids of the longest prefix a request with these leading block hashes can skip
+        computing: without a window, the leading run of cached blocks; with one, the longest k
+        whose blocks inside the window of position k * block_size (what its first computed token
+        reads) are all cached, earlier entries `FREED_BLOCK` (they need not be cached: no query of
+        the request reads them). A hash names a block's tokens and everything before them, so a
+        cached block holds the right KV whatever became of its predecessors. `whole`: the leading
+        run only (a prefill whose blocks are exported whole)."""
+        present = [self.pool.cached.get(h) for h in hashes]
+        if self.sliding_window is None or whole:
+            run = next((i for i, block_id in enumerate(present) if block_id is None), len(present))
+            return [b for b in present[:run] if b is not None]
+        run_ending_at: list[int] = []  # [i]: consecutive cached blocks ending at index i
+        for i, block_id in enumerate(present):
+            run_ending_at.append(0 if block_id is None else 1 + (run_ending_at[i - 1] if i else 0))
+        for k in range(len(present), 0, -1):
+            first = max(0, k * self.block_size - self.sliding_window + 1) // self.block_size
+            if run_ending_at[k - 1] >= k - first:
+                return [FREED_BLOCK] * first + [b for b in present[first:k] if b is not None]
+        return []
+
     def allocate_cached_prefix(
-        self, request_id: str, num_tokens: int, tokens: TokenSlice, salt: object
+        self, request_id: str, num_tokens: int, tokens: TokenSlice, salt: object, *, whole: bool = False
     ) -> int:
-        """For a request about to be admitted (no blocks yet): take every cached block matching
-        the start of `token_ids` (at least one token is always left to compute) and return how
-        many tokens they hold. Undo with `free(request_id)` if admission then fails."""
+        """For a request about to be admitted (no blocks yet): take the cached blocks of the
+        longest usable prefix of its tokens (`_usable_prefix`; at least one token is always left
+        to compute) and return how many tokens that prefix holds. Undo with `free(request_id)` if
+        admission then fails."""
         if not self.enable_prefix_caching or request_id in self.tables:
             return 0
         max_blocks = (num_tokens - 1) // self.block_size
-        hits: list[int] = []
-        for block_hash in self._hashes(request_id, tokens, max_blocks, salt):
-            block_id = self.pool.cached.get(block_hash)
-            if block_id is None:
-                break
-            hits.append(block_id)
+        hits = self._usable_prefix(self._hashes(request_id, tokens, max_blocks, salt), whole)
         self.num_prefix_queries += num_tokens
         self.num_prefix_hits += len(hits) * self.block_size
         if not hits:
             return 0
         for block_id in hits:
-            self.pool.touch(block_id)
-        self.tables[request_id] = BlockTable(hits, [self.pool.generations[b] for b in hits])
+            if block_id != FREED_BLOCK:
+                self.pool.touch(block_id)
+        generations = [self.pool.generations[b] if b != FREED_BLOCK else 0 for b in hits]
+        self.tables[request_id] = BlockTable(hits, generations)
         return len(hits) * self.block_size
 
     def fork(self, request_id: str, parent_id: str, num_blocks: int) -> int:
@@ -231,12 +251,12 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
+        hashes: list[int] = []
         parent: int | None = None
         for index in range((num_tokens - 1) // bs):
             parent = hash((parent, tuple(tokens(index * bs, (index + 1) * bs)), salt))
-            if parent not in self.pool.cached:
-                return index
-        return (num_tokens - 1) // bs
+            hashes.append(parent)
+        return len(self._usable_prefix(hashes))
 
     def cache_full_blocks(
         self, request_id: str, tokens: TokenSlice, num_computed_tokens: int, salt: object
