@@ -66,7 +66,7 @@ class AsyncEngine:
         Why not load here and hand the engine to a new thread: torch's CPU kernels run in OpenMP
         teams, one per thread that calls them, and once a second thread of the process has run an
         OpenMP region (model loading does), the engine thread's kernels ran markedly slower for
-        the rest of the process (figures: docs/performance.md, 2026-12-01). Keep the threads that
+        the rest of the process (figures: docs/performance.md, "the engine thread"). Keep the threads that
         call an `AsyncEngine` free of torch work."""
         built: queue.Queue[AsyncEngine | BaseException] = queue.Queue(maxsize=1)
 

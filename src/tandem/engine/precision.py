@@ -9,7 +9,7 @@ testable with forced CPU features):
 - On CPU, `dtype="auto"` is bfloat16 where the CPU has AMX-BF16 (oneDNN's bfloat16 GEMMs run
   on the tile units there, about twice float32's rate at large batches) and float32 elsewhere:
   with AVX512-BF16 alone oneDNN's bfloat16 GEMMs measured slower than float32 (docs/performance.md,
-  2026-12-02), and AVX2-only CPUs emulate bfloat16.
+  "engine defaults on a Xeon without AMX"), and AVX2-only CPUs emulate bfloat16.
   `weight_dtype="auto"` is "hybrid" where Tandem's native INT4 kernel runs (x86-64 with AVX2,
   FMA and F16C, and a C compiler): small decode steps read INT4 weights (an eighth of float32's
   bytes, through the native decoder stack), prefill and large batches use the compute dtype.

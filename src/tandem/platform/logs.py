@@ -21,7 +21,7 @@ _HANDLER_NAME = "tandem-structured"
 
 
 class StructuredFormatter(logging.Formatter):
-    """`INFO 2026-12-03T06:36:51.063Z tandem.api request refused status=400 code=... param=...`"""
+    """`INFO <UTC ISO-8601 time, ms> tandem.api request refused status=400 code=... param=...`"""
 
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"

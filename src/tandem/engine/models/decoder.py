@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.models.interface import Int4Target, KVLayer, LayerKV, LoRAContext
+from tandem.engine.models.support import LLAMA_LAYER_TENSORS, layered_tensor_names
 from tandem.kernels.attention import AttentionMetadata, finite_kv, paged_attention, write_kv
 from tandem.kernels.head_attention import HeadAttentionMetadata, head_attention_layer
 from tandem.kernels.rotary import apply_rope, rope_cos_sin, rope_inv_freq
@@ -372,10 +373,9 @@ def _layer_norm_names(cfg: DecoderConfig) -> tuple[str, ...]:
 def decoder_tensor_names(cfg: DecoderConfig, prefix: str = "model.") -> set[str]:
     """Every checkpoint tensor `DecoderLM.load_hf_state_dict` consumes for `cfg` (HF names;
     `lm_head.weight` included, which a tied checkpoint may omit)."""
-    names = {f"{prefix}embed_tokens.weight", f"{prefix}norm.weight", "lm_head.weight"}
-    per_layer = [f"self_attn.{n}_proj.weight" for n in "qkvo"]
-    per_layer += [f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
-    per_layer += [f"{norm}.weight" for norm in _layer_norm_names(cfg)]
+    per_layer = list(LLAMA_LAYER_TENSORS)
+    if cfg.sandwich_norms:
+        per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
     if cfg.qkv_bias:
         per_layer += [f"self_attn.{n}_proj.bias" for n in "qkv"]
     if cfg.o_bias:
@@ -384,9 +384,7 @@ def decoder_tensor_names(cfg: DecoderConfig, prefix: str = "model.") -> set[str]
         per_layer += [f"mlp.{n}_proj.bias" for n in ("gate", "up", "down")]
     if cfg.qk_norm:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    for index in range(cfg.num_hidden_layers):
-        names.update(f"{prefix}layers.{index}.{name}" for name in per_layer)
-    return names
+    return layered_tensor_names(cfg.num_hidden_layers, per_layer, prefix=prefix)
 
 
 def decoder_kv_layers(cfg: DecoderConfig) -> list[LayerKV]:

@@ -46,6 +46,7 @@ def _gemma_fields(cfg: dict[str, Any], default_types: list[str]) -> dict[str, An
 
 
 def check_gemma(cfg: dict[str, Any]) -> None:
+    # HF's GemmaMLP reads `hidden_act` only: a `hidden_activation` key changes nothing there
     check_common(
         {**cfg, "hidden_activation": None}, implemented=("attention_bias",), activations=(*GELU_TANH_ACTIVATIONS, "gelu")
     )

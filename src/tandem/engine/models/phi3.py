@@ -17,7 +17,7 @@ import torch
 from tandem.engine.lora_checkpoint import FUSED_CHECKPOINT_TARGETS
 from tandem.engine.models.decoder import DecoderConfig, DecoderLM, decoder_kv_layers
 from tandem.engine.models.registry import Architecture, register
-from tandem.engine.models.support import check_common, decoder_fields, layer_windows
+from tandem.engine.models.support import check_common, decoder_fields, layer_windows, layered_tensor_names
 
 
 def check_phi3(cfg: dict[str, Any]) -> None:
@@ -39,19 +39,18 @@ def parse_phi3(cfg: dict[str, Any]) -> DecoderConfig:
     )
 
 
+PHI3_LAYER_TENSORS = (
+    "self_attn.qkv_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+)
+
+
 def phi3_tensor_names(cfg: DecoderConfig, prefix: str) -> set[str]:
-    names = {f"{prefix}embed_tokens.weight", f"{prefix}norm.weight", "lm_head.weight"}
-    per_layer = (
-        "self_attn.qkv_proj.weight",
-        "self_attn.o_proj.weight",
-        "mlp.gate_up_proj.weight",
-        "mlp.down_proj.weight",
-        "input_layernorm.weight",
-        "post_attention_layernorm.weight",
-    )
-    for index in range(cfg.num_hidden_layers):
-        names.update(f"{prefix}layers.{index}.{name}" for name in per_layer)
-    return names
+    return layered_tensor_names(cfg.num_hidden_layers, PHI3_LAYER_TENSORS, prefix=prefix)
 
 
 class Phi3ForCausalLM(DecoderLM):

@@ -184,24 +184,32 @@ def layer_windows(cfg: dict[str, Any], default_types: list[str]) -> list[int | N
     return windows if any(w is not None for w in windows) else None
 
 
-def expected_tensor_names(num_layers: int, *, prefix: str = "model.") -> set[str]:
-    """Every tensor name the Llama module consumes (HF names; `lm_head.weight` included, which a
-    tied checkpoint may omit)."""
+LLAMA_LAYER_TENSORS = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+)
+
+
+def layered_tensor_names(num_layers: int, per_layer: Iterable[str], *, prefix: str = "model.") -> set[str]:
+    """The embedding, the final norm, `lm_head.weight` (which a tied checkpoint may omit) and
+    `per_layer` names (HF's, after `layers.<i>.`) for every layer."""
     names = {f"{prefix}embed_tokens.weight", f"{prefix}norm.weight", "lm_head.weight"}
-    per_layer = (
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight",
-        "mlp.gate_proj.weight",
-        "mlp.up_proj.weight",
-        "mlp.down_proj.weight",
-        "input_layernorm.weight",
-        "post_attention_layernorm.weight",
-    )
+    per_layer = tuple(per_layer)
     for index in range(num_layers):
         names.update(f"{prefix}layers.{index}.{name}" for name in per_layer)
     return names
+
+
+def expected_tensor_names(num_layers: int, *, prefix: str = "model.") -> set[str]:
+    """Every tensor name a plain Llama checkpoint has (what GGUF tensor names map to)."""
+    return layered_tensor_names(num_layers, LLAMA_LAYER_TENSORS, prefix=prefix)
 
 
 def tensor_prefix(names: Iterable[str]) -> str:
