@@ -36,6 +36,10 @@ TINY_CHAT_TEMPLATE = (
 # operator pin; engine/precision.py). Tests of the automatic choice unset it. Set at import, so
 # Ray workers started by the tests inherit it too.
 os.environ.setdefault("TANDEM_AUTO_PRECISION", "float32")
+# Without CUDA, Triton kernels run in Triton's CPU interpreter (tests/test_triton_kernels.py).
+# Read when a kernel module is imported, so set before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -31,6 +31,7 @@ from tandem.kernels import int4_native
 from tandem.kernels.head_attention import head_pool_dtype, head_slot_bytes
 from tandem.kernels.int8 import Int8HeadLinear
 from tandem.kernels.kv_eviction import EvictionPolicy
+from tandem.kernels.triton_support import uses_triton
 from tandem.platform.config import EngineConfig
 from tandem.platform.cpu import cpu_flags
 from tandem.platform.errors import InvalidRequestError, ModelLoadError
@@ -87,8 +88,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def uses_decode_graphs(config: EngineConfig, device: torch.device) -> bool:
+    """CUDA graphs for decode steps: on CUDA through the Triton kernels, unless turned off."""
+    return config.cuda_graphs and device.type == "cuda" and uses_triton(device)
+
+
 def available_memory_bytes(device: torch.device) -> int:
+    """Free memory on `device`: CUDA's free bytes (cached allocator blocks handed back first),
+    or the host's available RAM."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
@@ -121,8 +130,14 @@ def build_parts(config: EngineConfig) -> EngineParts:
     check_features(config, loaded)
     draft = _load_draft(config, loaded, dtype, device, kv_dtype)
     window = kv_window(config, loaded, draft is not None)
-    sizes = _size(config, cfg, kv_spec, draft, device, dtype, window)
-    model, decode_model = _build_models(config, loaded, precision, dtype, device, sizes.max_positions)
+    if device.type == "cuda":
+        # Weights first: the KV budget is a fraction of the device memory they leave free. Their
+        # position tables then cover the model's whole context (max_positions is not known yet).
+        model, decode_model = _build_models(config, loaded, precision, dtype, device, cfg.max_position_embeddings)
+        sizes = _size(config, cfg, kv_spec, draft, device, dtype, window)
+    else:
+        sizes = _size(config, cfg, kv_spec, draft, device, dtype, window)
+        model, decode_model = _build_models(config, loaded, precision, dtype, device, sizes.max_positions)
     proposer = _build_proposer(config, loaded, model, draft, sizes, dtype, device)
     lora = None
     if config.enable_lora:
@@ -140,9 +155,11 @@ def build_parts(config: EngineConfig) -> EngineParts:
         model, kv_spec, sizes.num_blocks, device, seed=config.seed, lora=lora, compile_decode=config.compile_decode,
         decode_model=decode_model, decode_model_max_batch=config.hybrid_int4_max_batch, draft=proposer,
         native_decoder=config.native_decoder, grammars=grammars, num_head_blocks=sizes.num_head_blocks,
-        eviction=eviction_policy(config),
+        eviction=eviction_policy(config), decode_graphs="capture" if uses_decode_graphs(config, device) else "off",
+        graph_max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs), max_model_len=sizes.max_model_len,
     )  # fmt: skip
     runner.warmup_decode()
+    runner.capture_graphs()
     kv_cache_dtype = str(kv_dtype).removeprefix("torch.")
     logger.info(
         "engine ready",
@@ -151,6 +168,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
             "weight_dtype": precision.weight_dtype, "precision_reason": precision.reason,
             "native_decoder": runner.native is not None,
             "native_decoder_unavailable": runner.native_unavailable_reason if runner.native is None else "",
+            "kernels": "triton" if uses_triton(device) else "torch/native",
+            "decode_graph_max_batch": runner.paths.graph_max_batch,
             "kv_cache_dtype": kv_cache_dtype, "kv_blocks": sizes.num_blocks,
             "kv_capacity_tokens": sizes.num_blocks * config.block_size, "max_model_len": sizes.max_model_len,
         },

@@ -33,6 +33,7 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "precision_reason": engine.precision.reason if engine.precision else "",
         "native_decoder": runner.native_decoder,
         "num_native_decoder_steps": runner.num_native_decoder_steps,
+        "num_graph_steps": runner.num_graph_steps,
         "kv_blocks_total": pool.num_blocks,
         "kv_blocks_used": pool.num_used_blocks,
         "kv_occupancy": pool.num_used_blocks / pool.num_blocks,

@@ -145,6 +145,7 @@ class RunnerStats:
 
     native_decoder: bool = False  # the native CPU decoder stack is built
     num_native_decoder_steps: int = 0
+    num_graph_steps: int = 0  # decode steps replayed from CUDA graphs
     draft_wall_s: float = 0.0  # wall seconds spent proposing with a draft model
     grammar_mask_s: float = 0.0  # wall seconds computing and applying grammar masks
 

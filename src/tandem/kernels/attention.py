@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import int4_native
+from tandem.kernels.triton_support import uses_triton
 
 FP8_E4M3_MAX = 448.0
-_MIN_SCALE = 1e-8
+_MIN_SCALE = 2.0**-24  # float16's smallest subnormal: a smaller scale would round to 0 (0 / 0 = NaN codes)
 _MAX_SCALE = float(torch.finfo(torch.float16).max)  # scales are stored as float16: keep them finite
 
 
@@ -65,7 +66,14 @@ def write_kv(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """k_cache.view(-1, Hk, D)[slot_mapping] = k (and the same for v). An FP8 cache stores each
-    (token, head) vector quantised with its own scale (see `quantize_fp8`)."""
+    (token, head) vector quantised with its own scale (see `quantize_fp8`). Where Triton runs
+    (`triton_support.uses_triton`) one kernel does it (`triton_attention.write_kv_triton`, which
+    also skips slots < 0); this body is its reference."""
+    if uses_triton(k.device):
+        from tandem.kernels.triton_attention import write_kv_triton
+
+        write_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     if k_scale is None or v_scale is None:
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
@@ -208,6 +216,20 @@ class PrefillSegment:
 
 
 @dataclass
+class PagedRows:
+    """The step as the Triton kernel reads it (`triton_attention.paged_attention_triton`): every
+    row through its request's block table, in query tiles of `block_q` rows. All int32, on the
+    device."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] (entries a row never reads may be -1)
+    seq_lens: torch.Tensor  # [B] context length after this step
+    query_start: torch.Tensor  # [B + 1] first row of each request, then the row count
+    tile_request: torch.Tensor  # [num_tiles]
+    tile_row: torch.Tensor  # [num_tiles]
+    block_q: int
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step inputs to attention, shared by all layers.
 
@@ -231,6 +253,8 @@ class AttentionMetadata:
     native_block_tables: torch.Tensor | None = None  # [R, max_blocks] int64
     decode_lens: torch.Tensor | None = None  # [Bd] int64 context length of each decode row
     decode_window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> [Bd, 1, 1, Lmax]
+    # Where Triton runs: every row goes through its kernel, and the fields above stay empty.
+    paged: PagedRows | None = None
 
     def decode_mask_for(self, window: int | None) -> torch.Tensor:
         """`decode_mask` narrowed to each decode row's last `window` keys."""
@@ -259,6 +283,8 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     """Index tensors for one step. Request i has `query_lens[i]` new tokens and, after them,
     `context_lens[i]` tokens in its context; its new tokens are the last ones of the context."""
+    if uses_triton(device):
+        return build_paged_metadata(block_tables, query_lens, context_lens, block_size, num_kv_heads, device)
     slot_chunks: list[torch.Tensor] = []
     decode_rows: list[int] = []
     decode_tables: list[list[int]] = []
@@ -334,6 +360,59 @@ def build_attention_metadata(
     )
 
 
+def build_paged_metadata(
+    block_tables: list[list[int]],
+    query_lens: list[int],
+    context_lens: list[int],
+    block_size: int,
+    num_kv_heads: int,
+    device: torch.device,
+    num_padding_rows: int = 0,
+) -> AttentionMetadata:
+    """`build_attention_metadata` for the Triton kernel: the slots of the new tokens and `PagedRows`.
+    `num_padding_rows` extra rows at the end (a captured graph's padding) write nowhere (slot -1)
+    and belong to no query tile."""
+    from tandem.kernels.triton_attention import build_query_tiles, query_tile_rows
+
+    num_requests = len(query_lens)
+    max_blocks = max((-(-ctx // block_size) for ctx in context_lens), default=1)
+    tables = torch.full((max(num_requests, 1), max(max_blocks, 1)), -1, dtype=torch.int32)
+    slots: list[int] = []
+    for i, (table, n, ctx) in enumerate(zip(block_tables, query_lens, context_lens, strict=True)):
+        used = table[: -(-ctx // block_size)]
+        tables[i, : len(used)] = torch.tensor(used, dtype=torch.int32)
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - n, ctx))
+    slots.extend([-1] * num_padding_rows)
+    query_start = [0]
+    for n in query_lens:
+        query_start.append(query_start[-1] + n)
+    block_q = query_tile_rows(max(query_lens, default=0))
+    tile_request, tile_row = build_query_tiles(query_lens, block_q)
+
+    def on_device(values: list[int] | torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    paged = PagedRows(
+        block_tables=on_device(tables),
+        seq_lens=on_device(context_lens),
+        query_start=on_device(query_start),
+        tile_request=on_device(tile_request),
+        tile_row=on_device(tile_row),
+        block_q=block_q,
+    )
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    return AttentionMetadata(
+        slot_mapping=on_device(slots, torch.int64),
+        decode_rows=empty,
+        decode_kv_index=empty,
+        decode_mask=torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=device),
+        decode_max_len=0,
+        prefills=[],
+        num_decodes=0,
+        paged=paged,
+    )
+
+
 def _attends_natively(query_len: int, context_len: int) -> bool:
     """A decode row, or a short segment after a cached prefix (a verification step's rows)."""
     return query_len == 1 or (query_len <= NATIVE_SEGMENT_MAX_ROWS and context_len != query_len)
@@ -388,7 +467,17 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, Hq, D]
     """Each row's attention over its request's keys (module docstring), for one layer: with a
     `window`, only the last `window` positions (keys before it are never read, so their blocks may
-    already be freed); with `softcap`, Gemma 2's capped scores."""
+    already be freed); with `softcap`, Gemma 2's capped scores. With `metadata.paged` (where
+    Triton runs) one kernel computes every row from the cache
+    (`triton_attention.paged_attention_triton`)."""
+    if metadata.paged is not None:
+        from tandem.kernels.triton_attention import paged_attention_triton
+
+        paged = metadata.paged
+        return paged_attention_triton(
+            q, k_cache, v_cache, paged.block_tables, paged.seq_lens, paged.query_start, paged.tile_request,
+            paged.tile_row, paged.block_q, scale, k_scale, v_scale, window, softcap, k, v,
+        )  # fmt: skip
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads

@@ -14,10 +14,12 @@ of 32), so a Q4_1 tensor loads without a dequantise/requantise round trip.
   scaled to int16 per run of 32 for an exact integer dot product. Up to `NATIVE_GEMV_MAX_ROWS`
   rows it is a GEMV-style kernel that reads each weight once per 4 rows; above that it dequantises
   the weight to float32 once and calls torch's GEMM.
+- "triton" (where `triton_support.uses_triton`: CUDA): Tandem's W4A16 kernel (`triton_int4`),
+  q packed two per byte down K, [K / 2, N], the group parameters [G, N] in float16 (float32 for
+  double-quantised ones, whose products float16 would round), activations in their own dtype.
 - "torch": q in the layout of torch's int4 matmul for the device
   (`_convert_weight_to_int4pack_for_cpu` / `_convert_weight_to_int4pack`), called with bfloat16
   activations and bfloat16 (scale, zero) (`_weight_int4pack_mm_for_cpu` / `_weight_int4pack_mm`).
-  The only choice on CUDA.
 `int4_linear_reference` dequantises and uses `F.linear`.
 
 Double quantisation (`double_quantize_int4`, as in llama.cpp's K-quant super-blocks and QLoRA):
@@ -40,8 +42,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels import int4_native
+from tandem.kernels.triton_support import triton_unavailable_reason, uses_triton
 
-Int4Kernel = Literal["auto", "native", "torch"]
+Int4Kernel = Literal["auto", "native", "triton", "torch"]
 # Above this many rows (tokens) the native kernel dequantises the weight once and runs torch's
 # float32 GEMM, which reuses each weight across rows better than a GEMV does (where each wins:
 # docs/performance.md, "Design measurements").
@@ -142,8 +145,9 @@ def int4_linear_reference(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 class Int4Linear(nn.Module):
     """`y = x @ W.T` with W stored as group-wise INT4 (see the module docstring for the kernels).
 
-    `kernel`: "auto" (native where it can be built for this CPU, else torch's), "native" (raises
-    if it cannot be used) or "torch". `self.kernel` says which one runs."""
+    `kernel`: "auto" (Triton's where Triton runs, native where it can be built for this CPU, else
+    torch's), "native" or "triton" (each raises if it cannot be used) or "torch". `self.kernel`
+    says which one runs."""
 
     def __init__(
         self, w: Int4Weight, device: torch.device, kernel: Int4Kernel = "auto", bias: torch.Tensor | None = None
@@ -161,9 +165,19 @@ class Int4Linear(nn.Module):
         self.scales_and_zeros: torch.Tensor | None
         self.param_codes: torch.Tensor | None
         self.superblock_scales: torch.Tensor | None
-        for name in ("scales_and_zeros", "param_codes", "superblock_scales"):
+        self.column_scales: torch.Tensor | None  # triton: [G, N]
+        self.column_zeros: torch.Tensor | None
+        for name in ("scales_and_zeros", "param_codes", "superblock_scales", "column_scales", "column_zeros"):
             self.register_buffer(name, None)
         params = w.int8_params
+        if self.kernel == "triton":
+            from tandem.kernels.triton_int4 import pack_int4_columns
+
+            param_dtype = torch.float16 if params is None else torch.float32
+            self.register_buffer("packed", pack_int4_columns(w.q).to(device))
+            self.register_buffer("column_scales", w.scale.t().contiguous().to(device=device, dtype=param_dtype))
+            self.register_buffer("column_zeros", w.zero.t().contiguous().to(device=device, dtype=param_dtype))
+            return
         if self.kernel == "native":  # row-major parameters, [N, ...]
             self.register_buffer("packed", int4_native.pack_rows(w.q).to(device))
             if params is None:
@@ -211,6 +225,11 @@ class Int4Linear(nn.Module):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         if self.kernel == "native":
             return self._forward_native(x)
+        if self.kernel == "triton":
+            from tandem.kernels.triton_int4 import w4a16_matmul
+
+            assert self.column_scales is not None and self.column_zeros is not None
+            return w4a16_matmul(x, self.packed, self.column_scales, self.column_zeros, self.group_size)
         x16 = x.to(torch.bfloat16)
         group_params = self.group_params()
         if x.device.type == "cpu":
@@ -234,9 +253,17 @@ class Int4Linear(nn.Module):
         return F.linear(x32, weight).to(x.dtype)
 
 
-def _choose_kernel(kernel: Int4Kernel, device: torch.device, group_size: int) -> Literal["native", "torch"]:
+def _choose_kernel(
+    kernel: Int4Kernel, device: torch.device, group_size: int
+) -> Literal["native", "triton", "torch"]:
+    """`kernel` resolved for `device` (class docstring); raises for an explicit one that cannot run."""
     if kernel == "torch":
         return "torch"
+    if kernel == "triton" or (kernel == "auto" and uses_triton(device)):
+        if uses_triton(device):
+            return "triton"
+        why = triton_unavailable_reason() or f"Triton kernels do not run on {device} here"
+        raise RuntimeError(f"int4_kernel='triton' cannot be used: {why}; use 'auto' or 'torch'")
     why_not = None
     if device.type != "cpu":
         why_not = f"it runs on CPU only (device {device})"

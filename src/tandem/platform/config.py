@@ -100,14 +100,15 @@ class EngineConfig(BaseModel):
         description="Store each INT4 group's scale and zero as int8 codes with a bfloat16 scale per "
         "super-block of up to 8 groups (llama.cpp K-quant / QLoRA style), the 4-bit codes re-rounded "
         "to match: 4.6 bits per weight instead of 5 at group 32 (0.29x of 16-bit instead of 0.31x). "
-        "The native CPU kernel reads the codes as they are; torch's kernel (CUDA, or int4_kernel='torch') "
-        "needs them multiplied out to bfloat16 at each forward.",
+        "The native CPU kernel reads the codes as they are; torch's kernel (int4_kernel='torch') "
+        "needs them multiplied out to bfloat16 at each forward, the Triton kernel (CUDA) once, to float32.",
     )
-    int4_kernel: Literal["auto", "native", "torch"] = Field(
+    int4_kernel: Literal["auto", "native", "triton", "torch"] = Field(
         "auto",
         description="INT4 matmul: 'native' is Tandem's AVX2 CPU kernel (built with the system C compiler on "
-        "first use, cached under $TANDEM_CACHE_DIR or ~/.cache/tandem), 'torch' is torch's int4 kernel "
-        "(the only one on CUDA), 'auto' takes native where it can be built and torch's otherwise.",
+        "first use, cached under $TANDEM_CACHE_DIR or ~/.cache/tandem), 'triton' Tandem's W4A16 Triton "
+        "kernel (CUDA), 'torch' torch's int4 kernel; 'auto' takes Triton's on CUDA, native on a CPU where "
+        "it can be built, and torch's otherwise.",
     )
     role: Literal["colocated", "prefill", "decode"] = Field(
         "colocated",
@@ -213,6 +214,16 @@ class EngineConfig(BaseModel):
         description="Run decode-only steps through torch.compile (inductor): one fused graph per step "
         "instead of thousands of small ops. Compiled at start-up (minutes on a small CPU; cached on "
         "disk under TORCHINDUCTOR_CACHE_DIR); falls back to eager if compilation fails.",
+    )
+    cuda_graphs: bool = Field(
+        True,
+        description="On CUDA, capture decode steps (one token per request, no LoRA rows) as CUDA graphs "
+        "at start, one per batch-size bucket up to cuda_graph_max_batch, and replay them: one launch "
+        "instead of hundreds of kernel launches per step. Capture time and memory are logged; other "
+        "steps run eagerly. Ignored on CPU, with a draft model, and with weight_dtype 'hybrid'.",
+    )
+    cuda_graph_max_batch: int = Field(
+        256, ge=1, le=1024, description="Largest decode batch captured as a CUDA graph (at most max_num_seqs)."
     )
     native_decoder: bool = Field(
         True,

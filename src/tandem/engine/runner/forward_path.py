@@ -1,6 +1,8 @@
 """The one place that chooses how a step's rows are computed.
 
 Paths, fastest first where they apply:
+- `GRAPH`: a CUDA graph of the model's decode step (`decode_graphs`), on CUDA: decode steps of
+  one token per request, no LoRA rows, at most the largest captured batch.
 - `NATIVE`: the native CPU decoder stack over the decode model's INT4 linears (`NativeLlama`):
   decode steps (each request computes its last token and its drafts) with no LoRA rows and at
   most `NATIVE_MAX_ROWS` rows. At small batch the eager step is dominated by per-op dispatch,
@@ -24,6 +26,7 @@ NATIVE_MAX_ROWS = 16
 
 
 class ForwardPath(Enum):
+    GRAPH = "graph"
     NATIVE = "native"
     COMPILED = "compiled"
     DECODE_MODEL = "decode_model"
@@ -53,10 +56,16 @@ class RunnerPaths:
     compiled: bool  # a compiled decode graph
     separate_decode_model: bool  # the decode model is not the model (a hybrid's INT4 copy)
     decode_model_max_batch: int  # most requests of a step the decode model serves
+    graph_max_batch: int = 0  # most requests of a step the captured decode graphs serve (0: none)
 
 
 def choose_path(shape: StepShape, paths: RunnerPaths) -> ForwardPath:
     """The forward path for a step of `shape` on a runner with `paths` (module docstring)."""
+    if (
+        shape.decoding and not shape.compressed and not shape.has_lora and not shape.has_multi_row
+        and shape.num_requests <= paths.graph_max_batch
+    ):  # fmt: skip
+        return ForwardPath.GRAPH
     small = shape.decoding and shape.num_requests <= paths.decode_model_max_batch
     if shape.compressed:
         native_fits = shape.num_requests <= min(NATIVE_MAX_ROWS, paths.decode_model_max_batch)

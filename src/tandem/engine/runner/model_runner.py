@@ -21,6 +21,7 @@ from tandem.engine.models.interface import CausalLM
 from tandem.engine.models.native import NativeLlama, NativeStep
 from tandem.engine.runner.compressed import HeadPoolForward, allocate_head_pool
 from tandem.engine.runner.constraints import GrammarMasks
+from tandem.engine.runner.decode_graphs import DecodeGraphs, graph_batch_sizes
 from tandem.engine.runner.forward_path import ForwardPath, RunnerPaths, StepShape, choose_path
 from tandem.engine.runner.kv_tensors import (
     KVCacheSpec,
@@ -60,13 +61,20 @@ class ModelRunner:
         grammars: GrammarCompiler | None = None,
         num_head_blocks: int = 0,
         eviction: EvictionPolicy | None = None,
+        decode_graphs: str = "off",
+        graph_max_batch: int = 0,
+        max_model_len: int = 0,
     ) -> None:
         """`decode_model` (optional, e.g. an INT4 copy of `model` sharing nothing but the cache)
         serves decode steps of at most `decode_model_max_batch` requests; `native_decoder` allows
         the native stack over its INT4 linears, `compile_decode` a compiled graph of it
         (`forward_path` says which step takes which). `grammars` compiles requests' output
         constraints (`constraints`). `num_head_blocks` > 0 allocates the head-block pool of
-        compressed requests, and `eviction` decides what their heads keep (`compressed`)."""
+        compressed requests, and `eviction` decides what their heads keep (`compressed`).
+        `decode_graphs`: "capture" replays decode steps of up to `graph_max_batch` requests from
+        CUDA graphs (`decode_graphs`; captured by `capture_graphs`), "eager" runs the same static
+        buffers without capturing (tests), "off" neither. Graphs need the Triton attention path,
+        one model (no separate decode model) and no draft."""
         self.model = model
         self.decode_model = decode_model or model
         self.decode_model_max_batch = decode_model_max_batch if decode_model is not None else 1 << 30
@@ -98,6 +106,13 @@ class ModelRunner:
             if self.native is not None:  # the native stack over the pool, where it runs shared steps
                 native_heads = NativeLlama.build(self.decode_model, [pool] * model.config.num_hidden_layers, self.block_size)
             self.heads = HeadPoolForward(pool, model, native_heads, eviction or EvictionPolicy(), device)
+        self.graphs: DecodeGraphs | None = None
+        if decode_graphs != "off" and graph_max_batch > 0 and decode_model is None and draft is None:
+            self.graphs = DecodeGraphs(
+                self.model.forward, self.kv_caches, self.block_size, max_model_len,
+                graph_batch_sizes(graph_max_batch), device,
+            )  # fmt: skip
+        self._capture_graphs = decode_graphs == "capture"
 
     # -- what the engine reads (`Runner` protocol) -------------------------------------------------
     @property
@@ -108,6 +123,7 @@ class ModelRunner:
         return RunnerStats(
             native_decoder=self.native is not None,
             num_native_decoder_steps=self.num_native_steps,
+            num_graph_steps=self.graphs.num_replays if self.graphs is not None else 0,
             draft_wall_s=self.draft_wall_s,
             grammar_mask_s=self.masks.mask_s,
         )
@@ -120,6 +136,7 @@ class ModelRunner:
             compiled=self._decode_forward is not None,
             separate_decode_model=self.decode_model is not self.model,
             decode_model_max_batch=self.decode_model_max_batch,
+            graph_max_batch=self.graphs.max_batch if self.graphs is not None else 0,
         )
 
     # Views of the head-block pool (tests and the fault hook read them).
@@ -255,6 +272,10 @@ class ModelRunner:
         hidden_layers = self.draft.hidden_layers if self.draft is not None else ()
         rows = torch.tensor(logits_rows, dtype=torch.int64, device=self.device)
         self._count(path)
+        if path is ForwardPath.GRAPH:
+            assert self.graphs is not None
+            logits = self.graphs.run(input_ids, positions, [item.block_ids for item in items])
+            return self._finish(items, logits, None, draft_probs)
         if path is ForwardPath.NATIVE:
             assert self.native is not None
             step = NativeStep.build(
@@ -358,6 +379,20 @@ class ModelRunner:
                 dataclasses.replace(item, token_ids=item.token_ids + tokens, draft_token_ids=tokens, num_draft_slots=0)
             )
         return filled, draft_probs
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs (with `decode_graphs="capture"`); on failure, decode stays eager."""
+        if self.graphs is None or not self._capture_graphs:
+            return
+        try:
+            self.graphs.capture()
+        except Exception as exc:  # noqa: BLE001 - any capture failure means: stay eager
+            logger.warning(
+                "decode graph capture failed; decode steps run eagerly",
+                extra={"error": f"{type(exc).__name__}: {exc}"[:500]},
+            )
+            self.graphs = None
 
     @torch.inference_mode()
     def warmup_decode(self, batch_sizes: tuple[int, ...] = (1, 2)) -> None:
