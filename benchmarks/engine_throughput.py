@@ -14,6 +14,7 @@ total time (the same measure) and its decode-only rate.
 
     python benchmarks/engine_throughput.py                 # 1, 8, 32, 64 -> benchmarks/results/
     python benchmarks/engine_throughput.py --concurrency 1 8 --skip-hf --skip-llama-cpp
+    python benchmarks/engine_throughput.py --device cuda   # benchmarks/cuda_throughput.py: 1, 32, 256
 """
 
 from __future__ import annotations
@@ -119,9 +120,13 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--concurrency", type=int, nargs="+", help="CPU: 1 8 32 64; CUDA: 1 32 256")
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, help="CPU: 64; CUDA: 128")
+    parser.add_argument(
+        "--workdir", type=Path, default=Path("/tmp/tandem-cuda-bench"), help="CUDA: model folder"
+    )
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-llama-cpp", action="store_true")
     parser.add_argument("--skip-no-spec", action="store_true", help="only the defaults, not speculation off")
@@ -141,6 +146,20 @@ def main() -> None:
         "--output", type=Path, default=Path(__file__).parent / "results" / "engine_throughput.json"
     )
     args = parser.parse_args()
+    if args.device == "cuda":
+        from cuda_throughput import main_cuda
+
+        report = main_cuda(
+            args.concurrency or [1, 32, 256],
+            args.prompt_len,
+            args.new_tokens or 128,
+            args.output,
+            args.workdir,
+        )
+        print(json.dumps(report, indent=2))
+        return
+    args.concurrency = args.concurrency or [1, 8, 32, 64]
+    args.new_tokens = args.new_tokens or 64
 
     threads = torch.get_num_threads()
     options: dict[str, Any] = {

@@ -258,7 +258,7 @@ class EagleProposer(PagedDraftCache):
         position's row is the target's state at the position before it, zeros where unknown."""
         hidden = self.model.config.hidden_size
         buffered = self._buffered(request_id)
-        first, states = buffered if buffered is not None else (last, torch.empty(0, hidden, dtype=self.state_dtype))
+        first, states = buffered if buffered is not None else (last, torch.empty(0, hidden, dtype=self.state_dtype, device=self.device))
         start = min(max(done, first), last)
         rows = torch.zeros(last + 1 - start, hidden, dtype=states.dtype, device=states.device)
         lo, hi = max(start - 1, first), min(last - 1, first + states.shape[0] - 1)  # state positions used

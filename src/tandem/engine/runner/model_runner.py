@@ -173,7 +173,7 @@ class ModelRunner:
         prefix blocks, whose head KV their filler wrote)."""
         if self.draft is not None and self.draft.wants_hidden and num_tokens > first_position:
             width = self.model.config.hidden_size * max(1, len(self.draft.hidden_layers))
-            zeros = torch.zeros(num_tokens - first_position, width)
+            zeros = torch.zeros(num_tokens - first_position, width, device=self.device)
             self.draft.record(request_id, first_position, self.draft.prepare_states(zeros))
 
     def corrupt_block(self, block_id: int, *, head_pool: bool = False) -> None:
