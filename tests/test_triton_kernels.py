@@ -264,6 +264,50 @@ def test_cuda_paths_are_chosen_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> 
         assert forced.slot_mapping.tolist() == [12, 13, 14, 15, 4]
 
 
+def test_triton_kernels_compile_for_hopper() -> None:
+    """Every Triton kernel, at the configurations the engine launches (bf16 and float32, FP8 with
+    fresh keys, windows and soft-capping, decode and prefill tiles, W4A16 with float16 and float32
+    group parameters), compiles to sm_90 machine code with Triton's own compiler and ptxas: no GPU
+    needed, so CI catches what only the GPU compiler refuses (tests/triton_aot.py)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the default; set to silence Triton 3.9's warning
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.triton_aot"], cwd=Path(__file__).resolve().parents[1], env=env,
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(results) >= 9
+    assert all(status == "ok" for status in results.values()), results
+
+
+def test_decode_graphs_serve_only_plain_decode_steps() -> None:
+    """`choose_path` sends a step to the captured graphs only when it is decode-only (one row per
+    request), LoRA-free, not compressed and within the largest bucket; a runner without graphs
+    (every CPU runner) never does."""
+    from tandem.engine.runner.forward_path import ForwardPath, RunnerPaths, StepShape, choose_path
+
+    graphs = RunnerPaths(False, False, False, False, 1 << 30, graph_max_batch=8)
+    none = RunnerPaths(False, False, False, False, 1 << 30)
+    decode = StepShape(num_requests=8, num_rows=8, decoding=True)
+    assert choose_path(decode, graphs) is ForwardPath.GRAPH
+    assert choose_path(decode, none) is not ForwardPath.GRAPH
+    for shape in (
+        StepShape(num_requests=9, num_rows=9, decoding=True),
+        StepShape(num_requests=2, num_rows=2, decoding=True, has_lora=True),
+        StepShape(num_requests=2, num_rows=5, decoding=True, has_multi_row=True),
+        StepShape(num_requests=2, num_rows=40, decoding=False, has_multi_row=True),
+        StepShape(num_requests=2, num_rows=2, decoding=True, compressed=True),
+    ):
+        assert choose_path(shape, graphs) is not ForwardPath.GRAPH, shape
+
+
 def _greedy(model_dir: Path, prompts: list[str], **options: object) -> tuple[list[list[int]], dict]:
     from tandem import LLM, SamplingParams
 

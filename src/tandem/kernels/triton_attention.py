@@ -258,8 +258,9 @@ def _store_fp8(values, code_ptrs, scale_ptrs, mask, heads_ok):
     """[Hk, D] values -> e4m3 codes and per-head float16 scales, as `attention.quantize_fp8`."""
     x = values.to(tl.float32)
     amax = tl.max(tl.abs(x), 1)
-    row_scale = tl.minimum(tl.maximum(amax / FP8_E4M3_MAX, _MIN_SCALE), _MAX_SCALE).to(tl.float16)
-    quotient = x / row_scale.to(tl.float32)[:, None]
+    # div_rn: correctly rounded, as torch divides (a GPU's default float32 `/` may be 2 ulp off)
+    row_scale = tl.minimum(tl.maximum(tl.math.div_rn(amax, FP8_E4M3_MAX), _MIN_SCALE), _MAX_SCALE).to(tl.float16)
+    quotient = tl.math.div_rn(x, row_scale.to(tl.float32)[:, None])
     quotient = tl.minimum(tl.maximum(quotient, -FP8_E4M3_MAX), FP8_E4M3_MAX)
     codes = _round_to_e4m3_grid(quotient).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     tl.store(code_ptrs, codes, mask=mask)

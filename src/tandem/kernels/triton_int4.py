@@ -84,7 +84,8 @@ def w4a16_matmul(
     block_k = min(64, group_size)
     assert group_size % block_k == 0 and block_k >= 32, f"group size {group_size} is not a multiple of 32"
     block_m = 16 if num_rows <= 16 else (32 if num_rows <= 32 else 64)
-    block_n = 32 if x.device.type == "cpu" else 128
+    # small M: narrower column tiles, so that a GPU has enough programs (N / 64) to fill its SMs
+    block_n = 32 if x.device.type == "cpu" else (64 if num_rows <= 16 else 128)
     if interpreting() or x.dtype == torch.float32:
         dot_dtype, precision = tl.float32, "ieee"
     else:

@@ -345,12 +345,12 @@ def build_model(
     INT4 (`weight_dtype="int4"`) or prepack them for the device's GEMM."""
     with torch.device("meta"):
         model = loaded.architecture.model_class(loaded.config, max_positions)
-    model = model.to_empty(device=device)
+    # cast on 'meta' first: the device holds the weights once, in the compute dtype
+    model = model.to(dtype=dtype).to_empty(device=device)
     try:
         model.load_hf_state_dict(loaded.weights)
     except ValueError as exc:
         raise ModelLoadError(f"{loaded.path}: {exc}", param="model") from exc
-    model = model.to(dtype=dtype)
     try:
         model.init_rope()  # after the dtype cast: the cos/sin tables stay float32
     except (KeyError, ValueError) as exc:
