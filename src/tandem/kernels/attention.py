@@ -367,29 +367,27 @@ def build_paged_metadata(
     block_size: int,
     num_kv_heads: int,
     device: torch.device,
-    num_padding_rows: int = 0,
 ) -> AttentionMetadata:
-    """`build_attention_metadata` for the Triton kernel: the slots of the new tokens and `PagedRows`.
-    `num_padding_rows` extra rows at the end (a captured graph's padding) write nowhere (slot -1)
-    and belong to no query tile."""
+    """`build_attention_metadata` for the Triton kernel: the slots of the new tokens and `PagedRows`
+    (block tables as wide as the longest request's, padded with -1)."""
     from tandem.kernels.triton_attention import build_query_tiles, query_tile_rows
 
-    num_requests = len(query_lens)
-    max_blocks = max((-(-ctx // block_size) for ctx in context_lens), default=1)
-    tables = torch.full((max(num_requests, 1), max(max_blocks, 1)), -1, dtype=torch.int32)
+    used = [table[: -(-ctx // block_size)] for table, ctx in zip(block_tables, context_lens, strict=True)]
+    width = max(1, max((len(blocks) for blocks in used), default=1))
+    tables = [blocks + [-1] * (width - len(blocks)) for blocks in used] or [[-1]]
     slots: list[int] = []
-    for i, (table, n, ctx) in enumerate(zip(block_tables, query_lens, context_lens, strict=True)):
-        used = table[: -(-ctx // block_size)]
-        tables[i, : len(used)] = torch.tensor(used, dtype=torch.int32)
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - n, ctx))
-    slots.extend([-1] * num_padding_rows)
+    for table, n, ctx in zip(block_tables, query_lens, context_lens, strict=True):
+        if n == 1:
+            slots.append(table[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size)
+        else:
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - n, ctx))
     query_start = [0]
     for n in query_lens:
         query_start.append(query_start[-1] + n)
     block_q = query_tile_rows(max(query_lens, default=0))
     tile_request, tile_row = build_query_tiles(query_lens, block_q)
 
-    def on_device(values: list[int] | torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    def on_device(values: list[int] | list[list[int]], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return torch.as_tensor(values, dtype=dtype).to(device, non_blocking=True)
 
     paged = PagedRows(

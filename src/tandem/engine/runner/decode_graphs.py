@@ -128,21 +128,20 @@ class DecodeGraphs:
         bs = self.block_size
         paged = graph.metadata.paged
         assert paged is not None
-        tables = torch.full((graph.batch, self.max_blocks), -1, dtype=torch.int32)
-        slots = torch.full((graph.batch,), -1, dtype=torch.int64)
-        for i, (table, position) in enumerate(zip(block_tables, positions, strict=True)):
-            used = table[: position // bs + 1]
-            tables[i, : len(used)] = torch.tensor(used, dtype=torch.int32)
-            slots[i] = table[position // bs] * bs + position % bs
         padding = graph.batch - batch
-        host_ids = torch.tensor(token_ids + [0] * padding, dtype=torch.int64)
-        host_positions = torch.tensor(positions + [0] * padding, dtype=torch.int64)
-        host_lens = torch.tensor([p + 1 for p in positions] + [0] * padding, dtype=torch.int32)
-        graph.input_ids.copy_(host_ids, non_blocking=True)
-        graph.positions.copy_(host_positions, non_blocking=True)
-        graph.metadata.slot_mapping.copy_(slots, non_blocking=True)
-        paged.block_tables.copy_(tables, non_blocking=True)
-        paged.seq_lens.copy_(host_lens, non_blocking=True)
+        used = [table[: position // bs + 1] for table, position in zip(block_tables, positions, strict=True)]
+        # only the columns some row reads are refreshed: a row never reads past its own blocks
+        width = max(len(blocks) for blocks in used)
+        tables = [blocks + [-1] * (width - len(blocks)) for blocks in used] + [[-1] * width] * padding
+        slots = [table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions, strict=True)]
+        graph.input_ids.copy_(torch.tensor(token_ids + [0] * padding, dtype=torch.int64), non_blocking=True)
+        graph.positions.copy_(torch.tensor(positions + [0] * padding, dtype=torch.int64), non_blocking=True)
+        graph.metadata.slot_mapping.copy_(
+            torch.tensor(slots + [-1] * padding, dtype=torch.int64), non_blocking=True
+        )
+        paged.block_tables[:, :width].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        lens = [p + 1 for p in positions] + [0] * padding
+        paged.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
         if self.captured:
             graph.graph.replay()
             assert graph.logits is not None
