@@ -16,6 +16,9 @@ prompts as one batch (bfloat16, SDPA). Then:
   middle batch size.
 
     python benchmarks/engine_throughput.py --device cuda --output benchmarks/results/cuda.json
+
+`python benchmarks/cuda_throughput.py --smoke` runs the same steps on CPU with a tiny Llama shape
+and few tokens: a check of the script itself where no GPU is lent (its figures mean nothing).
 """
 
 from __future__ import annotations
@@ -36,9 +39,16 @@ LLAMA3_8B = {
     "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192, "rope_theta": 500000.0,
     "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
 }  # fmt: skip
+TINY = {**LLAMA3_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512}  # fmt: skip
 
 
-def build_model_folder(folder: Path, shape: dict[str, Any]) -> tuple[Path, int]:
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def build_model_folder(folder: Path, shape: dict[str, Any], device: str) -> tuple[Path, int]:
     """A random-weight LlamaForCausalLM of `shape` in bfloat16 saved as an HF folder with a BPE
     tokenizer; returns the folder and the weights' bytes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -56,7 +66,7 @@ def build_model_folder(folder: Path, shape: dict[str, Any]) -> tuple[Path, int]:
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>"}))
     config = LlamaConfig(**shape, eos_token_id=0, bos_token_id=0)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     with torch.no_grad():
         for param in model.parameters():
@@ -65,20 +75,20 @@ def build_model_folder(folder: Path, shape: dict[str, Any]) -> tuple[Path, int]:
     num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     model.save_pretrained(str(folder), safe_serialization=True)
     del model
-    torch.cuda.empty_cache()
+    free_gpu()
     return folder, num_bytes
 
 
-def copy_bandwidth() -> float:
+def copy_bandwidth(device: str) -> float:
     """Bytes/s of a device-to-device copy of 2 GiB, reads plus writes, best of 5."""
-    src = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
+    src = torch.empty((1 << 30) if device == "cuda" else (1 << 24), dtype=torch.int16, device=device)
     dst = torch.empty_like(src)
     times = []
     for _ in range(6):
-        torch.cuda.synchronize()
+        sync(device)
         start = time.perf_counter()
         dst.copy_(src)
-        torch.cuda.synchronize()
+        sync(device)
         times.append(time.perf_counter() - start)
     return 2 * src.numel() * src.element_size() / min(times[1:])
 
@@ -89,10 +99,7 @@ def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def run_engine(llm: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
-    from tandem import SamplingParams
-
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    torch.cuda.synchronize()
+    params = _params(new_tokens)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - start
@@ -104,24 +111,24 @@ def run_engine(llm: Any, prompts: list[list[int]], new_tokens: int) -> dict[str,
     }  # fmt: skip
 
 
-def run_hf(model: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
-    ids = torch.tensor(prompts, device="cuda")
+def run_hf(model: Any, prompts: list[list[int]], new_tokens: int, device: str) -> dict[str, float]:
+    ids = torch.tensor(prompts, device=device)
     kwargs = {"do_sample": False, "attention_mask": torch.ones_like(ids), "pad_token_id": 0}
     with torch.inference_mode():
-        torch.cuda.synchronize()
+        sync(device)
         start = time.perf_counter()
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
-        torch.cuda.synchronize()
+        sync(device)
         wall = time.perf_counter() - start
     generated = (out.shape[1] - ids.shape[1]) * ids.shape[0]
     return {"wall_s": wall, "generated_tokens": generated, "tokens_per_s": generated / wall}
 
 
-def engine(folder: Path, max_batch: int, **options: Any) -> Any:
+def engine(folder: Path, device: str, max_batch: int, **options: Any) -> Any:
     from tandem import LLM
 
     started = time.perf_counter()
-    llm = LLM(str(folder), device="cuda", max_num_seqs=max_batch, max_num_batched_tokens=8192,
+    llm = LLM(str(folder), device=device, max_num_seqs=max_batch, max_num_batched_tokens=8192,
               enable_prefix_caching=False, speculative=None, **options)  # fmt: skip
     llm.generate([[300] * 8], _params(4))  # warm-up
     log(f"engine {options or 'defaults'} ready in {time.perf_counter() - started:.0f} s")
@@ -135,11 +142,16 @@ def _params(new_tokens: int) -> Any:
 
 
 def measure(
-    folder: Path, max_batch: int, runs: dict[int, list[list[int]]], new_tokens: int, **options: Any
+    folder: Path,
+    device: str,
+    max_batch: int,
+    runs: dict[int, list[list[int]]],
+    new_tokens: int,
+    **options: Any,
 ) -> tuple[dict[int, dict[str, float]], dict[str, Any]]:
     """An engine with `options` over each batch of `runs`; returns the results and its stats. The
     engine lives only here, so its memory is back once this returns (and `free_gpu` ran)."""
-    llm = engine(folder, max_batch, **options)
+    llm = engine(folder, device, max_batch, **options)
     results = {}
     for n, prompts in runs.items():
         results[n] = run_engine(llm, prompts, new_tokens)
@@ -149,41 +161,48 @@ def measure(
 
 def free_gpu() -> None:
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
-def main_cuda(batch_sizes: list[int], prompt_len: int, new_tokens: int, output: Path, workdir: Path) -> dict:
+def main_cuda(
+    batch_sizes: list[int], prompt_len: int, new_tokens: int, output: Path, workdir: Path, smoke: bool = False
+) -> dict:
+    """The report (module docstring); `smoke`: on CPU with the tiny shape (a check of this script)."""
     from transformers import AutoModelForCausalLM
 
     from tandem.engine.runner.kv_tensors import KVCacheSpec
 
-    assert torch.cuda.is_available(), "--device cuda needs a CUDA GPU"
-    gpu = {
-        "name": torch.cuda.get_device_name(),
-        "memory_bytes": torch.cuda.get_device_properties(0).total_memory,
-    }
-    bandwidth = copy_bandwidth()
+    device, shape = ("cpu", TINY) if smoke else ("cuda", LLAMA3_8B)
+    assert smoke or torch.cuda.is_available(), "--device cuda needs a CUDA GPU"
+    gpu: dict[str, Any] = {"name": "cpu (smoke run)"}
+    if not smoke:
+        gpu = {
+            "name": torch.cuda.get_device_name(),
+            "memory_bytes": torch.cuda.get_device_properties(0).total_memory,
+        }
+    bandwidth = copy_bandwidth(device)
     log(f"{gpu['name']}: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    folder, weight_bytes = build_model_folder(workdir / "llama3-8b-random", LLAMA3_8B)
+    folder, weight_bytes = build_model_folder(
+        workdir / ("tiny" if smoke else "llama3-8b-random"), shape, device
+    )
     log(f"model folder ready: {weight_bytes / 1e9:.1f} GB of weights")
-    vocab = LLAMA3_8B["vocab_size"]
+    vocab = shape["vocab_size"]
     max_batch = max(batch_sizes)
     middle = sorted(batch_sizes)[len(batch_sizes) // 2]
     rows: dict[int, dict[str, Any]] = {n: {"batch": n} for n in batch_sizes}
 
     prompts = {n: prompts_for(n, prompt_len, vocab, n) for n in batch_sizes}
-    results, stats = measure(folder, max_batch, prompts, new_tokens)
+    results, stats = measure(folder, device, max_batch, prompts, new_tokens)
     free_gpu()
     for n in batch_sizes:
         rows[n]["tandem"] = results[n]
 
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=torch.bfloat16, attn_implementation="sdpa"
-    ).cuda()
-    hf.eval()
-    hf.generate(torch.tensor([[300] * 8], device="cuda"), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16, attn_implementation="sdpa")
+    hf = hf.to(device).eval()
+    hf.generate(torch.tensor([[300] * 8], device=device), max_new_tokens=4, do_sample=False, pad_token_id=0)
     for n in batch_sizes:
-        rows[n]["hf"] = run_hf(hf, prompts[n], new_tokens)
+        rows[n]["hf"] = run_hf(hf, prompts[n], new_tokens, device)
         rows[n]["tandem_over_hf"] = rows[n]["tandem"]["tokens_per_s"] / rows[n]["hf"]["tokens_per_s"]
         log(
             f"batch {n}: HF {rows[n]['hf']['tokens_per_s']:.0f} tok/s, tandem {rows[n]['tandem_over_hf']:.2f}x"
@@ -193,23 +212,25 @@ def main_cuda(batch_sizes: list[int], prompt_len: int, new_tokens: int, output: 
 
     bound_s = weight_bytes / bandwidth
     step_s = rows[min(batch_sizes)]["tandem"]["decode_step_s"]
-    spec = dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    spec = dict(num_layers=shape["num_hidden_layers"], num_kv_heads=shape["num_key_value_heads"], head_dim=head_dim,
+                block_size=16)  # fmt: skip
     bf16_block = KVCacheSpec(**spec, dtype=torch.bfloat16).bytes_per_block
     fp8_block = KVCacheSpec(**spec, dtype=torch.float8_e4m3fn).bytes_per_block
 
     fp8_runs, fp8_stats = measure(
-        folder, max_batch, {middle: prompts[middle]}, new_tokens, kv_cache_dtype="fp8_e4m3"
+        folder, device, max_batch, {middle: prompts[middle]}, new_tokens, kv_cache_dtype="fp8_e4m3"
     )
     free_gpu()
     int4_runs, _ = measure(
-        folder, max_batch, {n: prompts[n] for n in (1, middle)}, new_tokens, weight_dtype="int4"
+        folder, device, max_batch, {n: prompts[n] for n in (1, middle)}, new_tokens, weight_dtype="int4"
     )
     free_gpu()
 
     report = {
         "benchmark": "cuda_throughput",
         "gpu": gpu,
-        "model": "Llama-3-8B shape, random bfloat16 weights",
+        "model": "tiny Llama shape (smoke run)" if smoke else "Llama-3-8B shape, random bfloat16 weights",
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
         "engine": {k: stats.get(k) for k in ("dtype", "weight_dtype", "kv_cache_dtype", "kv_capacity_tokens", "kv_blocks_total")},
@@ -229,3 +250,21 @@ def main_cuda(batch_sizes: list[int], prompt_len: int, new_tokens: int, output: 
     }  # fmt: skip
     write_result(output, report)
     return report
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shape on CPU: check the script, not the GPU"
+    )
+    parser.add_argument(
+        "--output", type=Path, default=Path(__file__).parent / "results" / "cuda_throughput.json"
+    )
+    args = parser.parse_args()
+    sizes, tokens = ([1, 2, 4], 8) if args.smoke else ([1, 32, 256], 128)
+    print(json.dumps(main_cuda(sizes, 16 if args.smoke else 128, tokens, args.output,
+                               Path("/tmp/tandem-cuda-bench"), smoke=args.smoke), indent=2))  # fmt: skip
