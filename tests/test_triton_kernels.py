@@ -431,3 +431,27 @@ def test_windowed_families_through_triton_kernels_match_hf(
         assert out.outputs[0].token_ids == want[0, ids.shape[1] :].tolist(), prompt
     if family == "mistral":
         assert llm.stats()["kv_window_released_blocks"] > 0
+
+
+def test_gpu_benchmark_script_runs_its_steps_on_cpu(tmp_path: Path) -> None:
+    """`benchmarks/cuda_throughput.py --smoke`: the GPU check's benchmark, every step of it (model
+    folder, copy bandwidth, engine and HF runs, FP8 KV, INT4) on CPU at a tiny shape, so the script
+    a lent GPU runs once is known to run to its JSON."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    output = tmp_path / "cuda_throughput.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "cuda_throughput.py", "--smoke", "--output", str(output)], cwd=root / "benchmarks",
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(output.read_text())
+    assert [row["batch"] for row in report["results"]] == [1, 2, 4]
+    assert all(row["tandem"]["generated_tokens"] == row["batch"] * 8 for row in report["results"])
+    assert all(row["tandem_over_hf"] > 0 for row in report["results"])
+    assert report["fp8_kv"]["tokens_ratio_same_bytes"] == pytest.approx(2 * 16 / (16 + 2))  # head dim 16
+    assert set(report["int4_weights"]["runs"]) == {"1", "2"}
