@@ -20,7 +20,7 @@ from tandem.kernels.attention import (  # noqa: E402
     build_attention_metadata,
     quantize_fp8,
     reference_attention,
-    write_kv,
+    write_kv_reference,
 )
 from tandem.kernels.int4 import (  # noqa: E402
     Int4Linear,
@@ -78,7 +78,7 @@ def test_kv_write_matches_reference(device: str, dtype: torch.dtype) -> None:
     expected = _kv_cache(4, 8, num_kv_heads, head_dim, dtype, device)
     actual = _kv_cache(4, 8, num_kv_heads, head_dim, dtype, device)
     keep = slots >= 0
-    write_kv(k[keep].to(device), v[keep].to(device), *expected[:2], slots[keep].to(device), *expected[2:])
+    write_kv_reference(k[keep].to(device), v[keep].to(device), *expected[:2], slots[keep].to(device), *expected[2:])
     write_kv_triton(k.to(device), v.to(device), *actual[:2], slots.to(device), *actual[2:])
     for want, got in zip(expected, actual, strict=True):
         if want is not None:
@@ -134,7 +134,7 @@ def test_paged_attention_matches_reference(
         tables.append(table)
         k, v = torch.randn(ctx, num_kv_heads, head_dim) * 2, torch.randn(ctx, num_kv_heads, head_dim)
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx)])
-        write_kv(k.to(device), v.to(device), caches[0], caches[1], slots.to(device), caches[2], caches[3])
+        write_kv_reference(k.to(device), v.to(device), caches[0], caches[1], slots.to(device), caches[2], caches[3])
         keys.append(slots)
         fresh_k.append(k[ctx - n :])
         fresh_v.append(v[ctx - n :])
@@ -206,10 +206,13 @@ def test_w4a16_matches_reference(
         weight.zero.t().contiguous().to(device), group_size,
     ).cpu()  # fmt: skip
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    if device == "cuda":
+    if device == "cuda":  # the module: float16 group parameters (float32 when double-quantised)
         linear = Int4Linear(weight, torch.device("cuda"), "auto", bias=torch.randn(out_features))
         assert linear.kernel == "triton"
-        torch.testing.assert_close(linear(x.cuda()).cpu(), want + linear.bias.cpu(), atol=1e-4, rtol=1e-4)
+        if not double_quant:
+            weight.scale, weight.zero = weight.scale.half().float(), weight.zero.half().float()
+        want = int4_linear_reference(x, weight) + linear.bias.cpu()
+        torch.testing.assert_close(linear(x.cuda()).cpu(), want, atol=1e-4, rtol=1e-4)
 
 
 def test_int4_linear_runs_triton_where_it_is_forced(monkeypatch: pytest.MonkeyPatch) -> None:

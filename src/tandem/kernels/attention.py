@@ -74,6 +74,19 @@ def write_kv(
 
         write_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
+    write_kv_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def write_kv_reference(
+    k: torch.Tensor,  # [T, Hk, D]
+    v: torch.Tensor,  # [T, Hk, D]
+    k_cache: torch.Tensor,  # [N, bs, Hk, D]
+    v_cache: torch.Tensor,  # [N, bs, Hk, D]
+    slot_mapping: torch.Tensor,  # [T] int64, flat slot index per token (all >= 0)
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """`write_kv` in plain torch, on any device (the CPU path, and the Triton kernel's reference)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     if k_scale is None or v_scale is None:
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
