@@ -40,6 +40,12 @@ _COMMON: dict[str, Any] = {
     "object_store": "s3://tandem-batches/prod",
     "max_concurrent_requests_per_tenant": 32,
 }
+# A GPU node's engine: the KV cache takes most of the memory the weights leave (the rest is
+# activations and the decode graphs), and batches are as large as a GPU serves well.
+GPU_ENGINE = {
+    "model": "/models/served-model", "device": "cuda", "kv_cache_memory_fraction": 0.85, "max_num_seqs": 256,
+    "max_num_batched_tokens": 8192,
+}  # fmt: skip
 LAYOUTS: dict[str, dict[str, Any]] = {
     "colocated": {
         **_COMMON,
@@ -54,7 +60,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     },
     "colocated-gpu": {
         **_COMMON,
-        "engine": {"model": "/models/served-model", "device": "cuda"},
+        "engine": GPU_ENGINE,
         "replica_num_cpus": 2,
         "placement": {
             "LLMReplica": {"num_gpus": 1},
@@ -66,7 +72,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "disaggregated-gpu": {
         **_COMMON,
         "mode": "disaggregated",
-        "engine": {"model": "/models/served-model", "device": "cuda"},
+        "engine": GPU_ENGINE,
         "num_prefill_replicas": 1,
         "replica_num_cpus": 2,
         "placement": {
