@@ -297,7 +297,7 @@ def build_attention_metadata(
     """Index tensors for one step. Request i has `query_lens[i]` new tokens and, after them,
     `context_lens[i]` tokens in its context; its new tokens are the last ones of the context."""
     if uses_triton(device):
-        return build_paged_metadata(block_tables, query_lens, context_lens, block_size, num_kv_heads, device)
+        return build_paged_metadata(block_tables, query_lens, context_lens, block_size, device)
     slot_chunks: list[torch.Tensor] = []
     decode_rows: list[int] = []
     decode_tables: list[list[int]] = []
@@ -374,12 +374,7 @@ def build_attention_metadata(
 
 
 def build_paged_metadata(
-    block_tables: list[list[int]],
-    query_lens: list[int],
-    context_lens: list[int],
-    block_size: int,
-    num_kv_heads: int,
-    device: torch.device,
+    block_tables: list[list[int]], query_lens: list[int], context_lens: list[int], block_size: int, device: torch.device
 ) -> AttentionMetadata:
     """`build_attention_metadata` for the Triton kernel: the slots of the new tokens and `PagedRows`
     (block tables as wide as the longest request's, padded with -1)."""
