@@ -119,7 +119,8 @@ def test_paged_attention_matches_reference(
     a whole prompt under FP8: as computed).
     With a window, the blocks before each request's window are released (-1 in its table) and
     the block those entries once named is poisoned: neither is read."""
-    from tandem.kernels.triton_attention import build_query_tiles, paged_attention_triton, query_tile_rows
+    from tandem.kernels.paged_rows import build_query_tiles, query_tile_rows
+    from tandem.kernels.triton_attention import paged_attention_triton
 
     _interpreter_or_cuda(device)
     torch.manual_seed(1)

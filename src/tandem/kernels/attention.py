@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import int4_native
+from tandem.kernels.paged_rows import PagedRows, build_paged_rows
 from tandem.kernels.triton_support import uses_triton
 
 FP8_E4M3_MAX = 448.0
@@ -229,20 +230,6 @@ class PrefillSegment:
 
 
 @dataclass
-class PagedRows:
-    """The step as the Triton kernel reads it (`triton_attention.paged_attention_triton`): every
-    row through its request's block table, in query tiles of `block_q` rows. All int32, on the
-    device."""
-
-    block_tables: torch.Tensor  # [B, max_blocks] (entries a row never reads may be -1)
-    seq_lens: torch.Tensor  # [B] context length after this step
-    query_start: torch.Tensor  # [B + 1] first row of each request, then the row count
-    tile_request: torch.Tensor  # [num_tiles]
-    tile_row: torch.Tensor  # [num_tiles]
-    block_q: int
-
-
-@dataclass
 class AttentionMetadata:
     """Per-step inputs to attention, shared by all layers.
 
@@ -376,39 +363,11 @@ def build_attention_metadata(
 def build_paged_metadata(
     block_tables: list[list[int]], query_lens: list[int], context_lens: list[int], block_size: int, device: torch.device
 ) -> AttentionMetadata:
-    """`build_attention_metadata` for the Triton kernel: the slots of the new tokens and `PagedRows`
-    (block tables as wide as the longest request's, padded with -1)."""
-    from tandem.kernels.triton_attention import build_query_tiles, query_tile_rows
-
-    used = [table[: -(-ctx // block_size)] for table, ctx in zip(block_tables, context_lens, strict=True)]
-    width = max(1, max((len(blocks) for blocks in used), default=1))
-    tables = [blocks + [-1] * (width - len(blocks)) for blocks in used] or [[-1]]
-    slots: list[int] = []
-    for table, n, ctx in zip(block_tables, query_lens, context_lens, strict=True):
-        if n == 1:
-            slots.append(table[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size)
-        else:
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - n, ctx))
-    query_start = [0]
-    for n in query_lens:
-        query_start.append(query_start[-1] + n)
-    block_q = query_tile_rows(max(query_lens, default=0))
-    tile_request, tile_row = build_query_tiles(query_lens, block_q)
-
-    def on_device(values: list[int] | list[list[int]], dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        return torch.as_tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-    paged = PagedRows(
-        block_tables=on_device(tables),
-        seq_lens=on_device(context_lens),
-        query_start=on_device(query_start),
-        tile_request=on_device(tile_request),
-        tile_row=on_device(tile_row),
-        block_q=block_q,
-    )
+    """`build_attention_metadata` for the Triton kernel: the new tokens' slots and `PagedRows`."""
+    slot_mapping, paged = build_paged_rows(block_tables, query_lens, context_lens, block_size, device)
     empty = torch.zeros(0, dtype=torch.int64, device=device)
     return AttentionMetadata(
-        slot_mapping=on_device(slots, torch.int64),
+        slot_mapping=slot_mapping,
         decode_rows=empty,
         decode_kv_index=empty,
         decode_mask=torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=device),

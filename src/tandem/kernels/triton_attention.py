@@ -148,12 +148,6 @@ def _unified_attention_kernel(
     )  # fmt: skip
 
 
-def query_tile_rows(max_query_len: int) -> int:
-    """BLOCK_Q, the query rows one program takes: 1 for decode-only steps (a tile is one row's GQA
-    group), else 16 (with a group of 4, 64 tile rows)."""
-    return 1 if max_query_len <= 1 else 16
-
-
 def key_tile(device: torch.device) -> int:
     """BLOCK_N: keys per iteration (small under the interpreter, where each op is costly)."""
     return 16 if device.type == "cpu" else 64
@@ -168,7 +162,7 @@ def paged_attention_triton(
     query_start: torch.Tensor,  # [B + 1] int32: request i's rows are query_start[i] .. query_start[i+1]-1
     tile_request: torch.Tensor,  # [num_tiles] int32: the request of each query tile
     tile_row: torch.Tensor,  # [num_tiles] int32: the first row of each query tile
-    block_q: int,  # rows per query tile (`query_tile_rows`)
+    block_q: int,  # rows per query tile (`paged_rows.query_tile_rows`)
     scale: float,
     k_scale: torch.Tensor | None = None,  # [N, bs, Hk] float16 for an FP8 cache
     v_scale: torch.Tensor | None = None,
@@ -178,9 +172,10 @@ def paged_attention_triton(
     v: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, Hq, D] in q's dtype
     """Paged attention of every row of a step (module docstring). Tiles cover each request's rows
-    in runs of `block_q` (`build_query_tiles`). Given this step's `k` and `v` and a cache narrower
-    than q (FP8, or 16-bit under float32 queries), a request whose whole context is this step's
-    rows (a prompt) attends them as computed rather than as cached, as the torch path does."""
+    in runs of `block_q` (`paged_rows.build_query_tiles`). Given this step's `k` and `v` and a
+    cache narrower than q (FP8, or 16-bit under float32 queries), a request whose whole context is
+    this step's rows (a prompt) attends them as computed rather than as cached, as the torch path
+    does."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -222,19 +217,6 @@ def _dot_settings(dtype: torch.dtype) -> tuple[tl.dtype, str]:
     return (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16), "tf32"
 
 
-def build_query_tiles(query_lens: list[int], block_q: int) -> tuple[list[int], list[int]]:
-    """(tile_request, tile_row): each request's rows in runs of `block_q`, in row order."""
-    tile_request: list[int] = []
-    tile_row: list[int] = []
-    row = 0
-    for request, n in enumerate(query_lens):
-        for first in range(row, row + n, block_q):
-            tile_request.append(request)
-            tile_row.append(first)
-        row += n
-    return tile_request, tile_row
-
-
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -259,7 +241,9 @@ def _store_fp8(values, code_ptrs, scale_ptrs, mask, heads_ok):
     x = values.to(tl.float32)
     amax = tl.max(tl.abs(x), 1)
     # div_rn: correctly rounded, as torch divides (a GPU's default float32 `/` may be 2 ulp off)
-    row_scale = tl.minimum(tl.maximum(tl.math.div_rn(amax, FP8_E4M3_MAX), _MIN_SCALE), _MAX_SCALE).to(tl.float16)
+    row_scale = tl.minimum(tl.maximum(tl.math.div_rn(amax, FP8_E4M3_MAX), _MIN_SCALE), _MAX_SCALE).to(
+        tl.float16
+    )
     quotient = tl.math.div_rn(x, row_scale.to(tl.float32)[:, None])
     quotient = tl.minimum(tl.maximum(quotient, -FP8_E4M3_MAX), FP8_E4M3_MAX)
     codes = _round_to_e4m3_grid(quotient).to(tl.float8e4nv).to(tl.uint8, bitcast=True)

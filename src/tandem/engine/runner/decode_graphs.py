@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from tandem.engine.models.interface import KVLayer
-from tandem.kernels.attention import AttentionMetadata, PagedRows
+from tandem.kernels.attention import AttentionMetadata
+from tandem.kernels.paged_rows import PagedRows
 
 logger = logging.getLogger("tandem.engine.runner")
 
