@@ -258,6 +258,11 @@ def test_cuda_paths_are_chosen_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> 
         native_int4=False,
     )
     assert (choice.dtype, choice.weight_dtype) == ("bfloat16", "dense")
+    from tandem.engine.builder import uses_decode_graphs
+    from tandem.platform.config import EngineConfig
+
+    assert uses_decode_graphs(EngineConfig(), cuda) and not uses_decode_graphs(EngineConfig(cuda_graphs=False), cuda)
+    assert not uses_decode_graphs(EngineConfig(), cpu)
     metadata = build_attention_metadata([[3, 1]], [5], [5], 4, 2, cpu)
     assert metadata.paged is None and metadata.prefills  # the torch path's per-segment metadata
     monkeypatch.setenv(TRITON_ON_CPU_ENV, "1")
