@@ -1,0 +1,135 @@
+"""The live tenant directory (`platform/tenant_directory.py`) on the local object store: two
+directories over one store stand for two ingress replicas."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tandem.platform.errors import ConflictError, InvalidRequestError, NotFoundError
+from tandem.platform.object_store import FileObjectStore
+from tandem.platform.tenant_directory import (
+    DIRECTORY_KEY,
+    TenantDirectory,
+    parse_tenant_patch,
+    parse_tenant_spec,
+)
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> FileObjectStore:
+    return FileObjectStore(str(tmp_path / "store"))
+
+
+def test_a_key_issued_on_one_replica_authenticates_on_another_and_revocation_follows(store: FileObjectStore) -> None:
+    writer, reader = TenantDirectory(store), TenantDirectory(store)
+    writer.create_tenant(parse_tenant_spec({"id": "acme", "limits": {"tokens_per_minute": 1000}, "weight": 2}))
+    key, secret = writer.create_key("acme", name="ci")
+    assert secret.startswith("tdm-") and key.prefix == secret[:8]
+    assert reader.snapshot.tenant_for_digest(_digest(secret)) is None  # not read yet
+    assert reader.refresh().tenant_for_digest(_digest(secret)) == "acme"
+    assert reader.snapshot.tenants["acme"].limits.tokens_per_minute == 1000
+    assert reader.snapshot.tenants["acme"].weight == 2.0
+    # the secret is nowhere in the store, only its digest
+    raw = store.get(DIRECTORY_KEY).data
+    assert secret.encode() not in raw and secret[8:].encode() not in raw
+    assert _digest(secret).encode() in raw
+    writer.revoke_key("acme", key.id)
+    assert reader.refresh().tenant_for_digest(_digest(secret)) is None
+
+
+def test_listed_keys_never_show_their_secret(store: FileObjectStore) -> None:
+    directory = TenantDirectory(store)
+    directory.create_tenant(parse_tenant_spec({"id": "acme"}))
+    key, secret = directory.create_key("acme")
+    listed = [k.api() for k in directory.list_keys("acme")]
+    assert [k["id"] for k in listed] == [key.id]
+    assert secret not in str(listed) and key.digest not in str(listed)
+    assert listed[0]["redacted_value"] == secret[:8] + "..."
+
+
+def test_limits_and_weight_change_live(store: FileObjectStore) -> None:
+    writer, reader = TenantDirectory(store), TenantDirectory(store)
+    writer.create_tenant(parse_tenant_spec({"id": "acme", "limits": {"max_concurrent_requests": 4}}))
+    reader.refresh()
+    writer.update_tenant("acme", parse_tenant_patch({"limits": {"tokens_per_minute": 50}, "weight": 3}))
+    tenant = reader.refresh().tenants["acme"]
+    assert (tenant.limits.max_concurrent_requests, tenant.limits.tokens_per_minute, tenant.weight) == (4, 50, 3.0)
+    writer.update_tenant("acme", parse_tenant_patch({"limits": {"max_concurrent_requests": None}}))
+    assert reader.refresh().tenants["acme"].limits.max_concurrent_requests is None
+
+
+def test_expired_keys_and_deleted_tenants_do_not_authenticate(store: FileObjectStore) -> None:
+    directory = TenantDirectory(store)
+    directory.create_tenant(parse_tenant_spec({"id": "acme"}))
+    soon = int(time.time()) + 60
+    _, secret = directory.create_key("acme", expires_at=soon)
+    snapshot = directory.refresh()
+    assert snapshot.tenant_for_digest(_digest(secret), now=soon - 1) == "acme"
+    assert snapshot.tenant_for_digest(_digest(secret), now=soon) is None
+    _, other = directory.create_key("acme")
+    directory.delete_tenant("acme")
+    assert directory.refresh().tenant_for_digest(_digest(other)) is None
+    assert directory.refresh().keys == {}  # its keys went with it
+
+
+def test_bad_input_is_refused_and_nothing_is_written(store: FileObjectStore) -> None:
+    directory = TenantDirectory(store)
+    directory.create_tenant(parse_tenant_spec({"id": "acme"}))
+    before = store.get(DIRECTORY_KEY).etag
+    with pytest.raises(ConflictError):
+        directory.create_tenant(parse_tenant_spec({"id": "acme"}))
+    for body, param in [
+        ({"id": "a b"}, "id"),
+        ({"id": "x", "limits": {"tokens_per_minute": 0}}, "limits.tokens_per_minute"),
+        ({"id": "x", "limits": {"per_fortnight": 3}}, "limits.per_fortnight"),
+        ({"id": "x", "weight": -1}, "weight"),
+        ({"limits": {}}, "id"),
+    ]:
+        with pytest.raises(InvalidRequestError) as refused:
+            parse_tenant_spec(body)
+        assert refused.value.param == param, body
+    with pytest.raises(InvalidRequestError) as refused:
+        directory.update_tenant("acme", parse_tenant_patch({"limits": {"max_tokens": -5}}))
+    assert refused.value.param == "limits.max_tokens"
+    with pytest.raises(NotFoundError):
+        directory.update_tenant("nobody", parse_tenant_patch({"weight": 2}))
+    with pytest.raises(NotFoundError):
+        directory.create_key("nobody")
+    with pytest.raises(NotFoundError):
+        directory.revoke_key("acme", "key_missing")
+    with pytest.raises(InvalidRequestError):
+        directory.create_key("acme", expires_at=int(time.time()) - 1)
+    assert store.get(DIRECTORY_KEY).etag == before  # every refusal wrote nothing
+
+
+def test_concurrent_operators_lose_no_change(store: FileObjectStore) -> None:
+    """Eight writers (separate directories, as on separate replicas) create tenants and keys at
+    once: compare-and-swap keeps every change."""
+    errors: list[BaseException] = []
+
+    def operator(index: int) -> None:
+        try:
+            directory = TenantDirectory(store)
+            directory.create_tenant(parse_tenant_spec({"id": f"t{index}"}))
+            directory.create_key(f"t{index}")
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=operator, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    snapshot = TenantDirectory(store).refresh()
+    assert sorted(snapshot.tenants) == sorted(f"t{i}" for i in range(8))
+    assert sorted(k.tenant for k in snapshot.keys.values()) == sorted(f"t{i}" for i in range(8))
