@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from .conftest import make_tiny_model
-from .test_serve import KEY, deploy, scraped_samples, upload_adapter
+from .test_serve import KEY, OPERATOR_KEY, deploy, scraped_samples, upload_adapter
 
 pytestmark = pytest.mark.ray
 
@@ -27,10 +27,15 @@ PERIOD_S = 0.25  # the replicas' reporting period (routing stats and the stats b
 
 
 @pytest.fixture(scope="module")
-def fleet(ray_serve: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def fleet_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fleet-objects")
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_serve: str, tmp_path_factory: pytest.TempPathFactory, fleet_store: Path) -> Iterator[str]:
     from ray import serve
 
-    store = tmp_path_factory.mktemp("fleet-objects")
+    store = fleet_store
     deploy(
         tmp_path_factory,
         APP,
@@ -210,3 +215,95 @@ def test_killing_a_replica_mid_batch_loses_no_request(fleet: str) -> None:
     assert all(o["response"]["status_code"] == 200 for o in output), [o for o in output if o["response"]["status_code"] != 200]
     done = api.completions.create(model="tiny", prompt="After the loss", max_tokens=4, temperature=0)
     assert done.choices[0].finish_reason in ("length", "stop")
+
+
+# -- tenants and keys managed live (the operator API) ----------------------------------------
+def _admin(fleet: str, method: str, path: str, key: str = OPERATOR_KEY, **kwargs: Any) -> Any:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {key}"}
+    return httpx.request(method, f"{fleet}/v1/admin{path}", headers=headers, timeout=30, **kwargs)
+
+
+def _every_ingress_answers(fleet: str, key: str, want_ok: bool) -> bool:
+    """20 requests in a row, spread by Serve's proxy over both ingress replicas (all 20 on one
+    replica: chance 2 x 2^-20), each authenticated (or each refused) as `want_ok` says."""
+    api = openai.OpenAI(base_url=f"{fleet}/v1", api_key=key, max_retries=0, timeout=30)
+    for _ in range(20):
+        try:
+            api.models.list()
+            ok = True
+        except openai.AuthenticationError:
+            ok = False
+        if ok != want_ok:
+            return False
+    return True
+
+
+def test_a_key_issued_through_the_operator_api_works_everywhere_and_revocation_follows(
+    fleet: str, fleet_store: Path
+) -> None:
+    created = _admin(fleet, "POST", "/tenants", json={"id": "initech", "weight": 2})
+    assert created.status_code == 200, created.text
+    assert created.json()["weight"] == 2.0
+    issued = _admin(fleet, "POST", "/tenants/initech/keys", json={"name": "ci"})
+    assert issued.status_code == 200, issued.text
+    secret, key_id = issued.json()["key"], issued.json()["id"]
+    started = time.monotonic()
+    wait_for(lambda: _every_ingress_answers(fleet, secret, True), 5, "the new key on every ingress replica")
+    assert time.monotonic() - started < 5
+    api = openai.OpenAI(base_url=f"{fleet}/v1", api_key=secret, max_retries=0, timeout=120)
+    reply = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert reply.usage is not None and reply.usage.completion_tokens > 0
+    listed = _admin(fleet, "GET", "/tenants/initech/keys").json()
+    assert [k["id"] for k in listed["data"]] == [key_id] and secret not in json.dumps(listed)
+    # stored as a digest only
+    assert not any(secret.encode() in f.read_bytes() for f in fleet_store.rglob("*") if f.is_file())
+    assert _admin(fleet, "DELETE", f"/tenants/initech/keys/{key_id}").status_code == 200
+    wait_for(lambda: _every_ingress_answers(fleet, secret, False), 5, "the revoked key refused everywhere")
+
+
+def test_a_tenants_limits_change_live_and_leave_other_tenants_alone(fleet: str) -> None:
+    assert _admin(fleet, "POST", "/tenants", json={"id": "umbrella"}).status_code == 200
+    secret = _admin(fleet, "POST", "/tenants/umbrella/keys").json()["key"]
+    wait_for(lambda: _every_ingress_answers(fleet, secret, True), 5, "the new key on every ingress replica")
+    api = openai.OpenAI(base_url=f"{fleet}/v1", api_key=secret, max_retries=0, timeout=120)
+    for _ in range(3):  # no limit yet
+        api.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0)
+    patched = _admin(fleet, "PATCH", "/tenants/umbrella", json={"limits": {"tokens_per_minute": 1}})
+    assert patched.status_code == 200 and patched.json()["limits"]["tokens_per_minute"] == 1
+
+    def limited() -> bool:
+        try:
+            api.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0)
+        except openai.RateLimitError as refused:
+            assert refused.response.headers.get("retry-after")
+            assert refused.body["code"] == "tokens_per_minute_exceeded"  # type: ignore[index]
+            return True
+        return False
+
+    wait_for(limited, 5, "the new tokens-per-minute limit in force")
+    client(fleet).completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0)  # acme: unaffected
+
+
+def test_operator_api_refuses_bad_input_in_openais_error_shape(fleet: str) -> None:
+    assert _admin(fleet, "POST", "/tenants", json={"id": "hooli"}).status_code == 200
+    cases = [
+        (_admin(fleet, "POST", "/tenants", json={"id": "hooli"}), 409, None),
+        (_admin(fleet, "POST", "/tenants", json={"id": "x", "limits": {"tokens_per_minute": -1}}), 400,
+         "limits.tokens_per_minute"),
+        (_admin(fleet, "POST", "/tenants", json={"id": "bad id"}), 400, "id"),
+        (_admin(fleet, "PATCH", "/tenants/nobody", json={"weight": 2}), 404, None),
+        (_admin(fleet, "POST", "/tenants/nobody/keys"), 404, None),
+        (_admin(fleet, "DELETE", "/tenants/hooli/keys/key_nope"), 404, None),
+        (_admin(fleet, "GET", "/tenants", key=KEY), 403, None),
+        (_admin(fleet, "GET", "/tenants", key="sk-nobody"), 401, None),
+    ]  # fmt: skip
+    for reply, status, param in cases:
+        assert reply.status_code == status, reply.text
+        error = reply.json()["error"]
+        assert error["message"] and error["type"]
+        if param is not None:
+            assert error["param"] == param
+    tenants = _admin(fleet, "GET", "/tenants").json()["data"]
+    assert "x" not in {t["id"] for t in tenants}  # nothing half-written

@@ -133,3 +133,41 @@ def test_concurrent_operators_lose_no_change(store: FileObjectStore) -> None:
     snapshot = TenantDirectory(store).refresh()
     assert sorted(snapshot.tenants) == sorted(f"t{i}" for i in range(8))
     assert sorted(k.tenant for k in snapshot.keys.values()) == sorted(f"t{i}" for i in range(8))
+
+
+def test_operator_api_in_process(engine: object, store: FileObjectStore) -> None:
+    """The admin routes over a real engine, in-process (the Ray tests in test_fleet.py cover
+    several ingress replicas): create a tenant, issue a key, use it with the openai client,
+    tighten its limits, revoke it; a tenant key is refused on the admin routes (403)."""
+    import openai
+    from fastapi.testclient import TestClient
+
+    from tandem.deployments.engine_clients import LocalEngineClient
+    from tandem.deployments.ingress import create_app
+    from tandem.deployments.openai_server import OpenAIServer
+    from tandem.platform.tenancy import TenantRegistry, parse_keys, parse_operator_keys
+
+    directory = TenantDirectory(store)
+    tenants = TenantRegistry(
+        parse_keys("sk-boot=acme"), operator_keys=parse_operator_keys("sk-op"), directory=directory
+    )
+    server = OpenAIServer(LocalEngineClient(engine), tenants)  # type: ignore[arg-type]
+    with TestClient(create_app(server)) as http:
+        op = {"Authorization": "Bearer sk-op"}
+        assert http.post("/v1/admin/tenants", json={"id": "initech"}, headers=op).status_code == 200
+        issued = http.post("/v1/admin/tenants/initech/keys", json={}, headers=op).json()
+        api = openai.OpenAI(base_url="http://testserver/v1", api_key=issued["key"], http_client=http, max_retries=0)
+        assert [m.id for m in api.models.list().data] == ["tiny"]  # this replica: at once
+        api.completions.create(model="tiny", prompt="Hello", max_tokens=2)
+        patched = http.patch("/v1/admin/tenants/initech", json={"limits": {"tokens_per_minute": 1}}, headers=op)
+        assert patched.status_code == 200
+        with pytest.raises(openai.RateLimitError):
+            api.completions.create(model="tiny", prompt="Hello", max_tokens=2)
+        assert http.get("/v1/admin/tenants", headers={"Authorization": "Bearer sk-boot"}).status_code == 403
+        assert http.get("/v1/admin/tenants", headers={"Authorization": f"Bearer {issued['key']}"}).status_code == 403
+        revoked = http.delete(f"/v1/admin/tenants/initech/keys/{issued['id']}", headers=op)
+        assert revoked.status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            api.models.list()
+        body = http.post("/v1/admin/tenants", json={"id": "x", "limits": "lots"}, headers=op)
+        assert body.status_code == 400 and body.json()["error"]["param"] == "limits"

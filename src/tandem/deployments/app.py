@@ -29,6 +29,7 @@ from tandem.deployments.replicas import (
 )
 from tandem.platform.object_store import open_object_store
 from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys, parse_operator_keys
+from tandem.platform.tenant_directory import TenantDirectory
 
 fastapi_app = create_app()
 
@@ -67,14 +68,19 @@ def openai_server(
         with open(cfg.keys_file) as f:
             spec = f.read() + "," + spec
     operator_spec = cfg.operator_keys if cfg.operator_keys is not None else os.environ.get("TANDEM_OPERATOR_KEYS", "")
+    store = open_object_store(cfg.object_store) if cfg.object_store is not None else None
+    directory = TenantDirectory(store) if store is not None else None
+    if directory is not None:
+        directory.refresh()  # the keys issued before this replica started work from its first request
     tenants = TenantRegistry(
         parse_keys(spec),
         TenantLimits(cfg.max_concurrent_requests_per_tenant, cfg.tokens_per_minute_per_tenant),
         operator_keys=parse_operator_keys(operator_spec),
+        directory=directory,
     )
+    tenants.start_refresh(cfg.tenant_refresh_s)
     batches = adapters = None
-    if cfg.object_store is not None:
-        store = open_object_store(cfg.object_store)
+    if store is not None:
         batches = BatchService(store, {client.model_name}, cfg.batch)
         adapters = AdapterStore(
             store,

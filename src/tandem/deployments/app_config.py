@@ -128,8 +128,15 @@ class AppConfig(BaseModel):
     batch_poll_interval_s: float = 1.0
     operator_keys: str | None = Field(
         None,
-        description="'key1,key2': keys that may read /metrics (tenant keys cannot); "
-        "default: $TANDEM_OPERATOR_KEYS; with none, /metrics is closed",
+        description="'key1,key2': keys that may read /metrics and use /v1/admin (tenant keys cannot); "
+        "default: $TANDEM_OPERATOR_KEYS; with none, both are closed",
+    )
+    tenant_refresh_s: float = Field(
+        1.0,
+        gt=0.0,
+        le=60.0,
+        description="How often each ingress replica re-reads the tenant directory in the object store "
+        "(tenants, keys, limits changed through /v1/admin take effect everywhere within this)",
     )
     adapter_source_prefixes: list[str] = Field(
         default_factory=list,

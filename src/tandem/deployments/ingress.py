@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.deployments.adapter_routes import adapter_router
+from tandem.deployments.admin_routes import admin_router
 from tandem.deployments.batch_routes import batch_router
 from tandem.deployments.completion_routes import (
     CompletionRoutes,
@@ -181,6 +182,7 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
     app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
     app.include_router(batch_router(_authenticated, json_body))
     app.include_router(adapter_router(_authenticated, json_body))
+    app.include_router(admin_router(_server, json_body))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Any:

@@ -1,13 +1,16 @@
 """API keys -> tenants, stored hashed; per-tenant concurrency and tokens-per-minute limits.
 
 Keys come from `TANDEM_API_KEYS` ("key1=tenant1,key2=tenant2") or a keys file with one
-`key=tenant` per line. Only SHA-256 digests of keys are kept in memory.
+`key=tenant` per line (the bootstrap), and, with an object store, from the live tenant directory
+(`tenant_directory.py`), which the operator API changes and every replica re-reads every
+`refresh_interval_s`. Only SHA-256 digests of keys are kept, in memory and in the store.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import math
 import os
 import threading
@@ -17,6 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.platform.errors import TandemError
+from tandem.platform.tenant_directory import TenantDirectory
+
+logger = logging.getLogger("tandem.tenancy")
 
 
 class AuthenticationError(TandemError):
@@ -155,15 +161,20 @@ class TenantRegistry:
         limits: TenantLimits | None = None,
         per_tenant_limits: dict[str, TenantLimits] | None = None,
         operator_keys: set[str] | frozenset[str] = frozenset(),
+        directory: TenantDirectory | None = None,
     ) -> None:
-        """`hashed_keys`: sha256(key) -> tenant. `operator_keys`: sha256 digests of the keys that
-        may read operator routes (`/metrics`); no tenant key can."""
+        """`hashed_keys`: sha256(key) -> tenant (the bootstrap keys). `operator_keys`: sha256
+        digests of the keys that may read operator routes (`/metrics`, `/v1/admin`); no tenant key
+        can. `directory`: the live tenants and keys (its limits win over `limits` where set)."""
         self._keys = dict(hashed_keys)
         self._operator_keys = frozenset(operator_keys)
         self._default_limits = limits or TenantLimits()
         self._limits = per_tenant_limits or {}
         self._usage = TenantUsage()
         self._lock = threading.Lock()
+        self.directory = directory
+        self._refresher: threading.Thread | None = None
+        self._stop_refresh = threading.Event()
 
     @classmethod
     def from_env(cls, keys_file: Path | None = None, limits: TenantLimits | None = None) -> TenantRegistry:
@@ -178,6 +189,10 @@ class TenantRegistry:
         for known, tenant in self._keys.items():
             if hmac.compare_digest(known, digest):
                 return tenant
+        if self.directory is not None:
+            found = self.directory.snapshot.tenant_for_digest(digest)
+            if found is not None:
+                return found
         raise AuthenticationError("invalid API key", code="invalid_api_key")
 
     def authenticate_operator(self, authorization: str | None) -> None:
@@ -192,12 +207,44 @@ class TenantRegistry:
         digest = _bearer_digest(authorization, "operator key")
         if any(hmac.compare_digest(known, digest) for known in self._operator_keys):
             return
-        if any(hmac.compare_digest(known, digest) for known in self._keys):
+        is_tenant_key = any(hmac.compare_digest(known, digest) for known in self._keys) or (
+            self.directory is not None and self.directory.snapshot.tenant_for_digest(digest) is not None
+        )
+        if is_tenant_key:
             raise PermissionDeniedError("this route is for operators; tenant keys cannot read it")
         raise AuthenticationError("invalid operator key", code="invalid_api_key")
 
     def limits_for(self, tenant: str) -> TenantLimits:
-        return self._limits.get(tenant, self._default_limits)
+        """The tenant's limits: the directory's where it sets one, else the configured defaults."""
+        base = self._limits.get(tenant, self._default_limits)
+        record = self.directory.snapshot.tenants.get(tenant) if self.directory is not None else None
+        if record is None:
+            return base
+        spec = record.limits
+        return TenantLimits(
+            max_concurrent_requests=spec.max_concurrent_requests or base.max_concurrent_requests,
+            tokens_per_minute=spec.tokens_per_minute or base.tokens_per_minute,
+        )
+
+    def start_refresh(self, interval_s: float) -> None:
+        """Re-read the directory every `interval_s` on a daemon thread (a store error is logged
+        and retried at the next tick: the last version read stays in force meanwhile)."""
+        if self.directory is None or self._refresher is not None:
+            return
+        directory = self.directory
+
+        def loop() -> None:
+            while not self._stop_refresh.wait(interval_s):
+                try:
+                    directory.refresh()
+                except Exception:  # noqa: BLE001 - keep serving the last version read
+                    logger.warning("tenant directory refresh failed", exc_info=True)
+
+        self._refresher = threading.Thread(target=loop, name="tenant-directory-refresh", daemon=True)
+        self._refresher.start()
+
+    def stop_refresh(self) -> None:
+        self._stop_refresh.set()
 
     def acquire(self, tenant: str, *, now: float | None = None) -> None:
         """Admit one request or raise RateLimitError (429 with a retry-after hint)."""
