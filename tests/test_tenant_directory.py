@@ -171,3 +171,62 @@ def test_operator_api_in_process(engine: object, store: FileObjectStore) -> None
             api.models.list()
         body = http.post("/v1/admin/tenants", json={"id": "x", "limits": "lots"}, headers=op)
         assert body.status_code == 400 and body.json()["error"]["param"] == "limits"
+
+
+def test_tenants_cli_over_the_operator_api(
+    engine: object, store: FileObjectStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tandem tenants ...` against the app under uvicorn: create a tenant with a limit, issue a
+    key (printed once) that then works with the openai client, list, revoke; a duplicate exits 1
+    with OpenAI's error shape on stderr."""
+    import json
+    import threading
+
+    import openai
+    import uvicorn
+
+    from tandem.cli import main
+    from tandem.deployments.engine_clients import LocalEngineClient
+    from tandem.deployments.ingress import create_app
+    from tandem.deployments.openai_server import OpenAIServer
+    from tandem.platform.tenancy import TenantRegistry, parse_operator_keys
+
+    from .conftest import free_port
+
+    tenants = TenantRegistry({}, operator_keys=parse_operator_keys("sk-op"), directory=TenantDirectory(store))
+    app = create_app(OpenAIServer(LocalEngineClient(engine), tenants))  # type: ignore[arg-type]
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        base = ["tenants", "--base-url", f"http://127.0.0.1:{port}/v1", "--operator-key", "sk-op"]
+
+        def run(*args: str) -> tuple[int, str, str]:
+            code = main([*base, *args])
+            out, err = capsys.readouterr()
+            return code, out, err
+
+        code, out, _ = run("create", "acme", "--weight", "2", "--limit", "tokens_per_minute=100")
+        assert code == 0 and json.loads(out)["limits"]["tokens_per_minute"] == 100
+        code, out, _ = run("keys", "create", "acme", "--name", "ci", "--expires-in", "3600")
+        issued = json.loads(out)
+        assert code == 0 and issued["key"].startswith("tdm-") and issued["expires_at"] > time.time()
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=issued["key"], max_retries=0)
+        assert [m.id for m in api.models.list().data] == ["tiny"]
+        code, out, _ = run("keys", "list", "acme")
+        assert code == 0 and issued["key"] not in out and json.loads(out)["data"][0]["id"] == issued["id"]
+        code, out, _ = run("update", "acme", "--limit", "tokens_per_minute=none")
+        assert code == 0 and json.loads(out)["limits"]["tokens_per_minute"] is None
+        code, _, err = run("create", "acme")
+        assert code == 1 and json.loads(err)["error"]["type"] == "invalid_request_error"
+        assert run("keys", "revoke", "acme", issued["id"])[0] == 0
+        with pytest.raises(openai.AuthenticationError):
+            api.models.list()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

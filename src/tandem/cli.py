@@ -15,6 +15,7 @@ from tandem.batch_cli import add_batch_parser, run_batch_command
 from tandem.platform.config import DEFAULT_MODEL, EngineConfig
 from tandem.platform.errors import InvalidRequestError, TandemError
 from tandem.platform.logs import configure_logging
+from tandem.tenants_cli import add_tenants_parser, run_tenants_command
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -415,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         help="file:///path or s3://bucket/prefix for files and batches (default: DATA_DIR/objects)",
     )
     add_batch_parser(sub)
+    add_tenants_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(message)s")
     configure_logging(args.log_level)  # tandem's own lines: structured (platform/logs.py)
@@ -425,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "batch":
             return run_batch_command(args)
+        if args.command == "tenants":
+            return run_tenants_command(args)
     except TandemError as exc:
         print(
             json.dumps({"error": {"message": exc.message, "type": exc.error_type, "param": exc.param}}),
