@@ -230,3 +230,37 @@ def test_tenants_cli_over_the_operator_api(
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def test_requests_per_minute_and_max_tokens_limits(engine: object, store: FileObjectStore) -> None:
+    """A tenant's requests_per_minute gives 429 `requests_per_minute_exceeded` with Retry-After
+    once used up; its max_tokens refuses larger asks (400 naming max_tokens) and caps requests
+    that ask for none; another tenant is unaffected."""
+    import openai
+    from fastapi.testclient import TestClient
+
+    from tandem.deployments.engine_clients import LocalEngineClient
+    from tandem.deployments.ingress import create_app
+    from tandem.deployments.openai_server import OpenAIServer
+    from tandem.platform.tenancy import TenantRegistry, parse_keys, parse_operator_keys
+
+    directory = TenantDirectory(store)
+    directory.create_tenant(parse_tenant_spec({"id": "acme", "limits": {"requests_per_minute": 2, "max_tokens": 3}}))
+    _, secret = directory.create_key("acme")
+    tenants = TenantRegistry(parse_keys("sk-other=globex"), operator_keys=parse_operator_keys("sk-op"), directory=directory)
+    server = OpenAIServer(LocalEngineClient(engine), tenants, max_tokens_default=16)  # type: ignore[arg-type]
+    with TestClient(create_app(server)) as http:
+        api = openai.OpenAI(base_url="http://testserver/v1", api_key=secret, http_client=http, max_retries=0)
+        other = openai.OpenAI(base_url="http://testserver/v1", api_key="sk-other", http_client=http, max_retries=0)
+        with pytest.raises(openai.BadRequestError) as too_many:
+            api.completions.create(model="tiny", prompt="Hello", max_tokens=4)
+        assert too_many.value.body["param"] == "max_tokens"  # type: ignore[index]
+        capped = api.completions.create(model="tiny", prompt="Hello", extra_body={"ignore_eos": True})
+        assert capped.usage is not None and capped.usage.completion_tokens == 3  # the tenant's cap, not 16
+        api.completions.create(model="tiny", prompt="Hello", max_tokens=1)  # the second this minute
+        with pytest.raises(openai.RateLimitError) as refused:
+            api.completions.create(model="tiny", prompt="Hello", max_tokens=1)
+        assert refused.value.body["code"] == "requests_per_minute_exceeded"  # type: ignore[index]
+        assert int(refused.value.response.headers["retry-after"]) >= 1
+        for _ in range(3):
+            other.completions.create(model="tiny", prompt="Hello", max_tokens=5)

@@ -111,8 +111,9 @@ class FleetState:
 
     # -- tenant limits ----------------------------------------------------------------------
     def acquire(
-        self, tenant: str, max_concurrent_requests: int | None, tokens_per_minute: int | None, owner: str
-    ) -> tuple[str, float, str] | None:
+        self, tenant: str, max_concurrent_requests: int | None, tokens_per_minute: int | None, owner: str,
+        requests_per_minute: int | None = None,
+    ) -> tuple[str, float, str] | None:  # fmt: skip
         """Admit one request of `tenant` for `owner` (None), or (message, retry-after, code)."""
         self.heartbeat(owner)
         now = time.monotonic()
@@ -120,7 +121,7 @@ class FleetState:
             self._usage.drop_owner(silent)
             del self._owner_seen[silent]
         refusal = self._usage.try_acquire(
-            tenant, TenantLimits(max_concurrent_requests, tokens_per_minute), owner=owner, now=now
+            tenant, TenantLimits(max_concurrent_requests, tokens_per_minute, requests_per_minute), owner=owner, now=now
         )
         if refusal is None:
             return None
@@ -142,18 +143,22 @@ class FleetTenantLimiter:
         self.owner = uuid.uuid4().hex  # this process
         self.heartbeat_every_s = owner_ttl_s / 3
         self.num_held = 0
+        self._held: dict[str, int] = {}  # tenant -> fleet slots this process holds (limits change live)
         self._heartbeat: asyncio.Task[None] | None = None
         self._releases: set[asyncio.Task[None]] = set()
 
     async def acquire(self, tenant: str) -> None:
         limits = self.tenants.limits_for(tenant)
-        if limits.max_concurrent_requests is None and limits.tokens_per_minute is None:
+        if not limits.enforced:
             return  # nothing to enforce: no round trip
         async def ask() -> tuple[str, float, str] | None:
             return cast(
                 "tuple[str, float, str] | None",
-                await self.fleet.acquire.remote(tenant, limits.max_concurrent_requests, limits.tokens_per_minute, self.owner),
-            )
+                await self.fleet.acquire.remote(
+                    tenant, limits.max_concurrent_requests, limits.tokens_per_minute, self.owner,
+                    limits.requests_per_minute,
+                ),
+            )  # fmt: skip
 
         call = asyncio.ensure_future(ask())
         try:
@@ -166,21 +171,23 @@ class FleetTenantLimiter:
         if refusal is not None:
             message, retry_after_s, code = refusal
             raise RateLimitError(message, retry_after_s=retry_after_s, code=code)
+        self._held[tenant] = self._held.get(tenant, 0) + 1
         self.num_held += 1
         if self._heartbeat is None or self._heartbeat.done():
             self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
 
     def _give_back_late(self, done: asyncio.Future[tuple[str, float, str] | None], tenant: str) -> None:
         if not done.cancelled() and done.exception() is None and done.result() is None:
+            self._held[tenant] = self._held.get(tenant, 0) + 1
             self.num_held += 1
             self.release(tenant, 0)
 
     def release(self, tenant: str, num_tokens: int) -> None:
         """Send the release on its own task: the caller may be being cancelled (a client that
         went away), and a release that never arrives would hold the slot until the owner's ttl."""
-        limits = self.tenants.limits_for(tenant)
-        if limits.max_concurrent_requests is None and limits.tokens_per_minute is None:
-            return
+        if self._held.get(tenant, 0) == 0:
+            return  # admitted without a fleet slot (no limit was set then): nothing to give back
+        self._held[tenant] -= 1
         self.num_held = max(0, self.num_held - 1)
         task = asyncio.get_running_loop().create_task(self._release(tenant, num_tokens))
         self._releases.add(task)  # held until done: the loop keeps only weak references

@@ -41,7 +41,7 @@ from tandem.deployments.structured_output import (
 )
 from tandem.engine.protocol import CompletionOutput, GenerationRequest, RequestOutput
 from tandem.engine.request import Priority
-from tandem.platform.errors import NotFoundError, ShuttingDownError, TandemError
+from tandem.platform.errors import InvalidRequestError, NotFoundError, ShuttingDownError, TandemError
 from tandem.platform.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -293,6 +293,20 @@ class OpenAIServer:
             self._lora_info = await self.client.lora_info()
         return self._lora_info
 
+    def _max_tokens_default_for(self, tenant: str, max_tokens: int | None) -> int:
+        """`max_tokens` for a request that sets none, within the tenant's `max_tokens` limit;
+        a request asking for more than that limit is a 400 naming `max_tokens`."""
+        cap = self.tenants.max_tokens_for(tenant)
+        if cap is None:
+            return self.max_tokens_default
+        if max_tokens is not None and max_tokens > cap:
+            raise InvalidRequestError(
+                f"max_tokens {max_tokens} is over this tenant's limit of {cap}; ask for at most {cap}",
+                param="max_tokens",
+                code="max_tokens_limit",
+            )
+        return min(cap, self.max_tokens_default)
+
     async def chat(
         self,
         req: ChatCompletionRequest,
@@ -302,11 +316,12 @@ class OpenAIServer:
     ) -> dict[str, Any] | AsyncIterator[str]:
         lora_id = await self._resolve_model(req.model, tenant)
         messages = chat_messages(req)
+        params = sampling_params_from(req)
         gen = GenerationRequest(
             request_id=new_id("chatcmpl"),
             messages=messages,
-            sampling_params=sampling_params_from(req),
-            default_max_tokens=self.max_tokens_default,
+            sampling_params=params,
+            default_max_tokens=self._max_tokens_default_for(tenant, params.max_tokens),
             tenant_id=tenant,
             priority=priority,
             lora_name=lora_id,
@@ -332,12 +347,13 @@ class OpenAIServer:
     ) -> dict[str, Any] | AsyncIterator[str]:
         lora_id = await self._resolve_model(req.model, tenant)
         prompt_is_text = isinstance(req.prompt, str)
+        params = sampling_params_from(req)
         gen = GenerationRequest(
             request_id=new_id("cmpl"),
             prompt=req.prompt if prompt_is_text else None,  # type: ignore[arg-type]
             prompt_token_ids=None if prompt_is_text else list(req.prompt),  # type: ignore[arg-type]
-            sampling_params=sampling_params_from(req),
-            default_max_tokens=self.max_tokens_default,
+            sampling_params=params,
+            default_max_tokens=self._max_tokens_default_for(tenant, params.max_tokens),
             tenant_id=tenant,
             priority=priority,
             lora_name=lora_id,

@@ -48,6 +48,12 @@ class RateLimitError(TandemError):
 class TenantLimits:
     max_concurrent_requests: int | None = None
     tokens_per_minute: int | None = None
+    requests_per_minute: int | None = None
+
+    @property
+    def enforced(self) -> bool:
+        """Whether any of these limits is set (else admission needs no bookkeeping)."""
+        return any(v is not None for v in (self.max_concurrent_requests, self.tokens_per_minute, self.requests_per_minute))
 
 
 def hash_key(key: str) -> str:
@@ -87,6 +93,7 @@ CONCURRENCY_LIMITED = "rate_limit_exceeded"  # the 429's code when a tenant is a
 class _Usage:
     in_flight: int = 0
     token_events: deque[tuple[float, int]] = field(default_factory=deque)  # (time, tokens)
+    admissions: deque[float] = field(default_factory=deque)  # times of the last minute's admissions
 
 
 class TenantUsage:
@@ -124,6 +131,17 @@ class TenantUsage:
                     retry_after_s=max(1.0, math.ceil(retry)),
                     code="tokens_per_minute_exceeded",
                 )
+        if limits.requests_per_minute is not None:
+            while usage.admissions and usage.admissions[0] <= now - 60.0:
+                usage.admissions.popleft()
+            if len(usage.admissions) >= limits.requests_per_minute:
+                return RateLimitError(
+                    f"tenant {tenant!r} sent {len(usage.admissions)} requests in the last minute "
+                    f"(limit {limits.requests_per_minute})",
+                    retry_after_s=max(1.0, math.ceil(60.0 - (now - usage.admissions[0]))),
+                    code="requests_per_minute_exceeded",
+                )
+            usage.admissions.append(now)
         usage.in_flight += 1
         held = self._held.setdefault(owner, {})
         held[tenant] = held.get(tenant, 0) + 1
@@ -224,7 +242,13 @@ class TenantRegistry:
         return TenantLimits(
             max_concurrent_requests=spec.max_concurrent_requests or base.max_concurrent_requests,
             tokens_per_minute=spec.tokens_per_minute or base.tokens_per_minute,
+            requests_per_minute=spec.requests_per_minute or base.requests_per_minute,
         )
+
+    def max_tokens_for(self, tenant: str) -> int | None:
+        """The most output tokens one of the tenant's requests may ask for (None: no limit)."""
+        record = self.directory.snapshot.tenants.get(tenant) if self.directory is not None else None
+        return None if record is None else record.limits.max_tokens
 
     def start_refresh(self, interval_s: float) -> None:
         """Re-read the directory every `interval_s` on a daemon thread (a store error is logged
