@@ -264,3 +264,24 @@ def test_requests_per_minute_and_max_tokens_limits(engine: object, store: FileOb
         assert int(refused.value.response.headers["retry-after"]) >= 1
         for _ in range(3):
             other.completions.create(model="tiny", prompt="Hello", max_tokens=5)
+
+
+def test_a_tenants_own_adapter_limits_override_the_servers(store: FileObjectStore) -> None:
+    """The directory's max_adapters / max_adapter_bytes for a tenant replace the server-wide
+    per-tenant limits for that tenant only (a 400 naming the limit before anything is stored)."""
+    from tandem.deployments.adapters import AdapterStore
+    from tandem.platform.tenancy import TenantRegistry
+
+    directory = TenantDirectory(store)
+    directory.create_tenant(parse_tenant_spec({"id": "tiny-plan", "limits": {"max_adapters": 0}}))
+    directory.create_tenant(parse_tenant_spec({"id": "byte-plan", "limits": {"max_adapter_bytes": 5}}))
+    tenants = TenantRegistry({}, directory=directory)
+    adapters = AdapterStore(store, "tiny", tenant_limits=tenants.adapter_limits_for)
+    for tenant, param in (("tiny-plan", "max_adapters_per_tenant"), ("byte-plan", "max_adapter_bytes_per_tenant")):
+        with pytest.raises(InvalidRequestError) as refused:
+            adapters.create(tenant, "bot", b"{}", b"0123456789", None, 8)  # type: ignore[arg-type]
+        assert refused.value.param == param and refused.value.code == "adapter_limit_reached"
+        assert adapters.list(tenant) == []
+    with pytest.raises(Exception) as other:  # the server's limits pass; the (empty) adapter is invalid
+        adapters.create("default-plan", "bot", b"{}", b"0123456789", None, 8)  # type: ignore[arg-type]
+    assert getattr(other.value, "code", None) != "adapter_limit_reached"

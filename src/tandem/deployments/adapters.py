@@ -21,6 +21,7 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlparse
@@ -95,11 +96,14 @@ class AdapterStore:
         max_adapters_per_tenant: int | None = 64,
         max_adapter_bytes_per_tenant: int | None = 4 << 30,
         s3_settings: S3Settings | None = None,
+        tenant_limits: Callable[[str], tuple[int | None, int | None]] | None = None,
     ) -> None:
         """`s3_settings`: how `s3://` sources are read (default: the environment's endpoint and
         credentials, the server's own). A tenant stores at most `max_adapters_per_tenant`
         adapters of `max_adapter_bytes_per_tenant` weight bytes in all (None: no limit); two
-        uploads racing past the limit may both land (the check reads the tenant's records)."""
+        uploads racing past the limit may both land (the check reads the tenant's records).
+        `tenant_limits(tenant)`: that tenant's own (max adapters, max bytes), each None where it
+        sets none (the tenant directory's limits)."""
         self.store = store
         self.base_model = base_model
         self.source_prefixes = tuple(check_source_prefix(p) for p in source_prefixes)
@@ -107,6 +111,7 @@ class AdapterStore:
         self.max_adapters_per_tenant = max_adapters_per_tenant
         self.max_adapter_bytes_per_tenant = max_adapter_bytes_per_tenant
         self.s3_settings = s3_settings
+        self.tenant_limits = tenant_limits
 
     def create(
         self,
@@ -147,18 +152,20 @@ class AdapterStore:
     def _check_tenant_room(self, tenant: str, num_bytes: int) -> None:
         """A 400 naming the limit when one more adapter of `num_bytes` would take `tenant` past
         its adapter count or bytes."""
-        if self.max_adapters_per_tenant is None and self.max_adapter_bytes_per_tenant is None:
+        own_count, own_bytes = self.tenant_limits(tenant) if self.tenant_limits is not None else (None, None)
+        max_count = own_count if own_count is not None else self.max_adapters_per_tenant
+        limit = own_bytes if own_bytes is not None else self.max_adapter_bytes_per_tenant
+        if max_count is None and limit is None:
             return
         records = self.list(tenant)
-        if self.max_adapters_per_tenant is not None and len(records) >= self.max_adapters_per_tenant:
+        if max_count is not None and len(records) >= max_count:
             raise InvalidRequestError(
                 f"tenant {tenant!r} has {len(records)} adapters, the limit (max_adapters_per_tenant = "
-                f"{self.max_adapters_per_tenant}); delete one first, or ask the operator to raise the limit",
+                f"{max_count}); delete one first, or ask the operator to raise the limit",
                 param="max_adapters_per_tenant",
                 code="adapter_limit_reached",
             )
         stored = sum(r.bytes for r in records)
-        limit = self.max_adapter_bytes_per_tenant
         if limit is not None and stored + num_bytes > limit:
             raise InvalidRequestError(
                 f"tenant {tenant!r} stores {stored} adapter bytes; {num_bytes} more would pass the limit "

@@ -89,6 +89,7 @@ def openai_server(
             max_adapter_bytes=cfg.max_adapter_bytes,
             max_adapters_per_tenant=cfg.max_adapters_per_tenant,
             max_adapter_bytes_per_tenant=cfg.max_adapter_bytes_per_tenant,
+            tenant_limits=tenants.adapter_limits_for,
         )
     limiter: TenantLimiter = LocalTenantLimiter(tenants, max_wait_s=cfg.tenant_queue_wait_s)
     if fleet is not None and cfg.ingress_num_replicas > 1:

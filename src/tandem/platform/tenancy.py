@@ -245,6 +245,11 @@ class TenantRegistry:
             requests_per_minute=spec.requests_per_minute or base.requests_per_minute,
         )
 
+    def adapter_limits_for(self, tenant: str) -> tuple[int | None, int | None]:
+        """The tenant's own (max adapters, max adapter bytes) from the directory; None where unset."""
+        record = self.directory.snapshot.tenants.get(tenant) if self.directory is not None else None
+        return (None, None) if record is None else (record.limits.max_adapters, record.limits.max_adapter_bytes)
+
     def max_tokens_for(self, tenant: str) -> int | None:
         """The most output tokens one of the tenant's requests may ask for (None: no limit)."""
         record = self.directory.snapshot.tenants.get(tenant) if self.directory is not None else None
