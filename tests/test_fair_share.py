@@ -177,3 +177,28 @@ def test_idle_tenants_do_not_bank_credit() -> None:
     add(sched, "b", num_prompt=400)
     b_request = next(r for r in sched.waiting if r.tenant_id == "b")
     assert sched.fair.counter(b_request) == 20 * 8
+
+
+def test_weights_carried_by_requests_change_shares_live() -> None:
+    """No configured weights: requests carrying their tenant's weight (set live by the operator,
+    `Request.tenant_weight`) make seats follow it, and a later request with a new weight moves
+    them again."""
+
+    def add_weighted(sched: Scheduler, tenant: str, count: int, weight: float) -> None:
+        for _ in range(count):
+            arrival = next(ARRIVALS)
+            sched.add_request(
+                Request(f"{tenant}{arrival}", [1, 2, 3, 4], SamplingParams(max_tokens=100, ignore_eos=True),
+                        tenant_id=tenant, tenant_weight=weight, arrival_time=float(arrival))  # fmt: skip
+            )
+
+    sched = make_scheduler(max_seqs=6)
+    add_weighted(sched, "a", 8, 2.0)
+    step(sched)
+    add_weighted(sched, "b", 8, 1.0)
+    step(sched)
+    assert seats(sched) == {"a": 4, "b": 2}
+    add_weighted(sched, "b", 1, 4.0)  # the operator raised b's weight: b now gets 4 of 6
+    for _ in range(3):
+        step(sched)
+    assert seats(sched) == {"a": 2, "b": 4}

@@ -158,7 +158,9 @@ def test_operator_api_in_process(engine: object, store: FileObjectStore) -> None
         issued = http.post("/v1/admin/tenants/initech/keys", json={}, headers=op).json()
         api = openai.OpenAI(base_url="http://testserver/v1", api_key=issued["key"], http_client=http, max_retries=0)
         assert [m.id for m in api.models.list().data] == ["tiny"]  # this replica: at once
+        assert http.patch("/v1/admin/tenants/initech", json={"weight": 3}, headers=op).status_code == 200
         api.completions.create(model="tiny", prompt="Hello", max_tokens=2)
+        assert engine.engine.scheduler.fair.weights["initech"] == 3.0  # type: ignore[attr-defined]  # carried by the request
         patched = http.patch("/v1/admin/tenants/initech", json={"limits": {"tokens_per_minute": 1}}, headers=op)
         assert patched.status_code == 200
         with pytest.raises(openai.RateLimitError):

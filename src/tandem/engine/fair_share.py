@@ -52,7 +52,11 @@ class FairShare:
     # -- bookkeeping ------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         """A request became live (waiting or running). A tenant with no other live request in
-        its class is lifted to the lowest counter among those that have one."""
+        its class is lifted to the lowest counter among those that have one. A request that
+        carries its tenant's weight (`Request.tenant_weight`, set live by the operator) makes it
+        the tenant's weight from now on."""
+        if request.tenant_id is not None and request.tenant_weight is not None and request.tenant_weight > 0:
+            self.weights[request.tenant_id] = request.tenant_weight
         key = self.key(request)
         if self.live[key] == 0:
             others = [self.counters[k] for k, n in self.live.items() if n > 0 and k[0] is request.priority]

@@ -28,6 +28,9 @@ class GenerationRequest:
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     priority: Priority = Priority.INTERACTIVE
     tenant_id: str | None = None
+    # The tenant's fair-share weight as its operator set it now (the tenant directory, changed
+    # live); None: the engine's configured weight (`tenant_weights`, else 1).
+    tenant_weight: float | None = None
     lora_name: str | None = None  # a LoRA adapter registered with the engine (`add_lora`)
     # With `sampling_params.max_tokens=None`: at most this many new tokens (None: what the context leaves)
     default_max_tokens: int | None = None

@@ -47,6 +47,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     priority: Priority = Priority.INTERACTIVE
     tenant_id: str | None = None
+    tenant_weight: float | None = None  # its tenant's weight when it arrived (None: the configured one)
     lora_name: str | None = None  # the LoRA adapter this request runs with, if any
     hold_kv: bool = False  # keep its blocks when it finishes (prefill for a hand-over)
     # Parallel sampling (parallel_sampling.py): the sibling whose full prompt blocks this request

@@ -48,6 +48,7 @@ def make_request(engine: LLMEngine, gen: GenerationRequest, *, compress: bool = 
         eos_token_ids=engine.eos_token_ids,
         priority=gen.priority,
         tenant_id=gen.tenant_id,
+        tenant_weight=gen.tenant_weight,
         lora_name=gen.lora_name,
         kv_compression_rate=rate if compressed else None,
     )

@@ -250,6 +250,11 @@ class TenantRegistry:
         record = self.directory.snapshot.tenants.get(tenant) if self.directory is not None else None
         return (None, None) if record is None else (record.limits.max_adapters, record.limits.max_adapter_bytes)
 
+    def weight_for(self, tenant: str) -> float | None:
+        """The tenant's fair-share weight from the directory (None: not set there)."""
+        record = self.directory.snapshot.tenants.get(tenant) if self.directory is not None else None
+        return None if record is None else record.weight
+
     def max_tokens_for(self, tenant: str) -> int | None:
         """The most output tokens one of the tenant's requests may ask for (None: no limit)."""
         record = self.directory.snapshot.tenants.get(tenant) if self.directory is not None else None
