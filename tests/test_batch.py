@@ -466,10 +466,17 @@ def test_a_worker_keeps_several_shards_in_flight(tmp_path: Path) -> None:
     assert (totals.completed, totals.failed, len(done.shard_counts)) == (10, 0, 5)
 
 
-@pytest.mark.parametrize(("weights", "expected"), [({}, "ABABAAAAAAAA"), ({"A": 2.0}, "ABAABAAAAAAA")])
-def test_tenants_take_turns_at_shards(tmp_path: Path, weights: dict[str, float], expected: str) -> None:
+@pytest.mark.parametrize(
+    ("weights", "live", "expected"),
+    [({}, {}, "ABABAAAAAAAA"), ({"A": 2.0}, {}, "ABAABAAAAAAA"), ({"A": 1.0}, {"A": 2.0}, "ABAABAAAAAAA")],
+    ids=["equal", "configured-2-1", "live-2-1"],
+)
+def test_tenants_take_turns_at_shards(
+    tmp_path: Path, weights: dict[str, float], live: dict[str, float], expected: str
+) -> None:
     """A's large batch is older, B's small one newer: one worker claims shards in tenant turns
-    (weighted), so B's batch runs while A's does, not after it; every line answered exactly once."""
+    (weighted: configured, or live from the tenant directory, which wins), so B's batch runs while
+    A's does, not after it; every line answered exactly once."""
     service = BatchService(
         FileObjectStore(str(tmp_path / "objects")), {"tiny"}, BatchLimits(shard_size=2, max_shards_in_flight=1)
     )
@@ -485,7 +492,9 @@ def test_tenants_take_turns_at_shards(tmp_path: Path, weights: dict[str, float],
         return ExecutedRequest(200, "req", {"ok": True}, None, output_tokens=1)
 
     async def scenario() -> None:
-        worker = BatchWorker(service, execute, poll_interval_s=0.01, worker_id="fair", tenant_weights=weights)
+        worker = BatchWorker(
+            service, execute, poll_interval_s=0.01, worker_id="fair", tenant_weights=weights, weight_of=live.get
+        )
         task = asyncio.ensure_future(worker.run_forever())
         deadline = time.monotonic() + 30
         while any(service.get_batch(t, b).status != "completed" for t, b in batches.items()):

@@ -145,11 +145,15 @@ class BatchWorker:
         worker_id: str | None = None,
         poll_interval_s: float = 1.0,
         tenant_weights: dict[str, float] | None = None,
+        weight_of: Callable[[str], float | None] | None = None,
     ) -> None:
+        """`weight_of(tenant)`: the tenant's current weight where it has one (the live tenant
+        directory), else `tenant_weights`, else 1."""
         self.service = service
         # Fair turns between tenants: shards this worker claimed per tenant with queued batches,
-        # divided by the tenant's weight (default 1).
+        # divided by the tenant's weight at each claim.
         self.tenant_weights = dict(tenant_weights or {})
+        self.weight_of = weight_of
         self.claimed: dict[str, float] = {}
         self.store = service.store
         self.execute = execute
@@ -282,12 +286,16 @@ class BatchWorker:
                 await asyncio.to_thread(self.leases.release, lease_and_shard[0])
                 return False
             if lease_and_shard is not None:
-                self.claimed[tenant] = self.claimed.get(tenant, 0.0) + 1.0 / self.tenant_weights.get(tenant, 1.0)
+                self.claimed[tenant] = self.claimed.get(tenant, 0.0) + 1.0 / self.weight(tenant)
                 task = asyncio.ensure_future(self._run_shard(record, *lease_and_shard))
                 self._shards.add(task)
                 self._shard_leases[task] = lease_and_shard[0]
                 return True
         return await asyncio.to_thread(self._try_finalize, record)
+
+    def weight(self, tenant: str) -> float:
+        live = self.weight_of(tenant) if self.weight_of is not None else None
+        return live if live is not None else self.tenant_weights.get(tenant, 1.0)
 
     def _resume_validation(self, record: BatchRecord) -> bool:
         """Finish a validation whose API process died (only after a lease period, so the API

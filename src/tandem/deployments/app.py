@@ -255,5 +255,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     )
     if cfg.object_store is None:
         return ingress.bind(llm, fleet, cfg.model_dump())
-    batch_worker = worker.bind(llm, *worker_args, fleet, max_batch_requests(cfg), cfg.engine.tenant_weights)
+    batch_worker = worker.bind(
+        llm, *worker_args, fleet, max_batch_requests(cfg), cfg.engine.tenant_weights, cfg.tenant_refresh_s
+    )
     return ingress.bind(llm, fleet, cfg.model_dump(), batch_worker)

@@ -24,6 +24,7 @@ from tandem.deployments.fleet import watch_drain
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.object_store import open_object_store
 from tandem.platform.tenancy import TenantRegistry
+from tandem.platform.tenant_directory import TenantDirectory
 
 
 class BatchWorkerReplica:
@@ -38,20 +39,28 @@ class BatchWorkerReplica:
         fleet: DeploymentHandle | None = None,
         batch_seats_per_replica: int | None = None,
         tenant_weights: dict[str, float] | None = None,
+        tenant_refresh_s: float = 1.0,
     ) -> None:
         store = open_object_store(object_store)
         service = BatchService(store, {model_name}, BatchLimits(**limits))
         # Lines may name the batch owner's adapters ("base:adapter"), resolved in the same store
         # the ingress uploads them to; the LLM replicas load them as for real-time requests.
+        # The live tenant directory: each tenant's weight for shard turns, and its limits and
+        # weight on the batch lines it sends the LLM replicas (as the ingress does).
+        directory = TenantDirectory(store)
+        directory.refresh()
+        tenants = TenantRegistry({}, directory=directory)
+        tenants.start_refresh(tenant_refresh_s)
         server = OpenAIServer(
             HandleEngineClient(llm, model_name),
-            TenantRegistry({}),
+            tenants,
             max_tokens_default=max_tokens_default,
             adapters=AdapterStore(store, model_name),
         )
         self.worker = BatchWorker(
-            service, partial(execute_batch_line, server), poll_interval_s=poll_interval_s, tenant_weights=tenant_weights
-        )
+            service, partial(execute_batch_line, server), poll_interval_s=poll_interval_s, tenant_weights=tenant_weights,
+            weight_of=tenants.weight_for,
+        )  # fmt: skip
         self._task = asyncio.get_event_loop().create_task(self.worker.run_forever())
         # A graceful stop: on the fleet's drain, the worker stops claiming and releases the
         # leases of its shards in flight, so another worker resumes them at once.
