@@ -14,8 +14,17 @@ later B submits an 8-line batch; B's time from submission to `completed` is repo
 `--wait-all`) A's batch is awaited and both output files are checked: every custom_id answered
 exactly once.
 
-    python benchmarks/tenant_fairness.py                       # both parts -> benchmarks/results/
+Weights (`--part weights`): the operator API creates tenants "gold" (weight 2) and "silver"
+(weight 1), each allowed `--weight-streams` requests at once, and issues their keys. Real time:
+both keep `--weight-streams` streams of `--weight-tokens` tokens open; after `--warmup-s`, the
+completion tokens of each tenant's streams that end within `--window-s` are summed (from each
+stream's usage chunk). Batch: both submit a `--weight-lines`-line batch at once; after
+`--warmup-s`, the lines each completes within `--window-s` are counted (shard commits). Reported:
+gold's share over silver's, against the 2.0 the weights ask for.
+
+    python benchmarks/tenant_fairness.py                       # chat and batch -> benchmarks/results/
     python benchmarks/tenant_fairness.py --part batch --a-lines 20000 --wait-all
+    python benchmarks/tenant_fairness.py --part weights
 """
 
 from __future__ import annotations
@@ -225,9 +234,89 @@ def batch_part(base: str, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _admin(client: httpx.Client, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+    reply = client.request(method, f"/admin{path}", headers=_headers(OPERATOR_KEY), **kwargs)
+    reply.raise_for_status()
+    return dict(reply.json())
+
+
+def _weighted_tenants(base: str, streams: int) -> dict[str, str]:
+    """Tenants gold (weight 2) and silver (weight 1) through the operator API: name -> key."""
+    keys = {}
+    with httpx.Client(base_url=base, timeout=60) as client:
+        for name, weight in (("gold", 2.0), ("silver", 1.0)):
+            _admin(client, "POST", "/tenants", json={"id": name, "weight": weight,
+                                                      "limits": {"max_concurrent_requests": streams}})  # fmt: skip
+            keys[name] = str(_admin(client, "POST", f"/tenants/{name}/keys", json={"name": "bench"})["key"])
+    return keys
+
+
+async def weights_chat(base: str, keys: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=4 * args.weight_streams, max_keepalive_connections=4 * args.weight_streams)
+    window: dict[str, float] = {}
+    tokens = {name: 0 for name in keys}
+    stop = asyncio.Event()
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
+
+        async def streamer(name: str, i: int) -> None:
+            body = {**_chat(i, args.weight_tokens), "stream_options": {"include_usage": True}}
+            while not stop.is_set():
+                used = 0
+                async with client.stream("POST", "/chat/completions", json=body, headers=_headers(keys[name])) as reply:
+                    if reply.status_code != 200:
+                        await reply.aread()
+                        await asyncio.sleep(float(reply.headers.get("retry-after", 1.0)))
+                        continue
+                    async for line in reply.aiter_lines():
+                        if line.startswith("data: {") and '"usage":{' in line:
+                            usage = json.loads(line[6:]).get("usage") or {}
+                            used = int(usage.get("completion_tokens") or 0)
+                ended = time.monotonic()
+                if window and window["start"] <= ended < window["end"]:
+                    tokens[name] += used
+
+        tasks = [asyncio.ensure_future(streamer(name, i)) for name in keys for i in range(args.weight_streams)]
+        await asyncio.sleep(args.warmup_s)
+        window.update(start=time.monotonic(), end=time.monotonic() + args.window_s)
+        await asyncio.sleep(args.window_s)
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    share = tokens["gold"] / max(1, tokens["silver"])
+    log(f"real time over {args.window_s:.0f}s: gold {tokens['gold']} tokens, silver {tokens['silver']}: {share:.2f}x")
+    return {"tokens": tokens, "gold_over_silver": share, "window_s": args.window_s}
+
+
+def weights_batch(base: str, keys: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
+    with httpx.Client(base_url=base, timeout=120) as client:
+        ids = {name: _upload(client, key, f"{name}.jsonl", _batch_lines(name, args.weight_lines)) for name, key in keys.items()}
+
+        def done() -> dict[str, int]:
+            counts = {}
+            for name, batch_id in ids.items():
+                batch = client.get(f"/batches/{batch_id}", headers=_headers(keys[name])).json()
+                counts[name] = batch["request_counts"]["completed"] + batch["request_counts"]["failed"]
+            return counts
+
+        time.sleep(args.warmup_s)  # both batches running: the measurement starts after this
+        before = done()
+        time.sleep(args.window_s)
+        after = done()
+        for name, batch_id in ids.items():
+            client.post(f"/batches/{batch_id}/cancel", headers=_headers(keys[name]))
+    lines = {name: after[name] - before[name] for name in keys}
+    share = lines["gold"] / max(1, lines["silver"])
+    log(f"batch over {args.window_s:.0f}s: gold {lines['gold']} lines, silver {lines['silver']}: {share:.2f}x")
+    return {"lines": lines, "gold_over_silver": share, "window_s": args.window_s}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["chat", "batch", "both"], default="both")
+    parser.add_argument("--part", choices=["chat", "batch", "both", "weights"], default="both")
+    parser.add_argument("--weight-streams", type=int, default=64, help="weights: each tenant's streams")
+    parser.add_argument("--weight-tokens", type=int, default=32, help="weights: tokens per stream")
+    parser.add_argument("--weight-lines", type=int, default=4000, help="weights: lines of each tenant's batch")
     parser.add_argument("--flood", type=int, default=150, help="A's concurrent streams")
     parser.add_argument("--flood-tokens", type=int, default=300)
     parser.add_argument("--b-chats", type=int, default=20)
@@ -250,6 +339,10 @@ def main() -> None:
                 result["chat"] = asyncio.run(chat_part(base, args))
             if args.part in ("batch", "both"):
                 result["batch"] = batch_part(base, args)
+            if args.part == "weights":
+                keys = _weighted_tenants(base, args.weight_streams)
+                result["weights_chat"] = asyncio.run(weights_chat(base, keys, args))
+                result["weights_batch"] = weights_batch(base, keys, args)
         finally:
             stop_server(server)
     write_result(args.out, result)
