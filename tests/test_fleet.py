@@ -225,6 +225,16 @@ def _admin(fleet: str, method: str, path: str, key: str = OPERATOR_KEY, **kwargs
     return httpx.request(method, f"{fleet}/v1/admin{path}", headers=headers, timeout=30, **kwargs)
 
 
+def _ray_session_logs(marker: str) -> list[Path]:
+    """The log files of the newest local Ray session whose Serve logs mention `marker`."""
+    root = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray"
+    for session in sorted(root.glob("session_2*"), key=os.path.getmtime, reverse=True)[:5]:
+        files = [f for f in (session / "logs").rglob("*") if f.is_file()]
+        if any(marker.encode() in f.read_bytes() for f in files if "serve" in f.parts):
+            return files
+    return []
+
+
 def _every_ingress_answers(fleet: str, key: str, want_ok: bool) -> bool:
     """20 requests in a row, spread by Serve's proxy over both ingress replicas (all 20 on one
     replica: chance 2 x 2^-20), each authenticated (or each refused) as `want_ok` says."""
@@ -257,8 +267,12 @@ def test_a_key_issued_through_the_operator_api_works_everywhere_and_revocation_f
     assert reply.usage is not None and reply.usage.completion_tokens > 0
     listed = _admin(fleet, "GET", "/tenants/initech/keys").json()
     assert [k["id"] for k in listed["data"]] == [key_id] and secret not in json.dumps(listed)
-    # stored as a digest only
+    # stored as a digest only, and in no log: this Ray session's (the one whose proxy logged these calls)
     assert not any(secret.encode() in f.read_bytes() for f in fleet_store.rglob("*") if f.is_file())
+    marker = "POST /fleet/v1/admin/tenants/{tenant_id}/keys"  # how Serve's proxy logs the call
+    wait_for(lambda: bool(_ray_session_logs(marker)), 10, "Serve's proxy to log the admin calls")
+    logs = _ray_session_logs(marker)
+    assert not any(secret.encode() in f.read_bytes() for f in logs)
     assert _admin(fleet, "DELETE", f"/tenants/initech/keys/{key_id}").status_code == 200
     wait_for(lambda: _every_ingress_answers(fleet, secret, False), 5, "the revoked key refused everywhere")
 
