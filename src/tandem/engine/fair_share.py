@@ -126,16 +126,19 @@ class FairShare:
 
     def heavier_tenants(self, running: Iterable[Request], newcomers: Iterable[Request]) -> set[str | None]:
         """Tenants holding more running requests per weight than the lightest tenant among
-        `newcomers`' (requests about to start): their decodes may sit out one step so that the
-        newcomer's prompt runs in a short step of its own (time to first token as on a quiet
-        engine, where a step of every tenant's decodes beside it would be several times longer)."""
+        `newcomers`' (requests about to start), by more than one of their own requests: their
+        decodes may sit out one step so that the newcomer's prompt runs in a short step of its own
+        (time to first token as on a quiet engine, where a step of every tenant's decodes beside
+        it would be several times longer). The one-request margin keeps tenants whose seats
+        differ only by rounding (weights 2:1 over 64 seats: 43 and 21) from sitting out every time
+        the other admits a prompt, which would cost the heavier weight its share."""
         loads: dict[str | None, float] = defaultdict(float)
         for r in running:
             loads[r.tenant_id] += 1.0 / self.weight(r.tenant_id)
         lightest = min((loads.get(r.tenant_id, 0.0) for r in newcomers), default=None)
         if lightest is None:
             return set()
-        return {t for t, load in loads.items() if load > lightest + 1e-9}
+        return {t for t, load in loads.items() if load - 1.0 / self.weight(t) > lightest + 1e-9}
 
     def victim(self, candidates: Sequence[Request]) -> Request:
         """Whom to preempt among `candidates` (in `Request.sort_key` order): the lowest-priority
