@@ -12,8 +12,8 @@ chunk, decode, draft) adds `1 / weight` to its counter. The scheduler then
   (`seat_victim`);
 - preempts, among requests of one class, the tenant most over its share first (`victim`);
 - lets a lighter tenant's short new prompt run in a step of its own: the decodes of tenants with
-  more running requests per weight sit out that one step (`heavier_tenants`), so one tenant's many
-  streams do not multiply another's time to first token.
+  more running requests per weight (by more than one of their own) sit out that one step
+  (`heavier_tenants`), so one tenant's many streams do not multiply another's time to first token.
 
 A tenant that had no live request in a class is lifted to the lowest counter of the tenants that
 do when one arrives (`add`), so idle time is not banked as credit. With one tenant (or none:
