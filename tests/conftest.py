@@ -154,14 +154,25 @@ def hf_default_model(default_model_path: Path):  # type: ignore[no-untyped-def]
 def serve_with_worker(app: Any, worker: Any) -> Iterator[str]:
     """`app` under uvicorn on a free loopback port and `worker` (a `BatchWorker`) in its own event
     loop thread; yields the base URL. Waits for the server to listen, not for a fixed time."""
-    import uvicorn
-
     worker_loop = asyncio.new_event_loop()
     worker_task = worker_loop.create_task(worker.run_forever())
     worker_thread = threading.Thread(
         target=lambda: worker_loop.run_until_complete(asyncio.wait([worker_task])), daemon=True
     )
     worker_thread.start()
+    try:
+        with serve_app(app) as base_url:
+            yield base_url
+    finally:
+        worker_loop.call_soon_threadsafe(worker_task.cancel)
+        worker_thread.join(timeout=30)
+
+
+@contextlib.contextmanager
+def serve_app(app: Any) -> Iterator[str]:
+    """`app` under uvicorn on a free loopback port; yields the base URL once it listens."""
+    import uvicorn
+
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     uv_thread = threading.Thread(target=uv.run, daemon=True)
@@ -170,13 +181,11 @@ def serve_with_worker(app: Any, worker: Any) -> Iterator[str]:
         deadline = time.monotonic() + 30
         while not uv.started:
             assert uv_thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
+            time.sleep(0.02)  # polling uvicorn's own readiness flag
         yield f"http://127.0.0.1:{port}"
     finally:
         uv.should_exit = True
         uv_thread.join(timeout=30)
-        worker_loop.call_soon_threadsafe(worker_task.cancel)
-        worker_thread.join(timeout=30)
 
 
 def sse_lines(base_url: str, key: str, max_tokens: int, lines: list[str], started: threading.Event) -> None:

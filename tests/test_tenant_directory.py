@@ -182,10 +182,8 @@ def test_tenants_cli_over_the_operator_api(
     key (printed once) that then works with the openai client, list, revoke; a duplicate exits 1
     with OpenAI's error shape on stderr."""
     import json
-    import threading
 
     import openai
-    import uvicorn
 
     from tandem.cli import main
     from tandem.deployments.engine_clients import LocalEngineClient
@@ -193,20 +191,12 @@ def test_tenants_cli_over_the_operator_api(
     from tandem.deployments.openai_server import OpenAIServer
     from tandem.platform.tenancy import TenantRegistry, parse_operator_keys
 
-    from .conftest import free_port
+    from .conftest import serve_app
 
     tenants = TenantRegistry({}, operator_keys=parse_operator_keys("sk-op"), directory=TenantDirectory(store))
     app = create_app(OpenAIServer(LocalEngineClient(engine), tenants))  # type: ignore[arg-type]
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        base = ["tenants", "--base-url", f"http://127.0.0.1:{port}/v1", "--operator-key", "sk-op"]
+    with serve_app(app) as url:
+        base = ["tenants", "--base-url", f"{url}/v1", "--operator-key", "sk-op"]
 
         def run(*args: str) -> tuple[int, str, str]:
             code = main([*base, *args])
@@ -218,7 +208,7 @@ def test_tenants_cli_over_the_operator_api(
         code, out, _ = run("keys", "create", "acme", "--name", "ci", "--expires-in", "3600")
         issued = json.loads(out)
         assert code == 0 and issued["key"].startswith("tdm-") and issued["expires_at"] > time.time()
-        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=issued["key"], max_retries=0)
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key=issued["key"], max_retries=0)
         assert [m.id for m in api.models.list().data] == ["tiny"]
         code, out, _ = run("keys", "list", "acme")
         assert code == 0 and issued["key"] not in out and json.loads(out)["data"][0]["id"] == issued["id"]
@@ -229,9 +219,6 @@ def test_tenants_cli_over_the_operator_api(
         assert run("keys", "revoke", "acme", issued["id"])[0] == 0
         with pytest.raises(openai.AuthenticationError):
             api.models.list()
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def test_requests_per_minute_and_max_tokens_limits(engine: object, store: FileObjectStore) -> None:
