@@ -3,7 +3,7 @@
 Keys come from `TANDEM_API_KEYS` ("key1=tenant1,key2=tenant2") or a keys file with one
 `key=tenant` per line (the bootstrap), and, with an object store, from the live tenant directory
 (`tenant_directory.py`), which the operator API changes and every replica re-reads every
-`refresh_interval_s`. Only SHA-256 digests of keys are kept, in memory and in the store.
+`interval_s` of `TenantRegistry.start_refresh` (`AppConfig.tenant_refresh_s`). Only SHA-256 digests of keys are kept, in memory and in the store.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.platform.errors import TandemError
-from tandem.platform.tenant_directory import TenantDirectory
+from tandem.platform.tenant_directory import Tenant, TenantDirectory
 
 logger = logging.getLogger("tandem.tenancy")
 
@@ -235,7 +235,7 @@ class TenantRegistry:
     def limits_for(self, tenant: str) -> TenantLimits:
         """The tenant's limits: the directory's where it sets one, else the configured defaults."""
         base = self._limits.get(tenant, self._default_limits)
-        record = self.directory.snapshot.tenants.get(tenant) if self.directory is not None else None
+        record = self._record(tenant)
         if record is None:
             return base
         spec = record.limits
@@ -245,19 +245,23 @@ class TenantRegistry:
             requests_per_minute=spec.requests_per_minute or base.requests_per_minute,
         )
 
+    def _record(self, tenant: str) -> Tenant | None:
+        """The tenant in the directory as last read, if any."""
+        return self.directory.snapshot.tenants.get(tenant) if self.directory is not None else None
+
     def adapter_limits_for(self, tenant: str) -> tuple[int | None, int | None]:
         """The tenant's own (max adapters, max adapter bytes) from the directory; None where unset."""
-        record = self.directory.snapshot.tenants.get(tenant) if self.directory is not None else None
+        record = self._record(tenant)
         return (None, None) if record is None else (record.limits.max_adapters, record.limits.max_adapter_bytes)
 
     def weight_for(self, tenant: str) -> float | None:
         """The tenant's fair-share weight from the directory (None: not set there)."""
-        record = self.directory.snapshot.tenants.get(tenant) if self.directory is not None else None
+        record = self._record(tenant)
         return None if record is None else record.weight
 
     def max_tokens_for(self, tenant: str) -> int | None:
         """The most output tokens one of the tenant's requests may ask for (None: no limit)."""
-        record = self.directory.snapshot.tenants.get(tenant) if self.directory is not None else None
+        record = self._record(tenant)
         return None if record is None else record.limits.max_tokens
 
     def start_refresh(self, interval_s: float) -> None:
