@@ -274,3 +274,54 @@ def test_a_tenants_own_adapter_limits_override_the_servers(store: FileObjectStor
     with pytest.raises(Exception) as other:  # the server's limits pass; the (empty) adapter is invalid
         adapters.create("default-plan", "bot", b"{}", b"0123456789", None, 8)  # type: ignore[arg-type]
     assert getattr(other.value, "code", None) != "adapter_limit_reached"
+
+
+def test_batch_tokens_queued_beyond_a_tenants_limit_are_refused(engine: object, store: FileObjectStore) -> None:
+    """max_batch_tokens_queued: a batch whose lines' max_tokens, with what the tenant's unfinished
+    batches may still generate, pass the limit is a 429 naming the limit, and nothing is created;
+    a smaller one, or another tenant's, is accepted."""
+    import io
+    import json
+
+    import openai
+    from fastapi.testclient import TestClient
+
+    from tandem.batch.service import BatchService
+    from tandem.deployments.engine_clients import LocalEngineClient
+    from tandem.deployments.ingress import create_app
+    from tandem.deployments.openai_server import OpenAIServer
+    from tandem.platform.tenancy import TenantRegistry, parse_keys
+
+    directory = TenantDirectory(store)
+    directory.create_tenant(parse_tenant_spec({"id": "acme", "limits": {"max_batch_tokens_queued": 100}}))
+    _, secret = directory.create_key("acme")
+    tenants = TenantRegistry(parse_keys("sk-other=globex"), directory=directory)
+    batches = BatchService(store, {"tiny"}, default_max_tokens=16)
+    server = OpenAIServer(LocalEngineClient(engine), tenants, batches=batches)  # type: ignore[arg-type]
+
+    def batch_file(api: openai.OpenAI, max_tokens: list[int | None]) -> str:
+        lines = [
+            {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"model": "tiny", "prompt": "Hi", **({} if m is None else {"max_tokens": m})}}
+            for i, m in enumerate(max_tokens)
+        ]  # fmt: skip
+        data = io.BytesIO("".join(json.dumps(line) + "\n" for line in lines).encode())
+        return api.files.create(file=("in.jsonl", data), purpose="batch").id
+
+    with TestClient(create_app(server)) as http:
+        api = openai.OpenAI(base_url="http://testserver/v1", api_key=secret, http_client=http, max_retries=0)
+        first = api.batches.create(input_file_id=batch_file(api, [40, None]), endpoint="/v1/completions",
+                                   completion_window="24h")  # fmt: skip  # 40 + 16 (the default) = 56 queued
+        assert first.status == "in_progress"
+        with pytest.raises(openai.RateLimitError) as refused:
+            api.batches.create(input_file_id=batch_file(api, [30, 20]), endpoint="/v1/completions",
+                               completion_window="24h")  # fmt: skip  # 56 + 50 > 100
+        assert refused.value.body["code"] == "batch_tokens_queued_exceeded"  # type: ignore[index]
+        assert "max_batch_tokens_queued" in refused.value.body["message"]  # type: ignore[index]
+        assert refused.value.response.headers.get("retry-after")
+        assert len(api.batches.list().data) == 1  # nothing half-created
+        api.batches.create(input_file_id=batch_file(api, [30, 14]), endpoint="/v1/completions",
+                           completion_window="24h")  # fmt: skip  # 56 + 44 = 100: fits
+        other = openai.OpenAI(base_url="http://testserver/v1", api_key="sk-other", http_client=http, max_retries=0)
+        other.batches.create(input_file_id=batch_file(other, [500]), endpoint="/v1/completions",
+                             completion_window="24h")  # fmt: skip  # no limit for globex

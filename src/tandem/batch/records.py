@@ -135,12 +135,22 @@ class BatchRecord(BaseModel):
     cancelling_at: int | None = None
     cancelled_at: int | None = None
     num_requests: int = 0
+    num_output_tokens_requested: int = 0  # what its lines may generate (max_tokens, or the default)
     num_shards: int = 0
     shard_counts: dict[int, ShardCounts] = Field(default_factory=dict)  # committed shards only
 
     @property
     def is_terminal(self) -> bool:
         return self.status in TERMINAL_STATUSES
+
+    @property
+    def num_output_tokens_queued(self) -> int:
+        """Of `num_output_tokens_requested`, the share of the lines not answered yet (0 once it ended)."""
+        if self.is_terminal or not self.num_requests:
+            return 0
+        totals = self.totals()
+        remaining = self.num_requests - totals.completed - totals.failed
+        return self.num_output_tokens_requested * max(0, remaining) // self.num_requests
 
     def totals(self) -> ShardCounts:
         total = ShardCounts()

@@ -44,6 +44,7 @@ from tandem.platform.errors import (
     PayloadTooLargeError,
 )
 from tandem.platform.object_store import ObjectNotFound, ObjectStore, PreconditionFailed
+from tandem.platform.tenancy import RateLimitError
 
 logger = logging.getLogger("tandem.batch")
 
@@ -79,11 +80,15 @@ def _now() -> int:
 
 class BatchService:
     def __init__(
-        self, store: ObjectStore, served_models: set[str], limits: BatchLimits | None = None
-    ) -> None:
+        self, store: ObjectStore, served_models: set[str], limits: BatchLimits | None = None,
+        default_max_tokens: int = 256,
+    ) -> None:  # fmt: skip
+        """`default_max_tokens`: what a line without `max_tokens` counts against a tenant's
+        `max_queued_tokens` (the server's default for such requests)."""
         self.store = store
         self.served_models = served_models
         self.limits = limits or BatchLimits()
+        self.default_max_tokens = default_max_tokens
 
     # -- files -----------------------------------------------------------------------------
     def create_file(self, tenant: str, filename: str, purpose: str, data: bytes) -> FileRecord:
@@ -173,7 +178,12 @@ class BatchService:
         endpoint: str,
         completion_window: str,
         metadata: dict[str, str] | None = None,
+        max_queued_tokens: int | None = None,
     ) -> BatchRecord:
+        """Create and validate a batch. With `max_queued_tokens` (the tenant's limit), a batch
+        whose lines' output tokens (`ValidatedFile.num_output_tokens_requested`), with those the
+        tenant's unfinished batches have yet to generate, would pass it is refused (429) before
+        anything is written."""
         if endpoint not in ENDPOINTS:
             raise InvalidRequestError(
                 f"endpoint {endpoint!r} is not supported; use one of {list(ENDPOINTS)}", param="endpoint"
@@ -189,6 +199,8 @@ class BatchService:
                 f"file {input_file_id} has purpose {input_file.purpose!r}; a batch needs purpose 'batch'",
                 param="input_file_id",
             )
+        if max_queued_tokens is not None:
+            self._check_queued_tokens(tenant, input_file_id, endpoint, max_queued_tokens)
         created = _now()
         record = BatchRecord(
             id=new_object_id("batch_"),
@@ -204,6 +216,24 @@ class BatchService:
         self.store.put(batch_key(tenant, record.id), record.model_dump_json().encode(), if_none_match=True)
         self.store.put(queue_key(record.id), json.dumps({"tenant": tenant, "batch_id": record.id}).encode())
         return self.validate_batch(tenant, record.id)
+
+    def _check_queued_tokens(self, tenant: str, input_file_id: str, endpoint: str, limit: int) -> None:
+        checked = validate_batch_file(self.store.get(file_data_key(tenant, input_file_id)).data, endpoint, self.served_models)
+        if checked.errors:
+            return  # the batch fails validation and queues nothing
+        new = checked.num_output_tokens_requested(self.default_max_tokens)
+        queued = sum(record.num_output_tokens_queued for record in self._all_batches(tenant))
+        if queued + new > limit:
+            raise RateLimitError(
+                f"this batch asks for up to {new} output tokens and tenant {tenant!r} has {queued} queued in "
+                f"unfinished batches: together over its limit max_batch_tokens_queued = {limit}; wait for "
+                "a batch to finish, send fewer lines or lower max_tokens",
+                retry_after_s=60.0,
+                code="batch_tokens_queued_exceeded",
+            )
+
+    def _all_batches(self, tenant: str) -> list[BatchRecord]:
+        return [self.get_batch(tenant, i) for i in self._ids(f"{tenant_prefix(tenant)}batches/")]
 
     def validate_batch(self, tenant: str, batch_id: str) -> BatchRecord:
         """Validate the input and write its shards; `validating` -> `in_progress` or `failed`.
@@ -233,6 +263,7 @@ class BatchService:
                 return False
             r.status, r.in_progress_at = "in_progress", _now()
             r.model, r.num_requests, r.num_shards = checked.model, len(checked.inputs), len(shards)
+            r.num_output_tokens_requested = checked.num_output_tokens_requested(self.default_max_tokens)
             return True
 
         record = self.update_batch(tenant, batch_id, start)

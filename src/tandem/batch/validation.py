@@ -29,6 +29,15 @@ class ValidatedFile:
     errors: list[BatchError] = field(default_factory=list)
     model: str | None = None
 
+    def num_output_tokens_requested(self, default_max_tokens: int) -> int:
+        """The output tokens the lines may ask for: each line's `max_completion_tokens` or
+        `max_tokens` (an integer), else `default_max_tokens`."""
+        total = 0
+        for item in self.inputs:
+            asked = item.body.get("max_completion_tokens") or item.body.get("max_tokens")
+            total += asked if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else default_max_tokens
+        return total
+
     def error(self, line: int, code: str, message: str, param: str | None = None) -> None:
         if len(self.errors) < MAX_REPORTED_ERRORS:
             self.errors.append(BatchError(code=code, message=message, param=param, line=line))

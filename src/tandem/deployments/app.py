@@ -81,7 +81,7 @@ def openai_server(
     tenants.start_refresh(cfg.tenant_refresh_s)
     batches = adapters = None
     if store is not None:
-        batches = BatchService(store, {client.model_name}, cfg.batch)
+        batches = BatchService(store, {client.model_name}, cfg.batch, default_max_tokens=cfg.max_tokens_default)
         adapters = AdapterStore(
             store,
             client.model_name,

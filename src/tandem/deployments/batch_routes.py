@@ -126,10 +126,11 @@ def batch_router(
         except ValidationError as exc:
             error = validation_error_body(exc.errors())["error"]
             raise InvalidRequestError(error["message"], param=error["param"]) from exc
-        record = await run_in_threadpool(
-            service.create_batch, tenant, req.input_file_id, req.endpoint, req.completion_window, req.metadata
-        )
         server, _ = authenticated(request)
+        record = await run_in_threadpool(
+            service.create_batch, tenant, req.input_file_id, req.endpoint, req.completion_window, req.metadata,
+            server.tenants.max_batch_tokens_queued_for(tenant),
+        )  # fmt: skip
         if server.on_batch_created is not None and record.status == "in_progress":
             server.on_batch_created()
         return record.api()

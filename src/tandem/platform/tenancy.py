@@ -259,6 +259,11 @@ class TenantRegistry:
         record = self._record(tenant)
         return None if record is None else record.weight
 
+    def max_batch_tokens_queued_for(self, tenant: str) -> int | None:
+        """The most output tokens the tenant's unfinished batches may ask for (None: no limit)."""
+        record = self._record(tenant)
+        return None if record is None else record.limits.max_batch_tokens_queued
+
     def max_tokens_for(self, tenant: str) -> int | None:
         """The most output tokens one of the tenant's requests may ask for (None: no limit)."""
         record = self._record(tenant)
