@@ -36,7 +36,7 @@ from tandem.batch.records import (
     tenant_prefix,
 )
 from tandem.batch.shards import encode_inputs
-from tandem.batch.validation import validate_batch_file
+from tandem.batch.validation import ValidatedFile, validate_batch_file
 from tandem.platform.errors import (
     ConflictError,
     InvalidRequestError,
@@ -199,8 +199,9 @@ class BatchService:
                 f"file {input_file_id} has purpose {input_file.purpose!r}; a batch needs purpose 'batch'",
                 param="input_file_id",
             )
+        checked = None  # the input as validated for the limit, reused to start the batch
         if max_queued_tokens is not None:
-            self._check_queued_tokens(tenant, input_file_id, endpoint, max_queued_tokens)
+            checked = self._check_queued_tokens(tenant, input_file_id, endpoint, max_queued_tokens)
         created = _now()
         record = BatchRecord(
             id=new_object_id("batch_"),
@@ -215,12 +216,13 @@ class BatchService:
         )
         self.store.put(batch_key(tenant, record.id), record.model_dump_json().encode(), if_none_match=True)
         self.store.put(queue_key(record.id), json.dumps({"tenant": tenant, "batch_id": record.id}).encode())
-        return self.validate_batch(tenant, record.id)
+        return self.validate_batch(tenant, record.id, checked)
 
-    def _check_queued_tokens(self, tenant: str, input_file_id: str, endpoint: str, limit: int) -> None:
+    def _check_queued_tokens(self, tenant: str, input_file_id: str, endpoint: str, limit: int) -> ValidatedFile:
+        """The input file validated; raises `RateLimitError` when it would pass `limit`."""
         checked = validate_batch_file(self.store.get(file_data_key(tenant, input_file_id)).data, endpoint, self.served_models)
         if checked.errors:
-            return  # the batch fails validation and queues nothing
+            return checked  # the batch fails validation and queues nothing
         new = checked.num_output_tokens_requested(self.default_max_tokens)
         queued = sum(record.num_output_tokens_queued for record in self._all_batches(tenant))
         if queued + new > limit:
@@ -231,26 +233,27 @@ class BatchService:
                 retry_after_s=60.0,
                 code="batch_tokens_queued_exceeded",
             )
+        return checked
 
     def _all_batches(self, tenant: str) -> list[BatchRecord]:
         return [self.get_batch(tenant, i) for i in self._ids(f"{tenant_prefix(tenant)}batches/")]
 
-    def validate_batch(self, tenant: str, batch_id: str) -> BatchRecord:
-        """Validate the input and write its shards; `validating` -> `in_progress` or `failed`.
-        Idempotent: shards are a pure function of the input file, and the record moves on once."""
+    def validate_batch(self, tenant: str, batch_id: str, checked: ValidatedFile | None = None) -> BatchRecord:
+        """Validate the input (unless `checked` is its validation already) and write its shards;
+        `validating` -> `in_progress` or `failed`. Idempotent: shards are a pure function of the
+        input file, and the record moves on once."""
         record = self.get_batch(tenant, batch_id)
         if record.status != "validating":
             return record
-        try:
-            data = self.store.get(file_data_key(tenant, record.input_file_id)).data
-        except ObjectNotFound:
-            data = None
-        if data is None:
-            errors = [
-                BatchError(code="file_not_found", message=f"input file {record.input_file_id} was deleted")
-            ]
-            return self._fail(tenant, batch_id, errors)
-        checked = validate_batch_file(data, record.endpoint, self.served_models)
+        if checked is None:
+            try:
+                data = self.store.get(file_data_key(tenant, record.input_file_id)).data
+            except ObjectNotFound:
+                errors = [
+                    BatchError(code="file_not_found", message=f"input file {record.input_file_id} was deleted")
+                ]
+                return self._fail(tenant, batch_id, errors)
+            checked = validate_batch_file(data, record.endpoint, self.served_models)
         if checked.errors:
             return self._fail(tenant, batch_id, checked.errors)
         size = self.limits.shard_size

@@ -25,7 +25,7 @@ import torch
 
 from tandem.engine.models.interface import KVLayer
 from tandem.kernels.attention import AttentionMetadata
-from tandem.kernels.paged_rows import PagedRows
+from tandem.kernels.paged_rows import PagedRows, build_paged_rows
 
 logger = logging.getLogger("tandem.engine.runner")
 
@@ -126,23 +126,20 @@ class DecodeGraphs:
         `token_ids[i]` at `positions[i]`, its blocks `block_tables[i]` (module docstring)."""
         batch = len(token_ids)
         graph = self.graphs[min(size for size in self.graphs if size >= batch)]
-        bs = self.block_size
         paged = graph.metadata.paged
         assert paged is not None
         padding = graph.batch - batch
-        used = [table[: position // bs + 1] for table, position in zip(block_tables, positions, strict=True)]
-        # only the columns some row reads are refreshed: a row never reads past its own blocks
-        width = max(len(blocks) for blocks in used)
-        tables = [blocks + [-1] * (width - len(blocks)) for blocks in used] + [[-1] * width] * padding
-        slots = [table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions, strict=True)]
+        lens = [p + 1 for p in positions]
+        slots, rows = build_paged_rows(block_tables, [1] * batch, lens, self.block_size, torch.device("cpu"))
+        # padding rows: token 0 at position 0, written nowhere (slot -1), attending nothing (length 0);
+        # only the table columns some row reads are refreshed (a row never reads past its own blocks)
         graph.input_ids.copy_(torch.tensor(token_ids + [0] * padding, dtype=torch.int64), non_blocking=True)
         graph.positions.copy_(torch.tensor(positions + [0] * padding, dtype=torch.int64), non_blocking=True)
         graph.metadata.slot_mapping.copy_(
-            torch.tensor(slots + [-1] * padding, dtype=torch.int64), non_blocking=True
+            torch.cat([slots, slots.new_full((padding,), -1)]), non_blocking=True
         )
-        paged.block_tables[:, :width].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
-        lens = [p + 1 for p in positions] + [0] * padding
-        paged.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+        paged.seq_lens.copy_(torch.tensor(lens + [0] * padding, dtype=torch.int32), non_blocking=True)
+        paged.block_tables[:batch, : rows.block_tables.shape[1]].copy_(rows.block_tables, non_blocking=True)
         if self.captured:
             graph.graph.replay()
             assert graph.logits is not None
