@@ -136,6 +136,7 @@ class BatchRecord(BaseModel):
     cancelled_at: int | None = None
     num_requests: int = 0
     num_output_tokens_requested: int = 0  # what its lines may generate (max_tokens, or the default)
+    api_key_id: str | None = None  # the key that created it (its lines' usage names it)
     num_shards: int = 0
     shard_counts: dict[int, ShardCounts] = Field(default_factory=dict)  # committed shards only
 

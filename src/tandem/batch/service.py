@@ -179,6 +179,7 @@ class BatchService:
         completion_window: str,
         metadata: dict[str, str] | None = None,
         max_queued_tokens: int | None = None,
+        api_key_id: str | None = None,
     ) -> BatchRecord:
         """Create and validate a batch. With `max_queued_tokens` (the tenant's limit), a batch
         whose lines' output tokens (`ValidatedFile.num_output_tokens_requested`), with those the
@@ -213,6 +214,7 @@ class BatchService:
             created_at=created,
             expires_at=created + int(self.limits.completion_window_s),
             metadata=metadata,
+            api_key_id=api_key_id,
         )
         self.store.put(batch_key(tenant, record.id), record.model_dump_json().encode(), if_none_match=True)
         self.store.put(queue_key(record.id), json.dumps({"tenant": tenant, "batch_id": record.id}).encode())

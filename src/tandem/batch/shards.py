@@ -26,6 +26,11 @@ RESULT_SCHEMA = pa.schema(
         ("error", pa.string()),  # JSON {"code", "message"}; null on success
         ("input_tokens", pa.int64()),
         ("output_tokens", pa.int64()),
+        # Metering (absent in shards written before it: read as null/0, and such lines are not metered).
+        ("model", pa.string()),
+        ("cached_tokens", pa.int64()),
+        ("started_at", pa.float64()),  # epoch seconds
+        ("finished_at", pa.float64()),
     ]
 )
 
@@ -47,6 +52,10 @@ class BatchResult:
     error: dict[str, Any] | None
     input_tokens: int = 0
     output_tokens: int = 0
+    model: str | None = None  # as the line's response named it
+    cached_tokens: int = 0
+    started_at: float = 0.0  # epoch seconds; 0 in shards written before metering
+    finished_at: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -106,6 +115,10 @@ def encode_results(rows: list[BatchResult]) -> bytes:
             "error": [dumps(r.error) for r in rows],
             "input_tokens": [r.input_tokens for r in rows],
             "output_tokens": [r.output_tokens for r in rows],
+            "model": [r.model for r in rows],
+            "cached_tokens": [r.cached_tokens for r in rows],
+            "started_at": [r.started_at for r in rows],
+            "finished_at": [r.finished_at for r in rows],
         },
         schema=RESULT_SCHEMA,
     )
@@ -113,7 +126,11 @@ def encode_results(rows: list[BatchResult]) -> bytes:
 
 
 def decode_results(data: bytes) -> list[BatchResult]:
-    table = pq.read_table(io.BytesIO(data), schema=RESULT_SCHEMA)
+    """Result rows; a shard written before a column existed reads it as its default."""
+    table = pq.read_table(io.BytesIO(data))
+    for name in RESULT_SCHEMA.names:
+        if name not in table.column_names:
+            table = table.append_column(name, pa.nulls(table.num_rows, RESULT_SCHEMA.field(name).type))
     return [
         BatchResult(
             line=row["line"],
@@ -124,6 +141,10 @@ def decode_results(data: bytes) -> list[BatchResult]:
             error=None if row["error"] is None else json.loads(row["error"]),
             input_tokens=row["input_tokens"],
             output_tokens=row["output_tokens"],
+            model=row["model"],
+            cached_tokens=row["cached_tokens"] or 0,
+            started_at=row["started_at"] or 0.0,
+            finished_at=row["finished_at"] or 0.0,
         )
-        for row in table.to_pylist()
+        for row in table.select(RESULT_SCHEMA.names).to_pylist()
     ]

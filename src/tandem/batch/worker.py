@@ -49,6 +49,7 @@ from tandem.batch.records import (
 )
 from tandem.batch.service import BatchService
 from tandem.batch.shards import BatchInput, BatchResult, decode_inputs, decode_results, encode_results
+from tandem.batch.usage import write_shard_usage
 from tandem.platform.errors import NotFoundError
 from tandem.platform.object_store import ObjectNotFound, PreconditionFailed
 
@@ -65,6 +66,7 @@ class ExecutedRequest:
     error: dict[str, Any] | None
     input_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0
 
 
 Execute = Callable[[str, dict[str, Any], str], Awaitable[ExecutedRequest]]  # (endpoint, body, tenant)
@@ -129,6 +131,12 @@ def _shard_counts(rows: list[BatchResult]) -> ShardCounts:
         input_tokens=sum(r.input_tokens for r in rows),
         output_tokens=sum(r.output_tokens for r in rows),
     )
+
+
+def _response_model(body: dict[str, Any] | None, request: dict[str, Any]) -> str | None:
+    """The model a line's response names, else the one its request asked for."""
+    model = (body or {}).get("model") or request.get("model")
+    return model if isinstance(model, str) else None
 
 
 def batch_request_id(batch_id: str, line: int) -> str:
@@ -413,6 +421,7 @@ class BatchWorker:
 
     async def _run_one(self, record: BatchRecord, row: BatchInput) -> BatchResult:
         request_id = batch_request_id(record.id, row.line)
+        started_at = time.time()
         try:
             done = await self._send(record, row)
         except (asyncio.CancelledError, RetryLater):
@@ -436,6 +445,10 @@ class BatchWorker:
             error=done.error,
             input_tokens=done.input_tokens,
             output_tokens=done.output_tokens,
+            model=_response_model(done.body, row.body),
+            cached_tokens=done.cached_tokens,
+            started_at=started_at,
+            finished_at=time.time(),
         )
 
     def _commit(self, record: BatchRecord, shard: int, rows: list[BatchResult], lease: Lease) -> None:
@@ -451,6 +464,7 @@ class BatchWorker:
             )
             committed = decode_results(self.store.get(result_shard_key(record.tenant, record.id, shard)).data)
             rows = committed
+        write_shard_usage(self.store, record, shard, rows)  # the committed rows, whoever committed them
         counts = _shard_counts(rows)
 
         def add(r: BatchRecord) -> bool:
@@ -508,6 +522,7 @@ class BatchWorker:
         shard_counts: dict[int, ShardCounts] = {}
         for shard in committed:
             rows = decode_results(self.store.get(result_shard_key(tenant, batch_id, shard)).data)
+            write_shard_usage(self.store, record, shard, rows)  # a committer that died before metering
             shard_counts[shard] = _shard_counts(rows)
             results.extend(rows)
         if final == "expired":

@@ -28,8 +28,10 @@ from tandem.deployments.replicas import (
     PrefillReplica,
 )
 from tandem.platform.object_store import open_object_store
+from tandem.platform.telemetry import get_telemetry
 from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys, parse_operator_keys
 from tandem.platform.tenant_directory import TenantDirectory
+from tandem.platform.usage_log import UsageLog
 
 fastapi_app = create_app()
 
@@ -53,6 +55,13 @@ class OpenAIIngress:
         self._drain_watch = asyncio.get_event_loop().create_task(
             watch_drain(fleet, lambda: server.num_in_flight, server.begin_drain)
         )
+        self._server = server
+
+    def __del__(self) -> None:
+        """Serve stops the replica: store the usage records still queued."""
+        usage_log = getattr(getattr(self, "_server", None), "usage_log", None)
+        if usage_log is not None:
+            usage_log.close(timeout_s=10.0)
 
 
 def openai_server(
@@ -94,6 +103,11 @@ def openai_server(
     limiter: TenantLimiter = LocalTenantLimiter(tenants, max_wait_s=cfg.tenant_queue_wait_s)
     if fleet is not None and cfg.ingress_num_replicas > 1:
         limiter = FleetTenantLimiter(fleet, tenants)
+    usage_log = None
+    if store is not None:
+        usage_log = UsageLog(
+            store, commit_interval_s=cfg.usage_commit_interval_s, on_committed=get_telemetry().record_usage
+        )
     server = OpenAIServer(
         client,
         tenants,
@@ -101,6 +115,7 @@ def openai_server(
         batches=batches,
         adapters=adapters,
         limiter=limiter,
+        usage_log=usage_log,
     )
     if batch_worker is not None:
 

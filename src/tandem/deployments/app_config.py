@@ -138,6 +138,14 @@ class AppConfig(BaseModel):
         description="How often each ingress replica re-reads the tenant directory in the object store "
         "(tenants, keys, limits changed through /v1/admin take effect everywhere within this)",
     )
+    usage_commit_interval_s: float = Field(
+        0.1,
+        ge=0.0,
+        le=5.0,
+        description="Usage metering (with an object store): each ingress replica stores the usage "
+        "records of the requests that ended in one object per this interval at most; a response's "
+        "usage is stored before the client sees it, so this bounds what metering adds to a response's end",
+    )
     adapter_source_prefixes: list[str] = Field(
         default_factory=list,
         description="Per-tenant folder URIs an adapter upload may name as 'source' instead of sending "

@@ -98,4 +98,5 @@ async def execute_batch_line(server: OpenAIServer, endpoint: str, body: dict[str
         None,
         input_tokens=int(counts.get("prompt_tokens", 0)),
         output_tokens=int(counts.get("completion_tokens", 0)),
+        cached_tokens=int((counts.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
     )

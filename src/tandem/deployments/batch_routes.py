@@ -127,9 +127,10 @@ def batch_router(
             error = validation_error_body(exc.errors())["error"]
             raise InvalidRequestError(error["message"], param=error["param"]) from exc
         server, _ = authenticated(request)
+        caller = server.tenants.identify(request.headers.get("authorization"))
         record = await run_in_threadpool(
             service.create_batch, tenant, req.input_file_id, req.endpoint, req.completion_window, req.metadata,
-            server.tenants.max_batch_tokens_queued_for(tenant),
+            server.tenants.max_batch_tokens_queued_for(tenant), caller.api_key_id,
         )  # fmt: skip
         if server.on_batch_created is not None and record.status == "in_progress":
             server.on_batch_created()

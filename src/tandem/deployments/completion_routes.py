@@ -43,6 +43,7 @@ from tandem.platform.openai_schemas import (
     tandem_error_body,
     validation_error_body,
 )
+from tandem.platform.tenancy import Caller
 
 logger = logging.getLogger("tandem.api")
 
@@ -185,14 +186,15 @@ class CompletionRoutes:
 
         tenant: str | None = None
         try:
-            server, tenant, body = await self._read_request(scope, headers, receive)
+            server, caller, body = await self._read_request(scope, headers, receive)
+            tenant, key_id = caller.tenant, caller.api_key_id
             async with _CancelOnDisconnect(receive):
                 if chat:
                     chat_req = ChatCompletionRequest.model_validate(body)
-                    result = await server.chat(chat_req, tenant, timing=timing)
+                    result = await server.chat(chat_req, tenant, timing=timing, api_key_id=key_id)
                 else:
                     completion_req = CompletionRequest.model_validate(body)
-                    result = await server.completions(completion_req, tenant, timing=timing)
+                    result = await server.completions(completion_req, tenant, timing=timing, api_key_id=key_id)
                 reply_headers = {"Server-Timing": timing.header()}
                 if isinstance(result, dict):
                     await _send_json(send_tracked, 200, result, reply_headers)
@@ -240,20 +242,20 @@ class CompletionRoutes:
 
     async def _read_request(
         self, scope: Scope, headers: _RequestHeaders, receive: Receive
-    ) -> tuple[OpenAIServer, str, dict[str, Any]]:
-        """The server, the caller's tenant (401 without a valid key) and the body as a JSON object
+    ) -> tuple[OpenAIServer, Caller, dict[str, Any]]:
+        """The server, the caller (401 without a valid key) and the body as a JSON object
         with no unsupported field (400), refused from its `Content-Length` when too large (413)."""
         server = self.server_of(scope.get("app"))
         if server is None:
             raise TandemError("server is starting; retry shortly", code="not_ready")
-        tenant = server.tenants.authenticate(headers.authorization)
+        caller = server.tenants.identify(headers.authorization)
         if headers.content_length is not None and headers.content_length > MAX_BODY_BYTES:
             raise PayloadTooLargeError(
                 f"request body is {headers.content_length} bytes; the limit is {MAX_BODY_BYTES}"
             )
         body = parse_json_object(await _read_body(receive))
         reject_unsupported(body)
-        return server, tenant, body
+        return server, caller, body
 
 
 async def _read_body(receive: Receive) -> bytes:

@@ -33,6 +33,7 @@ from tandem.deployments.completion_routes import (
     validation_error_reply,
 )
 from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.usage_routes import usage_router
 from tandem.platform.errors import TandemError
 from tandem.platform.openai_schemas import (
     ChatCompletionRequest,
@@ -183,6 +184,7 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
     app.include_router(batch_router(_authenticated, json_body))
     app.include_router(adapter_router(_authenticated, json_body))
     app.include_router(admin_router(_server, json_body))
+    app.include_router(usage_router(_server))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Any:

@@ -39,6 +39,7 @@ from tandem.deployments.structured_output import (
     parse_tool_calls,
     tool_mode,
 )
+from tandem.deployments.usage_metering import RequestMeter
 from tandem.engine.protocol import CompletionOutput, GenerationRequest, RequestOutput
 from tandem.engine.request import Priority
 from tandem.platform.errors import InvalidRequestError, NotFoundError, ShuttingDownError, TandemError
@@ -58,6 +59,8 @@ from tandem.platform.openai_schemas import (
 )
 from tandem.platform.telemetry import get_telemetry
 from tandem.platform.tenancy import CONCURRENCY_LIMITED, RateLimitError, TenantRegistry
+from tandem.platform.usage_log import UsageLog
+from tandem.platform.usage_records import UsageStatus
 
 logger = logging.getLogger("tandem.api")
 
@@ -149,8 +152,11 @@ class OpenAIServer:
         batches: BatchService | None = None,
         adapters: AdapterStore | None = None,
         limiter: TenantLimiter | None = None,
+        usage_log: UsageLog | None = None,
     ) -> None:
+        """`usage_log`: where real-time requests' usage records go (None: not metered)."""
         self.client = client
+        self.usage_log = usage_log
         self.tenants = tenants
         self.limiter = limiter if limiter is not None else LocalTenantLimiter(tenants)
         self.model_name = client.model_name
@@ -313,6 +319,7 @@ class OpenAIServer:
         tenant: str,
         priority: Priority = Priority.INTERACTIVE,
         timing: ResponseTiming | None = None,
+        api_key_id: str | None = None,
     ) -> dict[str, Any] | AsyncIterator[str]:
         lora_id = await self._resolve_model(req.model, tenant)
         messages = chat_messages(req)
@@ -337,6 +344,7 @@ class OpenAIServer:
             include_usage=include_usage,
             timing=timing,
             tool_calls=tool_mode(req) is not None,
+            api_key_id=api_key_id,
         )
 
     async def completions(
@@ -345,6 +353,7 @@ class OpenAIServer:
         tenant: str,
         priority: Priority = Priority.INTERACTIVE,
         timing: ResponseTiming | None = None,
+        api_key_id: str | None = None,
     ) -> dict[str, Any] | AsyncIterator[str]:
         lora_id = await self._resolve_model(req.model, tenant)
         prompt_is_text = isinstance(req.prompt, str)
@@ -363,7 +372,13 @@ class OpenAIServer:
         )
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await self._run(
-            gen, tenant, stream=req.stream, chat=False, include_usage=include_usage, timing=timing
+            gen,
+            tenant,
+            stream=req.stream,
+            chat=False,
+            include_usage=include_usage,
+            timing=timing,
+            api_key_id=api_key_id,
         )
 
     # -- running a request --------------------------------------------------------------
@@ -377,10 +392,16 @@ class OpenAIServer:
         include_usage: bool,
         timing: ResponseTiming | None = None,
         tool_calls: bool = False,
+        api_key_id: str | None = None,
     ) -> dict[str, Any] | AsyncIterator[str]:
         """Start `gen` and await its first output (so errors are HTTP errors); then a JSON body,
         or the SSE events to stream. `timing`, when given, is filled at the first output. With
-        `tool_calls` (a chat request with tools), the text is parsed into tool calls."""
+        `tool_calls` (a chat request with tools), the text is parsed into tool calls.
+
+        A real-time request is metered (`usage_log`) once the engine has it: a response's usage
+        is stored before the client sees it (the JSON body, or a stream's usage chunk and
+        `[DONE]`); a request that ends otherwise is recorded `cancelled` or `failed` without
+        waiting."""
         if timing is not None:
             timing.request_id = gen.request_id
         self._check_admitting()
@@ -390,6 +411,9 @@ class OpenAIServer:
         if accounted:
             await self.limiter.acquire(tenant)
         started, started_ns = time.monotonic(), time.time_ns()
+        meter = None
+        if accounted and self.usage_log is not None:
+            meter = RequestMeter(gen.request_id, tenant, api_key_id, self._api_model(gen), self._adapter_name(gen))
         outputs = self.client.generate(gen)
         self.num_in_flight += 1
         try:
@@ -397,12 +421,15 @@ class OpenAIServer:
             if first is None:
                 raise RuntimeError(f"the engine stream of {gen.request_id} ended without an output")
             first_at = time.monotonic()
+            if meter is not None:
+                meter.see(first)
             if failed_choice(first):  # failed before its first token: HTTP error
                 raise engine_error(first, _constraint_param(gen))
-        except BaseException:
+        except BaseException as exc:
             self.num_in_flight -= 1
             if accounted:
                 self.limiter.release(tenant, 0)
+            self._meter_end(meter, exc)
             await outputs.aclose()
             raise
         if timing is not None:
@@ -419,11 +446,13 @@ class OpenAIServer:
                 include_usage=include_usage,
                 times=(started, started_ns, first_at),
                 tool_calls=tool_calls,
+                meter=meter,
             )
 
             async def close_unstarted() -> None:  # what `_sse`'s own `finally` would have done
                 self.num_in_flight -= 1
                 self.limiter.release(tenant, 0)
+                self._meter_end(meter, asyncio.CancelledError())
                 await outputs.aclose()
 
             return _Events(events, close_unstarted)
@@ -431,6 +460,11 @@ class OpenAIServer:
         try:
             while (out := await self._next_output(outputs)) is not None:
                 last = out
+                if meter is not None:
+                    meter.see(out)
+        except BaseException as exc:
+            self._meter_end(meter, exc)
+            raise
         finally:
             self.num_in_flight -= 1
             await outputs.aclose()  # at a drain's end the stream is still open: this aborts it
@@ -438,8 +472,34 @@ class OpenAIServer:
                 self.limiter.release(tenant, num_tokens(last))
         self._record(gen, tenant, last, started, started_ns, first_at)
         if failed_choice(last):
+            self._meter_end(meter, None, failed=True)
             raise engine_error(last, _constraint_param(gen))
-        return self._final_body(gen, last, chat=chat, tool_calls=tool_calls)
+        body = self._final_body(gen, last, chat=chat, tool_calls=tool_calls)
+        await self._meter_completed(meter, last)
+        return body
+
+    def _adapter_name(self, gen: GenerationRequest) -> str | None:
+        if gen.lora_name is None:
+            return None
+        return self._api_model(gen).partition(":")[2]
+
+    async def _meter_completed(self, meter: RequestMeter | None, last: RequestOutput) -> None:
+        """Store a finished request's record before its usage is reported (its body returned,
+        its usage chunk sent)."""
+        if meter is None or self.usage_log is None or meter.recorded:
+            return
+        finish_reason = last.outputs[0].finish_reason if last.outputs else None
+        await self.usage_log.commit(meter.record("completed", finish_reason))
+
+    def _meter_end(self, meter: RequestMeter | None, exc: BaseException | None, *, failed: bool = False) -> None:
+        """Record a request that ends without reporting usage: `cancelled` when its client went
+        away (a cancellation) or the server drained, `failed` otherwise. Never waits or raises."""
+        if meter is None or self.usage_log is None or meter.recorded:
+            return
+        status: UsageStatus = "failed"
+        if not failed and isinstance(exc, asyncio.CancelledError | GeneratorExit | ShuttingDownError):
+            status = "cancelled"
+        self.usage_log.submit(meter.record(status, "abort" if status == "cancelled" else "error"))
 
     def _final_body(self, gen: GenerationRequest, last: RequestOutput, *, chat: bool, tool_calls: bool) -> dict[str, Any]:
         """The JSON body of a finished request: one choice per `last.outputs` (every choice's final
@@ -531,6 +591,7 @@ class OpenAIServer:
         include_usage: bool,
         times: tuple[float, int, float],  # started (monotonic), started (ns since epoch), first output
         tool_calls: bool = False,
+        meter: RequestMeter | None = None,
     ) -> AsyncGenerator[str, None]:
         created = now()
         last = first
@@ -553,6 +614,8 @@ class OpenAIServer:
             out: RequestOutput | None = first
             while out is not None:
                 last = out
+                if meter is not None and out is not first:
+                    meter.see(out)
                 if failed_choice(out):  # the engine ended it: no more text
                     raise engine_error(out, _constraint_param(gen))
                 if calls is not None:
@@ -572,6 +635,7 @@ class OpenAIServer:
                 ):
                     yield sse_event(chunk)
                 out = await self._next_output(outputs)
+            await self._meter_completed(meter, last)  # stored before the client sees its usage
             if include_usage:
                 last_usage = usage(last)
                 if chat:
@@ -599,10 +663,15 @@ class OpenAIServer:
                         )
                     )
         except TandemError as exc:  # the stream has started: report in-band, then end it as usual
+            self._meter_end(meter, exc)
             yield sse_event(tandem_error_body(exc, gen.request_id))
-        except Exception:
+        except Exception as exc:
+            self._meter_end(meter, exc)
             logger.exception("stream failed", extra={"tenant": tenant, "request_id": gen.request_id})
             yield sse_event(internal_error_body(gen.request_id))
+        except BaseException as exc:  # cancelled, or closed (the client went away)
+            self._meter_end(meter, exc)
+            raise
         finally:
             # The slot first: on a client disconnect this block runs under cancellation, and an
             # await may be interrupted; `release` never waits.

@@ -137,6 +137,7 @@ class OutputProcessor:
         state.num_emitted_tokens = len(token_ids)
         finish_reason = request.status.finish_reason if finished else None
         state.metrics.num_cached_tokens = request.num_cached_tokens
+        state.metrics.num_accepted_draft_tokens = request.num_accepted_draft_tokens
         if finished:
             state.metrics.finished_time = now
             state.metrics.num_preemptions = request.num_preemptions

@@ -67,6 +67,7 @@ class _Family:
     child_ids: list[str]
     finals: dict[int, CompletionOutput] = field(default_factory=dict)  # index -> final output
     metrics: RequestMetrics | None = None  # the leader's (its arrival, first token, cached tokens)
+    num_accepted_draft_tokens: dict[int, int] = field(default_factory=dict)  # index -> that choice's
     error: str | None = None
     error_code: str | None = None
 
@@ -112,6 +113,7 @@ class ChoiceFamilies:
             completion = dataclasses.replace(output.outputs[0], index=index)
             if index == 0 or family.metrics is None:
                 family.metrics = output.metrics
+            family.num_accepted_draft_tokens[index] = output.metrics.num_accepted_draft_tokens
             if completion.finished:
                 family.finals[index] = completion
                 del self.parent_of[output.request_id]
@@ -157,7 +159,11 @@ class ChoiceFamilies:
         parent.outputs = outputs
         parent.finished = True
         if family.metrics is not None:  # the leader's, ended when the last choice ended
-            parent.metrics = dataclasses.replace(family.metrics, finished_time=time.monotonic())
+            parent.metrics = dataclasses.replace(
+                family.metrics,
+                finished_time=time.monotonic(),
+                num_accepted_draft_tokens=sum(family.num_accepted_draft_tokens.values()),
+            )
         if family.error is not None:
             parent.error, parent.error_code = family.error, family.error_code
 

@@ -49,6 +49,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_accepted_draft_tokens: int = 0  # speculative draft tokens the model accepted (every choice's)
 
     @property
     def ttft(self) -> float | None:

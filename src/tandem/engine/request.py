@@ -60,6 +60,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is written; invariant: <= num_tokens
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    num_accepted_draft_tokens: int = 0  # speculative draft tokens accepted so far
     error: str | None = None  # why it finished with FINISHED_ERROR (safe to show the client)
     error_code: str | None = None  # machine-readable kind of that error ("kv_integrity", ...)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

@@ -43,6 +43,7 @@ def update_from_output(
         num_accepted = min(max(0, len(token_ids) - 1), num_drafts)
         if num_drafts:
             sched.speculation.record(request.request_id, num_drafts, num_accepted)
+            request.num_accepted_draft_tokens += num_accepted
         if not token_ids:  # a prefill chunk short of the prompt's end (never has drafts)
             before = request.num_computed_tokens
             request.num_computed_tokens += len(item.token_ids)

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
@@ -23,6 +23,9 @@ from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, V
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanProcessor
+
+if TYPE_CHECKING:
+    from tandem.platform.usage_records import UsageRecord
 
 logger = logging.getLogger("tandem.telemetry")
 
@@ -78,6 +81,19 @@ class Telemetry:
         )
         self.requests = meter.create_counter(
             "tandem_requests", description="Finished requests by finish reason"
+        )
+        # Metered usage (each record once, when stored): per tenant, priority and status.
+        self.usage_requests = meter.create_counter(
+            "tandem_usage_requests", description="Requests metered (usage records stored)"
+        )
+        self.usage_input_tokens = meter.create_counter(
+            "tandem_usage_input_tokens", description="Metered input tokens, cached ones included"
+        )
+        self.usage_cached_tokens = meter.create_counter(
+            "tandem_usage_cached_tokens", description="Metered input tokens served from the prefix cache"
+        )
+        self.usage_output_tokens = meter.create_counter(
+            "tandem_usage_output_tokens", description="Metered output tokens"
         )
         self._engine_stats: dict[tuple[str, str], dict[str, Any]] = {}  # (model, replica id) ->
         self._lock = threading.Lock()
@@ -177,6 +193,15 @@ class Telemetry:
                 del self._engine_stats[key]
             for replica_id, stats in stats_by_replica.items():
                 self._engine_stats[(model, replica_id)] = dict(stats)
+
+    def record_usage(self, records: Iterable[UsageRecord]) -> None:
+        """Count stored usage records (the usage log calls this after each flush)."""
+        for record in records:
+            labels = {"tenant": record.tenant, "priority": record.priority, "status": record.status}
+            self.usage_requests.add(1, labels)
+            self.usage_input_tokens.add(record.input_tokens, labels)
+            self.usage_cached_tokens.add(record.cached_tokens, labels)
+            self.usage_output_tokens.add(record.output_tokens, labels)
 
     def record_request(
         self,

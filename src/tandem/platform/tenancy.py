@@ -60,6 +60,20 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def bootstrap_key_id(digest: str) -> str:
+    """The id of a key from `TANDEM_API_KEYS` or the keys file (they have no stored record): a
+    prefix of its digest, which reveals nothing of the secret."""
+    return f"key_boot_{digest[:12]}"
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: the tenant and the id of the key it used."""
+
+    tenant: str
+    api_key_id: str
+
+
 def parse_keys(spec: str) -> dict[str, str]:
     """ "k1=t1,k2=t2" (or one pair per line) -> {sha256(k): tenant}. Raises on malformed pairs."""
     hashed: dict[str, str] = {}
@@ -203,15 +217,26 @@ class TenantRegistry:
 
     def authenticate(self, authorization: str | None) -> str:
         """'Bearer KEY' -> tenant id, or AuthenticationError (401)."""
+        return self.identify(authorization).tenant
+
+    def identify(self, authorization: str | None) -> Caller:
+        """'Bearer KEY' -> its tenant and key id, or AuthenticationError (401)."""
         digest = _bearer_digest(authorization, "API key")
         for known, tenant in self._keys.items():
             if hmac.compare_digest(known, digest):
-                return tenant
+                return Caller(tenant, bootstrap_key_id(digest))
         if self.directory is not None:
-            found = self.directory.snapshot.tenant_for_digest(digest)
-            if found is not None:
-                return found
+            key = self.directory.snapshot.key_for_digest(digest)
+            if key is not None:
+                return Caller(key.tenant, key.id)
         raise AuthenticationError("invalid API key", code="invalid_api_key")
+
+    def is_operator(self, authorization: str | None) -> bool:
+        """Whether `authorization` carries an operator key (never raises)."""
+        if not self._operator_keys or not authorization or not authorization.lower().startswith("bearer "):
+            return False
+        digest = hash_key(authorization[7:].strip())
+        return any(hmac.compare_digest(known, digest) for known in self._operator_keys)
 
     def authenticate_operator(self, authorization: str | None) -> None:
         """Admit an operator key; 401 without a valid key, 403 for a tenant's key (or when no

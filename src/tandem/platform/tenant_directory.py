@@ -20,6 +20,7 @@ Contract:
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import re
 import secrets
@@ -118,13 +119,18 @@ class DirectorySnapshot:
     keys: dict[str, ApiKey] = field(default_factory=dict)  # key id -> key
     etag: str | None = None
 
-    def tenant_for_digest(self, digest: str, now: float | None = None) -> str | None:
-        """The tenant of the live key with this digest, or None."""
+    def key_for_digest(self, digest: str, now: float | None = None) -> ApiKey | None:
+        """The live key with this digest whose tenant exists, or None."""
         now = time.time() if now is None else now
         for key in self.keys.values():
-            if key.digest == digest and key.live(now) and key.tenant in self.tenants:
-                return key.tenant
+            if hmac.compare_digest(key.digest, digest) and key.live(now) and key.tenant in self.tenants:
+                return key
         return None
+
+    def tenant_for_digest(self, digest: str, now: float | None = None) -> str | None:
+        """The tenant of the live key with this digest, or None."""
+        key = self.key_for_digest(digest, now)
+        return None if key is None else key.tenant
 
 
 def _to_json(snapshot: DirectorySnapshot) -> bytes:
