@@ -5,12 +5,14 @@ session)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -182,10 +184,20 @@ def test_metrics_cover_both_replicas(fleet: str) -> None:
     assert replicas == set(board()), replicas
 
 
-def test_killing_a_replica_mid_batch_loses_no_request(fleet: str) -> None:
+def test_killing_a_replica_mid_run_loses_no_request_and_meters_each_once(fleet: str, fleet_store: Path) -> None:
+    """A batch and a mix of real-time requests (streamed, non-streamed, cancelled, failed) of one
+    tenant, one LLM replica killed while they run: the batch loses no line, and the usage records
+    match what the responses reported, each request once (batch lines that ran twice included)."""
     import psutil
 
-    api = client(fleet)
+    from tandem.platform.object_store import FileObjectStore
+    from tandem.platform.usage_query import read_records
+
+    started = int(time.time())
+    assert _admin(fleet, "POST", "/tenants", json={"id": "meter-co", "limits": {"max_concurrent_requests": 8}}).status_code == 200
+    secret = _admin(fleet, "POST", "/tenants/meter-co/keys").json()["key"]
+    wait_for(lambda: _every_ingress_answers(fleet, secret, True), 5, "the new key on every ingress replica")
+    api = openai.OpenAI(base_url=f"{fleet}/v1", api_key=secret, max_retries=0, timeout=120)
     lines = [
         json.dumps(
             {
@@ -206,7 +218,49 @@ def test_killing_a_replica_mid_batch_loses_no_request(fleet: str) -> None:
     ]
     assert len(replica_pids) == 2, replica_pids
     wait_for(lambda: api.batches.retrieve(batch.id).request_counts.completed > 0, 120, "the batch to start")
-    os.kill(replica_pids[0], signal.SIGKILL)
+
+    reported: dict[str, tuple[int, int]] = {}  # request id -> (prompt, completion tokens) as reported
+    cancelled: list[str] = []
+    num_errors = 0
+
+    def realtime(i: int) -> None:
+        nonlocal num_errors
+        kind = i % 4
+        try:
+            if kind == 0:
+                done = api.completions.create(model="tiny", prompt=f"Now {i}", max_tokens=16, extra_body={"ignore_eos": True})
+                assert done.usage is not None
+                reported[done.id] = (done.usage.prompt_tokens, done.usage.completion_tokens)
+            elif kind == 1:
+                chunks = list(
+                    api.chat.completions.create(
+                        model="tiny", messages=[{"role": "user", "content": f"Now {i}"}], max_tokens=16, stream=True,
+                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                    )
+                )  # fmt: skip
+                usage = chunks[-1].usage
+                assert usage is not None
+                reported[chunks[0].id] = (usage.prompt_tokens, usage.completion_tokens)
+            elif kind == 2:
+                stream = api.completions.create(
+                    model="tiny", prompt=f"Now {i}", max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
+                )
+                first = next(iter(stream))
+                next(iter(stream))
+                cancelled.append(first.id)
+                stream.close()
+            else:
+                with contextlib.suppress(openai.BadRequestError):  # over the context: refused
+                    api.completions.create(model="tiny", prompt=[5] * 5000, max_tokens=16)
+        except (openai.APIError, StopIteration):  # its replica was killed under it
+            num_errors += 1
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(realtime, i) for i in range(16)]
+        wait_for(lambda: any(f.done() for f in futures), 120, "real-time requests under way")
+        os.kill(replica_pids[0], signal.SIGKILL)
+        for future in futures:
+            future.result()
     wait_for(lambda: api.batches.retrieve(batch.id).status == "completed", 240, "the batch to complete")
     batch = api.batches.retrieve(batch.id)
     assert batch.request_counts.completed == 24 and batch.request_counts.failed == 0, batch.request_counts
@@ -215,6 +269,74 @@ def test_killing_a_replica_mid_batch_loses_no_request(fleet: str) -> None:
     assert all(o["response"]["status_code"] == 200 for o in output), [o for o in output if o["response"]["status_code"] != 200]
     done = api.completions.create(model="tiny", prompt="After the loss", max_tokens=4, temperature=0)
     assert done.choices[0].finish_reason in ("length", "stop")
+    reported[done.id] = (done.usage.prompt_tokens, done.usage.completion_tokens) if done.usage else (0, 0)
+    print(f"\nreal-time: {len(reported)} answered, {len(cancelled)} cancelled, {num_errors} lost with the replica")
+
+    # -- metering: every request once, as reported ---------------------------------------------
+    store = FileObjectStore(str(fleet_store))
+
+    def records() -> list[Any]:
+        return [r for r in read_records(store, started - 1, time.time() + 1) if r.tenant == "meter-co"]
+
+    wait_for(lambda: set(cancelled) <= {r.request_id for r in records()}, 10, "the cancelled streams' records")
+    stored = records()
+    counts: dict[str, int] = {}
+    for r in stored:
+        counts[r.request_id] = counts.get(r.request_id, 0) + 1
+    assert all(n == 1 for n in counts.values()), {k: n for k, n in counts.items() if n > 1}
+    by_id = {r.request_id: r for r in stored}
+    for request_id, (prompt, completion) in reported.items():
+        assert (by_id[request_id].status, by_id[request_id].input_tokens, by_id[request_id].output_tokens) == (
+            "completed", prompt, completion
+        ), by_id[request_id]  # fmt: skip
+    assert all(by_id[request_id].status == "cancelled" for request_id in cancelled)
+    lines_usage = {o["response"]["body"]["id"]: o["response"]["body"]["usage"] for o in output}
+    batch_records = [r for r in stored if r.batch_id == batch.id]
+    assert {r.request_id for r in batch_records} == set(lines_usage)
+    for r in batch_records:
+        assert (r.input_tokens, r.output_tokens) == (
+            lines_usage[r.request_id]["prompt_tokens"], lines_usage[r.request_id]["completion_tokens"]
+        )  # fmt: skip
+    # the usage API (an operator's view of this tenant) sums the same, batch and real time apart
+    query = {"start_time": started - 60, "bucket_width": "1m", "group_by": "batch", "project_ids": "meter-co"}
+    page = _usage_api(fleet, OPERATOR_KEY, query)
+    sums: dict[bool, list[int]] = {}
+    for result in (r for bucket in page["data"] for r in bucket["results"]):
+        total = sums.setdefault(result["batch"], [0, 0, 0])
+        total[0] += result["input_tokens"]
+        total[1] += result["output_tokens"]
+        total[2] += result["num_model_requests"]
+    gone = [by_id[request_id] for request_id in cancelled]
+    assert sums[True] == [
+        sum(u["prompt_tokens"] for u in lines_usage.values()), sum(u["completion_tokens"] for u in lines_usage.values()), 24
+    ]  # fmt: skip
+    assert sums[False] == [
+        sum(p for p, _ in reported.values()) + sum(r.input_tokens for r in gone),
+        sum(c for _, c in reported.values()) + sum(r.output_tokens for r in gone),
+        len(reported) + len(gone),
+    ]
+    # the tenant's own key sees only its own usage
+    own = _usage_api(fleet, secret, {"start_time": started - 60, "bucket_width": "1h", "group_by": "project_id"})
+    assert {r["project_id"] for bucket in own["data"] for r in bucket["results"]} == {"meter-co"}
+
+
+def _usage_api(fleet: str, key: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Every bucket of `GET /v1/organization/usage/completions`, page after page."""
+    import httpx
+
+    data: list[dict[str, Any]] = []
+    cursor = None
+    while True:
+        query = {**params, **({"page": cursor} if cursor else {})}
+        reply = httpx.get(
+            f"{fleet}/v1/organization/usage/completions", params=query, headers={"Authorization": f"Bearer {key}"}, timeout=30
+        )
+        assert reply.status_code == 200, reply.text
+        page = reply.json()
+        data += page["data"]
+        cursor = page["next_page"]
+        if not page["has_more"]:
+            return {"data": data}
 
 
 # -- tenants and keys managed live (the operator API) ----------------------------------------

@@ -376,7 +376,10 @@ def test_replica_stream_interval_groups_tokens_into_fewer_messages(
     assert final.finished and not any(out.finished for out in sent[:-1])
     assert [t for out in sent for t in out.outputs[0].delta_token_ids] == final.outputs[0].token_ids
     assert "".join(out.outputs[0].delta_text for out in sent) == final.outputs[0].text
-    assert sizes[0] == 1 and sum(sizes) == 11
+    assert sum(sizes) == 11
+    # The first message is never held back to k tokens (it can carry two when the consumer lagged
+    # behind the engine, which then merges updates: so with k = 1 any size is allowed).
+    assert stream_interval == 1 or sizes[0] < stream_interval, sizes
     # Between the first and the last message, each carries at least k tokens (more only when the
     # consumer lagged and the engine merged updates).
     assert all(size >= stream_interval for size in sizes[1:-1])

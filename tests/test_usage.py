@@ -129,8 +129,14 @@ def test_usage_page_buckets_groups_and_filters(tmp_path: Path) -> None:
     log = UsageLog(store, commit_interval_s=0.0)
     day = 1_700_000_000 // 86400 * 86400
     log.submit(record("a1", day + 60, input_tokens=100, cached_tokens=40, output_tokens=7))
-    log.submit(record("a2", day + 61, model="tiny:bot", adapter="bot", input_tokens=1, cached_tokens=0, output_tokens=2))
-    log.submit(record("b1", day + 4000, tenant="globex", api_key_id="key_2", priority="batch", batch_id="batch_x"))
+    log.submit(
+        record(
+            "a2", day + 61, model="tiny:bot", adapter="bot", input_tokens=1, cached_tokens=0, output_tokens=2
+        )
+    )
+    log.submit(
+        record("b1", day + 4000, tenant="globex", api_key_id="key_2", priority="batch", batch_id="batch_x")
+    )
     log.submit(record("f1", day + 62, status="failed", output_tokens=99))  # recorded, not billed
     log.submit(record("c1", day + 63, status="cancelled", input_tokens=3, cached_tokens=0, output_tokens=1))
     log.submit(record("late", day + 86400 + 5))
@@ -149,7 +155,9 @@ def test_usage_page_buckets_groups_and_filters(tmp_path: Path) -> None:
     assert (total["input_tokens"], total["input_cached_tokens"], total["output_tokens"]) == (114, 42, 15)
     assert total["num_model_requests"] == 4 and total["model"] is None and total["project_id"] is None
 
-    by_model = page(start_time=day, end_time=day + 86400, group_by=["model", "project_id"])["data"][0]["results"]
+    by_model = page(start_time=day, end_time=day + 86400, group_by=["model", "project_id"])["data"][0][
+        "results"
+    ]
     assert {(r["model"], r["project_id"]): r["output_tokens"] for r in by_model} == {
         ("tiny", "acme"): 8, ("tiny:bot", "acme"): 2, ("tiny", "globex"): 5
     }  # fmt: skip
@@ -157,7 +165,9 @@ def test_usage_page_buckets_groups_and_filters(tmp_path: Path) -> None:
     assert [[(r["batch"], r["num_model_requests"]) for r in b["results"]] for b in hourly] == [
         [(False, 3)], [(True, 1)]
     ]  # fmt: skip
-    only = page(start_time=day, end_time=day + 86400, project_ids="globex", batch="true")["data"][0]["results"]
+    only = page(start_time=day, end_time=day + 86400, project_ids="globex", batch="true")["data"][0][
+        "results"
+    ]
     assert [r["num_model_requests"] for r in only] == [1]
     assert page(start_time=day, end_time=day + 86400, api_key_ids="key_9")["data"][0]["results"] == []
     # pages of minute buckets, empty ones included, then the next page from its cursor
@@ -224,7 +234,9 @@ def metered(engine: AsyncEngine, tmp_path: Path) -> Iterator[tuple[str, FileObje
 
 def _usage(base_url: str, key: str, **params: Any) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"}
-    return httpx.get(f"{base_url}/v1/organization/usage/completions", params=params, headers=headers, timeout=30)
+    return httpx.get(
+        f"{base_url}/v1/organization/usage/completions", params=params, headers=headers, timeout=30
+    )
 
 
 def test_a_server_meters_each_request_once_as_its_response_reported(
@@ -234,7 +246,9 @@ def test_a_server_meters_each_request_once_as_its_response_reported(
     started = int(time.time())
     api = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY_A, max_retries=0, timeout=60)
     reported: dict[str, tuple[int, int]] = {}  # request id -> (prompt, completion tokens) the client saw
-    done = api.completions.create(model="tiny", prompt="Usage one", max_tokens=5, extra_body={"ignore_eos": True})
+    done = api.completions.create(
+        model="tiny", prompt="Usage one", max_tokens=5, extra_body={"ignore_eos": True}
+    )
     assert done.usage is not None
     reported[done.id] = (done.usage.prompt_tokens, done.usage.completion_tokens)
     # stored before the response came back: readable now, with no wait
@@ -282,7 +296,11 @@ def test_a_server_meters_each_request_once_as_its_response_reported(
     for request_id, (prompt, completion) in reported.items():
         mine = by_id[request_id]
         assert (mine.status, mine.input_tokens, mine.output_tokens) == ("completed", prompt, completion)
-        assert (mine.tenant, mine.api_key_id, mine.priority) == ("acme", bootstrap_key_id(hash_key(KEY_A)), "interactive")
+        assert (mine.tenant, mine.api_key_id, mine.priority) == (
+            "acme",
+            bootstrap_key_id(hash_key(KEY_A)),
+            "interactive",
+        )
     gone = by_id[cancelled_id]
     assert gone.status == "cancelled" and 2 <= gone.output_tokens < 500, gone
     assert all(r.status != "failed" or r.output_tokens == 0 for r in stored)
@@ -294,7 +312,9 @@ def test_a_server_meters_each_request_once_as_its_response_reported(
     results = [r for bucket in page.json()["data"] for r in bucket["results"]]
     assert {r["project_id"] for r in results} == {"acme"}
     assert sum(r["input_tokens"] for r in results) == sum(p for p, _ in reported.values()) + gone.input_tokens
-    assert sum(r["output_tokens"] for r in results) == sum(c for _, c in reported.values()) + gone.output_tokens
+    assert (
+        sum(r["output_tokens"] for r in results) == sum(c for _, c in reported.values()) + gone.output_tokens
+    )
     assert sum(r["num_model_requests"] for r in results) == len(reported) + 1
     everyone = _usage(base_url, OPERATOR_KEY, start_time=started - 60, group_by=["project_id"]).json()
     assert {r["project_id"] for b in everyone["data"] for r in b["results"]} == {"acme", "globex"}
@@ -321,6 +341,9 @@ def test_usage_counters_per_tenant_on_metrics(metered: tuple[str, FileObjectStor
     api = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY_B, max_retries=0, timeout=60)
     api.completions.create(model="tiny", prompt="Counted", max_tokens=3, extra_body={"ignore_eos": True})
     text = httpx.get(f"{base_url}/metrics", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}).text
-    lines = [line for line in text.splitlines() if line.startswith("tandem_usage_output_tokens") and 'tenant="globex"' in line]
+    lines = [
+        line
+        for line in text.splitlines()
+        if line.startswith("tandem_usage_output_tokens") and 'tenant="globex"' in line
+    ]
     assert lines and float(lines[0].rsplit(" ", 1)[1]) >= 3, lines
-
