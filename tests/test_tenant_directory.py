@@ -194,7 +194,10 @@ def test_tenants_cli_over_the_operator_api(
     from .conftest import serve_app
 
     tenants = TenantRegistry({}, operator_keys=parse_operator_keys("sk-op"), directory=TenantDirectory(store))
-    app = create_app(OpenAIServer(LocalEngineClient(engine), tenants))  # type: ignore[arg-type]
+    from tandem.platform.usage_log import UsageLog
+
+    usage_log = UsageLog(store, commit_interval_s=0.0)
+    app = create_app(OpenAIServer(LocalEngineClient(engine), tenants, usage_log=usage_log))  # type: ignore[arg-type]
     with serve_app(app) as url:
         base = ["tenants", "--base-url", f"{url}/v1", "--operator-key", "sk-op"]
 
@@ -210,6 +213,8 @@ def test_tenants_cli_over_the_operator_api(
         assert code == 0 and issued["key"].startswith("tdm-") and issued["expires_at"] > time.time()
         api = openai.OpenAI(base_url=f"{url}/v1", api_key=issued["key"], max_retries=0)
         assert [m.id for m in api.models.list().data] == ["tiny"]
+        used = api.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage
+        assert used is not None
         code, out, _ = run("keys", "list", "acme")
         assert code == 0 and issued["key"] not in out and json.loads(out)["data"][0]["id"] == issued["id"]
         code, out, _ = run("update", "acme", "--limit", "tokens_per_minute=none")
@@ -219,6 +224,12 @@ def test_tenants_cli_over_the_operator_api(
         assert run("keys", "revoke", "acme", issued["id"])[0] == 0
         with pytest.raises(openai.AuthenticationError):
             api.models.list()
+        code, out, _ = run("usage", "acme", "--hours", "1", "--bucket-width", "1h", "--group-by", "api_key_id")
+        results = [r for bucket in json.loads(out)["data"] for r in bucket["results"]]
+        assert code == 0 and [(r["api_key_id"], r["output_tokens"]) for r in results] == [
+            (issued["id"], used.completion_tokens)
+        ]
+    usage_log.close()
 
 
 def test_requests_per_minute_and_max_tokens_limits(engine: object, store: FileObjectStore) -> None:

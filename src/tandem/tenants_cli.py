@@ -8,6 +8,7 @@ error shape) and exits 1.
     tandem tenants update acme --limit max_concurrent_requests=8 --limit tokens_per_minute=none
     tandem tenants keys create acme --name prod          # the secret is printed only now
     tandem tenants keys revoke acme key_...
+    tandem tenants usage acme --hours 24 --bucket-width 1h --group-by model   # the usage API
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import sys
 import time
 from typing import Any
+from urllib.parse import urlencode
 
 
 def add_tenants_parser(sub: Any) -> None:
@@ -47,6 +49,13 @@ def add_tenants_parser(sub: Any) -> None:
     revoke = keys.add_parser("revoke", help="revoke a key")
     revoke.add_argument("tenant_id")
     revoke.add_argument("key_id")
+    usage = cmds.add_parser("usage", help="metered usage (GET /v1/organization/usage/completions)")
+    usage.add_argument("tenant_id", nargs="?", default=None, help="one tenant (default: every tenant)")
+    usage.add_argument("--hours", type=float, default=24.0, help="from this many hours ago until now")
+    usage.add_argument("--bucket-width", choices=("1m", "1h", "1d"), default="1d")
+    usage.add_argument(
+        "--group-by", action="append", default=[], help="project_id, api_key_id, model or batch (repeatable)"
+    )
 
 
 def _limits(pairs: list[str]) -> dict[str, int | None]:
@@ -60,9 +69,28 @@ def _limits(pairs: list[str]) -> dict[str, int | None]:
 
 
 def request_for(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]:
-    """(method, path under /admin, JSON body) for the parsed command."""
+    """(method, path under the base URL, JSON body) for the parsed command (query in the path)."""
+    method, path, body = _request_for(args)
+    return method, path if path.startswith("/organization/") else "/admin" + path, body
+
+
+def _usage_path(args: argparse.Namespace) -> str:
+    params: list[tuple[str, str | int]] = [
+        ("start_time", int(time.time() - args.hours * 3600)),
+        ("bucket_width", args.bucket_width),
+        ("limit", {"1m": 1440, "1h": 168, "1d": 31}[args.bucket_width]),
+    ]
+    params += [("group_by", name) for name in args.group_by]
+    if args.tenant_id:
+        params.append(("project_ids", args.tenant_id))
+    return "/organization/usage/completions?" + urlencode(params)
+
+
+def _request_for(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]:
     tenant = getattr(args, "tenant_id", None)
     command = args.tenants_command
+    if command == "usage":
+        return "GET", _usage_path(args), None
     if command == "create":
         body: dict[str, Any] = {"id": tenant}
         if args.limit:
@@ -101,7 +129,7 @@ def run_tenants_command(args: argparse.Namespace) -> int:
         return 2
     method, path, body = request_for(args)
     reply = httpx.request(
-        method, args.base_url.rstrip("/") + "/admin" + path, json=body,
+        method, args.base_url.rstrip("/") + path, json=body,
         headers={"Authorization": f"Bearer {args.operator_key}"}, timeout=30,
     )  # fmt: skip
     text = json.dumps(reply.json(), indent=2) if reply.content else ""
