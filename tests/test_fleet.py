@@ -228,13 +228,13 @@ def test_killing_a_replica_mid_run_loses_no_request_and_meters_each_once(fleet: 
         kind = i % 4
         try:
             if kind == 0:
-                done = api.completions.create(model="tiny", prompt=f"Now {i}", max_tokens=16, extra_body={"ignore_eos": True})
+                done = api.completions.create(model="tiny", prompt=f"Now {i}", max_tokens=64, extra_body={"ignore_eos": True})
                 assert done.usage is not None
                 reported[done.id] = (done.usage.prompt_tokens, done.usage.completion_tokens)
             elif kind == 1:
                 chunks = list(
                     api.chat.completions.create(
-                        model="tiny", messages=[{"role": "user", "content": f"Now {i}"}], max_tokens=16, stream=True,
+                        model="tiny", messages=[{"role": "user", "content": f"Now {i}"}], max_tokens=64, stream=True,
                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
                     )
                 )  # fmt: skip

@@ -275,7 +275,8 @@ def _banner(model: str, base: str, dev_key: str | None, dev_operator_key: str | 
     if dev_key:
         lines.append(f"API key (this run only):          {dev_key}")
     if dev_operator_key:
-        lines.append(f"operator key for /metrics:         {dev_operator_key}")
+        lines.append(f"operator key (tenants, usage, /metrics): {dev_operator_key}")
+        lines.append(f"  TANDEM_OPERATOR_KEY={dev_operator_key} tandem tenants create acme")
     lines.append("try:")
     lines.append(
         f"  curl {base}/v1/chat/completions -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "

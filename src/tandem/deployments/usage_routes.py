@@ -6,7 +6,8 @@ another one in `project_ids` is a 403). 404 when the server has no object store 
 metered). The query's parameters and the page's shape: `platform/usage_query.py`.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: FastAPI must see the real `Request` annotation after
+# Serve ships the routes to the replica by value (as admin_routes.py).
 
 import dataclasses
 from collections.abc import Callable
