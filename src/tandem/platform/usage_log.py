@@ -19,6 +19,7 @@ and `close` flushes what is left on a graceful stop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -137,10 +138,8 @@ class UsageLog:
                     self._cond.notify_all()
             for _, done in batch:
                 if done is not None:
-                    try:
+                    with contextlib.suppress(RuntimeError):  # its event loop has closed: nobody waits
                         done()
-                    except RuntimeError:  # its event loop has closed: nobody waits any more
-                        pass
             if self.on_committed is not None:
                 try:
                     self.on_committed([record for record, _ in batch])
