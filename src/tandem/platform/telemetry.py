@@ -83,18 +83,15 @@ class Telemetry:
             "tandem_requests", description="Finished requests by finish reason"
         )
         # Metered usage (each record once, when stored): per tenant, priority and status.
-        self.usage_requests = meter.create_counter(
-            "tandem_usage_requests", description="Requests metered (usage records stored)"
-        )
-        self.usage_input_tokens = meter.create_counter(
-            "tandem_usage_input_tokens", description="Metered input tokens, cached ones included"
-        )
-        self.usage_cached_tokens = meter.create_counter(
-            "tandem_usage_cached_tokens", description="Metered input tokens served from the prefix cache"
-        )
-        self.usage_output_tokens = meter.create_counter(
-            "tandem_usage_output_tokens", description="Metered output tokens"
-        )
+        self.usage_counters = {
+            field: meter.create_counter(f"tandem_usage_{name}", description=description)
+            for field, name, description in (
+                (None, "requests", "Requests metered (usage records stored)"),
+                ("input_tokens", "input_tokens", "Metered input tokens, cached ones included"),
+                ("cached_tokens", "cached_tokens", "Metered input tokens served from the prefix cache"),
+                ("output_tokens", "output_tokens", "Metered output tokens"),
+            )
+        }  # a record's field (None: count the record) -> its counter
         self._engine_stats: dict[tuple[str, str], dict[str, Any]] = {}  # (model, replica id) ->
         self._lock = threading.Lock()
         for name, key, description in (
@@ -198,10 +195,8 @@ class Telemetry:
         """Count stored usage records (the usage log calls this after each flush)."""
         for record in records:
             labels = {"tenant": record.tenant, "priority": record.priority, "status": record.status}
-            self.usage_requests.add(1, labels)
-            self.usage_input_tokens.add(record.input_tokens, labels)
-            self.usage_cached_tokens.add(record.cached_tokens, labels)
-            self.usage_output_tokens.add(record.output_tokens, labels)
+            for field, counter in self.usage_counters.items():
+                counter.add(1 if field is None else getattr(record, field), labels)
 
     def record_request(
         self,
