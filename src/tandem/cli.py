@@ -175,6 +175,8 @@ def _app_args(args: argparse.Namespace) -> dict[str, Any]:
         "replica_num_cpus": 0 if args.address is None else 1,
         "object_store": args.object_store or "file://" + os.path.join(os.path.abspath(args.data_dir), "objects"),
         "adapter_source_prefixes": args.adapter_source_prefix,
+        **({"meter_usage": False} if args.no_usage_metering else {}),
+        **({} if args.usage_commit_interval is None else {"usage_commit_interval_s": args.usage_commit_interval}),
         **tenant_limits(args),
     }
 
@@ -415,6 +417,16 @@ def main(argv: list[str] | None = None) -> int:
         "--object-store",
         default=None,
         help="file:///path or s3://bucket/prefix for files and batches (default: DATA_DIR/objects)",
+    )
+    srv.add_argument(
+        "--usage-commit-interval",
+        type=float,
+        default=None,
+        help="seconds between usage-record writes of an ingress replica at most (default 0.1); "
+        "a response's usage is stored before it is sent",
+    )
+    srv.add_argument(
+        "--no-usage-metering", action="store_true", help="record no usage (the usage API then answers 404)"
     )
     add_batch_parser(sub)
     add_tenants_parser(sub)

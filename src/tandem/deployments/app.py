@@ -104,7 +104,7 @@ def openai_server(
     if fleet is not None and cfg.ingress_num_replicas > 1:
         limiter = FleetTenantLimiter(fleet, tenants)
     usage_log = None
-    if store is not None:
+    if store is not None and cfg.meter_usage:
         usage_log = UsageLog(
             store, commit_interval_s=cfg.usage_commit_interval_s, on_committed=get_telemetry().record_usage
         )

@@ -138,6 +138,9 @@ class AppConfig(BaseModel):
         description="How often each ingress replica re-reads the tenant directory in the object store "
         "(tenants, keys, limits changed through /v1/admin take effect everywhere within this)",
     )
+    meter_usage: bool = Field(
+        True, description="Record each request's usage in the object store (needs one); off: the usage API is 404"
+    )
     usage_commit_interval_s: float = Field(
         0.1,
         ge=0.0,
