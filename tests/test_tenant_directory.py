@@ -1,5 +1,5 @@
-"""The live tenant directory (`platform/tenant_directory.py`) on the local object store: two
-directories over one store stand for two ingress replicas."""
+"""The live tenant directory (`platform/tenant_directory.py`) on the local object store and on a
+real S3 server (SeaweedFS): two directories over one store stand for two ingress replicas."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tandem.platform.errors import ConflictError, InvalidRequestError, NotFoundError
-from tandem.platform.object_store import FileObjectStore
+from tandem.platform.object_store import FileObjectStore, ObjectStore, S3ObjectStore
 from tandem.platform.tenant_directory import (
     DIRECTORY_KEY,
     TenantDirectory,
@@ -29,8 +29,20 @@ def store(tmp_path: Path) -> FileObjectStore:
     return FileObjectStore(str(tmp_path / "store"))
 
 
-def test_a_key_issued_on_one_replica_authenticates_on_another_and_revocation_follows(store: FileObjectStore) -> None:
-    writer, reader = TenantDirectory(store), TenantDirectory(store)
+@pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.s3)])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    """The local store, then a fresh prefix of the session's SeaweedFS bucket."""
+    import uuid
+
+    from .conftest import S3_BUCKET
+
+    if request.param == "file":
+        return FileObjectStore(str(tmp_path / "store"))
+    return S3ObjectStore(S3_BUCKET, prefix=f"dir-{uuid.uuid4().hex[:8]}", settings=request.getfixturevalue("s3_server"))
+
+
+def test_a_key_issued_on_one_replica_authenticates_on_another_and_revocation_follows(any_store: ObjectStore) -> None:
+    writer, reader = TenantDirectory(any_store), TenantDirectory(any_store)
     writer.create_tenant(parse_tenant_spec({"id": "acme", "limits": {"tokens_per_minute": 1000}, "weight": 2}))
     key, secret = writer.create_key("acme", name="ci")
     assert secret.startswith("tdm-") and key.prefix == secret[:8]
@@ -39,15 +51,15 @@ def test_a_key_issued_on_one_replica_authenticates_on_another_and_revocation_fol
     assert reader.snapshot.tenants["acme"].limits.tokens_per_minute == 1000
     assert reader.snapshot.tenants["acme"].weight == 2.0
     # the secret is nowhere in the store, only its digest
-    raw = store.get(DIRECTORY_KEY).data
+    raw = any_store.get(DIRECTORY_KEY).data
     assert secret.encode() not in raw and secret[8:].encode() not in raw
     assert _digest(secret).encode() in raw
     writer.revoke_key("acme", key.id)
     assert reader.refresh().tenant_for_digest(_digest(secret)) is None
 
 
-def test_listed_keys_never_show_their_secret(store: FileObjectStore) -> None:
-    directory = TenantDirectory(store)
+def test_listed_keys_never_show_their_secret(any_store: ObjectStore) -> None:
+    directory = TenantDirectory(any_store)
     directory.create_tenant(parse_tenant_spec({"id": "acme"}))
     key, secret = directory.create_key("acme")
     listed = [k.api() for k in directory.list_keys("acme")]
@@ -56,8 +68,8 @@ def test_listed_keys_never_show_their_secret(store: FileObjectStore) -> None:
     assert listed[0]["redacted_value"] == secret[:8] + "..."
 
 
-def test_limits_and_weight_change_live(store: FileObjectStore) -> None:
-    writer, reader = TenantDirectory(store), TenantDirectory(store)
+def test_limits_and_weight_change_live(any_store: ObjectStore) -> None:
+    writer, reader = TenantDirectory(any_store), TenantDirectory(any_store)
     writer.create_tenant(parse_tenant_spec({"id": "acme", "limits": {"max_concurrent_requests": 4}}))
     reader.refresh()
     writer.update_tenant("acme", parse_tenant_patch({"limits": {"tokens_per_minute": 50}, "weight": 3}))
@@ -67,8 +79,8 @@ def test_limits_and_weight_change_live(store: FileObjectStore) -> None:
     assert reader.refresh().tenants["acme"].limits.max_concurrent_requests is None
 
 
-def test_expired_keys_and_deleted_tenants_do_not_authenticate(store: FileObjectStore) -> None:
-    directory = TenantDirectory(store)
+def test_expired_keys_and_deleted_tenants_do_not_authenticate(any_store: ObjectStore) -> None:
+    directory = TenantDirectory(any_store)
     directory.create_tenant(parse_tenant_spec({"id": "acme"}))
     soon = int(time.time()) + 60
     _, secret = directory.create_key("acme", expires_at=soon)
@@ -81,10 +93,10 @@ def test_expired_keys_and_deleted_tenants_do_not_authenticate(store: FileObjectS
     assert directory.refresh().keys == {}  # its keys went with it
 
 
-def test_bad_input_is_refused_and_nothing_is_written(store: FileObjectStore) -> None:
-    directory = TenantDirectory(store)
+def test_bad_input_is_refused_and_nothing_is_written(any_store: ObjectStore) -> None:
+    directory = TenantDirectory(any_store)
     directory.create_tenant(parse_tenant_spec({"id": "acme"}))
-    before = store.get(DIRECTORY_KEY).etag
+    before = any_store.get(DIRECTORY_KEY).etag
     with pytest.raises(ConflictError):
         directory.create_tenant(parse_tenant_spec({"id": "acme"}))
     for body, param in [
@@ -108,17 +120,17 @@ def test_bad_input_is_refused_and_nothing_is_written(store: FileObjectStore) -> 
         directory.revoke_key("acme", "key_missing")
     with pytest.raises(InvalidRequestError):
         directory.create_key("acme", expires_at=int(time.time()) - 1)
-    assert store.get(DIRECTORY_KEY).etag == before  # every refusal wrote nothing
+    assert any_store.get(DIRECTORY_KEY).etag == before  # every refusal wrote nothing
 
 
-def test_concurrent_operators_lose_no_change(store: FileObjectStore) -> None:
+def test_concurrent_operators_lose_no_change(any_store: ObjectStore) -> None:
     """Eight writers (separate directories, as on separate replicas) create tenants and keys at
     once: compare-and-swap keeps every change."""
     errors: list[BaseException] = []
 
     def operator(index: int) -> None:
         try:
-            directory = TenantDirectory(store)
+            directory = TenantDirectory(any_store)
             directory.create_tenant(parse_tenant_spec({"id": f"t{index}"}))
             directory.create_key(f"t{index}")
         except BaseException as exc:  # noqa: BLE001 - reported below
@@ -130,7 +142,7 @@ def test_concurrent_operators_lose_no_change(store: FileObjectStore) -> None:
     for thread in threads:
         thread.join()
     assert not errors
-    snapshot = TenantDirectory(store).refresh()
+    snapshot = TenantDirectory(any_store).refresh()
     assert sorted(snapshot.tenants) == sorted(f"t{i}" for i in range(8))
     assert sorted(k.tenant for k in snapshot.keys.values()) == sorted(f"t{i}" for i in range(8))
 
@@ -266,17 +278,17 @@ def test_requests_per_minute_and_max_tokens_limits(engine: object, store: FileOb
             other.completions.create(model="tiny", prompt="Hello", max_tokens=5)
 
 
-def test_a_tenants_own_adapter_limits_override_the_servers(store: FileObjectStore) -> None:
+def test_a_tenants_own_adapter_limits_override_the_servers(any_store: ObjectStore) -> None:
     """The directory's max_adapters / max_adapter_bytes for a tenant replace the server-wide
     per-tenant limits for that tenant only (a 400 naming the limit before anything is stored)."""
     from tandem.deployments.adapters import AdapterStore
     from tandem.platform.tenancy import TenantRegistry
 
-    directory = TenantDirectory(store)
+    directory = TenantDirectory(any_store)
     directory.create_tenant(parse_tenant_spec({"id": "tiny-plan", "limits": {"max_adapters": 0}}))
     directory.create_tenant(parse_tenant_spec({"id": "byte-plan", "limits": {"max_adapter_bytes": 5}}))
     tenants = TenantRegistry({}, directory=directory)
-    adapters = AdapterStore(store, "tiny", tenant_limits=tenants.adapter_limits_for)
+    adapters = AdapterStore(any_store, "tiny", tenant_limits=tenants.adapter_limits_for)
     for tenant, param in (("tiny-plan", "max_adapters_per_tenant"), ("byte-plan", "max_adapter_bytes_per_tenant")):
         with pytest.raises(InvalidRequestError) as refused:
             adapters.create(tenant, "bot", b"{}", b"0123456789", None, 8)  # type: ignore[arg-type]

@@ -1,11 +1,13 @@
 """Usage metering: records stored exactly once (lost answers, a store that is down, batch shards
 written twice), read back in OpenAI's usage API shape, and metered by a real server for streamed,
-non-streamed, cancelled and failed requests (the official `openai` client over uvicorn)."""
+non-streamed, cancelled and failed requests (the official `openai` client over uvicorn); on the
+local object store and on a real S3 server (SeaweedFS)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +25,7 @@ from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.errors import InvalidRequestError
-from tandem.platform.object_store import FileObjectStore, ObjectStore, StoredObject
+from tandem.platform.object_store import FileObjectStore, ObjectStore, S3ObjectStore, StoredObject
 from tandem.platform.telemetry import get_telemetry
 from tandem.platform.tenancy import (
     TenantRegistry,
@@ -36,7 +38,7 @@ from tandem.platform.usage_log import UsageLog
 from tandem.platform.usage_query import parse_usage_query, read_records, usage_page
 from tandem.platform.usage_records import USAGE_PREFIX, UsageRecord
 
-from .conftest import serve_app
+from .conftest import S3_BUCKET, serve_app
 
 KEY_A, KEY_B, OPERATOR_KEY = "sk-usage-a", "sk-usage-b", "sk-usage-operator"
 
@@ -51,12 +53,21 @@ def record(request_id: str, finished_at: float, **fields: Any) -> UsageRecord:
     return UsageRecord(**values)
 
 
-class FlakyStore(ObjectStore):
-    """A file store whose puts under `usage/` fail on purpose: the first one is written but its
-    answer is lost (raises after the write), the next `num_down` raise before writing."""
+@pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.s3)])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    """The local store, then a fresh prefix of the session's SeaweedFS bucket."""
+    if request.param == "file":
+        return FileObjectStore(str(tmp_path / "objects"))
+    settings = request.getfixturevalue("s3_server")
+    return S3ObjectStore(S3_BUCKET, prefix=f"usage-{uuid.uuid4().hex[:8]}", settings=settings)
 
-    def __init__(self, root: str, num_down: int = 2) -> None:
-        self.inner = FileObjectStore(root)
+
+class FlakyStore(ObjectStore):
+    """A store whose puts under `usage/` fail on purpose: the first one is written but its answer
+    is lost (raises after the write), the next `num_down` raise before writing."""
+
+    def __init__(self, inner: ObjectStore, num_down: int = 2) -> None:
+        self.inner = inner
         self.url = self.inner.url
         self.lost_answer_done = False
         self.num_down = num_down
@@ -86,8 +97,8 @@ class FlakyStore(ObjectStore):
         return self.inner.list(prefix)
 
 
-def test_records_are_stored_once_through_lost_answers_and_an_outage(tmp_path: Path) -> None:
-    store = FlakyStore(str(tmp_path))
+def test_records_are_stored_once_through_lost_answers_and_an_outage(store: ObjectStore) -> None:
+    store = FlakyStore(store)
     log = UsageLog(store, commit_interval_s=0.01)
     now = time.time()
 
@@ -103,7 +114,7 @@ def test_records_are_stored_once_through_lost_answers_and_an_outage(tmp_path: Pa
 
 
 def test_a_commit_that_waits_too_long_returns_and_the_record_is_stored_later(tmp_path: Path) -> None:
-    store = FlakyStore(str(tmp_path), num_down=3)  # then the retries take 0.1 + 0.2 + 0.5 s
+    store = FlakyStore(FileObjectStore(str(tmp_path)), num_down=3)  # then the retries take 0.1 + 0.2 + 0.5 s
     log = UsageLog(store, commit_interval_s=0.0)
     now = time.time()
     assert asyncio.run(log.commit(record("late", now), timeout_s=0.05)) is False
@@ -111,8 +122,7 @@ def test_a_commit_that_waits_too_long_returns_and_the_record_is_stored_later(tmp
     assert [r.request_id for r in read_records(store, now - 1, now + 1)] == ["late"]
 
 
-def test_records_land_in_the_partition_of_their_finish_hour(tmp_path: Path) -> None:
-    store = FileObjectStore(str(tmp_path))
+def test_records_land_in_the_partition_of_their_finish_hour(store: ObjectStore) -> None:
     log = UsageLog(store, commit_interval_s=0.0)
     hour = 1_800_000_000 // 3600 * 3600
     for i, at in enumerate((hour + 10, hour + 3599.5, hour + 3600, hour + 7300)):
@@ -191,8 +201,7 @@ def test_usage_page_buckets_groups_and_filters(tmp_path: Path) -> None:
         assert bad.value.param == param
 
 
-def test_a_batch_shard_is_metered_once_however_often_it_is_written(tmp_path: Path) -> None:
-    store = FileObjectStore(str(tmp_path))
+def test_a_batch_shard_is_metered_once_however_often_it_is_written(store: ObjectStore) -> None:
     batch = BatchRecord(
         id="batch_abc", tenant="acme", endpoint="/v1/completions", input_file_id="file-1",
         completion_window="24h", status="in_progress", created_at=0, expires_at=10**10, api_key_id="key_7",
@@ -220,8 +229,7 @@ def test_a_batch_shard_is_metered_once_however_often_it_is_written(tmp_path: Pat
 
 # -- a real server ----------------------------------------------------------------------------
 @pytest.fixture()
-def metered(engine: AsyncEngine, tmp_path: Path) -> Iterator[tuple[str, FileObjectStore]]:
-    store = FileObjectStore(str(tmp_path / "objects"))
+def metered(engine: AsyncEngine, store: ObjectStore) -> Iterator[tuple[str, ObjectStore]]:
     tenants = TenantRegistry(
         parse_keys(f"{KEY_A}=acme,{KEY_B}=globex"), operator_keys=parse_operator_keys(OPERATOR_KEY)
     )
@@ -240,7 +248,7 @@ def _usage(base_url: str, key: str, **params: Any) -> httpx.Response:
 
 
 def test_a_server_meters_each_request_once_as_its_response_reported(
-    metered: tuple[str, FileObjectStore], engine: AsyncEngine
+    metered: tuple[str, ObjectStore], engine: AsyncEngine
 ) -> None:
     base_url, store = metered
     started = int(time.time())
@@ -336,7 +344,7 @@ def test_usage_is_404_without_an_object_store(engine: AsyncEngine) -> None:
     assert reply.status_code == 404 and reply.json()["error"]["message"]
 
 
-def test_usage_counters_per_tenant_on_metrics(metered: tuple[str, FileObjectStore]) -> None:
+def test_usage_counters_per_tenant_on_metrics(metered: tuple[str, ObjectStore]) -> None:
     base_url, _ = metered
     api = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY_B, max_retries=0, timeout=60)
     api.completions.create(model="tiny", prompt="Counted", max_tokens=3, extra_body={"ignore_eos": True})
