@@ -82,6 +82,18 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     ),
 }
 
+# Mixture-of-experts families: 8 experts, top-2 (Qwen3-MoE with one dense layer among the sparse)
+MOE_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "decoder_sparse_step": 1, "mlp_only_layers": [1], "norm_topk_prob": True},
+    ),  # fmt: skip
+}
+ALL_FAMILIES = {**FAMILIES, **MOE_FAMILIES}
+
 
 def save_family_model(family: str, folder: Path, tokenizer_files: Path, *, seed: int = 0) -> Path:
     """The family's tiny model with every parameter drawn at random (biases and norm weights
@@ -89,7 +101,7 @@ def save_family_model(family: str, folder: Path, tokenizer_files: Path, *, seed:
     show), saved with the tokenizer of `tokenizer_files`."""
     import transformers
 
-    config_name, model_name, overrides = FAMILIES[family]
+    config_name, model_name, overrides = ALL_FAMILIES[family]
     vocab = json.loads((tokenizer_files / "config.json").read_text())
     config = getattr(transformers, config_name)(
         vocab_size=vocab["vocab_size"],
@@ -120,7 +132,7 @@ def save_family_model(family: str, folder: Path, tokenizer_files: Path, *, seed:
 def load_hf(family: str, folder: Path) -> Any:
     import transformers
 
-    _, model_name, _ = FAMILIES[family]
+    _, model_name, _ = ALL_FAMILIES[family]
     model = getattr(transformers, model_name).from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
@@ -134,7 +146,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(ALL_FAMILIES))
     args = parser.parse_args()
     tokenizer_files = make_tiny_model(args.out / "_tokenizer", num_layers=1)
     for family in args.families:

@@ -26,7 +26,7 @@ from tandem import LLM, LoRARequest, SamplingParams
 from tandem.platform.errors import InvalidRequestError
 
 from .conftest import make_tiny_model
-from .model_families import COMMON, FAMILIES, WINDOW, load_hf, save_family_model
+from .model_families import COMMON, FAMILIES, MOE_FAMILIES, WINDOW, load_hf, save_family_model
 from .test_hf_parity import hf_greedy, our_prefill_logits
 
 SHARED_PREFIX = "Once upon a time, in a land far away, there lived a small dragon who "
@@ -66,7 +66,7 @@ def greedy(max_tokens: int = NEW_TOKENS) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [*FAMILIES, *MOE_FAMILIES])
 def test_family_matches_hf(
     family: str, tokenizer_files: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

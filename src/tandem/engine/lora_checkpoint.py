@@ -224,6 +224,13 @@ def _check_config(
             raise AdapterError(f"{flag}=true is not supported", param=flag)
     if config.get("bias", "none") != "none":
         raise AdapterError("bias must be 'none' (LoRA bias terms are not supported)", param="bias")
+    if config.get("target_parameters"):  # PEFT's LoRA on parameters: a MoE model's stacked experts
+        named = ", ".join(map(str, config["target_parameters"]))
+        raise AdapterError(
+            f"target_parameters ({named}) are not supported: adapters on expert weights are refused; "
+            f"target the attention modules ({', '.join(supported)})",
+            param="target_parameters",
+        )
     for name in ("modules_to_save", "layers_to_transform", "rank_pattern", "alpha_pattern"):
         if config.get(name):
             raise AdapterError(f"{name} is not supported", param=name)

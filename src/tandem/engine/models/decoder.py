@@ -10,7 +10,9 @@ config fields rather than code branches in the engine:
 - GeLU (tanh or exact) instead of SiLU, the embedding scaled by sqrt(hidden) (Gemma);
 - the attention scale (`query_pre_attn_scalar`), attention and final-logit soft-capping (Gemma 2);
 - a sliding window per layer (Mistral, Qwen2, Gemma 2/3, Phi-3) and a second RoPE for the
-  sliding layers (Gemma 3's local base).
+  sliding layers (Gemma 3's local base);
+- a sparse mixture of experts in place of the MLP on some or all layers (`moe_layer.py`: Mixtral,
+  Qwen3-MoE).
 
 An architecture module parses its HF config into a `DecoderConfig`, names the checkpoint tensors
 (`decoder_tensor_names`, or its own mapping) and registers an `Architecture` (`registry.py`).
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.models.interface import Int4Target, KVLayer, LayerKV, LoRAContext
+from tandem.engine.models.moe_layer import MoEConfig, SparseMoE
 from tandem.engine.models.support import LLAMA_LAYER_TENSORS, layered_tensor_names
 from tandem.kernels.attention import AttentionMetadata, finite_kv, paged_attention, write_kv
 from tandem.kernels.head_attention import HeadAttentionMetadata, head_attention_layer
@@ -68,6 +71,7 @@ class DecoderConfig:
     layer_windows: list[int | None] | None = None  # per layer: sliding window (None: global)
     local_rope_theta: float | None = None  # RoPE of the sliding-window layers, when it differs
     local_rope_scaling: dict[str, Any] | None = None
+    moe: MoEConfig | None = None  # experts in place of the MLP on its sparse layers (Mixtral, Qwen3-MoE)
 
     def window(self, layer: int) -> int | None:
         return None if self.layer_windows is None else self.layer_windows[layer]
@@ -186,7 +190,11 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = _norm_weight(cfg.hidden_size) if cfg.sandwich_norms else None
         self.post_feedforward_layernorm = _norm_weight(cfg.hidden_size) if cfg.sandwich_norms else None
         self.self_attn = DecoderAttention(cfg, layer_idx)
-        self.mlp = DecoderMLP(cfg, layer_idx)
+        self.mlp: DecoderMLP | SparseMoE = (
+            SparseMoE(cfg.moe, cfg.hidden_size, layer_idx)
+            if cfg.moe is not None and cfg.moe.is_sparse(layer_idx)
+            else DecoderMLP(cfg, layer_idx)
+        )
 
     def forward(
         self,
@@ -300,7 +308,8 @@ class DecoderLM(nn.Module):
         return list(self.layers)  # type: ignore[arg-type]
 
     def int4_targets(self) -> list[Int4Target]:
-        """The fused q/k/v, o, fused gate/up and down linears of every layer (biases stay dense)."""
+        """The fused q/k/v, o, fused gate/up and down linears of every layer (biases stay dense;
+        a sparse layer's router and experts stay in the compute dtype)."""
         targets = []
         for index, layer in enumerate(self.decoder_layers()):
             p = f"model.layers.{index}."
@@ -308,9 +317,12 @@ class DecoderLM(nn.Module):
             targets += [
                 Int4Target(attn, "qkv_proj", (p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj")),
                 Int4Target(attn, "o_proj", (p + "self_attn.o_proj",)),
-                Int4Target(mlp, "gate_up_proj", (p + "mlp.gate_proj", p + "mlp.up_proj")),
-                Int4Target(mlp, "down_proj", (p + "mlp.down_proj",)),
             ]
+            if isinstance(mlp, DecoderMLP):
+                targets += [
+                    Int4Target(mlp, "gate_up_proj", (p + "mlp.gate_proj", p + "mlp.up_proj")),
+                    Int4Target(mlp, "down_proj", (p + "mlp.down_proj",)),
+                ]
         return targets
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
@@ -352,6 +364,11 @@ class DecoderLM(nn.Module):
             if cfg.qk_norm:
                 put(attn.q_norm, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm")
                 put(attn.k_norm, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm")
+            for norm in _layer_norm_names(cfg):
+                put(getattr(layer, norm), take(p + f"{norm}.weight"), p + norm)
+            if isinstance(mlp, SparseMoE):
+                mlp.load_hf(take, put, p)
+                continue
             gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
             put(mlp.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj")
             put(mlp.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj")
@@ -359,8 +376,6 @@ class DecoderLM(nn.Module):
                 gate_up_bias = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")], dim=0)
                 put(mlp.gate_up_proj.bias, gate_up_bias, p + "mlp.gate_up_proj.bias")
                 put(mlp.down_proj.bias, take(p + "mlp.down_proj.bias"), p + "mlp.down_proj.bias")
-            for norm in _layer_norm_names(cfg):
-                put(getattr(layer, norm), take(p + f"{norm}.weight"), p + norm)
 
 
 def _layer_norm_names(cfg: DecoderConfig) -> tuple[str, ...]:
@@ -384,7 +399,14 @@ def decoder_tensor_names(cfg: DecoderConfig, prefix: str = "model.") -> set[str]
         per_layer += [f"mlp.{n}_proj.bias" for n in ("gate", "up", "down")]
     if cfg.qk_norm:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    return layered_tensor_names(cfg.num_hidden_layers, per_layer, prefix=prefix)
+    if cfg.moe is None:
+        return layered_tensor_names(cfg.num_hidden_layers, per_layer, prefix=prefix)
+    names = layered_tensor_names(0, (), prefix=prefix)
+    sparse_layer = [n for n in per_layer if not n.startswith("mlp.")] + cfg.moe.layer_tensor_names()
+    for index in range(cfg.num_hidden_layers):
+        layer = sparse_layer if cfg.moe.is_sparse(index) else per_layer
+        names.update(f"{prefix}layers.{index}.{name}" for name in layer)
+    return names
 
 
 def decoder_kv_layers(cfg: DecoderConfig) -> list[LayerKV]:

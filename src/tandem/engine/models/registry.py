@@ -27,6 +27,7 @@ BUILTIN_MODULES = (
     "tandem.engine.models.qwen",
     "tandem.engine.models.gemma",
     "tandem.engine.models.phi3",
+    "tandem.engine.models.moe",
 )
 
 

@@ -1,0 +1,165 @@
+"""Mixture-of-experts layers: the grouped expert computation against its per-token definition and
+against HF's own sparse blocks, LoRA on a MoE model's attention against PEFT, and the refusals
+(adapters on experts, configs we would compute inexactly). Whole-model parity with HF (a mixed
+batch with chunked prefill, a prefix hit and a preemption) is in test_model_families.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tandem import LLM, LoRARequest, SamplingParams
+from tandem.engine.models.moe_layer import MoEConfig, SparseMoE
+from tandem.kernels.moe import experts_reference, grouped_experts, softmax_topk_routing
+from tandem.platform.errors import ModelLoadError
+
+from .conftest import make_tiny_model
+from .model_families import MOE_FAMILIES, load_hf, save_family_model
+from .test_hf_parity import hf_greedy
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("moe-tokenizer"), num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tokenizer_files: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {f: save_family_model(f, tmp_path_factory.mktemp(f), tokenizer_files) for f in MOE_FAMILIES}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_equal_the_per_token_definition(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    tokens, hidden, experts, inter, top_k = 37, 32, 16, 24, 4
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w_gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2).to(dtype)
+    w_down = (torch.randn(experts, hidden, inter, generator=gen) * 0.2).to(dtype)
+    logits = torch.randn(tokens, experts, generator=gen).to(dtype)
+    weights, ids = softmax_topk_routing(logits, top_k, renormalize=True)
+    assert ids.shape == (tokens, top_k) and torch.allclose(
+        weights.float().sum(-1), torch.ones(tokens), atol=1e-2
+    )
+    want = experts_reference(x.float(), w_gate_up.float(), w_down.float(), weights.float(), ids)
+    got = grouped_experts(x, w_gate_up, w_down, weights, ids)
+    tolerance = 1e-5 if dtype == torch.float32 else 5e-2
+    assert (got.float() - want).abs().max().item() < tolerance * max(1.0, want.abs().max().item())
+    assert len(set(ids.reshape(-1).tolist())) > top_k  # the tokens spread over many experts
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_sparse_block_equals_hfs(family: str, checkpoints: dict[str, Path]) -> None:
+    """One layer's block with the checkpoint's weights: the same output as HF's sparse MoE block
+    on the same input (routing, renormalisation and the weighted sum of experts)."""
+    from tandem.engine.models.registry import architecture_for
+
+    folder = checkpoints[family]
+    hf = load_hf(family, folder)
+    import json
+
+    config = architecture_for(json.loads((folder / "config.json").read_text()))
+    cfg = config.parse_config(json.loads((folder / "config.json").read_text()))
+    assert cfg.moe is not None
+    hf_block = hf.model.layers[0].mlp
+    ours = SparseMoE(cfg.moe, cfg.hidden_size, 0)
+    from safetensors.torch import load_file
+
+    weights = load_file(str(folder / "model.safetensors"))
+
+    def take(name: str) -> torch.Tensor:
+        return weights["model." + name]
+
+    def put(param: torch.Tensor, value: torch.Tensor, _: str) -> None:
+        with torch.no_grad():
+            param.copy_(value)
+
+    ours.load_hf(take, put, "layers.0.")
+    x = torch.randn(23, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = hf_block(x[None])[0] if family == "qwen3_moe" else hf_block(x[None])
+        want = want[0] if isinstance(want, tuple) else want
+        got = ours(x)
+    assert (got - want.reshape(got.shape)).abs().max().item() < 1e-5
+
+
+def test_lora_on_a_moe_models_attention_matches_peft(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    import peft
+
+    family = "qwen3_moe"
+    folder = checkpoints[family]
+    base = load_hf(family, folder)
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    )
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.15)
+    model.save_pretrained(str(tmp_path / "attn"))
+    reference = peft.PeftModel.from_pretrained(load_hf(family, folder), str(tmp_path / "attn")).eval()
+    llm = LLM(str(folder), dtype="float32", enable_lora=True, max_lora_rank=8, kv_cache_memory=1 << 20)
+    prompts = [llm.tokenizer.encode(p) for p in ("The sea is", "def add(a, b):\n    return")]
+    want = [hf_greedy(reference, ids, 8, None) for ids in prompts]
+    assert want != [hf_greedy(load_hf(family, folder), ids, 8, None) for ids in prompts]
+    lora = LoRARequest("attn", str(tmp_path / "attn"))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora=[lora, lora])] == want
+
+
+def test_an_adapter_on_expert_modules_is_refused_naming_them(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    import peft
+
+    from tandem.engine.lora import AdapterError
+
+    folder = checkpoints["qwen3_moe"]  # layer 1 is dense: PEFT finds gate/up/down_proj there
+    llm = LLM(str(folder), dtype="float32", enable_lora=True, max_lora_rank=8, kv_cache_memory=1 << 20)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    # PEFT turns MLP module names on a MoE model into `target_parameters` (the stacked experts)
+    for name, targets, param, named in (
+        ("experts", ["q_proj", "gate_proj", "up_proj"], "target_parameters", "gate_up_proj"),
+        ("experts-down", ["down_proj"], "target_parameters", "down_proj"),
+    ):
+        model = peft.get_peft_model(
+            load_hf("qwen3_moe", folder), peft.LoraConfig(r=4, target_modules=targets)
+        )
+        model.save_pretrained(str(tmp_path / name))
+        with pytest.raises(AdapterError) as refused:
+            llm.generate([[5, 6, 7]], params, lora=[LoRARequest(name, str(tmp_path / name))])
+        assert refused.value.param == param and named in refused.value.message, refused.value.message
+
+
+@pytest.mark.parametrize(
+    ("family", "change", "named"),
+    [
+        ("qwen3_moe", {"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size"),
+        ("mixtral", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
+        ("mixtral", {"hidden_act": "gelu"}, "hidden_act"),
+    ],
+)
+def test_moe_configs_computed_inexactly_are_refused(
+    family: str, change: dict[str, Any], named: str, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    import json
+    import shutil
+
+    folder = tmp_path / family
+    shutil.copytree(checkpoints[family], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ModelLoadError) as refused:
+        LLM(str(folder), dtype="float32", kv_cache_memory=1 << 20)
+    assert named in str(refused.value)
+
+
+def test_moe_config_marks_sparse_layers() -> None:
+    moe = MoEConfig(
+        num_experts=8, top_k=2, intermediate_size=16, renormalize=True, sparse_layers=frozenset({0, 2})
+    )
+    assert [moe.is_sparse(i) for i in range(4)] == [True, False, True, False]
+    assert len(moe.layer_tensor_names()) == 1 + 8 * 3
