@@ -163,3 +163,20 @@ def test_moe_config_marks_sparse_layers() -> None:
     )
     assert [moe.is_sparse(i) for i in range(4)] == [True, False, True, False]
     assert len(moe.layer_tensor_names()) == 1 + 8 * 3
+
+
+def test_routing_stats_count_every_routed_token(checkpoints: dict[str, Path]) -> None:
+    """`stats()` reports tokens per expert over the sparse layers: each computed token routed to
+    top_k experts in each sparse layer (Qwen3-MoE here: 3 of its 4 layers), and the imbalance."""
+    from tandem.engine.builder import graph_capturable
+
+    llm = LLM(str(checkpoints["qwen3_moe"]), dtype="float32", kv_cache_memory=1 << 20, speculative=None,
+              enable_prefix_caching=False)  # fmt: skip
+    assert "moe_expert_tokens" not in llm.stats()
+    prompt = llm.tokenizer.encode("Routing counts every token that passes a sparse layer")
+    llm.generate([prompt], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    stats = llm.stats()
+    num_computed = len(prompt) + 5 - 1  # the last sampled token is never fed back
+    assert sum(stats["moe_expert_tokens"]) == num_computed * 2 * 3
+    assert len(stats["moe_expert_tokens"]) == 8 and stats["moe_expert_imbalance"] >= 1.0
+    assert not graph_capturable(llm.engine.runner.model)  # type: ignore[attr-defined]  # eager on CUDA

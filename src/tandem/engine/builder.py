@@ -21,6 +21,7 @@ from tandem.engine.lora import LoRALimits, LoRAManager, LoRAModelShape
 from tandem.engine.models.eagle import EagleDraft, is_eagle_folder, load_eagle
 from tandem.engine.models.interface import CausalLM
 from tandem.engine.models.loader import LoadedModel, build_model, load_model, resolve_model_path
+from tandem.engine.models.moe_layer import SparseMoE
 from tandem.engine.precision import PrecisionChoice, choose_precision
 from tandem.engine.precision import pinned as pinned_precision
 from tandem.engine.runner import KVCacheSpec, ModelRunner, allocate_kv_caches
@@ -93,6 +94,13 @@ def uses_decode_graphs(config: EngineConfig, device: torch.device) -> bool:
     return config.cuda_graphs and device.type == "cuda" and uses_triton(device)
 
 
+def graph_capturable(model: object) -> bool:
+    """Whether a decode step's shapes are fixed by its batch size (what a CUDA graph replays):
+    sparse MoE layers size their expert matmuls by the routing, so those models run eagerly."""
+    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+    return not any(isinstance(module, SparseMoE) for module in modules)
+
+
 def available_memory_bytes(device: torch.device) -> int:
     """Free memory on `device`: CUDA's free bytes (cached allocator blocks handed back first),
     or the host's available RAM."""
@@ -155,7 +163,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
         model, kv_spec, sizes.num_blocks, device, seed=config.seed, lora=lora, compile_decode=config.compile_decode,
         decode_model=decode_model, decode_model_max_batch=config.hybrid_int4_max_batch, draft=proposer,
         native_decoder=config.native_decoder, grammars=grammars, num_head_blocks=sizes.num_head_blocks,
-        eviction=eviction_policy(config), decode_graphs="capture" if uses_decode_graphs(config, device) else "off",
+        eviction=eviction_policy(config),
+        decode_graphs="capture" if uses_decode_graphs(config, device) and graph_capturable(model) else "off",
         graph_max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs), max_model_len=sizes.max_model_len,
     )  # fmt: skip
     runner.warmup_decode()

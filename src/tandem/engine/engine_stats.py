@@ -56,7 +56,17 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "grammar_mask_s": runner.grammar_mask_s,
         **(engine.grammars.stats() if engine.grammars is not None else {}),
         **_compression_stats(engine),
+        **_moe_stats(runner.expert_tokens),
     }
+
+
+def _moe_stats(expert_tokens: list[int]) -> dict[str, Any]:
+    """A MoE model's tokens per expert (all sparse layers) and the load imbalance: the busiest
+    expert's tokens over the mean (1.0 is even). Empty for a dense model."""
+    if not expert_tokens:
+        return {}
+    mean = sum(expert_tokens) / len(expert_tokens)
+    return {"moe_expert_tokens": expert_tokens, "moe_expert_imbalance": max(expert_tokens) / mean if mean else 1.0}
 
 
 def _compression_stats(engine: LLMEngine) -> dict[str, Any]:

@@ -148,6 +148,7 @@ class RunnerStats:
     num_graph_steps: int = 0  # decode steps replayed from CUDA graphs
     draft_wall_s: float = 0.0  # wall seconds spent proposing with a draft model
     grammar_mask_s: float = 0.0  # wall seconds computing and applying grammar masks
+    expert_tokens: list[int] = field(default_factory=list)  # MoE: tokens routed to each expert (all layers)
 
 
 class Runner(Protocol):

@@ -65,6 +65,7 @@ def grouped_experts(
     topk_weights: torch.Tensor,  # [T, k]
     topk_ids: torch.Tensor,  # [T, k]
     act: str = "silu",
+    counts: torch.Tensor | None = None,  # [E] `expert_counts(topk_ids)` when the caller has them
 ) -> torch.Tensor:  # [T, H]
     """`experts_reference`'s result, each active expert computing all of its tokens at once
     (their sum order per token may differ from the reference's: equal up to rounding)."""
@@ -73,10 +74,11 @@ def grouped_experts(
     order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert, token order kept
     token_of_pair = order // top_k  # [T*k] the token each sorted pair belongs to
     weight_of_pair = topk_weights.reshape(-1)[order]  # [T*k]
-    counts = torch.bincount(flat_ids, minlength=w_gate_up.shape[0]).tolist()
+    if counts is None:
+        counts = expert_counts(topk_ids, w_gate_up.shape[0])
     out = torch.zeros_like(x)
     start = 0
-    for expert, count in enumerate(counts):
+    for expert, count in enumerate(counts.tolist()):
         if count == 0:
             continue
         tokens = token_of_pair[start : start + count]  # [n]

@@ -104,6 +104,11 @@ class Telemetry:
                 "prefix_cache_hit_rate",
                 "Prompt tokens found in the prefix cache / looked up",
             ),
+            (
+                "tandem_moe_expert_imbalance",
+                "moe_expert_imbalance",
+                "Mixture-of-experts models: the busiest expert's routed tokens over the mean (1 is even)",
+            ),
         ):
             meter.create_observable_gauge(name, callbacks=[self._observer(key)], description=description)
         for name, key, description in (

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tandem.kernels.moe import grouped_experts, softmax_topk_routing
+from tandem.kernels.moe import expert_counts, grouped_experts, softmax_topk_routing
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,14 @@ class MoEConfig:
         return names
 
 
+def routed_tokens(model: object) -> list[int]:
+    """Tokens routed to each expert so far, summed over `model`'s sparse layers ([] for a dense
+    model, or before its first step)."""
+    modules = model.modules() if isinstance(model, nn.Module) else ()
+    counts = [m.expert_tokens for m in modules if isinstance(m, SparseMoE) and m.expert_tokens is not None]
+    return torch.stack(counts).sum(0).tolist() if counts else []
+
+
 Take = Callable[[str], torch.Tensor]
 Put = Callable[[torch.Tensor, torch.Tensor, str], None]
 
@@ -55,12 +63,17 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(hidden_size, experts, bias=False)
         self.w_gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden_size))
         self.w_down = nn.Parameter(torch.empty(experts, hidden_size, inter))
+        self.expert_tokens: torch.Tensor | None = None  # [E] int64: tokens routed to each expert so far
 
     def forward(self, x: torch.Tensor, lora: object = None) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         """Adapters never reach the experts (MoE architectures refuse MLP targets), so `lora` is
         accepted for the layer's call signature and unused."""
         weights, ids = softmax_topk_routing(self.gate(x), self.moe.top_k, self.moe.renormalize)
-        return grouped_experts(x, self.w_gate_up, self.w_down, weights, ids, self.moe.hidden_act)
+        counts = expert_counts(ids, self.moe.num_experts)
+        if self.expert_tokens is None:
+            self.expert_tokens = torch.zeros_like(counts)
+        self.expert_tokens += counts
+        return grouped_experts(x, self.w_gate_up, self.w_down, weights, ids, self.moe.hidden_act, counts)
 
     def load_hf(self, take: Take, put: Put, layer_prefix: str) -> None:
         """Copy the router and stack the experts' HF tensors (`layers.<i>.` in `layer_prefix`)."""

@@ -18,6 +18,7 @@ from tandem.engine.draft import PagedDraftCache
 from tandem.engine.grammar import GrammarCompiler
 from tandem.engine.lora import LoRAManager, LoRAStep
 from tandem.engine.models.interface import CausalLM
+from tandem.engine.models.moe_layer import routed_tokens
 from tandem.engine.models.native import NativeLlama, NativeStep
 from tandem.engine.runner.compressed import HeadPoolForward, allocate_head_pool
 from tandem.engine.runner.constraints import GrammarMasks
@@ -126,6 +127,7 @@ class ModelRunner:
             num_graph_steps=self.graphs.num_replays if self.graphs is not None else 0,
             draft_wall_s=self.draft_wall_s,
             grammar_mask_s=self.masks.mask_s,
+            expert_tokens=routed_tokens(self.model),
         )
 
     @property
