@@ -91,6 +91,16 @@ MOE_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
          "decoder_sparse_step": 1, "mlp_only_layers": [1], "norm_topk_prob": True},
     ),  # fmt: skip
+    # DeepSeek-style routing: 4 groups of 2, 2 groups eligible, a correction bias and a scale, one
+    # shared expert, a dense first layer; q/k/v biases, q/k norms and half the head rotated
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "n_shared_experts": 1, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+         "first_k_dense_replace": 1, "norm_topk_prob": True, "attention_bias": True, "use_qk_norm": True,
+         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+    ),  # fmt: skip
 }
 ALL_FAMILIES = {**FAMILIES, **MOE_FAMILIES}
 

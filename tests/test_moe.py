@@ -63,8 +63,9 @@ def test_sparse_block_equals_hfs(family: str, checkpoints: dict[str, Path]) -> N
     config = architecture_for(json.loads((folder / "config.json").read_text()))
     cfg = config.parse_config(json.loads((folder / "config.json").read_text()))
     assert cfg.moe is not None
-    hf_block = hf.model.layers[0].mlp
-    ours = SparseMoE(cfg.moe, cfg.hidden_size, 0)
+    layer = min(i for i in range(cfg.num_hidden_layers) if cfg.moe.is_sparse(i))
+    hf_block = hf.model.layers[layer].mlp
+    ours = SparseMoE(cfg.moe, cfg.hidden_size, layer)
     from safetensors.torch import load_file
 
     weights = load_file(str(folder / "model.safetensors"))
@@ -76,10 +77,10 @@ def test_sparse_block_equals_hfs(family: str, checkpoints: dict[str, Path]) -> N
         with torch.no_grad():
             param.copy_(value)
 
-    ours.load_hf(take, put, "layers.0.")
+    ours.load_hf(take, put, f"layers.{layer}.")
     x = torch.randn(23, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        want = hf_block(x[None])[0] if family == "qwen3_moe" else hf_block(x[None])
+        want = hf_block(x[None])
         want = want[0] if isinstance(want, tuple) else want
         got = ours(x)
     assert (got - want.reshape(got.shape)).abs().max().item() < 1e-5
@@ -180,3 +181,24 @@ def test_routing_stats_count_every_routed_token(checkpoints: dict[str, Path]) ->
     assert sum(stats["moe_expert_tokens"]) == num_computed * 2 * 3
     assert len(stats["moe_expert_tokens"]) == 8 and stats["moe_expert_imbalance"] >= 1.0
     assert not graph_capturable(llm.engine.runner.model)  # type: ignore[attr-defined]  # eager on CUDA
+
+
+def test_group_limited_sigmoid_routing_picks_only_from_the_best_groups() -> None:
+    """8 experts in 4 groups, 2 groups eligible: every choice lies in the two groups whose best
+    two corrected scores sum highest; the weights are the uncorrected scores, renormalised and
+    scaled; the correction bias moves the choice, not the weights."""
+    from tandem.kernels.moe import sigmoid_group_topk_routing
+
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(64, 8, generator=gen)
+    bias = torch.randn(8, generator=gen) * 0.5
+    weights, ids = sigmoid_group_topk_routing(logits, bias, 3, 4, 2, True, 2.5)
+    choice = logits.sigmoid() + bias
+    group_scores = choice.view(64, 4, 2).sum(-1)  # a group of 2: its best two are all of it
+    best = group_scores.topk(2, dim=-1).indices
+    assert all(set((ids[t] // 2).tolist()) <= set(best[t].tolist()) for t in range(64))
+    assert torch.allclose(weights.sum(-1), torch.full((64,), 2.5), atol=1e-5)
+    picked = logits.sigmoid().gather(1, ids)
+    assert torch.allclose(weights, picked / picked.sum(-1, keepdim=True) * 2.5, atol=1e-6)
+    _, unbiased = sigmoid_group_topk_routing(logits, None, 3, 4, 2, True, 2.5)
+    assert not torch.equal(unbiased.sort(-1).values, ids.sort(-1).values)

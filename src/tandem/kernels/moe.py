@@ -40,6 +40,39 @@ def softmax_topk_routing(
     return weights.to(router_logits.dtype), ids
 
 
+def sigmoid_group_topk_routing(
+    router_logits: torch.Tensor,  # [T, E] float32
+    correction_bias: torch.Tensor | None,  # [E] float32: added for the choice only
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    renormalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's and GLM-4.5's routing: sigmoid scores; the experts are split into
+    `num_groups` groups, each scored by the sum of its two best (bias-corrected) scores, and only
+    the `topk_groups` best groups are eligible; the top k eligible experts by corrected score are
+    chosen, weighted by their uncorrected scores (renormalised to sum to 1 when `renormalize`),
+    times `scaling`. Returns (weights [T, k] float32, expert ids [T, k] int64)."""
+    num_tokens, num_experts = router_logits.shape
+    scores = router_logits.float().sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if num_groups > 1:
+        grouped = choice.view(num_tokens, num_groups, num_experts // num_groups)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        best_groups = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, best_groups, 1.0)
+        expert_mask = (
+            group_mask.unsqueeze(-1).expand(-1, -1, num_experts // num_groups).reshape(num_tokens, -1)
+        )
+        choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
 def experts_reference(
     x: torch.Tensor,  # [T, H]
     w_gate_up: torch.Tensor,  # [E, 2I, H]

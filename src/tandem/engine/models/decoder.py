@@ -72,6 +72,11 @@ class DecoderConfig:
     local_rope_theta: float | None = None  # RoPE of the sliding-window layers, when it differs
     local_rope_scaling: dict[str, Any] | None = None
     moe: MoEConfig | None = None  # experts in place of the MLP on its sparse layers (Mixtral, Qwen3-MoE)
+    rotary_dim: int | None = None  # RoPE on each head's first `rotary_dim` dims only (GLM-4.5); None: all
+
+    @property
+    def rope_dim(self) -> int:
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     def window(self, layer: int) -> int | None:
         return None if self.layer_windows is None else self.layer_windows[layer]
@@ -118,6 +123,7 @@ class DecoderAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = _norm_weight(self.head_dim) if cfg.qk_norm else None
         self.k_norm = _norm_weight(self.head_dim) if cfg.qk_norm else None
+        self.rope_dim = cfg.rope_dim
 
     def forward(
         self,
@@ -138,8 +144,13 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = rms_norm(q, self.q_norm, self.eps, self.norm_offset)
             k = rms_norm(k, self.k_norm, self.eps, self.norm_offset)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        if self.rope_dim == self.head_dim:
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+        else:  # partial rotary: the rest of each head passes unrotated
+            r = self.rope_dim
+            q = torch.cat((apply_rope(q[..., :r], cos, sin), q[..., r:]), dim=-1)
+            k = torch.cat((apply_rope(k[..., :r], cos, sin), k[..., r:]), dim=-1)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if isinstance(metadata, HeadAttentionMetadata):  # compressed requests: head-block pool
             out = head_attention_layer(metadata, self.layer_idx, q, k, v, self.scale)
@@ -231,16 +242,16 @@ class DecoderLM(nn.Module):
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions
-        self.register_buffer("rope_cos", torch.empty(max_positions, cfg.head_dim), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(max_positions, cfg.head_dim), persistent=False)
+        self.register_buffer("rope_cos", torch.empty(max_positions, cfg.rope_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(max_positions, cfg.rope_dim), persistent=False)
         # Layers on the local RoPE (Gemma 3's sliding layers) read these tables instead.
         self.local_rope_layers = (
             {i for i in range(cfg.num_hidden_layers) if cfg.window(i) is not None}
             if cfg.local_rope_theta is not None
             else set()
         )
-        self.register_buffer("local_rope_cos", torch.empty(max_positions, cfg.head_dim), persistent=False)
-        self.register_buffer("local_rope_sin", torch.empty(max_positions, cfg.head_dim), persistent=False)
+        self.register_buffer("local_rope_cos", torch.empty(max_positions, cfg.rope_dim), persistent=False)
+        self.register_buffer("local_rope_sin", torch.empty(max_positions, cfg.rope_dim), persistent=False)
 
     def init_rope(self) -> None:
         """(Re)compute the cos/sin tables on the model's device (after building on 'meta')."""
@@ -251,7 +262,7 @@ class DecoderLM(nn.Module):
             tables.append((cfg.local_rope_theta, cfg.local_rope_scaling, "local_rope"))
         for theta, scaling, name in tables:
             inv_freq, attention_scaling = rope_inv_freq(
-                cfg.head_dim, theta, scaling, max_position_embeddings=cfg.max_position_embeddings
+                cfg.rope_dim, theta, scaling, max_position_embeddings=cfg.max_position_embeddings
             )
             cos, sin = rope_cos_sin(inv_freq, self.max_positions, attention_scaling)
             setattr(self, f"{name}_cos", cos.to(device))

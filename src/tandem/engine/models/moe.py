@@ -1,7 +1,10 @@
 """Mixture-of-experts families on the shared decoder: Mixtral (Mistral's attention, every layer
-sparse, w1/w3/w2 experts under `block_sparse_moe`) and Qwen3-MoE (Qwen3's attention with q/k norms,
-sparse layers by `decoder_sparse_step` and `mlp_only_layers`, `norm_topk_prob`). Their attention
-keeps LoRA; the experts do not (`lora_targets`: an adapter naming an MLP module is refused)."""
+sparse, w1/w3/w2 experts under `block_sparse_moe`), Qwen3-MoE (Qwen3's attention with q/k norms,
+sparse layers by `decoder_sparse_step` and `mlp_only_layers`, `norm_topk_prob`) and GLM-4.5
+(`glm4_moe`: partial rotary embeddings, optional q/k norms and q/k/v biases, dense layers before
+`first_k_dense_replace`, DeepSeek-V3's sigmoid routing with groups, a score correction bias and a
+routed scaling factor, and a shared expert). Their attention keeps LoRA; the experts do not
+(`lora_targets`: an adapter naming an MLP module is refused)."""
 
 from __future__ import annotations
 
@@ -94,6 +97,61 @@ def parse_qwen3_moe(cfg: dict[str, Any]) -> DecoderConfig:
     return dense
 
 
+def _rope_fraction(cfg: dict[str, Any]) -> float:
+    params = cfg.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+
+
+def check_glm4_moe(cfg: dict[str, Any]) -> None:
+    check_common(cfg, implemented=("attention_bias", "use_qk_norm"), partial_rotary=True)
+    num_experts = _num_experts(
+        {**cfg, "num_local_experts": cfg.get("n_routed_experts", cfg.get("num_local_experts"))}
+    )
+    _top_k(cfg, num_experts)
+    groups, topk_groups = int(cfg.get("n_group", 1)), int(cfg.get("topk_group", 1))
+    if groups < 1 or num_experts % groups or not 1 <= topk_groups <= groups:
+        raise ModelLoadError(
+            f"config keys n_group={groups} / topk_group={topk_groups} must split the {num_experts} experts evenly "
+            "and choose at most n_group groups",
+            param="model",
+        )
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    rotary = head_dim * _rope_fraction(cfg)
+    if rotary != int(rotary) or int(rotary) % 2 or int(rotary) < 2:
+        raise ModelLoadError(
+            f"partial_rotary_factor gives {rotary} rotary dims of {head_dim}: not an even count",
+            param="model",
+        )
+
+
+def parse_glm4_moe(cfg: dict[str, Any]) -> DecoderConfig:
+    num_experts = int(cfg.get("n_routed_experts", cfg.get("num_local_experts", 0)))
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    rotary_dim = int(head_dim * _rope_fraction(cfg))
+    first_sparse = int(cfg.get("first_k_dense_replace", 1))
+    qk_norm = bool(cfg.get("use_qk_norm", False))
+    return DecoderConfig(
+        **decoder_fields(cfg),
+        model_type="glm4_moe",
+        qkv_bias=bool(cfg.get("attention_bias", False)),
+        qk_norm=qk_norm,
+        rotary_dim=None if rotary_dim == head_dim else rotary_dim,
+        moe=MoEConfig(
+            num_experts=num_experts,
+            top_k=_top_k(cfg, num_experts),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            renormalize=bool(cfg.get("norm_topk_prob", True)),
+            sparse_layers=frozenset(range(first_sparse, int(cfg["num_hidden_layers"]))),
+            scoring="sigmoid",
+            num_groups=int(cfg.get("n_group", 1)),
+            topk_groups=int(cfg.get("topk_group", 1)),
+            routed_scaling=float(cfg.get("routed_scaling_factor", 1.0)),
+            correction_bias=True,
+            shared_intermediate_size=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts", 0)),
+        ),
+    )
+
+
 MIXTRAL = Architecture(
     name="mixtral",
     model_types=("mixtral",),
@@ -116,5 +174,17 @@ QWEN3_MOE = Architecture(
     kv_layers=decoder_kv_layers,
     lora_targets=ATTENTION_TARGETS,
 )
+GLM4_MOE = Architecture(
+    name="glm4_moe",
+    model_types=("glm4_moe",),
+    hf_classes=("Glm4MoeForCausalLM",),
+    check_config=check_glm4_moe,
+    parse_config=parse_glm4_moe,
+    model_class=DecoderLM,
+    tensor_names=decoder_tensor_names,
+    kv_layers=decoder_kv_layers,
+    lora_targets=ATTENTION_TARGETS,
+)
 register(MIXTRAL, replace=True)
+register(GLM4_MOE, replace=True)
 register(QWEN3_MOE, replace=True)

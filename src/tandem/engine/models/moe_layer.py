@@ -1,6 +1,6 @@
 """The sparse mixture-of-experts block that replaces a decoder layer's MLP (`DecoderConfig.moe`).
 
-A router (`gate`, a linear to one logit per expert) picks each token's top-k experts
+A router (HF's `gate`: one logit per expert, a linear map) picks each token's top-k experts
 (`kernels.moe.softmax_topk_routing`); the experts' gated MLPs run grouped by expert
 (`kernels.moe.grouped_experts`). Weights are stacked per layer, [E, 2I, H] for gate and up (fused
 as the dense MLP fuses them) and [E, H, I] for down, loaded from HF's per-expert tensors under
@@ -16,7 +16,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tandem.kernels.moe import expert_counts, grouped_experts, softmax_topk_routing
+from tandem.kernels.moe import (
+    expert_counts,
+    grouped_experts,
+    sigmoid_group_topk_routing,
+    softmax_topk_routing,
+)
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,13 @@ class MoEConfig:
     checkpoint_prefix: str = "mlp"  # the block's module name in HF's checkpoint
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # HF's gate, up, down
     hidden_act: str = "silu"
+    # DeepSeek-V3 / GLM-4.5 routing (`scoring="sigmoid"`): groups, a score correction bias, a scale
+    scoring: str = "softmax"  # "softmax" (Mixtral, Qwen) or "sigmoid"
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
+    correction_bias: bool = False  # the router has `e_score_correction_bias`
+    shared_intermediate_size: int = 0  # a shared expert (an MLP every token takes) of this size
 
     def is_sparse(self, layer: int) -> bool:
         return self.sparse_layers is None or layer in self.sparse_layers
@@ -37,8 +49,12 @@ class MoEConfig:
         """The block's checkpoint tensors in one layer (after `layers.<i>.`)."""
         p = self.checkpoint_prefix
         names = [f"{p}.gate.weight"]
+        if self.correction_bias:
+            names.append(f"{p}.gate.e_score_correction_bias")
         for expert in range(self.num_experts):
             names += [f"{p}.experts.{expert}.{name}.weight" for name in self.expert_names]
+        if self.shared_intermediate_size:
+            names += [f"{p}.shared_experts.{name}.weight" for name in self.expert_names]
         return names
 
 
@@ -60,26 +76,44 @@ class SparseMoE(nn.Module):
         self.moe = moe
         self.layer_idx = layer_idx
         experts, inter = moe.num_experts, moe.intermediate_size
-        self.gate = nn.Linear(hidden_size, experts, bias=False)
+        # The router: a plain parameter (no prepacked linear), read in float32 by sigmoid routing.
+        self.router = nn.Parameter(torch.empty(experts, hidden_size))
         self.w_gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden_size))
         self.w_down = nn.Parameter(torch.empty(experts, hidden_size, inter))
+        self.correction_bias = (
+            nn.Parameter(torch.empty(experts), requires_grad=False) if moe.correction_bias else None
+        )
+        self.shared = (
+            SharedExpert(hidden_size, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+        )
         self.expert_tokens: torch.Tensor | None = None  # [E] int64: tokens routed to each expert so far
 
     def forward(self, x: torch.Tensor, lora: object = None) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         """Adapters never reach the experts (MoE architectures refuse MLP targets), so `lora` is
         accepted for the layer's call signature and unused."""
-        weights, ids = softmax_topk_routing(self.gate(x), self.moe.top_k, self.moe.renormalize)
-        counts = expert_counts(ids, self.moe.num_experts)
+        moe = self.moe
+        if moe.scoring == "sigmoid":  # the router in float32, as DeepSeek-V3 and GLM-4.5 define it
+            logits = torch.nn.functional.linear(x.float(), self.router.float())
+            weights, ids = sigmoid_group_topk_routing(
+                logits, self.correction_bias, moe.top_k, moe.num_groups, moe.topk_groups, moe.renormalize,
+                moe.routed_scaling,
+            )  # fmt: skip
+        else:
+            weights, ids = softmax_topk_routing(
+                torch.nn.functional.linear(x, self.router), moe.top_k, moe.renormalize
+            )
+        counts = expert_counts(ids, moe.num_experts)
         if self.expert_tokens is None:
             self.expert_tokens = torch.zeros_like(counts)
         self.expert_tokens += counts
-        return grouped_experts(x, self.w_gate_up, self.w_down, weights, ids, self.moe.hidden_act, counts)
+        out = grouped_experts(x, self.w_gate_up, self.w_down, weights, ids, moe.hidden_act, counts)
+        return out if self.shared is None else out + self.shared(x)
 
     def load_hf(self, take: Take, put: Put, layer_prefix: str) -> None:
         """Copy the router and stack the experts' HF tensors (`layers.<i>.` in `layer_prefix`)."""
         p = layer_prefix + self.moe.checkpoint_prefix
         gate_name, up_name, down_name = self.moe.expert_names
-        put(self.gate.weight, take(f"{p}.gate.weight"), f"{p}.gate.weight")
+        put(self.router, take(f"{p}.gate.weight"), f"{p}.gate.weight")
         experts = range(self.moe.num_experts)
         gate_up = torch.stack(
             [
@@ -92,3 +126,31 @@ class SparseMoE(nn.Module):
         put(self.w_gate_up, gate_up, f"{p}.experts.*.{gate_name}+{up_name}")
         down = torch.stack([take(f"{p}.experts.{e}.{down_name}.weight") for e in experts])
         put(self.w_down, down, f"{p}.experts.*.{down_name}")
+        if self.correction_bias is not None:
+            put(
+                self.correction_bias,
+                take(f"{p}.gate.e_score_correction_bias"),
+                f"{p}.gate.e_score_correction_bias",
+            )
+        if self.shared is not None:
+            s = f"{p}.shared_experts."
+            put(
+                self.shared.gate_up_proj.weight,
+                torch.cat([take(s + gate_name + ".weight"), take(s + up_name + ".weight")]),
+                s + "gate_up",
+            )
+            put(self.shared.down_proj.weight, take(s + down_name + ".weight"), s + down_name)
+
+
+class SharedExpert(nn.Module):
+    """The MLP every token takes beside its routed experts (SiLU-gated, no biases)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(torch.nn.functional.silu(gate) * up)

@@ -94,6 +94,8 @@ class NativeLlama:
             return f"it computes the shared decoder's layers only, not {type(model).__name__}'s"
         if model.norm.device.type != "cpu":
             return f"it runs on CPU only (the model is on {model.norm.device})"
+        if model.config.rotary_dim is not None:
+            return "it rotates whole heads only, not a partial rotary dimension"
         for layer in _decoder_layers(model):
             assert isinstance(layer.mlp, DecoderMLP), "_computes_the_shared_decoder refuses sparse layers"
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)

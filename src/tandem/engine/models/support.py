@@ -73,8 +73,9 @@ def rope_settings(
     return theta, scaling, key
 
 
-def check_rope(cfg: dict[str, Any], layer_type: str = "full_attention") -> None:
-    """Refuse rope types and parameters the rotary tables do not compute exactly (HF's values)."""
+def check_rope(cfg: dict[str, Any], layer_type: str = "full_attention", *, partial_rotary: bool = False) -> None:
+    """Refuse rope types and parameters the rotary tables do not compute exactly (HF's values);
+    a partial rotary factor only where the family implements it (`partial_rotary`)."""
     max_positions = int(cfg.get("max_position_embeddings", 2048))
     _, scaling, key = rope_settings(cfg, layer_type)
     if not scaling:
@@ -85,7 +86,7 @@ def check_rope(cfg: dict[str, Any], layer_type: str = "full_attention") -> None:
             f"config key {key}.rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     partial = scaling.get("partial_rotary_factor")
-    if partial is not None and float(partial) != 1.0:
+    if partial is not None and float(partial) != 1.0 and not partial_rotary:
         raise _refuse(f"config key {key}.partial_rotary_factor={partial!r} is not supported (only 1.0)")
     original = scaling.get("original_max_position_embeddings")
     if rope_type == "dynamic" and original is not None and int(original) < max_positions:
@@ -104,6 +105,7 @@ def check_common(
     implemented: Collection[str] = (),
     activations: Collection[str] = SUPPORTED_ACTIVATIONS,
     sliding_window: bool = False,
+    partial_rotary: bool = False,
 ) -> None:
     """Raise `ModelLoadError` for a config a family module would compute inexactly: a key of
     `MATH_KEYS` set that the family does not list in `implemented`, an activation not in
@@ -117,7 +119,7 @@ def check_common(
         if act is not None and act not in activations:
             raise _refuse(f"config key {key}={act!r} is not supported; supported: {', '.join(activations)}")
     partial = cfg.get("partial_rotary_factor")
-    if partial is not None and float(partial) != 1.0:
+    if partial is not None and float(partial) != 1.0 and not partial_rotary:
         raise _refuse(f"config key partial_rotary_factor={partial!r} is not supported (only 1.0)")
     max_positions = int(cfg.get("max_position_embeddings", 2048))
     window = cfg.get("sliding_window")
@@ -132,7 +134,7 @@ def check_common(
             f"(max_position_embeddings={max_positions}); sliding-window attention is not supported "
             f"for model_type {cfg.get('model_type', 'llama')!r}"
         )
-    check_rope(cfg)
+    check_rope(cfg, partial_rotary=partial_rotary)
 
 
 def check_config(cfg: dict[str, Any]) -> None:
