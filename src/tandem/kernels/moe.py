@@ -6,11 +6,14 @@ Expert weights are stacked: `w_gate_up` [E, 2I, H] (gate rows first, then up row
 token's output is the sum over its k experts of that times the expert's routing weight.
 
 `grouped_experts` is the fast path: the T*k (token, expert) pairs are sorted by expert once, and
-each expert that received tokens runs two dense matmuls over all of them (no per-token Python
-loop); `experts_reference` is the per-token definition it is tested against.
+each expert that received tokens runs its two matmuls over all of them at once (no per-token
+Python loop), through an `ExpertFn`: stacked dense weights (`stacked_experts`) or the model's
+per-expert linears (dense or INT4); `experts_reference` is the per-token definition.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -91,34 +94,45 @@ def experts_reference(
     return out
 
 
+ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]  # (expert id, rows [n, H]) -> its output [n, H]
+
+
+def stacked_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, act: str = "silu") -> ExpertFn:
+    """The experts of stacked dense weights ([E, 2I, H] and [E, H, I]) as an `ExpertFn`."""
+
+    def run(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(rows, w_gate_up[expert]).chunk(2, dim=-1)  # [n, I] each
+        return F.linear(_act(act, gate) * up, w_down[expert])
+
+    return run
+
+
 def grouped_experts(
     x: torch.Tensor,  # [T, H]
-    w_gate_up: torch.Tensor,  # [E, 2I, H]
-    w_down: torch.Tensor,  # [E, H, I]
+    expert: ExpertFn,
     topk_weights: torch.Tensor,  # [T, k]
     topk_ids: torch.Tensor,  # [T, k]
-    act: str = "silu",
+    num_experts: int,
     counts: torch.Tensor | None = None,  # [E] `expert_counts(topk_ids)` when the caller has them
 ) -> torch.Tensor:  # [T, H]
     """`experts_reference`'s result, each active expert computing all of its tokens at once
-    (their sum order per token may differ from the reference's: equal up to rounding)."""
+    (`expert(e, rows)`: a dense, INT4 or any other kernel); the sum order per token may differ
+    from the reference's: equal up to rounding."""
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert, token order kept
     token_of_pair = order // top_k  # [T*k] the token each sorted pair belongs to
     weight_of_pair = topk_weights.reshape(-1)[order]  # [T*k]
     if counts is None:
-        counts = expert_counts(topk_ids, w_gate_up.shape[0])
+        counts = expert_counts(topk_ids, num_experts)
     out = torch.zeros_like(x)
     start = 0
-    for expert, count in enumerate(counts.tolist()):
+    for expert_id, count in enumerate(counts.tolist()):
         if count == 0:
             continue
         tokens = token_of_pair[start : start + count]  # [n]
-        rows = x.index_select(0, tokens)  # [n, H]
-        gate, up = F.linear(rows, w_gate_up[expert]).chunk(2, dim=-1)  # [n, I] each
-        hidden = F.linear(_act(act, gate) * up, w_down[expert])  # [n, H]
-        out.index_add_(0, tokens, hidden * weight_of_pair[start : start + count, None])
+        hidden = expert(expert_id, x.index_select(0, tokens))  # [n, H]
+        out.index_add_(0, tokens, (hidden * weight_of_pair[start : start + count, None]).to(x.dtype))
         start += count
     return out
 

@@ -319,8 +319,8 @@ class DecoderLM(nn.Module):
         return list(self.layers)  # type: ignore[arg-type]
 
     def int4_targets(self) -> list[Int4Target]:
-        """The fused q/k/v, o, fused gate/up and down linears of every layer (biases stay dense;
-        a sparse layer's router and experts stay in the compute dtype)."""
+        """The fused q/k/v, o, fused gate/up and down linears of every layer, every expert's
+        included (biases and a sparse layer's router stay in the compute dtype)."""
         targets = []
         for index, layer in enumerate(self.decoder_layers()):
             p = f"model.layers.{index}."
@@ -329,11 +329,13 @@ class DecoderLM(nn.Module):
                 Int4Target(attn, "qkv_proj", (p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj")),
                 Int4Target(attn, "o_proj", (p + "self_attn.o_proj",)),
             ]
-            if isinstance(mlp, DecoderMLP):
-                targets += [
-                    Int4Target(mlp, "gate_up_proj", (p + "mlp.gate_proj", p + "mlp.up_proj")),
-                    Int4Target(mlp, "down_proj", (p + "mlp.down_proj",)),
-                ]
+            if isinstance(mlp, SparseMoE):
+                targets += mlp.int4_targets(p)
+                continue
+            targets += [
+                Int4Target(mlp, "gate_up_proj", (p + "mlp.gate_proj", p + "mlp.up_proj")),
+                Int4Target(mlp, "down_proj", (p + "mlp.down_proj",)),
+            ]
         return targets
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:

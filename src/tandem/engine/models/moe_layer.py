@@ -1,11 +1,13 @@
 """The sparse mixture-of-experts block that replaces a decoder layer's MLP (`DecoderConfig.moe`).
 
-A router (HF's `gate`: one logit per expert, a linear map) picks each token's top-k experts
-(`kernels.moe.softmax_topk_routing`); the experts' gated MLPs run grouped by expert
-(`kernels.moe.grouped_experts`). Weights are stacked per layer, [E, 2I, H] for gate and up (fused
-as the dense MLP fuses them) and [E, H, I] for down, loaded from HF's per-expert tensors under
-`MoEConfig.checkpoint_prefix` with the family's expert names (Mixtral's w1/w3/w2, Qwen's
-gate/up/down_proj).
+A router (HF's `gate`: one logit per expert, a linear map) picks each token's top-k experts:
+softmax top-k (Mixtral, Qwen3-MoE; `kernels.moe.softmax_topk_routing`) or sigmoid scores with
+groups, a correction bias and a scale (DeepSeek-V3, GLM-4.5; `sigmoid_group_topk_routing`). The
+experts run grouped by expert (`kernels.moe.grouped_experts`), each a `GatedMLP` whose fused
+gate/up and down linears are what the INT4 path quantises (`expert_int4_targets`); a shared
+expert, where the family has one, is another `GatedMLP` every token takes. Weights load from HF's
+per-expert tensors under `MoEConfig.checkpoint_prefix` with the family's expert names (Mixtral's
+w1/w3/w2, the others' gate/up/down_proj).
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from tandem.engine.models.interface import Int4Target
 from tandem.kernels.moe import (
     expert_counts,
     grouped_experts,
@@ -58,6 +62,20 @@ class MoEConfig:
         return names
 
 
+class GatedMLP(nn.Module):
+    """down(silu(gate x) * up x), no biases: one expert, or a shared expert."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
 def routed_tokens(model: object) -> list[int]:
     """Tokens routed to each expert so far, summed over `model`'s sparse layers ([] for a dense
     model, or before its first step)."""
@@ -75,16 +93,16 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.moe = moe
         self.layer_idx = layer_idx
-        experts, inter = moe.num_experts, moe.intermediate_size
         # The router: a plain parameter (no prepacked linear), read in float32 by sigmoid routing.
-        self.router = nn.Parameter(torch.empty(experts, hidden_size))
-        self.w_gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden_size))
-        self.w_down = nn.Parameter(torch.empty(experts, hidden_size, inter))
+        self.router = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
         self.correction_bias = (
-            nn.Parameter(torch.empty(experts), requires_grad=False) if moe.correction_bias else None
+            nn.Parameter(torch.empty(moe.num_experts), requires_grad=False) if moe.correction_bias else None
+        )
+        self.experts = nn.ModuleList(
+            GatedMLP(hidden_size, moe.intermediate_size) for _ in range(moe.num_experts)
         )
         self.shared = (
-            SharedExpert(hidden_size, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+            GatedMLP(hidden_size, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
         )
         self.expert_tokens: torch.Tensor | None = None  # [E] int64: tokens routed to each expert so far
 
@@ -93,64 +111,53 @@ class SparseMoE(nn.Module):
         accepted for the layer's call signature and unused."""
         moe = self.moe
         if moe.scoring == "sigmoid":  # the router in float32, as DeepSeek-V3 and GLM-4.5 define it
-            logits = torch.nn.functional.linear(x.float(), self.router.float())
+            logits = F.linear(x.float(), self.router.float())
             weights, ids = sigmoid_group_topk_routing(
                 logits, self.correction_bias, moe.top_k, moe.num_groups, moe.topk_groups, moe.renormalize,
                 moe.routed_scaling,
             )  # fmt: skip
         else:
-            weights, ids = softmax_topk_routing(
-                torch.nn.functional.linear(x, self.router), moe.top_k, moe.renormalize
-            )
+            weights, ids = softmax_topk_routing(F.linear(x, self.router), moe.top_k, moe.renormalize)
         counts = expert_counts(ids, moe.num_experts)
         if self.expert_tokens is None:
             self.expert_tokens = torch.zeros_like(counts)
         self.expert_tokens += counts
-        out = grouped_experts(x, self.w_gate_up, self.w_down, weights, ids, moe.hidden_act, counts)
+        experts = self.experts
+        out = grouped_experts(x, lambda e, rows: experts[e](rows), weights, ids, moe.num_experts, counts)
         return out if self.shared is None else out + self.shared(x)
 
     def load_hf(self, take: Take, put: Put, layer_prefix: str) -> None:
-        """Copy the router and stack the experts' HF tensors (`layers.<i>.` in `layer_prefix`)."""
+        """Copy the router and every expert's HF tensors (`layers.<i>.` in `layer_prefix`)."""
         p = layer_prefix + self.moe.checkpoint_prefix
-        gate_name, up_name, down_name = self.moe.expert_names
         put(self.router, take(f"{p}.gate.weight"), f"{p}.gate.weight")
-        experts = range(self.moe.num_experts)
-        gate_up = torch.stack(
-            [
-                torch.cat(
-                    [take(f"{p}.experts.{e}.{gate_name}.weight"), take(f"{p}.experts.{e}.{up_name}.weight")]
-                )
-                for e in experts
-            ]
-        )
-        put(self.w_gate_up, gate_up, f"{p}.experts.*.{gate_name}+{up_name}")
-        down = torch.stack([take(f"{p}.experts.{e}.{down_name}.weight") for e in experts])
-        put(self.w_down, down, f"{p}.experts.*.{down_name}")
         if self.correction_bias is not None:
             put(
                 self.correction_bias,
                 take(f"{p}.gate.e_score_correction_bias"),
                 f"{p}.gate.e_score_correction_bias",
             )
+        mlps = [(f"{p}.experts.{e}.", expert) for e, expert in enumerate(self.experts)]
         if self.shared is not None:
-            s = f"{p}.shared_experts."
-            put(
-                self.shared.gate_up_proj.weight,
-                torch.cat([take(s + gate_name + ".weight"), take(s + up_name + ".weight")]),
-                s + "gate_up",
-            )
-            put(self.shared.down_proj.weight, take(s + down_name + ".weight"), s + down_name)
+            mlps.append((f"{p}.shared_experts.", self.shared))
+        gate, up, down = self.moe.expert_names
+        for prefix, mlp in mlps:
+            assert isinstance(mlp, GatedMLP)
+            gate_up = torch.cat([take(f"{prefix}{gate}.weight"), take(f"{prefix}{up}.weight")])
+            put(mlp.gate_up_proj.weight, gate_up, f"{prefix}{gate}+{up}")
+            put(mlp.down_proj.weight, take(f"{prefix}{down}.weight"), f"{prefix}{down}")
 
-
-class SharedExpert(nn.Module):
-    """The MLP every token takes beside its routed experts (SiLU-gated, no biases)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(torch.nn.functional.silu(gate) * up)
+    def int4_targets(self, layer_prefix: str) -> list[Int4Target]:
+        """Every expert's (and the shared expert's) fused gate/up and down linears, by their HF
+        names (`model.layers.<i>.` in `layer_prefix`); the router stays in the compute dtype."""
+        p = layer_prefix + self.moe.checkpoint_prefix
+        gate, up, down = self.moe.expert_names
+        mlps = [(f"{p}.experts.{e}.", expert) for e, expert in enumerate(self.experts)]
+        if self.shared is not None:
+            mlps.append((f"{p}.shared_experts.", self.shared))
+        targets = []
+        for prefix, mlp in mlps:
+            targets += [
+                Int4Target(mlp, "gate_up_proj", (prefix + gate, prefix + up)),
+                Int4Target(mlp, "down_proj", (prefix + down,)),
+            ]
+        return targets
