@@ -37,7 +37,6 @@ def build_model(args: argparse.Namespace, folder: Path) -> Path:
     import shutil
 
     import transformers
-
     from tests.conftest import make_tiny_model
 
     tokenizer = make_tiny_model(folder / "_tokenizer", num_layers=1)
@@ -93,7 +92,9 @@ def moe_share(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict[str, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -113,7 +114,9 @@ def main() -> None:
         key, _, value = pair.partition("=")
         options[key] = json.loads(value) if value[:1] in "[{0123456789tfn-" else value
     llm = LLM(str(folder), kv_cache_memory=256 << 20, max_num_seqs=max(args.concurrency), **options)
-    log(f"engine: dtype {llm.stats()['dtype']}, weights {llm.stats()['weight_dtype']}; torch threads {threads}")
+    log(
+        f"engine: dtype {llm.stats()['dtype']}, weights {llm.stats()['weight_dtype']}; torch threads {threads}"
+    )
     hf = None
     if not args.skip_hf:
         import transformers
@@ -130,7 +133,11 @@ def main() -> None:
             row["ratio_tandem_over_hf"] = row["tandem"]["tokens_per_s"] / row["hf"]["tokens_per_s"]
         log(
             f"N={n}: tandem {row['tandem']['tokens_per_s']:.1f} tok/s"
-            + (f", HF {row['hf']['tokens_per_s']:.1f} tok/s, {row['ratio_tandem_over_hf']:.2f}x" if hf else "")
+            + (
+                f", HF {row['hf']['tokens_per_s']:.1f} tok/s, {row['ratio_tandem_over_hf']:.2f}x"
+                if hf
+                else ""
+            )
         )
         rows.append(row)
     share = moe_share(llm, make_prompts(8, args.prompt_len, vocab, seed=7), args.new_tokens)
