@@ -101,7 +101,27 @@ MOE_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
          "first_k_dense_replace": 1, "norm_topk_prob": True, "attention_bias": True, "use_qk_norm": True,
          "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
     ),  # fmt: skip
+    # Multi-head latent attention (q and kv through low-rank latents, interleaved rotary dims) and
+    # GLM's routing, scaled down: latent 32 + rotary 8 per token for 4 heads of 16 + 8 and 16
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+         "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 4, "topk_group": 2,
+         "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "norm_topk_prob": True, "rope_interleave": True},
+    ),  # fmt: skip
+    # Kimi K2's shape: DeepSeek-V3's layers with many experts, 8 active, one group, no q latent
+    "kimi_k2": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {"num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+         "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 64, "num_experts_per_tok": 8,
+         "moe_intermediate_size": 16, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+         "routed_scaling_factor": 2.827, "first_k_dense_replace": 1, "norm_topk_prob": True},
+    ),  # fmt: skip
 }
+MLA_FAMILIES = ("deepseek_v3", "kimi_k2")
 ALL_FAMILIES = {**FAMILIES, **MOE_FAMILIES}
 
 

@@ -198,6 +198,12 @@ def check_features(config: EngineConfig, loaded: LoadedModel) -> None:
     architecture, layers = loaded.architecture, loaded.architecture.kv_layers(loaded.config)
     windowed = any(layer.window is not None for layer in layers)
     capped = getattr(loaded.config, "attn_logit_softcap", None) is not None
+    if (config.enable_kv_compression or config.kv_compression_rate is not None) and layers[0].shared_kv:
+        raise InvalidRequestError(
+            f"per-head KV compression is not supported for {architecture.name} models: their latent KV "
+            "is shared by every head, so no head can drop its own tokens; leave enable_kv_compression off",
+            param="enable_kv_compression",
+        )
     if (config.enable_kv_compression or config.kv_compression_rate is not None) and (windowed or capped):
         kind = "sliding-window" if windowed else "soft-capped"
         raise InvalidRequestError(
@@ -223,13 +229,15 @@ def kv_cache_spec(loaded: LoadedModel, block_size: int, kv_dtype: torch.dtype) -
     """The paged cache for a model, from its architecture's per-layer KV (`Architecture.kv_layers`).
     Raises `ModelLoadError` for layers that differ: the paged cache holds one shape for all."""
     layers = loaded.architecture.kv_layers(loaded.config)
-    if any((layer.num_kv_heads, layer.head_dim) != (layers[0].num_kv_heads, layers[0].head_dim) for layer in layers):
+    first = layers[0]
+    shape = (first.num_kv_heads, first.head_dim, first.shared_kv)
+    if any((layer.num_kv_heads, layer.head_dim, layer.shared_kv) != shape for layer in layers):
         shapes = sorted({(layer.num_kv_heads, layer.head_dim) for layer in layers})
         raise ModelLoadError(
             f"{loaded.path}: layers with different KV shapes (kv heads, head dim) {shapes} are not supported",
             param="model",
         )
-    return KVCacheSpec(len(layers), layers[0].num_kv_heads, layers[0].head_dim, block_size, kv_dtype)
+    return KVCacheSpec(len(layers), *shape[:2], block_size, kv_dtype, shared_kv=first.shared_kv)
 
 
 def _load_draft(

@@ -45,6 +45,9 @@ def make_prefill_request(engine: LLMEngine, gen: GenerationRequest) -> tuple[Req
 
 def kv_fingerprint(engine: LLMEngine) -> str:
     cfg = engine.model_config
+    mla = getattr(cfg, "mla", None)  # a latent cache: one shared vector per token (`models/mla.py`)
+    if mla is not None:
+        return fingerprint(engine.model_name, cfg.num_hidden_layers, 1, mla.latent_dim, cfg.vocab_size) + "|latent"
     return fingerprint(engine.model_name, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size)
 
 

@@ -12,7 +12,8 @@ config fields rather than code branches in the engine:
 - a sliding window per layer (Mistral, Qwen2, Gemma 2/3, Phi-3) and a second RoPE for the
   sliding layers (Gemma 3's local base);
 - a sparse mixture of experts in place of the MLP on some or all layers (`moe_layer.py`: Mixtral,
-  Qwen3-MoE).
+  Qwen3-MoE, GLM-4.5, DeepSeek-V3), partial rotary embeddings (GLM-4.5), and multi-head latent
+  attention in place of GQA (`mla.py`: DeepSeek-V3, Kimi K2).
 
 An architecture module parses its HF config into a `DecoderConfig`, names the checkpoint tensors
 (`decoder_tensor_names`, or its own mapping) and registers an `Architecture` (`registry.py`).
@@ -22,6 +23,7 @@ formula matches the HF module of the family in float32 (the tests compare logits
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.models.interface import Int4Target, KVLayer, LayerKV, LoRAContext
+from tandem.engine.models.mla import MLAAttention, MLAConfig
 from tandem.engine.models.moe_layer import MoEConfig, SparseMoE
 from tandem.engine.models.support import LLAMA_LAYER_TENSORS, layered_tensor_names
 from tandem.kernels.attention import AttentionMetadata, finite_kv, paged_attention, write_kv
@@ -73,6 +76,7 @@ class DecoderConfig:
     local_rope_scaling: dict[str, Any] | None = None
     moe: MoEConfig | None = None  # experts in place of the MLP on its sparse layers (Mixtral, Qwen3-MoE)
     rotary_dim: int | None = None  # RoPE on each head's first `rotary_dim` dims only (GLM-4.5); None: all
+    mla: MLAConfig | None = None  # multi-head latent attention in place of GQA (DeepSeek-V3; `mla.py`)
 
     @property
     def rope_dim(self) -> int:
@@ -200,7 +204,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = _norm_weight(cfg.hidden_size)
         self.pre_feedforward_layernorm = _norm_weight(cfg.hidden_size) if cfg.sandwich_norms else None
         self.post_feedforward_layernorm = _norm_weight(cfg.hidden_size) if cfg.sandwich_norms else None
-        self.self_attn = DecoderAttention(cfg, layer_idx)
+        self.self_attn: DecoderAttention | MLAAttention = (
+            MLAAttention(cfg.mla, cfg.hidden_size, cfg.num_attention_heads, layer_idx)
+            if cfg.mla is not None
+            else DecoderAttention(cfg, layer_idx)
+        )
         self.mlp: DecoderMLP | SparseMoE = (
             SparseMoE(cfg.moe, cfg.hidden_size, layer_idx)
             if cfg.moe is not None and cfg.moe.is_sparse(layer_idx)
@@ -325,10 +333,11 @@ class DecoderLM(nn.Module):
         for index, layer in enumerate(self.decoder_layers()):
             p = f"model.layers.{index}."
             attn, mlp = layer.self_attn, layer.mlp
-            targets += [
-                Int4Target(attn, "qkv_proj", (p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj")),
-                Int4Target(attn, "o_proj", (p + "self_attn.o_proj",)),
-            ]
+            if isinstance(attn, DecoderAttention):  # latent attention stays in the compute dtype
+                targets += [
+                    Int4Target(attn, "qkv_proj", (p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj")),
+                    Int4Target(attn, "o_proj", (p + "self_attn.o_proj",)),
+                ]
             if isinstance(mlp, SparseMoE):
                 targets += mlp.int4_targets(p)
                 continue
@@ -366,17 +375,10 @@ class DecoderLM(nn.Module):
         for i, layer in enumerate(self.decoder_layers()):
             p = f"layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
-            put(attn.qkv_proj.weight, qkv, p + "self_attn.qkv_proj")
-            put(attn.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj")
-            if cfg.qkv_bias:
-                bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
-                put(attn.qkv_proj.bias, bias, p + "self_attn.qkv_proj.bias")
-            if cfg.o_bias:
-                put(attn.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
-            if cfg.qk_norm:
-                put(attn.q_norm, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm")
-                put(attn.k_norm, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm")
+            if isinstance(attn, MLAAttention):
+                attn.load_hf(take, put, p)
+            else:
+                self._load_attention(attn, take, put, p)
             for norm in _layer_norm_names(cfg):
                 put(getattr(layer, norm), take(p + f"{norm}.weight"), p + norm)
             if isinstance(mlp, SparseMoE):
@@ -389,6 +391,27 @@ class DecoderLM(nn.Module):
                 gate_up_bias = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")], dim=0)
                 put(mlp.gate_up_proj.bias, gate_up_bias, p + "mlp.gate_up_proj.bias")
                 put(mlp.down_proj.bias, take(p + "mlp.down_proj.bias"), p + "mlp.down_proj.bias")
+
+    def _load_attention(
+        self,
+        attn: DecoderAttention,
+        take: Callable[[str], torch.Tensor],
+        put: Callable[[torch.Tensor | None, torch.Tensor, str], None],
+        p: str,
+    ) -> None:
+        """Copy one layer's q/k/v (fused), o, their biases and q/k norms."""
+        cfg = self.config
+        qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
+        put(attn.qkv_proj.weight, qkv, p + "self_attn.qkv_proj")
+        put(attn.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj")
+        if cfg.qkv_bias:
+            bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
+            put(attn.qkv_proj.bias, bias, p + "self_attn.qkv_proj.bias")
+        if cfg.o_bias:
+            put(attn.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
+        if cfg.qk_norm:
+            put(attn.q_norm, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm")
+            put(attn.k_norm, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm")
 
 
 def _layer_norm_names(cfg: DecoderConfig) -> tuple[str, ...]:
@@ -412,6 +435,8 @@ def decoder_tensor_names(cfg: DecoderConfig, prefix: str = "model.") -> set[str]
         per_layer += [f"mlp.{n}_proj.bias" for n in ("gate", "up", "down")]
     if cfg.qk_norm:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    if cfg.mla is not None:
+        per_layer = [n for n in per_layer if not n.startswith("self_attn.")] + cfg.mla.layer_tensor_names()
     if cfg.moe is None:
         return layered_tensor_names(cfg.num_hidden_layers, per_layer, prefix=prefix)
     names = layered_tensor_names(0, (), prefix=prefix)

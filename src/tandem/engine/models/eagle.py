@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from tandem.engine.models.decoder import DecoderAttention
 from tandem.engine.models.interface import KVLayer
 from tandem.engine.models.llama import LlamaConfig, LlamaDecoderLayer, rms_norm
 from tandem.kernels.attention import AttentionMetadata
@@ -176,6 +177,7 @@ class EagleDraft(nn.Module):
         """The same computation over whole sequences with causal attention and no cache (for
         training; right padding is harmless: no earlier position attends to it)."""
         layer, attn = self.layer, self.layer.self_attn
+        assert isinstance(attn, DecoderAttention), "a draft head's layer is the shared decoder's"
         num_seqs, length = input_ids.shape
         dtype = self.fc.weight.dtype
         x = self.fc(torch.cat([self._embed(input_ids), features.to(dtype)], dim=-1))  # [N, T, H]

@@ -36,6 +36,9 @@ class LayerKV:
     num_kv_heads: int
     head_dim: int
     window: int | None = None  # sliding window: the layer reads only its last `window` positions
+    # One vector per token serves as both K and V (multi-head latent attention: the latent and
+    # the rotary key, read as the key, and its first dims as the value): stored once.
+    shared_kv: bool = False
 
 
 @dataclass(frozen=True)

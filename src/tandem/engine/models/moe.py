@@ -102,19 +102,48 @@ def _rope_fraction(cfg: dict[str, Any]) -> float:
     return float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
 
 
-def check_glm4_moe(cfg: dict[str, Any]) -> None:
-    check_common(cfg, implemented=("attention_bias", "use_qk_norm"), partial_rotary=True)
+def check_grouped_routing(cfg: dict[str, Any]) -> None:
+    """DeepSeek-style routing keys (GLM-4.5, DeepSeek-V3): experts, top-k and groups that fit."""
     num_experts = _num_experts(
         {**cfg, "num_local_experts": cfg.get("n_routed_experts", cfg.get("num_local_experts"))}
     )
     _top_k(cfg, num_experts)
-    groups, topk_groups = int(cfg.get("n_group", 1)), int(cfg.get("topk_group", 1))
+    groups, topk_groups = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
     if groups < 1 or num_experts % groups or not 1 <= topk_groups <= groups:
         raise ModelLoadError(
             f"config keys n_group={groups} / topk_group={topk_groups} must split the {num_experts} experts evenly "
             "and choose at most n_group groups",
             param="model",
         )
+    if groups > 1 and num_experts // groups < 2:
+        raise ModelLoadError(
+            "config key n_group leaves groups of one expert (a group scores its best two)", param="model"
+        )
+
+
+def routed_experts(cfg: dict[str, Any]) -> MoEConfig:
+    """The sparse layers of GLM-4.5 and DeepSeek-V3: after `first_k_dense_replace` dense ones,
+    sigmoid routing with groups, a correction bias and a scale, plus `n_shared_experts`."""
+    num_experts = int(cfg.get("n_routed_experts", cfg.get("num_local_experts", 0)))
+    first_sparse = int(cfg.get("first_k_dense_replace") or 0)
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=_top_k(cfg, num_experts),
+        intermediate_size=int(cfg["moe_intermediate_size"]),
+        renormalize=bool(cfg.get("norm_topk_prob", True)),
+        sparse_layers=frozenset(range(first_sparse, int(cfg["num_hidden_layers"]))),
+        scoring="sigmoid",
+        num_groups=int(cfg.get("n_group") or 1),
+        topk_groups=int(cfg.get("topk_group") or 1),
+        routed_scaling=float(cfg.get("routed_scaling_factor", 1.0)),
+        correction_bias=True,
+        shared_intermediate_size=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0),
+    )
+
+
+def check_glm4_moe(cfg: dict[str, Any]) -> None:
+    check_common(cfg, implemented=("attention_bias", "use_qk_norm"), partial_rotary=True)
+    check_grouped_routing(cfg)
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
     rotary = head_dim * _rope_fraction(cfg)
     if rotary != int(rotary) or int(rotary) % 2 or int(rotary) < 2:
@@ -125,30 +154,15 @@ def check_glm4_moe(cfg: dict[str, Any]) -> None:
 
 
 def parse_glm4_moe(cfg: dict[str, Any]) -> DecoderConfig:
-    num_experts = int(cfg.get("n_routed_experts", cfg.get("num_local_experts", 0)))
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
     rotary_dim = int(head_dim * _rope_fraction(cfg))
-    first_sparse = int(cfg.get("first_k_dense_replace", 1))
-    qk_norm = bool(cfg.get("use_qk_norm", False))
     return DecoderConfig(
         **decoder_fields(cfg),
         model_type="glm4_moe",
         qkv_bias=bool(cfg.get("attention_bias", False)),
-        qk_norm=qk_norm,
+        qk_norm=bool(cfg.get("use_qk_norm", False)),
         rotary_dim=None if rotary_dim == head_dim else rotary_dim,
-        moe=MoEConfig(
-            num_experts=num_experts,
-            top_k=_top_k(cfg, num_experts),
-            intermediate_size=int(cfg["moe_intermediate_size"]),
-            renormalize=bool(cfg.get("norm_topk_prob", True)),
-            sparse_layers=frozenset(range(first_sparse, int(cfg["num_hidden_layers"]))),
-            scoring="sigmoid",
-            num_groups=int(cfg.get("n_group", 1)),
-            topk_groups=int(cfg.get("topk_group", 1)),
-            routed_scaling=float(cfg.get("routed_scaling_factor", 1.0)),
-            correction_bias=True,
-            shared_intermediate_size=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts", 0)),
-        ),
+        moe=routed_experts({"first_k_dense_replace": 1, **cfg}),
     )
 
 

@@ -98,6 +98,7 @@ class NativeLlama:
             return "it rotates whole heads only, not a partial rotary dimension"
         for layer in _decoder_layers(model):
             assert isinstance(layer.mlp, DecoderMLP), "_computes_the_shared_decoder refuses sparse layers"
+            assert isinstance(layer.self_attn, DecoderAttention), "and latent attention"
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
             if not all(isinstance(linear, Int4Linear) and linear.kernel == "native" for linear in linears):
                 return "its decoder linears are not INT4 with the native kernel"
@@ -119,6 +120,7 @@ class NativeLlama:
         def layer_tensors(index: int, layer: DecoderLayer, kv_cache: KVLayer) -> LayerTensors:
             attn, mlp, sandwich = layer.self_attn, layer.mlp, layer.pre_feedforward_layernorm is not None
             assert isinstance(mlp, DecoderMLP), "unsupported_reason refuses sparse layers"
+            assert isinstance(attn, DecoderAttention), "unsupported_reason refuses latent attention"
             local = index in model.local_rope_layers
             mlp_input_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
             return LayerTensors(

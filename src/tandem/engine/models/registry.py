@@ -28,6 +28,7 @@ BUILTIN_MODULES = (
     "tandem.engine.models.gemma",
     "tandem.engine.models.phi3",
     "tandem.engine.models.moe",
+    "tandem.engine.models.deepseek",
 )
 
 

@@ -2,13 +2,16 @@
 
 One layer's cache is `KVLayer` = (k, v, k_scale, v_scale), k and v [num_blocks, block_size, Hk, D]
 of the cache's dtype; the scales [num_blocks, block_size, Hk] float16 for an FP8 cache, else None.
-A page is one block's first `count` tokens of every layer, as bytes: per layer K then V (the
-stored codes for FP8), then, for FP8, per layer the K then V scales.
+With `shared_kv` (multi-head latent attention) v is k and v_scale is k_scale: one tensor, stored
+and paged once. A page is one block's first `count` tokens of every layer, as bytes: per layer K
+then V (K only when shared; the stored codes for FP8), then, for FP8, per layer the K then V
+scales (K's only when shared).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -23,6 +26,7 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype  # element type of the cache (torch.float8_e4m3fn for FP8)
+    shared_kv: bool = False  # one vector per token is both K and V (`LayerKV.shared_kv`)
 
     @property
     def is_fp8(self) -> bool:
@@ -30,10 +34,17 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V of every layer for one block, including FP8's per-(token, head) float16 scales."""
+        """K and V of every layer for one block (K alone when shared), including FP8's
+        per-(token, head) float16 scales."""
+        return self.num_layers * self.block_size * self.num_kv_heads * self.bytes_per_token_vector
+
+    @property
+    def bytes_per_token_vector(self) -> int:
+        """What one token of one layer and KV head takes: K and V (or the shared vector), with
+        FP8's float16 scales."""
         element = torch.empty((), dtype=self.dtype).element_size()
         per_vector = self.head_dim * element + (2 if self.is_fp8 else 0)
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * per_vector
+        return (1 if self.shared_kv else 2) * per_vector
 
 
 def allocate_kv_caches(kv_spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[KVLayer]:
@@ -43,11 +54,11 @@ def allocate_kv_caches(kv_spec: KVCacheSpec, num_blocks: int, device: torch.devi
 
     def layer_cache() -> KVLayer:
         k = torch.zeros(shape, dtype=kv_spec.dtype, device=device)
-        v = torch.zeros(shape, dtype=kv_spec.dtype, device=device)
+        v = k if kv_spec.shared_kv else torch.zeros(shape, dtype=kv_spec.dtype, device=device)
         if not kv_spec.is_fp8:
             return (k, v, None, None)
         k_scale = torch.zeros(shape[:3], dtype=torch.float16, device=device)
-        return (k, v, k_scale, torch.zeros_like(k_scale))
+        return (k, v, k_scale, k_scale if kv_spec.shared_kv else torch.zeros_like(k_scale))
 
     return [layer_cache() for _ in range(kv_spec.num_layers)]
 
@@ -65,7 +76,7 @@ def export_pages(
         keys_values: list[torch.Tensor] = []
         scales: list[torch.Tensor] = []
         for k_cache, v_cache, k_scale, v_scale in kv_caches:
-            for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)):
+            for cache, scale in _stored((k_cache, k_scale), (v_cache, v_scale)):
                 rows = cache[block_id, :count]  # [count, Hk, D]
                 if scale is not None:  # an FP8 cache: its codes and scales as stored
                     keys_values.append(rows.view(torch.uint8))
@@ -94,7 +105,7 @@ def import_pages(
         scale_bytes = count * num_kv_heads * 2
         offset = 0
         for k_cache, v_cache, _, _ in kv_caches:
-            for cache in (k_cache, v_cache):
+            for cache in _stored(k_cache, v_cache):
                 chunk = raw[offset : offset + vector_bytes].view(cache.dtype if element > 1 else torch.uint8)
                 cache[block_id, :count].view(torch.uint8 if element == 1 else cache.dtype).copy_(
                     chunk.view(count, num_kv_heads, head_dim)
@@ -102,7 +113,7 @@ def import_pages(
                 offset += vector_bytes
         if kv_spec.is_fp8:
             for _, _, k_scale, v_scale in kv_caches:
-                for scale in (k_scale, v_scale):
+                for scale in _stored(k_scale, v_scale):
                     assert scale is not None
                     scale[block_id, :count].copy_(
                         raw[offset : offset + scale_bytes].view(torch.float16).view(count, num_kv_heads)
@@ -110,6 +121,15 @@ def import_pages(
                     offset += scale_bytes
         if offset != len(data):
             raise ValueError(f"a KV page of {count} tokens has {len(data)} bytes, expected {offset}")
+
+
+T = TypeVar("T")
+
+
+def _stored(k: T, v: T) -> tuple[T, ...]:
+    """The layer's K and V as stored: K alone when V is K (a shared-KV cache)."""
+    same = v is k or (isinstance(k, tuple) and isinstance(v, tuple) and v[0] is k[0])
+    return (k,) if same else (k, v)
 
 
 def scribble(tensors: list[torch.Tensor], block_id: int) -> None:
