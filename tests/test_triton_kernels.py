@@ -402,14 +402,15 @@ def test_fp8_quantisation_of_a_zero_vector_is_finite() -> None:
     assert torch.equal(codes.float(), torch.zeros(2, 8)) and bool((scale > 0).all())
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "deepseek_v3"])
 def test_windowed_families_through_triton_kernels_match_hf(
     family: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Sliding windows through the forced CUDA path on prompts longer than the window: Mistral
     (every layer slides, so the engine gives back the blocks that left the window and the block
     tables hold released entries) and Gemma 2 (alternating windows, soft-capped scores); greedy
-    tokens equal HF's (float32), with 4-token blocks and 16-token steps."""
+    tokens equal HF's (float32), with 4-token blocks and 16-token steps. DeepSeek-V3 too: latent
+    attention's shared 40-wide vectors (K and V one tensor) through the same kernels."""
     from tokenizers import Tokenizer
 
     from tandem import LLM, SamplingParams
