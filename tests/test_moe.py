@@ -260,3 +260,38 @@ def test_int4_experts_compute_their_dequantised_weights_in_under_a_third_of_the_
     token_ids = dense.tokenizer.encode(" ".join(PROMPTS * 2))[:200]
     ratio = math.exp(_teacher_forced_nll(int4, token_ids) - _teacher_forced_nll(dense, token_ids))
     assert ratio != 1.0 and abs(ratio - 1) < 0.15, ratio
+
+
+def test_multi_token_prediction_layers_are_left_unread_and_nothing_else(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """A GLM-4.5 checkpoint as published carries `num_nextn_predict_layers` extra layers (for
+    speculation, outside the forward pass, skipped by HF too): they load and change nothing; a
+    tensor of any other extra layer is still refused by name."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    base = LLM(str(checkpoints["glm4_moe"]), dtype="float32", kv_cache_memory=1 << 20)
+    want = base.generate(["Multi-token prediction"], params)[0].outputs[0].token_ids
+    for extra_layer, accepted in ((4, True), (5, False)):
+        folder = tmp_path / f"mtp{extra_layer}"
+        shutil.copytree(checkpoints["glm4_moe"], folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+        weights = load_file(str(folder / "model.safetensors"))
+        weights.update({
+            name.replace("model.layers.1.", f"model.layers.{extra_layer}."): tensor.clone()
+            for name, tensor in weights.items() if name.startswith("model.layers.1.")
+        })  # fmt: skip
+        weights[f"model.layers.{extra_layer}.eh_proj.weight"] = torch.zeros(64, 128)
+        save_file(weights, str(folder / "model.safetensors"))
+        if accepted:
+            llm = LLM(str(folder), dtype="float32", kv_cache_memory=1 << 20)
+            assert llm.generate(["Multi-token prediction"], params)[0].outputs[0].token_ids == want
+        else:
+            with pytest.raises(ModelLoadError) as refused:
+                LLM(str(folder), dtype="float32", kv_cache_memory=1 << 20)
+            assert "model.layers.5." in str(refused.value)

@@ -77,6 +77,7 @@ class DecoderConfig:
     moe: MoEConfig | None = None  # experts in place of the MLP on its sparse layers (Mixtral, Qwen3-MoE)
     rotary_dim: int | None = None  # RoPE on each head's first `rotary_dim` dims only (GLM-4.5); None: all
     mla: MLAConfig | None = None  # multi-head latent attention in place of GQA (DeepSeek-V3; `mla.py`)
+    num_mtp_layers: int = 0  # multi-token-prediction layers after the last one (checkpoint only; unread)
 
     @property
     def rope_dim(self) -> int:

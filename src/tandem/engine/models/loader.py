@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,10 @@ def check_model(model: str) -> None:
     if path.is_dir():
         architecture, config = _read_hf_config(path)
         names = safetensors_names(safetensors_files(path))
-        check_tensor_names(names, lambda prefix: architecture.tensor_names(config, prefix), source=str(path))
+        check_tensor_names(
+            names, lambda prefix: architecture.tensor_names(config, prefix), source=str(path),
+            unused=_unused_tensors(architecture, config),
+        )  # fmt: skip
     else:
         _gguf_tensor_names(path)
 
@@ -196,15 +200,25 @@ def _load_hf_folder(name: str, folder: Path) -> LoadedModel:
     architecture, config = _read_hf_config(folder)
     files = safetensors_files(folder)
     names = safetensors_names(files)
-    check_tensor_names(names, lambda prefix: architecture.tensor_names(config, prefix), source=str(folder))
+    unused = _unused_tensors(architecture, config)
+    check_tensor_names(
+        names, lambda prefix: architecture.tensor_names(config, prefix), source=str(folder), unused=unused
+    )
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         try:
             weights.update(load_file(str(file)))
         except (SafetensorError, OSError, ValueError) as exc:
             raise ModelLoadError(f"{file}: corrupt safetensors file ({exc})", param="model") from exc
+    if unused is not None:  # never read: not kept either
+        weights = {name: tensor for name, tensor in weights.items() if not unused(name)}
     tokenizer = Tokenizer.from_hf_folder(folder, config.eos_token_ids)
     return LoadedModel(name, folder, config, weights, tokenizer, architecture)
+
+
+def _unused_tensors(architecture: Architecture, config: Any) -> Callable[[str], bool] | None:
+    rule = architecture.unused_tensors
+    return None if rule is None else (lambda name: rule(config, name))
 
 
 # -- GGUF -----------------------------------------------------------------------------------

@@ -102,6 +102,17 @@ def _rope_fraction(cfg: dict[str, Any]) -> float:
     return float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
 
 
+def mtp_layer_tensor(cfg: DecoderConfig, name: str) -> bool:
+    """A tensor of a multi-token-prediction layer (GLM-4.5, DeepSeek-V3): the layers numbered
+    from `num_hidden_layers` on, which predict further tokens for speculation and are not in the
+    model's forward pass (HF skips them too)."""
+    parts = name.split(".")
+    if "layers" not in parts[:-1]:
+        return False
+    index = parts[parts.index("layers") + 1]
+    return index.isdigit() and cfg.num_hidden_layers <= int(index) < cfg.num_hidden_layers + cfg.num_mtp_layers
+
+
 def check_grouped_routing(cfg: dict[str, Any]) -> None:
     """DeepSeek-style routing keys (GLM-4.5, DeepSeek-V3): experts, top-k and groups that fit."""
     num_experts = _num_experts(
@@ -163,6 +174,7 @@ def parse_glm4_moe(cfg: dict[str, Any]) -> DecoderConfig:
         qk_norm=bool(cfg.get("use_qk_norm", False)),
         rotary_dim=None if rotary_dim == head_dim else rotary_dim,
         moe=routed_experts({"first_k_dense_replace": 1, **cfg}),
+        num_mtp_layers=int(cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers")) or 0),
     )
 
 
@@ -198,6 +210,7 @@ GLM4_MOE = Architecture(
     tensor_names=decoder_tensor_names,
     kv_layers=decoder_kv_layers,
     lora_targets=ATTENTION_TARGETS,
+    unused_tensors=mtp_layer_tensor,
 )
 register(MIXTRAL, replace=True)
 register(GLM4_MOE, replace=True)

@@ -45,6 +45,10 @@ class Architecture:
     # The HF module names of its linears that PEFT LoRA adapters target (`lora_checkpoint`):
     # Llama's separate projections unless the architecture stores some fused (Phi-3's qkv_proj).
     lora_targets: tuple[str, ...] = SUPPORTED_TARGETS
+    # Checkpoint tensors the architecture knowingly leaves unread (config, name) -> bool: parts
+    # that are not in the model's forward pass (GLM-4.5's and DeepSeek-V3's multi-token-prediction
+    # layers, for speculation). None: every tensor must be consumed.
+    unused_tensors: Callable[[Any, str], bool] | None = None
 
 
 _ARCHITECTURES: dict[str, Architecture] = {}

@@ -219,16 +219,23 @@ def tensor_prefix(names: Iterable[str]) -> str:
     return "model." if any(n.startswith("model.") for n in names) else ""
 
 
-def check_tensor_names(names: Iterable[str], expected: Callable[[str], set[str]], *, source: str) -> None:
+def check_tensor_names(
+    names: Iterable[str],
+    expected: Callable[[str], set[str]],
+    *,
+    source: str,
+    unused: Callable[[str], bool] | None = None,
+) -> None:
     """Raise `ModelLoadError` naming the checkpoint tensors no module consumes (a bias, a norm,
     an extra layer...): dropping them would change the answers. `expected(prefix)`: every name
-    the architecture consumes."""
-    names = list(names)
+    the architecture consumes; `unused(name)`: those it knowingly leaves unread (outside the
+    forward pass)."""
+    names = [n for n in names if unused is None or not unused(n)]
     expected_names = expected(tensor_prefix(names))
-    unused = sorted(n for n in names if n not in expected_names and not _DERIVED_TENSOR.match(n))
-    if unused:
-        shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
-        raise _refuse(f"{source}: {len(unused)} checkpoint tensor(s) no module consumes: {shown}")
+    unused_names = sorted(n for n in names if n not in expected_names and not _DERIVED_TENSOR.match(n))
+    if unused_names:
+        shown = ", ".join(unused_names[:8]) + (f" and {len(unused_names) - 8} more" if len(unused_names) > 8 else "")
+        raise _refuse(f"{source}: {len(unused_names)} checkpoint tensor(s) no module consumes: {shown}")
 
 
 def safetensors_files(folder: Path) -> list[Path]:
