@@ -1,7 +1,8 @@
 """What usage metering costs a response: `tandem serve` on its defaults, metered and not.
 
-The same workload runs against two servers started one after the other in this run: one with
-`--no-usage-metering`, one metered (`--usage-commit-interval`, default 0.1 s). Each server gets
+The same workload runs against servers started one after another in this run, alternating
+`--rounds` times between one with `--no-usage-metering` and one metered (`--usage-commit-interval`,
+default 0.1 s), so that a drift of the shared machine's speed falls on both; medians over rounds. Each server gets
 `--requests` non-streamed chat requests of `--max-tokens` tokens at `--concurrency` (closed loop),
 then as many streamed ones with `include_usage`. Reported per server: non-streamed latency
 p50/p95, the streamed requests' tail (from the last content chunk to the end of the stream:
@@ -106,6 +107,20 @@ def _run_server(args: argparse.Namespace, metered: bool) -> dict[str, Any]:
     return result
 
 
+def _median_run(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the rounds (usage counts summed)."""
+    import statistics
+
+    out: dict[str, Any] = {}
+    for part in ("non_streamed", "streamed"):
+        out[part] = {key: statistics.median(r[part][key] for r in results) for key in results[0][part]}
+    for key in ("usage_objects", "usage_records"):
+        if key in results[0]:
+            out[key] = sum(r[key] for r in results)
+    out["rounds"] = results
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -114,10 +129,14 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--usage-commit-interval", type=float, default=0.1)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/usage_overhead.json")
     args = parser.parse_args()
-    plain = _run_server(args, metered=False)
-    metered = _run_server(args, metered=True)
+    runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    for round_index in range(args.rounds):
+        for metered_run in (False, True) if round_index % 2 == 0 else (True, False):
+            runs[metered_run].append(_run_server(args, metered=metered_run))
+    plain, metered = _median_run(runs[False]), _median_run(runs[True])
     ratios = {
         "non_streamed_latency_p50": metered["non_streamed"]["latency_p50_s"]
         / plain["non_streamed"]["latency_p50_s"],
