@@ -6,8 +6,8 @@ its latency and priority, and when it started and ended (seconds since the epoch
 
 Layout in the object store, one partition per hour of `finished_at`:
 
-    usage/v1/2026-12-04/06/rt-<writer id>-<seq>.parquet        real-time records of one flush
-    usage/v1/2026-12-04/06/batch-<batch id>-<shard>.parquet    one batch shard's lines in that hour
+    usage/v1/<YYYY-MM-DD>/<HH>/rt-<writer id>-<seq>.parquet        real-time records of one flush
+    usage/v1/<YYYY-MM-DD>/<HH>/batch-<batch id>-<shard>.parquet    one batch shard's lines in that hour
 
 Every object is written once with put-if-absent and never changed: a record is counted once
 because each has exactly one object key, fixed before the write (a writer's own sequence, or

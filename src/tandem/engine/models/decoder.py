@@ -205,16 +205,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = _norm_weight(cfg.hidden_size)
         self.pre_feedforward_layernorm = _norm_weight(cfg.hidden_size) if cfg.sandwich_norms else None
         self.post_feedforward_layernorm = _norm_weight(cfg.hidden_size) if cfg.sandwich_norms else None
+        mla, moe = cfg.mla, cfg.moe if cfg.moe is not None and cfg.moe.is_sparse(layer_idx) else None
         self.self_attn: DecoderAttention | MLAAttention = (
-            MLAAttention(cfg.mla, cfg.hidden_size, cfg.num_attention_heads, layer_idx)
-            if cfg.mla is not None
-            else DecoderAttention(cfg, layer_idx)
+            MLAAttention(mla, cfg.hidden_size, cfg.num_attention_heads, layer_idx) if mla else DecoderAttention(cfg, layer_idx)
         )
-        self.mlp: DecoderMLP | SparseMoE = (
-            SparseMoE(cfg.moe, cfg.hidden_size, layer_idx)
-            if cfg.moe is not None and cfg.moe.is_sparse(layer_idx)
-            else DecoderMLP(cfg, layer_idx)
-        )
+        self.mlp: DecoderMLP | SparseMoE = SparseMoE(moe, cfg.hidden_size, layer_idx) if moe else DecoderMLP(cfg, layer_idx)
 
     def forward(
         self,

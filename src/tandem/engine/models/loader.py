@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,7 +115,7 @@ def check_model(model: str) -> None:
         names = safetensors_names(safetensors_files(path))
         check_tensor_names(
             names, lambda prefix: architecture.tensor_names(config, prefix), source=str(path),
-            unused=_unused_tensors(architecture, config),
+            unused=architecture.unused_for(config),
         )  # fmt: skip
     else:
         _gguf_tensor_names(path)
@@ -200,7 +199,7 @@ def _load_hf_folder(name: str, folder: Path) -> LoadedModel:
     architecture, config = _read_hf_config(folder)
     files = safetensors_files(folder)
     names = safetensors_names(files)
-    unused = _unused_tensors(architecture, config)
+    unused = architecture.unused_for(config)
     check_tensor_names(
         names, lambda prefix: architecture.tensor_names(config, prefix), source=str(folder), unused=unused
     )
@@ -214,11 +213,6 @@ def _load_hf_folder(name: str, folder: Path) -> LoadedModel:
         weights = {name: tensor for name, tensor in weights.items() if not unused(name)}
     tokenizer = Tokenizer.from_hf_folder(folder, config.eos_token_ids)
     return LoadedModel(name, folder, config, weights, tokenizer, architecture)
-
-
-def _unused_tensors(architecture: Architecture, config: Any) -> Callable[[str], bool] | None:
-    rule = architecture.unused_tensors
-    return None if rule is None else (lambda name: rule(config, name))
 
 
 # -- GGUF -----------------------------------------------------------------------------------

@@ -50,6 +50,11 @@ class Architecture:
     # layers, for speculation). None: every tensor must be consumed.
     unused_tensors: Callable[[Any, str], bool] | None = None
 
+    def unused_for(self, config: Any) -> Callable[[str], bool] | None:
+        """`unused_tensors` bound to a parsed config (None: every tensor must be consumed)."""
+        rule = self.unused_tensors
+        return None if rule is None else (lambda name: rule(config, name))
+
 
 _ARCHITECTURES: dict[str, Architecture] = {}
 
