@@ -36,7 +36,7 @@ from tandem.platform.tenancy import (
 )
 from tandem.platform.usage_log import UsageLog
 from tandem.platform.usage_query import parse_usage_query, read_records, usage_page
-from tandem.platform.usage_records import USAGE_PREFIX, UsageRecord
+from tandem.platform.usage_records import USAGE_PREFIX, UsageRecord, encode_records
 
 from .conftest import S3_BUCKET, serve_app
 
@@ -355,3 +355,54 @@ def test_usage_counters_per_tenant_on_metrics(metered: tuple[str, ObjectStore]) 
         if line.startswith("tandem_usage_output_tokens") and 'tenant="globex"' in line
     ]
     assert lines and float(lines[0].rsplit(" ", 1)[1]) >= 3, lines
+
+
+def test_compacted_hours_count_every_record_once_whatever_stops_where(store: ObjectStore) -> None:
+    """An hour's objects merged into one: a reader counts each record once before, during (a
+    compactor stopped between its write and its deletes), after, with an object that landed late,
+    and when a second compactor that listed more objects finishes the job; the open hour is left
+    alone."""
+    from tandem.platform.usage_compaction import compact_closed_hours, compact_hour, compacted_key
+    from tandem.platform.usage_records import hour_of, partition_prefix, realtime_key
+
+    hour_start = (int(time.time()) // 3600 - 3) * 3600
+    hour = hour_of(hour_start)
+    for seq in range(4):  # four flushes of one writer, three records each
+        records = [record(f"c{seq}-{i}", hour_start + 60 * seq + i) for i in range(3)]
+        store.put(realtime_key(hour, "w1", seq), encode_records(records), if_none_match=True)
+
+    def counted() -> Counter[str]:
+        return Counter(r.request_id for r in read_records(store, hour_start, hour_start + 3600))
+
+    want = counted()
+    assert len(want) == 12 and set(want.values()) == {1}
+
+    class StopsAtItsDeletes(FlakyStore):
+        """The compactor stops at its first delete, after its compacted object is written."""
+
+        def delete(self, key: str) -> None:
+            raise ConnectionError("the compactor stopped here")
+
+    stopper = StopsAtItsDeletes(store, num_down=0)
+    stopper.lost_answer_done = True  # its put is answered: it stops at the deletes
+    with pytest.raises(ConnectionError, match="stopped here"):
+        compact_hour(stopper, hour)
+    assert compacted_key(hour) in store.list(partition_prefix(hour))
+    assert counted() == want  # the compacted object and the not yet deleted sources: once each
+    store.put(
+        realtime_key(hour, "w2", 0), encode_records([record("late", hour_start + 3000)]), if_none_match=True
+    )
+    assert compact_hour(store, hour) >= 1  # a second run finishes the deletes, keeps the late one
+    keys = store.list(partition_prefix(hour))
+    assert sorted(keys) == sorted([compacted_key(hour), realtime_key(hour, "w2", 0)])
+    assert counted() == want + Counter({"late": 1})
+    assert compact_hour(store, hour) == 0  # nothing left to delete: the late object stays beside it
+    open_hour = hour_of(time.time())
+    store.put(
+        realtime_key(open_hour, "w1", 0), encode_records([record("now-a", time.time())]), if_none_match=True
+    )
+    store.put(
+        realtime_key(open_hour, "w1", 1), encode_records([record("now-b", time.time())]), if_none_match=True
+    )
+    compact_closed_hours(store)
+    assert compacted_key(open_hour) not in store.list(partition_prefix(open_hour))

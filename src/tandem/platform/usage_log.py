@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Callable
 
 from tandem.platform.object_store import ObjectStore, PreconditionFailed
+from tandem.platform.usage_compaction import compact_closed_hours
 from tandem.platform.usage_records import UsageRecord, by_hour, encode_records, realtime_key
 
 logger = logging.getLogger("tandem.usage")
@@ -44,11 +45,17 @@ class UsageLog:
         writer_id: str | None = None,
         commit_interval_s: float = 0.1,
         on_committed: Callable[[list[UsageRecord]], None] | None = None,
+        compaction_interval_s: float | None = 600.0,
     ) -> None:
-        """`on_committed(records)` runs on the writer thread after each flush (counters)."""
+        """`on_committed(records)` runs on the writer thread after each flush (counters). Every
+        `compaction_interval_s` (None: never) the writer thread also compacts the closed hours
+        (`usage_compaction`; any number of writers may, safely)."""
         self.store = store
         self.writer_id = writer_id or uuid.uuid4().hex[:16]
         self.commit_interval_s = commit_interval_s
+        self.compaction_interval_s = compaction_interval_s
+        self._compacted_at = float("-inf")
+        self._compactor: threading.Thread | None = None
         self.on_committed = on_committed
         self.num_committed = 0  # records stored so far
         self.num_objects = 0  # objects written so far
@@ -145,11 +152,30 @@ class UsageLog:
                     self.on_committed([record for record, _ in batch])
                 except Exception:  # noqa: BLE001 - counters must not stop the log
                     logger.exception("usage counters failed")
+            self._maybe_compact()
             pause = self.commit_interval_s - (time.monotonic() - started)
             if pause > 0:
                 with self._cond:
                     if not self._closed:
                         self._cond.wait(pause)
+
+    def _maybe_compact(self) -> None:
+        """Start a compaction of the closed hours on its own thread (reading an hour's objects
+        can take long: flushes never wait for it), at most one at a time."""
+        if self.compaction_interval_s is None or time.monotonic() - self._compacted_at < self.compaction_interval_s:
+            return
+        if self._compactor is not None and self._compactor.is_alive():
+            return
+        self._compacted_at = time.monotonic()
+
+        def compact() -> None:
+            try:
+                compact_closed_hours(self.store)
+            except Exception:  # noqa: BLE001 - compaction is an optimisation: the next run retries
+                logger.warning("usage compaction failed; retried later", exc_info=True)
+
+        self._compactor = threading.Thread(target=compact, name="usage-compaction", daemon=True)
+        self._compactor.start()
 
     def _write(self, batch: list[tuple[UsageRecord, Done | None]]) -> None:
         """Store every record of `batch`: one object per hour, each retried until stored."""

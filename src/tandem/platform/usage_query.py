@@ -22,7 +22,8 @@ from typing import Any
 
 from tandem.platform.errors import InvalidRequestError
 from tandem.platform.object_store import ObjectStore
-from tandem.platform.usage_records import UsageRecord, decode_records, partition_prefix, partitions_between
+from tandem.platform.usage_compaction import partition_keys
+from tandem.platform.usage_records import UsageRecord, decode_records, partitions_between
 
 BUCKET_WIDTH_S = {"1m": 60, "1h": 3600, "1d": 86400}
 BUCKET_LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}  # width -> (default, max) buckets per page
@@ -145,7 +146,7 @@ def parse_usage_query(params: Mapping[str, Sequence[str]], now: float | None = N
 def read_records(store: ObjectStore, start_s: float, end_s: float) -> Iterator[UsageRecord]:
     """Every stored record finished in [start_s, end_s), partition by partition."""
     for hour in partitions_between(start_s, end_s):
-        for key in store.list(partition_prefix(hour)):
+        for key in partition_keys(store, hour):  # a compacted hour: its object and any late ones
             for record in decode_records(store.get(key).data):
                 if start_s <= record.finished_at < end_s:
                     yield record
