@@ -27,6 +27,7 @@ from tandem.deployments.replicas import (
     LLMReplica,
     PrefillReplica,
 )
+from tandem.platform.cpu import usable_cpus
 from tandem.platform.object_store import open_object_store
 from tandem.platform.telemetry import get_telemetry
 from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys, parse_operator_keys
@@ -201,7 +202,7 @@ def replica_engine_options(cfg: AppConfig) -> dict[str, Any]:
         engine.setdefault("enable_lora", True)  # adapters can be uploaded: replicas serve them
     if engine.get("num_threads") is None:
         cpus = int(cfg.replica_num_cpus)
-        engine["num_threads"] = cpus if cpus >= 1 else (os.cpu_count() or 1)
+        engine["num_threads"] = cpus if cpus >= 1 else usable_cpus()
     return engine
 
 

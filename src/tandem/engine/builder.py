@@ -34,7 +34,7 @@ from tandem.kernels.int8 import Int8HeadLinear
 from tandem.kernels.kv_eviction import EvictionPolicy
 from tandem.kernels.triton_support import uses_triton
 from tandem.platform.config import EngineConfig
-from tandem.platform.cpu import cpu_flags
+from tandem.platform.cpu import cpu_flags, usable_cpus
 from tandem.platform.errors import InvalidRequestError, ModelLoadError
 
 logger = logging.getLogger("tandem.engine")
@@ -119,9 +119,11 @@ def eviction_policy(config: EngineConfig) -> EvictionPolicy:
 def build_parts(config: EngineConfig) -> EngineParts:
     """Load `config.model`, size the KV cache, build the model (and its INT4 decode copy with
     `weight_dtype="hybrid"`), the draft, the LoRA manager and the runner."""
+    device = resolve_device(config.device)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    device = resolve_device(config.device)
+    elif device.type == "cpu":  # torch's default, but no more than the CPUs this process may use
+        torch.set_num_threads(min(torch.get_num_threads(), usable_cpus()))
     precision = choose_precision(
         device_type=device.type,
         dtype=config.dtype,

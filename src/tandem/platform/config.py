@@ -255,7 +255,12 @@ class EngineConfig(BaseModel):
         "decode engine) before they are freed.",
     )
     seed: int = Field(0, description="Seed of the engine's default random generator.")
-    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU.")
+    num_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads on CPU; default: torch's, capped by the CPUs this process may use "
+        "(its affinity and its cgroup's CPU quota, as a pod's CPU limit sets it)",
+    )
 
     @property
     def api_model_name(self) -> str:
