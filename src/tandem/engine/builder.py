@@ -64,6 +64,7 @@ class EngineParts:
     num_head_blocks: int = 0  # head blocks of the KV compression pool (0: no compressed requests)
     max_positions: int | None = None  # positions the model's RoPE tables cover (None: max_model_len)
     kv_window: int | None = None  # blocks before a request's last kv_window positions are given back
+    tuned_threads: int | None = None  # most intra-op threads the engine's `ThreadTuner` may use (None: fixed)
 
 
 @dataclasses.dataclass
@@ -124,6 +125,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         torch.set_num_threads(config.num_threads)
     elif device.type == "cpu":  # torch's default, but no more than the CPUs this process may use
         torch.set_num_threads(min(torch.get_num_threads(), usable_cpus()))
+    tune_threads = device.type == "cpu" and config.adaptive_threads
     precision = choose_precision(
         device_type=device.type,
         dtype=config.dtype,
@@ -190,6 +192,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         runner=runner, num_blocks=sizes.num_blocks, max_model_len=sizes.max_model_len, kv_cache_dtype=kv_cache_dtype,
         lora=lora, precision=precision, grammars=grammars, num_head_blocks=sizes.num_head_blocks,
         max_positions=sizes.max_positions, kv_window=window,
+        tuned_threads=torch.get_num_threads() if tune_threads else None,
     )  # fmt: skip
 
 

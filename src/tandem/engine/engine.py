@@ -15,6 +15,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tandem.engine import handover, request_validation
 from tandem.engine.batch_policy import BatchPolicy
 from tandem.engine.builder import EngineParts, build_parts, eviction_policy, speculation_settings
@@ -32,6 +34,7 @@ from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import GRAMMAR_FAILED
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.step import RequestUpdate, RunnerResult, SchedulerOutput
+from tandem.engine.thread_tuner import ThreadTuner
 from tandem.platform.config import EngineConfig
 from tandem.platform.errors import InvalidRequestError, NotFoundError
 
@@ -87,6 +90,7 @@ class LLMEngine:
         self.num_steps = 0
         self.step_wall_s = 0.0
         self.step_thread_cpu_s = 0.0
+        self.thread_tuner = ThreadTuner(parts.tuned_threads) if parts.tuned_threads else None
         self.scheduler = self._build_scheduler()
         self.output_processor = OutputProcessor(self.tokenizer)
         self.families = ChoiceFamilies()  # requests with n > 1 choices, by parent id
@@ -314,13 +318,25 @@ class LLMEngine:
         """Run a scheduled step and apply it: the requests the runner failed end first (none of
         their tokens is kept), then the others' tokens and outputs."""
         self.output_processor.mark_scheduled([s.request_id for s in scheduled.scheduled if s.is_new], time.monotonic())
+        threads = caller_threads = None
+        if self.thread_tuner is not None:
+            threads, caller_threads = self.thread_tuner.choose(scheduled.num_scheduled_tokens), torch.get_num_threads()
+            if threads != caller_threads:
+                torch.set_num_threads(threads)  # for this step; the calling thread's count comes back after
         started_wall, started_cpu = time.perf_counter(), time.thread_time()
-        result = self.runner.execute(scheduled)
+        try:
+            result = self.runner.execute(scheduled)
+        finally:
+            if threads != caller_threads and caller_threads is not None:
+                torch.set_num_threads(caller_threads)
         outputs = self._fail_requests(result, len(scheduled.scheduled))
         outputs += self.outputs(self.scheduler.update_from_output(scheduled, result))
         self.num_steps += 1
-        self.step_wall_s += time.perf_counter() - started_wall
+        wall = time.perf_counter() - started_wall
+        self.step_wall_s += wall
         self.step_thread_cpu_s += time.thread_time() - started_cpu
+        if self.thread_tuner is not None and threads is not None:
+            self.thread_tuner.observe(scheduled.num_scheduled_tokens, threads, wall)
         return outputs
 
     def outputs(self, updates: list[RequestUpdate]) -> list[RequestOutput]:

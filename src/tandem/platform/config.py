@@ -255,6 +255,12 @@ class EngineConfig(BaseModel):
         "decode engine) before they are freed.",
     )
     seed: int = Field(0, description="Seed of the engine's default random generator.")
+    adaptive_threads: bool = Field(
+        True,
+        description="On CPU: each step size runs with all its threads (num_threads, or the default) or "
+        "one, whichever its measured step times say is faster (one wins when other processes share "
+        "the cores); off: always all",
+    )
     num_threads: int | None = Field(
         None,
         ge=1,

@@ -1,0 +1,73 @@
+"""`ThreadTuner`: how many intra-op threads a step runs with, chosen by measured step times.
+
+On a CPU that other processes share, a step split over every core waits at each parallel
+region's barrier for the thread the kernel descheduled: a batch-1 decode step of the default
+model (a hundred parallel regions) fell from 159.5 to 8.2 tok/s beside two busy processes on 2
+cores, while one thread kept 46.5 (docs/performance.md). On a quiet CPU all threads win. No flag
+tells the two apart in advance, so the tuner measures: per class of step size (tokens in the step,
+in powers of two) it keeps a moving average of the wall time per token under each candidate
+count (one thread, and the most it may use), runs the faster one, and runs the other once to
+follow a changing host: when the chosen count's cost moved by half since the two were last
+compared (neighbours came or went), and otherwise every `explore_every` steps of a class, times
+how much worse the other measured (up to 16 times). No torch here: the engine applies the count.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class ThreadTuner:
+    def __init__(self, max_threads: int, *, explore_every: int = 48, smoothing: float = 0.25) -> None:
+        self.max_threads = max_threads
+        self.candidates = (max_threads, 1) if max_threads > 1 else (max_threads,)
+        self.explore_every = explore_every
+        self.smoothing = smoothing
+        self.cost: dict[tuple[int, int], float] = {}  # (size class, threads) -> seconds per token
+        self.num_steps: dict[int, int] = {}  # size class -> steps seen
+        self.cost_when_compared: dict[int, float] = {}  # size class -> the chosen count's cost then
+        self.exploring: dict[int, int] = {}  # size class -> the count its next step tries
+        self.num_switches = 0
+
+    @staticmethod
+    def size_class(num_tokens: int) -> int:
+        return max(0, math.ceil(math.log2(max(1, num_tokens))))
+
+    def choose(self, num_tokens: int) -> int:
+        """The thread count for a step of `num_tokens` tokens."""
+        if len(self.candidates) == 1:
+            return self.max_threads
+        size = self.size_class(num_tokens)
+        seen = self.num_steps.get(size, 0)
+        self.num_steps[size] = seen + 1
+        unmeasured = [t for t in self.candidates if (size, t) not in self.cost]
+        if unmeasured and seen >= 1:  # the first step warms up on every core, then each count is timed
+            return unmeasured[0]
+        best = min(self.candidates, key=lambda t: self.cost.get((size, t), math.inf if t != self.max_threads else 0.0))
+        other = next(t for t in self.candidates if t != best)
+        # Follow a host that changed: try the other count when the chosen one's cost moved by half
+        # since the other was last timed (neighbours came or went), else now and then, the rarer
+        # the worse it measured (a step on the wrong count costs that ratio).
+        best_cost = self.cost.get((size, best), 0.0)
+        then = self.cost_when_compared.get(size)
+        moved = then is not None and best_cost > 0 and not 2 / 3 < best_cost / then < 3 / 2
+        ratio = self.cost.get((size, other), math.inf) / max(best_cost, 1e-12)
+        interval = self.explore_every * (16 if not ratio < 16 else max(1, round(ratio)))
+        if moved or (seen and seen % interval == 0):
+            self.cost_when_compared[size] = best_cost
+            self.exploring[size] = other
+            return other
+        return best
+
+    def observe(self, num_tokens: int, threads: int, wall_s: float) -> None:
+        """A step of `num_tokens` ran with `threads` threads in `wall_s` seconds."""
+        if num_tokens <= 0 or wall_s <= 0 or len(self.candidates) == 1:
+            return
+        size = self.size_class(num_tokens)
+        key = (size, threads)
+        per_token = wall_s / num_tokens
+        previous = self.cost.get(key)
+        if previous is None or self.exploring.pop(size, None) == threads:
+            self.cost[key] = per_token  # a rare sample of the other count: the host may have changed since
+        else:
+            self.cost[key] = previous + self.smoothing * (per_token - previous)
