@@ -2,8 +2,8 @@
 
 On a CPU that other processes share, a step split over every core waits at each parallel
 region's barrier for the thread the kernel descheduled: a batch-1 decode step of the default
-model (a hundred parallel regions) fell from 159.5 to 8.2 tok/s beside two busy processes on 2
-cores, while one thread kept 46.5 (docs/performance.md). On a quiet CPU all threads win. No flag
+model (about a hundred parallel regions) then runs many times slower on every core than on one
+(figures: docs/performance.md, "a shared CPU"). On a quiet CPU all threads win. No flag
 tells the two apart in advance, so the tuner measures: per class of step size (tokens in the step,
 in powers of two) it keeps a moving average of the wall time per token under each candidate
 count (one thread, and the most it may use), runs the faster one, and runs the other once to
