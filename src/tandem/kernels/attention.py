@@ -87,13 +87,17 @@ def write_kv_reference(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """`write_kv` in plain torch, on any device (the CPU path, and the Triton kernel's reference)."""
+    """`write_kv` in plain torch, on any device (the CPU path, and the Triton kernel's reference).
+    A shared-KV cache (`v_cache is k_cache`, latent attention: v is k) is written once."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    shared = v_cache is k_cache
     if k_scale is None or v_scale is None:
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        if not shared:
+            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
         return
-    for values, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+    targets = ((k, k_cache, k_scale),) if shared else ((k, k_cache, k_scale), (v, v_cache, v_scale))
+    for values, cache, scales in targets:
         q, scale = quantize_fp8(values)
         # Copied as bytes: CPU torch has no index_copy_ for float8 dtypes.
         cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(

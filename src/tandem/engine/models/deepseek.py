@@ -12,7 +12,7 @@ from typing import Any
 from tandem.engine.models.decoder import DecoderConfig, DecoderLM, decoder_tensor_names
 from tandem.engine.models.interface import LayerKV
 from tandem.engine.models.mla import MLAConfig
-from tandem.engine.models.moe import check_grouped_routing, mtp_layer_tensor, routed_experts
+from tandem.engine.models.moe import check_grouped_routing, mtp_layer_tensor, num_mtp_layers, routed_experts
 from tandem.engine.models.registry import Architecture, register
 from tandem.engine.models.support import check_common, decoder_fields, rope_settings
 from tandem.platform.errors import ModelLoadError
@@ -67,7 +67,7 @@ def parse_deepseek_v3(cfg: dict[str, Any]) -> DecoderConfig:
             attention_bias=bool(cfg.get("attention_bias", False)),
         ),
         moe=routed_experts(cfg),
-        num_mtp_layers=int(cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers")) or 0),
+        num_mtp_layers=num_mtp_layers(cfg),
     )
 
 

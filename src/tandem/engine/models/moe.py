@@ -102,6 +102,11 @@ def _rope_fraction(cfg: dict[str, Any]) -> float:
     return float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
 
 
+def num_mtp_layers(cfg: dict[str, Any]) -> int:
+    """How many multi-token-prediction layers the checkpoint carries after the decoder's."""
+    return int(cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers")) or 0)
+
+
 def mtp_layer_tensor(cfg: DecoderConfig, name: str) -> bool:
     """A tensor of a multi-token-prediction layer (GLM-4.5, DeepSeek-V3): the layers numbered
     from `num_hidden_layers` on, which predict further tokens for speculation and are not in the
@@ -174,43 +179,23 @@ def parse_glm4_moe(cfg: dict[str, Any]) -> DecoderConfig:
         qk_norm=bool(cfg.get("use_qk_norm", False)),
         rotary_dim=None if rotary_dim == head_dim else rotary_dim,
         moe=routed_experts({"first_k_dense_replace": 1, **cfg}),
-        num_mtp_layers=int(cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers")) or 0),
+        num_mtp_layers=num_mtp_layers(cfg),
     )
 
 
-MIXTRAL = Architecture(
-    name="mixtral",
-    model_types=("mixtral",),
-    hf_classes=("MixtralForCausalLM",),
-    check_config=check_mixtral,
-    parse_config=parse_mixtral,
-    model_class=DecoderLM,
-    tensor_names=decoder_tensor_names,
-    kv_layers=decoder_kv_layers,
-    lora_targets=ATTENTION_TARGETS,
-)
-QWEN3_MOE = Architecture(
-    name="qwen3_moe",
-    model_types=("qwen3_moe",),
-    hf_classes=("Qwen3MoeForCausalLM",),
-    check_config=check_qwen3_moe,
-    parse_config=parse_qwen3_moe,
-    model_class=DecoderLM,
-    tensor_names=decoder_tensor_names,
-    kv_layers=decoder_kv_layers,
-    lora_targets=ATTENTION_TARGETS,
-)
-GLM4_MOE = Architecture(
-    name="glm4_moe",
-    model_types=("glm4_moe",),
-    hf_classes=("Glm4MoeForCausalLM",),
-    check_config=check_glm4_moe,
-    parse_config=parse_glm4_moe,
-    model_class=DecoderLM,
-    tensor_names=decoder_tensor_names,
-    kv_layers=decoder_kv_layers,
-    lora_targets=ATTENTION_TARGETS,
-    unused_tensors=mtp_layer_tensor,
+def _moe_architecture(name: str, hf_class: str, check: Any, parse: Any, **extra: Any) -> Architecture:
+    """An entry on the shared decoder whose LoRA adapters may target the attention only."""
+    return Architecture(
+        name=name, model_types=(name,), hf_classes=(hf_class,), check_config=check, parse_config=parse,
+        model_class=DecoderLM, tensor_names=decoder_tensor_names, kv_layers=decoder_kv_layers,
+        lora_targets=ATTENTION_TARGETS, **extra,
+    )  # fmt: skip
+
+
+MIXTRAL = _moe_architecture("mixtral", "MixtralForCausalLM", check_mixtral, parse_mixtral)
+QWEN3_MOE = _moe_architecture("qwen3_moe", "Qwen3MoeForCausalLM", check_qwen3_moe, parse_qwen3_moe)
+GLM4_MOE = _moe_architecture(
+    "glm4_moe", "Glm4MoeForCausalLM", check_glm4_moe, parse_glm4_moe, unused_tensors=mtp_layer_tensor
 )
 register(MIXTRAL, replace=True)
 register(GLM4_MOE, replace=True)

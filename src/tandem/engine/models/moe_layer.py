@@ -126,6 +126,14 @@ class SparseMoE(nn.Module):
         out = grouped_experts(x, lambda e, rows: experts[e](rows), weights, ids, moe.num_experts, counts)
         return out if self.shared is None else out + self.shared(x)
 
+    def _mlps(self, layer_prefix: str) -> list[tuple[str, GatedMLP]]:
+        """Every expert and the shared expert, each with its HF name prefix."""
+        p = layer_prefix + self.moe.checkpoint_prefix
+        mlps = [(f"{p}.experts.{e}.", expert) for e, expert in enumerate(self.experts)]
+        if self.shared is not None:
+            mlps.append((f"{p}.shared_experts.", self.shared))
+        return [(prefix, mlp) for prefix, mlp in mlps if isinstance(mlp, GatedMLP)]
+
     def load_hf(self, take: Take, put: Put, layer_prefix: str) -> None:
         """Copy the router and every expert's HF tensors (`layers.<i>.` in `layer_prefix`)."""
         p = layer_prefix + self.moe.checkpoint_prefix
@@ -136,12 +144,8 @@ class SparseMoE(nn.Module):
                 take(f"{p}.gate.e_score_correction_bias"),
                 f"{p}.gate.e_score_correction_bias",
             )
-        mlps = [(f"{p}.experts.{e}.", expert) for e, expert in enumerate(self.experts)]
-        if self.shared is not None:
-            mlps.append((f"{p}.shared_experts.", self.shared))
         gate, up, down = self.moe.expert_names
-        for prefix, mlp in mlps:
-            assert isinstance(mlp, GatedMLP)
+        for prefix, mlp in self._mlps(layer_prefix):
             gate_up = torch.cat([take(f"{prefix}{gate}.weight"), take(f"{prefix}{up}.weight")])
             put(mlp.gate_up_proj.weight, gate_up, f"{prefix}{gate}+{up}")
             put(mlp.down_proj.weight, take(f"{prefix}{down}.weight"), f"{prefix}{down}")
@@ -149,13 +153,9 @@ class SparseMoE(nn.Module):
     def int4_targets(self, layer_prefix: str) -> list[Int4Target]:
         """Every expert's (and the shared expert's) fused gate/up and down linears, by their HF
         names (`model.layers.<i>.` in `layer_prefix`); the router stays in the compute dtype."""
-        p = layer_prefix + self.moe.checkpoint_prefix
         gate, up, down = self.moe.expert_names
-        mlps = [(f"{p}.experts.{e}.", expert) for e, expert in enumerate(self.experts)]
-        if self.shared is not None:
-            mlps.append((f"{p}.shared_experts.", self.shared))
         targets = []
-        for prefix, mlp in mlps:
+        for prefix, mlp in self._mlps(layer_prefix):
             targets += [
                 Int4Target(mlp, "gate_up_proj", (prefix + gate, prefix + up)),
                 Int4Target(mlp, "down_proj", (prefix + down,)),
