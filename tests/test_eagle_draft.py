@@ -14,7 +14,6 @@ from tandem import SamplingParams
 from tandem.engine.llm import LLM
 from tandem.engine.models.eagle import EagleConfig, EagleDraft, load_eagle
 from tandem.engine.models.loader import load_model
-from tandem.engine.speculative import StepCostModel
 from tandem.kernels.attention import build_attention_metadata
 from tandem.platform.errors import InvalidRequestError
 
@@ -78,7 +77,7 @@ def spec_llm(target: Path, head: Path, method: str = "draft", **options: Any) ->
         **{**OPTIONS, **options},
     )
     # Verify drafts whatever this machine's step costs are (the planner would at batch 1 anyway).
-    llm.engine.scheduler.speculation.step_cost = StepCostModel(prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0)
+    llm.engine.scheduler.speculation.always_draft()
     return llm
 
 

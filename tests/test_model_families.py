@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from tandem import LLM, LoRARequest, SamplingParams
-from tandem.engine.speculative import StepCostModel
 from tandem.platform.errors import InvalidRequestError
 
 from .conftest import make_tiny_model
@@ -101,9 +100,7 @@ def test_family_matches_hf(
     )
     # Drafts verified whatever this machine's step times (the planner's measured cost model can
     # find they do not pay under load): exactness with drafts is what is checked here.
-    spec.engine.scheduler.speculation.step_cost = StepCostModel(
-        prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0
-    )
+    spec.engine.scheduler.speculation.always_draft()
     outs = spec.generate(prompt_ids, greedy())
     assert [o.outputs[0].token_ids for o in outs] == want
     assert spec.stats()["num_draft_tokens"] > 0

@@ -13,7 +13,6 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.engine.models.native import NativeLlama, NativeStep
-from tandem.engine.speculative import StepCostModel
 from tandem.kernels import int4_native
 from tandem.kernels.attention import build_attention_metadata, e4m3_to_float
 
@@ -133,9 +132,7 @@ def test_engine_decodes_through_the_native_stack(default_model_path: Path) -> No
         str(default_model_path), speculative={"method": "ngram", "num_speculative_tokens": 3}, **options
     )
     # prompt lookup drafts only where the step cost model says it pays: make drafts look cheap
-    speculating.engine.scheduler.speculation.step_cost = StepCostModel(
-        prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0
-    )
+    speculating.engine.scheduler.speculation.always_draft()
     repeated = ["one two three four one two three four one two three four one two"]
     spec_out = speculating.generate(repeated, params)[0].outputs[0].token_ids
     spec_stats = speculating.stats()

@@ -1,9 +1,10 @@
-"""The automatic precision choice (`dtype="auto"`, `weight_dtype="auto"`): by CPU features,
-reproducible, recorded in stats(); an explicit float32 is still the whole float32 model (HF's
-greedy tokens)."""
+"""The automatic precision choice (`dtype="auto"`, `weight_dtype="auto"`): by the precision
+probe's measurements (cached per machine), or by CPU features without it; reproducible, recorded
+in stats(); an explicit float32 is still the whole float32 model (HF's greedy tokens)."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,14 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.engine.precision import PIN_ENV, choose_precision
+from tandem.engine.precision_probe import (
+    COMPUTE_ROWS,
+    ProbeResult,
+    cache_path,
+    measure_pass,
+    model_gemm_shapes,
+    run_probe,
+)
 from tandem.kernels import int4_native
 from tandem.kernels.int8 import Int8HeadLinear
 from tandem.platform.cpu import cpu_flags
@@ -59,8 +68,10 @@ def test_explicit_choices_and_the_pin_win() -> None:
 
 
 def test_engine_records_the_automatic_choice(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the probe, the CPU flags decide."""
     monkeypatch.delenv(PIN_ENV, raising=False)
-    llm = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, speculative=None)
+    llm = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, speculative=None, precision_probe=False)
+    assert llm.stats()["precision_probe"] is None
     stats = llm.stats()
     want = choose_precision(
         device_type="cpu", dtype="auto", weight_dtype="auto", flags=cpu_flags(), native_int4=int4_native.load() is not None
@@ -130,3 +141,86 @@ def test_explicit_float32_is_the_float32_model_and_matches_hf(
     hf_model = LlamaForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
     prompts = [p for p in PROMPTS if len(llm.tokenizer.encode(p)) > 1]
     check_parity(llm, hf_model, prompts, max_new=16)
+
+
+def slowed(factors: dict[str, float]):  # type: ignore[no-untyped-def]
+    """The real measurement, with some candidates' times multiplied: a CPU we cannot reach."""
+
+    def measure(candidate: str, shapes, num_copies: int, rows: int) -> float:  # type: ignore[no-untyped-def]
+        return factors.get(candidate, 1.0) * measure_pass(candidate, shapes, num_copies, rows)
+
+    return measure
+
+
+SHAPES = ((3 * 128, 128), (128, 128), (2 * 256, 128), (128, 256))  # a small layer: q/k/v, o, gate/up, down
+
+
+@pytest.mark.parametrize(("factors", "want_dtype"), [({"bfloat16": 50.0}, "float32"), ({"float32": 50.0}, "bfloat16")])
+def test_the_probe_chooses_the_dtype_it_measured_fastest(factors: dict[str, float], want_dtype: str) -> None:
+    """A forced slow bfloat16 (a Xeon whose AVX512-BF16 GEMMs lose to float32) makes the probe
+    choose float32, a slow float32 bfloat16: the choice follows the timings, not the flags."""
+    int4 = int4_native.load() is not None
+    result = run_probe(SHAPES, 4, ["float32", "bfloat16"], int4=int4, measure=slowed(factors))
+    assert result.dtype == want_dtype
+    slow = next(iter(factors))
+    assert all(result.speedup(slow, want_dtype, rows) > 5 for rows in COMPUTE_ROWS), result.timings_ms
+    choice = choose_precision(
+        device_type="cpu", dtype="auto", weight_dtype="auto", flags=AMX if want_dtype == "float32" else AVX2_ONLY,
+        native_int4=int4, probe=result,
+    )  # fmt: skip
+    assert choice.dtype == want_dtype and "measured" in choice.reason  # the flags would say otherwise
+    assert choice.weight_dtype == ("hybrid" if result.int4_decode else "dense")
+
+
+@pytest.mark.skipif(int4_native.load() is None, reason="the native INT4 kernel cannot be built here")
+def test_the_probe_keeps_int4_decode_steps_only_where_they_measured_faster() -> None:
+    fast = run_probe(SHAPES, 4, ["float32"], int4=True, measure=slowed({"float32": 50.0}))
+    slow = run_probe(SHAPES, 4, ["float32"], int4=True, measure=slowed({"int4": 50.0}))
+    assert fast.int4_decode and not slow.int4_decode
+    choose = functools.partial(choose_precision, device_type="cpu", dtype="auto", weight_dtype="auto", flags=AVX2_ONLY)
+    assert choose(native_int4=True, probe=fast).weight_dtype == "hybrid"
+    assert choose(native_int4=True, probe=slow).weight_dtype == "dense"
+
+
+def test_the_engine_probes_once_per_machine_and_reads_the_cache_after(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """First start: measured, cached, applied, in stats(); second start: the same choice from the
+    cache; a model with other shapes is probed anew."""
+    monkeypatch.delenv(PIN_ENV, raising=False)
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    first = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, speculative=None)
+    probe = first.stats()["precision_probe"]
+    assert probe["source"] == "measured" and probe["seconds"] > 0
+    assert cache_path(probe["key"], tmp_path).exists()
+    timings = {c: {int(r): t for r, t in rows.items()} for c, rows in probe["timings_ms"].items()}
+    result = ProbeResult(probe["dtype"], probe["int4_decode"], timings, probe["seconds"], probe["key"])
+    want = choose_precision(
+        device_type="cpu", dtype="auto", weight_dtype="auto", flags=cpu_flags(),
+        native_int4=int4_native.load() is not None, probe=result,
+    )  # fmt: skip
+    stats = first.stats()
+    assert (stats["dtype"], stats["weight_dtype"]) == (want.dtype, want.weight_dtype)
+    assert first.engine.runner.model.norm.dtype == getattr(torch, want.dtype)
+    assert "measured" in stats["precision_reason"]
+    del first
+
+    second = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, speculative=None).stats()
+    assert second["precision_probe"]["source"] == "cache"
+    assert second["precision_probe"]["key"] == probe["key"]
+    assert (second["dtype"], second["weight_dtype"]) == (stats["dtype"], stats["weight_dtype"])
+    assert second["precision_probe"]["timings_ms"] == probe["timings_ms"]
+
+    explicit = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, speculative=None, dtype="float32").stats()
+    assert explicit["precision_probe"] is None and explicit["dtype"] == "float32"
+
+
+def test_gemm_shapes_follow_the_model(tiny_model_dir: Path) -> None:
+    from tandem.engine.models.loader import load_model
+
+    cfg = load_model(str(tiny_model_dir)).config
+    q, kv = cfg.num_attention_heads * cfg.head_dim, 2 * cfg.num_key_value_heads * cfg.head_dim
+    assert model_gemm_shapes(cfg) == (
+        (q + kv, cfg.hidden_size), (cfg.hidden_size, q),
+        (2 * cfg.intermediate_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size),
+    )  # fmt: skip

@@ -137,7 +137,7 @@ def scheduler(num_blocks: int = 16) -> Scheduler:
         max_model_len=64,
         speculation=SpeculationSettings(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2),
     )
-    sched.speculation.step_cost = StepCostModel(prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0)  # always speculate
+    sched.speculation.always_draft()  # always speculate
     return sched
 
 
@@ -213,7 +213,7 @@ def test_greedy_output_is_identical_with_speculation_in_mixed_batches_with_preem
     plain = LLM(str(tiny_dir), **options)
     want = plain.generate(prompts, params)
     spec = LLM(str(tiny_dir), speculative={"method": "ngram", "num_speculative_tokens": 4}, **options)
-    spec.engine.scheduler.speculation.step_cost = StepCostModel(prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0)
+    spec.engine.scheduler.speculation.always_draft()
     got = spec.generate(prompts, params)
     for w, g in zip(want, got, strict=True):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
@@ -238,9 +238,7 @@ def test_greedy_output_is_identical_with_speculation_for_lora_requests(
     options = {"kv_cache_memory": 8 << 20, "enable_lora": True, "max_lora_rank": 16}
     want = LLM(str(tiny_model_dir), speculative=None, **options).generate(prompts, params, lora=loras)
     spec = LLM(str(tiny_model_dir), **options)
-    spec.engine.scheduler.speculation.step_cost = StepCostModel(
-        prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0
-    )
+    spec.engine.scheduler.speculation.always_draft()
     got = spec.generate(prompts, params, lora=loras)
     assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
     assert spec.stats()["num_draft_tokens"] > 0
@@ -293,7 +291,7 @@ def test_the_engine_runs_on_an_injected_runner(tiny_llm: LLM) -> None:
         kv_cache_dtype="none",
     )
     engine = LLMEngine(EngineConfig(model="scripted", block_size=4, enable_prefix_caching=False), parts)
-    engine.scheduler.speculation.step_cost = StepCostModel(prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0)
+    engine.scheduler.speculation.always_draft()
     request = engine.add_request(
         GenerationRequest("r", prompt_token_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9], sampling_params=SamplingParams(max_tokens=9))
     )
@@ -348,9 +346,7 @@ def test_greedy_output_is_identical_with_a_draft_model(tiny_dir: Path, tmp_path:
         speculative={"method": "draft", "draft_model": str(draft_dir), "num_speculative_tokens": 3},
         **options,
     )
-    spec.engine.scheduler.speculation.step_cost = StepCostModel(
-        prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0
-    )
+    spec.engine.scheduler.speculation.always_draft()
     got = spec.generate(prompts, params)
     assert [g.outputs[0].token_ids for g in got[:4]] == [w.outputs[0].token_ids for w in want]
     assert len(got[4].outputs[0].token_ids) == 50 and got[4].outputs[0].finish_reason == "length"

@@ -30,7 +30,6 @@ from tandem.deployments.ingress import create_app
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.deployments.structured_output import ToolCallStream, parse_tool_calls
 from tandem.engine.sampling_params import SamplingParams, StructuredOutput
-from tandem.engine.speculative import StepCostModel
 from tandem.platform.object_store import FileObjectStore
 from tandem.platform.tenancy import TenantRegistry, parse_keys
 from tests.conftest import serve_with_worker
@@ -552,7 +551,7 @@ def test_constrained_tokens_equal_a_reference_masked_step_by_step(default_llm: A
     assert plain.outputs[0].token_ids == reference
     # Several tokens accepted in one step (prompt-lookup drafts verified under the masks): the same.
     saved = engine.scheduler.speculation.step_cost
-    engine.scheduler.speculation.step_cost = StepCostModel(prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0)
+    engine.scheduler.speculation.always_draft()
     drafts_before = engine.scheduler.speculation.num_draft_tokens_total
     try:
         (speculated,) = default_llm.chat([messages], SamplingParams(max_tokens=60, temperature=0, structured=spec))

@@ -20,10 +20,17 @@ from tandem.engine.grammar import GrammarCompiler
 from tandem.engine.lora import LoRALimits, LoRAManager, LoRAModelShape
 from tandem.engine.models.eagle import EagleDraft, is_eagle_folder, load_eagle
 from tandem.engine.models.interface import CausalLM
-from tandem.engine.models.loader import LoadedModel, build_model, load_model, resolve_model_path
+from tandem.engine.models.loader import (
+    LoadedModel,
+    build_model,
+    default_cache_dir,
+    load_model,
+    resolve_model_path,
+)
 from tandem.engine.models.moe_layer import SparseMoE
 from tandem.engine.precision import PrecisionChoice, choose_precision
 from tandem.engine.precision import pinned as pinned_precision
+from tandem.engine.precision_probe import probe_precision
 from tandem.engine.runner import KVCacheSpec, ModelRunner, allocate_kv_caches
 from tandem.engine.speculative import SpeculationSettings
 from tandem.engine.step import Runner
@@ -126,17 +133,20 @@ def build_parts(config: EngineConfig) -> EngineParts:
     elif device.type == "cpu":  # torch's default, but no more than the CPUs this process may use
         torch.set_num_threads(min(torch.get_num_threads(), usable_cpus()))
     tune_threads = device.type == "cpu" and config.adaptive_threads
+    loaded = load_model(config.model)
+    cfg = loaded.config
+    native_int4 = device.type == "cpu" and config.int4_kernel != "torch" and int4_native.load() is not None
+    probing = config.precision_probe and device.type == "cpu" and config.dtype == "auto" and not pinned_precision()
     precision = choose_precision(
         device_type=device.type,
         dtype=config.dtype,
         weight_dtype=config.weight_dtype,
         flags=cpu_flags(),
-        native_int4=device.type == "cpu" and config.int4_kernel != "torch" and int4_native.load() is not None,
+        native_int4=native_int4,
         pin=pinned_precision(),
+        probe=probe_precision(cfg, device, default_cache_dir(), int4=native_int4) if probing else None,
     )
     dtype = DTYPES[precision.dtype]
-    loaded = load_model(config.model)
-    cfg = loaded.config
     kv_dtype = {"auto": dtype, "fp8_e4m3": torch.float8_e4m3fn, **DTYPES}[config.kv_cache_dtype]
     kv_spec = kv_cache_spec(loaded, config.block_size, kv_dtype)
     check_features(config, loaded)

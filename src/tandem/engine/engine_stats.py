@@ -31,6 +31,7 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "dtype": engine.precision.dtype if engine.precision else None,
         "weight_dtype": engine.precision.weight_dtype if engine.precision else engine.config.weight_dtype,
         "precision_reason": engine.precision.reason if engine.precision else "",
+        "precision_probe": engine.precision.probe.as_stats() if engine.precision and engine.precision.probe else None,
         "native_decoder": runner.native_decoder,
         "num_native_decoder_steps": runner.num_native_decoder_steps,
         "num_graph_steps": runner.num_graph_steps,
@@ -50,6 +51,8 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "num_accepted_draft_tokens": engine.scheduler.speculation.num_accepted_tokens_total,
         "draft_acceptance_rate": engine.scheduler.speculation.num_accepted_tokens_total
         / max(1, engine.scheduler.speculation.num_draft_tokens_total),
+        "speculation_by_batch": engine.scheduler.speculation.guard.stats(),
+        "speculation_guard_switches": engine.scheduler.speculation.guard.num_switches,
         "draft_wall_s": runner.draft_wall_s,
         "step_wall_s": engine.step_wall_s,
         "step_thread_cpu_s": engine.step_thread_cpu_s,

@@ -6,10 +6,16 @@ testable with forced CPU features):
 - An explicit `dtype` is the whole model in that dtype: `weight_dtype="auto"` then means dense
   weights (the unquantised model the HF identity checks compare against).
 - On CUDA, `auto` is bfloat16, dense.
-- On CPU, `dtype="auto"` is bfloat16 where the CPU has AMX-BF16 (oneDNN's bfloat16 GEMMs run
-  on the tile units there, about twice float32's rate at large batches) and float32 elsewhere:
-  with AVX512-BF16 alone oneDNN's bfloat16 GEMMs measured slower than float32 (docs/performance.md,
-  "engine defaults on a Xeon without AMX"), and AVX2-only CPUs emulate bfloat16.
+- On CPU with a precision probe (`precision_probe.py`, the default), both autos follow what it
+  measured on this machine for this model: `dtype` the fastest compute dtype for prompt chunks
+  and large batches, `weight_dtype` "hybrid" where INT4 decode steps beat that dtype at one row,
+  else dense.
+- On CPU without a probe (`precision_probe=False`), by CPU flags: `dtype="auto"` is bfloat16
+  where the CPU has AMX-BF16 (oneDNN's bfloat16 GEMMs run on the tile units there, about twice
+  float32's rate at large batches) and float32 elsewhere: with AVX512-BF16 alone oneDNN's
+  bfloat16 GEMMs measured slower than float32 on one Xeon (docs/performance.md, "engine defaults
+  on a Xeon without AMX") but faster on a Zen 4, which is why the probe exists; AVX2-only CPUs
+  emulate bfloat16.
   `weight_dtype="auto"` is "hybrid" where Tandem's native INT4 kernel runs (x86-64 with AVX2,
   FMA and F16C, and a C compiler): small decode steps read INT4 weights (an eighth of float32's
   bytes, through the native decoder stack), prefill and large batches use the compute dtype.
@@ -22,6 +28,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandem.engine.precision_probe import ProbeResult
 
 FAST_BF16_FLAGS = frozenset({"amx_bf16"})  # where bfloat16 GEMMs beat float32
 PIN_ENV = "TANDEM_AUTO_PRECISION"
@@ -32,6 +42,7 @@ class PrecisionChoice:
     dtype: str  # compute dtype: "float32" | "bfloat16" | "float16"
     weight_dtype: str  # "dense" | "int4" | "hybrid"
     reason: str  # why, in words, for the log and stats()
+    probe: ProbeResult | None = None  # what the precision probe measured, where it chose
 
 
 def choose_precision(
@@ -42,10 +53,11 @@ def choose_precision(
     flags: frozenset[str],
     native_int4: bool,
     pin: str | None = None,
+    probe: ProbeResult | None = None,
 ) -> PrecisionChoice:
     """Resolve `dtype` and `weight_dtype` ("auto" or explicit) for a device and CPU (see the
     module docstring). `native_int4`: whether the native INT4 kernel can be used here; `pin`: the
-    value of `TANDEM_AUTO_PRECISION`, if set."""
+    value of `TANDEM_AUTO_PRECISION`, if set; `probe`: the precision probe's result on this CPU."""
     reasons: list[str] = []
     if pin not in (None, "", "float32"):
         raise ValueError(f"{PIN_ENV}={pin!r}: the only supported pin is 'float32'")
@@ -58,6 +70,9 @@ def choose_precision(
     elif device_type == "cuda":
         chosen_dtype = "bfloat16"
         reasons.append("dtype bfloat16 on CUDA")
+    elif probe is not None:
+        chosen_dtype = probe.dtype
+        reasons.append(probe.describe())
     elif fast := sorted(flags & FAST_BF16_FLAGS):
         chosen_dtype = "bfloat16"
         reasons.append(f"dtype bfloat16: the CPU has bfloat16 matrix units ({', '.join(fast)})")
@@ -77,13 +92,20 @@ def choose_precision(
     elif device_type != "cpu":
         chosen_weights = "dense"
         reasons.append(f"dense weights on {device_type}")
+    elif probe is not None and native_int4:
+        chosen_weights = "hybrid" if probe.int4_decode else "dense"
+        reasons.append(
+            "hybrid weights: INT4 (native kernel) for small decode steps, measured faster"
+            if probe.int4_decode else f"dense weights: INT4 decode steps measured slower than {chosen_dtype}"
+        )  # fmt: skip
     elif native_int4:
         chosen_weights = "hybrid"
         reasons.append("hybrid weights: INT4 (native kernel) for small decode steps, the compute dtype for the rest")
     else:
         chosen_weights = "dense"
         reasons.append("dense weights: the native INT4 kernel cannot run here")
-    return PrecisionChoice(chosen_dtype, chosen_weights, "; ".join(reasons))
+    used = probe if probe is not None and dtype == "auto" and pin is None and device_type == "cpu" else None
+    return PrecisionChoice(chosen_dtype, chosen_weights, "; ".join(reasons), used)
 
 
 def pinned() -> str | None:

@@ -5,7 +5,9 @@ It holds each request's n-gram index (prompt lookup), the acceptance tracker (ac
 n-gram length behind a draft; length 0: the draft model) and the step-cost model fitted on measured
 steps. A `Proposal` is either prompt-lookup tokens or a number of slots that the runner's draft
 model fills; `speculative.plan_drafts` decides how many of each are verified, adding drafts while
-the expected tokens per second rise.
+the expected tokens per second rise. Over the predictions stands the `SpeculationGuard`: per decode
+batch size, speculation runs only while its measured seconds per generated token beat no
+speculation's (`begin_step` in `plan`, `end_step` when the step's tokens are applied).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.engine.request import Priority, Request
+from tandem.engine.speculation_guard import SpeculationGuard
 from tandem.engine.speculative import (
     AcceptanceTracker,
     DraftCandidate,
@@ -63,6 +66,7 @@ class SpeculationPlanner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.step_cost = StepCostModel()
+        self.guard = SpeculationGuard()
         tracking = settings or SpeculationSettings()
         self.acceptance = AcceptanceTracker(
             tracking.prompt_lookup_max, tracking.initial_acceptance, tracking.acceptance_smoothing
@@ -71,6 +75,12 @@ class SpeculationPlanner:
         self._match_len: dict[str, int] = {}  # request -> n-gram length behind its drafts
         self.num_draft_tokens_total = 0
         self.num_accepted_tokens_total = 0
+
+    def always_draft(self) -> None:
+        """Test hook: verify the proposals whatever they cost (a step-cost prior under which every
+        draft pays, never refitted; no guard)."""
+        self.step_cost = StepCostModel(prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0)
+        self.guard = SpeculationGuard(enabled=False)
 
     def forget(self, request_id: str) -> None:
         self._ngrams.pop(request_id, None)
@@ -81,6 +91,11 @@ class SpeculationPlanner:
         index = self._ngrams.get(request_id)
         if index is not None:
             index.extend(token_ids)
+
+    def end_step(self, num_generated: int) -> None:
+        """The step planned last generated `num_generated` tokens (the guard's measure)."""
+        if self.settings is not None:
+            self.guard.end_step(num_generated)
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """The runner's verdict on a request's drafts this step."""
@@ -109,12 +124,16 @@ class SpeculationPlanner:
             rows[Priority.BATCH] = min(rows[Priority.BATCH], batch_cap)
         num_decoding = sum(rows.values())
         step_tokens = min(self.max_num_batched_tokens, sum(tokens.values()))
+        eligible = [
+            r for r in running if r.num_computed_tokens == r.num_tokens - 1 and self._may_speculate(r, batch_cap)
+        ]
+        # The guard measures decode-only steps where speculation could happen (else both arms are alike).
+        if not self.guard.begin_step(num_decoding, measured=bool(eligible) and num_decoding == step_tokens):
+            return {}  # measured slower than no speculation at this batch size
         step_cost_s, draft_cost_s = self._draft_costs(num_decoding, step_tokens)
         candidates: list[DraftCandidate] = []
         proposals: dict[str, Proposal] = {}
-        for request in running:
-            if request.num_computed_tokens != request.num_tokens - 1 or not self._may_speculate(request, batch_cap):
-                continue
+        for request in eligible:
             proposal, match_len = self._propose(request, step_cost_s, draft_cost_s)
             if proposal:
                 self._match_len[request.request_id] = match_len
@@ -178,10 +197,11 @@ class SpeculationPlanner:
 
     def _draft_costs(self, num_decoding: int, step_tokens: int) -> tuple[float, float]:
         """(the step's predicted wall time without drafts, what one more draft row adds) from the
-        measured step costs; for a decode-only step, from decode-only steps where they have been
-        seen at different sizes."""
+        measured step costs; for a decode-only step, from the decode-only steps measured
+        (`StepCostModel.decode_step_costs`), once there are any."""
+        if step_tokens == num_decoding:
+            measured = self.step_cost.decode_step_costs(num_decoding)
+            if measured is not None:
+                return measured
         fixed_s, per_token_s, per_row_s = self.step_cost.coefficients()
-        decode_fit = self.step_cost.decode_coefficients()
-        if decode_fit is not None and step_tokens == num_decoding:
-            return decode_fit[0] + decode_fit[1] * num_decoding, decode_fit[1]
         return fixed_s + per_token_s * step_tokens + per_row_s * num_decoding, per_token_s + per_row_s

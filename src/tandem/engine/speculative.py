@@ -133,8 +133,11 @@ class StepCostModel:
     samples: deque[tuple[int, int, float]] = field(default_factory=deque)
     # Decode-only steps (every token a logits row), kept apart: they may run on other weights and
     # kernels than prompt chunks do (a hybrid engine's INT4 native stack against its bfloat16
-    # GEMMs), so a fit over both can misjudge what one more draft row costs a decode step.
-    decode_samples: deque[tuple[int, float]] = field(default_factory=deque)
+    # GEMMs), so a fit over both can misjudge what one more draft row costs a decode step. Kept as
+    # a moving average of the wall time per step size (rows -> [seconds, steps seen]) that outlives
+    # the window: sizes seen only while drafting are still known after drafting stops.
+    decode_walls: dict[int, list[float]] = field(default_factory=dict)
+    decode_smoothing: float = 0.2
 
     def observe(self, num_tokens: int, num_rows: int, wall_s: float) -> None:
         """Add a step's size and wall time (`window=0`: keep the prior, e.g. in tests)."""
@@ -144,23 +147,54 @@ class StepCostModel:
         if len(self.samples) > self.window:
             self.samples.popleft()
         if num_tokens == num_rows:
-            self.decode_samples.append((num_rows, wall_s))
-            if len(self.decode_samples) > self.window:
-                self.decode_samples.popleft()
+            entry = self.decode_walls.get(num_rows)
+            if entry is None:
+                self.decode_walls[num_rows] = [wall_s, 1]
+            else:
+                entry[0] += self.decode_smoothing * (wall_s - entry[0])
+                entry[1] += 1
 
-    def decode_coefficients(self) -> tuple[float, float] | None:
-        """(fixed_s, per_row_s) of decode-only steps, fitted on those alone; None until they
-        have had at least two different sizes (or when the fit is not positive)."""
-        if len(self.decode_samples) < 8 or self.window == 0:
+    def decode_coefficients(self, min_rows: int = 1, max_rows: int | None = None) -> tuple[float, float] | None:
+        """(fixed_s, per_row_s) of decode-only steps, fitted on those alone over the measured sizes
+        in [min_rows, max_rows] (each weighted by its steps, up to 32); None until two sizes
+        have been seen there (or when the fit is not positive)."""
+        if self.window == 0:
             return None
-        data = np.array(self.decode_samples, dtype=np.float64)  # [n, 2]: rows, wall
-        if np.ptp(data[:, 0]) == 0:
+        points = [
+            (rows, wall, min(count, 32.0))
+            for rows, (wall, count) in self.decode_walls.items()
+            if rows >= min_rows and (max_rows is None or rows <= max_rows)
+        ]
+        if len(points) < 2:
             return None
-        design = np.column_stack([np.ones(len(data)), data[:, 0]])
-        fixed, per_row = (float(c) for c in np.linalg.lstsq(design, data[:, 1], rcond=None)[0])
+        data = np.array(points, dtype=np.float64)  # [n, 3]: rows, wall, weight
+        root = np.sqrt(data[:, 2])
+        design = np.column_stack([np.ones(len(data)), data[:, 0]]) * root[:, None]
+        fixed, per_row = (float(c) for c in np.linalg.lstsq(design, data[:, 1] * root, rcond=None)[0])
         if fixed <= 0 or per_row <= 0:
             return None
         return fixed, per_row
+
+    def decode_step_costs(self, rows: int) -> tuple[float, float] | None:
+        """(the wall time of a decode-only step of `rows` rows, what one more row adds), from the
+        measured sizes: the step's own size where measured (else the fit), and the slope over the
+        sizes drafts would make it (`rows` to `2 * rows + 8`), else over all sizes; with one size
+        measured, a row is assumed to cost that step's wall over its rows plus one (a fixed part
+        of one row's cost). None: no decode-only step measured yet."""
+        if self.window == 0 or not self.decode_walls:
+            return None
+        local = self.decode_coefficients(rows, 2 * rows + 8)
+        fit = local or self.decode_coefficients()
+        measured = self.decode_walls.get(rows)
+        if measured is not None:
+            wall = measured[0]
+        elif fit is not None:
+            wall = fit[0] + fit[1] * rows
+        else:
+            nearest = min(self.decode_walls, key=lambda r: abs(r - rows))
+            wall = self.decode_walls[nearest][0] * (rows + 1) / (nearest + 1)
+        per_row = fit[1] if fit is not None else wall / (rows + 1)
+        return wall, per_row
 
     def coefficients(self) -> tuple[float, float, float]:
         """(fixed_s, per_token_s, per_row_s), each > 0."""

@@ -24,10 +24,12 @@ def update_from_output(
     """Apply the runner's tokens: each request's computed count advances past its own tokens
     and its accepted drafts only (rejected drafts' slots are rewritten later and never cached),
     then its new tokens are appended one by one until one of them stops it. The step's cost
-    (`result.wall_s`) feeds the speculation's step-cost model."""
+    (`result.wall_s`) feeds the speculation's step-cost model, its generated tokens the
+    speculation guard."""
     num_rows = sum(1 + s.num_draft_tokens for s in output.scheduled if s.sample)
     sched.speculation.step_cost.observe(output.num_scheduled_tokens, num_rows, result.wall_s)
     updates: list[RequestUpdate] = []
+    num_generated = 0
     for item in output.scheduled:
         request = sched.requests.get(item.request_id)
         if request is None:  # finished while the step ran (abort)
@@ -51,10 +53,12 @@ def update_from_output(
             release_outside_window(sched, request)
             continue
         logprobs = result.logprobs.get(item.request_id)
+        num_generated += num_accepted + 1
         update = append_tokens(sched, request, token_ids[: num_accepted + 1], logprobs)
         if not update.finished:
             release_outside_window(sched, request)
         updates.append(update)
+    sched.speculation.end_step(num_generated)
     return updates
 
 

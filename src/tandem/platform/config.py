@@ -69,17 +69,26 @@ class EngineConfig(BaseModel):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
-        description="Compute dtype of weights and activations. 'auto': bfloat16 on CUDA and on CPUs "
-        "with AMX-BF16, float32 on other CPUs (engine/precision.py; stats() and the "
-        "start-up log say what was chosen and why). An explicit dtype is the whole unquantised "
-        "model in that dtype (with weight_dtype 'auto').",
+        description="Compute dtype of weights and activations. 'auto': bfloat16 on CUDA; on CPU the "
+        "fastest the precision probe measured for this model on this machine (precision_probe), or "
+        "without it bfloat16 on CPUs with AMX-BF16 and float32 elsewhere (engine/precision.py; "
+        "stats() and the start-up log say what was chosen and why). An explicit dtype is the whole "
+        "unquantised model in that dtype (with weight_dtype 'auto').",
+    )
+    precision_probe: bool = Field(
+        True,
+        description="On CPU with dtype 'auto': at the first start on a machine, time the model's GEMM "
+        "shapes in each compute dtype and with INT4 weights (a few seconds) and choose the fastest; "
+        "the result is cached per machine and model shapes under $TANDEM_CACHE_DIR/precision. "
+        "False: choose by CPU flags.",
     )
     device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'.")
     weight_dtype: Literal["auto", "dense", "int4", "hybrid"] = Field(
         "auto",
         description="'int4': group-wise INT4 linears (two values per byte; the default model's Q4_1 "
         "weights load as they are); 'dense': the compute dtype; 'auto': 'hybrid' on CPUs where the "
-        "native INT4 kernel runs and dtype is 'auto', else 'dense'; 'hybrid': both copies, INT4 for "
+        "native INT4 kernel runs and dtype is 'auto' (where the precision probe measured INT4 decode "
+        "steps faster), else 'dense'; 'hybrid': both copies, INT4 for "
         "decode steps of at most hybrid_int4_max_batch requests (memory-bound: INT4 reads an eighth "
         "of float32's bytes), the compute dtype for prefill and larger batches (compute-bound: the "
         "CPU INT4 kernel is slower than oneDNN there). Costs the memory of both copies.",

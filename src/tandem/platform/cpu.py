@@ -19,6 +19,18 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@functools.cache
+def cpu_model_name() -> str:
+    """The CPU's model name from /proc/cpuinfo ("" where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
     """The CPUs this process's cgroup may use per second (its CFS quota / period: `cpu.max` on
     cgroup v2, `cpu/cpu.cfs_quota_us` on v1), or None when unlimited or unreadable."""

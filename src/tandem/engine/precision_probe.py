@@ -1,0 +1,246 @@
+"""The precision probe: which compute dtype and whether INT4 decode steps are fastest on this
+CPU for this model, by timing the model's own GEMM shapes (`dtype="auto"` and
+`weight_dtype="auto"` on CPU; `precision.choose_precision` applies the result).
+
+CPU flags mislead here: AVX512-BF16 without AMX is slower than float32 on one Xeon and about
+twice as fast on a Zen 4 (docs/performance.md). So at the first start on a machine the probe
+builds random weights with the shapes of one decoder layer's linears (fused q/k/v, o, fused
+gate/up, down; an MoE layer's expert), as many copies as stream from memory the way a step's
+weights do (up to the model's layer count), and times one pass over them:
+
+- in each candidate compute dtype (float32; bfloat16 where oneDNN has bfloat16 GEMMs), through
+  the kernels the engine runs (`kernels.linear.PackedLinear`), at decode row counts
+  (`DECODE_ROWS`) and a prompt chunk (`PREFILL_ROWS`);
+- with INT4 weights through the native kernel (`kernels.int4.Int4Linear`), at the decode row
+  counts it serves.
+
+Contract of the choice (`ProbeResult`): `dtype` is the candidate with the smallest geometric
+mean of its time over the fastest one's at `COMPUTE_ROWS` (the rows a hybrid engine's dense
+model serves: large decode batches and prompt chunks); `int4_decode` is whether INT4 beats that
+dtype at one row (then small decode steps read INT4 weights: `weight_dtype="hybrid"`). Only
+mixes whose fidelity `benchmarks/quant_quality.py` bounds are candidates (float16 is not one).
+The result is cached per machine as JSON under `$TANDEM_CACHE_DIR/precision/`, keyed by the CPU
+model name, its flags, the CPUs this process may use, the torch version, the GEMM shapes and the
+probe version; a second start reads it (`source="cache"`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem.kernels import int4_native
+from tandem.kernels.int4 import NATIVE_GEMV_MAX_ROWS, Int4Linear, fit_group_size, quantize_int4
+from tandem.kernels.linear import PackedLinear, onednn_available
+from tandem.platform.cpu import cpu_flags, cpu_model_name, usable_cpus
+
+logger = logging.getLogger("tandem.engine")
+
+PROBE_VERSION = 1
+DECODE_ROWS = (1, 4, 16, 64)
+PREFILL_ROWS = 256
+COMPUTE_ROWS = (16, 64, PREFILL_ROWS)
+INT4_GROUP_SIZE = 32
+PROBE_WEIGHT_BYTES = 256 << 20  # float32 bytes of the layer copies: beyond the last-level cache
+CELL_BUDGET_S = 0.3  # repeats of one (candidate, rows) cell stop once they took this long
+
+Shape = tuple[int, int]  # (out_features, in_features)
+# measure(candidate, shapes, num_copies, rows) -> seconds for one pass over the copies
+Measure = Callable[[str, Sequence[Shape], int, int], float]
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What the probe measured and chose (module docstring). `timings_ms[candidate][rows]`: the
+    estimated milliseconds of one pass of that many rows through every layer's linears."""
+
+    dtype: str
+    int4_decode: bool
+    timings_ms: dict[str, dict[int, float]]
+    seconds: float  # how long the probe took when it ran
+    key: str
+    source: str = "measured"  # "measured" | "cache"
+    machine: dict[str, Any] = field(default_factory=dict)
+
+    def speedup(self, slow: str, fast: str, rows: int) -> float:
+        return self.timings_ms[slow][rows] / self.timings_ms[fast][rows]
+
+    def describe(self) -> str:
+        """The choice in words, for the start-up log and `stats()["precision_reason"]`."""
+        others = [c for c in self.timings_ms if c not in (self.dtype, "int4")]
+        words = [f"dtype {self.dtype} measured fastest"]
+        words += [
+            f"{self.speedup(o, self.dtype, PREFILL_ROWS):.2f}x {o} at {PREFILL_ROWS} rows" for o in others
+        ]
+        if "int4" in self.timings_ms:
+            ratio = self.speedup(self.dtype, "int4", 1)
+            words.append(f"INT4 {ratio:.2f}x {self.dtype} at 1 row")
+        return f"{', '.join(words)} (precision probe, {self.source})"
+
+    def as_stats(self) -> dict[str, Any]:
+        return {
+            "source": self.source, "seconds": round(self.seconds, 3), "key": self.key,
+            "dtype": self.dtype, "int4_decode": self.int4_decode,
+            "timings_ms": {c: {str(r): round(t, 4) for r, t in by_rows.items()} for c, by_rows in self.timings_ms.items()},
+        }  # fmt: skip
+
+
+def model_gemm_shapes(config: Any) -> tuple[Shape, ...]:
+    """(out, in) of one decoder layer's linears as the engine runs them: fused q/k/v, o, fused
+    gate/up, down (an MoE layer: one expert's; latent attention: its projections' sizes)."""
+    hidden = config.hidden_size
+    mla = getattr(config, "mla", None)
+    if mla is not None:
+        heads = config.num_attention_heads
+        q_in = mla.q_lora_rank or hidden
+        attention = [(mla.kv_lora_rank + mla.qk_rope_head_dim, hidden), (heads * mla.qk_head_dim, q_in)]
+        attention.append((hidden, heads * mla.v_head_dim))
+    else:
+        q_out = config.num_attention_heads * config.head_dim
+        kv_out = 2 * config.num_key_value_heads * config.head_dim
+        attention = [(q_out + kv_out, hidden), (hidden, q_out)]
+    moe = getattr(config, "moe", None)
+    intermediate = moe.intermediate_size if moe is not None else config.intermediate_size
+    return (*attention, (2 * intermediate, hidden), (hidden, intermediate))
+
+
+def candidates(device: torch.device) -> list[str]:
+    """Compute dtypes worth timing here: float32, and bfloat16 where oneDNN has bfloat16 GEMMs
+    (elsewhere it is emulated: slower by construction, and slow to time)."""
+    return ["float32"] + (["bfloat16"] if onednn_available(device, torch.bfloat16) else [])
+
+
+def probe_key(shapes: Sequence[Shape], num_layers: int, int4: bool) -> tuple[str, dict[str, Any]]:
+    """The cache key of a probe on this machine for this model's shapes, and what it is made of."""
+    machine = {
+        "version": PROBE_VERSION, "cpu": cpu_model_name(), "flags": sorted(cpu_flags()),
+        "cpus": usable_cpus(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "shapes": [list(s) for s in shapes], "num_layers": num_layers, "int4": int4,
+    }  # fmt: skip
+    digest = hashlib.sha256(json.dumps(machine, sort_keys=True).encode()).hexdigest()[:16]
+    return digest, machine
+
+
+def measure_pass(candidate: str, shapes: Sequence[Shape], num_copies: int, rows: int) -> float:
+    """Seconds of one pass of `rows` rows through `num_copies` copies of the layer's linears in
+    `candidate` ("float32", "bfloat16" or "int4"): the fastest of a few, after a warm-up pass."""
+    layers = _layers(candidate, shapes, num_copies)
+    dtype = torch.float32 if candidate == "int4" else getattr(torch, candidate)
+    inputs = {k: torch.randn(rows, k).to(dtype) for _, k in shapes}
+    with torch.inference_mode():
+        best, spent, repeats = math.inf, 0.0, 0
+        while repeats < 2 or (repeats < 5 and spent < CELL_BUDGET_S):
+            start = time.perf_counter()
+            for layer, in_features in layers:
+                layer(inputs[in_features])
+            elapsed = time.perf_counter() - start
+            if repeats:  # the first pass warms up (oneDNN primitive creation)
+                best = min(best, elapsed)
+            spent += elapsed
+            repeats += 1
+    return best
+
+
+_LAYER_CACHE: dict[tuple[str, tuple[Shape, ...], int], list[tuple[nn.Module, int]]] = {}
+
+
+def _layers(candidate: str, shapes: Sequence[Shape], num_copies: int) -> list[tuple[nn.Module, int]]:
+    """The layer copies' linears in `candidate`, each with its input width (kept for the next row count)."""
+    key = (candidate, tuple(shapes), num_copies)
+    if key not in _LAYER_CACHE:
+        _LAYER_CACHE.clear()  # one candidate's weights at a time
+        generator = torch.Generator().manual_seed(0)
+        layers: list[tuple[nn.Module, int]] = []
+        for _ in range(num_copies):
+            for out_features, in_features in shapes:
+                weight = torch.randn(out_features, in_features, generator=generator) * 0.02
+                layers.append((_linear(candidate, weight), in_features))
+        _LAYER_CACHE[key] = layers
+    return _LAYER_CACHE[key]
+
+
+def _linear(candidate: str, weight: torch.Tensor) -> nn.Module:
+    if candidate == "int4":
+        group_size = fit_group_size(weight.shape[1], INT4_GROUP_SIZE)
+        return Int4Linear(quantize_int4(weight, group_size), torch.device("cpu"), kernel="native")
+    dtype = getattr(torch, candidate)
+    if onednn_available(torch.device("cpu"), dtype):
+        return PackedLinear(weight.to(dtype))
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+    return linear
+
+
+def run_probe(
+    shapes: Sequence[Shape], num_layers: int, dtypes: Sequence[str], *, int4: bool, key: str = "",
+    measure: Measure = measure_pass,
+) -> ProbeResult:  # fmt: skip
+    """Time every candidate (module docstring) and choose. `measure` is injectable: a test
+    stands in a CPU it cannot reach (a slow bfloat16) by scaling the real timings."""
+    started = time.perf_counter()
+    layer_bytes = 4 * sum(o * i for o, i in shapes)
+    num_copies = max(1, min(num_layers, PROBE_WEIGHT_BYTES // max(1, layer_bytes)))
+    scale_ms = 1000.0 * num_layers / num_copies  # one pass over the copies -> the whole model's linears
+    timings: dict[str, dict[int, float]] = {}
+    for candidate in dtypes:
+        rows = sorted({*DECODE_ROWS, *COMPUTE_ROWS})
+        timings[candidate] = {r: scale_ms * measure(candidate, shapes, num_copies, r) for r in rows}
+    if int4:
+        rows = [r for r in DECODE_ROWS if r <= NATIVE_GEMV_MAX_ROWS]
+        timings["int4"] = {r: scale_ms * measure("int4", shapes, num_copies, r) for r in rows}
+    _LAYER_CACHE.clear()
+
+    def relative_cost(dtype: str) -> float:  # geometric mean of time / the fastest dtype's
+        ratios = [timings[dtype][r] / min(timings[d][r] for d in dtypes) for r in COMPUTE_ROWS]
+        return math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+
+    chosen = min(dtypes, key=relative_cost)
+    int4_decode = int4 and timings["int4"][1] < timings[chosen][1]
+    return ProbeResult(chosen, int4_decode, timings, time.perf_counter() - started, key)
+
+
+def cache_path(key: str, cache_dir: Path) -> Path:
+    return cache_dir / "precision" / f"probe-{key}.json"
+
+
+def probe_precision(config: Any, device: torch.device, cache_dir: Path, *, int4: bool) -> ProbeResult:
+    """The probe's result for this machine and `config`'s shapes: from the cache, else measured
+    (and cached). `int4`: whether the native INT4 kernel runs here (then it is timed too)."""
+    shapes = model_gemm_shapes(config)
+    int4 = int4 and int4_native.load() is not None
+    key, machine = probe_key(shapes, config.num_hidden_layers, int4)
+    path = cache_path(key, cache_dir)
+    try:
+        cached = json.loads(path.read_text())
+        timings = {c: {int(r): float(t) for r, t in rows.items()} for c, rows in cached["timings_ms"].items()}
+        seconds = float(cached["seconds"])
+        result = ProbeResult(
+            cached["dtype"], bool(cached["int4_decode"]), timings, seconds, key, "cache", machine
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        result = run_probe(shapes, config.num_hidden_layers, candidates(device), int4=int4, key=key)
+        result = replace(result, machine=machine)
+        _write_atomically(path, json.dumps(asdict(result), indent=1, sort_keys=True))
+    logger.info("precision probe", extra=result.as_stats())
+    return result
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Another engine starting on this machine may probe at the same time: each writes whole files."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
