@@ -7,7 +7,7 @@ model (about a hundred parallel regions) then runs many times slower on every co
 tells the two apart in advance, so the tuner measures: per class of step size (tokens in the step,
 in powers of two) it keeps a moving average of the wall time per token under each candidate
 count (one thread, and the most it may use), runs the faster one, and runs the other once to
-follow a changing host: when the chosen count's cost moved by half since the two were last
+follow a changing host: when the chosen count's cost moved by a third since the two were last
 compared (neighbours came or went), and otherwise every `explore_every` steps of a class, times
 how much worse the other measured (up to 16 times). No torch here: the engine applies the count.
 """
@@ -45,12 +45,13 @@ class ThreadTuner:
             return unmeasured[0]
         best = min(self.candidates, key=lambda t: self.cost.get((size, t), math.inf if t != self.max_threads else 0.0))
         other = next(t for t in self.candidates if t != best)
-        # Follow a host that changed: try the other count when the chosen one's cost moved by half
-        # since the other was last timed (neighbours came or went), else now and then, the rarer
+        # Follow a host that changed: try the other count when the chosen one's cost moved by a
+        # third since the other was last timed (neighbours came or went: one thread beside two
+        # spinning neighbours runs about 1.5x slower than alone), else now and then, the rarer
         # the worse it measured (a step on the wrong count costs that ratio).
         best_cost = self.cost.get((size, best), 0.0)
         then = self.cost_when_compared.get(size)
-        moved = then is not None and best_cost > 0 and not 2 / 3 < best_cost / then < 3 / 2
+        moved = then is not None and best_cost > 0 and not 3 / 4 < best_cost / then < 4 / 3
         ratio = self.cost.get((size, other), math.inf) / max(best_cost, 1e-12)
         interval = self.explore_every * (16 if not ratio < 16 else max(1, round(ratio)))
         if moved or (seen and seen % interval == 0):
