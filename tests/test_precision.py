@@ -224,3 +224,22 @@ def test_gemm_shapes_follow_the_model(tiny_model_dir: Path) -> None:
         (q + kv, cfg.hidden_size), (cfg.hidden_size, q),
         (2 * cfg.intermediate_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size),
     )  # fmt: skip
+
+
+def test_engines_starting_together_probe_once(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Replicas starting at once on one machine: one measures, the others wait and read its result
+    (GEMMs timed against each other would be noise)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tandem.engine.models.loader import load_model
+    from tandem.engine.precision_probe import probe_precision
+
+    cfg = load_model(str(tiny_model_dir)).config
+    def start(_: int) -> ProbeResult | None:
+        return probe_precision(cfg, torch.device("cpu"), tmp_path, int4=True)
+
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(start, range(3)))
+    assert all(r is not None for r in results)
+    assert sorted(r.source for r in results if r is not None) == ["cache", "cache", "measured"]
+    assert len({(r.dtype, r.int4_decode, r.key) for r in results if r is not None}) == 1

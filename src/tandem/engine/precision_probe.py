@@ -26,6 +26,8 @@ probe version; a second start reads it (`source="cache"`).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -33,7 +35,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -215,26 +217,63 @@ def cache_path(key: str, cache_dir: Path) -> Path:
     return cache_dir / "precision" / f"probe-{key}.json"
 
 
-def probe_precision(config: Any, device: torch.device, cache_dir: Path, *, int4: bool) -> ProbeResult:
+def probe_precision(config: Any, device: torch.device, cache_dir: Path, *, int4: bool) -> ProbeResult | None:
     """The probe's result for this machine and `config`'s shapes: from the cache, else measured
-    (and cached). `int4`: whether the native INT4 kernel runs here (then it is timed too)."""
+    (and cached). `int4`: whether the native INT4 kernel runs here (then it is timed too).
+
+    Engines starting together on one machine (replicas of a node) probe one at a time, under a
+    lock file beside the cache entry: the others then read what the first measured, instead of
+    timing GEMMs against each other. None (the caller falls back to CPU flags, with a warning
+    logged) where the probe itself fails; a cache that cannot be written only costs the next
+    start another probe."""
     shapes = model_gemm_shapes(config)
     int4 = int4 and int4_native.load() is not None
     key, machine = probe_key(shapes, config.num_hidden_layers, int4)
     path = cache_path(key, cache_dir)
+    with _probe_lock(path):
+        result = _read_cached(path, key, machine)
+        if result is None:
+            try:
+                result = run_probe(shapes, config.num_hidden_layers, candidates(device), int4=int4, key=key)
+            except Exception as exc:  # noqa: BLE001 - an engine starts on CPU flags rather than not at all
+                logger.warning("precision probe failed; choosing by CPU flags", extra={"error": repr(exc)})
+                return None
+            result = replace(result, machine=machine)
+            try:
+                _write_atomically(path, json.dumps(asdict(result), indent=1, sort_keys=True))
+            except OSError as exc:
+                logger.warning("precision probe not cached", extra={"path": str(path), "error": repr(exc)})
+    logger.info("precision probe", extra=result.as_stats())
+    return result
+
+
+def _read_cached(path: Path, key: str, machine: dict[str, Any]) -> ProbeResult | None:
     try:
         cached = json.loads(path.read_text())
         timings = {c: {int(r): float(t) for r, t in rows.items()} for c, rows in cached["timings_ms"].items()}
         seconds = float(cached["seconds"])
-        result = ProbeResult(
+        return ProbeResult(
             cached["dtype"], bool(cached["int4_decode"]), timings, seconds, key, "cache", machine
         )
-    except (OSError, ValueError, KeyError, TypeError):
-        result = run_probe(shapes, config.num_hidden_layers, candidates(device), int4=int4, key=key)
-        result = replace(result, machine=machine)
-        _write_atomically(path, json.dumps(asdict(result), indent=1, sort_keys=True))
-    logger.info("precision probe", extra=result.as_stats())
-    return result
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+@contextlib.contextmanager
+def _probe_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path`'s lock file while held (none where it cannot be created)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 - held across the yield
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _write_atomically(path: Path, text: str) -> None:
