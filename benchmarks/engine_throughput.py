@@ -10,9 +10,12 @@ one batch through `generate` on the same weights (transformers' own GGUF loader,
 thread count; its TTFT is the wall time of the same batch with max_new_tokens=1. llama.cpp, where
 `benchmarks/install_llama_cpp.sh` built it (or `--llama-cpp-bin DIR`), runs `llama-batched-bench`
 on the same GGUF with the same threads, prompt and generation lengths: its generated tokens over
-total time (the same measure) and its decode-only rate.
+total time (the same measure) and its decode-only rate. With `--rounds R` each engine runs each
+concurrency R times, the engines alternating (each round starts with the next), and its median
+round counts: speculation on / off is then not decided by which engine ran first.
 
     python benchmarks/engine_throughput.py                 # 1, 8, 32, 64 -> benchmarks/results/
+    python benchmarks/engine_throughput.py --concurrency 1 8 32 --rounds 3
     python benchmarks/engine_throughput.py --concurrency 1 8 --skip-hf --skip-llama-cpp
     python benchmarks/engine_throughput.py --device cuda   # benchmarks/cuda_throughput.py: 1, 32, 256
 """
@@ -143,6 +146,9 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--rounds", type=int, default=1, help="runs of each engine per concurrency, alternating; the median counts"
+    )
+    parser.add_argument(
         "--output", type=Path, default=Path(__file__).parent / "results" / "engine_throughput.json"
     )
     args = parser.parse_args()
@@ -219,12 +225,24 @@ def main() -> None:
     for n in args.concurrency:
         prompts = make_prompts(n, args.prompt_len, vocab, args.seed + n)
         row: dict = {"concurrency": n}
-        for name, llm in engines.items():
-            log(f"concurrency {n}: {name} ...")
-            row[name] = run_tandem(llm, prompts, args.new_tokens)
-            log(
-                f"concurrency {n}: {name} {row[name]['tokens_per_s']:.1f} tok/s, ttft {row[name]['ttft_mean_s'] * 1000:.0f} ms"
-            )
+        runs: dict[str, list[dict]] = {name: [] for name in engines}
+        names = list(engines)
+        for round_index in range(args.rounds):
+            # Each round starts with the next engine, so that a slow first run (or a host slowing
+            # down) falls on each alike; an engine's figure is its median round.
+            for name in names[round_index % len(names) :] + names[: round_index % len(names)]:
+                log(f"concurrency {n}: {name} (round {round_index + 1}/{args.rounds}) ...")
+                runs[name].append(run_tandem(engines[name], prompts, args.new_tokens))
+                last = runs[name][-1]
+                log(
+                    f"concurrency {n}: {name} {last['tokens_per_s']:.1f} tok/s, ttft {last['ttft_mean_s'] * 1000:.0f} ms"
+                )
+        for name, results in runs.items():
+            median = sorted(results, key=lambda r: r["tokens_per_s"])[(len(results) - 1) // 2]
+            row[name] = {**median, "rounds_tokens_per_s": [r["tokens_per_s"] for r in results]}
+        if "tandem_no_spec" in row:
+            row["spec_on_over_off"] = row["tandem"]["tokens_per_s"] / row["tandem_no_spec"]["tokens_per_s"]
+            log(f"concurrency {n}: speculation on / off {row['spec_on_over_off']:.3f}")
         if hf_model is not None:
             log(f"concurrency {n}: HF generate ...")
             row["hf"] = run_hf(hf_model, prompts, args.new_tokens)

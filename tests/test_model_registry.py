@@ -101,6 +101,7 @@ def test_a_registered_architecture_runs_with_prefix_caching_and_speculation(
         str(folder), dtype="float32", weight_dtype="dense", kv_cache_memory=4 << 20, block_size=4,
         enable_prefix_caching=True, speculative={"method": "ngram", "num_speculative_tokens": 4},
     )  # fmt: skip
+    llm.engine.scheduler.speculation.always_draft()  # verify drafts whatever they cost here
     assert type(llm.engine.runner.model) is GeluLlamaForCausalLM
     shared = llm.tokenizer.encode("the cat sat on the mat and the cat sat on the")
     prompts = [shared + llm.tokenizer.encode(tail) for tail in (" mat", " hat and the cat")]
