@@ -319,8 +319,11 @@ class LLMEngine:
         their tokens is kept), then the others' tokens and outputs."""
         self.output_processor.mark_scheduled([s.request_id for s in scheduled.scheduled if s.is_new], time.monotonic())
         threads = caller_threads = None
+        # The tuner's step size leaves drafts out: a decode step of one request is one size whatever
+        # the planner drafted, so speculation does not multiply the sizes it must time both counts at.
+        size = scheduled.num_scheduled_tokens - sum(s.num_draft_tokens for s in scheduled.scheduled)
         if self.thread_tuner is not None:
-            threads, caller_threads = self.thread_tuner.choose(scheduled.num_scheduled_tokens), torch.get_num_threads()
+            threads, caller_threads = self.thread_tuner.choose(size), torch.get_num_threads()
             if threads != caller_threads:
                 torch.set_num_threads(threads)  # for this step; the calling thread's count comes back after
         started_wall, started_cpu = time.perf_counter(), time.thread_time()
@@ -336,7 +339,7 @@ class LLMEngine:
         self.step_wall_s += wall
         self.step_thread_cpu_s += time.thread_time() - started_cpu
         if self.thread_tuner is not None and threads is not None:
-            self.thread_tuner.observe(scheduled.num_scheduled_tokens, threads, wall)
+            self.thread_tuner.observe(size, threads, wall)
         return outputs
 
     def outputs(self, updates: list[RequestUpdate]) -> list[RequestOutput]:

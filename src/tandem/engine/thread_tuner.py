@@ -4,8 +4,8 @@ On a CPU that other processes share, a step split over every core waits at each 
 region's barrier for the thread the kernel descheduled: a batch-1 decode step of the default
 model (about a hundred parallel regions) then runs many times slower on every core than on one
 (figures: docs/performance.md, "a shared CPU"). On a quiet CPU all threads win. No flag
-tells the two apart in advance, so the tuner measures: per class of step size (tokens in the step,
-in powers of two) it keeps a moving average of the wall time per token under each candidate
+tells the two apart in advance, so the tuner measures: per class of step size (tokens in the step
+besides speculative drafts, in powers of two) it keeps a moving average of the wall time per token under each candidate
 count (one thread, and the most it may use), runs the faster one, and runs the other once to
 follow a changing host: when the chosen count's cost moved by a third since the two were last
 compared (neighbours came or went), and otherwise every `explore_every` steps of a class, times
