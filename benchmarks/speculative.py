@@ -15,6 +15,7 @@ whether our greedy tokens were identical with speculation.
 
     python benchmarks/speculative.py                 # -> benchmarks/results/speculative.json
     python benchmarks/speculative.py --skip-hf --concurrency 8
+    python benchmarks/speculative.py --skip-hf --rounds 2    # every wave twice per mode
 """
 
 from __future__ import annotations
@@ -147,6 +148,7 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
     parser.add_argument("--hf-lookup-tokens", type=int, default=10, help="HF's prompt_lookup_num_tokens")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every batch-1 wave per mode (concurrent: at least 2)")
     parser.add_argument("--kv-cache-mib", type=int, default=512, help="KV cache of each engine")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "speculative.json")
     args = parser.parse_args()
@@ -164,18 +166,23 @@ def main() -> None:
     }
     llm = engines["auto"]
     workloads = {"chat": chat_token_ids(llm, CHAT), "grounded": chat_token_ids(llm, grounded_prompts())}
+    # Warm-up: a speculating engine's first few hundred steps run slower (with the draft head,
+    # about 0.4 s in all), which a short batch-1 wave would charge to speculation.
+    warm_up = [workloads["chat"][0], workloads["grounded"][0]]
     for engine in engines.values():
-        engine.generate(workloads["chat"][:1], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+        for prompt in warm_up:
+            engine.generate([prompt], SamplingParams(max_tokens=args.new_tokens, temperature=0.0))
     result: dict[str, Any] = {"config": {k: str(v) for k, v in vars(args).items()}, "batch_1": {}, "concurrent": {}}
     for name, prompts in workloads.items():
-        row = summary(run_ours(engines, [[p] for p in prompts], args.new_tokens))  # batch 1: one prompt per wave
+        # batch 1: one prompt per wave
+        row = summary(run_ours(engines, [[p] for p in prompts], args.new_tokens, rounds=args.rounds))
         log(f"batch 1 {name}: {row}")
         result["batch_1"][name] = row
     for n in args.concurrency:
         wave = [workloads["chat"][i % len(CHAT)] for i in range(n)]
         for engine in engines.values():  # warm-up at this batch size (first steps of a shape are slow)
             engine.generate(wave, SamplingParams(max_tokens=8, temperature=0.0))
-        row = summary(run_ours(engines, [wave], args.new_tokens, rounds=2))
+        row = summary(run_ours(engines, [wave], args.new_tokens, rounds=max(2, args.rounds)))
         log(f"concurrency {n} chat: {row}")
         result["concurrent"][str(n)] = row
     result["step_cost"] = dict(zip(("fixed_s", "per_token_s", "per_row_s"), llm.engine.scheduler.speculation.step_cost.coefficients(), strict=True))
