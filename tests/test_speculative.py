@@ -376,3 +376,26 @@ def test_acceptance_is_the_conditional_rate_the_planner_models() -> None:
     for _ in range(100):
         tracker.record(2, 5, 2)
     assert tracker.estimate(2) == pytest.approx(2 / 3, abs=1e-3)
+
+
+def test_a_draft_row_is_charged_the_jump_of_a_step_that_verifies() -> None:
+    """At 32 decoding requests a CPU step of one row each ran 32.6 ms and with a few drafts 48-76 ms
+    (its rows then take other kernels): what a draft costs is the secant from the step's own size,
+    not the slope of a fit dominated by far sizes."""
+    model = StepCostModel()
+    for _ in range(40):
+        model.observe(32, 32, 0.0326)
+    for rows, wall in ((38, 0.0479), (40, 0.0489), (56, 0.0577), (56, 0.0577), (70, 0.0770)):
+        model.observe(rows, rows, wall)
+    wall, per_row = model.decode_step_costs(32) or (0.0, 0.0)
+    assert wall == pytest.approx(0.0326)
+    # the sizes that carried drafts alone rise 0.9 ms a row (38 to 70 rows): the first drafts cost more
+    assert per_row > 0.0012
+    # so 32 requests draft nothing even at 0.9 acceptance; one request still does
+    many = [DraftCandidate(f"r{i}", [1, 2, 3], 0.9) for i in range(32)]
+    assert plan_drafts(many, step_cost_s=wall, step_yield=32, draft_cost_s=per_row, max_draft_tokens=64) == {}
+    for rows, wall_1 in ((1, 0.0060), (2, 0.0095), (3, 0.0128), (4, 0.0149)):
+        model.observe(rows, rows, wall_1)
+    wall, per_row = model.decode_step_costs(1) or (0.0, 0.0)
+    lone = plan_drafts([DraftCandidate("a", [1, 2, 3], 0.9)], step_cost_s=wall, step_yield=1, draft_cost_s=per_row, max_draft_tokens=8)
+    assert lone.get("a", 0) >= 1

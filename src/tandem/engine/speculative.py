@@ -177,14 +177,16 @@ class StepCostModel:
 
     def decode_step_costs(self, rows: int) -> tuple[float, float] | None:
         """(the wall time of a decode-only step of `rows` rows, what one more row adds), from the
-        measured sizes: the step's own size where measured (else the fit), and the slope over the
-        sizes drafts would make it (`rows` to `2 * rows + 8`), else over all sizes; with one size
-        measured, a row is assumed to cost that step's wall over its rows plus one (a fixed part
-        of one row's cost). None: no decode-only step measured yet."""
+        measured sizes. The step's own size gives its wall where measured (else the fit). A row
+        adds the mean slope from that size to the larger sizes measured up to `2 * rows + 8` (the
+        sizes its drafts make it; each weighted by its steps, up to 32): a secant from the step
+        itself, so a step that changes kernels when it verifies drafts (a decode step of single
+        rows against one with several rows per request) is charged the jump; else the slope of a
+        fit over all sizes; with one size measured, a row is assumed to cost that step's wall over
+        its rows plus one (a fixed part of one row's cost). None: no decode-only step measured."""
         if self.window == 0 or not self.decode_walls:
             return None
-        local = self.decode_coefficients(rows, 2 * rows + 8)
-        fit = local or self.decode_coefficients()
+        fit = self.decode_coefficients()
         measured = self.decode_walls.get(rows)
         if measured is not None:
             wall = measured[0]
@@ -193,8 +195,16 @@ class StepCostModel:
         else:
             nearest = min(self.decode_walls, key=lambda r: abs(r - rows))
             wall = self.decode_walls[nearest][0] * (rows + 1) / (nearest + 1)
-        per_row = fit[1] if fit is not None else wall / (rows + 1)
-        return wall, per_row
+        slopes = [
+            ((above - wall) / (size - rows), min(count, 32.0))
+            for size, (above, count) in self.decode_walls.items()
+            if rows < size <= 2 * rows + 8
+        ]
+        weight = sum(w for _, w in slopes)
+        secant = sum(slope * w for slope, w in slopes) / weight if weight else 0.0
+        if secant > 0:
+            return wall, secant
+        return wall, fit[1] if fit is not None else wall / (rows + 1)
 
     def coefficients(self) -> tuple[float, float, float]:
         """(fixed_s, per_token_s, per_row_s), each > 0."""
