@@ -64,7 +64,7 @@ def test_each_batch_size_class_decides_alone_and_follows_a_changing_workload() -
     steps.run(1000, 1, on=(0.013, 1), off=(0.010, 1))
     assert guard.stats()["1"]["speculate"] is False
     assert steps.run(200, 1, on=(0.013, 1), off=(0.010, 1)) < 0.1
-    assert guard.num_switches >= 2
+    assert guard.num_switches == 1  # batch 1 changed its verdict once; first verdicts are not switches
 
 
 def test_unmeasured_steps_follow_the_choice_without_counting() -> None:

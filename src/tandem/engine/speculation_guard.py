@@ -10,7 +10,8 @@ now and then, to follow a workload whose acceptance changed: at once when the ch
 moved by half since the two were compared, else after `explore_every` steps of the class, or
 more where the other arm measured much worse, so that re-measuring it costs at most
 `max_explore_loss` of the class's throughput (block * (ratio - 1) / interval), and at most
-`max_interval` steps. A new class runs a block of each arm first, speculation allowed first.
+`max_interval` steps; the first verdict of a class is re-checked after `explore_every` steps
+whatever its ratio (its blocks ran first: a draft head's first few hundred steps run slower). A new class runs a block of each arm first, speculation allowed first.
 
 Steps that also compute a prompt chunk are not measured (a chunk's cost would drown the drafts'),
 but follow their class's choice. A step's wall time runs from planning to the end of its update
@@ -32,6 +33,8 @@ ON, OFF = True, False
 class _ClassState:
     samples: dict[bool, deque[tuple[float, int]]] = field(default_factory=dict)  # arm -> (wall_s, tokens)
     arm: bool = ON  # the arm its steps run now
+    chosen: bool = ON  # the arm the last comparison chose
+    num_comparisons: int = 0
     block_left: int = 0  # steps left of an exploring block (0: running the chosen arm)
     steps_since_explored: int = 0
     cost_when_compared: float = math.inf  # the chosen arm's cost at the last comparison
@@ -105,12 +108,13 @@ class SpeculationGuard:
         if state.pending_first and OFF not in state.samples:
             state.arm, state.block_left = OFF, self.block_steps  # the first comparison's other arm
             return
-        state.pending_first = False
         best = ON if state.cost(ON) <= state.cost(OFF) else OFF
-        if best != state.arm:
+        if best != state.chosen and not state.pending_first:
             self.num_switches += 1
-        state.arm, state.steps_since_explored = best, 0
+        state.pending_first = False
+        state.arm, state.chosen, state.steps_since_explored = best, best, 0
         state.cost_when_compared = state.cost(best)
+        state.num_comparisons += 1
 
     def _maybe_explore(self, state: _ClassState) -> None:
         chosen = state.cost(state.arm)
@@ -119,6 +123,8 @@ class SpeculationGuard:
         interval = min(
             self.max_interval, max(self.explore_every, self.block_steps * (ratio - 1) / self.max_explore_loss)
         )
+        if state.num_comparisons == 1:  # the first verdict is checked once soon: its blocks ran cold
+            interval = self.explore_every
         if moved or state.steps_since_explored >= interval:
             state.arm, state.block_left = not state.arm, self.block_steps
 
@@ -127,7 +133,7 @@ class SpeculationGuard:
         out: dict[str, dict[str, float | bool]] = {}
         for size, state in sorted(self.classes.items()):
             out[str(2**size)] = {
-                "speculate": state.arm if state.block_left == 0 else not state.arm,
+                "speculate": state.chosen,
                 "on_s_per_token": state.cost(ON), "off_s_per_token": state.cost(OFF),
             }  # fmt: skip
         return out
