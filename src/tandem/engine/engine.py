@@ -339,7 +339,7 @@ class LLMEngine:
         self.step_wall_s += wall
         self.step_thread_cpu_s += time.thread_time() - started_cpu
         if self.thread_tuner is not None and threads is not None:
-            self.thread_tuner.observe(size, threads, wall)
+            self.thread_tuner.observe(size, threads, wall, scheduled.num_scheduled_tokens)
         return outputs
 
     def outputs(self, updates: list[RequestUpdate]) -> list[RequestOutput]:

@@ -60,13 +60,16 @@ class ThreadTuner:
             return other
         return best
 
-    def observe(self, num_tokens: int, threads: int, wall_s: float) -> None:
-        """A step of `num_tokens` ran with `threads` threads in `wall_s` seconds."""
+    def observe(self, num_tokens: int, threads: int, wall_s: float, num_computed: int | None = None) -> None:
+        """A step of `num_tokens` (its size, as given to `choose`) ran with `threads` threads in
+        `wall_s` seconds, computing `num_computed` tokens (default `num_tokens`; more with
+        speculative drafts, which the cost is divided by so that steps with and without drafts
+        compare within one size)."""
         if num_tokens <= 0 or wall_s <= 0 or len(self.candidates) == 1:
             return
         size = self.size_class(num_tokens)
         key = (size, threads)
-        per_token = wall_s / num_tokens
+        per_token = wall_s / max(num_tokens, num_computed or 0)
         previous = self.cost.get(key)
         if previous is None or self.exploring.pop(size, None) == threads:
             self.cost[key] = per_token  # a rare sample of the other count: the host may have changed since
