@@ -5,9 +5,11 @@ tokens, `--new-tokens` generated (greedy, EOS ignored), on the engine (its defau
 `generate` (float32, the same weights and threads), first on a quiet host, then while `--busy`
 other processes spin on the CPU (pure Python loops, as a neighbour's work would), then quiet again
 (to see drift). Reported: tokens/s of each, and each one's busy / quiet ratio (quiet: the mean of
-the two quiet runs): the engine should lose no larger a fraction than HF does.
+the two quiet runs): the engine should lose no larger a fraction than HF does. With `--rounds R`
+each phase runs each R times (engine and HF alternating which goes first) and medians count.
 
     python benchmarks/shared_cpu.py                       # -> benchmarks/results/shared_cpu.json
+    python benchmarks/shared_cpu.py --rounds 3
     python benchmarks/shared_cpu.py --busy 2 --concurrency 1 32
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import statistics
 import time
 from typing import Any
 
@@ -36,14 +39,21 @@ def _spin(stop_at: float) -> None:
 def _measure(
     llm: LLM, hf: Any, concurrency: list[int], args: argparse.Namespace, vocab: int
 ) -> dict[str, Any]:
+    """Per N, the median tokens/s of `args.rounds` runs of each, the two alternating which goes
+    first (the busy processes' share of the CPU drifts; a fixed order would charge it to one)."""
     out: dict[str, Any] = {}
     for n in concurrency:
         prompts = make_prompts(n, args.prompt_len, vocab, seed=n)
-        out[str(n)] = {
-            "tandem": run_tandem(llm, prompts, args.new_tokens)["tokens_per_s"],
-            "hf": run_hf(hf, prompts, args.new_tokens)["tokens_per_s"],
-        }
-        log(f"  N={n}: tandem {out[str(n)]['tandem']:.1f} tok/s, HF {out[str(n)]['hf']:.1f} tok/s")
+        runs: dict[str, list[float]] = {"tandem": [], "hf": []}
+        for round_index in range(args.rounds):
+            for who in ("tandem", "hf") if round_index % 2 == 0 else ("hf", "tandem"):
+                if who == "tandem":
+                    runs[who].append(run_tandem(llm, prompts, args.new_tokens)["tokens_per_s"])
+                else:
+                    runs[who].append(run_hf(hf, prompts, args.new_tokens)["tokens_per_s"])
+        out[str(n)] = {who: statistics.median(values) for who, values in runs.items()}
+        out[str(n)]["rounds"] = runs
+        log(f"  N={n}: tandem {out[str(n)]['tandem']:.1f} tok/s, HF {out[str(n)]['hf']:.1f} tok/s (medians of {runs})")
     return out
 
 
@@ -56,6 +66,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--busy", type=int, default=2, help="busy processes beside the engine")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each per phase and N; the median counts")
     parser.add_argument("--out", default="benchmarks/results/shared_cpu.json")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM

@@ -8,8 +8,10 @@ tells the two apart in advance, so the tuner measures: per class of step size (t
 besides speculative drafts, in powers of two) it keeps a moving average of the wall time per token under each candidate
 count (one thread, and the most it may use), runs the faster one, and runs the other once to
 follow a changing host: when the chosen count's cost moved by a third since the two were last
-compared (neighbours came or went), and otherwise every `explore_every` steps of a class, times
-how much worse the other measured (up to 16 times). No torch here: the engine applies the count.
+compared (neighbours came or went), and otherwise every `explore_every` blocks' worth of steps of
+a class, times how much worse the other measured (up to 16 times). A count is timed over a block of
+`explore_steps` steps and their median counts: the first step after a change of count pays for
+waking threads, and one noisy step must not keep a host on the wrong count for hundreds more. No torch here: the engine applies the count.
 """
 
 from __future__ import annotations
@@ -18,15 +20,20 @@ import math
 
 
 class ThreadTuner:
-    def __init__(self, max_threads: int, *, explore_every: int = 48, smoothing: float = 0.25) -> None:
+    def __init__(
+        self, max_threads: int, *, explore_every: int = 48, smoothing: float = 0.25, explore_steps: int = 3
+    ) -> None:
         self.max_threads = max_threads
+        self.explore_steps = explore_steps
         self.candidates = (max_threads, 1) if max_threads > 1 else (max_threads,)
         self.explore_every = explore_every
         self.smoothing = smoothing
         self.cost: dict[tuple[int, int], float] = {}  # (size class, threads) -> seconds per token
         self.num_steps: dict[int, int] = {}  # size class -> steps seen
         self.cost_when_compared: dict[int, float] = {}  # size class -> the chosen count's cost then
-        self.exploring: dict[int, int] = {}  # size class -> the count its next step tries
+        # size class -> (the count its steps try, their costs so far): a block of `explore_steps`
+        # steps whose median counts (the first step after a change of count wakes threads up)
+        self.exploring: dict[int, tuple[int, list[float]]] = {}
         self.num_switches = 0
 
     @staticmethod
@@ -40,8 +47,12 @@ class ThreadTuner:
         size = self.size_class(num_tokens)
         seen = self.num_steps.get(size, 0)
         self.num_steps[size] = seen + 1
+        block = self.exploring.get(size)
+        if block is not None:
+            return block[0]
         unmeasured = [t for t in self.candidates if (size, t) not in self.cost]
         if unmeasured and seen >= 1:  # the first step warms up on every core, then each count is timed
+            self.exploring[size] = (unmeasured[0], [])
             return unmeasured[0]
         best = min(self.candidates, key=lambda t: self.cost.get((size, t), math.inf if t != self.max_threads else 0.0))
         other = next(t for t in self.candidates if t != best)
@@ -53,10 +64,10 @@ class ThreadTuner:
         then = self.cost_when_compared.get(size)
         moved = then is not None and best_cost > 0 and not 3 / 4 < best_cost / then < 4 / 3
         ratio = self.cost.get((size, other), math.inf) / max(best_cost, 1e-12)
-        interval = self.explore_every * (16 if not ratio < 16 else max(1, round(ratio)))
+        interval = self.explore_every * self.explore_steps * (16 if not ratio < 16 else max(1, round(ratio)))
         if moved or (seen and seen % interval == 0):
             self.cost_when_compared[size] = best_cost
-            self.exploring[size] = other
+            self.exploring[size] = (other, [])
             return other
         return best
 
@@ -70,8 +81,13 @@ class ThreadTuner:
         size = self.size_class(num_tokens)
         key = (size, threads)
         per_token = wall_s / max(num_tokens, num_computed or 0)
+        block = self.exploring.get(size)
+        if block is not None and block[0] == threads:
+            block[1].append(per_token)
+            if len(block[1]) >= self.explore_steps:
+                # the block's median replaces what the count measured before: the host may have changed since
+                self.cost[key] = sorted(block[1])[(len(block[1]) - 1) // 2]
+                del self.exploring[size]
+            return
         previous = self.cost.get(key)
-        if previous is None or self.exploring.pop(size, None) == threads:
-            self.cost[key] = per_token  # a rare sample of the other count: the host may have changed since
-        else:
-            self.cost[key] = previous + self.smoothing * (per_token - previous)
+        self.cost[key] = per_token if previous is None else previous + self.smoothing * (per_token - previous)
