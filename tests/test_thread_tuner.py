@@ -39,7 +39,7 @@ def test_one_thread_is_never_tuned() -> None:
 
 def test_one_slow_wake_up_step_does_not_decide() -> None:
     """Trying more threads after running on one, the first step pays for waking them: that count
-    is timed over a block of 3 steps whose median counts, so a host that quietened gets its
+    is timed over a block of 3 steps, the first left out, so a host that quietened gets its
     threads back instead of staying on one thread for hundreds of steps."""
     tuner = ThreadTuner(2, explore_every=10)
     run(tuner, 100, {2: 0.120, 1: 0.015})  # busy: one thread wins

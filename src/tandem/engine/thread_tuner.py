@@ -8,11 +8,14 @@ tells the two apart in advance, so the tuner measures: per class of step size (t
 besides speculative drafts, in powers of two) it keeps a moving average of the wall time per token under each candidate
 count (one thread, and the most it may use), runs the faster one, and runs the other once to
 follow a changing host: when the chosen count's cost moved by a third since the two were last
-compared (neighbours came or went), and otherwise every `explore_every` blocks' worth of steps of
-a class, times how much worse the other measured (up to 16 times). More threads than the class runs with are
-timed over a block of `explore_steps` steps whose median counts: the first step wakes the
-parked threads, and that one slow step had kept a host that quietened on one thread for hundreds
-more; fewer threads are timed on one step. No torch here: the engine applies the count.
+compared, the way that favours the other (all threads slower: neighbours came; one thread
+faster: they left), and otherwise every `explore_every` blocks' worth of steps of
+a class, times how much worse the other measured (up to 16 times). A class's first estimate of the other count
+is one step (a rare class, such as a batch-1 prompt, would otherwise spend several requests on
+one thread); every later check times a block of `explore_steps` steps and averages all but the
+first (which wakes parked threads): on a shared CPU single steps are noisy, and one unlucky step
+had kept a host on the wrong count for hundreds of steps; a median instead hid the slow tail that
+is all-thread steps' cost there. No torch here: the engine applies the count.
 """
 
 from __future__ import annotations
@@ -32,8 +35,7 @@ class ThreadTuner:
         self.cost: dict[tuple[int, int], float] = {}  # (size class, threads) -> seconds per token
         self.num_steps: dict[int, int] = {}  # size class -> steps seen
         self.cost_when_compared: dict[int, float] = {}  # size class -> the chosen count's cost then
-        # size class -> (the count its steps try, their costs so far): a block of steps whose
-        # median counts (`explore_steps` when trying more threads: the first step wakes them up)
+        # size class -> (the count its steps try, their costs so far, the block's length)
         self.exploring: dict[int, tuple[int, list[float], int]] = {}  # ... and the block's length
         self.num_switches = 0
 
@@ -53,31 +55,27 @@ class ThreadTuner:
             return block[0]
         unmeasured = [t for t in self.candidates if (size, t) not in self.cost]
         if unmeasured and seen >= 1:  # the first step warms up on every core, then each count is timed
-            self.exploring[size] = (unmeasured[0], [], self._block_length(unmeasured[0], self.max_threads))
+            self.exploring[size] = (unmeasured[0], [], 1)  # a first estimate: one step
             return unmeasured[0]
         best = min(self.candidates, key=lambda t: self.cost.get((size, t), math.inf if t != self.max_threads else 0.0))
         other = next(t for t in self.candidates if t != best)
         # Follow a host that changed: try the other count when the chosen one's cost moved by a
-        # third since the other was last timed (neighbours came or went: one thread beside two
-        # spinning neighbours runs about 1.5x slower than alone), else now and then, the rarer
-        # the worse it measured (a step on the wrong count costs that ratio).
+        # third since the two were last compared the way that favours the other (all threads
+        # slower: neighbours came, try one; one thread faster: they left, try all; one thread
+        # beside two spinning neighbours runs about 1.5x slower than alone), else now and then,
+        # the rarer the worse it measured (a step on the wrong count costs that ratio).
         best_cost = self.cost.get((size, best), 0.0)
         then = self.cost_when_compared.get(size)
-        moved = then is not None and best_cost > 0 and not 3 / 4 < best_cost / then < 4 / 3
+        change = best_cost / then if then is not None and best_cost > 0 else 1.0
+        moved = change > 4 / 3 if best == self.max_threads else change < 3 / 4
         ratio = self.cost.get((size, other), math.inf) / max(best_cost, 1e-12)
-        length = self._block_length(other, best)
+        length = self.explore_steps
         interval = self.explore_every * length * (16 if not ratio < 16 else max(1, round(ratio)))
         if moved or (seen and seen % interval == 0):
             self.cost_when_compared[size] = best_cost
             self.exploring[size] = (other, [], length)
             return other
         return best
-
-    def _block_length(self, trying: int, current: int) -> int:
-        """Steps a count is timed over: more threads than the steps before ran with wake up on the
-        first step (a block's median), fewer do not (one step: a rare size class such as a
-        batch-1 prompt would otherwise spend several requests on one thread)."""
-        return self.explore_steps if trying > current else 1
 
     def observe(self, num_tokens: int, threads: int, wall_s: float, num_computed: int | None = None) -> None:
         """A step of `num_tokens` (its size, as given to `choose`) ran with `threads` threads in
@@ -93,8 +91,12 @@ class ThreadTuner:
         if block is not None and block[0] == threads:
             block[1].append(per_token)
             if len(block[1]) >= block[2]:
-                # the block's median replaces what the count measured before: the host may have changed since
-                self.cost[key] = sorted(block[1])[(len(block[1]) - 1) // 2]
+                # the block replaces what the count measured before: the host may have changed since
+                # The first step after a change of count is left out (it wakes parked threads); the
+                # rest are averaged, not their median: on a shared CPU a count's cost is its tail
+                # (the steps whose barrier waited for a descheduled thread), which a median hides.
+                samples = block[1][1:] or block[1]
+                self.cost[key] = sum(samples) / len(samples)
                 del self.exploring[size]
                 # what "moved" is measured against: the cheaper count's cost at this comparison
                 self.cost_when_compared[size] = min(self.cost.get((size, t), math.inf) for t in self.candidates)
