@@ -3,19 +3,19 @@
 On a CPU that other processes share, a step split over every core waits at each parallel
 region's barrier for the thread the kernel descheduled: a batch-1 decode step of the default
 model (about a hundred parallel regions) then runs many times slower on every core than on one
-(figures: docs/performance.md, "a shared CPU"). On a quiet CPU all threads win. No flag
-tells the two apart in advance, so the tuner measures: per class of step size (tokens in the step
-besides speculative drafts, in powers of two) it keeps a moving average of the wall time per token under each candidate
-count (one thread, and the most it may use), runs the faster one, and runs the other once to
-follow a changing host: when the chosen count's cost moved by a third since the two were last
-compared, the way that favours the other (all threads slower: neighbours came; one thread
-faster: they left), and otherwise every `explore_every` blocks' worth of steps of
-a class, times how much worse the other measured (up to 16 times). A class's first estimate of the other count
-is one step (a rare class, such as a batch-1 prompt, would otherwise spend several requests on
-one thread); every later check times a block of `explore_steps` steps and averages all but the
-first (which wakes parked threads): on a shared CPU single steps are noisy, and one unlucky step
-had kept a host on the wrong count for hundreds of steps; a median instead hid the slow tail that
-is all-thread steps' cost there. No torch here: the engine applies the count.
+(figures: docs/performance.md, "a shared CPU"). On a quiet CPU all threads win. No flag tells the
+two apart in advance, so the tuner measures. Per class of step size (tokens in the step besides
+speculative drafts, in powers of two) it keeps the wall time per computed token under each
+candidate count (one thread, and the most it may use) and runs the cheaper one. It times the
+other count again when the chosen one's cost moved by a third since the two were compared, the
+way that favours the other (all threads slower: neighbours came; one thread faster: they left),
+and otherwise every `explore_every` blocks' worth of steps of the class, times how much worse the
+other measured (up to 16 times). A class's first estimate of the other count is one step (a rare
+class, such as a batch-1 prompt, would otherwise spend several requests on one thread); every
+later check times a block of `explore_steps` steps and averages all but the first, which wakes
+parked threads: on a shared CPU single steps are noisy (one unlucky step had kept a host on the
+wrong count for hundreds of steps), and a median would hide the slow tail that is all-thread
+steps' cost there. No torch here: the engine applies the count.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class ThreadTuner:
         self.num_steps: dict[int, int] = {}  # size class -> steps seen
         self.cost_when_compared: dict[int, float] = {}  # size class -> the chosen count's cost then
         # size class -> (the count its steps try, their costs so far, the block's length)
-        self.exploring: dict[int, tuple[int, list[float], int]] = {}  # ... and the block's length
+        self.exploring: dict[int, tuple[int, list[float], int]] = {}
         self.num_switches = 0
 
     @staticmethod
@@ -91,10 +91,8 @@ class ThreadTuner:
         if block is not None and block[0] == threads:
             block[1].append(per_token)
             if len(block[1]) >= block[2]:
-                # the block replaces what the count measured before: the host may have changed since
-                # The first step after a change of count is left out (it wakes parked threads); the
-                # rest are averaged, not their median: on a shared CPU a count's cost is its tail
-                # (the steps whose barrier waited for a descheduled thread), which a median hides.
+                # The block replaces what the count measured before (the host may have changed
+                # since); its first step, which woke parked threads, is left out, the rest averaged.
                 samples = block[1][1:] or block[1]
                 self.cost[key] = sum(samples) / len(samples)
                 del self.exploring[size]
