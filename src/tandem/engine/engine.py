@@ -319,10 +319,11 @@ class LLMEngine:
         their tokens is kept), then the others' tokens and outputs."""
         self.output_processor.mark_scheduled([s.request_id for s in scheduled.scheduled if s.is_new], time.monotonic())
         threads = caller_threads = None
-        # The tuner's step size leaves drafts out: a decode step of one request is one size whatever
-        # the planner drafted, so speculation does not multiply the sizes it must time both counts at.
-        size = scheduled.num_scheduled_tokens - sum(s.num_draft_tokens for s in scheduled.scheduled)
+        size = 0
         if self.thread_tuner is not None:
+            # The tuner's step size leaves drafts out: a decode step of one request is one size
+            # whatever the planner drafted (its cost is still over every token computed).
+            size = scheduled.num_scheduled_tokens - sum(s.num_draft_tokens for s in scheduled.scheduled)
             threads, caller_threads = self.thread_tuner.choose(size), torch.get_num_threads()
             if threads != caller_threads:
                 torch.set_num_threads(threads)  # for this step; the calling thread's count comes back after

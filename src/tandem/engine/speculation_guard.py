@@ -11,7 +11,8 @@ moved by half since the two were compared, else after `explore_every` steps of t
 more where the other arm measured much worse, so that re-measuring it costs at most
 `max_explore_loss` of the class's throughput (block * (ratio - 1) / interval), and at most
 `max_interval` steps; the first verdict of a class is re-checked after `explore_every` steps
-whatever its ratio (its blocks ran first: a draft head's first few hundred steps run slower). A new class runs a block of each arm first, speculation allowed first.
+whatever its ratio (its blocks ran first: a draft head's first few hundred steps run slower). A
+new class runs a block of each arm first, speculation allowed first.
 
 Steps that also compute a prompt chunk are not measured (a chunk's cost would drown the drafts'),
 but follow their class's choice. A step's wall time runs from planning to the end of its update
@@ -38,7 +39,6 @@ class _ClassState:
     block_left: int = 0  # steps left of an exploring block (0: running the chosen arm)
     steps_since_explored: int = 0
     cost_when_compared: float = math.inf  # the chosen arm's cost at the last comparison
-    pending_first: bool = True  # the first comparison: both arms still need a block
 
     def cost(self, arm: bool) -> float:
         """Seconds per generated token of the arm's recent steps (inf: not measured)."""
@@ -105,13 +105,13 @@ class SpeculationGuard:
             self._maybe_explore(state)
 
     def _block_done(self, state: _ClassState) -> None:
-        if state.pending_first and OFF not in state.samples:
+        first = state.num_comparisons == 0
+        if first and OFF not in state.samples:
             state.arm, state.block_left = OFF, self.block_steps  # the first comparison's other arm
             return
         best = ON if state.cost(ON) <= state.cost(OFF) else OFF
-        if best != state.chosen and not state.pending_first:
+        if best != state.chosen and not first:
             self.num_switches += 1
-        state.pending_first = False
         state.arm, state.chosen, state.steps_since_explored = best, best, 0
         state.cost_when_compared = state.cost(best)
         state.num_comparisons += 1

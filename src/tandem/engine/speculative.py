@@ -186,11 +186,11 @@ class StepCostModel:
         its rows plus one (a fixed part of one row's cost). None: no decode-only step measured."""
         if self.window == 0 or not self.decode_walls:
             return None
-        fit = self.decode_coefficients()
+        fit: tuple[float, float] | None = None  # fitted only where needed: this runs every step
         measured = self.decode_walls.get(rows)
         if measured is not None:
             wall = measured[0]
-        elif fit is not None:
+        elif (fit := self.decode_coefficients()) is not None:
             wall = fit[0] + fit[1] * rows
         else:
             nearest = min(self.decode_walls, key=lambda r: abs(r - rows))
@@ -204,6 +204,7 @@ class StepCostModel:
         secant = sum(slope * w for slope, w in slopes) / weight if weight else 0.0
         if secant > 0:
             return wall, secant
+        fit = fit or self.decode_coefficients()
         return wall, fit[1] if fit is not None else wall / (rows + 1)
 
     def coefficients(self) -> tuple[float, float, float]:

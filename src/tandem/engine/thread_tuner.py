@@ -69,11 +69,9 @@ class ThreadTuner:
         change = best_cost / then if then is not None and best_cost > 0 else 1.0
         moved = change > 4 / 3 if best == self.max_threads else change < 3 / 4
         ratio = self.cost.get((size, other), math.inf) / max(best_cost, 1e-12)
-        length = self.explore_steps
-        interval = self.explore_every * length * (16 if not ratio < 16 else max(1, round(ratio)))
+        interval = self.explore_every * self.explore_steps * (16 if not ratio < 16 else max(1, round(ratio)))
         if moved or (seen and seen % interval == 0):
-            self.cost_when_compared[size] = best_cost
-            self.exploring[size] = (other, [], length)
+            self.exploring[size] = (other, [], self.explore_steps)
             return other
         return best
 
