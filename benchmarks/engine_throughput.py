@@ -12,10 +12,12 @@ thread count; its TTFT is the wall time of the same batch with max_new_tokens=1.
 on the same GGUF with the same threads, prompt and generation lengths: its generated tokens over
 total time (the same measure) and its decode-only rate. With `--rounds R` each engine runs each
 concurrency R times, the engines alternating (each round starts with the next), and its median
-round counts: speculation on / off is then not decided by which engine ran first.
+round counts: speculation on / off is then not decided by which engine ran first, and is the
+median over rounds of the two engines' ratio within a round (single runs on a shared host move
+by 5-10%, now and then 30%: use at least 9 rounds to read on / off to a few percent).
 
     python benchmarks/engine_throughput.py                 # 1, 8, 32, 64 -> benchmarks/results/
-    python benchmarks/engine_throughput.py --concurrency 1 8 32 --rounds 3
+    python benchmarks/engine_throughput.py --concurrency 1 8 32 --rounds 11
     python benchmarks/engine_throughput.py --concurrency 1 8 --skip-hf --skip-llama-cpp
     python benchmarks/engine_throughput.py --device cuda   # benchmarks/cuda_throughput.py: 1, 32, 256
 """
@@ -241,8 +243,16 @@ def main() -> None:
             median = sorted(results, key=lambda r: r["tokens_per_s"])[(len(results) - 1) // 2]
             row[name] = {**median, "rounds_tokens_per_s": [r["tokens_per_s"] for r in results]}
         if "tandem_no_spec" in row:
-            row["spec_on_over_off"] = row["tandem"]["tokens_per_s"] / row["tandem_no_spec"]["tokens_per_s"]
-            log(f"concurrency {n}: speculation on / off {row['spec_on_over_off']:.3f}")
+            # The figure: the median over rounds of on / off within a round (the two engines ran back
+            # to back, so a host slowing down between rounds cancels); also the medians' ratio.
+            paired = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["tandem"], runs["tandem_no_spec"])]
+            row["spec_on_over_off_rounds"] = paired
+            row["spec_on_over_off"] = statistics.median(paired)
+            row["spec_on_over_off_of_medians"] = row["tandem"]["tokens_per_s"] / row["tandem_no_spec"]["tokens_per_s"]
+            log(
+                f"concurrency {n}: speculation on / off {row['spec_on_over_off']:.3f} (median of the rounds' "
+                f"ratios; ratio of the medians {row['spec_on_over_off_of_medians']:.3f})"
+            )
         if hf_model is not None:
             log(f"concurrency {n}: HF generate ...")
             row["hf"] = run_hf(hf_model, prompts, args.new_tokens)

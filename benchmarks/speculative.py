@@ -185,6 +185,8 @@ def main() -> None:
         row = summary(run_ours(engines, [wave], args.new_tokens, rounds=max(2, args.rounds)))
         log(f"concurrency {n} chat: {row}")
         result["concurrent"][str(n)] = row
+    result["speculation_by_batch"] = {method: engine.stats()["speculation_by_batch"] for method, engine in engines.items()}
+    log(f"the guard's verdicts: {result['speculation_by_batch']}")
     result["step_cost"] = dict(zip(("fixed_s", "per_token_s", "per_row_s"), llm.engine.scheduler.speculation.step_cost.coefficients(), strict=True))
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
