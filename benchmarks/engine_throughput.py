@@ -245,7 +245,7 @@ def main() -> None:
         if "tandem_no_spec" in row:
             # The figure: the median over rounds of on / off within a round (the two engines ran back
             # to back, so a host slowing down between rounds cancels); also the medians' ratio.
-            paired = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["tandem"], runs["tandem_no_spec"])]
+            paired = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["tandem"], runs["tandem_no_spec"], strict=True)]
             row["spec_on_over_off_rounds"] = paired
             row["spec_on_over_off"] = statistics.median(paired)
             row["spec_on_over_off_of_medians"] = row["tandem"]["tokens_per_s"] / row["tandem_no_spec"]["tokens_per_s"]

@@ -143,6 +143,26 @@ def test_errors_through_serve(served: str) -> None:
     check_errors(served)
 
 
+def test_console_through_serve(served: str) -> None:
+    """The console's page, its session cookie standing in for the key (with the console's header
+    only), and the operator's fleet view fed by the fleet state's replica reports."""
+    page = httpx.get(f"{served}/console/batches", timeout=10)
+    assert page.status_code == 200 and "script-src 'self'" in page.headers["content-security-policy"]
+    assert httpx.get(f"{served}/console/assets/console.js", timeout=10).status_code == 200
+    with httpx.Client(base_url=served, timeout=30) as http:
+        assert http.post("/console/session", json={"key": KEY}).json()["tenant"] == "acme"
+        assert http.get("/v1/batches").status_code == 401
+        assert http.get("/v1/batches", headers={"X-Tandem-Console": "1"}).status_code == 200
+    operator = {"Authorization": f"Bearer {OPERATOR_KEY}"}
+    deadline = time.monotonic() + 30
+    while not (fleet := httpx.get(f"{served}/v1/admin/fleet", headers=operator, timeout=10).json())["replicas"]:
+        assert time.monotonic() < deadline, "no replica reported to the fleet state"
+        time.sleep(0.1)  # polling the fleet state, which replicas report to every stats period
+    assert fleet["model"] == "tiny" and all(0.0 <= r["kv_occupancy"] <= 1.0 for r in fleet["replicas"].values())
+    tenant = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(f"{served}/v1/admin/fleet", headers=tenant, timeout=10).status_code == 403
+
+
 def scraped_samples(base_url: str) -> list[tuple[str, str, float]]:
     """`base_url`'s `/metrics` as (metric name, labels text, value) samples."""
     import httpx

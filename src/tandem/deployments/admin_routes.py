@@ -14,13 +14,25 @@ compare-and-swap of the directory in the object store, seen by every replica wit
     GET    /v1/admin/tenants/{id}/keys               {"object": "list", "data": [keys]} (no secrets)
     DELETE /v1/admin/tenants/{id}/keys/{key_id}      revoke
 
+    GET    /v1/admin/fleet                           every engine replica's latest figures
+
 401 without a key, 403 with a tenant's key, 404 for an unknown tenant or key (or when the server
 has no object store), 409 for a duplicate tenant, 400 naming the field for a malformed body.
+
+A tenant manages its own keys under the project routes of OpenAI's admin API (a project is a
+tenant here, as in the usage API); an operator key may manage any tenant's there too:
+
+    GET    /v1/organization/projects/{id}/api_keys            {"object": "list", "data": [keys]}
+    POST   /v1/organization/projects/{id}/api_keys            as POST /v1/admin/tenants/{id}/keys
+    DELETE /v1/organization/projects/{id}/api_keys/{key_id}   revoke
+
+A tenant's key naming another project is a 403.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the real `Request` annotation after
 # Serve pickles the app (string annotations lose their module globals on the way).
 
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,7 +41,20 @@ from starlette.concurrency import run_in_threadpool
 
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.errors import InvalidRequestError, NotFoundError
+from tandem.platform.tenancy import PermissionDeniedError
 from tandem.platform.tenant_directory import TenantDirectory, parse_tenant_patch, parse_tenant_spec
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every non-finite float (a speculation arm never measured: inf) as None, which
+    JSON can carry."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def admin_router(
@@ -77,6 +102,29 @@ def admin_router(
     @router.post("/v1/admin/tenants/{tenant_id}/keys")
     async def create_key(tenant_id: str, request: Request) -> Any:
         directory = directory_for(request)
+        return await _create_key(directory, tenant_id, request)
+
+    @router.get("/v1/admin/tenants/{tenant_id}/keys")
+    async def list_keys(tenant_id: str, request: Request) -> Any:
+        directory = directory_for(request)
+        keys = await run_in_threadpool(directory.list_keys, tenant_id)
+        return {"object": "list", "data": [k.api() for k in keys]}
+
+    @router.delete("/v1/admin/tenants/{tenant_id}/keys/{key_id}")
+    async def revoke_key(tenant_id: str, key_id: str, request: Request) -> Any:
+        directory = directory_for(request)
+        await run_in_threadpool(directory.revoke_key, tenant_id, key_id)
+        return {"id": key_id, "object": "organization.tenant.api_key.deleted", "deleted": True}
+
+    @router.get("/v1/admin/fleet")
+    async def fleet(request: Request) -> Any:
+        """Every engine replica's latest stats (as `/metrics` reads them), by replica id."""
+        server = server_of(request)
+        server.tenants.authenticate_operator(request.headers.get("authorization"))
+        replicas = await server.client.replica_stats()
+        return {"object": "fleet", "model": server.model_name, "replicas": _finite(replicas)}
+
+    async def _create_key(directory: TenantDirectory, tenant_id: str, request: Request) -> Any:
         body = await json_body(request) if await request.body() else {}
         name, expires_at = body.get("name"), body.get("expires_at")
         unknown = sorted(set(body) - {"name", "expires_at"})
@@ -91,16 +139,33 @@ def admin_router(
         )
         return {**key.api(), "key": secret}
 
-    @router.get("/v1/admin/tenants/{tenant_id}/keys")
-    async def list_keys(tenant_id: str, request: Request) -> Any:
-        directory = directory_for(request)
-        keys = await run_in_threadpool(directory.list_keys, tenant_id)
+    def project_directory(request: Request, project_id: str) -> TenantDirectory:
+        """The directory, for an operator or for the tenant `project_id` itself (403 for another)."""
+        server = server_of(request)
+        authorization = request.headers.get("authorization")
+        if not server.tenants.is_operator(authorization):
+            tenant = server.tenants.authenticate(authorization)
+            if tenant != project_id:
+                raise PermissionDeniedError("a tenant's key manages only its own project's keys")
+        if server.tenants.directory is None:
+            raise NotFoundError("API keys are managed only with an object store (AppConfig.object_store)")
+        return server.tenants.directory
+
+    @router.get("/v1/organization/projects/{project_id}/api_keys")
+    async def list_project_keys(project_id: str, request: Request) -> Any:
+        directory = project_directory(request, project_id)
+        keys = await run_in_threadpool(directory.list_keys, project_id)
         return {"object": "list", "data": [k.api() for k in keys]}
 
-    @router.delete("/v1/admin/tenants/{tenant_id}/keys/{key_id}")
-    async def revoke_key(tenant_id: str, key_id: str, request: Request) -> Any:
-        directory = directory_for(request)
-        await run_in_threadpool(directory.revoke_key, tenant_id, key_id)
-        return {"id": key_id, "object": "organization.tenant.api_key.deleted", "deleted": True}
+    @router.post("/v1/organization/projects/{project_id}/api_keys")
+    async def create_project_key(project_id: str, request: Request) -> Any:
+        directory = project_directory(request, project_id)
+        return await _create_key(directory, project_id, request)
+
+    @router.delete("/v1/organization/projects/{project_id}/api_keys/{key_id}")
+    async def revoke_project_key(project_id: str, key_id: str, request: Request) -> Any:
+        directory = project_directory(request, project_id)
+        await run_in_threadpool(directory.revoke_key, project_id, key_id)
+        return {"id": key_id, "object": "organization.project.api_key.deleted", "deleted": True}
 
     return router

@@ -2,7 +2,8 @@
 
 The two completion routes are answered by `CompletionRoutes` (ASGI middleware in this app, in
 front of FastAPI's routing); the files, batches, adapters, models, health and metrics routes are
-FastAPI routes.
+FastAPI routes, and so are the console's pages and session (`console_routes.py`; its cookie is
+turned into the `Authorization` header by `ConsoleSessionAuth`, in front of everything).
 
 Routes read the `OpenAIServer` from `app.state.server`, so the same app runs under Serve
 (`OpenAIIngress.__init__` installs a server backed by a deployment handle) and in tests
@@ -32,6 +33,7 @@ from tandem.deployments.completion_routes import (
     tandem_error_reply,
     validation_error_reply,
 )
+from tandem.deployments.console_routes import ConsoleSessionAuth, console_router
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.deployments.usage_routes import usage_router
 from tandem.platform.errors import TandemError
@@ -145,6 +147,7 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
     app = FastAPI(title="Tandem", version="0.1.0")
     app.state.server = server
     app.add_middleware(CompletionRoutes, server_of=server_for_app)
+    app.add_middleware(ConsoleSessionAuth)  # outermost: the console's cookie becomes the key for every route
 
     @app.exception_handler(TandemError)
     async def _tandem_error(request: Request, exc: TandemError) -> JSONResponse:
@@ -185,6 +188,7 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
     app.include_router(adapter_router(_authenticated, json_body))
     app.include_router(admin_router(_server, json_body))
     app.include_router(usage_router(_server))
+    app.include_router(console_router(_server, json_body))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Any:

@@ -1,0 +1,59 @@
+// Tenants (operators): every tenant's weight and limits (/v1/admin/tenants) beside its usage
+// today (the usage API grouped by project).
+import { get, query } from "../api.js";
+import { alertBox, h, replace, showError } from "../dom.js";
+
+export function render(main) {
+  const box = alertBox();
+  const tableBody = h("tbody");
+
+  async function refresh() {
+    try {
+      const day = 86400;
+      const start = Math.floor(Date.now() / 1000 / day) * day;
+      const [tenants, usage] = await Promise.all([
+        get("/v1/admin/tenants"),
+        get(`/v1/organization/usage/completions?${query({ start_time: start, bucket_width: "1d", group_by: "project_id", limit: 1 })}`).catch(
+          () => ({ data: [] }),
+        ),
+      ]);
+      const today = {};
+      for (const bucket of usage.data) for (const r of bucket.results) today[r.project_id] = r;
+      replace(
+        tableBody,
+        tenants.data.length
+          ? tenants.data.map((t) => {
+              const used = today[t.id] || { num_model_requests: 0, input_tokens: 0, output_tokens: 0 };
+              const limits = Object.entries(t.limits || {})
+                .filter(([, v]) => v !== null && v !== undefined)
+                .map(([k, v]) => `${k} ${v}`)
+                .join(", ");
+              return h(
+                "tr",
+                {},
+                h("td", {}, t.id),
+                h("td", { class: "num" }, t.weight ?? 1),
+                h("td", {}, limits || "server defaults"),
+                h("td", { class: "num" }, used.num_model_requests),
+                h("td", { class: "num" }, used.input_tokens + used.output_tokens),
+              );
+            })
+          : h("tr", {}, h("td", { colspan: 5 }, "No tenants in the directory.")),
+      );
+    } catch (error) {
+      showError(box, error);
+    }
+  }
+
+  main.append(
+    box,
+    h(
+      "table",
+      { class: "data", tabindex: 0 },
+      h("caption", {}, "Tenants, with their usage today (UTC)"),
+      h("thead", {}, h("tr", {}, ["Tenant", "Weight", "Limits", "Requests today", "Tokens today"].map((t) => h("th", { scope: "col" }, t)))),
+      tableBody,
+    ),
+  );
+  refresh();
+}
