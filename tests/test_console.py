@@ -488,6 +488,60 @@ def test_operator_pages_refuse_a_tenant_and_show_the_fleet_to_an_operator(
     assert _axe(operator) == []
 
 
+def test_operator_sees_each_tenants_load_refusals_and_queued_batches(
+    open_page: Callable[..., Any], platform: Platform
+) -> None:
+    base, op = platform.base_url, {"Authorization": f"Bearer {OPERATOR_KEY}"}
+    # A tenant limited to one request a minute: its second request is a 429, counted by code.
+    httpx.post(
+        f"{base}/v1/admin/tenants", json={"id": "initech", "limits": {"requests_per_minute": 1}}, headers=op
+    )
+    key = httpx.post(f"{base}/v1/admin/tenants/initech/keys", json={}, headers=op).json()["key"]
+    initech = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
+    initech.completions.create(model="tiny", prompt="Hi", max_tokens=2)
+    with pytest.raises(openai.RateLimitError):
+        initech.completions.create(model="tiny", prompt="Hi", max_tokens=2)
+    # A request in flight shows as running for its tenant: polled while its stream is read.
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 500, "stream": True, "ignore_eos": True}
+    running_seen = 0
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {platform.keys['globex']}"}) as stream:  # fmt: skip
+        for line in stream.iter_lines():
+            assert not line.startswith("{"), line  # an error instead of the stream
+            load = httpx.get(f"{base}/v1/admin/load", headers=op).json()
+            running_seen = max(running_seen, load["tenants"].get("globex", {}).get("running", 0))
+            if running_seen:
+                break
+    assert running_seen == 1
+    assert load["tenants"]["initech"]["refused_last_hour"] == {"requests_per_minute_exceeded": 1}
+    tenant = {"Authorization": f"Bearer {platform.keys['acme']}"}
+    assert httpx.get(f"{base}/v1/admin/load", headers=tenant).status_code == 403
+    assert httpx.get(f"{base}/v1/admin/batches", headers=tenant).status_code == 403
+    page = open_page(OPERATOR_KEY)
+    page.goto("/console/tenants")
+    row = page.locator("tbody tr", has_text="initech")
+    row.wait_for()
+    assert row.locator("td").nth(5).inner_text() == "1"  # its 429s of the last hour
+    # The batch queue: a long batch is listed with its tenant until it is cancelled.
+    acme = platform.client("acme")
+    lines = _batch_file([f"Long item {i}" for i in range(200)]).replace(
+        b'"max_tokens": 4', b'"max_tokens": 64'
+    )
+    upload = acme.files.create(file=("long.jsonl", io.BytesIO(lines)), purpose="batch")
+    batch = acme.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    try:
+        page.goto("/console/queue")
+        page.locator(f"tr[data-batch-id='{batch.id}']").wait_for()
+        assert "acme" in page.locator(f"tr[data-batch-id='{batch.id}']").inner_text()
+        assert int(page.locator("tr[data-tenant='acme'] td").nth(2).inner_text()) > 0  # lines left
+        _shoot(page, "queue")
+        assert _axe(page) == []
+    finally:
+        acme.batches.cancel(batch.id)
+
+
 @pytest.mark.parametrize("name", ["usage", "batches", "adapters", "keys", "playground"])
 def test_tenant_pages_at_phone_width(open_page: Callable[..., Any], platform: Platform, name: str) -> None:
     page = open_page(platform.keys["acme"], viewport=PHONE)

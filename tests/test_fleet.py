@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -163,6 +164,9 @@ def test_tenant_concurrency_limit_holds_across_replicas(fleet: str) -> None:
 
     outcomes = asyncio.run(six())
     assert sorted(outcomes) == ["429"] * 4 + ["ok"] * 2, outcomes
+    # The operator's view counts the fleet's refusals, whichever ingress replica refused.
+    load = httpx.get(f"{fleet}/v1/admin/load", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}, timeout=10)
+    assert load.json()["tenants"]["acme"]["refused_last_hour"]["rate_limit_exceeded"] >= 4, load.text
     # The closed streams give their slots back (the server learns of a disconnect a moment later).
     api = client(fleet)
     deadline = time.monotonic() + 10

@@ -7,6 +7,7 @@ import * as batches from "./pages/batches.js";
 import * as fleet from "./pages/fleet.js";
 import * as keys from "./pages/keys.js";
 import * as playground from "./pages/playground.js";
+import * as queue from "./pages/queue.js";
 import * as tenants from "./pages/tenants.js";
 import * as usage from "./pages/usage.js";
 
@@ -18,6 +19,7 @@ const PAGES = {
   playground: { title: "Playground", module: playground, role: "tenant" },
   fleet: { title: "Fleet", module: fleet, role: "operator" },
   tenants: { title: "Tenants", module: tenants, role: "operator" },
+  queue: { title: "Batch queue", module: queue, role: "operator" },
 };
 
 const app = document.getElementById("app");

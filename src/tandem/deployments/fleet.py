@@ -131,6 +131,10 @@ class FleetState:
         self.heartbeat(owner)
         self._usage.release(tenant, num_tokens, owner=owner)
 
+    def refusals(self) -> dict[str, dict[str, int]]:
+        """The fleet's 429s of the last hour by tenant and code (every admission passes here)."""
+        return self._usage.refusals()
+
     def heartbeat(self, owner: str) -> None:
         self._owner_seen[owner] = time.monotonic()
 
@@ -175,6 +179,11 @@ class FleetTenantLimiter:
         self.num_held += 1
         if self._heartbeat is None or self._heartbeat.done():
             self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
+
+    async def refusals(self) -> dict[str, dict[str, int]]:
+        """The fleet's tenant-limit 429s of the last hour (the fleet state admits every request
+        that has a limit; one without any is never refused)."""
+        return cast(dict[str, dict[str, int]], await self.fleet.refusals.remote())
 
     def _give_back_late(self, done: asyncio.Future[tuple[str, float, str] | None], tenant: str) -> None:
         if not done.cancelled() and done.exception() is None and done.result() is None:

@@ -76,6 +76,10 @@ class TenantLimiter(Protocol):
         under cancellation (a client that went away)."""
         ...
 
+    async def refusals(self) -> dict[str, dict[str, int]]:
+        """Requests refused by tenant limits (429) in the last hour, per tenant and error code."""
+        ...
+
 
 class LocalTenantLimiter:
     """`TenantLimiter` of one API process: the registry's own counts (exact when this process
@@ -140,6 +144,9 @@ class LocalTenantLimiter:
     def release(self, tenant: str, num_tokens: int) -> None:
         self.tenants.release(tenant, num_tokens)
         self._wake(tenant)
+
+    async def refusals(self) -> dict[str, dict[str, int]]:
+        return self.tenants.refusals()
 
 
 class OpenAIServer:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tandem.engine.request import Priority
+from tandem.engine.request import Priority, Request
 
 if TYPE_CHECKING:
     from tandem.engine.engine import LLMEngine
@@ -40,6 +40,7 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "kv_occupancy": pool.num_used_blocks / pool.num_blocks,
         "block_size": engine.kv_manager.block_size,
         "num_running": engine.scheduler.num_running,
+        "requests_by_tenant": requests_by_tenant(engine.scheduler.running, engine.scheduler.waiting),
         "num_waiting": engine.scheduler.num_waiting,
         "queued_prompt_tokens": engine.scheduler.num_uncomputed_prompt_tokens(),
         "num_preemptions": engine.scheduler.num_preemptions_total,
@@ -61,6 +62,16 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         **_compression_stats(engine),
         **_moe_stats(runner.expert_tokens),
     }
+
+
+def requests_by_tenant(running: list[Request], waiting: list[Request]) -> dict[str, dict[str, int]]:
+    """Running and waiting requests per tenant (requests without one under "")."""
+    out: dict[str, dict[str, int]] = {}
+    for state, requests in (("running", running), ("waiting", waiting)):
+        for request in requests:
+            counts = out.setdefault(request.tenant_id or "", {"running": 0, "waiting": 0})
+            counts[state] += 1
+    return out
 
 
 def _moe_stats(expert_tokens: list[int]) -> dict[str, Any]:

@@ -110,6 +110,10 @@ class _Usage:
     admissions: deque[float] = field(default_factory=deque)  # times of the last minute's admissions
 
 
+# How long refused requests are remembered for the operator's view (`TenantUsage.refusals`).
+REFUSALS_WINDOW_S = 3600.0
+
+
 class TenantUsage:
     """Requests in flight and tokens used in the last minute, per tenant, against `TenantLimits`.
 
@@ -120,12 +124,39 @@ class TenantUsage:
     def __init__(self) -> None:
         self._usage: dict[str, _Usage] = {}
         self._held: dict[str, dict[str, int]] = {}  # owner -> tenant -> requests in flight
+        self._refusals: dict[str, deque[tuple[float, str]]] = {}  # tenant -> (when, code), the last hour
 
     def try_acquire(
         self, tenant: str, limits: TenantLimits, *, owner: str = "local", now: float | None = None
     ) -> RateLimitError | None:
-        """Admit one request (None), or say why not (the 429 to raise)."""
+        """Admit one request (None), or say why not (the 429 to raise; counted in `refusals`)."""
         now = time.monotonic() if now is None else now
+        refusal = self._try_acquire(tenant, limits, owner, now)
+        if refusal is not None:
+            events = self._refusals.setdefault(tenant, deque())
+            events.append((now, refusal.code or "rate_limited"))
+            self._forget_refusals(events, now)
+        return refusal
+
+    def refusals(self, *, now: float | None = None) -> dict[str, dict[str, int]]:
+        """Requests refused (429) in the last `REFUSALS_WINDOW_S`, per tenant and error code."""
+        now = time.monotonic() if now is None else now
+        out: dict[str, dict[str, int]] = {}
+        for tenant, events in list(self._refusals.items()):
+            self._forget_refusals(events, now)
+            for _, code in events:
+                by_code = out.setdefault(tenant, {})
+                by_code[code] = by_code.get(code, 0) + 1
+            if not events:
+                del self._refusals[tenant]
+        return out
+
+    @staticmethod
+    def _forget_refusals(events: deque[tuple[float, str]], now: float) -> None:
+        while events and events[0][0] <= now - REFUSALS_WINDOW_S:
+            events.popleft()
+
+    def _try_acquire(self, tenant: str, limits: TenantLimits, owner: str, now: float) -> RateLimitError | None:
         usage = self._usage.setdefault(tenant, _Usage())
         if limits.max_concurrent_requests is not None and usage.in_flight >= limits.max_concurrent_requests:
             return RateLimitError(
@@ -324,3 +355,8 @@ class TenantRegistry:
     def release(self, tenant: str, num_tokens: int, *, now: float | None = None) -> None:
         with self._lock:
             self._usage.release(tenant, num_tokens, now=now)
+
+    def refusals(self) -> dict[str, dict[str, int]]:
+        """This process's 429s of the last hour, per tenant and error code (`TenantUsage.refusals`)."""
+        with self._lock:
+            return self._usage.refusals()
