@@ -480,6 +480,8 @@ def test_operator_pages_refuse_a_tenant_and_show_the_fleet_to_an_operator(
     operator = open_page(OPERATOR_KEY)
     operator.get_by_role("heading", name="Fleet").wait_for()
     operator.locator("tbody tr", has_text="local").wait_for()
+    assert "colocated" in operator.locator("tbody tr", has_text="local").inner_text()
+    assert "No autoscaling history" in operator.locator("figure.chart").inner_text()  # one engine, in-process
     _shoot(operator, "fleet")
     assert _axe(operator) == []
     operator.goto("/console/tenants")
@@ -542,9 +544,18 @@ def test_operator_sees_each_tenants_load_refusals_and_queued_batches(
         acme.batches.cancel(batch.id)
 
 
-@pytest.mark.parametrize("name", ["usage", "batches", "adapters", "keys", "playground"])
-def test_tenant_pages_at_phone_width(open_page: Callable[..., Any], platform: Platform, name: str) -> None:
-    page = open_page(platform.keys["acme"], viewport=PHONE)
+@pytest.mark.parametrize(
+    "name", ["signin", "usage", "batches", "adapters", "keys", "playground", "fleet", "tenants", "queue"]
+)
+def test_every_page_at_phone_width(open_page: Callable[..., Any], platform: Platform, name: str) -> None:
+    key = (
+        None
+        if name == "signin"
+        else OPERATOR_KEY
+        if name in ("fleet", "tenants", "queue")
+        else platform.keys["acme"]
+    )
+    page = open_page(key, viewport=PHONE)
     page.goto(f"/console/{name}")
     page.locator("main table, main form").first.wait_for()
     page.wait_for_load_state("networkidle")

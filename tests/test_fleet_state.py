@@ -104,3 +104,45 @@ def test_a_caller_cancelled_while_the_fleet_admits_it_gives_the_slot_back() -> N
         await limiter.acquire("acme")  # the one slot is free
 
     asyncio.run(main())
+
+
+def test_refusals_are_counted_per_tenant_and_code_for_an_hour(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [0.0]
+    monkeypatch.setattr("tandem.deployments.fleet.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("tandem.platform.tenancy.time.monotonic", lambda: clock[0])
+    state = FleetState()
+    assert state.acquire("acme", 1, None, owner="a") is None
+    assert state.acquire("acme", 1, None, owner="b") is not None
+    assert state.acquire("acme", 1, None, owner="a") is not None
+    assert state.acquire("globex", 1, None, owner="a") is None
+    assert state.refusals() == {"acme": {"rate_limit_exceeded": 2}}
+    clock[0] += 3601
+    assert state.refusals() == {}
+
+
+def test_the_autoscaling_history_samples_replicas_against_the_policys_target(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two replicas at 90% KV occupancy against a 70% target: the policy wants three; samples come
+    at most every 10 s and are kept for an hour; prefill replicas are not counted."""
+    clock, wall = [0.0], [1_000_000.0]
+    monkeypatch.setattr("tandem.deployments.fleet.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("tandem.deployments.fleet.time.time", lambda: wall[0])
+    state = FleetState(stats_ttl_s=30.0, scaling_targets={"target_kv_occupancy": 0.7, "max_replicas": 4})
+    stats = {"role": "colocated", "kv_occupancy": 0.9, "num_waiting": 0}
+    state.report("r1", stats)
+    state.report("r2", stats)  # within 10 s of the first sample: none taken
+    state.report("p1", {**stats, "role": "prefill"})
+    assert [(s["replicas"], s["target"]) for s in state.scaling_history()] == [(1, 2)]
+    clock[0] += 10
+    wall[0] += 10
+    state.report("r1", stats)
+    assert [(s["replicas"], s["target"]) for s in state.scaling_history()] == [(1, 2), (2, 3)]
+    clock[0] += 10
+    wall[0] += 3601
+    state.report("r1", {**stats, "kv_occupancy": 0.1})  # mean occupancy (0.1 + 0.9) / 2: two are enough
+    history = state.scaling_history()
+    assert [(s["replicas"], s["target"]) for s in history] == [(2, 2)]  # the hour-old samples dropped
+    untargeted = FleetState()
+    untargeted.report("r1", stats)
+    assert untargeted.scaling_history()[0]["target"] is None

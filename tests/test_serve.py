@@ -159,6 +159,7 @@ def test_console_through_serve(served: str) -> None:
         assert time.monotonic() < deadline, "no replica reported to the fleet state"
         time.sleep(0.1)  # polling the fleet state, which replicas report to every stats period
     assert fleet["model"] == "tiny" and all(0.0 <= r["kv_occupancy"] <= 1.0 for r in fleet["replicas"].values())
+    assert fleet["scaling"] and fleet["scaling"][-1]["replicas"] >= 1  # the fleet state's autoscaling samples
     tenant = {"Authorization": f"Bearer {KEY}"}
     assert httpx.get(f"{served}/v1/admin/fleet", headers=tenant, timeout=10).status_code == 403
 

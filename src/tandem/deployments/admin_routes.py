@@ -121,11 +121,13 @@ def admin_router(
 
     @router.get("/v1/admin/fleet")
     async def fleet(request: Request) -> Any:
-        """Every engine replica's latest stats (as `/metrics` reads them), by replica id."""
+        """Every engine replica's latest stats (as `/metrics` reads them), by replica id, and the
+        last hour's autoscaling samples (replicas reporting against the policy's target)."""
         server = server_of(request)
         server.tenants.authenticate_operator(request.headers.get("authorization"))
         replicas = await server.client.replica_stats()
-        return {"object": "fleet", "model": server.model_name, "replicas": _finite(replicas)}
+        scaling = await server.client.scaling_history()
+        return {"object": "fleet", "model": server.model_name, "replicas": _finite(replicas), "scaling": scaling}
 
     @router.get("/v1/admin/load")
     async def load(request: Request) -> Any:

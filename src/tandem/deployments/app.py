@@ -244,7 +244,10 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
             ray_actor_options=cfg.placement_of(FLEET_STATE_DEPLOYMENT).actor_options(0),
             logging_config=QUIET_LOGGING,
         )
-        .bind(max(10.0, 5 * cfg.routing.stats_period_s))
+        .bind(
+            max(10.0, 5 * cfg.routing.stats_period_s),
+            scaling_targets=asdict(cfg.autoscaling.targets()) if cfg.autoscaling else None,
+        )
     )
     engine_options = replica_engine_options(cfg)
     if cfg.mode == "disaggregated":

@@ -36,6 +36,10 @@ class EngineClient(Protocol):
         """Every engine replica's stats, by replica id."""
         ...
 
+    async def scaling_history(self) -> list[dict[str, Any]]:
+        """The last hour's autoscaling samples (`FleetState.scaling_history`; [] in one process)."""
+        ...
+
     async def lora_info(self) -> dict[str, Any]: ...
 
     async def token_table(self) -> list[bytes]: ...
@@ -61,6 +65,9 @@ class LocalEngineClient:
 
     async def replica_stats(self) -> dict[str, dict[str, Any]]:
         return {LOCAL_REPLICA_ID: await self.stats()}
+
+    async def scaling_history(self) -> list[dict[str, Any]]:
+        return []  # one engine in this process: nothing scales
 
     async def lora_info(self) -> dict[str, Any]:
         return dict(self.engine.engine.lora_info())
@@ -121,6 +128,11 @@ class HandleEngineClient:
         if self.fleet is None:
             raise RuntimeError("this client has no fleet state to read replicas' stats from")
         return cast(dict[str, dict[str, Any]], await self.fleet.snapshot.remote())
+
+    async def scaling_history(self) -> list[dict[str, Any]]:
+        if self.fleet is None:
+            return []
+        return cast(list[dict[str, Any]], await self.fleet.scaling_history.remote())
 
     async def lora_info(self) -> dict[str, Any]:
         return cast(dict[str, Any], await self.unary.lora_info.remote())

@@ -22,17 +22,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 from ray.serve.handle import DeploymentHandle
 
+from tandem.deployments.autoscaling import ScalingTargets, desired_replicas
 from tandem.platform.tenancy import RateLimitError, TenantLimits, TenantRegistry, TenantUsage
 
 logger = logging.getLogger("tandem.fleet")
 
+# The autoscaling history: one sample per this many seconds, kept for an hour.
+SCALING_SAMPLE_S = 10.0
+SCALING_HISTORY_S = 3600.0
 # The Serve deployment name of the fleet state.
 FLEET_STATE_DEPLOYMENT = "FleetState"
 # How often a drain member reports (and so how soon it sees a drain), and how long one that
@@ -63,10 +69,17 @@ async def watch_drain(
 
 
 class FleetState:
-    def __init__(self, stats_ttl_s: float = 10.0, owner_ttl_s: float = 30.0) -> None:
+    def __init__(
+        self, stats_ttl_s: float = 10.0, owner_ttl_s: float = 30.0, scaling_targets: dict[str, Any] | None = None
+    ) -> None:
+        """`scaling_targets`: the KV-occupancy autoscaling policy's `ScalingTargets` fields (None:
+        the engine replicas do not autoscale; the history then has no target)."""
         if stats_ttl_s <= 0 or owner_ttl_s <= 0:
             raise ValueError(f"ttls must be > 0, got {stats_ttl_s} and {owner_ttl_s}")
         self.stats_ttl_s, self.owner_ttl_s = stats_ttl_s, owner_ttl_s
+        self.scaling_targets = ScalingTargets(**scaling_targets) if scaling_targets is not None else None
+        self._scaling: deque[dict[str, Any]] = deque()  # the last hour's samples, oldest first
+        self._last_sample = -math.inf
         self._reports: dict[str, tuple[float, dict[str, Any]]] = {}  # replica id -> (when, stats)
         self._usage = TenantUsage()
         self._owner_seen: dict[str, float] = {}  # ingress replica -> last heard from
@@ -76,7 +89,32 @@ class FleetState:
 
     # -- engine figures ---------------------------------------------------------------------
     def report(self, replica_id: str, stats: dict[str, Any]) -> None:
-        self._reports[replica_id] = (time.monotonic(), stats)
+        now = time.monotonic()
+        self._reports[replica_id] = (now, stats)
+        if now - self._last_sample >= SCALING_SAMPLE_S:
+            self._last_sample = now
+            self._sample_scaling()
+
+    def _sample_scaling(self) -> None:
+        """One sample of the engine replicas (not prefill ones) as the autoscaling policy sees
+        them: how many report, and how many the policy wants for their KV occupancy and queues
+        (the same `desired_replicas`, before Serve's up- and downscale delays)."""
+        live = [s for s in self.snapshot().values() if s.get("role") != "prefill"]
+        kv = [float(s.get("kv_occupancy", 0.0)) for s in live]
+        waiting = [float(s.get("num_waiting", 0)) for s in live]
+        target = desired_replicas(len(live), kv, waiting, self.scaling_targets) if self.scaling_targets else None
+        now = time.time()
+        self._scaling.append({
+            "time": now, "replicas": len(live), "target": target,
+            "kv_occupancy": sum(kv) / len(kv) if kv else 0.0, "num_waiting": sum(waiting),
+        })  # fmt: skip
+        while self._scaling and self._scaling[0]["time"] < now - SCALING_HISTORY_S:
+            self._scaling.popleft()
+
+    def scaling_history(self) -> list[dict[str, Any]]:
+        """The last hour's samples (every `SCALING_SAMPLE_S`): time (epoch s), replicas reporting,
+        the policy's target, mean KV occupancy, requests waiting."""
+        return list(self._scaling)
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """Replica id -> its latest stats, for replicas that reported within `stats_ttl_s`."""

@@ -39,6 +39,7 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "kv_blocks_used": pool.num_used_blocks,
         "kv_occupancy": pool.num_used_blocks / pool.num_blocks,
         "block_size": engine.kv_manager.block_size,
+        "role": engine.config.role,
         "num_running": engine.scheduler.num_running,
         "requests_by_tenant": requests_by_tenant(engine.scheduler.running, engine.scheduler.waiting),
         "num_waiting": engine.scheduler.num_waiting,
