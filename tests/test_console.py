@@ -13,6 +13,8 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -400,6 +402,12 @@ def test_playground_streams_an_answer(open_page: Callable[..., Any], platform: P
     assert answer.inner_text() == reference.choices[0].message.content
     curl = page.get_by_label("The request as curl").inner_text()
     assert '"max_tokens": 12' in curl and "$TANDEM_API_KEY" in curl and platform.keys["acme"] not in curl
+    # The Python to copy runs as shown and streams the same answer.
+    python = page.get_by_label("The request in Python").inner_text()
+    env = {**os.environ, "TANDEM_API_KEY": platform.keys["acme"]}
+    ran = subprocess.run([sys.executable, "-c", python], capture_output=True, text=True, env=env, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout == answer.inner_text()
     _shoot(page, "playground")
     assert _axe(page) == []
 

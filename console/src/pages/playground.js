@@ -26,10 +26,20 @@ function curlOf(body) {
   return `curl ${location.origin}/v1/chat/completions \\\n  -H "Authorization: Bearer $TANDEM_API_KEY" \\\n  -H "Content-Type: application/json" \\\n  -d '${json}'`;
 }
 
+/** A JSON value as a Python literal (JSON strings are valid Python strings). */
+function py(value) {
+  if (value === null || value === undefined) return "None";
+  if (value === true) return "True";
+  if (value === false) return "False";
+  if (Array.isArray(value)) return `[${value.map(py).join(", ")}]`;
+  if (typeof value === "object") return `{${Object.entries(value).map(([k, v]) => `${JSON.stringify(k)}: ${py(v)}`).join(", ")}}`;
+  return JSON.stringify(value);
+}
+
 function pythonOf(body) {
   const { model, messages, stream: _stream, ...rest } = body;
   const extra = Object.entries(rest)
-    .map(([k, v]) => `    ${k}=${JSON.stringify(v).replaceAll("true", "True").replaceAll("false", "False").replaceAll("null", "None")},`)
+    .map(([k, v]) => `    ${k}=${py(v)},`)
     .join("\n");
   return [
     "import os",
@@ -37,8 +47,8 @@ function pythonOf(body) {
     "",
     `client = OpenAI(base_url="${location.origin}/v1", api_key=os.environ["TANDEM_API_KEY"])`,
     "stream = client.chat.completions.create(",
-    `    model=${JSON.stringify(model)},`,
-    `    messages=${JSON.stringify(messages)},`,
+    `    model=${py(model)},`,
+    `    messages=${py(messages)},`,
     "    stream=True,",
     extra,
     ")",

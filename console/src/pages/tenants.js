@@ -63,7 +63,7 @@ export function render(main) {
     h(
       "table",
       { class: "data", tabindex: 0 },
-      h("caption", {}, "Tenants, with their usage today (UTC)"),
+      h("caption", {}, "Tenants: limits, load now, usage today (UTC)"),
       h("thead", {}, h("tr", {}, ["Tenant", "Weight", "Limits", "Running", "Waiting", "429s (last hour)", "Requests today", "Tokens today"].map((t) => h("th", { scope: "col" }, t)))),
       tableBody,
     ),
