@@ -355,6 +355,17 @@ def test_adapters_page_uploads_a_peft_folder_shows_errors_inline_and_deletes(
     ] == ["support-bot"]
     _shoot(page, "adapters")
     assert _axe(page) == []
+    page.get_by_label("Name").fill("scratch")  # a second one, deleted from the page
+    page.get_by_label("adapter_config.json").set_input_files(str(folder / "adapter_config.json"))
+    page.get_by_label("adapter_model.safetensors").set_input_files(str(folder / "adapter_model.safetensors"))
+    page.get_by_role("button", name="Upload").click()
+    page.locator("tr[data-adapter='scratch']").wait_for()
+    page.get_by_role("button", name="Delete scratch").click()
+    page.locator("tr[data-adapter='scratch']").wait_for(state="detached")
+    listed = httpx.get(
+        f"{platform.base_url}/v1/adapters", headers={"Authorization": f"Bearer {platform.keys['acme']}"}
+    )
+    assert [a["id"] for a in listed.json()["data"]] == ["support-bot"]
 
 
 def test_batches_page_runs_a_batch_to_done_and_downloads_its_output(
@@ -548,8 +559,15 @@ def test_operator_sees_each_tenants_load_refusals_and_queued_batches(
         assert int(page.locator("tr[data-tenant='acme'] td").nth(2).inner_text()) > 0  # lines left
         _shoot(page, "queue")
         assert _axe(page) == []
+        # The tenant cancels it from its batches page; lines done keep their results.
+        mine = open_page(platform.keys["acme"])
+        mine.goto("/console/batches")
+        mine.locator(f"tr[data-batch-id='{batch.id}']").get_by_role("button", name="Cancel").click()
+        mine.locator(f"tr[data-batch-id='{batch.id}'][data-status='cancelled']").wait_for(timeout=60_000)
+        page.locator(f"tr[data-batch-id='{batch.id}']").wait_for(state="detached")  # gone from the queue
     finally:
-        acme.batches.cancel(batch.id)
+        if acme.batches.retrieve(batch.id).status not in ("cancelling", "cancelled"):
+            acme.batches.cancel(batch.id)
 
 
 @pytest.mark.parametrize(
