@@ -101,6 +101,11 @@ def platform(engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactory) -> I
 def test_the_session_cookie_is_httponly_strict_and_needs_the_console_header(platform: Platform) -> None:
     base, key = platform.base_url, platform.keys["acme"]
     with httpx.Client(base_url=base) as http:
+        forged = http.post(
+            "/console/session", content=json.dumps({"key": key}), headers={"Content-Type": "text/plain"}
+        )
+        assert forged.status_code == 403 and SESSION_COOKIE not in forged.cookies  # a cross-site form's post
+        http.headers.update(CONSOLE)
         bad = http.post("/console/session", json={"key": "sk-nobody"})
         assert bad.status_code == 401 and SESSION_COOKIE not in bad.cookies
         assert http.post("/console/session", json={}).json()["error"]["param"] == "key"
@@ -113,12 +118,14 @@ def test_the_session_cookie_is_httponly_strict_and_needs_the_console_header(plat
         assert "Secure" not in cookie  # plain HTTP here; over TLS (or X-Forwarded-Proto: https) it is set
         assert key not in str(signed_in.url) and http.get("/console/session").json()["tenant"] == "acme"
         # The cookie alone authorises nothing: a cross-site form cannot add the console's header.
-        assert http.get("/v1/batches").status_code == 401
-        assert http.get("/v1/batches", headers=CONSOLE).status_code == 200
+        assert http.get("/v1/batches", headers={"X-Tandem-Console": "0"}).status_code == 401
+        assert http.get("/v1/batches").status_code == 200
         assert http.delete("/console/session").status_code == 200
-        assert http.get("/v1/batches", headers=CONSOLE).status_code == 401
+        assert http.get("/v1/batches").status_code == 401
         assert http.get("/console/session").status_code == 401
-    tls = httpx.post(f"{base}/console/session", json={"key": key}, headers={"X-Forwarded-Proto": "https"})
+    tls = httpx.post(
+        f"{base}/console/session", json={"key": key}, headers={"X-Forwarded-Proto": "https", **CONSOLE}
+    )
     assert "Secure" in tls.headers["set-cookie"]
 
 

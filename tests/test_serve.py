@@ -150,7 +150,7 @@ def test_console_through_serve(served: str) -> None:
     assert page.status_code == 200 and "script-src 'self'" in page.headers["content-security-policy"]
     assert httpx.get(f"{served}/console/assets/console.js", timeout=10).status_code == 200
     with httpx.Client(base_url=served, timeout=30) as http:
-        assert http.post("/console/session", json={"key": KEY}).json()["tenant"] == "acme"
+        assert http.post("/console/session", json={"key": KEY}, headers={"X-Tandem-Console": "1"}).json()["tenant"] == "acme"
         assert http.get("/v1/batches").status_code == 401
         assert http.get("/v1/batches", headers={"X-Tandem-Console": "1"}).status_code == 200
     operator = {"Authorization": f"Bearer {OPERATOR_KEY}"}

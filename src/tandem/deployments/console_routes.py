@@ -4,7 +4,8 @@ The pages are static files built from `console/` at the repository root (`make c
 into `console_static/` in this package; they call the same `/v1` routes as any client, so every
 read and mutation goes through the API's own authentication, tenant scoping and limits.
 
-Signing in: `POST /console/session` with `{"key": ...}` checks the key (an operator's or a
+Signing in: `POST /console/session` with `{"key": ...}` (and the console's header, as every
+session change: no cross-site form can sign a browser in or out) checks the key (an operator's or a
 tenant's) and sets the session cookie, `HttpOnly` (no script reads it), `SameSite=Strict`, `Secure`
 when the request came over TLS (directly or as `X-Forwarded-Proto: https`), for 12 hours; the key
 is never in a URL or in the page's storage. `GET /console/session` says who is signed in (401 if
@@ -34,6 +35,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.errors import InvalidRequestError, NotFoundError
+from tandem.platform.tenancy import PermissionDeniedError
 
 SESSION_COOKIE = "tandem_console"
 CONSOLE_HEADER = "x-tandem-console"
@@ -92,9 +94,18 @@ def console_router(
 ) -> APIRouter:
     router = APIRouter()
 
+    def from_the_console(request: Request) -> None:
+        """Session changes need the console's header too: a cross-site form could otherwise sign a
+        victim's browser in with the attacker's key (login CSRF) or out."""
+        if request.headers.get(CONSOLE_HEADER) != "1":
+            raise PermissionDeniedError(
+                f"session changes come from the console (the {CONSOLE_HEADER!r} header)"
+            )
+
     @router.post("/console/session")
     async def sign_in(request: Request) -> Any:
         server = server_of(request)
+        from_the_console(request)
         body = await json_body(request)
         key = body.get("key")
         if not isinstance(key, str) or not key.strip():
@@ -121,6 +132,7 @@ def console_router(
 
     @router.delete("/console/session")
     async def sign_out(request: Request) -> Any:
+        from_the_console(request)
         response = JSONResponse(
             {"object": "console.session.deleted", "deleted": True}, headers=SECURITY_HEADERS
         )
