@@ -9,10 +9,12 @@ import { join } from "node:path";
 const OUT = "../src/tandem/deployments/console_static";
 
 function sourceFiles(dir) {
-  return readdirSync(dir).sort().flatMap((name) => {
-    const path = join(dir, name);
-    return statSync(path).isDirectory() ? sourceFiles(path) : [path];
-  });
+  return readdirSync(dir)
+    .sort()
+    .flatMap((name) => {
+      const path = join(dir, name);
+      return statSync(path).isDirectory() ? sourceFiles(path) : [path];
+    });
 }
 
 // What the bundle was built from: the same digest is recomputed by the tests.

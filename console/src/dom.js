@@ -88,3 +88,70 @@ export function saveBlob(blob, name) {
   link.remove();
   setTimeout(() => URL.revokeObjectURL(url), 10_000);
 }
+
+/** A data table: caption, column headers, and the body the page fills (focusable: it may scroll). */
+export function dataTable(caption, headers, body) {
+  return h(
+    "table",
+    { class: "data", tabindex: 0 },
+    h("caption", {}, caption),
+    h(
+      "thead",
+      {},
+      h(
+        "tr",
+        {},
+        headers.map((text) => h("th", { scope: "col" }, text)),
+      ),
+    ),
+    body,
+  );
+}
+
+/** A body row of one cell spanning `columns`: what an empty table says. */
+export function emptyRow(columns, text) {
+  return h("tr", {}, h("td", { colspan: columns }, text));
+}
+
+/** `action` with its errors shown in `box` (an API error's message and param). */
+export function guarded(box, action) {
+  return async (...args) => {
+    try {
+      await action(...args);
+    } catch (error) {
+      showError(box, error);
+    }
+  };
+}
+
+/** On submit: no page load, the box cleared, `action` run with its errors shown in the box. */
+export function onSubmit(form, box, action) {
+  const run = guarded(box, action);
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    hide(box);
+    run();
+  });
+}
+
+/** Runs `step` now and again every `everyMs` after it finishes, while it returns anything but
+ * false and until `stop()` (a page's cleanup); an error shown in `box` ends the polling. */
+export function poller(box, step, everyMs) {
+  let timer = null;
+  let stopped = false;
+  async function run() {
+    clearTimeout(timer);
+    try {
+      if ((await step()) !== false && !stopped) timer = setTimeout(run, everyMs);
+    } catch (error) {
+      showError(box, error);
+    }
+  }
+  return {
+    run,
+    stop() {
+      stopped = true;
+      clearTimeout(timer);
+    },
+  };
+}

@@ -3,7 +3,22 @@
 // starts a batch on it, through /v1/files and /v1/batches. Refreshes every second while a batch
 // is not finished.
 import { call, get, post } from "../api.js";
-import { alertBox, field, formatDuration, formatTime, h, hide, replace, saveBlob, showError, showNotice } from "../dom.js";
+import {
+  alertBox,
+  dataTable,
+  emptyRow,
+  field,
+  formatDuration,
+  formatTime,
+  guarded,
+  h,
+  onSubmit,
+  poller,
+  replace,
+  saveBlob,
+  showError,
+  showNotice,
+} from "../dom.js";
 
 const FINAL = new Set(["completed", "failed", "expired", "cancelled"]);
 const REFRESH_MS = 1000;
@@ -47,33 +62,35 @@ export function render(main) {
     "form",
     { class: "card", "aria-label": "Start a batch" },
     h("h2", {}, "Start a batch"),
-    field("Requests (JSONL)", file, "One request per line: {\"custom_id\", \"method\": \"POST\", \"url\", \"body\"}."),
+    field("Requests (JSONL)", file, 'One request per line: {"custom_id", "method": "POST", "url", "body"}.'),
     field("Endpoint", endpoint),
     h("button", { type: "submit", class: "primary" }, "Upload and start"),
   );
   const tableBody = h("tbody");
-  let timer = null;
-  let stopped = false;
 
-  async function cancel(batch) {
+  const cancel = guarded(box, async (batch) => {
     if (!confirm(`Cancel ${batch.id}? Lines already done keep their results.`)) return;
-    try {
-      await post(`/v1/batches/${encodeURIComponent(batch.id)}/cancel`);
-      await refresh();
-    } catch (error) {
-      showError(box, error);
-    }
-  }
+    await post(`/v1/batches/${encodeURIComponent(batch.id)}/cancel`);
+    polling.run();
+  });
 
   function row(batch) {
     const actions = [];
     if (batch.output_file_id)
       actions.push(
-        h("button", { type: "button", onclick: () => download(batch.output_file_id, `${batch.id}-output.jsonl`, box) }, "Download output"),
+        h(
+          "button",
+          { type: "button", onclick: () => download(batch.output_file_id, `${batch.id}-output.jsonl`, box) },
+          "Download output",
+        ),
       );
     if (batch.error_file_id)
       actions.push(
-        h("button", { type: "button", onclick: () => download(batch.error_file_id, `${batch.id}-errors.jsonl`, box) }, "Download errors"),
+        h(
+          "button",
+          { type: "button", onclick: () => download(batch.error_file_id, `${batch.id}-errors.jsonl`, box) },
+          "Download errors",
+        ),
       );
     if (!FINAL.has(batch.status) && batch.status !== "cancelling")
       actions.push(h("button", { type: "button", class: "danger", onclick: () => cancel(batch) }, "Cancel"));
@@ -88,52 +105,33 @@ export function render(main) {
     );
   }
 
-  async function refresh() {
-    clearTimeout(timer);
-    try {
+  // Refreshed every second while a batch is not final.
+  const polling = poller(
+    box,
+    async () => {
       const batches = (await get("/v1/batches?limit=100")).data;
-      replace(tableBody, batches.length ? batches.map(row) : h("tr", {}, h("td", { colspan: 5 }, "No batches yet.")));
-      if (!stopped && batches.some((b) => !FINAL.has(b.status))) timer = setTimeout(refresh, REFRESH_MS);
-    } catch (error) {
-      showError(box, error);
-    }
-  }
+      replace(tableBody, batches.length ? batches.map(row) : emptyRow(5, "No batches yet."));
+      return batches.some((b) => !FINAL.has(b.status));
+    },
+    REFRESH_MS,
+  );
 
-  form.addEventListener("submit", async (event) => {
-    event.preventDefault();
-    hide(box);
-    try {
-      const upload = new FormData();
-      upload.append("purpose", "batch");
-      upload.append("file", file.files[0], file.files[0].name);
-      const uploaded = await call("POST", "/v1/files", upload);
-      const batch = await post("/v1/batches", {
-        input_file_id: uploaded.id,
-        endpoint: endpoint.value,
-        completion_window: "24h",
-      });
-      showNotice(box, `Batch ${batch.id} started.`);
-      form.reset();
-      await refresh();
-    } catch (error) {
-      showError(box, error);
-    }
+  onSubmit(form, box, async () => {
+    const upload = new FormData();
+    upload.append("purpose", "batch");
+    upload.append("file", file.files[0], file.files[0].name);
+    const uploaded = await call("POST", "/v1/files", upload);
+    const batch = await post("/v1/batches", { input_file_id: uploaded.id, endpoint: endpoint.value, completion_window: "24h" });
+    showNotice(box, `Batch ${batch.id} started.`);
+    form.reset();
+    polling.run();
   });
 
   main.append(
     form,
     box,
-    h(
-      "table",
-      { class: "data", tabindex: 0 },
-      h("caption", {}, "Your batches, newest first"),
-      h("thead", {}, h("tr", {}, ["Batch", "Created", "Status", "Progress", "Actions"].map((t) => h("th", { scope: "col" }, t)))),
-      tableBody,
-    ),
+    dataTable("Your batches, newest first", ["Batch", "Created", "Status", "Progress", "Actions"], tableBody),
   );
-  refresh();
-  return () => {
-    stopped = true;
-    clearTimeout(timer);
-  };
+  polling.run();
+  return polling.stop;
 }

@@ -15,7 +15,10 @@ function requestBody(form) {
   body.messages.push({ role: "user", content: form.message.value });
   if (form.format.value === "json_object") body.response_format = { type: "json_object" };
   if (form.format.value === "json_schema") {
-    body.response_format = { type: "json_schema", json_schema: { name: "answer", schema: JSON.parse(form.schema.value || "{}") } };
+    body.response_format = {
+      type: "json_schema",
+      json_schema: { name: "answer", schema: JSON.parse(form.schema.value || "{}") },
+    };
   }
   if (form.tools.value.trim()) body.tools = JSON.parse(form.tools.value);
   return body;
@@ -32,7 +35,10 @@ function py(value) {
   if (value === true) return "True";
   if (value === false) return "False";
   if (Array.isArray(value)) return `[${value.map(py).join(", ")}]`;
-  if (typeof value === "object") return `{${Object.entries(value).map(([k, v]) => `${JSON.stringify(k)}: ${py(v)}`).join(", ")}}`;
+  if (typeof value === "object")
+    return `{${Object.entries(value)
+      .map(([k, v]) => `${JSON.stringify(k)}: ${py(v)}`)
+      .join(", ")}}`;
   return JSON.stringify(value);
 }
 
@@ -72,8 +78,16 @@ export function render(main) {
     h("option", { value: "json_object" }, "json_object"),
     h("option", { value: "json_schema" }, "json_schema"),
   );
-  const schema = h("textarea", { name: "schema", rows: 3, placeholder: '{"type": "object", "properties": {"answer": {"type": "string"}}}' });
-  const tools = h("textarea", { name: "tools", rows: 3, placeholder: '[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]' });
+  const schema = h("textarea", {
+    name: "schema",
+    rows: 3,
+    placeholder: '{"type": "object", "properties": {"answer": {"type": "string"}}}',
+  });
+  const tools = h("textarea", {
+    name: "tools",
+    rows: 3,
+    placeholder: '[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]',
+  });
   const maxTokens = h("input", { type: "number", name: "max_tokens", min: 1, max: 4096, value: 64 });
   const temperature = h("input", { type: "number", name: "temperature", min: 0, max: 2, step: 0.1, value: 0.7 });
   const send = h("button", { type: "submit", class: "primary" }, "Send");
@@ -85,10 +99,16 @@ export function render(main) {
   const form = h(
     "form",
     { class: "card", "aria-label": "Chat request" },
-    field("Model", model, "Your adapters are listed as \"<base>:<adapter>\"."),
+    field("Model", model, 'Your adapters are listed as "<base>:<adapter>".'),
     field("System message", system),
     field("Message", message),
-    h("div", { class: "row" }, field("Max tokens", maxTokens), field("Temperature", temperature), field("Response format", format)),
+    h(
+      "div",
+      { class: "row" },
+      field("Max tokens", maxTokens),
+      field("Temperature", temperature),
+      field("Response format", format),
+    ),
     field("JSON schema (response format json_schema)", schema),
     field("Tools (a JSON array)", tools),
     box,
@@ -116,7 +136,10 @@ export function render(main) {
     try {
       body = requestBody(form);
     } catch (error) {
-      showError(box, { message: `not valid JSON: ${error.message}`, param: error.message.includes("schema") ? "schema" : "tools" });
+      showError(box, {
+        message: `not valid JSON: ${error.message}`,
+        param: error.message.includes("schema") ? "schema" : "tools",
+      });
       return;
     }
     replace(answer);
@@ -177,7 +200,10 @@ export function render(main) {
   );
   get("/v1/models")
     .then((models) => {
-      replace(model, models.data.map((m) => h("option", { value: m.id }, m.id)));
+      replace(
+        model,
+        models.data.map((m) => h("option", { value: m.id }, m.id)),
+      );
       showCode();
     })
     .catch((error) => showError(box, error));

@@ -3,7 +3,7 @@
 // (/v1/organization/usage/completions, grouped by model and batch).
 import uPlot from "uplot";
 import { get, query } from "../api.js";
-import { alertBox, field, formatTime, h, replace, saveBlob, showError } from "../dom.js";
+import { alertBox, dataTable, emptyRow, field, formatTime, guarded, h, replace, saveBlob } from "../dom.js";
 
 const RANGES = {
   "7d": { label: "Last 7 days, by day", width: "1d", buckets: 7 },
@@ -25,7 +25,7 @@ async function fetchBuckets(range) {
     limit: range.buckets,
   };
   const buckets = [];
-  for (let page = null; ; ) {
+  for (let page = null; ;) {
     const result = await get(`/v1/organization/usage/completions?${query({ ...params, page })}`);
     buckets.push(...result.data);
     if (!result.has_more || !result.next_page) return buckets;
@@ -63,7 +63,9 @@ function chart(container, buckets, rows) {
   for (const name of series) {
     data.push(
       buckets.map((b) =>
-        rows.filter((r) => r.start === b.start_time && `${r.model} (${r.kind})` === name).reduce((sum, r) => sum + r.input + r.output, 0),
+        rows
+          .filter((r) => r.start === b.start_time && `${r.model} (${r.kind})` === name)
+          .reduce((sum, r) => sum + r.input + r.output, 0),
       ),
     );
   }
@@ -74,7 +76,10 @@ function chart(container, buckets, rows) {
     height: 260,
     scales: { x: { time: true } },
     axes: [{}, { label: "tokens", size: 70 }],
-    series: [{}, ...series.map((name, i) => ({ label: name, stroke: COLOURS[i % COLOURS.length], width: 2, points: { show: true } }))],
+    series: [
+      {},
+      ...series.map((name, i) => ({ label: name, stroke: COLOURS[i % COLOURS.length], width: 2, points: { show: true } })),
+    ],
   };
   return new uPlot(options, data, container);
 }
@@ -93,54 +98,46 @@ export function render(main) {
   let rows = [];
   let plot = null;
 
-  async function refresh() {
-    try {
-      const buckets = await fetchBuckets(RANGES[range.value]);
-      rows = rowsOf(buckets);
-      const sum = (key) => rows.reduce((s, r) => s + r[key], 0);
-      replace(totals, `${sum("requests")} requests, ${sum("input")} input and ${sum("output")} output tokens in this range.`);
-      if (plot) plot.destroy();
-      replace(chartBox);
-      plot = chart(chartBox, buckets, rows);
-      replace(
-        tableBody,
-        rows.length
-          ? rows.map((r) =>
-              h(
-                "tr",
-                {},
-                h("td", {}, formatTime(r.start)),
-                h("td", {}, r.model),
-                h("td", {}, r.kind),
-                h("td", { class: "num" }, r.requests),
-                h("td", { class: "num" }, r.input),
-                h("td", { class: "num" }, r.output),
-              ),
-            )
-          : h("tr", {}, h("td", { colspan: 6 }, "No usage in this range.")),
-      );
-      exportButton.disabled = rows.length === 0;
-    } catch (error) {
-      showError(box, error);
-    }
-  }
+  const refresh = guarded(box, async () => {
+    const buckets = await fetchBuckets(RANGES[range.value]);
+    rows = rowsOf(buckets);
+    const sum = (key) => rows.reduce((s, r) => s + r[key], 0);
+    replace(totals, `${sum("requests")} requests, ${sum("input")} input and ${sum("output")} output tokens in this range.`);
+    if (plot) plot.destroy();
+    replace(chartBox);
+    plot = chart(chartBox, buckets, rows);
+    replace(
+      tableBody,
+      rows.length
+        ? rows.map((r) =>
+            h(
+              "tr",
+              {},
+              h("td", {}, formatTime(r.start)),
+              h("td", {}, r.model),
+              h("td", {}, r.kind),
+              h("td", { class: "num" }, r.requests),
+              h("td", { class: "num" }, r.input),
+              h("td", { class: "num" }, r.output),
+            ),
+          )
+        : emptyRow(6, "No usage in this range."),
+    );
+    exportButton.disabled = rows.length === 0;
+  });
 
   range.addEventListener("change", refresh);
-  exportButton.addEventListener("click", () => saveBlob(new Blob([csvOf(rows)], { type: "text/csv" }), `usage-${range.value}.csv`));
+  exportButton.addEventListener("click", () =>
+    saveBlob(new Blob([csvOf(rows)], { type: "text/csv" }), `usage-${range.value}.csv`),
+  );
   main.append(
     h("div", { class: "card inline" }, field("Range", range), exportButton),
     box,
     totals,
     chartBox,
-    h(
-      "table",
-      { class: "data", tabindex: 0 },
-      h("caption", {}, "Usage by bucket, model and kind"),
-      h(
-        "thead",
-        {},
-        h("tr", {}, ["Bucket (UTC)", "Model", "Kind", "Requests", "Input tokens", "Output tokens"].map((t) => h("th", { scope: "col" }, t))),
-      ),
+    dataTable(
+      "Usage by bucket, model and kind",
+      ["Bucket (UTC)", "Model", "Kind", "Requests", "Input tokens", "Output tokens"],
       tableBody,
     ),
   );
