@@ -4,6 +4,7 @@
 import { build } from "esbuild";
 import { createHash } from "node:crypto";
 import { copyFileSync, readdirSync, readFileSync, statSync, writeFileSync } from "node:fs";
+import { gzipSync } from "node:zlib";
 import { join } from "node:path";
 
 const OUT = "../src/tandem/deployments/console_static";
@@ -47,4 +48,8 @@ await build({
 });
 copyFileSync("index.html", join(OUT, "index.html"));
 copyFileSync("node_modules/uplot/LICENSE", join(OUT, "uPlot.LICENSE.txt")); // MIT: its notice ships with it
+// Precompressed copies, which the server sends to browsers that accept gzip.
+for (const name of ["console.js", "console.css"]) {
+  writeFileSync(join(OUT, `${name}.gz`), gzipSync(readFileSync(join(OUT, name)), { level: 9 }));
+}
 writeFileSync(join(OUT, "SOURCE_DIGEST"), sourceDigest() + "\n");

@@ -141,6 +141,12 @@ def test_pages_carry_a_strict_content_security_policy_and_unknown_paths_are_404(
     assert "script-src 'self'" in CONTENT_SECURITY_POLICY and "unsafe-inline" not in CONTENT_SECURITY_POLICY
     page = httpx.get(platform.base_url + "/console/usage").text
     assert "<script" in page and "<script>" not in page and " style=" not in page  # no inline script or style
+    plain = httpx.get(
+        f"{platform.base_url}/console/assets/console.js", headers={"Accept-Encoding": "identity"}
+    )
+    zipped = httpx.get(f"{platform.base_url}/console/assets/console.js", headers={"Accept-Encoding": "gzip"})
+    assert "content-encoding" not in plain.headers and zipped.headers["content-encoding"] == "gzip"
+    assert zipped.content == plain.content and int(zipped.headers["content-length"]) < len(plain.content) / 2
     for path in (
         "/console/nope",
         "/console/assets/..%2Fconsole_routes.py",

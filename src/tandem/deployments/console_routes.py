@@ -142,12 +142,17 @@ def console_router(
         return response
 
     @router.get("/console/assets/{name}")
-    async def asset(name: str) -> Any:
+    async def asset(name: str, request: Request) -> Any:
+        """A built file; its precompressed copy (`<name>.gz`, made by the build) to a browser that
+        accepts gzip."""
         if not _ASSET_NAME.fullmatch(name) or name == "index.html" or not (STATIC_DIR / name).is_file():
             raise NotFoundError(f"no console asset {name!r}")
-        path = STATIC_DIR / name
+        path, headers = STATIC_DIR / name, {**SECURITY_HEADERS, "Vary": "Accept-Encoding"}
         media_type = mimetypes.guess_type(name)[0] or "application/octet-stream"
-        return FileResponse(path, media_type=media_type, headers=SECURITY_HEADERS)
+        compressed = STATIC_DIR / f"{name}.gz"
+        if "gzip" in request.headers.get("accept-encoding", "") and compressed.is_file():
+            path, headers["Content-Encoding"] = compressed, "gzip"
+        return FileResponse(path, media_type=media_type, headers=headers)
 
     async def page(page: str = "") -> Response:
         if page not in PAGES:
