@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -351,3 +352,44 @@ def peft_adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         model.save_pretrained(str(folder))
         out[name] = folder
     return out
+
+
+@contextlib.contextmanager
+def headless_chromium() -> Iterator[Any]:
+    """Debian's `chromium` under Playwright (skips the test where either is missing; `make install`
+    installs the package where it can). Not for a whole session: Playwright's sync API drives its
+    own event loop while it is open."""
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    if binary is None:
+        pytest.skip("needs Debian's chromium (make install puts it there: apt-get install chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extras")
+    with sync_api.sync_playwright() as playwright:
+        args = ["--no-sandbox"] if os.geteuid() == 0 else []
+        browser = playwright.chromium.launch(executable_path=binary, args=args, headless=True)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def console_page(browser: Any, base_url: str, key: str | None, viewport: dict[str, int] | None = None) -> Any:
+    """A new page (its own cookies) on `base_url`, signed in to the console with `key` (None: not),
+    accepting confirm() dialogs and collecting script errors in `page.errors`."""
+    context = browser.new_context(
+        base_url=base_url, viewport=viewport or {"width": 1280, "height": 800}, accept_downloads=True
+    )
+    page = context.new_page()
+    page.on("dialog", lambda dialog: dialog.accept())  # the confirm() before a revoke or cancel
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.on(
+        "console",
+        lambda message: errors.append(message.text) if "Content Security Policy" in message.text else None,
+    )
+    page.errors = errors
+    if key is not None:
+        page.goto("/console/signin")
+        page.get_by_label("API key").fill(key)
+        page.get_by_role("button", name="Sign in").click()
+        page.get_by_role("navigation", name="Console").wait_for()
+    return page

@@ -12,7 +12,6 @@ import hashlib
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -39,7 +38,7 @@ from tandem.platform.tenancy import TenantRegistry, parse_operator_keys
 from tandem.platform.tenant_directory import TenantDirectory
 from tandem.platform.usage_log import UsageLog
 
-from .conftest import serve_with_worker
+from .conftest import console_page, headless_chromium, serve_with_worker
 
 REPO = Path(__file__).resolve().parent.parent
 OPERATOR_KEY = "sk-console-operator"
@@ -212,51 +211,27 @@ def test_the_committed_bundle_was_built_from_the_console_sources() -> None:
 
 
 # -- the pages in a browser ---------------------------------------------------------------------------
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DESKTOP = {"width": 1280, "height": 800}
 PHONE = {"width": 390, "height": 844}
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    if CHROMIUM is None:
-        pytest.skip("needs Debian's chromium (make install puts it there: apt-get install chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extras")
-    with sync_api.sync_playwright() as playwright:
-        args = ["--no-sandbox"] if os.geteuid() == 0 else []
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=args, headless=True)
+    with headless_chromium() as chromium:
         yield chromium
-        chromium.close()
 
 
 @pytest.fixture()
 def open_page(browser: Any, platform: Platform) -> Iterator[Callable[..., Any]]:
-    contexts: list[Any] = []
+    pages: list[Any] = []
 
     def open_page(key: str | None = None, viewport: dict[str, int] = DESKTOP) -> Any:
-        context = browser.new_context(base_url=platform.base_url, viewport=viewport, accept_downloads=True)
-        contexts.append(context)
-        page = context.new_page()
-        page.on("dialog", lambda dialog: dialog.accept())  # the confirm() before a revoke or cancel
-        errors: list[str] = []
-        page.on("pageerror", lambda error: errors.append(str(error)))
-        page.on(
-            "console",
-            lambda message: (
-                errors.append(message.text) if "Content Security Policy" in message.text else None
-            ),
-        )
-        page.errors = errors
-        if key is not None:
-            page.goto("/console/signin")
-            page.get_by_label("API key").fill(key)
-            page.get_by_role("button", name="Sign in").click()
-            page.get_by_role("navigation", name="Console").wait_for()
-        return page
+        pages.append(console_page(browser, platform.base_url, key, viewport))
+        return pages[-1]
 
     yield open_page
-    for context in contexts:
-        context.close()
+    for page in pages:
+        page.context.close()
 
 
 def _axe(page: Any) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import make_tiny_model
+from .conftest import console_page, headless_chromium, make_tiny_model
 
 pytestmark = pytest.mark.ray
 
@@ -162,6 +162,33 @@ def test_console_through_serve(served: str) -> None:
     assert fleet["scaling"] and fleet["scaling"][-1]["replicas"] >= 1  # the fleet state's autoscaling samples
     tenant = {"Authorization": f"Bearer {KEY}"}
     assert httpx.get(f"{served}/v1/admin/fleet", headers=tenant, timeout=10).status_code == 403
+
+
+def test_console_in_a_browser_through_serve(served: str) -> None:
+    """The console in Chromium against `tandem serve` on Ray: a tenant's batches page and a
+    streamed playground answer (the same as the API's), and the operator's fleet page fed by the
+    fleet state."""
+    with headless_chromium() as browser:
+        page = console_page(browser, served, KEY)
+        page.goto("/console/batches")
+        page.get_by_role("table").wait_for()
+        page.goto("/console/playground")
+        page.get_by_label("Model").select_option("tiny")
+        page.get_by_label("Max tokens").fill("8")
+        page.get_by_label("Temperature").fill("0")
+        page.get_by_role("button", name="Send").click()
+        answer = page.locator("pre.answer[data-done='true']")
+        answer.wait_for(timeout=60_000)
+        reference = openai.OpenAI(base_url=f"{served}/v1", api_key=KEY, max_retries=0).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Say hello in one short sentence."}],
+            max_tokens=8, temperature=0,
+        )  # fmt: skip
+        assert answer.inner_text() == reference.choices[0].message.content
+        operator = console_page(browser, served, OPERATOR_KEY)
+        operator.get_by_role("heading", name="Fleet").wait_for()
+        operator.locator("tbody tr td code").first.wait_for()  # a replica the fleet state holds
+        assert "replicas reporting" in operator.locator("figure.chart").inner_text()
+        assert page.errors == [] and operator.errors == []
 
 
 def scraped_samples(base_url: str) -> list[tuple[str, str, float]]:
