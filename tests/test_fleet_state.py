@@ -116,7 +116,12 @@ def test_refusals_are_counted_per_tenant_and_code_for_an_hour(monkeypatch: pytes
     assert state.acquire("acme", 1, None, owner="a") is not None
     assert state.acquire("globex", 1, None, owner="a") is None
     assert state.refusals() == {"acme": {"rate_limit_exceeded": 2}}
-    clock[0] += 3601
+    for _ in range(1000):  # a client retrying in a loop: counted, in one minute's counts
+        state.acquire("acme", 1, None, owner="b")
+    assert state.refusals() == {"acme": {"rate_limit_exceeded": 1002}}
+    clock[0] += 3600
+    assert state.refusals() == {"acme": {"rate_limit_exceeded": 1002}}  # their minute began < an hour ago
+    clock[0] += 60
     assert state.refusals() == {}
 
 

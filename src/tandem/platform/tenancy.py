@@ -124,7 +124,9 @@ class TenantUsage:
     def __init__(self) -> None:
         self._usage: dict[str, _Usage] = {}
         self._held: dict[str, dict[str, int]] = {}  # owner -> tenant -> requests in flight
-        self._refusals: dict[str, deque[tuple[float, str]]] = {}  # tenant -> (when, code), the last hour
+        # tenant -> per-minute counts of refusals by code, the last hour's (at most 61 minutes each,
+        # however fast a client retries)
+        self._refusals: dict[str, deque[tuple[int, dict[str, int]]]] = {}
 
     def try_acquire(
         self, tenant: str, limits: TenantLimits, *, owner: str = "local", now: float | None = None
@@ -133,28 +135,35 @@ class TenantUsage:
         now = time.monotonic() if now is None else now
         refusal = self._try_acquire(tenant, limits, owner, now)
         if refusal is not None:
-            events = self._refusals.setdefault(tenant, deque())
-            events.append((now, refusal.code or "rate_limited"))
-            self._forget_refusals(events, now)
+            minutes = self._refusals.setdefault(tenant, deque())
+            minute = int(now // 60)
+            if not minutes or minutes[-1][0] != minute:
+                minutes.append((minute, {}))
+            by_code = minutes[-1][1]
+            code = refusal.code or "rate_limited"
+            by_code[code] = by_code.get(code, 0) + 1
+            self._forget_refusals(minutes, now)
         return refusal
 
     def refusals(self, *, now: float | None = None) -> dict[str, dict[str, int]]:
-        """Requests refused (429) in the last `REFUSALS_WINDOW_S`, per tenant and error code."""
+        """Requests refused (429) in the last `REFUSALS_WINDOW_S` (to the minute), per tenant and
+        error code."""
         now = time.monotonic() if now is None else now
         out: dict[str, dict[str, int]] = {}
-        for tenant, events in list(self._refusals.items()):
-            self._forget_refusals(events, now)
-            for _, code in events:
-                by_code = out.setdefault(tenant, {})
-                by_code[code] = by_code.get(code, 0) + 1
-            if not events:
+        for tenant, minutes in list(self._refusals.items()):
+            self._forget_refusals(minutes, now)
+            if not minutes:
                 del self._refusals[tenant]
+            for _, by_code in minutes:
+                totals = out.setdefault(tenant, {})
+                for code, count in by_code.items():
+                    totals[code] = totals.get(code, 0) + count
         return out
 
     @staticmethod
-    def _forget_refusals(events: deque[tuple[float, str]], now: float) -> None:
-        while events and events[0][0] <= now - REFUSALS_WINDOW_S:
-            events.popleft()
+    def _forget_refusals(minutes: deque[tuple[int, dict[str, int]]], now: float) -> None:
+        while minutes and (minutes[0][0] + 1) * 60 <= now - REFUSALS_WINDOW_S:
+            minutes.popleft()
 
     def _try_acquire(self, tenant: str, limits: TenantLimits, owner: str, now: float) -> RateLimitError | None:
         usage = self._usage.setdefault(tenant, _Usage())
