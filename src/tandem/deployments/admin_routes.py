@@ -14,10 +14,6 @@ compare-and-swap of the directory in the object store, seen by every replica wit
     GET    /v1/admin/tenants/{id}/keys               {"object": "list", "data": [keys]} (no secrets)
     DELETE /v1/admin/tenants/{id}/keys/{key_id}      revoke
 
-    GET    /v1/admin/fleet                           every engine replica's latest figures
-    GET    /v1/admin/load                            per tenant: requests running and waiting in the
-                                                     engines, 429s of the last hour by code
-    GET    /v1/admin/batches                         the batch queue: every unfinished batch, per tenant
 
 401 without a key, 403 with a tenant's key, 404 for an unknown tenant or key (or when the server
 has no object store), 409 for a duplicate tenant, 400 naming the field for a malformed body.
@@ -35,7 +31,6 @@ A tenant's key naming another project is a 403.
 # No `from __future__ import annotations`: FastAPI must see the real `Request` annotation after
 # Serve pickles the app (string annotations lose their module globals on the way).
 
-import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -46,18 +41,6 @@ from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.errors import InvalidRequestError, NotFoundError
 from tandem.platform.tenancy import PermissionDeniedError
 from tandem.platform.tenant_directory import TenantDirectory, parse_tenant_patch, parse_tenant_spec
-
-
-def _finite(value: Any) -> Any:
-    """`value` with every non-finite float (a speculation arm never measured: inf) as None, which
-    JSON can carry."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
 
 
 def admin_router(
@@ -118,71 +101,6 @@ def admin_router(
         directory = directory_for(request)
         await run_in_threadpool(directory.revoke_key, tenant_id, key_id)
         return {"id": key_id, "object": "organization.tenant.api_key.deleted", "deleted": True}
-
-    @router.get("/v1/admin/fleet")
-    async def fleet(request: Request) -> Any:
-        """Every engine replica's latest stats (as `/metrics` reads them), by replica id, and the
-        last hour's autoscaling samples (replicas reporting against the policy's target)."""
-        server = server_of(request)
-        server.tenants.authenticate_operator(request.headers.get("authorization"))
-        replicas = await server.client.replica_stats()
-        scaling = await server.client.scaling_history()
-        return {"object": "fleet", "model": server.model_name, "replicas": _finite(replicas), "scaling": scaling}
-
-    @router.get("/v1/admin/load")
-    async def load(request: Request) -> Any:
-        """Per tenant: its requests running and waiting in the engines (the replicas' latest
-        reports, summed) and its requests refused by its limits (429) in the last hour, by code."""
-        server = server_of(request)
-        server.tenants.authenticate_operator(request.headers.get("authorization"))
-        replicas = await server.client.replica_stats()
-        refusals = await server.limiter.refusals()
-        tenants: dict[str, dict[str, Any]] = {}
-
-        def entry(tenant: str) -> dict[str, Any]:
-            return tenants.setdefault(tenant, {"running": 0, "waiting": 0, "refused_last_hour": {}})
-
-        for stats in replicas.values():
-            for tenant, counts in stats.get("requests_by_tenant", {}).items():
-                entry(tenant)["running"] += counts.get("running", 0)
-                entry(tenant)["waiting"] += counts.get("waiting", 0)
-        for tenant, by_code in refusals.items():
-            entry(tenant)["refused_last_hour"] = by_code
-        return {"object": "tenant_load", "num_replicas": len(replicas), "tenants": tenants}
-
-    @router.get("/v1/admin/batches")
-    async def batch_queue(request: Request) -> Any:
-        """Every batch not yet final, oldest first, with its tenant and the output tokens it may
-        still generate; and per tenant, its batches, lines left and tokens queued."""
-        server = server_of(request)
-        server.tenants.authenticate_operator(request.headers.get("authorization"))
-        service = server.batches
-        if service is None:
-            raise NotFoundError("the batch API is not enabled on this server (no object store)")
-
-        def read() -> list[tuple[str, Any]]:
-            out = []
-            for tenant, batch_id in service.queued_batches():
-                try:
-                    out.append((tenant, service.get_batch(tenant, batch_id)))
-                except NotFoundError:
-                    continue  # finished and cleaned up since the queue was listed
-            return out
-
-        batches = await run_in_threadpool(read)
-        data: list[dict[str, Any]] = []
-        per_tenant: dict[str, dict[str, int]] = {}
-        for tenant, record in batches:
-            body = record.api()
-            counts = body["request_counts"]
-            lines_left = counts["total"] - counts["completed"] - counts["failed"]
-            queued = record.num_output_tokens_queued
-            data.append({**body, "tenant": tenant, "output_tokens_queued": queued})
-            summary = per_tenant.setdefault(tenant, {"batches": 0, "lines_left": 0, "output_tokens_queued": 0})
-            summary["batches"] += 1
-            summary["lines_left"] += lines_left
-            summary["output_tokens_queued"] += queued
-        return {"object": "list", "data": data, "tenants": per_tenant}
 
     async def _create_key(directory: TenantDirectory, tenant_id: str, request: Request) -> Any:
         body = await json_body(request) if await request.body() else {}

@@ -35,6 +35,7 @@ from tandem.deployments.completion_routes import (
 )
 from tandem.deployments.console_routes import ConsoleSessionAuth, console_router
 from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.operator_routes import operator_router
 from tandem.deployments.usage_routes import usage_router
 from tandem.platform.errors import TandemError
 from tandem.platform.openai_schemas import (
@@ -187,6 +188,7 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
     app.include_router(batch_router(_authenticated, json_body))
     app.include_router(adapter_router(_authenticated, json_body))
     app.include_router(admin_router(_server, json_body))
+    app.include_router(operator_router(_server))
     app.include_router(usage_router(_server))
     app.include_router(console_router(_server, json_body))
 
