@@ -393,3 +393,19 @@ def console_page(browser: Any, base_url: str, key: str | None, viewport: dict[st
         page.get_by_role("button", name="Sign in").click()
         page.get_by_role("navigation", name="Console").wait_for()
     return page
+
+
+PLAYGROUND_MESSAGE = "Say hello in one short sentence."  # what the playground's form holds at first
+
+
+def playground_answer(page: Any, model: str, max_tokens: int) -> Any:
+    """Send the console playground's default message to `model` (greedy) from `page`; the answer's
+    element once its stream ended (its text, and `data-chunks`: the content chunks it arrived in)."""
+    page.goto("/console/playground")
+    page.get_by_label("Model").select_option(model)
+    page.get_by_label("Max tokens").fill(str(max_tokens))
+    page.get_by_label("Temperature").fill("0")
+    page.get_by_role("button", name="Send").click()
+    answer = page.locator("pre.answer[data-done='true']")
+    answer.wait_for(timeout=60_000)
+    return answer

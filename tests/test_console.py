@@ -38,7 +38,13 @@ from tandem.platform.tenancy import TenantRegistry, parse_operator_keys
 from tandem.platform.tenant_directory import TenantDirectory
 from tandem.platform.usage_log import UsageLog
 
-from .conftest import console_page, headless_chromium, serve_with_worker
+from .conftest import (
+    PLAYGROUND_MESSAGE,
+    console_page,
+    headless_chromium,
+    playground_answer,
+    serve_with_worker,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 OPERATOR_KEY = "sk-console-operator"
@@ -384,17 +390,11 @@ def test_batches_page_runs_a_batch_to_done_and_downloads_its_output(
 
 def test_playground_streams_an_answer(open_page: Callable[..., Any], platform: Platform) -> None:
     page = open_page(platform.keys["acme"])
-    page.goto("/console/playground")
-    page.get_by_label("Model").select_option("tiny")
-    page.get_by_label("Max tokens").fill("12")
-    page.get_by_label("Temperature").fill("0")
-    page.get_by_role("button", name="Send").click()
-    answer = page.locator("pre.answer[data-done='true']")
-    answer.wait_for(timeout=60_000)
+    answer = playground_answer(page, "tiny", 12)
     assert int(answer.get_attribute("data-chunks")) >= 2  # arrived as several streamed chunks
     reference = platform.client("acme").chat.completions.create(
         model="tiny",
-        messages=[{"role": "user", "content": "Say hello in one short sentence."}],
+        messages=[{"role": "user", "content": PLAYGROUND_MESSAGE}],
         max_tokens=12,
         temperature=0,
     )

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import console_page, headless_chromium, make_tiny_model
+from .conftest import PLAYGROUND_MESSAGE, console_page, headless_chromium, make_tiny_model, playground_answer
 
 pytestmark = pytest.mark.ray
 
@@ -172,15 +172,9 @@ def test_console_in_a_browser_through_serve(served: str) -> None:
         page = console_page(browser, served, KEY)
         page.goto("/console/batches")
         page.get_by_role("table").wait_for()
-        page.goto("/console/playground")
-        page.get_by_label("Model").select_option("tiny")
-        page.get_by_label("Max tokens").fill("8")
-        page.get_by_label("Temperature").fill("0")
-        page.get_by_role("button", name="Send").click()
-        answer = page.locator("pre.answer[data-done='true']")
-        answer.wait_for(timeout=60_000)
+        answer = playground_answer(page, "tiny", 8)
         reference = openai.OpenAI(base_url=f"{served}/v1", api_key=KEY, max_retries=0).chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Say hello in one short sentence."}],
+            model="tiny", messages=[{"role": "user", "content": PLAYGROUND_MESSAGE}],
             max_tokens=8, temperature=0,
         )  # fmt: skip
         assert answer.inner_text() == reference.choices[0].message.content
