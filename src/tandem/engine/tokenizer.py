@@ -2,6 +2,15 @@
 
 Loaded from an HF folder (`tokenizer.json`, `tokenizer_config.json`) or built from a GGUF file's
 `tokenizer.ggml.*` metadata (byte-level BPE vocab + merges, control tokens as special tokens).
+
+Contract: token ids are the checkpoint's own tokenizer's. `encode(text)` equals transformers'
+`AutoTokenizer(text)["input_ids"]`: the special tokens (BOS, EOS) come from the post-processor
+of `tokenizer.json` (transformers 5 ignores `tokenizer_config.json`'s `add_bos_token` /
+`add_eos_token` when that file exists), or, for a GGUF file, its `add_bos_token` /
+`add_eos_token` keys.
+A chat prompt is the template's text tokenised without added special tokens, as
+`apply_chat_template(..., tokenize=True)` does: a template that writes `bos_token` itself gets
+exactly one.
 """
 
 from __future__ import annotations
@@ -13,7 +22,7 @@ from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from tandem.platform.errors import InvalidRequestError, ModelLoadError
@@ -31,14 +40,14 @@ class Tokenizer:
         bos_token: str | None,
         eos_token: str | None,
         eos_token_ids: list[int],
-        add_bos: bool = False,
     ) -> None:
+        """`backend` tokenises with its own post-processor (the special tokens a plain `encode`
+        adds); the loaders set it as the checkpoint's tokenizer would."""
         self.backend = backend
         self.chat_template = chat_template
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.eos_token_ids = eos_token_ids
-        self.add_bos = add_bos
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
         self._template: jinja2.Template | None = None
         self._token_bytes: list[bytes] | None = None
@@ -47,12 +56,15 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+    @property
+    def adds_bos(self) -> bool:
+        """Whether `encode` starts a text with the BOS token."""
         bos = self.bos_token_id
-        if add_special_tokens and self.add_bos and bos is not None and (not ids or ids[0] != bos):
-            ids = [bos, *ids]
-        return ids
+        return bos is not None and self.backend.encode("", add_special_tokens=True).ids[:1] == [bos]
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The text's token ids; with `add_special_tokens`, the post-processor's BOS / EOS too."""
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -127,14 +139,7 @@ class Tokenizer:
         eos_id = backend.token_to_id(eos) if eos is not None else None
         if eos_id is not None and eos_id not in eos_ids:
             eos_ids.append(eos_id)
-        return cls(
-            backend,
-            chat_template=template,
-            bos_token=bos,
-            eos_token=eos,
-            eos_token_ids=eos_ids,
-            add_bos=bool(config.get("add_bos_token", False)),
-        )
+        return cls(backend, chat_template=template, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids)
 
     @classmethod
     def from_gguf_fields(cls, fields: dict[str, Any]) -> Tokenizer:
@@ -161,14 +166,31 @@ class Tokenizer:
         backend.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
         bos_id = fields.get("tokenizer.ggml.bos_token_id")
         eos_id = fields.get("tokenizer.ggml.eos_token_id")
+        bos = tokens[bos_id] if bos_id is not None else None
+        eos = tokens[eos_id] if eos_id is not None else None
+        _set_special_tokens(
+            backend,
+            bos if fields.get("tokenizer.ggml.add_bos_token") else None,
+            eos if fields.get("tokenizer.ggml.add_eos_token") else None,
+        )
         return cls(
             backend,
             chat_template=fields.get("tokenizer.chat_template"),
-            bos_token=tokens[bos_id] if bos_id is not None else None,
-            eos_token=tokens[eos_id] if eos_id is not None else None,
+            bos_token=bos,
+            eos_token=eos,
             eos_token_ids=[eos_id] if eos_id is not None else [],
-            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
         )
+
+
+def _set_special_tokens(backend: HFTokenizer, bos: str | None, eos: str | None) -> None:
+    """Make `backend`'s post-processor add `bos` before and `eos` after a text (None: neither),
+    the template transformers builds from `add_bos_token` / `add_eos_token`."""
+    specials = [(token, backend.token_to_id(token)) for token in (bos, eos) if token is not None]
+    if any(token_id is None for _, token_id in specials):
+        raise ModelLoadError(f"special tokens {[t for t, _ in specials]} are not in the vocabulary", param="model")
+    single = " ".join([*([f"{bos}:0"] if bos else []), "$A:0", *([f"{eos}:0"] if eos else [])])
+    pair = " ".join([single, *([f"{bos}:1"] if bos else []), "$B:1", *([f"{eos}:1"] if eos else [])])
+    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")

@@ -147,6 +147,7 @@ def gguf_to_hf_folder(path: Path, cache_dir: Path) -> Path:
             k: v for k, v in loaded.weights.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")
         }
         save_file(weights, str(tmp / "model.safetensors"))
+        # the post-processor in tokenizer.json adds the file's BOS / EOS (no add_*_token flags)
         (tmp / "tokenizer.json").write_text(loaded.tokenizer.backend.to_str())
         tok = loaded.tokenizer
         (tmp / "tokenizer_config.json").write_text(
@@ -155,7 +156,6 @@ def gguf_to_hf_folder(path: Path, cache_dir: Path) -> Path:
                     "chat_template": tok.chat_template,
                     "bos_token": tok.bos_token,
                     "eos_token": tok.eos_token,
-                    "add_bos_token": tok.add_bos,
                 }
             )
         )
