@@ -5,6 +5,7 @@ in stats(); an explicit float32 is still the whole float32 model (HF's greedy to
 from __future__ import annotations
 
 import functools
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -35,9 +36,9 @@ SIX_PROMPTS = ["The quick brown fox", "Paged attention", "Hello there", "Numbers
 @pytest.mark.parametrize(
     ("flags", "native_int4", "want"),
     [
-        (AMX, True, ("bfloat16", "hybrid")),
-        (AVX512_BF16, True, ("float32", "hybrid")),  # no AMX: oneDNN's bfloat16 GEMMs lose to float32
-        (AVX2_ONLY, True, ("float32", "hybrid")),  # EPYC-like: bfloat16 would be emulated
+        (AMX, True, ("bfloat16", "dense")),  # never hybrid: one set of weights per served name
+        (AVX512_BF16, True, ("float32", "dense")),  # no AMX: oneDNN's bfloat16 GEMMs lose to float32
+        (AVX2_ONLY, True, ("float32", "dense")),  # EPYC-like: bfloat16 would be emulated
         (frozenset(), False, ("float32", "dense")),  # no AVX2: no native INT4 kernel either
         (AMX, False, ("bfloat16", "dense")),
     ],
@@ -70,7 +71,7 @@ def test_explicit_choices_and_the_pin_win() -> None:
 def test_engine_records_the_automatic_choice(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the probe, the CPU flags decide."""
     monkeypatch.delenv(PIN_ENV, raising=False)
-    llm = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, speculative=None, precision_probe=False)
+    llm = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, speculative=None, precision_probe=False, quality_probe=False)
     assert llm.stats()["precision_probe"] is None
     stats = llm.stats()
     want = choose_precision(
@@ -82,11 +83,7 @@ def test_engine_records_the_automatic_choice(tiny_model_dir: Path, monkeypatch: 
         want.reason,
     )
     assert llm.engine.runner.model.norm.dtype == getattr(torch, want.dtype)
-    if want.weight_dtype == "hybrid":  # decode steps of one request go through the INT4 copy
-        assert llm.engine.runner.decode_model is not llm.engine.runner.model
-        assert stats["native_decoder"]
-        llm.generate(["The quick brown fox"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-        assert llm.stats()["num_native_decoder_steps"] >= 3
+    assert llm.engine.runner.decode_model is llm.engine.runner.model  # one set of weights for every step
 
 
 def test_hybrid_decode_model_shares_the_dense_lm_head(tiny_model_dir: Path) -> None:
@@ -169,17 +166,27 @@ def test_the_probe_chooses_the_dtype_it_measured_fastest(factors: dict[str, floa
         native_int4=int4, probe=result,
     )  # fmt: skip
     assert choice.dtype == want_dtype and "measured" in choice.reason  # the flags would say otherwise
-    assert choice.weight_dtype == ("hybrid" if result.int4_decode else "dense")
+    assert choice.weight_dtype == ("int4" if result.int4_decode else "dense")
 
 
 @pytest.mark.skipif(int4_native.load() is None, reason="the native INT4 kernel cannot be built here")
-def test_the_probe_keeps_int4_decode_steps_only_where_they_measured_faster() -> None:
+def test_the_probe_chooses_int4_weights_only_where_they_measured_faster_at_every_decode_size() -> None:
+    """INT4 weights serve every step of an INT4 engine, so they must win at every decode row count
+    timed, not at one row alone (the old hybrid criterion): slower at 16 rows keeps dense weights."""
     fast = run_probe(SHAPES, 4, ["float32"], int4=True, measure=slowed({"float32": 50.0}))
     slow = run_probe(SHAPES, 4, ["float32"], int4=True, measure=slowed({"int4": 50.0}))
-    assert fast.int4_decode and not slow.int4_decode
+
+    def measure_slow_at_16(candidate: str, shapes: Any, num_copies: int, rows: int) -> float:
+        factor = 50.0 if (candidate == "float32" and rows < 16) or (candidate == "int4" and rows >= 16) else 1.0
+        return factor * measure_pass(candidate, shapes, num_copies, rows)
+
+    mixed = run_probe(SHAPES, 4, ["float32"], int4=True, measure=measure_slow_at_16)
+    assert mixed.timings_ms["int4"][1] < mixed.timings_ms["float32"][1]  # the old criterion would take INT4
+    assert fast.int4_decode and not slow.int4_decode and not mixed.int4_decode
     choose = functools.partial(choose_precision, device_type="cpu", dtype="auto", weight_dtype="auto", flags=AVX2_ONLY)
-    assert choose(native_int4=True, probe=fast).weight_dtype == "hybrid"
+    assert choose(native_int4=True, probe=fast).weight_dtype == "int4"
     assert choose(native_int4=True, probe=slow).weight_dtype == "dense"
+    assert choose(native_int4=True, probe=mixed).weight_dtype == "dense"
 
 
 def test_the_engine_probes_once_per_machine_and_reads_the_cache_after(
@@ -189,7 +196,8 @@ def test_the_engine_probes_once_per_machine_and_reads_the_cache_after(
     cache; a model with other shapes is probed anew."""
     monkeypatch.delenv(PIN_ENV, raising=False)
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
-    first = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, speculative=None)
+    # the speed probe alone here (the quality probe's bound has tests of its own)
+    first = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, speculative=None, quality_probe=False)
     probe = first.stats()["precision_probe"]
     assert probe["source"] == "measured" and probe["seconds"] > 0
     assert cache_path(probe["key"], tmp_path).exists()
@@ -205,7 +213,7 @@ def test_the_engine_probes_once_per_machine_and_reads_the_cache_after(
     assert "measured" in stats["precision_reason"]
     del first
 
-    second = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, speculative=None).stats()
+    second = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, speculative=None, quality_probe=False).stats()
     assert second["precision_probe"]["source"] == "cache"
     assert second["precision_probe"]["key"] == probe["key"]
     assert (second["dtype"], second["weight_dtype"]) == (stats["dtype"], stats["weight_dtype"])

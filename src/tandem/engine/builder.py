@@ -31,6 +31,7 @@ from tandem.engine.models.moe_layer import SparseMoE
 from tandem.engine.precision import PrecisionChoice, choose_precision
 from tandem.engine.precision import pinned as pinned_precision
 from tandem.engine.precision_probe import probe_precision
+from tandem.engine.quality_gate import DTYPES, hold_to_bound
 from tandem.engine.runner import KVCacheSpec, ModelRunner, allocate_kv_caches
 from tandem.engine.speculative import SpeculationSettings
 from tandem.engine.step import Runner
@@ -46,7 +47,6 @@ from tandem.platform.errors import InvalidRequestError, ModelLoadError
 
 logger = logging.getLogger("tandem.engine")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Draft heads trained for bundled models (scripts/train_draft.py), by model name.
 BUNDLED_DRAFTS = {"smollm2-135m-instruct": Path(__file__).parent / "drafts" / "smollm2-135m-instruct-eagle"}
@@ -146,20 +146,26 @@ def build_parts(config: EngineConfig) -> EngineParts:
         pin=pinned_precision(),
         probe=probe_precision(cfg, device, default_cache_dir(), int4=native_int4) if probing else None,
     )
+    check_features(config, loaded)
+    build = functools.partial(build_models, config, loaded, device=device)
+    configured_kv = {"auto": torch.float32, "fp8_e4m3": torch.float8_e4m3fn, **DTYPES}[config.kv_cache_dtype]
+    precision = hold_to_bound(
+        config, loaded, precision, kv_cache_spec(loaded, config.block_size, configured_kv), device,
+        default_cache_dir(), build,
+    )  # fmt: skip
     dtype = DTYPES[precision.dtype]
     kv_dtype = {"auto": dtype, "fp8_e4m3": torch.float8_e4m3fn, **DTYPES}[config.kv_cache_dtype]
     kv_spec = kv_cache_spec(loaded, config.block_size, kv_dtype)
-    check_features(config, loaded)
     draft = _load_draft(config, loaded, dtype, device, kv_dtype)
     window = kv_window(config, loaded, draft is not None)
     if device.type == "cuda":
         # Weights first: the KV budget is a fraction of the device memory they leave free. Their
         # position tables then cover the model's whole context (max_positions is not known yet).
-        model, decode_model = _build_models(config, loaded, precision, dtype, device, cfg.max_position_embeddings)
+        model, decode_model = build(precision, cfg.max_position_embeddings)
         sizes = _size(config, cfg, kv_spec, draft, device, dtype, window)
     else:
         sizes = _size(config, cfg, kv_spec, draft, device, dtype, window)
-        model, decode_model = _build_models(config, loaded, precision, dtype, device, sizes.max_positions)
+        model, decode_model = build(precision, sizes.max_positions)
     proposer = _build_proposer(config, loaded, model, draft, sizes, dtype, device)
     lora = None
     if config.enable_lora:
@@ -345,12 +351,13 @@ def _max_model_len(config: EngineConfig, cfg: Any, capacity: int) -> int:
     return config.max_model_len
 
 
-def _build_models(
-    config: EngineConfig, loaded: LoadedModel, precision: PrecisionChoice, dtype: torch.dtype, device: torch.device,
-    max_positions: int,
+def build_models(
+    config: EngineConfig, loaded: LoadedModel, precision: PrecisionChoice, max_positions: int, *,
+    device: torch.device,
 ) -> tuple[CausalLM, CausalLM | None]:  # fmt: skip
-    """The model, and with `weight_dtype="hybrid"` its INT4 copy for small decode steps."""
+    """The model in `precision`, and with `weight_dtype="hybrid"` its INT4 copy for small decode steps."""
     hybrid = precision.weight_dtype == "hybrid"
+    dtype = DTYPES[precision.dtype]
     build = functools.partial(
         build_model, loaded, dtype=dtype, device=device, max_positions=max_positions,
         int4_group_size=config.int4_group_size, int4_double_quant=config.int4_double_quant,

@@ -32,6 +32,7 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "weight_dtype": engine.precision.weight_dtype if engine.precision else engine.config.weight_dtype,
         "precision_reason": engine.precision.reason if engine.precision else "",
         "precision_probe": engine.precision.probe.as_stats() if engine.precision and engine.precision.probe else None,
+        "quality_probe": [q.as_stats() for q in engine.precision.quality] if engine.precision else [],
         "native_decoder": runner.native_decoder,
         "num_native_decoder_steps": runner.num_native_decoder_steps,
         "num_graph_steps": runner.num_graph_steps,

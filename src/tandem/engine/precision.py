@@ -8,18 +8,17 @@ testable with forced CPU features):
 - On CUDA, `auto` is bfloat16, dense.
 - On CPU with a precision probe (`precision_probe.py`, the default), both autos follow what it
   measured on this machine for this model: `dtype` the fastest compute dtype for prompt chunks
-  and large batches, `weight_dtype` "hybrid" where INT4 decode steps beat that dtype at one row,
-  else dense.
+  and large batches, `weight_dtype` "int4" where INT4 weights beat that dtype at every decode
+  row count timed, else dense. One precision serves every step: `weight_dtype="auto"` is never
+  "hybrid" (two sets of weights picked by step size would make one served name two models).
 - On CPU without a probe (`precision_probe=False`), by CPU flags: `dtype="auto"` is bfloat16
   where the CPU has AMX-BF16 (oneDNN's bfloat16 GEMMs run on the tile units there, about twice
-  float32's rate at large batches) and float32 elsewhere: with AVX512-BF16 alone oneDNN's
-  bfloat16 GEMMs measured slower than float32 on one Xeon (docs/performance.md, "engine defaults
-  on a Xeon without AMX") but faster on a Zen 4, which is why the probe exists; AVX2-only CPUs
-  emulate bfloat16.
-  `weight_dtype="auto"` is "hybrid" where Tandem's native INT4 kernel runs (x86-64 with AVX2,
-  FMA and F16C, and a C compiler): small decode steps read INT4 weights (an eighth of float32's
-  bytes, through the native decoder stack), prefill and large batches use the compute dtype.
-  Elsewhere it is dense.
+  float32's rate at large batches) and float32 elsewhere (with AVX512-BF16 alone oneDNN's
+  bfloat16 GEMMs measured slower than float32 on one Xeon and faster on a Zen 4, which is why the
+  probe exists; AVX2-only CPUs emulate bfloat16); `weight_dtype="auto"` is dense.
+- Whatever speed chose is then held to the quality probe's bound on the checkpoint
+  (`quality_probe.py`, applied by `builder.build_parts`): an automatic choice outside it falls
+  back (INT4 to dense, bfloat16 to float32); an explicit one starts with a warning.
 - `TANDEM_AUTO_PRECISION=float32` (an operator's pin, also used by the test suite so that its
   comparisons keep one precision on every CPU) makes both autos mean dense float32.
 """
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tandem.engine.precision_probe import ProbeResult
+    from tandem.engine.quality_probe import QualityResult
 
 FAST_BF16_FLAGS = frozenset({"amx_bf16"})  # where bfloat16 GEMMs beat float32
 PIN_ENV = "TANDEM_AUTO_PRECISION"
@@ -43,6 +43,18 @@ class PrecisionChoice:
     weight_dtype: str  # "dense" | "int4" | "hybrid"
     reason: str  # why, in words, for the log and stats()
     probe: ProbeResult | None = None  # what the precision probe measured, where it chose
+    automatic: bool = False  # dtype or weight_dtype came from "auto" (a quality probe may overrule it)
+    quality: tuple[QualityResult, ...] = ()  # the quality probe's verdicts, rejected ones first, where it ran
+
+    @property
+    def name(self) -> str:
+        """"<dtype>/<weight_dtype>", e.g. "bfloat16/dense"."""
+        return f"{self.dtype}/{self.weight_dtype}"
+
+    @property
+    def is_reference(self) -> bool:
+        """The checkpoint's own weights in float32: what the quality probe compares against."""
+        return self.dtype == "float32" and self.weight_dtype == "dense"
 
 
 def choose_precision(
@@ -93,19 +105,20 @@ def choose_precision(
         chosen_weights = "dense"
         reasons.append(f"dense weights on {device_type}")
     elif probe is not None and native_int4:
-        chosen_weights = "hybrid" if probe.int4_decode else "dense"
+        chosen_weights = "int4" if probe.int4_decode else "dense"
         reasons.append(
-            "hybrid weights: INT4 (native kernel) for small decode steps, measured faster"
-            if probe.int4_decode else f"dense weights: INT4 decode steps measured slower than {chosen_dtype}"
+            f"INT4 weights (native kernel): measured faster than {chosen_dtype} at every decode batch size"
+            if probe.int4_decode else f"dense weights: INT4 measured slower than {chosen_dtype} at some decode batch size"
         )  # fmt: skip
     elif native_int4:
-        chosen_weights = "hybrid"
-        reasons.append("hybrid weights: INT4 (native kernel) for small decode steps, the compute dtype for the rest")
+        chosen_weights = "dense"
+        reasons.append("dense weights: no precision probe measured INT4 faster here")
     else:
         chosen_weights = "dense"
         reasons.append("dense weights: the native INT4 kernel cannot run here")
     used = probe if probe is not None and dtype == "auto" and pin is None and device_type == "cpu" else None
-    return PrecisionChoice(chosen_dtype, chosen_weights, "; ".join(reasons), used)
+    automatic = pin != "float32" and (dtype == "auto" or weight_dtype == "auto")
+    return PrecisionChoice(chosen_dtype, chosen_weights, "; ".join(reasons), used, automatic)
 
 
 def pinned() -> str | None:

@@ -15,10 +15,11 @@ weights do (up to the model's layer count), and times one pass over them:
   counts it serves.
 
 Contract of the choice (`ProbeResult`): `dtype` is the candidate with the smallest geometric
-mean of its time over the fastest one's at `COMPUTE_ROWS` (the rows a hybrid engine's dense
-model serves: large decode batches and prompt chunks); `int4_decode` is whether INT4 beats that
-dtype at one row (then small decode steps read INT4 weights: `weight_dtype="hybrid"`). Only
-mixes whose fidelity `benchmarks/quant_quality.py` bounds are candidates (float16 is not one).
+mean of its time over the fastest one's at `COMPUTE_ROWS` (large decode batches and prompt
+chunks); `int4_decode` is whether INT4 weights beat that dtype at every decode row count timed
+(1 to `NATIVE_GEMV_MAX_ROWS`): only then are INT4 weights a speed candidate for the whole model
+(one precision for every step), and only within the quality probe's bound (`quality_probe.py`).
+float16 is not a candidate.
 The result is cached per machine as JSON under `$TANDEM_CACHE_DIR/precision/`, keyed by the CPU
 model name, its flags, the CPUs this process may use, the torch version, the GEMM shapes and the
 probe version; a second start reads it (`source="cache"`).
@@ -50,7 +51,7 @@ from tandem.platform.cpu import cpu_flags, cpu_model_name, usable_cpus
 
 logger = logging.getLogger("tandem.engine")
 
-PROBE_VERSION = 1
+PROBE_VERSION = 2
 DECODE_ROWS = (1, 4, 16, 64)
 PREFILL_ROWS = 256
 COMPUTE_ROWS = (16, 64, PREFILL_ROWS)
@@ -209,7 +210,7 @@ def run_probe(
         return math.exp(sum(math.log(x) for x in ratios) / len(ratios))
 
     chosen = min(dtypes, key=relative_cost)
-    int4_decode = int4 and timings["int4"][1] < timings[chosen][1]
+    int4_decode = int4 and all(t < timings[chosen][r] for r, t in timings["int4"].items())
     return ProbeResult(chosen, int4_decode, timings, time.perf_counter() - started, key)
 
 
@@ -230,7 +231,7 @@ def probe_precision(config: Any, device: torch.device, cache_dir: Path, *, int4:
     int4 = int4 and int4_native.load() is not None
     key, machine = probe_key(shapes, config.num_hidden_layers, int4)
     path = cache_path(key, cache_dir)
-    with _probe_lock(path):
+    with probe_lock(path):
         result = _read_cached(path, key, machine)
         if result is None:
             try:
@@ -240,7 +241,7 @@ def probe_precision(config: Any, device: torch.device, cache_dir: Path, *, int4:
                 return None
             result = replace(result, machine=machine)
             try:
-                _write_atomically(path, json.dumps(asdict(result), indent=1, sort_keys=True))
+                write_atomically(path, json.dumps(asdict(result), indent=1, sort_keys=True))
             except OSError as exc:
                 logger.warning("precision probe not cached", extra={"path": str(path), "error": repr(exc)})
     logger.info("precision probe", extra=result.as_stats())
@@ -260,7 +261,7 @@ def _read_cached(path: Path, key: str, machine: dict[str, Any]) -> ProbeResult |
 
 
 @contextlib.contextmanager
-def _probe_lock(path: Path) -> Iterator[None]:
+def probe_lock(path: Path) -> Iterator[None]:
     """An exclusive lock on `path`'s lock file while held (none where it cannot be created)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -276,7 +277,7 @@ def _probe_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
     """Another engine starting on this machine may probe at the same time: each writes whole files."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")

@@ -86,12 +86,28 @@ class EngineConfig(BaseModel):
     weight_dtype: Literal["auto", "dense", "int4", "hybrid"] = Field(
         "auto",
         description="'int4': group-wise INT4 linears (two values per byte; the default model's Q4_1 "
-        "weights load as they are); 'dense': the compute dtype; 'auto': 'hybrid' on CPUs where the "
-        "native INT4 kernel runs and dtype is 'auto' (where the precision probe measured INT4 decode "
-        "steps faster), else 'dense'; 'hybrid': both copies, INT4 for "
-        "decode steps of at most hybrid_int4_max_batch requests (memory-bound: INT4 reads an eighth "
-        "of float32's bytes), the compute dtype for prefill and larger batches (compute-bound: the "
-        "CPU INT4 kernel is slower than oneDNN there). Costs the memory of both copies.",
+        "weights load as they are); 'dense': the compute dtype; 'auto': one precision for every step, "
+        "'int4' on a CPU where the precision probe measured INT4 faster than the compute dtype at every "
+        "decode batch size and the quality probe measured it within its bound on this checkpoint, else "
+        "'dense'; 'hybrid' (never chosen by 'auto'): both copies, INT4 for decode steps of at most "
+        "hybrid_int4_max_batch requests, the compute dtype for prefill and larger batches: a request's "
+        "tokens then depend on the load. Costs the memory of both copies.",
+    )
+    quality_probe: bool = Field(
+        True,
+        description="At the first start on a machine, hold a quantised or automatically chosen 16-bit "
+        "precision to a bound on this checkpoint: next-token distributions on a bundled calibration text, "
+        "decode steps included, against the float32 weights (mean KL <= 0.02 nats, top-1 agreement >= "
+        "0.97; engine/quality_probe.py). An automatic choice outside it falls back (INT4 to dense, "
+        "bfloat16 to float32); an explicit one starts with a warning giving the figures. Cached per "
+        "machine and checkpoint under $TANDEM_CACHE_DIR/precision.",
+    )
+    generation_config: Literal["auto", "none"] = Field(
+        "auto",
+        description="'auto': a request's unset sampling fields (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, and max_tokens from max_new_tokens) take the checkpoint's defaults "
+        "(generation_config.json, or a GGUF file's general.sampling.* keys), as vLLM does; 'none': "
+        "neutral values (temperature 1, no filters).",
     )
     hybrid_int4_max_batch: int = Field(
         8, ge=1, description="With weight_dtype='hybrid': largest decode batch that uses the INT4 copy."

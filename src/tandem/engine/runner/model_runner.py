@@ -32,6 +32,7 @@ from tandem.engine.runner.kv_tensors import (
     scribble,
 )
 from tandem.engine.runner.sampler import Sampler, failed_alone
+from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.step import RunnerResult, RunnerStats, ScheduledRequest, SchedulerOutput
 from tandem.kernels.attention import build_attention_metadata
 from tandem.kernels.kv_eviction import EvictionPolicy
@@ -252,6 +253,36 @@ class ModelRunner:
         draft_probs: dict[str, torch.Tensor] = {}
         if self.draft is not None and any(item.num_draft_slots for item in items):
             items, draft_probs = self._propose(items)
+        logits, states = self._forward_shared(items)
+        return self._finish(items, logits, states, draft_probs)
+
+    @torch.inference_mode()
+    def teacher_forced_logits(self, token_ids: list[int], num_prompt_tokens: int) -> torch.Tensor:
+        """[len(token_ids) - num_prompt_tokens + 1, V] float32: the next-token logits after each
+        of `token_ids[num_prompt_tokens - 1:]`, computed as a lone request is: the first
+        `num_prompt_tokens` as one prompt chunk, then each further token as a one-token decode step
+        (through the path `choose_path` picks for it). Writes blocks 0.. of the cache, which hold
+        no request's KV before the engine starts: call it only then (the quality probe does)."""
+        num_blocks = -(-len(token_ids) // self.block_size)
+        if not 0 < num_prompt_tokens <= len(token_ids) or num_blocks > self.kv_caches[0][0].shape[0]:
+            raise ValueError(f"{len(token_ids)} tokens ({num_prompt_tokens} as the prompt) do not fit this runner")
+        block_ids = list(range(num_blocks))
+        params = SamplingParams(temperature=0.0)
+
+        def step(start: int, end: int) -> torch.Tensor:
+            item = ScheduledRequest(
+                request_id="teacher-forced", token_ids=token_ids[start:end], start_position=start, block_ids=block_ids,
+                sample=True, sampling_params=params, output_token_ids=[], is_new=start == 0,
+            )  # fmt: skip
+            return self._forward_shared([item])[0].float()
+
+        rows = [step(0, num_prompt_tokens)]
+        rows.extend(step(position, position + 1) for position in range(num_prompt_tokens, len(token_ids)))
+        return torch.cat(rows)
+
+    def _forward_shared(self, items: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of shared-layout rows: the logits of every sampled row (each request's
+        last token and its drafts) and, for a draft head, the hidden states."""
         input_ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
@@ -276,8 +307,7 @@ class ModelRunner:
         self._count(path)
         if path is ForwardPath.GRAPH:
             assert self.graphs is not None
-            logits = self.graphs.run(input_ids, positions, [item.block_ids for item in items])
-            return self._finish(items, logits, None, draft_probs)
+            return self.graphs.run(input_ids, positions, [item.block_ids for item in items]), None
         if path is ForwardPath.NATIVE:
             assert self.native is not None
             step = NativeStep.build(
@@ -307,8 +337,7 @@ class ModelRunner:
                 return_hidden=hidden,
                 hidden_layers=hidden_layers,
             )
-        logits, states = output if hidden else (output, None)
-        return self._finish(items, logits, states, draft_probs)
+        return output if hidden else (output, None)
 
     def _count(self, path: ForwardPath) -> None:
         if path in (ForwardPath.NATIVE, ForwardPath.COMPILED, ForwardPath.DECODE_MODEL):

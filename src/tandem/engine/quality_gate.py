@@ -1,0 +1,109 @@
+"""Holding a precision to the quality probe's bound on the checkpoint being loaded.
+
+`hold_to_bound` takes what speed (or the operator) chose (`precision.PrecisionChoice`) and:
+- float32 dense, a device other than the CPU, or `quality_probe=False`: returns it unchanged;
+- an explicit 16-bit dtype with dense weights: unchanged too (the unquantised model, asked for);
+- otherwise measures it (`quality_probe.probe_quality`, cached). A choice that speed made
+  automatically and that lies outside the bound falls back, one step at a time, to what is left:
+  INT4 weights to dense weights in the same dtype, then an automatic 16-bit dtype to float32
+  (the reference, within the bound by definition). An explicit choice outside the bound is kept,
+  with a warning in the log that gives the figures.
+The result carries the verdict (`PrecisionChoice.quality`) and says why in its `reason`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from tandem.engine.models.interface import CausalLM
+from tandem.engine.models.loader import LoadedModel
+from tandem.engine.precision import PrecisionChoice
+from tandem.engine.quality_probe import QualityResult, Scorer, calibration_token_ids, probe_quality
+from tandem.engine.runner import ModelRunner
+from tandem.engine.runner.kv_tensors import KVCacheSpec
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from tandem.platform.config import EngineConfig
+
+logger = logging.getLogger("tandem.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# (precision, max_positions) -> the model and, for hybrid weights, its INT4 decode copy, built as
+# the engine builds them (`builder.build_models`).
+BuildModels = Callable[[PrecisionChoice, int], tuple[CausalLM, CausalLM | None]]
+
+
+def hold_to_bound(
+    config: EngineConfig, loaded: LoadedModel, precision: PrecisionChoice, kv_spec: KVCacheSpec,
+    device: torch.device, cache_dir: Path, build_models: BuildModels,
+) -> PrecisionChoice:  # fmt: skip
+    """The precision to serve (module docstring). `kv_spec`: the engine's cache shape (its dtype
+    is the configured KV dtype's)."""
+    explicit_dense = not precision.automatic and precision.weight_dtype == "dense"
+    if device.type != "cpu" or not config.quality_probe or precision.is_reference or explicit_dense:
+        return precision
+    token_ids = calibration_token_ids(loaded.tokenizer.encode)
+    reference = _scorer(config, PrecisionChoice("float32", "dense", ""), kv_spec, torch.float32, device, build_models)
+    auto_weights = config.weight_dtype == "auto" or "weight_dtype" not in config.model_fields_set
+    auto_dtype = config.dtype == "auto"
+    verdicts: list[QualityResult] = []
+    candidate = precision
+    while True:
+        kv_dtype = _kv_dtype(config, candidate, kv_spec)
+        name = f"{candidate.name}, KV {str(kv_dtype).removeprefix('torch.')}"
+        scorer = _scorer(config, candidate, kv_spec, kv_dtype, device, build_models)
+        verdicts.append(probe_quality(loaded.path, name, token_ids, reference, scorer, cache_dir))
+        if verdicts[-1].within_bound or not precision.automatic:
+            break
+        if auto_weights and candidate.weight_dtype != "dense":
+            candidate = dataclasses.replace(candidate, weight_dtype="dense")
+        elif auto_dtype and candidate.dtype != "float32":
+            candidate = dataclasses.replace(candidate, dtype="float32", weight_dtype="dense")
+        else:
+            break
+        if candidate.is_reference:
+            return _verdict(candidate, verdicts, "float32 dense: the checkpoint's own weights")
+    if not verdicts[-1].within_bound:
+        logger.warning(
+            "the configured precision is outside the quality bound on this checkpoint",
+            extra={"precision": candidate.name, "quality": verdicts[-1].describe()},
+        )
+    return _verdict(candidate, verdicts, "")
+
+
+def _verdict(precision: PrecisionChoice, verdicts: list[QualityResult], last: str) -> PrecisionChoice:
+    words = [precision.reason, *(v.describe() for v in verdicts), *([last] if last else [])]
+    return dataclasses.replace(precision, quality=tuple(verdicts), reason="; ".join(words))
+def _kv_dtype(config: EngineConfig, precision: PrecisionChoice, kv_spec: KVCacheSpec) -> torch.dtype:
+    """The candidate's KV dtype: the configured one, or its compute dtype for "auto"."""
+    if config.kv_cache_dtype == "auto":
+        return DTYPES[precision.dtype]
+    return kv_spec.dtype
+
+
+def _scorer(
+    config: EngineConfig, precision: PrecisionChoice, kv_spec: KVCacheSpec, kv_dtype: torch.dtype,
+    device: torch.device, build_models: BuildModels,
+) -> Scorer:  # fmt: skip
+    """Teacher-forced logits through a runner of `precision` whose models `build_models` builds
+    as the engine's (when called; freed after)."""
+
+    def score(token_ids: list[int], num_prompt_tokens: int) -> torch.Tensor:
+        model, decode_model = build_models(precision, len(token_ids) + 1)
+        spec = dataclasses.replace(kv_spec, dtype=kv_dtype)
+        num_blocks = -(-len(token_ids) // spec.block_size) + 1
+        runner = ModelRunner(
+            model, spec, num_blocks, device, decode_model=decode_model,
+            decode_model_max_batch=config.hybrid_int4_max_batch, native_decoder=config.native_decoder,
+        )  # fmt: skip
+        return runner.teacher_forced_logits(token_ids, num_prompt_tokens)
+
+    return score

@@ -1,0 +1,104 @@
+"""The quality probe and its bound (engine/quality_probe.py, engine/quality_gate.py): a precision
+chosen for speed is kept only within a measured bound on the checkpoint; an explicit one outside
+it starts with a warning that gives the figures. Real checkpoints: tests/test_real_checkpoints.py."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem import LLM
+from tandem.engine.builder import build_models, kv_cache_spec
+from tandem.engine.models.loader import load_model
+from tandem.engine.precision import PIN_ENV, PrecisionChoice
+from tandem.engine.quality_gate import hold_to_bound
+from tandem.engine.quality_probe import MAX_MEAN_KL, compare
+from tandem.platform.config import EngineConfig
+
+CPU = torch.device("cpu")
+
+
+def test_compare_measures_kl_and_top1_agreement() -> None:
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.0, 3.0, 1.0]])
+    assert compare(logits, logits) == (0.0, 1.0)
+    swapped = torch.tensor([[0.0, 2.0, -1.0], [0.0, 3.0, 1.0]])  # the first row's top token changes
+    kl, agreement = compare(logits, swapped)
+    p = torch.softmax(logits[0], dim=-1)
+    want = float((p * (torch.log_softmax(logits[0], -1) - torch.log_softmax(swapped[0], -1))).sum()) / 2
+    assert agreement == 0.5 and kl == pytest.approx(want, rel=1e-5)
+
+
+def _hold(folder: Path, precision: PrecisionChoice, cache: Path, **options: object) -> PrecisionChoice:
+    loaded = load_model(str(folder))
+    config = EngineConfig(model=str(folder), **options)
+    build = functools.partial(build_models, config, loaded, device=CPU)
+    return hold_to_bound(config, loaded, precision, kv_cache_spec(loaded, 16, torch.float32), CPU, cache, build)
+
+
+def test_an_automatic_choice_outside_the_bound_falls_back(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Random tiny weights: INT4 moves most next tokens, so speed's INT4 falls back to dense
+    float32 (the checkpoint's own weights); bfloat16 is measured too and, outside, falls back."""
+    int4 = _hold(tiny_model_dir, PrecisionChoice("float32", "int4", "speed", automatic=True), tmp_path)
+    assert int4.name == "float32/dense"
+    (verdict,) = int4.quality
+    assert verdict.candidate.startswith("float32/int4") and not verdict.within_bound
+    assert verdict.mean_kl > MAX_MEAN_KL and verdict.num_positions > 64
+    assert "outside the bound" in int4.reason and "float32 dense" in int4.reason
+
+    bf16 = _hold(tiny_model_dir, PrecisionChoice("bfloat16", "int4", "speed", automatic=True), tmp_path)
+    assert [q.candidate.split(",")[0] for q in bf16.quality] == ["bfloat16/int4", "bfloat16/dense"]
+    assert bf16.name == ("bfloat16/dense" if bf16.quality[-1].within_bound else "float32/dense")
+
+    again = _hold(tiny_model_dir, PrecisionChoice("float32", "int4", "speed", automatic=True), tmp_path)
+    assert again.quality[0].source == "cache" and again.quality[0].mean_kl == verdict.mean_kl
+
+
+def test_a_choice_within_the_bound_is_kept(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A candidate whose distributions equal the reference's (its models built as float32 dense
+    whatever it names) is within the bound and kept as chosen."""
+    loaded = load_model(str(tiny_model_dir))
+    config = EngineConfig(model=str(tiny_model_dir), kv_cache_dtype="float32")
+    reference = PrecisionChoice("float32", "dense", "")
+
+    def same_as_reference(precision: PrecisionChoice, max_positions: int):  # type: ignore[no-untyped-def]
+        return build_models(config, loaded, reference, max_positions, device=CPU)
+
+    chosen = PrecisionChoice("bfloat16", "dense", "speed", automatic=True)
+    spec = kv_cache_spec(loaded, 16, torch.float32)
+    kept = hold_to_bound(config, loaded, chosen, spec, CPU, tmp_path, same_as_reference)
+    assert kept.name == "bfloat16/dense" and kept.quality[0].within_bound
+    assert kept.quality[0].mean_kl == pytest.approx(0.0, abs=1e-6) and kept.quality[0].top1_agreement == 1.0
+
+
+def test_an_explicit_int4_outside_the_bound_starts_with_a_warning(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="tandem.engine"):
+        llm = LLM(str(tiny_model_dir), dtype="float32", weight_dtype="int4", kv_cache_memory=4 << 20, speculative=None)
+    stats = llm.stats()
+    assert stats["weight_dtype"] == "int4"  # as configured
+    (verdict,) = stats["quality_probe"]
+    assert not verdict["within_bound"] and verdict["mean_kl"] > MAX_MEAN_KL
+    warnings = [r for r in caplog.records if "outside the quality bound" in r.getMessage()]
+    assert warnings and "mean KL" in warnings[0].__dict__["quality"]
+
+
+def test_defaults_serve_one_precision_held_to_the_bound(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unpinned defaults: speed's choice, then the bound; never two weight precisions."""
+    monkeypatch.delenv(PIN_ENV, raising=False)
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    llm = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20)
+    stats = llm.stats()
+    assert stats["weight_dtype"] in ("dense", "int4")
+    assert llm.engine.runner.decode_model is llm.engine.runner.model
+    if (stats["dtype"], stats["weight_dtype"]) != ("float32", "dense"):
+        assert stats["quality_probe"] and stats["quality_probe"][-1]["within_bound"]
+    else:
+        assert all(not q["within_bound"] for q in stats["quality_probe"])
