@@ -5,8 +5,8 @@ in stats(); an explicit float32 is still the whole float32 model (HF's greedy to
 from __future__ import annotations
 
 import functools
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
