@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -26,9 +27,11 @@ def _generate(args: argparse.Namespace) -> int:
     started = time.monotonic()
     llm = LLM(model=args.model, max_model_len=args.max_model_len, seed=args.seed)
     print(f"[tandem] loaded {args.model} in {time.monotonic() - started:.1f}s", file=sys.stderr)
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
-    )
+    unset = {"top_k", "min_p", "repetition_penalty"} | ({"top_p"} if args.top_p is None else set())
+    params = SamplingParams(  # what the flags leave unset, the checkpoint's generation defaults fill
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=1.0 if args.top_p is None else args.top_p,
+        seed=args.seed, model_defaults=frozenset(unset),
+    )  # fmt: skip
 
     def show(output: RequestOutput) -> None:
         sys.stdout.write(output.outputs[0].delta_text)
@@ -228,8 +231,7 @@ def _serve(args: argparse.Namespace) -> int:
     app_args = _app_args(args)
     dev_key = dev_operator_key = None
     if not os.environ.get("TANDEM_API_KEYS") and not args.keys_file:
-        dev_key = "sk-dev-" + secrets.token_hex(12)
-        app_args["api_keys"] = f"{dev_key}=dev"
+        dev_key = _dev_tenant_key(app_args["object_store"])
     if not os.environ.get("TANDEM_OPERATOR_KEYS"):
         dev_operator_key = "sk-op-dev-" + secrets.token_hex(12)
         app_args["operator_keys"] = dev_operator_key
@@ -249,7 +251,9 @@ def _serve(args: argparse.Namespace) -> int:
     serve.run(app, name="tandem", route_prefix="/")
     base = f"http://{args.host}:{args.port}"
     timing = f"ready in {time.monotonic() - started:.1f} s: Ray {ray_ready - started:.1f} s, replicas {time.monotonic() - ray_ready:.1f} s"
-    print(_banner(args.model, base, dev_key, dev_operator_key, timing), file=sys.stderr, flush=True)
+    served_name = EngineConfig(**app_args["engine"]).api_model_name
+    print(_banner(served_name, base, dev_key, dev_operator_key, timing), file=sys.stderr, flush=True)
+    print(_model_line(base, served_name, dev_key or dev_operator_key), file=sys.stderr, flush=True)
 
     def _stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -270,12 +274,50 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+DEV_TENANT, DEV_KEY_NAME = "dev", "tandem serve (this run)"
+
+
+def _dev_tenant_key(object_store: str) -> str:
+    """A key of the tenant "dev" in the tenant directory (created if new), so that what `make
+    run` prints is a tenant's key like any other (`tandem tenants show dev`, the console's key
+    page); the keys earlier runs issued under the same name are revoked."""
+    from tandem.platform.errors import ConflictError
+    from tandem.platform.object_store import open_object_store
+    from tandem.platform.tenant_directory import TenantDirectory, TenantSpec
+
+    directory = TenantDirectory(open_object_store(object_store))
+    with contextlib.suppress(ConflictError):
+        directory.create_tenant(TenantSpec(id=DEV_TENANT))
+    for old in directory.list_keys(DEV_TENANT):
+        if old.name == DEV_KEY_NAME:
+            directory.revoke_key(DEV_TENANT, old.id)
+    return directory.create_key(DEV_TENANT, name=DEV_KEY_NAME)[1]
+
+
+def _model_line(base: str, served_name: str, key: str | None) -> str:
+    """The precision the replicas run and the generation defaults they apply (`/v1/models`)."""
+    import httpx
+
+    if key is None:
+        return f"[tandem] model {served_name}: GET {base}/v1/models says its precision and defaults"
+    try:
+        card = httpx.get(f"{base}/v1/models/{served_name}", headers={"Authorization": f"Bearer {key}"}, timeout=60).json()
+        info = card["tandem"]
+    except (httpx.HTTPError, KeyError, ValueError) as exc:
+        return f"[tandem] model {served_name}: precision not known ({type(exc).__name__})"
+    defaults = ", ".join(f"{k}={v}" for k, v in info["generation_defaults"].items()) or "none (temperature 1)"
+    return (
+        f"[tandem] model {served_name}: {info['dtype']} compute, {info['weight_dtype']} weights, KV "
+        f"{info['kv_cache_dtype']}; generation defaults: {defaults}\n[tandem] why: {info['precision_reason']}"
+    )
+
+
 def _banner(model: str, base: str, dev_key: str | None, dev_operator_key: str | None, timing: str) -> str:
     """What a newcomer needs, after Ray's start-up lines: where, which keys, a request to try."""
     key = dev_key or "$YOUR_KEY"
     lines = [f"serving {model} at {base}/v1 ({timing})"]
     if dev_key:
-        lines.append(f"API key (this run only):          {dev_key}")
+        lines.append(f"API key of tenant '{DEV_TENANT}' (this run only): {dev_key}")
     if dev_operator_key:
         lines.append(f"operator key (tenants, usage, /metrics): {dev_operator_key}")
         lines.append(f"  TANDEM_OPERATOR_KEY={dev_operator_key} tandem tenants create acme")
@@ -315,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--model", default=DEFAULT_MODEL, help="bundled name, HF folder or .gguf file")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=None, help="default: the model's generation default, else 1")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="plain completion, no chat template")

@@ -21,7 +21,7 @@ export function render(main, { who }) {
       "tr",
       { dataset: { keyId: key.id } },
       h("td", {}, key.name || "(unnamed)"),
-      h("td", {}, h("code", {}, `${key.prefix}…`)),
+      h("td", {}, h("code", {}, key.redacted_value)),
       h("td", {}, formatTime(key.created_at)),
       h("td", {}, key.expires_at ? formatTime(key.expires_at) : "never"),
       h("td", {}, h("button", { type: "button", class: "danger", onclick: () => revoke(key) }, `Revoke ${key.name || key.id}`)),

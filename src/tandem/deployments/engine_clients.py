@@ -42,6 +42,10 @@ class EngineClient(Protocol):
 
     async def lora_info(self) -> dict[str, Any]: ...
 
+    async def model_info(self) -> dict[str, Any]:
+        """The served model's precision and generation defaults (`LLMEngine.model_info`)."""
+        ...
+
     async def token_table(self) -> list[bytes]: ...
 
 
@@ -71,6 +75,9 @@ class LocalEngineClient:
 
     async def lora_info(self) -> dict[str, Any]:
         return dict(self.engine.engine.lora_info())
+
+    async def model_info(self) -> dict[str, Any]:
+        return dict(self.engine.model_info())
 
     async def token_table(self) -> list[bytes]:
         return list(self.engine.token_table())
@@ -136,6 +143,9 @@ class HandleEngineClient:
 
     async def lora_info(self) -> dict[str, Any]:
         return cast(dict[str, Any], await self.unary.lora_info.remote())
+
+    async def model_info(self) -> dict[str, Any]:
+        return cast(dict[str, Any], await self.unary.model_info.remote())
 
     async def token_table(self) -> list[bytes]:
         return cast(list[bytes], await self.unary.token_table.remote())

@@ -195,12 +195,12 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
         server, tenant = _authenticated(request)
-        return await run_in_threadpool(server.models, tenant)
+        return await run_in_threadpool(server.models, tenant, await server.model_info())
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> Any:
         server, tenant = _authenticated(request)
-        return await run_in_threadpool(server.model, tenant, model_id)
+        return await run_in_threadpool(server.model, tenant, model_id, await server.model_info())
 
     @app.get("/health")
     async def health(request: Request) -> Any:

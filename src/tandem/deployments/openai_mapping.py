@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.deployments.structured_output import request_constraint, response_format_constraint
+from tandem.engine.generation_defaults import DEFAULTABLE
 from tandem.engine.protocol import CompletionOutput, RequestOutput
 from tandem.engine.sampling_params import SamplingParams
 from tandem.platform.errors import InvalidRequestError, RequestFailedError, TandemError
@@ -48,7 +49,8 @@ class ResponseTiming:
 
 def sampling_params_from(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
     """The request's sampling fields; an unset `max_tokens` stays None (the engine then applies
-    `GenerationRequest.default_max_tokens` within what the context leaves)."""
+    `GenerationRequest.default_max_tokens` and the checkpoint's within what the context leaves),
+    and the other unset ones are named in `model_defaults` for the checkpoint's defaults."""
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
     if isinstance(req, ChatCompletionRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -64,6 +66,9 @@ def sampling_params_from(req: ChatCompletionRequest | CompletionRequest) -> Samp
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=req.top_k or 0,
         min_p=req.min_p or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        # what the client left unset: the checkpoint's generation defaults fill it (in the engine)
+        model_defaults=frozenset(name for name in DEFAULTABLE if getattr(req, name) is None),
         n=req.n,
         seed=req.seed,
         stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),

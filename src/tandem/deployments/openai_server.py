@@ -172,6 +172,7 @@ class OpenAIServer:
         self.on_batch_created: Callable[[], None] | None = None  # e.g. wake a batch worker
         self.adapters = adapters  # per-tenant LoRA adapters; None when no object store is configured
         self._lora_info: dict[str, Any] | None = None
+        self._model_info: dict[str, Any] | None = None
         self._token_names: TokenNames | None = None  # from the engine's table, once logprobs are asked
         # Graceful stop (`begin_drain`): requests running now, and the drain's end, once set.
         self.num_in_flight = 0
@@ -252,20 +253,21 @@ class OpenAIServer:
         )
 
     # -- routes ---------------------------------------------------------------------------
-    def models(self, tenant: str) -> dict[str, Any]:
-        """The base model and this tenant's adapters (as `base:adapter`)."""
-        cards = [ModelCard(id=self.model_name)]
+    def models(self, tenant: str, info: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The base model (with `info`, `model_info`'s precision and generation defaults) and this
+        tenant's adapters (as `base:adapter`)."""
+        cards = [ModelCard(id=self.model_name, tandem=info)]
         if self.adapters is not None:
             cards += [
                 ModelCard(id=f"{self.model_name}:{a.name}", created=a.created_at, owned_by=tenant)
                 for a in self.adapters.list(tenant)
             ]
-        return ModelList(data=cards).model_dump()
+        return ModelList(data=cards).model_dump(exclude_none=True)
 
-    def model(self, tenant: str, model_id: str) -> dict[str, Any]:
+    def model(self, tenant: str, model_id: str, info: dict[str, Any] | None = None) -> dict[str, Any]:
         """One model card (`GET /v1/models/{model}`): the base model or one of this tenant's
         adapters; 404 otherwise, including another tenant's adapter."""
-        for card in self.models(tenant)["data"]:
+        for card in self.models(tenant, info)["data"]:
             if card["id"] == model_id:
                 return dict(card)
         raise NotFoundError(f"The model {model_id!r} does not exist", param="model", code="model_not_found")
@@ -299,6 +301,13 @@ class OpenAIServer:
     def _names(self) -> TokenNames:
         """Token names for logprobs (loaded by `load_token_table` before any request that asks)."""
         return self._token_names or NO_TOKEN_NAMES
+
+    async def model_info(self) -> dict[str, Any]:
+        """The served model's precision and generation defaults (asked once, then cached: every
+        replica of a served name runs the same)."""
+        if self._model_info is None:
+            self._model_info = await self.client.model_info()
+        return self._model_info
 
     async def lora_info(self) -> dict[str, Any]:
         """The engine's LoRA limits and base-model shape (asked once, then cached)."""

@@ -249,6 +249,9 @@ class AsyncEngine:
     def lora_info(self) -> dict[str, Any]:
         return self.engine.lora_info()
 
+    def model_info(self) -> dict[str, Any]:
+        return self.engine.model_info()
+
     def token_table(self) -> list[bytes]:
         """Each token id's bytes (`Tokenizer.token_bytes_table`), for logprobs' text and bytes."""
         return self.engine.tokenizer.token_bytes_table()

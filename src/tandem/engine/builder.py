@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tandem.engine.draft import DraftProposer, EagleProposer, PagedDraftCache
+from tandem.engine.generation_defaults import GenerationDefaults
 from tandem.engine.grammar import GrammarCompiler
 from tandem.engine.lora import LoRALimits, LoRAManager, LoRAModelShape
 from tandem.engine.models.eagle import EagleDraft, is_eagle_folder, load_eagle
@@ -72,6 +73,8 @@ class EngineParts:
     max_positions: int | None = None  # positions the model's RoPE tables cover (None: max_model_len)
     kv_window: int | None = None  # blocks before a request's last kv_window positions are given back
     tuned_threads: int | None = None  # most intra-op threads the engine's `ThreadTuner` may use (None: fixed)
+    # what a request's unset sampling fields become (the checkpoint's, with generation_config "auto")
+    generation_defaults: GenerationDefaults = dataclasses.field(default_factory=GenerationDefaults)
 
 
 @dataclasses.dataclass
@@ -201,6 +204,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
             "decode_graph_max_batch": runner.paths.graph_max_batch,
             "kv_cache_dtype": kv_cache_dtype, "kv_blocks": sizes.num_blocks,
             "kv_capacity_tokens": sizes.num_blocks * config.block_size, "max_model_len": sizes.max_model_len,
+            "quality_probe": [q.describe() for q in precision.quality],
+            "generation_defaults": loaded.generation_defaults.as_dict() if config.generation_config == "auto" else {},
         },
     )  # fmt: skip
     return EngineParts(
@@ -209,6 +214,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         lora=lora, precision=precision, grammars=grammars, num_head_blocks=sizes.num_head_blocks,
         max_positions=sizes.max_positions, kv_window=window,
         tuned_threads=torch.get_num_threads() if tune_threads else None,
+        generation_defaults=loaded.generation_defaults if config.generation_config == "auto" else GenerationDefaults(),
     )  # fmt: skip
 
 

@@ -68,6 +68,7 @@ class LLMEngine:
         self.lora = parts.lora
         self.kv_cache_dtype = parts.kv_cache_dtype
         self.precision = parts.precision
+        self.generation_defaults = parts.generation_defaults
         self.grammars: GrammarCompiler | None = parts.grammars
         self.kv_manager = KVCacheManager(
             parts.num_blocks,
@@ -205,6 +206,20 @@ class LLMEngine:
 
     def remove_lora(self, name: str) -> bool:
         return self.lora.remove(name) if self.lora is not None else False
+
+    def model_info(self) -> dict[str, Any]:
+        """What `/v1/models` says of the served model: the precision it runs (and why) and the
+        generation defaults that fill a request's unset sampling fields."""
+        precision = self.precision
+        return {
+            "dtype": precision.dtype if precision else None,
+            "weight_dtype": precision.weight_dtype if precision else None,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "precision_reason": precision.reason if precision else "",
+            "quality": [q.as_stats() for q in precision.quality] if precision else [],
+            "generation_defaults": self.generation_defaults.as_dict(),
+            "max_model_len": self.max_model_len,
+        }
 
     def lora_info(self) -> dict[str, Any]:
         """What an API needs to validate adapter uploads for this engine."""

@@ -33,6 +33,7 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "precision_reason": engine.precision.reason if engine.precision else "",
         "precision_probe": engine.precision.probe.as_stats() if engine.precision and engine.precision.probe else None,
         "quality_probe": [q.as_stats() for q in engine.precision.quality] if engine.precision else [],
+        "generation_defaults": engine.generation_defaults.as_dict(),
         "native_decoder": runner.native_decoder,
         "num_native_decoder_steps": runner.num_native_decoder_steps,
         "num_graph_steps": runner.num_graph_steps,

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from tandem.engine.engine import LLMEngine
+from tandem.engine.generation_defaults import DEFAULTABLE
 from tandem.engine.protocol import GenerationRequest, LoRARequest, RequestOutput
 from tandem.engine.request import Priority
 from tandem.engine.sampling_params import SamplingParams
@@ -95,8 +96,8 @@ class LLM:
     def _params_per_prompt(
         params: SamplingParams | Sequence[SamplingParams] | None, n: int
     ) -> list[SamplingParams]:
-        if params is None:
-            return [SamplingParams() for _ in range(n)]
+        if params is None:  # the checkpoint's generation defaults, as vLLM's LLM does
+            return [SamplingParams(model_defaults=DEFAULTABLE) for _ in range(n)]
         if isinstance(params, SamplingParams):
             return [params] * n
         if len(params) != n:

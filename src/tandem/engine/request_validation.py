@@ -24,7 +24,7 @@ def make_request(engine: LLMEngine, gen: GenerationRequest, *, compress: bool = 
     """Validate and tokenise; raises `InvalidRequestError` before anything is allocated.
     `compress=False`: the shared layout whatever the request or engine asks (KV hand-over)."""
     token_ids, prompt = _prompt_token_ids(engine, gen)
-    params = gen.sampling_params
+    params = engine.generation_defaults.apply(gen.sampling_params)
     vocab = engine.model_config.vocab_size
     if any(t >= vocab for t in params.stop_token_ids):
         raise InvalidRequestError(f"stop_token_ids must be token ids of this model: in [0, {vocab})", param="stop_token_ids")
@@ -90,9 +90,9 @@ def _with_max_tokens(
             f"{'(the KV compression pool) ' if compressed else ''}and at least one must be left to generate"
         )
     remaining = context - num_prompt_tokens
-    if params.max_tokens is None:
-        limit = remaining if gen.default_max_tokens is None else min(remaining, gen.default_max_tokens)
-        return dataclasses.replace(params, max_tokens=limit)
+    if params.max_tokens is None:  # the request's default, the checkpoint's, what the context leaves
+        defaults = (gen.default_max_tokens, engine.generation_defaults.max_tokens)
+        return dataclasses.replace(params, max_tokens=min([remaining, *(d for d in defaults if d is not None)]))
     if params.max_tokens > remaining:
         raise ContextLengthExceededError(
             f"This model's maximum context length is {context} tokens; the prompt has "

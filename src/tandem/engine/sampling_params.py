@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -15,6 +16,7 @@ MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 1000  # stop strings are searched for at
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 # Integer fields that reach tensors (top_k, token ids) stay in the range of a signed 32-bit int.
 MAX_INT32 = (1 << 31) - 1
+MAX_REPETITION_PENALTY = 10.0
 
 
 # JSON under a constraint is written as Python's json.dumps writes it: fixed separators and no
@@ -46,6 +48,9 @@ class SamplingParams:
     """How to pick each next token and when to stop.
 
     Defaults follow vLLM: temperature 1.0, max_tokens 16. `temperature` below 1e-5 (0 included) means greedy.
+    `model_defaults` names the fields a client left unset (the OpenAI mapping sets it): the
+    engine fills them from the checkpoint's generation defaults (`GenerationDefaults.apply`), and
+    until then they hold the neutral values below.
     A prompt plus an explicit `max_tokens` must fit the model's context (else
     `ContextLengthExceededError`); `max_tokens=None` asks for what the context leaves, capped by the
     request's `default_max_tokens`.
@@ -65,12 +70,16 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token (0: only the sampled token's)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # HF / vLLM: a logit of a token already in the prompt or output is divided by this where
+    # positive, multiplied where negative (1: off)
+    repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     speculative: bool = True  # False: never verify draft tokens for this request
     structured: StructuredOutput | None = None  # constrain the output (JSON schema, regex, grammar)
     # Compress this request's KV cache by per-head eviction at this rate (>= 1; 1: no eviction);
     # None: the engine's `kv_compression_rate`. Needs an engine started with KV compression.
     kv_compression_rate: float | None = None
+    model_defaults: frozenset[str] = frozenset()  # fields the checkpoint's defaults fill (see above)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,7 +94,7 @@ class SamplingParams:
         def bad(param: str, message: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param} {message}", param=param)
 
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise bad(name, f"must be a finite number, got {value!r}")
@@ -107,6 +116,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise bad(name, f"must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise bad("repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
         if self.logprobs is not None and (_not_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -137,7 +148,11 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def with_values(self, values: dict[str, object]) -> SamplingParams:
+        """A validated copy with `values` set and nothing left to the model's defaults."""
+        return dataclasses.replace(self, **values, model_defaults=frozenset())  # type: ignore[arg-type]
 
 
 GREEDY_TEMPERATURE = 1e-5

@@ -239,6 +239,7 @@ class Scheduler:
         self._seen_by_runner.add(request.request_id)
         draft_token_ids = list(drafts.token_ids) if drafts is not None else []
         token_ids = request.token_ids_slice(start, end) + draft_token_ids
+        repeats = request.sampling_params.repetition_penalty != 1.0  # penalises the prompt's tokens too
         scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
@@ -252,7 +253,7 @@ class Scheduler:
                 lora_name=request.lora_name,
                 draft_token_ids=draft_token_ids,
                 num_draft_slots=num_draft_slots,
-                prompt_token_ids=request.prompt_token_ids if num_draft_slots else [],
+                prompt_token_ids=request.prompt_token_ids if num_draft_slots or repeats else [],
             )
         )
         self._layout(request).describe(scheduled[-1], request)

@@ -67,7 +67,8 @@ class ScheduledRequest:
     # With a draft model: how many drafts the runner's draft model proposes for this request (their
     # slots are allocated; the runner appends the drafts to `token_ids` itself).
     num_draft_slots: int = 0
-    prompt_token_ids: list[int] = field(default_factory=list)  # the draft model catches up on them
+    # the request's prompt, where the draft model catches up on it or the repetition penalty reads it
+    prompt_token_ids: list[int] = field(default_factory=list)
     # A compressed request's step in the per-head layout (`kv_layout.HeadLayout`); None for the
     # shared layout. `block_ids` is then empty.
     head: HeadStep | None = None

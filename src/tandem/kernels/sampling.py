@@ -21,6 +21,17 @@ def apply_penalties(
     return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).to(logits.dtype)
 
 
+def apply_repetition_penalty(
+    logits: torch.Tensor,  # [B, V]
+    seen: torch.Tensor,  # [B, V] bool: the token is in the row's prompt or output
+    penalty: torch.Tensor,  # [B] > 0
+) -> torch.Tensor:
+    """HF / vLLM semantics: where `seen`, logits / penalty if positive, logits * penalty otherwise."""
+    factor = penalty[:, None].to(logits.dtype)
+    penalised = torch.where(logits > 0, logits / factor, logits * factor)
+    return torch.where(seen, penalised, logits)
+
+
 def apply_token_bitmask_(
     logits: torch.Tensor,  # [B, V] float, modified in place
     bitmask: torch.Tensor,  # [B, ceil(V / 32)] int32: bit t % 32 of word t // 32 set = token t allowed

@@ -274,6 +274,7 @@ class _SamplingRequest(_Request):
     # vLLM-style extensions
     top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     ignore_eos: bool = False
     stop_token_ids: list[Int32] | None = None
     # Tandem extension: false turns speculative decoding off for this request (when the server has it on)
@@ -360,6 +361,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "tandem"
+    # Tandem extension on the base model: the precision it runs and why (quality verdicts
+    # included) and the generation defaults that fill a request's unset sampling fields
+    tandem: dict[str, Any] | None = None
 
 
 class ModelList(BaseModel):

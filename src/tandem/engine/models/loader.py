@@ -13,13 +13,14 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from tandem.engine.generation_defaults import GenerationDefaults
 from tandem.engine.models.interface import CausalLM
 from tandem.engine.models.llama import LLAMA, LlamaConfig
 from tandem.engine.models.registry import Architecture, architecture_for
@@ -56,6 +57,7 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]  # HF names, float32
     tokenizer: Tokenizer
     architecture: Architecture = LLAMA
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)  # the checkpoint's own
 
 
 def resolve_model_path(model: str) -> Path:
@@ -160,6 +162,8 @@ def gguf_to_hf_folder(path: Path, cache_dir: Path) -> Path:
             )
         )
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
+        if loaded.generation_defaults.as_dict():
+            (tmp / "generation_config.json").write_text(json.dumps(loaded.generation_defaults.to_hf_dict(), indent=1))
         try:
             tmp.rename(folder)
         except OSError:  # another process won the race: use its copy
@@ -212,7 +216,7 @@ def _load_hf_folder(name: str, folder: Path) -> LoadedModel:
     if unused is not None:  # never read: not kept either
         weights = {name: tensor for name, tensor in weights.items() if not unused(name)}
     tokenizer = Tokenizer.from_hf_folder(folder, config.eos_token_ids)
-    return LoadedModel(name, folder, config, weights, tokenizer, architecture)
+    return LoadedModel(name, folder, config, weights, tokenizer, architecture, GenerationDefaults.from_hf_folder(folder))
 
 
 # -- GGUF -----------------------------------------------------------------------------------
@@ -287,7 +291,7 @@ def _read_gguf(path: Path) -> LoadedModel:
         elif hf_name.endswith("k_proj.weight"):
             array = _unpermute_rope(array, config.num_key_value_heads)
         weights[hf_name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
-    return LoadedModel(path.name, path, config, weights, tokenizer)
+    return LoadedModel(path.name, path, config, weights, tokenizer, generation_defaults=GenerationDefaults.from_gguf_fields(fields))
 
 
 def _open_gguf(path: Path) -> tuple[Any, dict[str, Any]]:

@@ -14,7 +14,14 @@ import torch
 
 from tandem.engine.runner.constraints import GRAMMAR_FAILED, GrammarMasks
 from tandem.engine.step import RunnerResult, ScheduledRequest
-from tandem.kernels.sampling import apply_penalties, filter_logits, sample_rows, top_logprobs, verify_drafts
+from tandem.kernels.sampling import (
+    apply_penalties,
+    apply_repetition_penalty,
+    filter_logits,
+    sample_rows,
+    top_logprobs,
+    verify_drafts,
+)
 
 logger = logging.getLogger("tandem.engine.runner")
 
@@ -198,7 +205,8 @@ class Sampler:
 
     @staticmethod
     def _penalised(logits: torch.Tensor, items: list[ScheduledRequest]) -> torch.Tensor:
-        """logits [B, V] with presence and frequency penalties over each item's output so far."""
+        """logits [B, V] with presence and frequency penalties over each item's output so far,
+        then the repetition penalty over its prompt and output."""
         params = [item.sampling_params for item in items]
         if not any(p.has_penalties for p in params):
             return logits
@@ -207,9 +215,17 @@ class Sampler:
             if item.output_token_ids and item.sampling_params.has_penalties:
                 ids = torch.tensor(item.output_token_ids, dtype=torch.int64, device=logits.device)
                 counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
-        return apply_penalties(
+        logits = apply_penalties(
             logits,
             counts,
             torch.tensor([p.presence_penalty for p in params], device=logits.device),
             torch.tensor([p.frequency_penalty for p in params], device=logits.device),
         )
+        if all(p.repetition_penalty == 1.0 for p in params):
+            return logits
+        seen = counts > 0  # [B, V]
+        for row, item in enumerate(items):
+            if item.sampling_params.repetition_penalty != 1.0 and item.prompt_token_ids:
+                seen[row, torch.tensor(item.prompt_token_ids, dtype=torch.int64, device=logits.device)] = True
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=logits.device)
+        return apply_repetition_penalty(logits, seen, penalty)
