@@ -47,16 +47,25 @@ class ServeProcess:
     """`tandem serve` on a tiny model in a subprocess with a Ray of its own; its stderr lines are
     read as they come."""
 
-    def __init__(self, tmp_path: Path, *args: str, port: int | None = None) -> None:
-        model_dir = tmp_path / "model"
-        if not (model_dir / "config.json").exists():
-            make_tiny_model(model_dir, max_positions=4096)
+    def __init__(
+        self, tmp_path: Path, *args: str, port: int | None = None, model: str | None = None, served_name: str = "tiny",
+        pinned_precision: bool = True,
+    ) -> None:  # fmt: skip
+        """`model`: a checkpoint (default: a tiny random one made here); `pinned_precision=False`
+        serves with the precision defaults (no `TANDEM_AUTO_PRECISION` pin of the test suite)."""
+        if model is None:
+            model_dir = tmp_path / "model"
+            if not (model_dir / "config.json").exists():
+                make_tiny_model(model_dir, max_positions=4096)
+            model = str(model_dir)
         self.port = port or free_port()
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        if not pinned_precision:
+            env.pop("TANDEM_AUTO_PRECISION", None)
         env["TANDEM_API_KEYS"] = f"{KEY}=acme"
         env["TANDEM_OPERATOR_KEYS"] = OPERATOR_KEY
-        command = [sys.executable, "-m", "tandem.cli", "serve", "--model", str(model_dir)]
-        command += ["--served-model-name", "tiny", "--port", str(self.port)]
+        command = [sys.executable, "-m", "tandem.cli", "serve", "--model", model]
+        command += ["--served-model-name", served_name, "--port", str(self.port)]
         command += ["--data-dir", str(tmp_path / "data"), "--kv-cache-memory", str(8 << 20), *args]
         self.process = subprocess.Popen(
             command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True

@@ -169,6 +169,9 @@ def _app_args(args: argparse.Namespace) -> dict[str, Any]:
         engine["max_model_len"] = args.max_model_len
     if args.kv_cache_memory:
         engine["kv_cache_memory"] = args.kv_cache_memory
+    for option in ("dtype", "weight_dtype", "generation_config"):
+        if getattr(args, option) is not None:
+            engine[option] = getattr(args, option)
     return {
         "engine": engine,
         "keys_file": args.keys_file,
@@ -253,7 +256,8 @@ def _serve(args: argparse.Namespace) -> int:
     timing = f"ready in {time.monotonic() - started:.1f} s: Ray {ray_ready - started:.1f} s, replicas {time.monotonic() - ray_ready:.1f} s"
     served_name = EngineConfig(**app_args["engine"]).api_model_name
     print(_banner(served_name, base, dev_key, dev_operator_key, timing), file=sys.stderr, flush=True)
-    print(_model_line(base, served_name, dev_key or dev_operator_key), file=sys.stderr, flush=True)
+    env_key = os.environ.get("TANDEM_API_KEYS", "").replace("\n", ",").split(",")[0].partition("=")[0].strip()
+    print(_model_line(base, served_name, dev_key or env_key or None), file=sys.stderr, flush=True)
 
     def _stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -442,6 +446,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
+    srv.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
+        help="compute dtype (default auto: measured fastest here, held to the quality bound)",
+    )  # fmt: skip
+    srv.add_argument(
+        "--weight-dtype", choices=["auto", "dense", "int4", "hybrid"], default=None,
+        help="weights (default auto: INT4 only where measured faster and within the quality bound)",
+    )  # fmt: skip
+    srv.add_argument(
+        "--generation-config", choices=["auto", "none"], default=None,
+        help="auto (default): unset sampling fields take the checkpoint's generation defaults; none: neutral",
+    )  # fmt: skip
     srv.add_argument(
         "--stream-interval",
         type=int,
