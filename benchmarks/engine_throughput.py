@@ -146,6 +146,14 @@ def main() -> None:
         help="engine option over the defaults, a JSON value or a plain string, e.g. --option dtype=float32 "
         "--option hybrid_int4_max_batch=4 --option speculative=null (repeatable)",
     )
+    parser.add_argument(
+        "--baseline-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a third engine with these options (e.g. the earlier defaults: --baseline-option dtype=bfloat16 "
+        "--baseline-option weight_dtype=hybrid), run alternately with the others; rows get defaults / baseline",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--rounds", type=int, default=1, help="runs of each engine per concurrency, alternating; the median counts"
@@ -182,6 +190,10 @@ def main() -> None:
     log(f"engine ready in {time.perf_counter() - started:.1f} s")
     if not args.skip_no_spec:
         engines["tandem_no_spec"] = LLM(args.model, **common, **{**options, "speculative": None})
+    baseline = {key: _option_value(value) for key, value in (o.split("=", 1) for o in args.baseline_option)}
+    if baseline:
+        engines["baseline"] = LLM(args.model, **common, **baseline)
+        log(f"baseline: {engines['baseline'].stats()['dtype']} / {engines['baseline'].stats()['weight_dtype']}")
     stats = engines["tandem"].stats()
     log(f"precision: {stats['dtype']} / {stats['weight_dtype']} ({stats['precision_reason']})")
     vocab = engines["tandem"].engine.model_config.vocab_size
@@ -253,6 +265,10 @@ def main() -> None:
                 f"concurrency {n}: speculation on / off {row['spec_on_over_off']:.3f} (median of the rounds' "
                 f"ratios; ratio of the medians {row['spec_on_over_off_of_medians']:.3f})"
             )
+        if "baseline" in row:
+            paired = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["tandem"], runs["baseline"], strict=True)]
+            row["defaults_over_baseline"] = statistics.median(paired)
+            log(f"concurrency {n}: defaults / baseline {row['defaults_over_baseline']:.3f} (median of the rounds' ratios)")
         if hf_model is not None:
             log(f"concurrency {n}: HF generate ...")
             row["hf"] = run_hf(hf_model, prompts, args.new_tokens)
@@ -287,6 +303,9 @@ def main() -> None:
             "native_decoder": stats["native_decoder"],
             "kv_cache_dtype": stats["kv_cache_dtype"],
         },
+        "baseline": {
+            "options": baseline, **{k: engines["baseline"].stats()[k] for k in ("dtype", "weight_dtype")}
+        } if baseline else None,
         "llama_cpp": llama_note or "llama-batched-bench, same GGUF and threads",
         "results": rows,
     }

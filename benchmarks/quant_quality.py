@@ -5,6 +5,11 @@
   teacher-forced in chunks of `--chunk` tokens so that attention reads earlier context back from
   the KV cache (which is where FP8 KV acts);
 - mean KL(P_base || P_variant) of the next-token distributions over the same positions;
+- the decode path: the text's first `--decode-prompt` tokens as one prompt chunk, then each of the
+  next `--decode-tokens` as a one-token decode step, through the runner's own paths as a lone
+  request takes them (`ModelRunner.teacher_forced_logits`: the native INT4 stack, a hybrid
+  engine's INT4 copy): perplexity ratio, mean KL and top-1 agreement with the base there, and the
+  quality probe's verdict on those figures (its bound, engine/quality_probe.py);
 - greedy agreement on 32 prompts x 64 new tokens: the fraction of positions whose token equals the
   base model's, and the mean length of the identical prefix (`--greedy-batch N`: in waves of N
   requests, e.g. 8 for a hybrid engine's INT4 decode steps, whose LM head is INT8 up to 4 rows and
@@ -13,6 +18,7 @@
 Variants: FP8 KV, INT4 weights, both (and a 16-bit KV for scale), hybrid weights with float32.
 
     python benchmarks/quant_quality.py      # -> benchmarks/results/quant_quality.json
+    python benchmarks/quant_quality.py --model "$(python scripts/real_checkpoints.py gemma3)"
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ import argparse
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from common import log, write_result
 from tandem import LLM, SamplingParams
+from tandem.engine.quality_probe import MAX_MEAN_KL, MIN_TOP1_AGREEMENT, compare
 from tandem.kernels.attention import build_attention_metadata
 
 # Every variant is float32 compute (an explicit dtype: `auto` would pick by the CPU), so that each
@@ -40,6 +48,7 @@ VARIANTS = {
     "int4_kv_fp8": {"dtype": "float32", "weight_dtype": "int4", "kv_cache_dtype": "fp8_e4m3"},
     "bf16": {"dtype": "bfloat16"},
     "hybrid_fp32": {"dtype": "float32", "weight_dtype": "hybrid"},  # INT4 decode steps, float32 rest
+    "hybrid_bf16": {"dtype": "bfloat16", "weight_dtype": "hybrid"},  # the defaults before one-precision
     "auto": {},  # what this CPU gets by default (dtype and weight_dtype "auto")
 }
 TOPICS = [
@@ -83,6 +92,8 @@ def main() -> None:
     parser.add_argument("--text", default=str(Path(__file__).parent / "data" / "heldout.txt"))
     parser.add_argument("--chunk", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--decode-prompt", type=int, default=64)
+    parser.add_argument("--decode-tokens", type=int, default=192)
     parser.add_argument("--out", default="benchmarks/results/quant_quality.json")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument(
@@ -97,6 +108,7 @@ def main() -> None:
     prompts = [[{"role": "user", "content": f"Explain {topic} in a few sentences."}] for topic in TOPICS]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     base_logprobs: torch.Tensor | None = None
+    base_decode = torch.empty(0)
     base_tokens: list[list[int]] = []
     results = {}
     for name in variants:
@@ -104,18 +116,26 @@ def main() -> None:
         started = time.perf_counter()
         llm = LLM(args.model, kv_cache_memory=256 << 20, **options)
         token_ids = llm.tokenizer.encode(text)[: llm.engine.max_positions]  # a tiny model's context may be short
+        decode_ids = token_ids[: args.decode_prompt + args.decode_tokens]
+        decode_logits = llm.engine.runner.teacher_forced_logits(decode_ids, args.decode_prompt)[:-1]  # [D, V]
+        decode_targets = torch.tensor(decode_ids[args.decode_prompt :])
+        decode_logprobs = torch.log_softmax(decode_logits, dim=-1)
+        decode_nll = -decode_logprobs.gather(1, decode_targets[:, None]).squeeze(1)
         logprobs = teacher_forced_logprobs(llm, token_ids, args.chunk)
         targets = torch.tensor(token_ids[1:])
         nll = -logprobs.gather(1, targets[:, None]).squeeze(1)
         wave = args.greedy_batch or len(prompts)
         outs = [o for i in range(0, len(prompts), wave) for o in llm.chat(prompts[i : i + wave], params)]
         tokens = [o.outputs[0].token_ids for o in outs]
-        entry: dict[str, float] = {
+        entry: dict[str, Any] = {
             "perplexity": math.exp(nll.mean().item()),
             "num_text_tokens": len(token_ids),
-        }
+            "decode_perplexity": math.exp(decode_nll.mean().item()),
+            "dtype": llm.stats()["dtype"], "weight_dtype": llm.stats()["weight_dtype"],
+            "engine_quality_probe": llm.stats()["quality_probe"],
+        }  # fmt: skip
         if base_logprobs is None:
-            base_logprobs, base_tokens = logprobs, tokens
+            base_logprobs, base_tokens, base_decode = logprobs, tokens, decode_logits
         else:
             kl = (base_logprobs.exp() * (base_logprobs - logprobs)).sum(-1)
             same = [
@@ -126,8 +146,13 @@ def main() -> None:
                 next((i for i, (a, b) in enumerate(zip(w, g, strict=True)) if a != b), len(w))
                 for w, g in zip(base_tokens, tokens, strict=True)
             ]
+            decode_kl, decode_top1 = compare(base_decode, decode_logits)
             entry.update(
                 {
+                    "decode_perplexity_vs_base": entry["decode_perplexity"] / results["base_fp32"]["decode_perplexity"],
+                    "decode_mean_kl": decode_kl,
+                    "decode_top1_agreement": decode_top1,
+                    "within_quality_bound": decode_kl <= MAX_MEAN_KL and decode_top1 >= MIN_TOP1_AGREEMENT,
                     "perplexity_vs_base": entry["perplexity"] / results["base_fp32"]["perplexity"],
                     "mean_kl": kl.mean().item(),
                     "greedy_token_agreement": sum(same) / len(same),
@@ -137,7 +162,7 @@ def main() -> None:
             )  # fmt: skip
         entry["seconds"] = time.perf_counter() - started
         results[name] = entry
-        log(f"{name}: " + ", ".join(f"{k}={v:.4f}" for k, v in entry.items()))
+        log(f"{name}: " + ", ".join(f"{k}={v:.4f}" for k, v in entry.items() if isinstance(v, float)))
         del llm
     summary = {
         "benchmark": "quant_quality",

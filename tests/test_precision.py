@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -170,23 +169,13 @@ def test_the_probe_chooses_the_dtype_it_measured_fastest(factors: dict[str, floa
 
 
 @pytest.mark.skipif(int4_native.load() is None, reason="the native INT4 kernel cannot be built here")
-def test_the_probe_chooses_int4_weights_only_where_they_measured_faster_at_every_decode_size() -> None:
-    """INT4 weights serve every step of an INT4 engine, so they must win at every decode row count
-    timed, not at one row alone (the old hybrid criterion): slower at 16 rows keeps dense weights."""
+def test_the_probe_chooses_int4_weights_for_every_step_where_they_measured_faster_at_one_row() -> None:
     fast = run_probe(SHAPES, 4, ["float32"], int4=True, measure=slowed({"float32": 50.0}))
     slow = run_probe(SHAPES, 4, ["float32"], int4=True, measure=slowed({"int4": 50.0}))
-
-    def measure_slow_at_16(candidate: str, shapes: Any, num_copies: int, rows: int) -> float:
-        factor = 50.0 if (candidate == "float32" and rows < 16) or (candidate == "int4" and rows >= 16) else 1.0
-        return factor * measure_pass(candidate, shapes, num_copies, rows)
-
-    mixed = run_probe(SHAPES, 4, ["float32"], int4=True, measure=measure_slow_at_16)
-    assert mixed.timings_ms["int4"][1] < mixed.timings_ms["float32"][1]  # the old criterion would take INT4
-    assert fast.int4_decode and not slow.int4_decode and not mixed.int4_decode
+    assert fast.int4_decode and not slow.int4_decode
     choose = functools.partial(choose_precision, device_type="cpu", dtype="auto", weight_dtype="auto", flags=AVX2_ONLY)
-    assert choose(native_int4=True, probe=fast).weight_dtype == "int4"
+    assert choose(native_int4=True, probe=fast).weight_dtype == "int4"  # never hybrid: one set of weights
     assert choose(native_int4=True, probe=slow).weight_dtype == "dense"
-    assert choose(native_int4=True, probe=mixed).weight_dtype == "dense"
 
 
 def test_the_engine_probes_once_per_machine_and_reads_the_cache_after(

@@ -8,8 +8,8 @@ testable with forced CPU features):
 - On CUDA, `auto` is bfloat16, dense.
 - On CPU with a precision probe (`precision_probe.py`, the default), both autos follow what it
   measured on this machine for this model: `dtype` the fastest compute dtype for prompt chunks
-  and large batches, `weight_dtype` "int4" where INT4 weights beat that dtype at every decode
-  row count timed, else dense. One precision serves every step: `weight_dtype="auto"` is never
+  and large batches, `weight_dtype` "int4" where INT4 weights beat that dtype at one row (a lone
+  request's decode step), else dense. One precision serves every step: `weight_dtype="auto"` is never
   "hybrid" (two sets of weights picked by step size would make one served name two models).
 - On CPU without a probe (`precision_probe=False`), by CPU flags: `dtype="auto"` is bfloat16
   where the CPU has AMX-BF16 (oneDNN's bfloat16 GEMMs run on the tile units there, about twice
@@ -107,8 +107,8 @@ def choose_precision(
     elif probe is not None and native_int4:
         chosen_weights = "int4" if probe.int4_decode else "dense"
         reasons.append(
-            f"INT4 weights (native kernel): measured faster than {chosen_dtype} at every decode batch size"
-            if probe.int4_decode else f"dense weights: INT4 measured slower than {chosen_dtype} at some decode batch size"
+            f"INT4 weights (native kernel) for every step: measured faster than {chosen_dtype} at one row"
+            if probe.int4_decode else f"dense weights: INT4 measured slower than {chosen_dtype} at one row"
         )  # fmt: skip
     elif native_int4:
         chosen_weights = "dense"

@@ -16,10 +16,11 @@ weights do (up to the model's layer count), and times one pass over them:
 
 Contract of the choice (`ProbeResult`): `dtype` is the candidate with the smallest geometric
 mean of its time over the fastest one's at `COMPUTE_ROWS` (large decode batches and prompt
-chunks); `int4_decode` is whether INT4 weights beat that dtype at every decode row count timed
-(1 to `NATIVE_GEMV_MAX_ROWS`): only then are INT4 weights a speed candidate for the whole model
-(one precision for every step), and only within the quality probe's bound (`quality_probe.py`).
-float16 is not a candidate.
+chunks); `int4_decode` is whether INT4 weights beat that dtype at one row (a lone request's
+decode step, memory-bound: what a user waits on at low load): then INT4 weights are speed's
+candidate for the whole model (one precision for every step; larger batches then run INT4 too,
+slower than the dense dtype there), kept only within the quality probe's bound
+(`quality_probe.py`). float16 is not a candidate.
 The result is cached per machine as JSON under `$TANDEM_CACHE_DIR/precision/`, keyed by the CPU
 model name, its flags, the CPUs this process may use, the torch version, the GEMM shapes and the
 probe version; a second start reads it (`source="cache"`).
@@ -51,7 +52,7 @@ from tandem.platform.cpu import cpu_flags, cpu_model_name, usable_cpus
 
 logger = logging.getLogger("tandem.engine")
 
-PROBE_VERSION = 2
+PROBE_VERSION = 3
 DECODE_ROWS = (1, 4, 16, 64)
 PREFILL_ROWS = 256
 COMPUTE_ROWS = (16, 64, PREFILL_ROWS)
@@ -210,7 +211,7 @@ def run_probe(
         return math.exp(sum(math.log(x) for x in ratios) / len(ratios))
 
     chosen = min(dtypes, key=relative_cost)
-    int4_decode = int4 and all(t < timings[chosen][r] for r, t in timings["int4"].items())
+    int4_decode = int4 and timings["int4"][1] < timings[chosen][1]
     return ProbeResult(chosen, int4_decode, timings, time.perf_counter() - started, key)
 
 

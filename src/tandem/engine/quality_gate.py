@@ -2,12 +2,13 @@
 
 `hold_to_bound` takes what speed (or the operator) chose (`precision.PrecisionChoice`) and:
 - float32 dense, a device other than the CPU, or `quality_probe=False`: returns it unchanged;
-- an explicit 16-bit dtype with dense weights: unchanged too (the unquantised model, asked for);
-- otherwise measures it (`quality_probe.probe_quality`, cached). A choice that speed made
-  automatically and that lies outside the bound falls back, one step at a time, to what is left:
-  INT4 weights to dense weights in the same dtype, then an automatic 16-bit dtype to float32
-  (the reference, within the bound by definition). An explicit choice outside the bound is kept,
-  with a warning in the log that gives the figures.
+- an explicit dtype with dense weights: unchanged too (the unquantised model, asked for);
+- otherwise measures it (`quality_probe.probe_quality`, cached) in two decisions, each on its
+  own: first an automatic 16-bit compute dtype, with dense weights (outside the bound: float32,
+  the reference); then INT4 (or hybrid) weights in the dtype so decided (outside the bound and
+  chosen automatically: dense weights). A 16-bit dtype that moves answers beyond the bound by
+  itself is not kept because some INT4 mix happens to land within it. An explicit choice outside
+  the bound is kept, with a warning in the log that gives the figures.
 The result carries the verdict (`PrecisionChoice.quality`) and says why in its `reason`.
 """
 
@@ -47,36 +48,36 @@ def hold_to_bound(
 ) -> PrecisionChoice:  # fmt: skip
     """The precision to serve (module docstring). `kv_spec`: the engine's cache shape (its dtype
     is the configured KV dtype's)."""
-    explicit_dense = not precision.automatic and precision.weight_dtype == "dense"
+    auto_weights = config.weight_dtype == "auto" or "weight_dtype" not in config.model_fields_set
+    auto_dtype = config.dtype == "auto" and precision.automatic
+    explicit_dense = not auto_dtype and precision.weight_dtype == "dense"
     if device.type != "cpu" or not config.quality_probe or precision.is_reference or explicit_dense:
         return precision
     token_ids = calibration_token_ids(loaded.tokenizer.encode)
     reference = _scorer(config, PrecisionChoice("float32", "dense", ""), kv_spec, torch.float32, device, build_models)
-    auto_weights = config.weight_dtype == "auto" or "weight_dtype" not in config.model_fields_set
-    auto_dtype = config.dtype == "auto"
     verdicts: list[QualityResult] = []
-    candidate = precision
-    while True:
+
+    def verdict(candidate: PrecisionChoice) -> QualityResult:
         kv_dtype = _kv_dtype(config, candidate, kv_spec)
         name = f"{candidate.name}, KV {str(kv_dtype).removeprefix('torch.')}"
         scorer = _scorer(config, candidate, kv_spec, kv_dtype, device, build_models)
         verdicts.append(probe_quality(loaded.path, name, token_ids, reference, scorer, cache_dir))
-        if verdicts[-1].within_bound or not precision.automatic:
-            break
-        if auto_weights and candidate.weight_dtype != "dense":
-            candidate = dataclasses.replace(candidate, weight_dtype="dense")
-        elif auto_dtype and candidate.dtype != "float32":
-            candidate = dataclasses.replace(candidate, dtype="float32", weight_dtype="dense")
+        return verdicts[-1]
+
+    chosen = precision
+    dense = dataclasses.replace(chosen, weight_dtype="dense")
+    if auto_dtype and chosen.dtype != "float32" and not verdict(dense).within_bound:
+        chosen = dataclasses.replace(chosen, dtype="float32")  # the dtype alone moves answers
+    if chosen.weight_dtype != "dense" and not verdict(chosen).within_bound:
+        if auto_weights:
+            chosen = dataclasses.replace(chosen, weight_dtype="dense")
         else:
-            break
-        if candidate.is_reference:
-            return _verdict(candidate, verdicts, "float32 dense: the checkpoint's own weights")
-    if not verdicts[-1].within_bound:
-        logger.warning(
-            "the configured precision is outside the quality bound on this checkpoint",
-            extra={"precision": candidate.name, "quality": verdicts[-1].describe()},
-        )
-    return _verdict(candidate, verdicts, "")
+            logger.warning(
+                "the configured precision is outside the quality bound on this checkpoint",
+                extra={"precision": chosen.name, "quality": verdicts[-1].describe()},
+            )
+    last = "float32 dense: the checkpoint's own weights" if chosen.is_reference else ""
+    return _verdict(chosen, verdicts, last)
 
 
 def _verdict(precision: PrecisionChoice, verdicts: list[QualityResult], last: str) -> PrecisionChoice:

@@ -62,7 +62,8 @@ class EngineConfig(BaseModel):
 
     model: str = Field(
         DEFAULT_MODEL,
-        description="Model name of a bundled model, an HF Llama-family folder, or a .gguf file.",
+        description="Model name of a bundled model, an HF folder of a supported family, or a llama .gguf file "
+        "(byte-level BPE tokenizer; other GGUF architectures are refused by name).",
     )
     served_model_name: str | None = Field(
         None, description="Model id in the API; defaults to the bundled name or the path's last part."
