@@ -81,3 +81,26 @@ def test_serve_tenant_limits_from_flags_environment_and_defaults(tiny_model_dir:
     assert flags["engine"]["tenant_weights"] == {"gold": 2.0}
     result = run_serve(tiny_model_dir, "--print-config", "--tenant-weight", "gold=-1")
     assert result.returncode == 2 and '"param": "tenant_weight"' in result.stderr
+
+
+def test_the_dev_key_belongs_to_a_tenant_of_the_directory(tmp_path: Path) -> None:
+    """The key `tandem serve` prints without TANDEM_API_KEYS is a key of tenant "dev" in the tenant
+    directory (so `tandem tenants show dev` and the console know it); a new run revokes the last."""
+    import hashlib
+
+    from tandem.cli import DEV_TENANT, _banner, _dev_tenant_key
+    from tandem.platform.object_store import open_object_store
+    from tandem.platform.tenant_directory import TenantDirectory
+
+    url = f"file://{tmp_path / 'objects'}"
+    first = _dev_tenant_key(url)
+    second = _dev_tenant_key(url)
+    directory = TenantDirectory(open_object_store(url))
+    assert directory.get_tenant(DEV_TENANT).id == "dev"
+    directory.refresh()
+    digest = lambda key: hashlib.sha256(key.encode()).hexdigest()  # noqa: E731
+    assert directory.snapshot.tenant_for_digest(digest(second)) == "dev"
+    assert directory.snapshot.tenant_for_digest(digest(first)) is None  # revoked
+    assert len(directory.list_keys(DEV_TENANT)) == 1
+    banner = _banner("folder", "http://127.0.0.1:1", second, None, "ready")
+    assert '"model": "folder"' in banner and second in banner
