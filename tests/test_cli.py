@@ -88,13 +88,13 @@ def test_the_dev_key_belongs_to_a_tenant_of_the_directory(tmp_path: Path) -> Non
     directory (so `tandem tenants show dev` and the console know it); a new run revokes the last."""
     import hashlib
 
-    from tandem.cli import DEV_TENANT, _banner, _dev_tenant_key
     from tandem.platform.object_store import open_object_store
     from tandem.platform.tenant_directory import TenantDirectory
+    from tandem.serve_banner import DEV_TENANT, banner, dev_tenant_key
 
     url = f"file://{tmp_path / 'objects'}"
-    first = _dev_tenant_key(url)
-    second = _dev_tenant_key(url)
+    first = dev_tenant_key(url)
+    second = dev_tenant_key(url)
     directory = TenantDirectory(open_object_store(url))
     assert directory.get_tenant(DEV_TENANT).id == "dev"
     directory.refresh()
@@ -102,5 +102,5 @@ def test_the_dev_key_belongs_to_a_tenant_of_the_directory(tmp_path: Path) -> Non
     assert directory.snapshot.tenant_for_digest(digest(second)) == "dev"
     assert directory.snapshot.tenant_for_digest(digest(first)) is None  # revoked
     assert len(directory.list_keys(DEV_TENANT)) == 1
-    banner = _banner("folder", "http://127.0.0.1:1", second, None, "ready")
-    assert '"model": "folder"' in banner and second in banner
+    text = banner("folder", "http://127.0.0.1:1", second, None, "ready")
+    assert '"model": "folder"' in text and second in text

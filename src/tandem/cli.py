@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -16,6 +15,7 @@ from tandem.batch_cli import add_batch_parser, run_batch_command
 from tandem.platform.config import DEFAULT_MODEL, EngineConfig
 from tandem.platform.errors import InvalidRequestError, TandemError
 from tandem.platform.logs import configure_logging
+from tandem.serve_banner import banner, dev_tenant_key, model_line
 from tandem.tenants_cli import add_tenants_parser, run_tenants_command
 
 
@@ -234,7 +234,7 @@ def _serve(args: argparse.Namespace) -> int:
     app_args = _app_args(args)
     dev_key = dev_operator_key = None
     if not os.environ.get("TANDEM_API_KEYS") and not args.keys_file:
-        dev_key = _dev_tenant_key(app_args["object_store"])
+        dev_key = dev_tenant_key(app_args["object_store"])
     if not os.environ.get("TANDEM_OPERATOR_KEYS"):
         dev_operator_key = "sk-op-dev-" + secrets.token_hex(12)
         app_args["operator_keys"] = dev_operator_key
@@ -255,9 +255,9 @@ def _serve(args: argparse.Namespace) -> int:
     base = f"http://{args.host}:{args.port}"
     timing = f"ready in {time.monotonic() - started:.1f} s: Ray {ray_ready - started:.1f} s, replicas {time.monotonic() - ray_ready:.1f} s"
     served_name = EngineConfig(**app_args["engine"]).api_model_name
-    print(_banner(served_name, base, dev_key, dev_operator_key, timing), file=sys.stderr, flush=True)
+    print(banner(served_name, base, dev_key, dev_operator_key, timing), file=sys.stderr, flush=True)
     env_key = os.environ.get("TANDEM_API_KEYS", "").replace("\n", ",").split(",")[0].partition("=")[0].strip()
-    print(_model_line(base, served_name, dev_key or env_key or None), file=sys.stderr, flush=True)
+    print(model_line(base, served_name, dev_key or env_key or None), file=sys.stderr, flush=True)
 
     def _stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -276,63 +276,6 @@ def _serve(args: argparse.Namespace) -> int:
         ray.shutdown()  # stops the local Ray processes this command started
         print("[tandem] stopped", file=sys.stderr)
     return 0
-
-
-DEV_TENANT, DEV_KEY_NAME = "dev", "tandem serve (this run)"
-
-
-def _dev_tenant_key(object_store: str) -> str:
-    """A key of the tenant "dev" in the tenant directory (created if new), so that what `make
-    run` prints is a tenant's key like any other (`tandem tenants show dev`, the console's key
-    page); the keys earlier runs issued under the same name are revoked."""
-    from tandem.platform.errors import ConflictError
-    from tandem.platform.object_store import open_object_store
-    from tandem.platform.tenant_directory import TenantDirectory, TenantSpec
-
-    directory = TenantDirectory(open_object_store(object_store))
-    with contextlib.suppress(ConflictError):
-        directory.create_tenant(TenantSpec(id=DEV_TENANT))
-    for old in directory.list_keys(DEV_TENANT):
-        if old.name == DEV_KEY_NAME:
-            directory.revoke_key(DEV_TENANT, old.id)
-    return directory.create_key(DEV_TENANT, name=DEV_KEY_NAME)[1]
-
-
-def _model_line(base: str, served_name: str, key: str | None) -> str:
-    """The precision the replicas run and the generation defaults they apply (`/v1/models`)."""
-    import httpx
-
-    if key is None:
-        return f"[tandem] model {served_name}: GET {base}/v1/models says its precision and defaults"
-    try:
-        card = httpx.get(f"{base}/v1/models/{served_name}", headers={"Authorization": f"Bearer {key}"}, timeout=60).json()
-        info = card["tandem"]
-    except (httpx.HTTPError, KeyError, ValueError) as exc:
-        return f"[tandem] model {served_name}: precision not known ({type(exc).__name__})"
-    defaults = ", ".join(f"{k}={v}" for k, v in info["generation_defaults"].items()) or "none (temperature 1)"
-    return (
-        f"[tandem] model {served_name}: {info['dtype']} compute, {info['weight_dtype']} weights, KV "
-        f"{info['kv_cache_dtype']}; generation defaults: {defaults}\n[tandem] why: {info['precision_reason']}"
-    )
-
-
-def _banner(model: str, base: str, dev_key: str | None, dev_operator_key: str | None, timing: str) -> str:
-    """What a newcomer needs, after Ray's start-up lines: where, which keys, a request to try."""
-    key = dev_key or "$YOUR_KEY"
-    lines = [f"serving {model} at {base}/v1 ({timing})"]
-    if dev_key:
-        lines.append(f"API key of tenant '{DEV_TENANT}' (this run only): {dev_key}")
-    if dev_operator_key:
-        lines.append(f"operator key (tenants, usage, /metrics): {dev_operator_key}")
-        lines.append(f"  TANDEM_OPERATOR_KEY={dev_operator_key} tandem tenants create acme")
-    lines.append("try:")
-    lines.append(
-        f"  curl {base}/v1/chat/completions -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
-        f"""-d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'"""
-    )
-    lines.append("stop: Ctrl-C (requests in flight finish first)")
-    rule = "=" * 72
-    return "\n".join([rule, *(f"[tandem] {line}" for line in lines), rule])
 
 
 def _drain(serve: Any, timeout_s: float) -> None:
