@@ -255,9 +255,10 @@ def _serve(args: argparse.Namespace) -> int:
     base = f"http://{args.host}:{args.port}"
     timing = f"ready in {time.monotonic() - started:.1f} s: Ray {ray_ready - started:.1f} s, replicas {time.monotonic() - ray_ready:.1f} s"
     served_name = EngineConfig(**app_args["engine"]).api_model_name
-    print(banner(served_name, base, dev_key, dev_operator_key, timing), file=sys.stderr, flush=True)
     env_key = os.environ.get("TANDEM_API_KEYS", "").replace("\n", ",").split(",")[0].partition("=")[0].strip()
-    print(model_line(base, served_name, dev_key or env_key or None), file=sys.stderr, flush=True)
+    model = model_line(base, served_name, dev_key or env_key or None)  # asked before the banner says "ready"
+    print(banner(served_name, base, dev_key, dev_operator_key, timing), file=sys.stderr, flush=True)
+    print(model, file=sys.stderr, flush=True)
 
     def _stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
