@@ -2,8 +2,9 @@
 checkpoint answered wrong by default): Google's Gemma 3 270M (converted by transformers from the
 GGUF the package index ships; scripts/real_checkpoints.py) and the default model.
 
-- Through `tandem serve` on Ray with `--dtype float32`: completions and chat at temperature 0
-  equal HF float32's greedy text, with HF's prompt token counts.
+- Through `tandem serve` on Ray in float32 (the defaults where they resolve to it, else
+  `--dtype float32`): completions and chat at temperature 0 equal HF float32's greedy text, with
+  HF's prompt token counts.
 - With the defaults (no precision pin), each greedy step picks HF float32's token from the same
   prefix on at least 97% of positions, alone and in a batch of 16.
 - Through `tandem serve` with the defaults: a temperature-0 request alone, streamed and not,
@@ -12,6 +13,7 @@ GGUF the package index ships; scripts/real_checkpoints.py) and the default model
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -69,31 +71,59 @@ def _chat_ids(tokenizer: Any, content: str) -> list[int]:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
+def _check_hf_greedy(base_url: str, hf_gemma: tuple[Any, Any]) -> None:
+    """Completions and chat at temperature 0 equal HF float32's greedy text, with HF's prompt token counts."""
+    tokenizer = hf_gemma[1]
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    for prompt in COMPLETION_PROMPTS:
+        want, num_prompt_tokens = _hf_greedy(hf_gemma, tokenizer(prompt)["input_ids"])
+        reply = client.completions.create(model="gemma3", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert reply.choices[0].text == want, prompt
+        assert reply.usage is not None and reply.usage.prompt_tokens == num_prompt_tokens
+    for content in CHAT_PROMPTS:
+        want, num_prompt_tokens = _hf_greedy(hf_gemma, _chat_ids(tokenizer, content))
+        chat = client.chat.completions.create(
+            model="gemma3", messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS, temperature=0
+        )
+        assert chat.choices[0].message.content == want, content
+        assert chat.usage is not None and chat.usage.prompt_tokens == num_prompt_tokens
+
+
+def _card(base_url: str, model: str) -> dict[str, Any]:
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    return dict(client.models.retrieve(model).model_extra["tandem"])  # type: ignore[index]
+
+
 @pytest.mark.ray
 @pytest.mark.slow
-def test_gemma3_served_float32_equals_hf_greedy(gemma3_folder: Path, hf_gemma: tuple[Any, Any], tmp_path: Path) -> None:
-    tokenizer = hf_gemma[1]
-    server = ServeProcess(
-        tmp_path, "--dtype", "float32", "--kv-cache-memory", str(64 << 20), model=str(gemma3_folder), served_name="gemma3"
-    )
+def test_gemma3_served_with_defaults_and_in_float32(
+    gemma3_folder: Path, hf_gemma: tuple[Any, Any], tmp_path: Path
+) -> None:
+    """Through `tandem serve` with the defaults: alone, streamed or not, the same text, and again;
+    in float32 (the defaults' own precision where they resolve to it, else `--dtype float32`): HF
+    float32's greedy text and prompt token counts."""
+    serve = functools.partial(ServeProcess, model=str(gemma3_folder), served_name="gemma3", pinned_precision=False)
+    server = serve(tmp_path, "--kv-cache-memory", str(64 << 20))
     try:
         server.wait_for(r"serving .* at http://")
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0, timeout=120)
-        info = client.models.retrieve("gemma3").model_extra["tandem"]  # type: ignore[index]
-        assert (info["dtype"], info["weight_dtype"]) == ("float32", "dense")
+        why = server.wait_for(r"\[tandem\] why: ").string
+        print(f"\n{why.strip()}")
+        assert PIN_ENV not in why  # the defaults, not the test suite's pin
+        base_url = f"http://127.0.0.1:{server.port}"
+        info = _card(base_url, "gemma3")
         assert info["generation_defaults"] == {"top_p": 0.95, "top_k": 64}  # the checkpoint's own
-        for prompt in COMPLETION_PROMPTS:
-            want, num_prompt_tokens = _hf_greedy(hf_gemma, tokenizer(prompt)["input_ids"])
-            reply = client.completions.create(model="gemma3", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
-            assert reply.choices[0].text == want, prompt
-            assert reply.usage is not None and reply.usage.prompt_tokens == num_prompt_tokens
-        for content in CHAT_PROMPTS:
-            want, num_prompt_tokens = _hf_greedy(hf_gemma, _chat_ids(tokenizer, content))
-            chat = client.chat.completions.create(
-                model="gemma3", messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS, temperature=0
-            )
-            assert chat.choices[0].message.content == want, content
-            assert chat.usage is not None and chat.usage.prompt_tokens == num_prompt_tokens
+        _same_text_alone(base_url, "gemma3", CHAT_PROMPTS[:4])
+        if (info["dtype"], info["weight_dtype"]) == ("float32", "dense"):
+            _check_hf_greedy(base_url, hf_gemma)
+            return
+    finally:
+        server.stop()
+    server = serve(tmp_path, "--dtype", "float32", "--kv-cache-memory", str(64 << 20))
+    try:
+        server.wait_for(r"serving .* at http://")
+        base_url = f"http://127.0.0.1:{server.port}"
+        assert (_card(base_url, "gemma3")["dtype"], _card(base_url, "gemma3")["weight_dtype"]) == ("float32", "dense")
+        _check_hf_greedy(base_url, hf_gemma)
     finally:
         server.stop()
 
@@ -146,20 +176,16 @@ def _same_text_alone(base_url: str, model: str, prompts: list[str]) -> None:
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["default", "gemma3"])
-def test_served_defaults_answer_the_same_alone_streamed_or_not(
-    which: str, request: pytest.FixtureRequest, tmp_path: Path
-) -> None:
-    model = str(request.getfixturevalue("gemma3_folder")) if which == "gemma3" else "smollm2-135m-instruct"
+def test_default_model_served_with_defaults_answers_the_same_alone(tmp_path: Path) -> None:
     server = ServeProcess(
-        tmp_path, "--kv-cache-memory", str(128 << 20), model=model, served_name=which, pinned_precision=False
-    )
+        tmp_path, "--kv-cache-memory", str(128 << 20), model="smollm2-135m-instruct", served_name="default",
+        pinned_precision=False,
+    )  # fmt: skip
     try:
         server.wait_for(r"serving .* at http://")
-        line = server.wait_for(r"model \S+: ").string
         why = server.wait_for(r"\[tandem\] why: ").string
-        print(f"\n{line.strip()}\n{why.strip()}")
+        print(f"\n{why.strip()}")
         assert PIN_ENV not in why  # the defaults, not the test suite's pin
-        _same_text_alone(f"http://127.0.0.1:{server.port}", which, CHAT_PROMPTS[:4])
+        _same_text_alone(f"http://127.0.0.1:{server.port}", "default", CHAT_PROMPTS[:4])
     finally:
         server.stop()

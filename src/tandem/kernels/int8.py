@@ -67,17 +67,17 @@ def int8_mm(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:  # [M, K] float32 -
     return y
 
 
-# Most rows that take the INT8 kernel: at few rows it reads about half the bytes of a 16-bit
-# weight and is faster; at many rows the 16-bit and float32 GEMMs win (docs/performance.md).
+# Most rows a hybrid engine's INT8 head takes: at few rows it reads about half the bytes of a
+# 16-bit weight and is faster; at many rows the 16-bit and float32 GEMMs win (docs/performance.md).
 INT8_GEMV_MAX_ROWS = 4
 
 
 class Int8HeadLinear(nn.Module):
-    """`y = x @ weight.T` for an LM head: the INT8 copy (`quantize_int8`) for steps of at most
-    `INT8_GEMV_MAX_ROWS` rows where the native kernel runs; larger steps go to the dense model's
-    head where one is shared (`use_dense_head`: the engine's hybrid weights, so the decode model
-    keeps no 16-bit copy of its own and a step's logits are computed as the dense model's are),
-    else to a bfloat16 copy of the weight."""
+    """`y = x @ weight.T` for an LM head: one precision for every step, the INT8 copy
+    (`quantize_int8`, `int8_mm`) where the native kernel runs, else a bfloat16 copy of the weight,
+    so that a request's logits never depend on how many rows its step has. Only a hybrid engine
+    (explicit `weight_dtype="hybrid"`) mixes: steps of more than `INT8_GEMV_MAX_ROWS` rows go to the
+    dense model's head (`use_dense_head`; the decode model then keeps no 16-bit copy of its own)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -98,11 +98,11 @@ class Int8HeadLinear(nn.Module):
         self.weight = torch.empty(0, dtype=torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
-        if self.int8 is not None and x.shape[0] <= INT8_GEMV_MAX_ROWS:
-            return int8_mm(x, self.int8).to(x.dtype)
-        if self.dense_head is not None:
+        if self.dense_head is not None and (self.int8 is None or x.shape[0] > INT8_GEMV_MAX_ROWS):
             head, dtype = self.dense_head
             return _dense_head_forward(head, x, dtype)
+        if self.int8 is not None:
+            return int8_mm(x, self.int8).to(x.dtype)
         return F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
 
 

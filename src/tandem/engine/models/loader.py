@@ -447,7 +447,7 @@ def apply_int4(
         setattr(target.parent, target.attr, Int4Linear(weight, device, kernel, bias=linear.bias))
     # The LM head (often the tied embedding) is not INT4: INT4 there moved the default model's
     # greedy tokens within a few steps, while INT4 everywhere else keeps most of them. It is INT8
-    # (Q8_0-style) for small steps where the native kernel runs, bfloat16 otherwise (a hybrid
-    # engine hands it the dense model's head for those instead: `Int8HeadLinear.use_dense_head`).
+    # (Q8_0-style) for every step where the native kernel runs, bfloat16 otherwise (a hybrid
+    # engine hands it the dense model's head for its larger steps: `Int8HeadLinear.use_dense_head`).
     model.lm_head = Int8HeadLinear(model.lm_head.weight)
     model.embed_tokens.to(torch.bfloat16)  # rows are looked up, then cast to the compute dtype
