@@ -88,8 +88,9 @@ class EngineConfig(BaseModel):
         "auto",
         description="'int4': group-wise INT4 linears (two values per byte; the default model's Q4_1 "
         "weights load as they are); 'dense': the compute dtype; 'auto': one precision for every step, "
-        "'int4' on a CPU where the precision probe measured INT4 faster than the compute dtype at every "
-        "decode batch size and the quality probe measured it within its bound on this checkpoint, else "
+        "'int4' on a CPU where the precision probe measured INT4 faster than the compute dtype at one row "
+        "(a lone request's decode step) and the quality probe measured it within its bound on this "
+        "checkpoint, else "
         "'dense'; 'hybrid' (never chosen by 'auto'): both copies, INT4 for decode steps of at most "
         "hybrid_int4_max_batch requests, the compute dtype for prefill and larger batches: a request's "
         "tokens then depend on the load. Costs the memory of both copies.",
