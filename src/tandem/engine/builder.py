@@ -32,7 +32,7 @@ from tandem.engine.models.moe_layer import SparseMoE
 from tandem.engine.precision import PrecisionChoice, choose_precision
 from tandem.engine.precision import pinned as pinned_precision
 from tandem.engine.precision_probe import probe_precision
-from tandem.engine.quality_gate import DTYPES, hold_to_bound
+from tandem.engine.quality_gate import DTYPES, hold_to_bound, kv_cache_dtype
 from tandem.engine.runner import KVCacheSpec, ModelRunner, allocate_kv_caches
 from tandem.engine.speculative import SpeculationSettings
 from tandem.engine.step import Runner
@@ -151,13 +151,12 @@ def build_parts(config: EngineConfig) -> EngineParts:
     )
     check_features(config, loaded)
     build = functools.partial(build_models, config, loaded, device=device)
-    configured_kv = {"auto": torch.float32, "fp8_e4m3": torch.float8_e4m3fn, **DTYPES}[config.kv_cache_dtype]
     precision = hold_to_bound(
-        config, loaded, precision, kv_cache_spec(loaded, config.block_size, configured_kv), device,
+        config, loaded, precision, kv_cache_spec(loaded, config.block_size, torch.float32), device,
         default_cache_dir(), build,
     )  # fmt: skip
     dtype = DTYPES[precision.dtype]
-    kv_dtype = {"auto": dtype, "fp8_e4m3": torch.float8_e4m3fn, **DTYPES}[config.kv_cache_dtype]
+    kv_dtype = kv_cache_dtype(config, precision.dtype)
     kv_spec = kv_cache_spec(loaded, config.block_size, kv_dtype)
     draft = _load_draft(config, loaded, dtype, device, kv_dtype)
     window = kv_window(config, loaded, draft is not None)
@@ -192,7 +191,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
     )  # fmt: skip
     runner.warmup_decode()
     runner.capture_graphs()
-    kv_cache_dtype = str(kv_dtype).removeprefix("torch.")
+    kv_cache_dtype_name = str(kv_dtype).removeprefix("torch.")
+    generation_defaults = loaded.generation_defaults if config.generation_config == "auto" else GenerationDefaults()
     logger.info(
         "engine ready",
         extra={
@@ -202,19 +202,19 @@ def build_parts(config: EngineConfig) -> EngineParts:
             "native_decoder_unavailable": runner.native_unavailable_reason if runner.native is None else "",
             "kernels": "triton" if uses_triton(device) else "torch/native",
             "decode_graph_max_batch": runner.paths.graph_max_batch,
-            "kv_cache_dtype": kv_cache_dtype, "kv_blocks": sizes.num_blocks,
+            "kv_cache_dtype": kv_cache_dtype_name, "kv_blocks": sizes.num_blocks,
             "kv_capacity_tokens": sizes.num_blocks * config.block_size, "max_model_len": sizes.max_model_len,
             "quality_probe": [q.describe() for q in precision.quality],
-            "generation_defaults": loaded.generation_defaults.as_dict() if config.generation_config == "auto" else {},
+            "generation_defaults": generation_defaults.as_dict(),
         },
     )  # fmt: skip
     return EngineParts(
         model_name=loaded.name, model_config=cfg, tokenizer=loaded.tokenizer, eos_token_ids=eos_token_ids,
-        runner=runner, num_blocks=sizes.num_blocks, max_model_len=sizes.max_model_len, kv_cache_dtype=kv_cache_dtype,
+        runner=runner, num_blocks=sizes.num_blocks, max_model_len=sizes.max_model_len, kv_cache_dtype=kv_cache_dtype_name,
         lora=lora, precision=precision, grammars=grammars, num_head_blocks=sizes.num_head_blocks,
         max_positions=sizes.max_positions, kv_window=window,
         tuned_threads=torch.get_num_threads() if tune_threads else None,
-        generation_defaults=loaded.generation_defaults if config.generation_config == "auto" else GenerationDefaults(),
+        generation_defaults=generation_defaults,
     )  # fmt: skip
 
 

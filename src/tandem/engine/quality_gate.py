@@ -46,8 +46,8 @@ def hold_to_bound(
     config: EngineConfig, loaded: LoadedModel, precision: PrecisionChoice, kv_spec: KVCacheSpec,
     device: torch.device, cache_dir: Path, build_models: BuildModels,
 ) -> PrecisionChoice:  # fmt: skip
-    """The precision to serve (module docstring). `kv_spec`: the engine's cache shape (its dtype
-    is the configured KV dtype's)."""
+    """The precision to serve (module docstring). `kv_spec`: the engine's cache shape (each
+    candidate's runner stores its own `kv_cache_dtype`)."""
     auto_weights = config.weight_dtype == "auto" or "weight_dtype" not in config.model_fields_set
     auto_dtype = config.dtype == "auto" and precision.automatic
     explicit_dense = not auto_dtype and precision.weight_dtype == "dense"
@@ -58,7 +58,7 @@ def hold_to_bound(
     verdicts: list[QualityResult] = []
 
     def verdict(candidate: PrecisionChoice) -> QualityResult:
-        kv_dtype = _kv_dtype(config, candidate, kv_spec)
+        kv_dtype = kv_cache_dtype(config, candidate.dtype)
         name = f"{candidate.name}, KV {str(kv_dtype).removeprefix('torch.')}"
         scorer = _scorer(config, candidate, kv_spec, kv_dtype, device, build_models)
         verdicts.append(probe_quality(loaded.path, name, token_ids, reference, scorer, cache_dir))
@@ -83,11 +83,9 @@ def hold_to_bound(
 def _verdict(precision: PrecisionChoice, verdicts: list[QualityResult], last: str) -> PrecisionChoice:
     words = [precision.reason, *(v.describe() for v in verdicts), *([last] if last else [])]
     return dataclasses.replace(precision, quality=tuple(verdicts), reason="; ".join(words))
-def _kv_dtype(config: EngineConfig, precision: PrecisionChoice, kv_spec: KVCacheSpec) -> torch.dtype:
-    """The candidate's KV dtype: the configured one, or its compute dtype for "auto"."""
-    if config.kv_cache_dtype == "auto":
-        return DTYPES[precision.dtype]
-    return kv_spec.dtype
+def kv_cache_dtype(config: EngineConfig, compute_dtype: str) -> torch.dtype:
+    """What the KV cache stores: the configured `kv_cache_dtype`, or the compute dtype for "auto"."""
+    return {"auto": DTYPES[compute_dtype], "fp8_e4m3": torch.float8_e4m3fn, **DTYPES}[config.kv_cache_dtype]
 
 
 def _scorer(

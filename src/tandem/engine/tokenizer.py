@@ -56,12 +56,6 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    @property
-    def adds_bos(self) -> bool:
-        """Whether `encode` starts a text with the BOS token."""
-        bos = self.bos_token_id
-        return bos is not None and self.backend.encode("", add_special_tokens=True).ids[:1] == [bos]
-
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """The text's token ids; with `add_special_tokens`, the post-processor's BOS / EOS too."""
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
