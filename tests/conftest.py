@@ -47,6 +47,8 @@ if not torch.cuda.is_available():
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     # Keep the GGUF conversion cache per user, but allow CI to point it elsewhere.
     os.environ.setdefault("TANDEM_CACHE_DIR", str(Path.home() / ".cache" / "tandem"))
+    # Usage spools and saved tenant directories of this session's servers (state, not a cache).
+    os.environ.setdefault("TANDEM_STATE_DIR", str(tmp_path_factory.mktemp("tandem-state")))
     torch.set_num_threads(max(1, os.cpu_count() or 1))
 
 

@@ -5,6 +5,11 @@ lease is a put-if-absent (no lease yet) or a compare-and-swap on the etag of an 
 of two workers racing for it exactly one wins. Renewal is a compare-and-swap on the etag the owner
 last wrote: if someone else took the lease meanwhile (ours expired), renewal fails and the owner
 must stop. A crashed owner simply stops renewing; its lease expires and the work is taken again.
+
+A store outage stops every owner's renewals alike: an expired lease is not taken while the store
+has answered for less than a renewal period (`ObjectStore.healthy_for_s`), so each live owner
+renews first (its compare-and-swap still holds: nobody wrote the lease meanwhile) and an outage
+does not hand every shard in flight to another worker.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ class LeaseManager:
         self.owner = owner
         self.ttl_s = ttl_s
 
+    @property
+    def renew_every_s(self) -> float:
+        """How often an owner renews (a third of the ttl: two renewals may fail in a row)."""
+        return self.ttl_s / 3
     def try_claim(self, key: str) -> Lease | None:
         """Take the lease at `key` if nobody holds a live one; None when someone does."""
         try:
@@ -46,6 +55,8 @@ class LeaseManager:
             current = None
         if current is not None and json.loads(current.data)["expires_at"] > time.time():
             return None
+        if current is not None and self.store.healthy_for_s() < self.renew_every_s + 1.0:
+            return None  # the store just came back: its owner renews first, if it lives
         expires_at = time.time() + self.ttl_s
         try:
             etag = self.store.put(

@@ -67,7 +67,12 @@ class BatchLimits(BaseModel):
         description="Shards one worker runs at once (each under its own lease): requests in flight "
         "are at most this times shard_size; the engines' batch admission decides what computes.",
     )
-    lease_ttl_s: float = Field(default=60.0, gt=0, description="A dead worker's shard runs again after this.")
+    lease_ttl_s: float = Field(
+        default=12.0,
+        gt=0,
+        description="A shard's lease, renewed every third of it while its worker lives: a dead worker's "
+        "shard runs again after this",
+    )
     completion_window_s: float = Field(
         default=86400.0, gt=0, description="What '24h' means (tests shorten it)."
     )
@@ -120,6 +125,7 @@ class BatchService:
             purpose=purpose,
             num_lines=num_lines,
         )
+        self.store.ensure_room(len(data) + 4096)  # a full disk is a 507 before anything is written
         self.write_file(record, data)
         return record
 
@@ -200,6 +206,11 @@ class BatchService:
                 f"file {input_file_id} has purpose {input_file.purpose!r}; a batch needs purpose 'batch'",
                 param="input_file_id",
             )
+        # What the batch will write: its input shards, then each line's result and output line
+        # (about 1 KiB plus 8 bytes a token each). A store that cannot hold it refuses now (507).
+        self.store.ensure_room(
+            input_file.bytes + 2 * input_file.num_lines * (1024 + 8 * self.default_max_tokens)
+        )
         checked = None  # the input as validated for the limit, reused to start the batch
         if max_queued_tokens is not None:
             checked = self._check_queued_tokens(tenant, input_file_id, endpoint, max_queued_tokens)

@@ -15,6 +15,13 @@ expired and a second worker re-ran the shard, whichever commits first wins and t
 is discarded, so every request appears in the output exactly once. A crashed worker leaves a lease
 that expires; the shard is then claimed again and only uncommitted shards ever run twice.
 
+Store faults: a transient store error never throws finished work away. Lease renewals and batch
+checks that fail are retried at the next tick (a lease nobody took meanwhile still renews); a
+commit that fails is retried with backoff, the lease renewed meanwhile, until it lands or the
+batch expires; a shard given up (its lease lost, a line to retry) keeps its finished lines in
+the worker (`_kept`), and the worker's next claim of that shard runs only the others. A shard
+task that fails cancels its lines and releases its lease at once.
+
 When every shard is committed, one worker (holding the `finalize` lease) merges the result
 shards into the output and error files (OpenAI's JSONL line format) and marks the batch
 `completed`. Cancel stops new claims, in-flight shards commit what finished, and the batch ends
@@ -50,10 +57,13 @@ from tandem.batch.records import (
 from tandem.batch.service import BatchService
 from tandem.batch.shards import BatchInput, BatchResult, decode_inputs, decode_results, encode_results
 from tandem.batch.usage import write_shard_usage
-from tandem.platform.errors import NotFoundError
+from tandem.platform.errors import NotFoundError, TandemError
 from tandem.platform.object_store import ObjectNotFound, PreconditionFailed
 
 logger = logging.getLogger("tandem.batch")
+
+COMMIT_BACKOFF_S = (0.5, 1.0, 2.0, 4.0)  # then every 4 s until the commit lands or the batch expires
+MAX_KEPT_SHARDS = 64  # shards given up whose finished lines a worker keeps for its next claim
 
 
 @dataclass
@@ -173,6 +183,9 @@ class BatchWorker:
         self._wake = asyncio.Event()
         self._shards: set[asyncio.Future[None]] = set()  # shards in flight, each its own task
         self._shard_leases: dict[asyncio.Future[None], Lease] = {}  # their leases
+        # (tenant, batch id, shard) -> finished lines of a shard given up before its commit
+        self._kept: dict[tuple[str, str, int], dict[int, BatchResult]] = {}
+        self.num_lines_run = 0  # lines this worker sent to an engine (its own, not kept ones)
         self.stopping = False  # `stop()` was called: nothing more is claimed
         limits = service.limits
         self.window = LineWindow(limits.max_shards_in_flight * limits.shard_size)
@@ -188,6 +201,11 @@ class BatchWorker:
                     did_work = await self.run_once()
                 except asyncio.CancelledError:
                     raise
+                except TandemError as exc:  # the store is down or full: the next poll tries again
+                    logger.warning(
+                        "batch worker step failed; retrying", extra={"worker": self.worker_id, "error": exc.message}
+                    )
+                    did_work = False
                 except Exception:
                     logger.exception("batch worker step failed; retrying", extra={"worker": self.worker_id})
                     did_work = False
@@ -222,7 +240,7 @@ class BatchWorker:
             task.cancel()
         await asyncio.gather(*shards, return_exceptions=True)
         for lease in shards.values():  # after a commit the lease is gone already: a no-op then
-            await asyncio.to_thread(self.leases.release, lease)
+            await self._release(lease)
         self._shards.clear()
         self._shard_leases.clear()
         return len(shards)
@@ -338,38 +356,101 @@ class BatchWorker:
         keys = self.store.list(f"{batch_data_prefix(record.tenant, record.id)}results/")
         return {int(k.rsplit("/", 1)[1].removesuffix(".parquet")) for k in keys}
 
+    async def _release(self, lease: Lease) -> None:
+        """Give `lease` back (best effort: with the store down it expires on its own)."""
+        try:
+            await asyncio.to_thread(self.leases.release, lease)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("lease release failed; it expires", extra={"key": lease.key, "error": str(exc)[:200]})
+
     async def _run_shard(self, record: BatchRecord, lease: Lease, shard: int) -> None:
         """Run a claimed shard and commit it. Cancelled (the worker stops), it commits nothing;
-        `_end_shards` gives its lease back."""
+        `_end_shards` gives its lease back. Failing otherwise, it cancels its lines, keeps the
+        finished ones for this worker's next claim of the shard and releases its lease."""
         tenant, batch_id = record.tenant, record.id
         log = {"tenant": tenant, "batch_id": batch_id, "shard": shard, "worker": self.worker_id}
-        data = await asyncio.to_thread(self.store.get, input_shard_key(tenant, batch_id, shard))
-        inputs = decode_inputs(data.data)
-        logger.info("shard claimed", extra={**log, "requests": len(inputs)})
-        tasks = [asyncio.ensure_future(self._run_one(record, row)) for row in inputs]
+        kept = self._kept.pop((tenant, batch_id, shard), {})
+        tasks: list[asyncio.Task[BatchResult]] = []
         try:
+            data = await asyncio.to_thread(self.store.get, input_shard_key(tenant, batch_id, shard))
+            inputs = decode_inputs(data.data)
+            logger.info("shard claimed", extra={**log, "requests": len(inputs), "kept": len(kept)})
+            tasks = [asyncio.ensure_future(self._run_one(record, row)) for row in inputs if row.line not in kept]
             stop_reason = await self._supervise(tenant, batch_id, lease, tasks)
-        except asyncio.CancelledError:  # its lines' requests end with it
+        except BaseException as exc:  # cancelled, or a failure: its lines' requests end with it
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self._keep(tenant, batch_id, shard, kept, tasks)
+            if not isinstance(exc, asyncio.CancelledError):
+                await self._release(lease)
             raise
         if stop_reason == "lease_lost":
+            self._keep(tenant, batch_id, shard, kept, tasks)
             logger.warning("lease lost; shard left to its new owner", extra=log)
             return
         failed = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
         if failed:  # RetryLater (or a bug): no line's answer is lost or written as an error
-            await asyncio.to_thread(self.leases.release, lease)
+            self._keep(tenant, batch_id, shard, kept, tasks)
+            await self._release(lease)
             logger.warning(
                 "shard not committed; it runs again",
                 extra={**log, "failed": len(failed), "error": f"{type(failed[0]).__name__}: {failed[0]}"[:300]},
             )
             return
-        rows = [t.result() for t in tasks if t.done() and not t.cancelled()]
+        rows = list(kept.values()) + [t.result() for t in tasks if t.done() and not t.cancelled()]
         rows.sort(key=lambda r: r.line)
-        await asyncio.to_thread(self._commit, record, shard, rows, lease)
+        if not await self._commit_with_retries(record, shard, rows, lease):
+            self._keep(tenant, batch_id, shard, {}, [], rows)
+            await self._release(lease)
+            return
         self.num_shards_run += 1
         logger.info("shard committed", extra={**log, "results": len(rows), "stopped": stop_reason})
+
+    def _keep(
+        self,
+        tenant: str,
+        batch_id: str,
+        shard: int,
+        kept: dict[int, BatchResult],
+        tasks: list[asyncio.Task[BatchResult]],
+        rows: list[BatchResult] | None = None,
+    ) -> None:
+        """Remember a given-up shard's finished lines (`kept`, the tasks that returned, `rows`)."""
+        finished = dict(kept)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is None:
+                finished[task.result().line] = task.result()
+        for row in rows or []:
+            finished[row.line] = row
+        if not finished:
+            return
+        self._kept[(tenant, batch_id, shard)] = finished
+        while len(self._kept) > MAX_KEPT_SHARDS:
+            del self._kept[next(iter(self._kept))]
+
+    async def _commit_with_retries(self, record: BatchRecord, shard: int, rows: list[BatchResult], lease: Lease) -> bool:
+        """Commit, retrying a store failure with backoff (renewing the lease meanwhile) until it
+        lands or the batch expires; False then. A commit is put-if-absent: retrying it, or another
+        worker committing first, never counts a line twice."""
+        attempt = 0
+        while True:
+            try:
+                await asyncio.to_thread(self._commit, record, shard, rows, lease)
+                return True
+            except TandemError as exc:
+                if time.time() >= record.expires_at:
+                    logger.error("shard commit failed until the batch expired", extra={"batch_id": record.id})
+                    return False
+                pause = COMMIT_BACKOFF_S[min(attempt, len(COMMIT_BACKOFF_S) - 1)]
+                attempt += 1
+                logger.warning(
+                    "shard commit failed; retrying",
+                    extra={"batch_id": record.id, "shard": shard, "attempt": attempt, "error": exc.message},
+                )
+                await asyncio.sleep(pause)
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(self.leases.renew, lease)
 
     async def _supervise(
         self, tenant: str, batch_id: str, lease: Lease, tasks: list[asyncio.Task[BatchResult]]
@@ -385,16 +466,21 @@ class BatchWorker:
             if not pending:
                 break
             reason: str | None = None
-            if time.monotonic() - renewed_at >= renew_every:
-                renewed_at = time.monotonic()
-                if not await asyncio.to_thread(self.leases.renew, lease):
-                    reason = "lease_lost"
-            if reason is None:
-                record = await asyncio.to_thread(self.service.get_batch, tenant, batch_id)
-                if record.status == "cancelling":
-                    reason = "cancelled"
-                elif time.time() >= record.expires_at:
-                    reason = "expired"
+            try:
+                if time.monotonic() - renewed_at >= renew_every:
+                    if not await asyncio.to_thread(self.leases.renew, lease):
+                        reason = "lease_lost"
+                    renewed_at = time.monotonic()
+                if reason is None:
+                    record = await asyncio.to_thread(self.service.get_batch, tenant, batch_id)
+                    if record.status == "cancelling":
+                        reason = "cancelled"
+                    elif time.time() >= record.expires_at:
+                        reason = "expired"
+            except TandemError as exc:  # the store is down: the lines run on; retried next tick
+                logger.warning(
+                    "shard check failed; retrying", extra={"batch_id": batch_id, "error": exc.message}
+                )
             if reason is not None:
                 for task in pending:
                     task.cancel()
@@ -422,6 +508,7 @@ class BatchWorker:
     async def _run_one(self, record: BatchRecord, row: BatchInput) -> BatchResult:
         request_id = batch_request_id(record.id, row.line)
         started_at = time.time()
+        self.num_lines_run += 1
         try:
             done = await self._send(record, row)
         except (asyncio.CancelledError, RetryLater):

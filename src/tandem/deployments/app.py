@@ -53,8 +53,11 @@ class OpenAIIngress:
         install_server(server)
         # A graceful stop: the fleet's drain stops admission here and ends what is still
         # running when its time is up (`OpenAIServer.begin_drain`).
+        # The same poll brings the tenant directory's version: it is read only when it changed.
         self._drain_watch = asyncio.get_event_loop().create_task(
-            watch_drain(fleet, lambda: server.num_in_flight, server.begin_drain)
+            watch_drain(
+                fleet, lambda: server.num_in_flight, server.begin_drain, server.tenants.directory_seen
+            )
         )
         self._server = server
 
@@ -79,9 +82,12 @@ def openai_server(
             spec = f.read() + "," + spec
     operator_spec = cfg.operator_keys if cfg.operator_keys is not None else os.environ.get("TANDEM_OPERATOR_KEYS", "")
     store = open_object_store(cfg.object_store) if cfg.object_store is not None else None
-    directory = TenantDirectory(store) if store is not None else None
-    if directory is not None:
-        directory.refresh()  # the keys issued before this replica started work from its first request
+    directory = None
+    if store is not None:
+        directory = TenantDirectory(store, cache_path=TenantDirectory.default_cache_path(store.url))
+        # The keys issued before this replica started work from its first request: read now, or,
+        # with the store down, the copy saved on this machine (the API serves without the store).
+        directory.warm_start()
     tenants = TenantRegistry(
         parse_keys(spec),
         TenantLimits(cfg.max_concurrent_requests_per_tenant, cfg.tokens_per_minute_per_tenant),
@@ -109,6 +115,7 @@ def openai_server(
         usage_log = UsageLog(
             store, commit_interval_s=cfg.usage_commit_interval_s, on_committed=get_telemetry().record_usage
         )
+        usage_log.start()  # ships what a stopped process of this store left spooled on this machine
     server = OpenAIServer(
         client,
         tenants,
@@ -247,6 +254,8 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         .bind(
             max(10.0, 5 * cfg.routing.stats_period_s),
             scaling_targets=asdict(cfg.autoscaling.targets()) if cfg.autoscaling else None,
+            object_store=cfg.object_store,
+            directory_poll_s=cfg.tenant_refresh_s,
         )
     )
     engine_options = replica_engine_options(cfg)

@@ -142,12 +142,13 @@ class AppConfig(BaseModel):
         True, description="Record each request's usage in the object store (needs one); off: the usage API is 404"
     )
     usage_commit_interval_s: float = Field(
-        0.1,
+        1.0,
         ge=0.0,
-        le=5.0,
-        description="Usage metering (with an object store): each ingress replica stores the usage "
-        "records of the requests that ended in one object per this interval at most; a response's "
-        "usage is stored before the client sees it, so this bounds what metering adds to a response's end",
+        le=60.0,
+        description="Usage metering (with an object store): a response's usage record is on the "
+        "replica's local disk (a write-ahead spool) before the client sees it; each ingress replica "
+        "ships its spooled records to the object store when 2,000 wait or the oldest has waited this "
+        "long (an idle replica makes no store call)",
     )
     adapter_source_prefixes: list[str] = Field(
         default_factory=list,

@@ -9,6 +9,7 @@ engine admits them only into idle capacity. The deployment autoscales on queued 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from functools import partial
 from typing import Any
@@ -22,6 +23,7 @@ from tandem.deployments.batch_execution import execute_batch_line
 from tandem.deployments.engine_clients import HandleEngineClient
 from tandem.deployments.fleet import watch_drain
 from tandem.deployments.openai_server import OpenAIServer
+from tandem.platform.errors import TandemError
 from tandem.platform.object_store import open_object_store
 from tandem.platform.tenancy import TenantRegistry
 from tandem.platform.tenant_directory import TenantDirectory
@@ -47,8 +49,8 @@ class BatchWorkerReplica:
         # the ingress uploads them to; the LLM replicas load them as for real-time requests.
         # The live tenant directory: each tenant's weight for shard turns, and its limits and
         # weight on the batch lines it sends the LLM replicas (as the ingress does).
-        directory = TenantDirectory(store)
-        directory.refresh()
+        directory = TenantDirectory(store, cache_path=TenantDirectory.default_cache_path(store.url))
+        directory.warm_start()  # with the store down: the copy saved on this machine
         tenants = TenantRegistry({}, directory=directory)
         tenants.start_refresh(tenant_refresh_s)
         server = OpenAIServer(
@@ -66,7 +68,12 @@ class BatchWorkerReplica:
         # leases of its shards in flight, so another worker resumes them at once.
         self._drain_watch = (
             asyncio.get_event_loop().create_task(
-                watch_drain(fleet, lambda: self.worker.num_shards_in_flight, lambda _: self.worker.stop())
+                watch_drain(
+                    fleet,
+                    lambda: self.worker.num_shards_in_flight,
+                    lambda _: self.worker.stop(),
+                    tenants.directory_seen,
+                )
             )
             if fleet is not None
             else None
@@ -76,6 +83,7 @@ class BatchWorkerReplica:
         self.fleet = fleet
         self.batch_seats_per_replica = batch_seats_per_replica
         self.lines_per_worker = service.limits.max_shards_in_flight * service.limits.shard_size
+        self._queued_shards = 0.0
 
     async def wake(self) -> None:
         """Look at the queue now instead of at the next poll (the ingress calls this on create)."""
@@ -90,7 +98,9 @@ class BatchWorkerReplica:
         }
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        stats = {"queued_shards": float(await asyncio.to_thread(self.worker.queued_shards))}
+        with contextlib.suppress(TandemError):  # the store is down: the last count stands
+            self._queued_shards = float(await asyncio.to_thread(self.worker.queued_shards))
+        stats = {"queued_shards": self._queued_shards}
         if self.fleet is not None and self.batch_seats_per_replica is not None:
             num_replicas = len(await self.fleet.snapshot.remote())
             stats["workers_for_seats"] = num_replicas * self.batch_seats_per_replica / self.lines_per_worker

@@ -13,6 +13,11 @@
   that heartbeats while it holds slots; an owner silent for `owner_ttl_s` (its process died) gets
   its slots given back, so a lost ingress cannot lock a tenant out.
 
+- **The tenant directory's version**: with an object store, the fleet state HEADs the directory
+  every `tenant_refresh_s` and hands its etag to every member with the drain poll; a member
+  reads the directory only when that etag differs from the one it holds (`TenantRegistry.
+  directory_seen`). One HEAD per interval for the whole fleet, not one per replica.
+
 One replica per application. Its state is soft: a restarted `FleetState` has every replica's
 figures again after one reporting period, and starts tenants' counts from zero.
 """
@@ -23,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import threading
 import time
 import uuid
 from collections import deque
@@ -32,7 +38,9 @@ from typing import Any, cast
 from ray.serve.handle import DeploymentHandle
 
 from tandem.deployments.autoscaling import ScalingTargets, desired_replicas
+from tandem.platform.object_store import open_object_store
 from tandem.platform.tenancy import RateLimitError, TenantLimits, TenantRegistry, TenantUsage
+from tandem.platform.tenant_directory import DIRECTORY_KEY
 
 logger = logging.getLogger("tandem.fleet")
 
@@ -47,17 +55,27 @@ DRAIN_POLL_S = 0.5
 MEMBER_TTL_S = 5.0
 
 
+# What `FleetState.drain_state` says of the directory when the store has none.
+NO_DIRECTORY = "absent"
+
+
 async def watch_drain(
-    fleet: DeploymentHandle, in_flight: Callable[[], int], on_drain: Callable[[float], Awaitable[None] | None]
+    fleet: DeploymentHandle,
+    in_flight: Callable[[], int],
+    on_drain: Callable[[float], Awaitable[None] | None],
+    on_directory: Callable[[str | None], None] | None = None,
 ) -> None:
     """A drain member's loop (run as a task for the replica's life): report `in_flight()` every
     `DRAIN_POLL_S`; once the fleet drains, call `on_drain(seconds left)` once and keep reporting
-    (the CLI waits for every member's in-flight count to reach 0)."""
+    (the CLI waits for every member's in-flight count to reach 0). `on_directory(etag)` gets the
+    tenant directory's etag as the fleet state last saw it (None: no directory) at each poll."""
     member = uuid.uuid4().hex
     drained = False
     while True:
         try:
-            deadline = await fleet.drain_state.remote(member, in_flight())
+            deadline, directory_etag = await fleet.drain_state.remote(member, in_flight())
+            if on_directory is not None and directory_etag is not None:
+                on_directory(None if directory_etag == NO_DIRECTORY else directory_etag)
         except Exception:  # the fleet state restarted or is unreachable: try again next poll
             deadline = None
         if deadline is not None and not drained:
@@ -70,10 +88,16 @@ async def watch_drain(
 
 class FleetState:
     def __init__(
-        self, stats_ttl_s: float = 10.0, owner_ttl_s: float = 30.0, scaling_targets: dict[str, Any] | None = None
+        self,
+        stats_ttl_s: float = 10.0,
+        owner_ttl_s: float = 30.0,
+        scaling_targets: dict[str, Any] | None = None,
+        object_store: str | None = None,
+        directory_poll_s: float = 1.0,
     ) -> None:
         """`scaling_targets`: the KV-occupancy autoscaling policy's `ScalingTargets` fields (None:
-        the engine replicas do not autoscale; the history then has no target)."""
+        the engine replicas do not autoscale; the history then has no target). `object_store`:
+        where the tenant directory is, HEADed every `directory_poll_s` (None: no directory)."""
         if stats_ttl_s <= 0 or owner_ttl_s <= 0:
             raise ValueError(f"ttls must be > 0, got {stats_ttl_s} and {owner_ttl_s}")
         self.stats_ttl_s, self.owner_ttl_s = stats_ttl_s, owner_ttl_s
@@ -86,6 +110,30 @@ class FleetState:
         self._drain_deadline: float | None = None  # epoch seconds, once a drain began
         self._drain_began: float | None = None  # time.monotonic() when it began
         self._members: dict[str, tuple[float, int]] = {}  # drain member -> (last report, in flight)
+        self._directory_etag: str | None = None  # None: unknown (no store, or its HEAD failed)
+        self._stop = threading.Event()
+        if object_store is not None:
+            threading.Thread(
+                target=self._watch_directory,
+                args=(object_store, directory_poll_s),
+                name="directory-watch",
+                daemon=True,
+            ).start()
+
+    def _watch_directory(self, object_store: str, poll_s: float) -> None:
+        store = open_object_store(object_store)
+        while not self._stop.is_set():
+            try:
+                etag = store.head(DIRECTORY_KEY)
+                self._directory_etag = NO_DIRECTORY if etag is None else etag
+            except Exception:  # noqa: BLE001 - unknown while the store is down: members keep theirs
+                self._directory_etag = None
+            self._stop.wait(poll_s)
+
+    def __del__(self) -> None:
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
 
     # -- engine figures ---------------------------------------------------------------------
     def report(self, replica_id: str, stats: dict[str, Any]) -> None:
@@ -133,10 +181,11 @@ class FleetState:
             self._drain_began = time.monotonic()
         return self._drain_deadline
 
-    def drain_state(self, member: str, num_in_flight: int) -> float | None:
-        """A member's report of its requests in flight; the drain's end once a drain began."""
+    def drain_state(self, member: str, num_in_flight: int) -> tuple[float | None, str | None]:
+        """A member's report of its requests in flight; (the drain's end once a drain began, the
+        tenant directory's etag: `NO_DIRECTORY` when there is none, None when unknown)."""
         self._members[member] = (time.monotonic(), num_in_flight)
-        return self._drain_deadline
+        return self._drain_deadline, self._directory_etag
 
     def drain_progress(self) -> tuple[int, int, int]:
         """(members heard from lately, of which reported since the drain began, requests in

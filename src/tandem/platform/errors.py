@@ -115,3 +115,25 @@ class ReplicaLostError(ServiceUnavailableError):
 
     def __init__(self, message: str = "the model replica serving this request stopped; retry the request") -> None:
         super().__init__(message, code="replica_lost")
+
+
+class StoreUnavailableError(ServiceUnavailableError):
+    """The object store did not answer in time or answered with a server error (HTTP 503 with
+    `Retry-After`, code `store_unavailable`): files, batches, usage queries and the operator's
+    tenant changes wait for it; chat and completions never do."""
+
+    def __init__(self, message: str, *, retry_after_s: float = 5.0) -> None:
+        super().__init__(message, code="store_unavailable")
+        self.retry_after_s = retry_after_s
+
+
+class InsufficientStorageError(TandemError):
+    """The object store's disk cannot take this write (HTTP 507, code `insufficient_storage`):
+    checked before an upload or a batch is accepted, and raised when a write hits a full disk."""
+
+    status_code = 507
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, retry_after_s: float = 60.0) -> None:
+        super().__init__(message, code="insufficient_storage")
+        self.retry_after_s = retry_after_s

@@ -12,20 +12,30 @@ an inter-process lock make the conditions hold across processes on one host) and
 `S3ObjectStore` (`s3://bucket/prefix`, boto3 with S3's `If-None-Match: *` / `If-Match`
 conditional PUTs, path-style addressing, checksums only when required so that non-AWS servers
 such as SeaweedFS and MinIO work). Etags are opaque strings; compare them, never parse them.
+
+Failures: a store that is down, stalled or answers a server error raises `StoreUnavailableError`
+(HTTP 503 with Retry-After at the API) within a bounded time (S3: `S3Settings`' connect and read
+timeouts and retry budget, not boto3's minutes); a full disk raises `InsufficientStorageError`
+(507). `open_object_store` wraps either store in a `GuardedStore` (store_guard.py), which fails
+fast while the store is known to be down.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
+import shutil
 import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import urlparse
+
+from tandem.platform.errors import InsufficientStorageError, StoreUnavailableError
 
 
 class ObjectNotFound(KeyError):
@@ -69,6 +79,14 @@ class ObjectStore(ABC):
     def exists(self, key: str) -> bool:
         return self.head(key) is not None
 
+    def ensure_room(self, num_bytes: int) -> None:  # noqa: B027 - a no-op unless the store has a disk
+        """Raise `InsufficientStorageError` when `num_bytes` more would not fit (a store with a
+        disk of its own checks it; S3 has no such limit)."""
+
+    def healthy_for_s(self) -> float:
+        """Seconds since the store last failed (infinite when it never did, or cannot tell)."""
+        return float("inf")
+
 
 def _check_key(key: str) -> str:
     parts = key.split("/")
@@ -86,15 +104,43 @@ class FileObjectStore(ObjectStore):
     reader never sees half an object; conditional writes hold an exclusive `flock` on
     `root/.lock`, so they are atomic across threads and processes sharing the directory."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *, min_free_bytes: int | None = None) -> None:
+        """`min_free_bytes`: what an upload or batch must leave free on the disk (`ensure_room`;
+        default `TANDEM_STORE_MIN_FREE_MB`, else 64 MiB)."""
         self.root = os.path.abspath(root)
         os.makedirs(self.root, exist_ok=True)
         self.url = "file://" + self.root
+        if min_free_bytes is None:
+            min_free_bytes = int(float(os.environ.get("TANDEM_STORE_MIN_FREE_MB", "64")) * 2**20)
+        self.min_free_bytes = min_free_bytes
         self._lock_path = os.path.join(self.root, ".lock")
         self._thread_lock = threading.Lock()
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *_check_key(key).split("/"))
+
+    def ensure_room(self, num_bytes: int) -> None:
+        free = shutil.disk_usage(self.root).free
+        if free - num_bytes < self.min_free_bytes:
+            raise InsufficientStorageError(
+                f"the object store's disk has {free // 2**20} MiB free; this needs {num_bytes // 2**20 + 1} MiB "
+                f"and {self.min_free_bytes // 2**20} MiB must stay free: delete files or batches, or retry later"
+            )
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _disk_errors(key: str) -> Iterator[None]:
+        """A full disk -> `InsufficientStorageError`; another I/O failure -> `StoreUnavailableError`."""
+        try:
+            yield
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise InsufficientStorageError(f"the object store's disk is full (writing {key})") from exc
+            raise StoreUnavailableError(
+                f"the object store failed ({errno.errorcode.get(exc.errno or 0, exc)})"
+            ) from exc
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -107,7 +153,7 @@ class FileObjectStore(ObjectStore):
 
     def get(self, key: str) -> StoredObject:
         try:
-            with open(self._path(key), "rb") as f:
+            with self._disk_errors(key), open(self._path(key), "rb") as f:
                 data = f.read()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
             raise ObjectNotFound(key) from exc
@@ -120,6 +166,10 @@ class FileObjectStore(ObjectStore):
             return None
 
     def put(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str:
+        with self._disk_errors(key):
+            return self._put(key, data, if_none_match=if_none_match, if_match=if_match)
+
+    def _put(self, key: str, data: bytes, *, if_none_match: bool, if_match: str | None) -> str:
         path = self._path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
@@ -142,7 +192,7 @@ class FileObjectStore(ObjectStore):
                 os.unlink(tmp)
 
     def delete(self, key: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        with self._disk_errors(key), contextlib.suppress(FileNotFoundError):
             os.unlink(self._path(key))
 
     def list(self, prefix: str) -> list[str]:
@@ -163,18 +213,31 @@ class FileObjectStore(ObjectStore):
 @dataclass(frozen=True)
 class S3Settings:
     """Connection settings; unset fields fall back to boto3's environment lookup, except the
-    endpoint which also reads `TANDEM_S3_ENDPOINT_URL` (for S3-compatible servers)."""
+    endpoint which also reads `TANDEM_S3_ENDPOINT_URL` (for S3-compatible servers).
+
+    The time budget of one call: `connect_timeout_s` to connect, `read_timeout_s` for each wait
+    on the server, `max_attempts` tries in all (boto3's standard retry mode: throttling, 5xx,
+    connection errors). A call that a stopped or frozen store cannot answer fails with
+    `StoreUnavailableError` after at most about max_attempts x (connect + read) timeouts
+    (`TANDEM_S3_CONNECT_TIMEOUT_S`, `TANDEM_S3_READ_TIMEOUT_S`, `TANDEM_S3_MAX_ATTEMPTS`)."""
 
     endpoint_url: str | None = None
     region: str | None = None
     access_key_id: str | None = None
     secret_access_key: str | None = None
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 3.0
+    max_attempts: int = 1
 
     @classmethod
     def from_env(cls) -> S3Settings:
+        env = os.environ
         return cls(
-            endpoint_url=os.environ.get("TANDEM_S3_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3"),
-            region=os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+            endpoint_url=env.get("TANDEM_S3_ENDPOINT_URL") or env.get("AWS_ENDPOINT_URL_S3"),
+            region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
+            connect_timeout_s=float(env.get("TANDEM_S3_CONNECT_TIMEOUT_S", cls.connect_timeout_s)),
+            read_timeout_s=float(env.get("TANDEM_S3_READ_TIMEOUT_S", cls.read_timeout_s)),
+            max_attempts=int(env.get("TANDEM_S3_MAX_ATTEMPTS", cls.max_attempts)),
         )
 
 
@@ -200,7 +263,9 @@ class S3ObjectStore(ObjectStore):
                 s3={"addressing_style": "path"},
                 request_checksum_calculation="when_required",
                 response_checksum_validation="when_required",
-                retries={"max_attempts": 5, "mode": "standard"},
+                retries={"total_max_attempts": settings.max_attempts, "mode": "standard"},
+                connect_timeout=settings.connect_timeout_s,
+                read_timeout=settings.read_timeout_s,
             ),
         )
 
@@ -212,53 +277,75 @@ class S3ObjectStore(ObjectStore):
         response = getattr(exc, "response", {}) or {}
         return str(response.get("Error", {}).get("Code", ""))
 
-    def get(self, key: str) -> StoredObject:
+    @contextlib.contextmanager
+    def _errors(self, key: str) -> Iterator[None]:
+        """botocore's failures in the platform's terms: a missing key and a lost condition pass
+        through as `ObjectNotFound` / `PreconditionFailed`; no answer in time, a connection error
+        or a 5xx is `StoreUnavailableError`; a full server `InsufficientStorageError`; any other
+        refusal (credentials, bucket) `StoreUnavailableError` naming its code."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
         try:
+            yield
+        except ClientError as exc:
+            code = self._code(exc)
+            if code in ("404", "NoSuchKey", "NotFound"):
+                raise ObjectNotFound(key) from exc
+            if code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+                raise PreconditionFailed(f"{key}: {code}") from exc
+            if code in ("507", "XMinioStorageFull", "InsufficientStorage", "EntityTooLarge"):
+                raise InsufficientStorageError(f"the object store is full ({code})") from exc
+            raise StoreUnavailableError(
+                f"the object store refused the call ({code or 'unknown error'})"
+            ) from exc
+        except BotoCoreError as exc:
+            raise StoreUnavailableError(f"the object store did not answer ({type(exc).__name__})") from exc
+
+    def get(self, key: str) -> StoredObject:
+        with self._errors(key):
             response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
-        except self.client.exceptions.NoSuchKey as exc:
-            raise ObjectNotFound(key) from exc
-        return StoredObject(response["Body"].read(), response["ETag"].strip('"'))
+            return StoredObject(response["Body"].read(), response["ETag"].strip('"'))
 
     def head(self, key: str) -> str | None:
-        from botocore.exceptions import ClientError
-
         try:
-            response = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
-        except ClientError as exc:
-            if self._code(exc) in ("404", "NoSuchKey", "NotFound"):
-                return None
-            raise
+            with self._errors(key):
+                response = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except ObjectNotFound:
+            return None
         return str(response["ETag"]).strip('"')
 
     def put(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str:
-        from botocore.exceptions import ClientError
-
         conditions: dict[str, str] = {}
         if if_none_match:
             conditions["IfNoneMatch"] = "*"
         if if_match is not None:
             conditions["IfMatch"] = f'"{if_match}"'
-        try:
+        with self._errors(key):
             response = self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **conditions)
-        except ClientError as exc:
-            if self._code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
-                raise PreconditionFailed(f"{key}: {self._code(exc)}") from exc
-            raise
         return str(response["ETag"]).strip('"')
 
     def delete(self, key: str) -> None:
-        self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+        with contextlib.suppress(ObjectNotFound), self._errors(key):
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
     def list(self, prefix: str) -> list[str]:
         keys: list[str] = []
-        paginator = self.client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
-            keys.extend(obj["Key"][len(self.prefix) :] for obj in page.get("Contents", []))
+        with self._errors(prefix):
+            paginator = self.client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
+                keys.extend(obj["Key"][len(self.prefix) :] for obj in page.get("Contents", []))
         return sorted(keys)
 
 
 def open_object_store(url: str, settings: S3Settings | None = None) -> ObjectStore:
-    """`file:///abs/path`, a plain path, or `s3://bucket[/prefix]`."""
+    """`file:///abs/path`, a plain path, or `s3://bucket[/prefix]`, behind a `GuardedStore`."""
+    from tandem.platform.store_guard import GuardedStore
+
+    return GuardedStore(open_raw_object_store(url, settings))
+
+
+def open_raw_object_store(url: str, settings: S3Settings | None = None) -> ObjectStore:
+    """The store at `url` without the guard (tests of the stores themselves)."""
     parsed = urlparse(url)
     if parsed.scheme == "s3":
         if not parsed.netloc:

@@ -247,6 +247,8 @@ class TenantRegistry:
         self.directory = directory
         self._refresher: threading.Thread | None = None
         self._stop_refresh = threading.Event()
+        self._wake_refresh = threading.Event()
+        self._seen_etag: tuple[float, str | None] | None = None  # (when, the directory etag the fleet saw)
 
     @classmethod
     def from_env(cls, keys_file: Path | None = None, limits: TenantLimits | None = None) -> TenantRegistry:
@@ -334,25 +336,47 @@ class TenantRegistry:
         record = self._record(tenant)
         return None if record is None else record.limits.max_tokens
 
+    def directory_seen(self, etag: str | None) -> None:
+        """The directory's etag as the fleet state just read it (None: there is none). The
+        refresh thread reads the directory only when it differs from the version held, and makes
+        no store call of its own while these keep coming."""
+        self._seen_etag = (time.monotonic(), etag)
+        if self.directory is not None and etag != self.directory.snapshot.etag:
+            self._wake_refresh.set()
+
     def start_refresh(self, interval_s: float) -> None:
-        """Re-read the directory every `interval_s` on a daemon thread (a store error is logged
-        and retried at the next tick: the last version read stays in force meanwhile)."""
+        """Keep the directory current on a daemon thread: from the etags `directory_seen` gets
+        (a read only on change), or, when none came in the last `5 x interval_s` (no fleet
+        state), a HEAD of its own every `interval_s`. A store error is logged and retried at the
+        next tick: the last version read stays in force meanwhile."""
         if self.directory is None or self._refresher is not None:
             return
         directory = self.directory
 
         def loop() -> None:
-            while not self._stop_refresh.wait(interval_s):
+            while not self._stop_refresh.is_set():
+                self._wake_refresh.wait(interval_s)
+                self._wake_refresh.clear()
+                if self._stop_refresh.is_set():
+                    return
+                seen = self._seen_etag
                 try:
-                    directory.refresh()
-                except Exception:  # noqa: BLE001 - keep serving the last version read
-                    logger.warning("tenant directory refresh failed", exc_info=True)
+                    if seen is not None and time.monotonic() - seen[0] < 5 * interval_s:
+                        directory.refresh_if_changed(seen[1])
+                    else:
+                        directory.refresh()
+                except Exception as exc:  # noqa: BLE001 - keep serving the last version read
+                    logger.warning(
+                        "tenant directory refresh failed",
+                        extra={"error": f"{type(exc).__name__}: {exc}"[:300]},
+                    )
 
         self._refresher = threading.Thread(target=loop, name="tenant-directory-refresh", daemon=True)
         self._refresher.start()
 
     def stop_refresh(self) -> None:
         self._stop_refresh.set()
+        self._wake_refresh.set()
 
     def acquire(self, tenant: str, *, now: float | None = None) -> None:
         """Admit one request or raise RateLimitError (429 with a retry-after hint)."""

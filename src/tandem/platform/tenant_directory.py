@@ -6,6 +6,10 @@ operators on several ingress replicas never lose each other's writes, and a read
 the old or the new directory, never half of a change. Readers (`refresh`) HEAD the document and
 GET it only when its etag changed: every replica sees a change within its refresh interval.
 
+Local copy: with a `cache_path`, every version read is also saved on local disk (mode 0600: key
+digests only, as in the store), and `warm_start` serves the saved version when the store cannot
+be read, so a process that starts while the store is down still knows the issued keys.
+
 Contract:
 - A tenant has an id (letters, digits, '.', '_', '-'; at most 64), `TenantLimitsSpec` (unset:
   the server's defaults) and a fair-share `weight` (> 0, 1 by default).
@@ -22,17 +26,22 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
+import os
 import re
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tandem.platform.errors import ConflictError, InvalidRequestError, NotFoundError
 from tandem.platform.object_store import ObjectNotFound, ObjectStore, PreconditionFailed
+
+logger = logging.getLogger("tandem.tenancy")
 
 DIRECTORY_KEY = "tenancy/directory.json"
 KEY_PREFIX = "tdm-"  # every issued key starts with it (a leaked one is recognisable)
@@ -193,10 +202,66 @@ class TenantDirectory:
     """Reads and changes the directory in `store` (module docstring). Thread-safe: every change
     is a compare-and-swap of the whole document; `snapshot` is swapped atomically."""
 
-    def __init__(self, store: ObjectStore, key: str = DIRECTORY_KEY) -> None:
+    def __init__(
+        self, store: ObjectStore, key: str = DIRECTORY_KEY, *, cache_path: Path | None = None
+    ) -> None:
         self.store = store
         self.key = key
+        self.cache_path = cache_path
         self._snapshot = DirectorySnapshot()
+
+    @staticmethod
+    def default_cache_path(store_url: str) -> Path:
+        """`$TANDEM_STATE_DIR/tenancy/<hash of the store's URL>.json` (default state dir
+        `~/.local/state/tandem`)."""
+        root = os.environ.get("TANDEM_STATE_DIR") or str(Path.home() / ".local" / "state" / "tandem")
+        return Path(root) / "tenancy" / (hashlib.sha256(store_url.encode()).hexdigest()[:16] + ".json")
+
+    def warm_start(self) -> DirectorySnapshot:
+        """Read the directory; when the store cannot answer, serve the copy saved on local disk
+        (if any: else only the bootstrap keys work until a refresh succeeds). Never raises."""
+        try:
+            return self.refresh()
+        except Exception as exc:  # noqa: BLE001 - a process must start while the store is down
+            saved = self._load_saved()
+            logger.warning(
+                "tenant directory unreadable at start; serving the copy saved on local disk"
+                if saved is not None
+                else "tenant directory unreadable at start and no local copy: only bootstrap keys work until it answers",
+                extra={"error": f"{type(exc).__name__}: {exc}"[:300]},
+            )
+            if saved is not None:
+                self._snapshot = saved
+            return self._snapshot
+
+    def _load_saved(self) -> DirectorySnapshot | None:
+        if self.cache_path is None:
+            return None
+        try:
+            saved = json.loads(self.cache_path.read_bytes())
+            return _from_json(saved["document"].encode(), saved["etag"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def _save(self, snapshot: DirectorySnapshot) -> None:
+        """Keep `snapshot` on local disk (best effort: a failure only loses the warm start)."""
+        if self.cache_path is None:
+            return
+        try:
+            self.cache_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            tmp = self.cache_path.with_name(f".{self.cache_path.name}.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(json.dumps({"etag": snapshot.etag, "document": _to_json(snapshot).decode()}).encode())
+            os.replace(tmp, self.cache_path)
+        except OSError:
+            logger.warning("could not save the tenant directory locally", exc_info=True)
+
+    def _swap(self, snapshot: DirectorySnapshot) -> DirectorySnapshot:
+        if snapshot.etag != self._snapshot.etag or snapshot.etag is None:
+            self._save(snapshot)
+        self._snapshot = snapshot
+        return snapshot
 
     # -- reading ----------------------------------------------------------------------------
     @property
@@ -208,10 +273,18 @@ class TenantDirectory:
         """Read the directory if it changed since the last read (a HEAD, then a GET on change)."""
         etag = self.store.head(self.key)
         if etag is None:
-            self._snapshot = DirectorySnapshot()
+            if self._snapshot.etag is not None or self._snapshot.tenants:
+                self._swap(DirectorySnapshot())
         elif etag != self._snapshot.etag:
-            self._snapshot = self._read()[0]
+            self._swap(self._read()[0])
         return self._snapshot
+
+    def refresh_if_changed(self, etag: str | None) -> DirectorySnapshot:
+        """Read the directory only if `etag` (its etag as someone else just saw it: the fleet
+        state's) differs from the version held; no store call otherwise."""
+        if etag == self._snapshot.etag:
+            return self._snapshot
+        return self.refresh()
 
     def _read(self) -> tuple[DirectorySnapshot, str | None]:
         try:
@@ -234,7 +307,7 @@ class TenantDirectory:
                     new_etag = self.store.put(self.key, _to_json(updated), if_match=etag)
             except PreconditionFailed:
                 continue
-            self._snapshot = DirectorySnapshot(updated.tenants, updated.keys, new_etag)
+            self._swap(DirectorySnapshot(updated.tenants, updated.keys, new_etag))
             return result
         raise ConflictError("the tenant directory changed under this update too often; retry")
 

@@ -1,0 +1,449 @@
+"""The fault suite: the object store stopped, frozen, slowed and full, and processes killed, under
+the parts that use it. A real S3 server (SeaweedFS) sits behind a fault-injecting TCP proxy
+(`fault_proxy.py`); the servers are the real OpenAI app (`openai_server`, the function the Serve
+ingress uses) under uvicorn with the official `openai` client, and the real batch worker.
+
+What must hold: chat and completions never wait on the store, and a process that starts while it
+is down serves; store calls answer 503 `store_unavailable` with Retry-After within 5 s, and a full
+disk 507 before anything is written; usage records reach the store exactly once, also from a
+process killed before it shipped them; a batch survives store errors with every line once and no
+line run twice; a lease outlives a store outage without changing hands."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tandem import AsyncEngine
+from tandem.batch.leases import LeaseManager
+from tandem.batch.service import BatchLimits, BatchService
+from tandem.batch.worker import BatchWorker, ExecutedRequest
+from tandem.deployments.app import openai_server
+from tandem.deployments.app_config import AppConfig
+from tandem.deployments.engine_clients import LocalEngineClient
+from tandem.deployments.ingress import create_app
+from tandem.platform.errors import InsufficientStorageError, StoreUnavailableError
+from tandem.platform.object_store import FileObjectStore, ObjectStore, S3ObjectStore, S3Settings, StoredObject
+from tandem.platform.store_guard import GuardedStore
+from tandem.platform.tenant_directory import TenantDirectory, TenantSpec
+from tandem.platform.usage_log import UsageLog
+from tandem.platform.usage_query import read_records
+from tandem.platform.usage_records import UsageRecord
+
+from .conftest import S3_BUCKET, serve_app
+from .fault_proxy import FaultProxy
+
+pytestmark = pytest.mark.s3
+
+OPERATOR_KEY = "sk-faults-operator"
+
+
+@pytest.fixture(scope="module")
+def proxy(s3_server: S3Settings) -> Iterator[FaultProxy]:
+    assert s3_server.endpoint_url is not None
+    host_port = s3_server.endpoint_url.removeprefix("http://")
+    host, port = host_port.rsplit(":", 1)
+    fault_proxy = FaultProxy(host, int(port))
+    yield fault_proxy
+    fault_proxy.close()
+
+
+@pytest.fixture()
+def proxied(s3_server: S3Settings, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A fresh prefix of the session's bucket, reached through the proxy: its s3:// URL (the
+    environment names the proxy as the endpoint, as an operator's would)."""
+    monkeypatch.setenv("TANDEM_S3_ENDPOINT_URL", proxy.url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key_id or "")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_access_key or "")
+    proxy.set_mode("pass")
+    yield f"s3://{S3_BUCKET}/faults-{uuid.uuid4().hex[:8]}"
+    proxy.set_mode("pass")
+
+
+def direct_store(s3_server: S3Settings, url: str) -> S3ObjectStore:
+    """The same prefix, not through the proxy (the test's own view of what was stored)."""
+    return S3ObjectStore(S3_BUCKET, url.split("/", 3)[3], s3_server)
+
+
+def wait_until(condition: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
+        time.sleep(0.05)  # polling a condition, not waiting a fixed time
+
+
+def record(request_id: str, **fields: Any) -> UsageRecord:
+    now = time.time()
+    values: dict[str, Any] = dict(
+        request_id=request_id, tenant="acme", api_key_id="key_1", model="tiny", adapter=None, input_tokens=10,
+        cached_tokens=0, output_tokens=5, accepted_draft_tokens=0, status="completed", finish_reason="stop",
+        priority="interactive", batch_id=None, started_at=now - 1, finished_at=now, latency_s=1.0,
+    )  # fmt: skip
+    values.update(fields)
+    return UsageRecord(**values)
+
+
+# -- the store itself ---------------------------------------------------------------------------
+def test_a_stopped_frozen_or_slow_store_answers_in_bounded_time(s3_server: S3Settings, proxy: FaultProxy) -> None:
+    settings = S3Settings(
+        endpoint_url=proxy.url, region="us-east-1", access_key_id=s3_server.access_key_id,
+        secret_access_key=s3_server.secret_access_key,
+    )  # fmt: skip
+    store = GuardedStore(S3ObjectStore(S3_BUCKET, f"faults-{uuid.uuid4().hex[:8]}", settings), cooldown_s=1.0)
+    store.put("a", b"1")
+
+    def timed_failure() -> tuple[float, StoreUnavailableError]:
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailableError) as caught:
+            store.get("a")
+        return time.monotonic() - started, caught.value
+
+    with proxy.fault("stop"):
+        took, error = timed_failure()
+        assert took < 2.0 and error.retry_after_s >= 1.0 and error.code == "store_unavailable"
+        took, error = timed_failure()  # the circuit is open: no call reaches the store
+        assert took < 0.05 and "unavailable" in error.message
+    wait_until(lambda: _answers(store), 5.0, "the store's recovery (a probe after the cooldown)")
+    with proxy.fault("freeze"):
+        took, _ = timed_failure()
+        assert 1.0 < took < 5.0, took  # its read timeout (3 s), not boto3's minutes
+        assert store.is_open
+    wait_until(lambda: _answers(store), 5.0, "the store's recovery after a freeze")
+    with proxy.fault("pass", delay_s=1.0):  # slow, not down: answered, not refused
+        started = time.monotonic()
+        assert store.get("a").data == b"1"
+        assert time.monotonic() - started >= 1.0
+
+
+def _answers(store: ObjectStore) -> bool:
+    try:
+        return store.get("a").data == b"1"
+    except StoreUnavailableError:
+        return False
+
+
+def test_a_lease_outlives_a_store_outage_without_changing_hands(tmp_path: Path) -> None:
+    """Nobody can renew while the store is down; once it answers again the owner renews before any
+    other worker may take the expired lease. An owner that died loses it one ttl later."""
+    switch = OutageStore(FileObjectStore(str(tmp_path)))
+    store = GuardedStore(switch, cooldown_s=0.1)
+    owner, other = LeaseManager(store, "owner", ttl_s=0.6), LeaseManager(store, "other", ttl_s=0.6)
+    lease = owner.try_claim("lease")
+    assert lease is not None
+    switch.down = True
+    with pytest.raises(StoreUnavailableError):
+        owner.renew(lease)
+    wait_until(lambda: time.time() > lease.expires_at, 2.0, "the lease's expiry during the outage")
+    switch.down = False
+    wait_until(lambda: _answers_head(store), 2.0, "the store's recovery")
+    assert other.try_claim("lease") is None  # expired, but its owner gets a renewal period first
+    assert owner.renew(lease)
+    assert other.try_claim("lease") is None  # renewed: live
+    wait_until(lambda: other.try_claim("lease") is not None, 5.0, "the takeover of a dead owner's lease")
+
+
+def _answers_head(store: ObjectStore) -> bool:
+    try:
+        store.head("lease")
+        return True
+    except StoreUnavailableError:
+        return False
+
+
+class OutageStore(ObjectStore):
+    """A store with a switch: `down` makes every call fail as an unreachable store does."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner, self.url, self.down = inner, inner.url, False
+        self.num_calls = 0
+
+    def _check(self) -> None:
+        self.num_calls += 1
+        if self.down:
+            raise StoreUnavailableError("the object store did not answer (EndpointConnectionError)")
+
+    def get(self, key: str) -> StoredObject:
+        self._check()
+        return self.inner.get(key)
+
+    def head(self, key: str) -> str | None:
+        self._check()
+        return self.inner.head(key)
+
+    def put(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str:
+        self._check()
+        return self.inner.put(key, data, if_none_match=if_none_match, if_match=if_match)
+
+    def delete(self, key: str) -> None:
+        self._check()
+        self.inner.delete(key)
+
+    def list(self, prefix: str) -> list[str]:
+        self._check()
+        return self.inner.list(prefix)
+
+
+# -- usage records --------------------------------------------------------------------------------
+CRASHING_WRITER = textwrap.dedent(
+    """
+    import asyncio, os, signal, sys, time
+    from pathlib import Path
+    from tandem.platform.errors import StoreUnavailableError
+    from tandem.platform.object_store import FileObjectStore
+    from tandem.platform.usage_log import UsageLog
+    from tandem.platform.usage_records import UsageRecord
+
+    class Down(FileObjectStore):
+        def put(self, key, data, **conditions):
+            raise StoreUnavailableError("down")
+
+    log = UsageLog(Down(sys.argv[1]), commit_interval_s=0.0, spool_dir=Path(sys.argv[2]))
+    now = time.time()
+    async def main():
+        for i in range(int(sys.argv[3])):
+            assert await log.commit(UsageRecord(
+                request_id=f"crashed-{i}", tenant="acme", api_key_id="k", model="tiny", adapter=None,
+                input_tokens=3, cached_tokens=0, output_tokens=i, accepted_draft_tokens=0, status="completed",
+                finish_reason="stop", priority="interactive", batch_id=None, started_at=now, finished_at=now,
+                latency_s=0.1))
+    asyncio.run(main())
+    print("spooled", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_usage_a_killed_process_had_shown_its_clients_is_shipped_by_the_next_one(tmp_path: Path) -> None:
+    """The records a process committed (its clients saw their usage) while the store was down,
+    then the process was killed: the next writer of that store on the machine ships each once."""
+    objects, spool = tmp_path / "objects", tmp_path / "spool"
+    done = subprocess.run(
+        [sys.executable, "-c", CRASHING_WRITER, str(objects), str(spool), "25"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == -signal.SIGKILL and "spooled" in done.stdout, done.stderr
+    store = FileObjectStore(str(objects))
+    assert not list(read_records(store, time.time() - 60, time.time() + 60))  # nothing reached the store
+    log = UsageLog(store, commit_interval_s=0.0, spool_dir=spool, sweep_interval_s=0.2)
+    log.start()
+    wait_until(lambda: log.num_recovered == 25, 30.0, "the orphaned spool's shipping")
+    stored = list(read_records(store, time.time() - 60, time.time() + 60))
+    assert Counter(r.request_id for r in stored) == Counter(f"crashed-{i}" for i in range(25))
+    assert sum(r.output_tokens for r in stored) == sum(range(25))
+    log.close()
+    assert not any(spool.iterdir()), list(spool.iterdir())  # shipped spools are removed
+
+
+# -- the API while the store is down --------------------------------------------------------------
+def make_server(engine: AsyncEngine, url: str) -> Any:
+    cfg = AppConfig.model_validate(
+        {
+            "object_store": url,
+            "api_keys": "",
+            "operator_keys": OPERATOR_KEY,
+            "engine": {"model": "unused", "served_model_name": "tiny"},
+            "usage_commit_interval_s": 0.05,
+        }
+    )
+    return openai_server(cfg, LocalEngineClient(engine), None)
+
+
+def stream_usage(base_url: str, key: str) -> tuple[str, int, int]:
+    api = openai.OpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0, timeout=30)
+    chunks = list(
+        api.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "faults"}], max_tokens=6, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    usage = chunks[-1].usage
+    assert usage is not None
+    return chunks[0].id, usage.prompt_tokens, usage.completion_tokens
+
+
+def test_the_api_serves_without_the_store_and_store_calls_answer_503(
+    engine: AsyncEngine, proxied: str, proxy: FaultProxy, s3_server: S3Settings
+) -> None:
+    """Store frozen, then stopped: streams finish with their usage in their usual time; files and
+    batches answer 503 `store_unavailable` with Retry-After within 5 s; an ingress started during
+    the outage authenticates the tenant keys it saw before (its saved directory) and serves; once
+    the store is back every response's usage is stored exactly once."""
+    directory = TenantDirectory(direct_store(s3_server, proxied))
+    directory.create_tenant(TenantSpec(id="acme"))
+    key = directory.create_key("acme")[1]
+    first = make_server(engine, proxied)
+    reported: dict[str, tuple[int, int]] = {}
+    with serve_app(create_app(first)) as base_url:
+        started = time.monotonic()
+        request_id, prompt, completion = stream_usage(base_url, key)
+        baseline_s = time.monotonic() - started
+        reported[request_id] = (prompt, completion)
+        for mode in ("freeze", "stop"):
+            with proxy.fault(mode):  # type: ignore[arg-type]
+                started = time.monotonic()
+                request_id, prompt, completion = stream_usage(base_url, key)
+                reported[request_id] = (prompt, completion)
+                assert time.monotonic() - started < baseline_s + 1.0  # no wait on the store
+                for method, path, kwargs in (
+                    ("POST", "/v1/files", {"files": {"file": ("in.jsonl", b"{}\n")}, "data": {"purpose": "batch"}}),
+                    ("GET", "/v1/batches", {}),
+                    ("GET", "/v1/files", {}),
+                ):
+                    started = time.monotonic()
+                    reply = httpx.request(
+                        method, base_url + path, headers={"Authorization": f"Bearer {key}"}, timeout=30, **kwargs
+                    )
+                    assert time.monotonic() - started < 5.0, (mode, path)
+                    assert reply.status_code == 503, (mode, path, reply.text)
+                    error = reply.json()["error"]
+                    assert error["code"] == "store_unavailable" and error["type"] == "server_error", error
+                    assert int(reply.headers["retry-after"]) >= 1
+                # an ingress (re)started now: it has the directory this machine saved
+                started = time.monotonic()
+                second = make_server(engine, proxied)
+                assert time.monotonic() - started < 6.0
+                with serve_app(create_app(second)) as second_url:
+                    request_id, prompt, completion = stream_usage(second_url, key)
+                    reported[request_id] = (prompt, completion)
+                assert second.usage_log is not None
+                second.usage_log.close(timeout_s=0.1)  # it stops before the store is back
+                second.tenants.stop_refresh()
+    assert first.usage_log is not None
+    assert first.usage_log.flush(timeout_s=30)  # the store is back: the spool ships
+    first.usage_log.close()
+    first.tenants.stop_refresh()
+    # the stopped ingresses' records: shipped by the next process of this store on this machine
+    third = make_server(engine, proxied)
+    store = direct_store(s3_server, proxied)
+    wait_until(
+        lambda: {r.request_id for r in read_records(store, time.time() - 300, time.time() + 60)} >= set(reported),
+        30.0, "every response's usage in the store",
+    )  # fmt: skip
+    stored = list(read_records(store, time.time() - 300, time.time() + 60))
+    assert Counter(r.request_id for r in stored) == Counter(list(reported))
+    assert {r.request_id: (r.input_tokens, r.output_tokens) for r in stored} == reported
+    third.usage_log.close()
+    third.tenants.stop_refresh()
+
+
+def test_a_full_disk_is_a_507_before_anything_is_written(tmp_path: Path, engine: AsyncEngine) -> None:
+    from tandem.deployments.openai_server import OpenAIServer
+    from tandem.platform.tenancy import TenantRegistry, parse_keys
+
+    store = FileObjectStore(str(tmp_path / "objects"), min_free_bytes=0)
+    service = BatchService(store, {"tiny"}, BatchLimits())
+    server = OpenAIServer(LocalEngineClient(engine), TenantRegistry(parse_keys("sk-full=acme")), batches=service)
+    with serve_app(create_app(server)) as base_url:
+        api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="sk-full", max_retries=0, timeout=30)
+        line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}}  # fmt: skip
+        uploaded = api.files.create(file=("in.jsonl", (json.dumps(line) + "\n").encode()), purpose="batch")
+        store.min_free_bytes = store_free_bytes(store) + (1 << 30)  # now the disk is "full"
+        before = sorted(p.name for p in (tmp_path / "objects").rglob("*"))
+        with pytest.raises(openai.APIStatusError) as caught:
+            api.files.create(file=("more.jsonl", (json.dumps(line) + "\n").encode()), purpose="batch")
+        assert caught.value.status_code == 507
+        assert caught.value.body["code"] == "insufficient_storage"  # type: ignore[index]
+        assert "free" in caught.value.body["message"]  # type: ignore[index]
+        with pytest.raises(openai.APIStatusError) as caught:
+            api.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert caught.value.status_code == 507
+        assert sorted(p.name for p in (tmp_path / "objects").rglob("*")) == before  # nothing written
+
+
+def store_free_bytes(store: FileObjectStore) -> int:
+    import shutil
+
+    return shutil.disk_usage(store.root).free
+
+
+def test_an_enospc_write_is_a_507_naming_the_disk(tmp_path: Path) -> None:
+    """A real ENOSPC: the store's temporary file is /dev/full's twin (a write there fails with
+    ENOSPC on any Linux)."""
+    store = FileObjectStore(str(tmp_path))
+    with pytest.raises(InsufficientStorageError) as caught:
+        with store._disk_errors("key"), open("/dev/full", "wb") as full:  # noqa: SLF001 - the mapping itself
+            full.write(b"x")
+            full.flush()
+    assert caught.value.status_code == 507 and "full" in caught.value.message
+
+
+# -- batches --------------------------------------------------------------------------------------
+def test_a_batch_survives_store_outages_with_every_line_once_and_none_run_twice(tmp_path: Path) -> None:
+    """The store goes down three times while shards run and commit: checks and renewals fail,
+    commits are retried, the worker's loop carries on; the batch completes with each line
+    answered once and no line sent to an engine twice."""
+    switch = OutageStore(FileObjectStore(str(tmp_path / "objects")))
+    store = GuardedStore(switch, cooldown_s=0.2)
+    service = BatchService(store, {"tiny"}, BatchLimits(shard_size=4, lease_ttl_s=1.5))
+    lines = [
+        json.dumps({"custom_id": f"r-{i}", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {"model": "tiny", "messages": [{"role": "user", "content": f"line {i}"}]}})  # fmt: skip
+        for i in range(24)
+    ]
+    file_id = service.create_file("acme", "in.jsonl", "batch", ("\n".join(lines) + "\n").encode()).id
+    batch = service.create_batch("acme", file_id, "/v1/chat/completions", "24h")
+    runs: Counter[str] = Counter()
+
+    async def execute(endpoint: str, body: dict[str, Any], tenant: str) -> ExecutedRequest:
+        text = body["messages"][0]["content"]
+        runs[text] += 1
+        await asyncio.sleep(0.15)
+        return ExecutedRequest(200, f"req-{text}", {"text": text}, None, output_tokens=1)
+
+    async def scenario() -> BatchWorker:
+        worker = BatchWorker(service, execute, poll_interval_s=0.05, worker_id="outages")
+        task = asyncio.ensure_future(worker.run_forever())
+        for _ in range(3):  # three outages of 1 s, each after 0.4 s of work
+            await asyncio.sleep(0.4)
+            switch.down = True
+            await asyncio.sleep(1.0)
+            switch.down = False
+        def status() -> str | None:
+            try:
+                return service.get_batch("acme", batch.id).status
+            except StoreUnavailableError:  # the test reads through the same (guarded) store
+                return None
+
+        deadline = time.monotonic() + 60
+        while status() != "completed":
+            assert time.monotonic() < deadline, status()
+            await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return worker
+
+    worker = asyncio.run(scenario())
+    done = service.get_batch("acme", batch.id)
+    assert done.totals().completed == 24
+    output = [json.loads(x) for x in service.file_content("acme", done.output_file_id or "").decode().splitlines()]
+    assert sorted(o["custom_id"] for o in output) == sorted(f"r-{i}" for i in range(24))
+    assert set(runs.values()) == {1}, runs  # no line ran twice
+    assert worker.num_lines_run == 24
+    assert store.num_failures > 0  # the outages did hit the worker
+
+
+def test_the_local_state_is_keyed_by_store_and_kept_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_STATE_DIR", str(tmp_path))
+    store = FileObjectStore(str(tmp_path / "objects"))
+    directory = TenantDirectory(store, cache_path=TenantDirectory.default_cache_path(store.url))
+    directory.create_tenant(TenantSpec(id="acme"))
+    saved = TenantDirectory.default_cache_path(store.url)
+    assert saved.is_relative_to(tmp_path) and saved.exists()
+    assert os.stat(saved).st_mode & 0o077 == 0
+    assert TenantDirectory.default_cache_path("file:///elsewhere") != saved
