@@ -373,13 +373,16 @@ def store_free_bytes(store: FileObjectStore) -> int:
 
 
 def test_an_enospc_write_is_a_507_naming_the_disk(tmp_path: Path) -> None:
-    """A real ENOSPC: the store's temporary file is /dev/full's twin (a write there fails with
-    ENOSPC on any Linux)."""
+    """A real ENOSPC (a write to /dev/full fails with it on any Linux) through the file store's
+    mapping of disk errors."""
     store = FileObjectStore(str(tmp_path))
-    with pytest.raises(InsufficientStorageError) as caught:
-        with store._disk_errors("key"), open("/dev/full", "wb") as full:  # noqa: SLF001 - the mapping itself
-            full.write(b"x")
-            full.flush()
+    with (
+        pytest.raises(InsufficientStorageError) as caught,
+        store._disk_errors("key"),  # noqa: SLF001 - the mapping itself
+        open("/dev/full", "wb") as full,
+    ):
+        full.write(b"x")
+        full.flush()
     assert caught.value.status_code == 507 and "full" in caught.value.message
 
 

@@ -7,42 +7,71 @@ import asyncio
 import pytest
 
 from tandem.deployments.fleet import FleetState
+from tandem.platform.tenancy import RateLimitError, TenantLimits
+from tandem.platform.tenant_budget import FleetBudget, LocalBudget, Report
 
 
-def test_limits_hold_across_owners_and_a_silent_owner_gives_its_slots_back(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    clock = [100.0]
-    monkeypatch.setattr("tandem.deployments.fleet.time.monotonic", lambda: clock[0])
-    state = FleetState(owner_ttl_s=30.0)
-    assert state.acquire("acme", 2, None, owner="ingress-1") is None
-    assert state.acquire("acme", 2, None, owner="ingress-2") is None
-    refusal = state.acquire("acme", 2, None, owner="ingress-1")  # 2 in flight across both owners
-    assert refusal is not None and refusal[2] == "rate_limit_exceeded" and refusal[1] >= 1
-    assert state.acquire("globex", 2, None, owner="ingress-1") is None  # another tenant's count
-    state.release("acme", 10, owner="ingress-2")
-    assert state.acquire("acme", 2, None, owner="ingress-2") is None
-    # ingress-1 dies holding an acme slot; ingress-2 stays in touch; after the ttl the slot is back.
-    clock[0] += 20
-    state.heartbeat("ingress-2")
-    assert state.acquire("acme", 2, None, owner="ingress-2") is not None
-    clock[0] += 15
-    assert state.acquire("acme", 2, None, owner="ingress-2") is None
-    state.release("acme", 0, owner="ingress-1")  # a late release of a dropped slot: not counted twice
-    assert state.acquire("acme", 2, None, owner="ingress-2") is not None
+def _admit(local: LocalBudget, fleet: FleetBudget, owner: str, limits: TenantLimits, now: float) -> str:
+    """One request of acme through a replica's budget: "ok", or the 429's code."""
+    admitted = local.admit("acme", limits, now)
+    if isinstance(admitted, RateLimitError):
+        return admitted.code or ""
+    if admitted:
+        return "ok"
+    refusal = fleet.lease(owner, "acme", limits, now)
+    if refusal is not None:
+        assert refusal[1] >= 1
+        return refusal[2]
+    local.leased("acme")
+    return "ok"
 
 
-def test_tokens_per_minute_count_every_owners_usage(monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = [0.0]
-    monkeypatch.setattr("tandem.deployments.fleet.time.monotonic", lambda: clock[0])
-    state = FleetState()
-    for owner in ("a", "b"):
-        assert state.acquire("acme", None, 100, owner=owner) is None
-        state.release("acme", 60, owner=owner)
-    refusal = state.acquire("acme", None, 100, owner="a")
-    assert refusal is not None and refusal[2] == "tokens_per_minute_exceeded"
-    clock[0] += 61
-    assert state.acquire("acme", None, 100, owner="a") is None
+def test_concurrency_slots_hold_across_replicas_and_a_silent_replica_gives_its_slots_back() -> None:
+    fleet, a, b = FleetBudget(owner_ttl_s=30.0), LocalBudget(linger_s=2.0), LocalBudget(linger_s=2.0)
+    limits = TenantLimits(max_concurrent_requests=2)
+    assert _admit(a, fleet, "a", limits, 0.0) == "ok"
+    assert _admit(b, fleet, "b", limits, 0.0) == "ok"
+    assert _admit(a, fleet, "a", limits, 0.1) == "rate_limit_exceeded"  # 2 leased across both
+    a.release("acme", 5, 0.2, slot=True)  # a's slot lingers there for its next request
+    assert _admit(a, fleet, "a", limits, 0.3) == "ok" and fleet.leased("acme") == 2  # no lease needed
+    a.release("acme", 5, 0.4, slot=True)
+    assert _admit(b, fleet, "b", limits, 0.5) == "rate_limit_exceeded"  # b's refusal marks acme
+    reply = fleet.reconcile("a", a.report(0.6), 0.6)  # a hears of it at its next reconcile
+    assert reply.reclaim == {"acme"}
+    fleet.reconcile("a", a.report(0.6, reply.reclaim), 0.6)  # and gives its idle slot back
+    assert fleet.leased("acme") == 1
+    assert _admit(b, fleet, "b", limits, 0.7) == "ok"
+    # b dies holding two slots; a stays in touch; after the ttl b's slots are back
+    fleet.reconcile("a", a.report(20.0), 20.0)
+    assert _admit(a, fleet, "a", limits, 20.0) == "rate_limit_exceeded"
+    assert _admit(a, fleet, "a", limits, 31.0) == "ok" and fleet.leased("acme") == 1
+
+
+def test_rates_count_every_replicas_usage_within_a_reconcile() -> None:
+    fleet, a, b = FleetBudget(), LocalBudget(), LocalBudget()
+    tokens = TenantLimits(tokens_per_minute=100)
+    for owner, local in (("a", a), ("b", b)):
+        assert _admit(local, fleet, owner, tokens, 0.0) == "ok"
+        local.release("acme", 60, 0.5, slot=False)
+        local.learn(fleet.reconcile(owner, local.report(1.0), 1.0))
+    assert _admit(a, fleet, "a", tokens, 1.1) == "ok"  # a reconciled before b: one reconcile behind
+    a.learn(fleet.reconcile("a", a.report(2.0), 2.0))
+    assert _admit(a, fleet, "a", tokens, 2.0) == "tokens_per_minute_exceeded"  # 120 fleet-wide
+    a.learn(fleet.reconcile("a", a.report(62.0), 62.0))  # a minute later the window is empty
+    assert _admit(a, fleet, "a", tokens, 62.0) == "ok"
+    requests = TenantLimits(requests_per_minute=3)
+    fleet, a, b = FleetBudget(), LocalBudget(), LocalBudget()
+    assert [_admit(a, fleet, "a", requests, 0.0) for _ in range(2)] == ["ok", "ok"]
+    a.learn(fleet.reconcile("a", a.report(1.0), 1.0))
+    assert _admit(b, fleet, "b", requests, 1.0) == "ok"
+    b.learn(fleet.reconcile("b", b.report(2.0), 2.0))
+    assert _admit(b, fleet, "b", requests, 2.0) == "requests_per_minute_exceeded"  # 3 across both
+    assert _admit(a, fleet, "a", requests, 2.0) == "ok"  # a has not heard yet: one reconcile behind
+    a.learn(fleet.reconcile("a", a.report(3.0), 3.0))
+    assert _admit(a, fleet, "a", requests, 3.0) == "requests_per_minute_exceeded"
+    fleet.reconcile("b", b.report(3.0), 3.0)
+    fleet.reconcile("a", a.report(3.0), 3.0)  # each replica's refusals reach the fleet's count
+    assert fleet.refusal_log.totals(3.0) == {"acme": {"requests_per_minute_exceeded": 2}}
 
 
 def test_replicas_that_stop_reporting_drop_out(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -78,14 +107,16 @@ class SlowFleetHandle:
 
 
 def test_a_caller_cancelled_while_the_fleet_admits_it_gives_the_slot_back() -> None:
-    """A client gone while its admission was in flight: the slot the fleet granted meanwhile is
-    released when the answer arrives, so the tenant is not left a slot short."""
-    from tandem.deployments.fleet import FleetTenantLimiter
-    from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys
+    """A client gone while its lease was in flight: the slot the fleet granted meanwhile is given
+    back at the replica's next reconcile, so the tenant is not left a slot short."""
+    from tandem.deployments.tenant_leases import LeasedTenantLimiter
+    from tandem.platform.tenancy import TenantRegistry, parse_keys
 
     state = FleetState()
-    limiter = FleetTenantLimiter(
-        SlowFleetHandle(state, 0.05), TenantRegistry(parse_keys("k=acme"), TenantLimits(max_concurrent_requests=1))  # type: ignore[arg-type]
+    limiter = LeasedTenantLimiter(
+        SlowFleetHandle(state, 0.05),  # type: ignore[arg-type]
+        TenantRegistry(parse_keys("k=acme"), TenantLimits(max_concurrent_requests=1)),
+        reconcile_s=0.05,
     )
 
     async def main() -> None:
@@ -94,10 +125,10 @@ def test_a_caller_cancelled_while_the_fleet_admits_it_gives_the_slot_back() -> N
         admission.cancel()
         with pytest.raises(asyncio.CancelledError):
             await admission
-        seen = []  # the fleet's admission lands, then the release: in-flight counts 1, then 0
+        seen = []  # the fleet's lease lands, then the reconcile gives it back: 1, then 0
         for _ in range(200):
             await asyncio.sleep(0.01)
-            seen.append(state._usage.in_flight("acme"))
+            seen.append(state.budget.leased("acme"))
             if 1 in seen and seen[-1] == 0:
                 break
         assert 1 in seen and seen[-1] == 0, seen
@@ -106,21 +137,48 @@ def test_a_caller_cancelled_while_the_fleet_admits_it_gives_the_slot_back() -> N
     asyncio.run(main())
 
 
+def test_a_busy_tenant_is_admitted_without_a_round_trip_per_request() -> None:
+    """200 requests of one tenant, 4 at a time under a limit of 4, through one replica: the
+    fleet state sees the 4 leases and the periodic reconciles, not 400 calls."""
+    from tandem.deployments.tenant_leases import LeasedTenantLimiter
+    from tandem.platform.tenancy import TenantRegistry, parse_keys
+
+    state = FleetState()
+    limiter = LeasedTenantLimiter(
+        SlowFleetHandle(state, 0.002),  # type: ignore[arg-type]
+        TenantRegistry(parse_keys("k=acme"), TenantLimits(max_concurrent_requests=4)),
+        reconcile_s=0.05,
+    )
+
+    async def one() -> None:
+        await limiter.acquire("acme")
+        await asyncio.sleep(0.005)  # the request runs
+        limiter.release("acme", 3)
+
+    async def main() -> None:
+        for _ in range(50):
+            await asyncio.gather(*(one() for _ in range(4)))
+
+    asyncio.run(main())
+    assert state.budget.leased("acme") <= 4
+    assert limiter.num_fleet_calls < 40, limiter.num_fleet_calls  # 4 leases + about one reconcile per 50 ms
+
+
 def test_refusals_are_counted_per_tenant_and_code_for_an_hour(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [0.0]
     monkeypatch.setattr("tandem.deployments.fleet.time.monotonic", lambda: clock[0])
-    monkeypatch.setattr("tandem.platform.tenancy.time.monotonic", lambda: clock[0])
     state = FleetState()
-    assert state.acquire("acme", 1, None, owner="a") is None
-    assert state.acquire("acme", 1, None, owner="b") is not None
-    assert state.acquire("acme", 1, None, owner="a") is not None
-    assert state.acquire("globex", 1, None, owner="a") is None
+    assert state.lease("a", "acme", 1, None, None) is None
+    assert state.lease("b", "acme", 1, None, None) is not None
+    assert state.lease("a", "acme", 1, None, None) is not None
+    assert state.lease("a", "globex", 1, None, None) is None
     assert state.refusals() == {"acme": {"rate_limit_exceeded": 2}}
     for _ in range(1000):  # a client retrying in a loop: counted, in one minute's counts
-        state.acquire("acme", 1, None, owner="b")
-    assert state.refusals() == {"acme": {"rate_limit_exceeded": 1002}}
+        state.lease("b", "acme", 1, None, None)
+    state.reconcile("b", Report(refusals={"acme": {"tokens_per_minute_exceeded": 5}}))  # refused at a replica
+    assert state.refusals() == {"acme": {"rate_limit_exceeded": 1002, "tokens_per_minute_exceeded": 5}}
     clock[0] += 3600
-    assert state.refusals() == {"acme": {"rate_limit_exceeded": 1002}}  # their minute began < an hour ago
+    assert state.refusals()["acme"]["rate_limit_exceeded"] == 1002  # their minute began < an hour ago
     clock[0] += 60
     assert state.refusals() == {}
 

@@ -17,7 +17,7 @@ from tandem.deployments.app_config import AppConfig
 from tandem.deployments.autoscaling import AutoscalingConfig
 from tandem.deployments.batch_worker import BatchWorkerReplica
 from tandem.deployments.engine_clients import EngineClient, HandleEngineClient
-from tandem.deployments.fleet import FLEET_STATE_DEPLOYMENT, FleetState, FleetTenantLimiter, watch_drain
+from tandem.deployments.fleet import FLEET_STATE_DEPLOYMENT, FleetState, watch_drain
 from tandem.deployments.ingress import create_app, install_server
 from tandem.deployments.openai_server import LocalTenantLimiter, OpenAIServer, TenantLimiter
 from tandem.deployments.replicas import (
@@ -27,6 +27,7 @@ from tandem.deployments.replicas import (
     LLMReplica,
     PrefillReplica,
 )
+from tandem.deployments.tenant_leases import LeasedTenantLimiter
 from tandem.platform.cpu import usable_cpus
 from tandem.platform.object_store import open_object_store
 from tandem.platform.telemetry import get_telemetry
@@ -109,7 +110,7 @@ def openai_server(
         )
     limiter: TenantLimiter = LocalTenantLimiter(tenants, max_wait_s=cfg.tenant_queue_wait_s)
     if fleet is not None and cfg.ingress_num_replicas > 1:
-        limiter = FleetTenantLimiter(fleet, tenants)
+        limiter = LeasedTenantLimiter(fleet, tenants)
     usage_log = None
     if store is not None and cfg.meter_usage:
         usage_log = UsageLog(

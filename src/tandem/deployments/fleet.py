@@ -8,10 +8,12 @@
 - **The drain before a stop**: `tandem serve`, on SIGTERM, starts it here; the ingress and batch
   worker replicas see it within `DRAIN_POLL_S` (`watch_drain`) and report their requests in
   flight until none is left.
-- **Tenant limits across ingress replicas** (`FleetTenantLimiter`), when there are several:
-  every admission and release goes through one `TenantUsage`. Each ingress replica is an owner
-  that heartbeats while it holds slots; an owner silent for `owner_ttl_s` (its process died) gets
-  its slots given back, so a lost ingress cannot lock a tenant out.
+- **Tenant limits across ingress replicas** (`LeasedTenantLimiter`, tenant_leases.py), when there
+  are several: a `FleetBudget` leases concurrency slots to replicas and keeps each tenant's
+  last minute of tokens and admissions from their periodic reports, so a request needs a round
+  trip here only when its replica holds no free slot of its tenant. A replica silent for
+  `owner_ttl_s` (its process died) gets its slots given back, so a lost ingress cannot lock a
+  tenant out.
 
 - **The tenant directory's version**: with an object store, the fleet state HEADs the directory
   every `tenant_refresh_s` and hands its etag to every member with the drain poll; a member
@@ -25,7 +27,6 @@ figures again after one reporting period, and starts tenants' counts from zero.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import threading
@@ -33,13 +34,14 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
 from tandem.deployments.autoscaling import ScalingTargets, desired_replicas
 from tandem.platform.object_store import open_object_store
-from tandem.platform.tenancy import RateLimitError, TenantLimits, TenantRegistry, TenantUsage
+from tandem.platform.tenancy import TenantLimits
+from tandem.platform.tenant_budget import FleetBudget, Refusal, Reply, Report
 from tandem.platform.tenant_directory import DIRECTORY_KEY
 
 logger = logging.getLogger("tandem.fleet")
@@ -105,8 +107,7 @@ class FleetState:
         self._scaling: deque[dict[str, Any]] = deque()  # the last hour's samples, oldest first
         self._last_sample = -math.inf
         self._reports: dict[str, tuple[float, dict[str, Any]]] = {}  # replica id -> (when, stats)
-        self._usage = TenantUsage()
-        self._owner_seen: dict[str, float] = {}  # ingress replica -> last heard from
+        self.budget = FleetBudget(owner_ttl_s)
         self._drain_deadline: float | None = None  # epoch seconds, once a drain began
         self._drain_began: float | None = None  # time.monotonic() when it began
         self._members: dict[str, tuple[float, int]] = {}  # drain member -> (last report, in flight)
@@ -197,107 +198,19 @@ class FleetState:
         return len(live), len(since), sum(since)
 
     # -- tenant limits ----------------------------------------------------------------------
-    def acquire(
-        self, tenant: str, max_concurrent_requests: int | None, tokens_per_minute: int | None, owner: str,
-        requests_per_minute: int | None = None,
-    ) -> tuple[str, float, str] | None:  # fmt: skip
-        """Admit one request of `tenant` for `owner` (None), or (message, retry-after, code)."""
-        self.heartbeat(owner)
-        now = time.monotonic()
-        for silent in [o for o, seen in self._owner_seen.items() if seen < now - self.owner_ttl_s]:
-            self._usage.drop_owner(silent)
-            del self._owner_seen[silent]
-        refusal = self._usage.try_acquire(
-            tenant, TenantLimits(max_concurrent_requests, tokens_per_minute, requests_per_minute), owner=owner, now=now
-        )
-        if refusal is None:
-            return None
-        return refusal.message, refusal.retry_after_s, refusal.code or "rate_limit_exceeded"
+    def lease(
+        self, owner: str, tenant: str, max_concurrent_requests: int | None, tokens_per_minute: int | None,
+        requests_per_minute: int | None,
+    ) -> Refusal | None:  # fmt: skip
+        """One concurrency slot of `tenant` for `owner` (None), or (message, retry-after, code)."""
+        limits = TenantLimits(max_concurrent_requests, tokens_per_minute, requests_per_minute)
+        return self.budget.lease(owner, tenant, limits, time.monotonic())
 
-    def release(self, tenant: str, num_tokens: int, owner: str) -> None:
-        self.heartbeat(owner)
-        self._usage.release(tenant, num_tokens, owner=owner)
+    def reconcile(self, owner: str, report: Report) -> Reply:
+        """An ingress replica's periodic report (slots given back, tokens, admissions, refusals)."""
+        return self.budget.reconcile(owner, report, time.monotonic())
 
     def refusals(self) -> dict[str, dict[str, int]]:
-        """The fleet's 429s of the last hour by tenant and code (every admission passes here)."""
-        return self._usage.refusals()
-
-    def heartbeat(self, owner: str) -> None:
-        self._owner_seen[owner] = time.monotonic()
-
-
-class FleetTenantLimiter:
-    """`TenantLimiter` of one of several ingress replicas: admission through `FleetState`."""
-
-    def __init__(self, fleet: DeploymentHandle, tenants: TenantRegistry, owner_ttl_s: float = 30.0) -> None:
-        self.fleet, self.tenants = fleet, tenants
-        self.owner = uuid.uuid4().hex  # this process
-        self.heartbeat_every_s = owner_ttl_s / 3
-        self.num_held = 0
-        self._held: dict[str, int] = {}  # tenant -> fleet slots this process holds (limits change live)
-        self._heartbeat: asyncio.Task[None] | None = None
-        self._releases: set[asyncio.Task[None]] = set()
-
-    async def acquire(self, tenant: str) -> None:
-        limits = self.tenants.limits_for(tenant)
-        if not limits.enforced:
-            return  # nothing to enforce: no round trip
-        async def ask() -> tuple[str, float, str] | None:
-            return cast(
-                "tuple[str, float, str] | None",
-                await self.fleet.acquire.remote(
-                    tenant, limits.max_concurrent_requests, limits.tokens_per_minute, self.owner,
-                    limits.requests_per_minute,
-                ),
-            )  # fmt: skip
-
-        call = asyncio.ensure_future(ask())
-        try:
-            refusal = await asyncio.shield(call)
-        except asyncio.CancelledError:
-            # The caller went away while the fleet admitted it, perhaps: a slot granted after that
-            # is given back as soon as the answer arrives.
-            call.add_done_callback(lambda done: self._give_back_late(done, tenant))
-            raise
-        if refusal is not None:
-            message, retry_after_s, code = refusal
-            raise RateLimitError(message, retry_after_s=retry_after_s, code=code)
-        self._held[tenant] = self._held.get(tenant, 0) + 1
-        self.num_held += 1
-        if self._heartbeat is None or self._heartbeat.done():
-            self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
-
-    async def refusals(self) -> dict[str, dict[str, int]]:
-        """The fleet's tenant-limit 429s of the last hour (the fleet state admits every request
-        that has a limit; one without any is never refused)."""
-        return cast(dict[str, dict[str, int]], await self.fleet.refusals.remote())
-
-    def _give_back_late(self, done: asyncio.Future[tuple[str, float, str] | None], tenant: str) -> None:
-        if not done.cancelled() and done.exception() is None and done.result() is None:
-            self._held[tenant] = self._held.get(tenant, 0) + 1
-            self.num_held += 1
-            self.release(tenant, 0)
-
-    def release(self, tenant: str, num_tokens: int) -> None:
-        """Send the release on its own task: the caller may be being cancelled (a client that
-        went away), and a release that never arrives would hold the slot until the owner's ttl."""
-        if self._held.get(tenant, 0) == 0:
-            return  # admitted without a fleet slot (no limit was set then): nothing to give back
-        self._held[tenant] -= 1
-        self.num_held = max(0, self.num_held - 1)
-        task = asyncio.get_running_loop().create_task(self._release(tenant, num_tokens))
-        self._releases.add(task)  # held until done: the loop keeps only weak references
-        task.add_done_callback(self._releases.discard)
-
-    async def _release(self, tenant: str, num_tokens: int) -> None:
-        try:
-            await self.fleet.release.remote(tenant, num_tokens, self.owner)
-        except Exception:  # the fleet state restarted or is unreachable: its owner ttl cleans up
-            logger.warning("tenant slot release failed", exc_info=True, extra={"tenant": tenant})
-
-    async def _beat(self) -> None:
-        """Tell the fleet this owner lives while it holds slots."""
-        while self.num_held > 0:
-            await asyncio.sleep(self.heartbeat_every_s)
-            with contextlib.suppress(Exception):  # a missed beat is retried; the ttl is 3 beats
-                await self.fleet.heartbeat.remote(self.owner)
+        """The fleet's tenant-limit 429s of the last hour by tenant and code (the replicas report
+        theirs at each reconcile)."""
+        return self.budget.refusal_log.totals(time.monotonic())

@@ -114,6 +114,41 @@ class _Usage:
 REFUSALS_WINDOW_S = 3600.0
 
 
+class RefusalLog:
+    """Requests refused (429) per tenant and error code, per minute, for the last
+    `REFUSALS_WINDOW_S` (at most 61 minutes of counts per tenant, however fast a client retries)."""
+
+    def __init__(self) -> None:
+        self._minutes: dict[str, deque[tuple[int, dict[str, int]]]] = {}
+
+    def add(self, tenant: str, code: str, count: int, now: float) -> None:
+        minutes = self._minutes.setdefault(tenant, deque())
+        minute = int(now // 60)
+        if not minutes or minutes[-1][0] != minute:
+            minutes.append((minute, {}))
+        by_code = minutes[-1][1]
+        by_code[code] = by_code.get(code, 0) + count
+        self._forget(minutes, now)
+
+    def totals(self, now: float) -> dict[str, dict[str, int]]:
+        """The last hour's refusals (to the minute), per tenant and error code."""
+        out: dict[str, dict[str, int]] = {}
+        for tenant, minutes in list(self._minutes.items()):
+            self._forget(minutes, now)
+            if not minutes:
+                del self._minutes[tenant]
+            for _, by_code in minutes:
+                totals = out.setdefault(tenant, {})
+                for code, count in by_code.items():
+                    totals[code] = totals.get(code, 0) + count
+        return out
+
+    @staticmethod
+    def _forget(minutes: deque[tuple[int, dict[str, int]]], now: float) -> None:
+        while minutes and (minutes[0][0] + 1) * 60 <= now - REFUSALS_WINDOW_S:
+            minutes.popleft()
+
+
 class TenantUsage:
     """Requests in flight and tokens used in the last minute, per tenant, against `TenantLimits`.
 
@@ -124,9 +159,7 @@ class TenantUsage:
     def __init__(self) -> None:
         self._usage: dict[str, _Usage] = {}
         self._held: dict[str, dict[str, int]] = {}  # owner -> tenant -> requests in flight
-        # tenant -> per-minute counts of refusals by code, the last hour's (at most 61 minutes each,
-        # however fast a client retries)
-        self._refusals: dict[str, deque[tuple[int, dict[str, int]]]] = {}
+        self._refusals = RefusalLog()
 
     def try_acquire(
         self, tenant: str, limits: TenantLimits, *, owner: str = "local", now: float | None = None
@@ -135,35 +168,13 @@ class TenantUsage:
         now = time.monotonic() if now is None else now
         refusal = self._try_acquire(tenant, limits, owner, now)
         if refusal is not None:
-            minutes = self._refusals.setdefault(tenant, deque())
-            minute = int(now // 60)
-            if not minutes or minutes[-1][0] != minute:
-                minutes.append((minute, {}))
-            by_code = minutes[-1][1]
-            code = refusal.code or "rate_limited"
-            by_code[code] = by_code.get(code, 0) + 1
-            self._forget_refusals(minutes, now)
+            self._refusals.add(tenant, refusal.code or "rate_limited", 1, now)
         return refusal
 
     def refusals(self, *, now: float | None = None) -> dict[str, dict[str, int]]:
         """Requests refused (429) in the last `REFUSALS_WINDOW_S` (to the minute), per tenant and
         error code."""
-        now = time.monotonic() if now is None else now
-        out: dict[str, dict[str, int]] = {}
-        for tenant, minutes in list(self._refusals.items()):
-            self._forget_refusals(minutes, now)
-            if not minutes:
-                del self._refusals[tenant]
-            for _, by_code in minutes:
-                totals = out.setdefault(tenant, {})
-                for code, count in by_code.items():
-                    totals[code] = totals.get(code, 0) + count
-        return out
-
-    @staticmethod
-    def _forget_refusals(minutes: deque[tuple[int, dict[str, int]]], now: float) -> None:
-        while minutes and (minutes[0][0] + 1) * 60 <= now - REFUSALS_WINDOW_S:
-            minutes.popleft()
+        return self._refusals.totals(time.monotonic() if now is None else now)
 
     def _try_acquire(self, tenant: str, limits: TenantLimits, owner: str, now: float) -> RateLimitError | None:
         usage = self._usage.setdefault(tenant, _Usage())
