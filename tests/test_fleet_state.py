@@ -22,7 +22,7 @@ def _admit(local: LocalBudget, fleet: FleetBudget, owner: str, limits: TenantLim
     if refusal is not None:
         assert refusal[1] >= 1
         return refusal[2]
-    local.leased("acme")
+    local.leased("acme", limits)
     return "ok"
 
 
@@ -87,9 +87,9 @@ def test_replicas_that_stop_reporting_drop_out(monkeypatch: pytest.MonkeyPatch) 
 
 
 class SlowFleetHandle:
-    """A `FleetState` behind a fake deployment handle whose answers take `delay_s`."""
+    """A deployment's object behind a fake deployment handle whose answers take `delay_s`."""
 
-    def __init__(self, state: FleetState, delay_s: float) -> None:
+    def __init__(self, state: object, delay_s: float) -> None:
         self.state, self.delay_s = state, delay_s
 
     def __getattr__(self, method: str) -> object:
@@ -109,12 +109,12 @@ class SlowFleetHandle:
 def test_a_caller_cancelled_while_the_fleet_admits_it_gives_the_slot_back() -> None:
     """A client gone while its lease was in flight: the slot the fleet granted meanwhile is given
     back at the replica's next reconcile, so the tenant is not left a slot short."""
-    from tandem.deployments.tenant_leases import LeasedTenantLimiter
+    from tandem.deployments.tenant_leases import LeasedTenantLimiter, TenantBudgetShard
     from tandem.platform.tenancy import TenantRegistry, parse_keys
 
-    state = FleetState()
+    state = TenantBudgetShard()
     limiter = LeasedTenantLimiter(
-        SlowFleetHandle(state, 0.05),  # type: ignore[arg-type]
+        [SlowFleetHandle(state, 0.05)],  # type: ignore[list-item]
         TenantRegistry(parse_keys("k=acme"), TenantLimits(max_concurrent_requests=1)),
         reconcile_s=0.05,
     )
@@ -140,12 +140,12 @@ def test_a_caller_cancelled_while_the_fleet_admits_it_gives_the_slot_back() -> N
 def test_a_busy_tenant_is_admitted_without_a_round_trip_per_request() -> None:
     """200 requests of one tenant, 4 at a time under a limit of 4, through one replica: the
     fleet state sees the 4 leases and the periodic reconciles, not 400 calls."""
-    from tandem.deployments.tenant_leases import LeasedTenantLimiter
+    from tandem.deployments.tenant_leases import LeasedTenantLimiter, TenantBudgetShard
     from tandem.platform.tenancy import TenantRegistry, parse_keys
 
-    state = FleetState()
+    state = TenantBudgetShard()
     limiter = LeasedTenantLimiter(
-        SlowFleetHandle(state, 0.002),  # type: ignore[arg-type]
+        [SlowFleetHandle(state, 0.002)],  # type: ignore[list-item]
         TenantRegistry(parse_keys("k=acme"), TenantLimits(max_concurrent_requests=4)),
         reconcile_s=0.05,
     )
@@ -165,9 +165,11 @@ def test_a_busy_tenant_is_admitted_without_a_round_trip_per_request() -> None:
 
 
 def test_refusals_are_counted_per_tenant_and_code_for_an_hour(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem.deployments.tenant_leases import TenantBudgetShard
+
     clock = [0.0]
-    monkeypatch.setattr("tandem.deployments.fleet.time.monotonic", lambda: clock[0])
-    state = FleetState()
+    monkeypatch.setattr("tandem.deployments.tenant_leases.time.monotonic", lambda: clock[0])
+    state = TenantBudgetShard()
     assert state.lease("a", "acme", 1, None, None) is None
     assert state.lease("b", "acme", 1, None, None) is not None
     assert state.lease("a", "acme", 1, None, None) is not None

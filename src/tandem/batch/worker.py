@@ -64,6 +64,8 @@ logger = logging.getLogger("tandem.batch")
 
 COMMIT_BACKOFF_S = (0.5, 1.0, 2.0, 4.0)  # then every 4 s until the commit lands or the batch expires
 MAX_KEPT_SHARDS = 64  # shards given up whose finished lines a worker keeps for its next claim
+HINT_TTL_S = 5.0  # a queue length heard longer ago than this is not trusted
+IDLE_LIST_S = 30.0  # an idle worker lists the queue itself at least this often
 
 
 @dataclass
@@ -181,6 +183,11 @@ class BatchWorker:
         self.num_shards_run = 0
         self.num_duplicate_commits = 0
         self._wake = asyncio.Event()
+        # The queue's length as someone who lists it anyway last saw it (the fleet state), and
+        # when: an idle worker that hears "empty" does not list the queue itself, except every
+        # `IDLE_LIST_S` in case that reader went quiet.
+        self._queue_hint: tuple[float, int] | None = None
+        self._listed_at = float("-inf")
         self._shards: set[asyncio.Future[None]] = set()  # shards in flight, each its own task
         self._shard_leases: dict[asyncio.Future[None], Lease] = {}  # their leases
         # (tenant, batch id, shard) -> finished lines of a shard given up before its commit
@@ -223,6 +230,23 @@ class BatchWorker:
     def wake(self) -> None:
         self._wake.set()
 
+    def queue_seen(self, num_queued_batches: int) -> None:
+        """The batch queue's length as the fleet state just listed it: work appearing wakes the
+        worker; an empty queue spares an idle worker its own listing."""
+        previous = self._queue_hint
+        self._queue_hint = (time.monotonic(), num_queued_batches)
+        if num_queued_batches and (previous is None or previous[1] == 0):
+            self.wake()
+
+    def _idle_by_hint(self) -> bool:
+        """Whether the queue is known empty (fresh hint, nothing in flight, listed lately)."""
+        hint = self._queue_hint
+        now = time.monotonic()
+        return (
+            hint is not None and hint[1] == 0 and now - hint[0] < HINT_TTL_S and not self._shards
+            and now - self._listed_at < IDLE_LIST_S
+        )  # fmt: skip
+
     async def stop(self) -> None:
         """Stop for good (a graceful stop of the server): claim nothing more, end the shards in
         flight without committing them and release their leases, so another worker resumes
@@ -254,8 +278,9 @@ class BatchWorker:
         `BatchLimits.max_shards_in_flight` run, resume validations, finalize finished batches.
         True when it started, finished or reaped something."""
         did_work = self._reap()
-        if self.stopping:
+        if self.stopping or self._idle_by_hint():
             return did_work
+        self._listed_at = time.monotonic()
         for tenant, batch_id in self._fair_order(await asyncio.to_thread(self.service.queued_batches)):
             if await self._advance(tenant, batch_id):
                 did_work = True
@@ -284,7 +309,10 @@ class BatchWorker:
         return bool(done)
 
     def queued_shards(self) -> int:
-        """Shards not yet committed over every running batch (the autoscaling signal)."""
+        """Shards not yet committed over every running batch (the autoscaling signal; 0 without
+        a store call while the fleet state's listing says the queue is empty)."""
+        if self._idle_by_hint():
+            return 0
         total = 0
         for tenant, batch_id in self.service.queued_batches():
             with contextlib.suppress(NotFoundError):

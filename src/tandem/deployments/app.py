@@ -27,7 +27,7 @@ from tandem.deployments.replicas import (
     LLMReplica,
     PrefillReplica,
 )
-from tandem.deployments.tenant_leases import LeasedTenantLimiter
+from tandem.deployments.tenant_leases import TENANT_BUDGET_DEPLOYMENT, LeasedTenantLimiter, TenantBudgetShard
 from tandem.platform.cpu import usable_cpus
 from tandem.platform.object_store import open_object_store
 from tandem.platform.telemetry import get_telemetry
@@ -47,17 +47,21 @@ class OpenAIIngress:
         fleet: DeploymentHandle,
         config: dict[str, Any],
         batch_worker: DeploymentHandle | None = None,
+        budget_shards: list[DeploymentHandle] | None = None,
     ) -> None:
         cfg = AppConfig(**config)
         client = HandleEngineClient(llm, cfg.engine.api_model_name, fleet)
-        server = openai_server(cfg, client, batch_worker, fleet)
+        server = openai_server(cfg, client, batch_worker, budget_shards)
         install_server(server)
         # A graceful stop: the fleet's drain stops admission here and ends what is still
         # running when its time is up (`OpenAIServer.begin_drain`).
         # The same poll brings the tenant directory's version: it is read only when it changed.
         self._drain_watch = asyncio.get_event_loop().create_task(
             watch_drain(
-                fleet, lambda: server.num_in_flight, server.begin_drain, server.tenants.directory_seen
+                fleet,
+                lambda: server.num_in_flight,
+                server.begin_drain,
+                lambda view: server.tenants.directory_seen(view.directory_etag),
             )
         )
         self._server = server
@@ -73,10 +77,10 @@ def openai_server(
     cfg: AppConfig,
     client: EngineClient,
     batch_worker: DeploymentHandle | None,
-    fleet: DeploymentHandle | None = None,
+    budget_shards: list[DeploymentHandle] | None = None,
 ) -> OpenAIServer:
-    """The OpenAI routes' server over `client`: tenants and keys (limits kept by `fleet` when
-    there are several ingress replicas), files, batches and adapters."""
+    """The OpenAI routes' server over `client`: tenants and keys (limits kept with the
+    `budget_shards` when there are several ingress replicas), files, batches and adapters."""
     spec = cfg.api_keys if cfg.api_keys is not None else os.environ.get("TANDEM_API_KEYS", "")
     if cfg.keys_file:
         with open(cfg.keys_file) as f:
@@ -109,8 +113,8 @@ def openai_server(
             tenant_limits=tenants.adapter_limits_for,
         )
     limiter: TenantLimiter = LocalTenantLimiter(tenants, max_wait_s=cfg.tenant_queue_wait_s)
-    if fleet is not None and cfg.ingress_num_replicas > 1:
-        limiter = LeasedTenantLimiter(fleet, tenants)
+    if budget_shards:
+        limiter = LeasedTenantLimiter(budget_shards, tenants)
     usage_log = None
     if store is not None and cfg.meter_usage:
         usage_log = UsageLog(
@@ -276,6 +280,18 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         llm = replica.bind(
             engine_options, None, cfg.object_store, cfg.stream_interval, fleet, max_batch_requests(cfg)
         )
+    shards = None
+    if cfg.ingress_num_replicas > 1:  # tenant limits across them: budget shards
+        shards = [
+            serve.deployment(name=f"{TENANT_BUDGET_DEPLOYMENT}-{index}")(TenantBudgetShard)
+            .options(
+                num_replicas=1,
+                ray_actor_options=cfg.placement_of(TENANT_BUDGET_DEPLOYMENT).actor_options(0),
+                logging_config=QUIET_LOGGING,
+            )
+            .bind()
+            for index in range(cfg.num_tenant_budget_shards)
+        ]
     ingress = cast(serve.Deployment, OpenAIIngress).options(
         num_replicas=cfg.ingress_num_replicas,
         logging_config=QUIET_LOGGING,
@@ -283,8 +299,8 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         max_ongoing_requests=cfg.ingress_max_ongoing_requests,
     )
     if cfg.object_store is None:
-        return ingress.bind(llm, fleet, cfg.model_dump())
+        return ingress.bind(llm, fleet, cfg.model_dump(), None, shards)
     batch_worker = worker.bind(
         llm, *worker_args, fleet, max_batch_requests(cfg), cfg.engine.tenant_weights, cfg.tenant_refresh_s
     )
-    return ingress.bind(llm, fleet, cfg.model_dump(), batch_worker)
+    return ingress.bind(llm, fleet, cfg.model_dump(), batch_worker, shards)

@@ -35,7 +35,7 @@ class Placement(BaseModel):
         return options
 
 
-DeploymentName = Literal["LLMReplica", "PrefillReplica", "OpenAIIngress", "BatchWorker", "FleetState"]
+DeploymentName = Literal["LLMReplica", "PrefillReplica", "OpenAIIngress", "BatchWorker", "FleetState", "TenantBudget"]
 
 
 class AppConfig(BaseModel):
@@ -116,6 +116,13 @@ class AppConfig(BaseModel):
         description="Ingress replicas (Serve's proxy spreads requests over them); with more than one, "
         "tenant limits are kept by the FleetState deployment, one round trip per limited request",
     )
+    tenant_budget_shards: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="With several ingress replicas, tenant limits are kept in this many TenantBudget "
+        "deployments, each tenant in one (default: one per 32 ingress replicas)",
+    )
     object_store: str | None = Field(
         None,
         description="file:///path or s3://bucket/prefix for files, batches and adapters; "
@@ -183,6 +190,13 @@ class AppConfig(BaseModel):
         for prefix in prefixes:
             check_source_prefix(prefix)
         return prefixes
+
+    @property
+    def num_tenant_budget_shards(self) -> int:
+        """`tenant_budget_shards`, resolved: one per 32 ingress replicas unless set."""
+        if self.tenant_budget_shards is not None:
+            return self.tenant_budget_shards
+        return max(1, -(-self.ingress_num_replicas // 32))
 
     def placement_of(self, deployment: str) -> Placement:
         """`placement[deployment]`, or no GPUs and no custom resources."""

@@ -21,7 +21,7 @@ from tandem.batch.worker import BatchWorker
 from tandem.deployments.adapters import AdapterStore
 from tandem.deployments.batch_execution import execute_batch_line
 from tandem.deployments.engine_clients import HandleEngineClient
-from tandem.deployments.fleet import watch_drain
+from tandem.deployments.fleet import FleetView, watch_drain
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.errors import TandemError
 from tandem.platform.object_store import open_object_store
@@ -72,7 +72,7 @@ class BatchWorkerReplica:
                     fleet,
                     lambda: self.worker.num_shards_in_flight,
                     lambda _: self.worker.stop(),
-                    tenants.directory_seen,
+                    lambda view: self._view_seen(tenants, view),
                 )
             )
             if fleet is not None
@@ -84,6 +84,11 @@ class BatchWorkerReplica:
         self.batch_seats_per_replica = batch_seats_per_replica
         self.lines_per_worker = service.limits.max_shards_in_flight * service.limits.shard_size
         self._queued_shards = 0.0
+
+    def _view_seen(self, tenants: TenantRegistry, view: FleetView) -> None:
+        """The fleet state's reading of the store: the directory's version, the queue's length."""
+        tenants.directory_seen(view.directory_etag)
+        self.worker.queue_seen(view.num_queued_batches)
 
     async def wake(self) -> None:
         """Look at the queue now instead of at the next poll (the ingress calls this on create)."""

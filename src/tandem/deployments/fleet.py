@@ -8,20 +8,17 @@
 - **The drain before a stop**: `tandem serve`, on SIGTERM, starts it here; the ingress and batch
   worker replicas see it within `DRAIN_POLL_S` (`watch_drain`) and report their requests in
   flight until none is left.
-- **Tenant limits across ingress replicas** (`LeasedTenantLimiter`, tenant_leases.py), when there
-  are several: a `FleetBudget` leases concurrency slots to replicas and keeps each tenant's
-  last minute of tokens and admissions from their periodic reports, so a request needs a round
-  trip here only when its replica holds no free slot of its tenant. A replica silent for
-  `owner_ttl_s` (its process died) gets its slots given back, so a lost ingress cannot lock a
-  tenant out.
 
-- **The tenant directory's version**: with an object store, the fleet state HEADs the directory
-  every `tenant_refresh_s` and hands its etag to every member with the drain poll; a member
-  reads the directory only when that etag differs from the one it holds (`TenantRegistry.
-  directory_seen`). One HEAD per interval for the whole fleet, not one per replica.
+- **The store's view for the fleet** (`FleetView`): with an object store, the fleet state HEADs
+  the tenant directory and lists the batch queue every `tenant_refresh_s`, and hands both to every
+  member with the drain poll: a member reads the directory only when its etag changed
+  (`TenantRegistry.directory_seen`), an idle batch worker lists the queue only when it holds
+  work (`BatchWorker.queue_seen`). One HEAD and one LIST per interval for the whole fleet, not
+  one per replica.
 
 One replica per application. Its state is soft: a restarted `FleetState` has every replica's
-figures again after one reporting period, and starts tenants' counts from zero.
+figures again after one reporting period. (Tenant limits across several ingress replicas live in
+their own deployments: tenant_leases.py.)
 """
 
 from __future__ import annotations
@@ -34,14 +31,14 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
+from tandem.batch.records import QUEUE_PREFIX
 from tandem.deployments.autoscaling import ScalingTargets, desired_replicas
-from tandem.platform.object_store import open_object_store
-from tandem.platform.tenancy import TenantLimits
-from tandem.platform.tenant_budget import FleetBudget, Refusal, Reply, Report
+from tandem.platform.object_store import ObjectStore, open_object_store
 from tandem.platform.tenant_directory import DIRECTORY_KEY
 
 logger = logging.getLogger("tandem.fleet")
@@ -57,27 +54,41 @@ DRAIN_POLL_S = 0.5
 MEMBER_TTL_S = 5.0
 
 
-# What `FleetState.drain_state` says of the directory when the store has none.
-NO_DIRECTORY = "absent"
+@dataclass(frozen=True)
+class FleetView:
+    """What the fleet state last read of the store. `known` False: no store, or it did not answer
+    (members then read for themselves)."""
+
+    known: bool = False
+    directory_etag: str | None = None  # None: there is no directory
+    num_queued_batches: int = 0
+
+
+def read_view(store: ObjectStore) -> FleetView:
+    """One reading of the store for the fleet: a HEAD of the directory, a LIST of the queue."""
+    try:
+        return FleetView(True, store.head(DIRECTORY_KEY), len(store.list(QUEUE_PREFIX)))
+    except Exception:  # noqa: BLE001 - unknown while the store is down: members read theirs
+        return FleetView()
 
 
 async def watch_drain(
     fleet: DeploymentHandle,
     in_flight: Callable[[], int],
     on_drain: Callable[[float], Awaitable[None] | None],
-    on_directory: Callable[[str | None], None] | None = None,
+    on_view: Callable[[FleetView], None] | None = None,
 ) -> None:
     """A drain member's loop (run as a task for the replica's life): report `in_flight()` every
     `DRAIN_POLL_S`; once the fleet drains, call `on_drain(seconds left)` once and keep reporting
-    (the CLI waits for every member's in-flight count to reach 0). `on_directory(etag)` gets the
-    tenant directory's etag as the fleet state last saw it (None: no directory) at each poll."""
+    (the CLI waits for every member's in-flight count to reach 0). `on_view` gets the fleet
+    state's `FleetView` of the store at each poll where it has one."""
     member = uuid.uuid4().hex
     drained = False
     while True:
         try:
-            deadline, directory_etag = await fleet.drain_state.remote(member, in_flight())
-            if on_directory is not None and directory_etag is not None:
-                on_directory(None if directory_etag == NO_DIRECTORY else directory_etag)
+            deadline, view = await fleet.drain_state.remote(member, in_flight())
+            if on_view is not None and view.known:
+                on_view(view)
         except Exception:  # the fleet state restarted or is unreachable: try again next poll
             deadline = None
         if deadline is not None and not drained:
@@ -92,7 +103,6 @@ class FleetState:
     def __init__(
         self,
         stats_ttl_s: float = 10.0,
-        owner_ttl_s: float = 30.0,
         scaling_targets: dict[str, Any] | None = None,
         object_store: str | None = None,
         directory_poll_s: float = 1.0,
@@ -100,18 +110,17 @@ class FleetState:
         """`scaling_targets`: the KV-occupancy autoscaling policy's `ScalingTargets` fields (None:
         the engine replicas do not autoscale; the history then has no target). `object_store`:
         where the tenant directory is, HEADed every `directory_poll_s` (None: no directory)."""
-        if stats_ttl_s <= 0 or owner_ttl_s <= 0:
-            raise ValueError(f"ttls must be > 0, got {stats_ttl_s} and {owner_ttl_s}")
-        self.stats_ttl_s, self.owner_ttl_s = stats_ttl_s, owner_ttl_s
+        if stats_ttl_s <= 0:
+            raise ValueError(f"stats_ttl_s must be > 0, got {stats_ttl_s}")
+        self.stats_ttl_s = stats_ttl_s
         self.scaling_targets = ScalingTargets(**scaling_targets) if scaling_targets is not None else None
         self._scaling: deque[dict[str, Any]] = deque()  # the last hour's samples, oldest first
         self._last_sample = -math.inf
         self._reports: dict[str, tuple[float, dict[str, Any]]] = {}  # replica id -> (when, stats)
-        self.budget = FleetBudget(owner_ttl_s)
         self._drain_deadline: float | None = None  # epoch seconds, once a drain began
         self._drain_began: float | None = None  # time.monotonic() when it began
         self._members: dict[str, tuple[float, int]] = {}  # drain member -> (last report, in flight)
-        self._directory_etag: str | None = None  # None: unknown (no store, or its HEAD failed)
+        self._view = FleetView()
         self._stop = threading.Event()
         if object_store is not None:
             threading.Thread(
@@ -124,11 +133,7 @@ class FleetState:
     def _watch_directory(self, object_store: str, poll_s: float) -> None:
         store = open_object_store(object_store)
         while not self._stop.is_set():
-            try:
-                etag = store.head(DIRECTORY_KEY)
-                self._directory_etag = NO_DIRECTORY if etag is None else etag
-            except Exception:  # noqa: BLE001 - unknown while the store is down: members keep theirs
-                self._directory_etag = None
+            self._view = read_view(store)
             self._stop.wait(poll_s)
 
     def __del__(self) -> None:
@@ -182,11 +187,11 @@ class FleetState:
             self._drain_began = time.monotonic()
         return self._drain_deadline
 
-    def drain_state(self, member: str, num_in_flight: int) -> tuple[float | None, str | None]:
+    def drain_state(self, member: str, num_in_flight: int) -> tuple[float | None, FleetView]:
         """A member's report of its requests in flight; (the drain's end once a drain began, the
-        tenant directory's etag: `NO_DIRECTORY` when there is none, None when unknown)."""
+        store's `FleetView`)."""
         self._members[member] = (time.monotonic(), num_in_flight)
-        return self._drain_deadline, self._directory_etag
+        return self._drain_deadline, self._view
 
     def drain_progress(self) -> tuple[int, int, int]:
         """(members heard from lately, of which reported since the drain began, requests in
@@ -196,21 +201,3 @@ class FleetState:
         began = self._drain_began if self._drain_began is not None else now
         since = [n for when, n in live.values() if when >= began]
         return len(live), len(since), sum(since)
-
-    # -- tenant limits ----------------------------------------------------------------------
-    def lease(
-        self, owner: str, tenant: str, max_concurrent_requests: int | None, tokens_per_minute: int | None,
-        requests_per_minute: int | None,
-    ) -> Refusal | None:  # fmt: skip
-        """One concurrency slot of `tenant` for `owner` (None), or (message, retry-after, code)."""
-        limits = TenantLimits(max_concurrent_requests, tokens_per_minute, requests_per_minute)
-        return self.budget.lease(owner, tenant, limits, time.monotonic())
-
-    def reconcile(self, owner: str, report: Report) -> Reply:
-        """An ingress replica's periodic report (slots given back, tokens, admissions, refusals)."""
-        return self.budget.reconcile(owner, report, time.monotonic())
-
-    def refusals(self) -> dict[str, dict[str, int]]:
-        """The fleet's tenant-limit 429s of the last hour by tenant and code (the replicas report
-        theirs at each reconcile)."""
-        return self.budget.refusal_log.totals(time.monotonic())

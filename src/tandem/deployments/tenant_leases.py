@@ -1,38 +1,82 @@
-"""`LeasedTenantLimiter`: tenant limits of one of several ingress replicas, on budget leases from
-the fleet state (`platform/tenant_budget.py`): most admissions are decided here, a round trip
-to the fleet only when the replica holds no free slot of the tenant, and one reconcile call per
-`reconcile_s` while it has anything to report."""
+"""Tenant limits across several ingress replicas: `TenantBudgetShard` deployments (each a
+`FleetBudget` for the tenants hashed to it) and each ingress replica's `LeasedTenantLimiter`
+(platform/tenant_budget.py says how the leases work). Most admissions are decided in the ingress
+replica; a round trip goes to the tenant's shard only when the replica holds no free slot of the
+tenant, plus one reconcile call per shard per `reconcile_s` while it has anything to report. With
+more ingress replicas, more shards (`AppConfig.tenant_budget_shards`), so the calls each shard
+serves stay level as the fleet grows."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
+import zlib
 from typing import cast
 
 from ray.serve.handle import DeploymentHandle
 
-from tandem.platform.tenancy import RateLimitError, TenantRegistry
-from tandem.platform.tenant_budget import LocalBudget, Refusal, Reply
+from tandem.platform.tenancy import RateLimitError, TenantLimits, TenantRegistry
+from tandem.platform.tenant_budget import FleetBudget, LocalBudget, Refusal, Reply, Report
 
 logger = logging.getLogger("tandem.fleet")
 
+TENANT_BUDGET_DEPLOYMENT = "TenantBudget"  # shard i is deployed as f"{TENANT_BUDGET_DEPLOYMENT}-{i}"
+
+
+def shard_of(tenant: str, num_shards: int) -> int:
+    """The shard that keeps `tenant`'s budget (a stable hash: the same in every process)."""
+    return zlib.crc32(tenant.encode()) % num_shards
+
+
+class TenantBudgetShard:
+    """One shard's `FleetBudget` (a Serve deployment with one replica). Its state is soft: a
+    restarted shard starts its tenants' counts from zero, and replicas' slots are leased anew."""
+
+    def __init__(self, owner_ttl_s: float = 30.0) -> None:
+        self.budget = FleetBudget(owner_ttl_s)
+
+    def lease(
+        self, owner: str, tenant: str, max_concurrent_requests: int | None, tokens_per_minute: int | None,
+        requests_per_minute: int | None,
+    ) -> Refusal | None:  # fmt: skip
+        """One concurrency slot of `tenant` for `owner` (None), or (message, retry-after, code)."""
+        limits = TenantLimits(max_concurrent_requests, tokens_per_minute, requests_per_minute)
+        return self.budget.lease(owner, tenant, limits, time.monotonic())
+
+    def reconcile(self, owner: str, report: Report) -> Reply:
+        """An ingress replica's periodic report (slots given back, tokens, admissions, refusals)."""
+        return self.budget.reconcile(owner, report, time.monotonic())
+
+    def refusals(self) -> dict[str, dict[str, int]]:
+        """This shard's tenants' limit 429s of the last hour, by tenant and code."""
+        return self.budget.refusal_log.totals(time.monotonic())
+
 
 class LeasedTenantLimiter:
-    """`TenantLimiter` (openai_server.py) over a `LocalBudget` and the fleet state's `FleetBudget`."""
+    """`TenantLimiter` (openai_server.py) over a `LocalBudget` and the tenants' budget shards."""
 
     def __init__(
-        self, fleet: DeploymentHandle, tenants: TenantRegistry, *, reconcile_s: float = 1.0, linger_s: float = 2.0
+        self,
+        shards: list[DeploymentHandle],
+        tenants: TenantRegistry,
+        *,
+        reconcile_s: float = 1.0,
+        linger_s: float = 2.0,
     ) -> None:
-        self.fleet, self.tenants = fleet, tenants
+        if not shards:
+            raise ValueError("a leased tenant limiter needs at least one budget shard")
+        self.shards, self.tenants = shards, tenants
         self.owner = uuid.uuid4().hex  # this process
         self.reconcile_s = reconcile_s
         self.budget = LocalBudget(linger_s)
         self.num_fleet_calls = 0
         self._slotted: dict[str, int] = {}  # tenant -> admitted requests that hold a slot
         self._reconciler: asyncio.Task[None] | None = None
+
+    def _shard(self, tenant: str) -> DeploymentHandle:
+        return self.shards[shard_of(tenant, len(self.shards))]
 
     async def acquire(self, tenant: str) -> None:
         limits = self.tenants.limits_for(tenant)
@@ -43,29 +87,27 @@ class LeasedTenantLimiter:
             self._ensure_reconciler()
             raise admitted
         if not admitted:  # no free slot here: lease one
-            call = asyncio.ensure_future(self._lease(tenant))
+            call = asyncio.ensure_future(self._lease(tenant, limits))
             try:
                 refusal = await asyncio.shield(call)
             except asyncio.CancelledError:
-                # The caller went away while the fleet granted a slot, perhaps: keep it idle here,
+                # The caller went away while the shard granted a slot, perhaps: keep it idle here,
                 # given back at the next reconcile.
                 call.add_done_callback(lambda done: self._idle_late(done, tenant))
                 raise
             if refusal is not None:
                 message, retry_after_s, code = refusal
-                self._ensure_reconciler()
                 raise RateLimitError(message, retry_after_s=retry_after_s, code=code)
-            self.budget.leased(tenant)
+            self.budget.leased(tenant, limits)
         if limits.max_concurrent_requests is not None:
             self._slotted[tenant] = self._slotted.get(tenant, 0) + 1
         self._ensure_reconciler()
 
-    async def _lease(self, tenant: str) -> Refusal | None:
-        limits = self.tenants.limits_for(tenant)
+    async def _lease(self, tenant: str, limits: TenantLimits) -> Refusal | None:
         self.num_fleet_calls += 1
         return cast(
             "Refusal | None",
-            await self.fleet.lease.remote(
+            await self._shard(tenant).lease.remote(
                 self.owner, tenant, limits.max_concurrent_requests, limits.tokens_per_minute,
                 limits.requests_per_minute,
             ),
@@ -80,17 +122,27 @@ class LeasedTenantLimiter:
         slot = self._slotted.get(tenant, 0) > 0
         if slot:
             self._slotted[tenant] -= 1
-        elif not self.tenants.limits_for(tenant).enforced:
+        limits = self.tenants.limits_for(tenant)
+        if not slot and not limits.enforced:
             return  # no limit to count against
-        self.budget.release(tenant, num_tokens, time.monotonic(), slot=slot)
+        count_tokens = limits.tokens_per_minute is not None
+        self.budget.release(tenant, num_tokens, time.monotonic(), slot=slot, count_tokens=count_tokens)
         self._ensure_reconciler()
 
     async def refusals(self) -> dict[str, dict[str, int]]:
-        """The fleet's tenant-limit 429s of the last hour (every replica reports its own)."""
-        try:
-            return cast(dict[str, dict[str, int]], await self.fleet.refusals.remote())
-        except Exception:  # noqa: BLE001 - the fleet state restarted: this replica's own view
-            return self.budget.refusal_log.totals(time.monotonic())
+        """The tenant-limit 429s of the last hour over every shard (every replica reports its own);
+        this replica's own where a shard does not answer."""
+        totals: dict[str, dict[str, int]] = {}
+        for shard in self.shards:
+            try:
+                part = cast(dict[str, dict[str, int]], await shard.refusals.remote())
+            except Exception:  # noqa: BLE001 - a shard restarting: what this replica saw
+                part = self.budget.refusal_log.totals(time.monotonic())
+            for tenant, by_code in part.items():
+                mine = totals.setdefault(tenant, {})
+                for code, count in by_code.items():
+                    mine[code] = mine.get(code, 0) + count
+        return totals
 
     def _ensure_reconciler(self) -> None:
         if self._reconciler is None or self._reconciler.done():
@@ -100,21 +152,26 @@ class LeasedTenantLimiter:
         """Report every `reconcile_s` while there is anything to report or slots are held."""
         while self.budget.needs_reconcile():
             await asyncio.sleep(self.reconcile_s)
-            await self.reconcile()
+            reclaim = await self.reconcile()
+            if reclaim:  # another replica was refused while slots idle here: give them back now
+                await self.reconcile(reclaim)
 
-    async def reconcile(self, reclaim: set[str] | None = None) -> None:
+    async def reconcile(self, reclaim: set[str] | None = None) -> set[str]:
+        """Send each shard its part of the report; returns the tenants shards asked to reclaim."""
         report = self.budget.report(time.monotonic(), reclaim or set())
-        self.num_fleet_calls += 1
-        try:
-            reply = cast(Reply, await self.fleet.reconcile.remote(self.owner, report))
-        except Exception as exc:  # noqa: BLE001 - the fleet state restarted or is unreachable
-            self.budget.restore(report)
-            logger.warning("tenant budget reconcile failed; retried", extra={"error": str(exc)[:200]})
-            return
-        self.budget.learn(reply)
-        if reply.reclaim:  # another replica was refused while slots idle here: give them back now
-            with contextlib.suppress(Exception):
-                report = self.budget.report(time.monotonic(), reply.reclaim)
-                if not report.empty:
-                    self.num_fleet_calls += 1
-                    self.budget.learn(cast(Reply, await self.fleet.reconcile.remote(self.owner, report)))
+        parts = report.split(lambda tenant: shard_of(tenant, len(self.shards)))
+        asked: set[str] = set()
+        for index, part in parts.items():
+            if reclaim is not None and part.empty:
+                continue
+            self.num_fleet_calls += 1
+            try:
+                reply = cast(Reply, await self.shards[index].reconcile.remote(self.owner, part))
+            except Exception as exc:  # noqa: BLE001 - the shard restarted or is unreachable
+                self.budget.restore(part)
+                logger.warning("tenant budget reconcile failed; retried", extra={"error": str(exc)[:200]})
+                continue
+            self.budget.learn(reply)
+            asked |= reply.reclaim
+        return asked
+

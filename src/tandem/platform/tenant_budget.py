@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.platform.tenancy import CONCURRENCY_LIMITED, RateLimitError, RefusalLog, TenantLimits
@@ -84,6 +85,16 @@ class Report:
     @property
     def empty(self) -> bool:
         return not (self.returned or self.tokens or self.admissions or self.refusals)
+
+    def split(self, shard_of: Callable[[str], int]) -> dict[int, Report]:
+        """This report cut by the shard each tenant belongs to."""
+        parts: dict[int, Report] = {}
+        for name in ("returned", "tokens", "admissions", "refusals"):
+            for tenant, value in getattr(self, name).items():
+                getattr(parts.setdefault(shard_of(tenant), Report()), name)[tenant] = value
+        for tenant in self.known:
+            parts.setdefault(shard_of(tenant), Report()).known.add(tenant)
+        return parts
 
 
 @dataclass
@@ -198,33 +209,35 @@ class LocalBudget:
             self._count_refusal(tenant, refusal.code or "rate_limited", now)
             return refusal
         if limits.max_concurrent_requests is None:
-            self._admitted(tenant)
+            self._admitted(tenant, limits)
             return True
         slots = self._slots.setdefault(tenant, _Slots())
         if slots.in_use < slots.held:
             slots.in_use += 1
-            self._admitted(tenant)
+            self._admitted(tenant, limits)
             return True
         return False
 
-    def leased(self, tenant: str) -> None:
+    def leased(self, tenant: str, limits: TenantLimits) -> None:
         """The fleet granted a slot for the request `admit` could not place: it is in use."""
         slots = self._slots.setdefault(tenant, _Slots())
         slots.held += 1
         slots.in_use += 1
-        self._admitted(tenant)
+        self._admitted(tenant, limits)
 
-    def _admitted(self, tenant: str) -> None:
-        self._pending.admissions[tenant] = self._pending.admissions.get(tenant, 0) + 1
+    def _admitted(self, tenant: str, limits: TenantLimits) -> None:
+        if limits.requests_per_minute is not None:  # counted only where a rate needs it
+            self._pending.admissions[tenant] = self._pending.admissions.get(tenant, 0) + 1
 
     def _count_refusal(self, tenant: str, code: str, now: float) -> None:
         by_code = self._pending.refusals.setdefault(tenant, {})
         by_code[code] = by_code.get(code, 0) + 1
         self.refusal_log.add(tenant, code, 1, now)
 
-    def release(self, tenant: str, num_tokens: int, now: float, *, slot: bool) -> None:
-        """A request ended, having used `num_tokens`; `slot`: it held one of the tenant's slots."""
-        if num_tokens:
+    def release(self, tenant: str, num_tokens: int, now: float, *, slot: bool, count_tokens: bool = True) -> None:
+        """A request ended, having used `num_tokens` (counted when `count_tokens`: its tenant has a
+        tokens-per-minute limit); `slot`: it held one of the tenant's slots."""
+        if num_tokens and count_tokens:
             self._pending.tokens[tenant] = self._pending.tokens.get(tenant, 0) + num_tokens
         slots = self._slots.get(tenant)
         if slot and slots is not None and slots.in_use > 0:

@@ -39,6 +39,12 @@ Done = Callable[[], None]
 RETRY_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0)  # then every 5 s while the store is down
 
 
+def ship_due(num_unshipped: int, waited_s: float, interval_s: float, max_records: int) -> bool:
+    """Whether a spool holding `num_unshipped` records, the oldest spooled `waited_s` ago, ships
+    now: by size (`max_records`) or by time (`interval_s`). An empty spool never ships."""
+    return num_unshipped > 0 and (num_unshipped >= max_records or waited_s >= interval_s)
+
+
 def default_spool_dir(store_url: str) -> Path:
     """`$TANDEM_STATE_DIR/usage-spool/<hash of the store's URL>` (default state dir
     `~/.local/state/tandem`): every process of one store on this machine shares it."""
