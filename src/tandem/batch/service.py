@@ -94,6 +94,7 @@ class BatchService:
         self.served_models = served_models
         self.limits = limits or BatchLimits()
         self.default_max_tokens = default_max_tokens
+        self._queue_entries: dict[str, tuple[str, str]] = {}  # queue key -> (tenant, batch id)
 
     # -- files -----------------------------------------------------------------------------
     def create_file(self, tenant: str, filename: str, purpose: str, data: bytes) -> FileRecord:
@@ -355,14 +356,21 @@ class BatchService:
                 continue  # someone else changed it: re-read and re-apply
 
     def queued_batches(self) -> list[tuple[str, str]]:
-        """(tenant, batch_id) of every batch not yet final, oldest first."""
+        """(tenant, batch_id) of every batch not yet final, oldest first: one LIST, and a GET only
+        for a queue entry not seen before (an entry never changes while it exists)."""
         out = []
-        for key in self.store.list(QUEUE_PREFIX):
-            try:
-                pointer = json.loads(self.store.get(key).data)
-            except ObjectNotFound:
-                continue
-            out.append((pointer["tenant"], pointer["batch_id"]))
+        keys = self.store.list(QUEUE_PREFIX)
+        for key in keys:
+            pointer = self._queue_entries.get(key)
+            if pointer is None:
+                try:
+                    doc = json.loads(self.store.get(key).data)
+                except ObjectNotFound:
+                    continue
+                pointer = self._queue_entries[key] = (doc["tenant"], doc["batch_id"])
+            out.append(pointer)
+        listed = set(keys)
+        self._queue_entries = {k: v for k, v in self._queue_entries.items() if k in listed}
         return out
 
     # -- paging -----------------------------------------------------------------------------

@@ -96,8 +96,8 @@ class LeasedTenantLimiter:
                 call.add_done_callback(lambda done: self._idle_late(done, tenant))
                 raise
             if refusal is not None:
-                message, retry_after_s, code = refusal
-                raise RateLimitError(message, retry_after_s=retry_after_s, code=code)
+                self._ensure_reconciler()
+                raise self.budget.lease_refused(tenant, refusal, time.monotonic())
             self.budget.leased(tenant, limits)
         if limits.max_concurrent_requests is not None:
             self._slotted[tenant] = self._slotted.get(tenant, 0) + 1

@@ -189,10 +189,16 @@ class _Slots:
 
 
 class LocalBudget:
-    """One replica's side (module docstring). Not thread-safe: the replica's event loop serialises."""
+    """One replica's side (module docstring). Not thread-safe: the replica's event loop serialises.
 
-    def __init__(self, linger_s: float = 2.0) -> None:
+    A tenant the fleet refused a slot is refused here for `hold_s` (or until one of its slots here
+    frees) without asking again: a tenant far over its limit costs its shard one call per replica
+    per `hold_s`, not one per request."""
+
+    def __init__(self, linger_s: float = 2.0, hold_s: float = 0.25) -> None:
         self.linger_s = linger_s
+        self.hold_s = hold_s
+        self._held_off: dict[str, tuple[float, RateLimitError]] = {}  # tenant -> (until, the fleet's 429)
         self._slots: dict[str, _Slots] = {}
         self._windows: dict[str, tuple[int, int, float | None]] = {}  # the fleet's, as last told
         self._pending = Report()  # counted since the last reconcile
@@ -216,7 +222,19 @@ class LocalBudget:
             slots.in_use += 1
             self._admitted(tenant, limits)
             return True
+        held_off = self._held_off.get(tenant)
+        if held_off is not None and now < held_off[0]:
+            self._count_refusal(tenant, held_off[1].code or CONCURRENCY_LIMITED, now)
+            return held_off[1]
         return False
+
+    def lease_refused(self, tenant: str, refusal: Refusal, now: float) -> RateLimitError:
+        """The fleet refused a slot: hold the tenant off here for `hold_s`; the 429 to raise."""
+        message, retry_after_s, code = refusal
+        error = RateLimitError(message, retry_after_s=retry_after_s, code=code)
+        if code == CONCURRENCY_LIMITED:
+            self._held_off[tenant] = (now + self.hold_s, error)
+        return error
 
     def leased(self, tenant: str, limits: TenantLimits) -> None:
         """The fleet granted a slot for the request `admit` could not place: it is in use."""
@@ -243,6 +261,7 @@ class LocalBudget:
         if slot and slots is not None and slots.in_use > 0:
             slots.in_use -= 1
             slots.idle_since = now
+            self._held_off.pop(tenant, None)
 
     def add_idle_slot(self, tenant: str) -> None:
         """A slot the fleet granted to a request that went away before it could use it: held,
@@ -264,6 +283,7 @@ class LocalBudget:
                 slots.held -= idle
                 self._pending.returned[tenant] = self._pending.returned.get(tenant, 0) + idle
         self._slots = {t: s for t, s in self._slots.items() if s.held or s.in_use}
+        self._held_off = {t: h for t, h in self._held_off.items() if h[0] > now}
         report, self._pending = self._pending, Report()
         report.known = set(self._windows)
         return report

@@ -279,6 +279,11 @@ class TenantDirectory:
             self._swap(self._read()[0])
         return self._snapshot
 
+    def adopt(self, snapshot: DirectorySnapshot) -> None:
+        """Hold `snapshot`, a version another reader of the same store read (no store call: the
+        next `refresh` compares etags as usual)."""
+        self._snapshot = snapshot
+
     def refresh_if_changed(self, etag: str | None) -> DirectorySnapshot:
         """Read the directory only if `etag` (its etag as someone else just saw it: the fleet
         state's) differs from the version held; no store call otherwise."""
