@@ -450,3 +450,45 @@ def test_the_local_state_is_keyed_by_store_and_kept_private(tmp_path: Path, monk
     assert saved.is_relative_to(tmp_path) and saved.exists()
     assert os.stat(saved).st_mode & 0o077 == 0
     assert TenantDirectory.default_cache_path("file:///elsewhere") != saved
+
+
+# -- callers that die -----------------------------------------------------------------------------
+def test_a_dead_callers_requests_are_aborted_and_metered_with_what_was_streamed(tmp_path: Path) -> None:
+    """`OrphanWatch` over a real engine request stream: the caller's lookup fails, the watch
+    aborts its requests and records each once, `cancelled`, with the tokens it had streamed; a
+    request of a live caller is left alone (its caller meters it)."""
+    from tandem.deployments.orphans import CallerRef, OrphanWatch, UsageTag
+    from tandem.engine.protocol import CompletionOutput, RequestMetrics, RequestOutput
+
+    store = FileObjectStore(str(tmp_path / "objects"))
+    log = UsageLog(store, commit_interval_s=0.0, spool_dir=tmp_path / "spool")
+    alive = {"ingress-1": True, "ingress-2": True}
+    aborted: list[str] = []
+    tag = UsageTag("key_1", "tiny", None)
+
+    def output(request_id: str, new_tokens: int) -> RequestOutput:
+        choice = CompletionOutput(0, "", [], None, delta_token_ids=[7] * new_tokens)
+        return RequestOutput(request_id, None, [1, 2, 3], [choice], False, RequestMetrics(arrival_time=0.0))
+
+    async def scenario() -> None:
+        watch = OrphanWatch(aborted.append, lambda: log, check_s=0.05, is_alive=lambda c: alive[c.actor_name])
+        watch.start("a", "acme", CallerRef("ingress-1", "ns", tag))
+        watch.start("b", "acme", CallerRef("ingress-1", "ns", None))  # a batch line: not metered here
+        watch.start("c", "acme", CallerRef("ingress-2", "ns", tag))
+        for request_id in ("a", "c"):
+            for _ in range(5):
+                watch.streamed(request_id, output(request_id, 1))
+        alive["ingress-1"] = False
+        deadline = time.monotonic() + 5
+        while len(aborted) < 2:
+            assert time.monotonic() < deadline, aborted
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # a few more checks: the live caller's request is left alone
+        assert sorted(aborted) == ["a", "b"] and watch.num_orphans == 2
+        watch.end("c")
+
+    asyncio.run(scenario())
+    assert log.flush(timeout_s=10)
+    stored = list(read_records(store, time.time() - 60, time.time() + 60))
+    assert [(r.request_id, r.status, r.output_tokens, r.input_tokens) for r in stored] == [("a", "cancelled", 5, 3)]
+    log.close()

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -447,3 +448,73 @@ def test_operator_api_refuses_bad_input_in_openais_error_shape(fleet: str) -> No
             assert error["param"] == param
     tenants = _admin(fleet, "GET", "/tenants").json()["data"]
     assert "x" not in {t["id"] for t in tenants}  # nothing half-written
+
+
+def test_an_ingress_killed_mid_stream_has_its_requests_aborted_and_metered_once(
+    fleet: str, fleet_store: Path
+) -> None:
+    """Both ingress replicas killed (SIGKILL) under 6 long streams: the LLM replicas abort the
+    streams' requests within about 2 s (they would run for minutes), each is metered once,
+    `cancelled`, with at least the tokens its client received; the ingress is back afterwards."""
+    import signal
+    import threading
+
+    import psutil
+
+    from tandem.platform.object_store import FileObjectStore
+    from tandem.platform.usage_query import read_records
+
+    started = time.time()
+    assert _admin(fleet, "POST", "/tenants", json={"id": "orphan-co", "limits": {"max_concurrent_requests": 16}}).status_code == 200
+    secret = _admin(fleet, "POST", "/tenants/orphan-co/keys").json()["key"]
+    wait_for(lambda: _every_ingress_answers(fleet, secret, True), 5, "the new key on every ingress replica")
+    api = openai.OpenAI(base_url=f"{fleet}/v1", api_key=secret, max_retries=0, timeout=120)
+    received: dict[str, int] = {}  # request id -> chunks with a token its client received
+    flowing = threading.Barrier(7)
+
+    def stream(i: int) -> None:
+        chunks = api.completions.create(
+            model="tiny", prompt=f"Orphan {i}", max_tokens=4000, stream=True, extra_body={"ignore_eos": True}
+        )
+        try:
+            for n, chunk in enumerate(chunks):
+                received[chunk.id] = received.get(chunk.id, 0) + 1
+                if n == 3:
+                    flowing.wait(timeout=60)
+        except (openai.APIError, httpx.HTTPError, ValueError):
+            pass  # the ingress died under it: the stream is cut
+
+    import httpx
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    flowing.wait(timeout=60)  # every stream has its tokens flowing
+    ingress_pids = [
+        proc.pid
+        for proc in psutil.Process().children(recursive=True)
+        if f"ServeReplica:{APP}:OpenAIIngress" in " ".join(proc.cmdline())
+    ]
+    assert len(ingress_pids) == 2, ingress_pids
+    for pid in ingress_pids:
+        os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_for(lambda: all(s.get("num_running", 0) == 0 for s in fresh_board(time.time()).values()), 10,
+             "the engines to stop the orphaned requests")  # fmt: skip
+    stopped_s = time.monotonic() - killed_at
+    assert stopped_s < 4.0, stopped_s  # 2 s to notice and abort, plus the board's reporting period
+    for thread in threads:
+        thread.join(timeout=30)
+    assert len(received) == 6, received
+    store = FileObjectStore(str(fleet_store))
+
+    def mine() -> list[Any]:
+        return [r for r in read_records(store, started - 5, time.time() + 5) if r.request_id in received]
+
+    wait_for(lambda: len(mine()) >= 6, 30, "the orphaned streams' usage records")
+    records = mine()
+    assert Counter(r.request_id for r in records) == Counter(list(received)), records
+    for record in records:
+        assert record.status == "cancelled" and record.tenant == "orphan-co", record
+        assert received[record.request_id] <= record.output_tokens < 4000, (record, received[record.request_id])
+    wait_for(lambda: _every_ingress_answers(fleet, secret, True), 90, "the ingress replicas replaced")

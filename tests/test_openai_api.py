@@ -227,7 +227,7 @@ def test_disconnect_before_the_first_token_aborts_the_request() -> None:
             self.started = asyncio.Event()
             self.closed = asyncio.Event()
 
-        async def generate(self, request: GenerationRequest) -> Any:
+        async def generate(self, request: GenerationRequest, usage: Any = None) -> Any:
             self.started.set()
             try:
                 await asyncio.Event().wait()

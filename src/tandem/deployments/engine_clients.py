@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from tandem.deployments.adapters import AdapterStore, load_into_engine
+from tandem.deployments.orphans import CallerRef, UsageTag, current_caller
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.errors import OverloadedError, ReplicaLostError, ServiceUnavailableError, TandemError
 
@@ -26,7 +27,12 @@ class EngineClient(Protocol):
     @property
     def model_name(self) -> str: ...
 
-    def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]: ...
+    def generate(
+        self, request: GenerationRequest, usage: UsageTag | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The request's outputs. `usage`: what to meter it as should this process die while the
+        engine runs it (a replica in another process meters it then: orphans.py)."""
+        ...
 
     async def stats(self) -> dict[str, Any]:
         """One engine's stats (whichever answers): proves an engine is up."""
@@ -82,7 +88,9 @@ class LocalEngineClient:
     async def token_table(self) -> list[bytes]:
         return list(self.engine.token_table())
 
-    async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(
+        self, request: GenerationRequest, usage: UsageTag | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
         if request.lora_name is not None and self.adapters is not None:  # store reads block: a thread
             await asyncio.to_thread(load_into_engine, self.engine.engine, self.adapters, request.lora_name)
         async for output in self.engine.generate(request):
@@ -101,6 +109,8 @@ class HandleEngineClient:
     ) -> None:
         self.unary = handle
         self.handle = handle.options(stream=True)
+        self._caller: CallerRef | None = None  # this process as a caller (orphans.py)
+        self._caller_known = False
         self.model_name = model_name
         self.fleet = fleet
         # A request with no first output after this long asks the fleet state whether any LLM
@@ -150,7 +160,9 @@ class HandleEngineClient:
     async def token_table(self) -> list[bytes]:
         return cast(list[bytes], await self.unary.token_table.remote())
 
-    async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(
+        self, request: GenerationRequest, usage: UsageTag | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
         from ray.exceptions import RayActorError
         from ray.serve.exceptions import BackPressureError
 
@@ -160,7 +172,12 @@ class HandleEngineClient:
             handle = self.handle
             if request.lora_name is not None:  # route to replicas that already hold the adapter
                 handle = handle.options(multiplexed_model_id=request.lora_name)
-            response = cast("DeploymentResponseGenerator", handle.generate.remote(request))
+            if not self._caller_known:  # this process as a caller, looked up once
+                self._caller, self._caller_known = current_caller(None), True
+            caller = self._caller
+            if caller is not None and usage is not None:
+                caller = CallerRef(caller.actor_name, caller.namespace, usage)
+            response = cast("DeploymentResponseGenerator", handle.generate.remote(request, caller))
             outputs = aiter(response)
             first: RequestOutput | TandemError = await self._first_output(outputs)
             if isinstance(first, TandemError):  # a client error the replica sent as a value

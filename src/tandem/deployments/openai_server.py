@@ -32,6 +32,7 @@ from tandem.deployments.openai_mapping import (
     unsent_choices,
     usage,
 )
+from tandem.deployments.orphans import UsageTag
 from tandem.deployments.structured_output import (
     ToolCallStream,
     chat_messages,
@@ -430,7 +431,8 @@ class OpenAIServer:
         meter = None
         if accounted and self.usage_log is not None:
             meter = RequestMeter(gen.request_id, tenant, api_key_id, self._api_model(gen), self._adapter_name(gen))
-        outputs = self.client.generate(gen)
+        usage = None if meter is None else UsageTag(meter.api_key_id, meter.model, meter.adapter)
+        outputs = self.client.generate(gen, usage)
         self.num_in_flight += 1
         try:
             first = await self._next_output(outputs)  # validation errors surface here, before any byte is sent

@@ -25,11 +25,13 @@ from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from tandem.deployments.adapters import AdapterStore, load_into_engine
+from tandem.deployments.orphans import CallerRef, OrphanWatch
 from tandem.engine.kv_transfer import KVPrefixEvictedError, KVTransfer
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Priority
 from tandem.platform.errors import BatchCapacityError, ServiceUnavailableError, TandemError
 from tandem.platform.object_store import open_object_store
+from tandem.platform.usage_log import UsageLog
 
 if TYPE_CHECKING:  # the engine (and torch) loads in the replica's process only, not in the ingress's
     from tandem.engine.async_engine import AsyncEngine
@@ -81,6 +83,15 @@ class LLMReplica:
             AdapterStore(open_object_store(object_store), self.engine.model_name) if object_store else None
         )
         self.fleet = fleet
+        # Requests whose caller died: aborted here, metered with what was streamed (orphans.py).
+        self.object_store = object_store
+        self._usage_log: UsageLog | None = None
+        self.orphans = OrphanWatch(self.engine.abort, self._orphan_usage_log)
+
+    def _orphan_usage_log(self) -> UsageLog | None:
+        if self._usage_log is None and self.object_store is not None:
+            self._usage_log = UsageLog(open_object_store(self.object_store))
+        return self._usage_log
 
     @serve.multiplexed(max_num_models_per_replica=MAX_ADAPTERS_PER_REPLICA)
     async def load_adapter(self, lora_id: str) -> _LoadedAdapter:
@@ -97,11 +108,14 @@ class LLMReplica:
         async for output in self.engine.generate(request, self.stream_interval):
             yield output
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput | TandemError]:
+    async def generate(
+        self, request: GenerationRequest, caller: CallerRef | None = None
+    ) -> AsyncIterator[RequestOutput | TandemError]:
         """`stream` for callers in other processes (ingress, batch workers). A batch request over
         `max_batch_requests` is refused before it starts (`BatchCapacityError`). A client's error
         (a 4xx: bad input, a prompt too long) is sent as the only value, for the caller to raise:
-        raised here, Serve would log it as a replica failure with its traceback."""
+        raised here, Serve would log it as a replica failure with its traceback. With `caller`,
+        the request is aborted (and metered, with its usage tag) if that process dies first."""
         is_batch = request.priority is Priority.BATCH
         if is_batch:
             if self.max_batch_requests is not None and self.num_batch_requests >= self.max_batch_requests:
@@ -112,15 +126,21 @@ class LLMReplica:
                 return
             self.num_batch_requests += 1
         started = False
+        if caller is not None:
+            self.orphans.start(request.request_id, request.tenant_id, caller)
         try:
             async for output in self.stream(request):
                 started = True
                 yield output.without_cumulative()  # cumulative fields cross processes once, at the end
+                if caller is not None:
+                    self.orphans.streamed(request.request_id, output)
         except TandemError as exc:
             if started or exc.status_code >= 500:
                 raise
             yield exc
         finally:
+            if caller is not None:
+                self.orphans.end(request.request_id)
             if is_batch:
                 self.num_batch_requests -= 1
 
