@@ -44,8 +44,15 @@ class CallerRef:
     usage: UsageTag | None = None
 
 
+# Where Ray Serve registers its replicas' actors (its controller's namespace), which need not be
+# the namespace of the job that started Serve.
+SERVE_NAMESPACE = "serve"
+
+
 def current_caller(usage: UsageTag | None) -> CallerRef | None:
-    """This process as a caller (None outside a named Ray actor, e.g. a test's own process)."""
+    """This process as a caller: its actor's name and the namespace it is found under (None
+    outside a named Ray actor, e.g. a test's own process, or when the lookup does not find it:
+    then nothing watches for its death rather than taking it for dead)."""
     import ray
 
     if not ray.is_initialized():
@@ -55,7 +62,14 @@ def current_caller(usage: UsageTag | None) -> CallerRef | None:
         name = context.get_actor_name()
     except Exception:  # noqa: BLE001 - not an actor
         return None
-    return CallerRef(name, context.namespace, usage) if name else None
+    if not name:
+        return None
+    for namespace in dict.fromkeys((SERVE_NAMESPACE, context.namespace)):
+        ref = CallerRef(name, namespace, usage)
+        if caller_alive(ref):
+            return ref
+    logger.warning("this process is not found by its actor name; its requests are not watched", extra={"name": name})
+    return None
 
 
 def caller_alive(caller: CallerRef) -> bool:
