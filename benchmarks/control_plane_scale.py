@@ -111,13 +111,22 @@ def build_world(num_tenants: int, num_batches: int, lines_per_batch: int) -> Cou
         for i in range(num_tenants)
     }
     keys = {
-        f"key_{i:05d}": {"tenant": f"t{i:05d}", "digest": f"{i:064x}", "prefix": "tdm-abcd", "created_at": 0,
-                         "name": None, "expires_at": None}  # fmt: skip
+        f"key_{i:05d}": {
+            "tenant": f"t{i:05d}",
+            "digest": f"{i:064x}",
+            "prefix": "tdm-abcd",
+            "created_at": 0,
+            "name": None,
+            "expires_at": None,
+        }  # fmt: skip
         for i in range(num_tenants)
     }
     store.put(DIRECTORY_KEY, json.dumps({"tenants": tenants, "keys": keys}, sort_keys=True).encode())
     for b in range(num_batches):  # queue pointers as BatchService writes them (the lines stay abstract)
-        store.put(f"{QUEUE_PREFIX}batch_{b:04d}", json.dumps({"tenant": f"t{b:05d}", "batch_id": f"batch_{b:04d}"}).encode())
+        store.put(
+            f"{QUEUE_PREFIX}batch_{b:04d}",
+            json.dumps({"tenant": f"t{b:05d}", "batch_id": f"batch_{b:04d}"}).encode(),
+        )
     store.counts.clear()
     return store
 
@@ -206,7 +215,12 @@ def store_ops(
         by_component.setdefault(component, {})[op] = rate
         per_s += rate
         cost_per_day += rate * 86400 / 1000 * PRICE_PER_1000[op]
-    return {"ops_per_s": per_s, "usd_per_day": cost_per_day, "by_component": by_component, "batch_workers": num_workers}
+    return {
+        "ops_per_s": per_s,
+        "usd_per_day": cost_per_day,
+        "by_component": by_component,
+        "batch_workers": num_workers,
+    }
 
 
 def _poisson(rng: random.Random, mean: float) -> int:
@@ -265,7 +279,9 @@ def admission(
     share = [w / cumulative[-1] for w in weights]
     tenant_limits = {
         f"t{rank:05d}": TenantLimits(
-            max_concurrent_requests=max(8, math.ceil(2 * share[rank] * requests_per_s * num_replicas * mean_duration_s))
+            max_concurrent_requests=max(
+                8, math.ceil(2 * share[rank] * requests_per_s * num_replicas * mean_duration_s)
+            )
         )
         for rank in range(num_tenants)
     }
@@ -360,10 +376,14 @@ def admission(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--replicas", type=int, nargs="+", default=[10, 100, 1000])
     parser.add_argument("--tenants", type=int, default=10_000)
-    parser.add_argument("--batches", type=int, default=100, help="queued batches (of --lines-per-batch lines)")
+    parser.add_argument(
+        "--batches", type=int, default=100, help="queued batches (of --lines-per-batch lines)"
+    )
     parser.add_argument("--lines-per-batch", type=int, default=1000)
     parser.add_argument("--store-seconds", type=int, default=120)
     parser.add_argument("--requests-per-s", type=float, default=10.0, help="per ingress replica")
@@ -371,7 +391,9 @@ def main() -> None:
     parser.add_argument("--call-us", type=float, default=300.0, help="a fleet state or shard's work per call")
     parser.add_argument("--rtt-us", type=float, default=300.0, help="a call's round trip on the network")
     parser.add_argument("--local-us", type=float, default=20.0, help="an admission decided in the replica")
-    parser.add_argument("--replicas-per-shard", type=int, default=32, help="ingress replicas per budget shard")
+    parser.add_argument(
+        "--replicas-per-shard", type=int, default=32, help="ingress replicas per budget shard"
+    )
     parser.add_argument("--out", default="benchmarks/results/control_plane_scale.json")
     args = parser.parse_args()
     world = build_world(args.tenants, args.batches, args.lines_per_batch)

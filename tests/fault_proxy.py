@@ -107,7 +107,12 @@ class FaultProxy:
             pass
 
     async def _pipe(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, asked: asyncio.Event, *, answers: bool
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        asked: asyncio.Event,
+        *,
+        answers: bool,
     ) -> None:
         try:
             while data := await reader.read(65536):

@@ -99,7 +99,9 @@ def record(request_id: str, **fields: Any) -> UsageRecord:
 
 
 # -- the store itself ---------------------------------------------------------------------------
-def test_a_stopped_frozen_or_slow_store_answers_in_bounded_time(s3_server: S3Settings, proxy: FaultProxy) -> None:
+def test_a_stopped_frozen_or_slow_store_answers_in_bounded_time(
+    s3_server: S3Settings, proxy: FaultProxy
+) -> None:
     settings = S3Settings(
         endpoint_url=proxy.url, region="us-east-1", access_key_id=s3_server.access_key_id,
         secret_access_key=s3_server.secret_access_key,
@@ -300,13 +302,21 @@ def test_the_api_serves_without_the_store_and_store_calls_answer_503(
                 reported[request_id] = (prompt, completion)
                 assert time.monotonic() - started < baseline_s + 1.0  # no wait on the store
                 for method, path, kwargs in (
-                    ("POST", "/v1/files", {"files": {"file": ("in.jsonl", b"{}\n")}, "data": {"purpose": "batch"}}),
+                    (
+                        "POST",
+                        "/v1/files",
+                        {"files": {"file": ("in.jsonl", b"{}\n")}, "data": {"purpose": "batch"}},
+                    ),
                     ("GET", "/v1/batches", {}),
                     ("GET", "/v1/files", {}),
                 ):
                     started = time.monotonic()
                     reply = httpx.request(
-                        method, base_url + path, headers={"Authorization": f"Bearer {key}"}, timeout=30, **kwargs
+                        method,
+                        base_url + path,
+                        headers={"Authorization": f"Bearer {key}"},
+                        timeout=30,
+                        **kwargs,
                     )
                     assert time.monotonic() - started < 5.0, (mode, path)
                     assert reply.status_code == 503, (mode, path, reply.text)
@@ -347,7 +357,9 @@ def test_a_full_disk_is_a_507_before_anything_is_written(tmp_path: Path, engine:
 
     store = FileObjectStore(str(tmp_path / "objects"), min_free_bytes=0)
     service = BatchService(store, {"tiny"}, BatchLimits())
-    server = OpenAIServer(LocalEngineClient(engine), TenantRegistry(parse_keys("sk-full=acme")), batches=service)
+    server = OpenAIServer(
+        LocalEngineClient(engine), TenantRegistry(parse_keys("sk-full=acme")), batches=service
+    )
     with serve_app(create_app(server)) as base_url:
         api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="sk-full", max_retries=0, timeout=30)
         line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
@@ -361,7 +373,9 @@ def test_a_full_disk_is_a_507_before_anything_is_written(tmp_path: Path, engine:
         assert caught.value.body["code"] == "insufficient_storage"  # type: ignore[index]
         assert "free" in caught.value.body["message"]  # type: ignore[index]
         with pytest.raises(openai.APIStatusError) as caught:
-            api.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+            api.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
         assert caught.value.status_code == 507
         assert sorted(p.name for p in (tmp_path / "objects").rglob("*")) == before  # nothing written
 
@@ -395,8 +409,14 @@ def test_a_batch_survives_store_outages_with_every_line_once_and_none_run_twice(
     store = GuardedStore(switch, cooldown_s=0.2)
     service = BatchService(store, {"tiny"}, BatchLimits(shard_size=4, lease_ttl_s=1.5))
     lines = [
-        json.dumps({"custom_id": f"r-{i}", "method": "POST", "url": "/v1/chat/completions",
-                    "body": {"model": "tiny", "messages": [{"role": "user", "content": f"line {i}"}]}})  # fmt: skip
+        json.dumps(
+            {
+                "custom_id": f"r-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": "tiny", "messages": [{"role": "user", "content": f"line {i}"}]},
+            }
+        )  # fmt: skip
         for i in range(24)
     ]
     file_id = service.create_file("acme", "in.jsonl", "batch", ("\n".join(lines) + "\n").encode()).id
@@ -417,6 +437,7 @@ def test_a_batch_survives_store_outages_with_every_line_once_and_none_run_twice(
             switch.down = True
             await asyncio.sleep(1.0)
             switch.down = False
+
         def status() -> str | None:
             try:
                 return service.get_batch("acme", batch.id).status
@@ -434,14 +455,18 @@ def test_a_batch_survives_store_outages_with_every_line_once_and_none_run_twice(
     worker = asyncio.run(scenario())
     done = service.get_batch("acme", batch.id)
     assert done.totals().completed == 24
-    output = [json.loads(x) for x in service.file_content("acme", done.output_file_id or "").decode().splitlines()]
+    output = [
+        json.loads(x) for x in service.file_content("acme", done.output_file_id or "").decode().splitlines()
+    ]
     assert sorted(o["custom_id"] for o in output) == sorted(f"r-{i}" for i in range(24))
     assert set(runs.values()) == {1}, runs  # no line ran twice
     assert worker.num_lines_run == 24
     assert store.num_failures > 0  # the outages did hit the worker
 
 
-def test_the_local_state_is_keyed_by_store_and_kept_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_local_state_is_keyed_by_store_and_kept_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("TANDEM_STATE_DIR", str(tmp_path))
     store = FileObjectStore(str(tmp_path / "objects"))
     directory = TenantDirectory(store, cache_path=TenantDirectory.default_cache_path(store.url))
@@ -490,5 +515,42 @@ def test_a_dead_callers_requests_are_aborted_and_metered_with_what_was_streamed(
     asyncio.run(scenario())
     assert log.flush(timeout_s=10)
     stored = list(read_records(store, time.time() - 60, time.time() + 60))
-    assert [(r.request_id, r.status, r.output_tokens, r.input_tokens) for r in stored] == [("a", "cancelled", 5, 3)]
+    assert [(r.request_id, r.status, r.output_tokens, r.input_tokens) for r in stored] == [
+        ("a", "cancelled", 5, 3)
+    ]
     log.close()
+
+
+def test_a_spool_range_shipped_twice_is_stored_once(tmp_path: Path) -> None:
+    """A process died after writing a range's objects but before recording it shipped: the next
+    shipper sends the same range under the same keys, and the store keeps one copy."""
+    from tandem.platform.usage_spool import SpoolWriter, sweep_orphans
+
+    store = FileObjectStore(str(tmp_path / "objects"))
+    writer = SpoolWriter(tmp_path / "spool", "dead")
+    writer.append([record(f"s{i}") for i in range(7)])
+    assert writer.ship(store, max_records=3) == 7  # three ranges: 3 + 3 + 1
+    for ship_file in (tmp_path / "spool").glob("*.ship"):  # the crash: progress back to the start
+        ship_file.write_text(json.dumps({"shipped": 0, "shipping": None}))
+    writer.close()  # its lock is free: an orphan now (the spool looks unshipped)
+    assert sweep_orphans(store, tmp_path / "spool", exclude="next", max_records=3) == 7  # sent again
+    stored = list(read_records(store, time.time() - 60, time.time() + 60))
+    assert Counter(r.request_id for r in stored) == Counter(f"s{i}" for i in range(7))
+
+
+def test_budget_reports_split_by_the_shard_of_each_tenant() -> None:
+    from tandem.deployments.tenant_leases import shard_of
+    from tandem.platform.tenant_budget import Report
+
+    tenants = [f"tenant-{i}" for i in range(200)]
+    shards = Counter(shard_of(t, 4) for t in tenants)
+    assert set(shards) == {0, 1, 2, 3} and min(shards.values()) > 30  # spread, and stable:
+    assert [shard_of(t, 4) for t in tenants] == [shard_of(t, 4) for t in tenants]
+    report = Report(
+        returned={t: 1 for t in tenants[:10]}, tokens={t: 5 for t in tenants[5:15]}, known=set(tenants[:3])
+    )
+    parts = report.split(lambda t: shard_of(t, 4))
+    assert sum(sum(p.returned.values()) for p in parts.values()) == 10
+    assert sum(sum(p.tokens.values()) for p in parts.values()) == 50
+    for index, part in parts.items():
+        assert all(shard_of(t, 4) == index for t in [*part.returned, *part.tokens, *part.known])

@@ -451,8 +451,9 @@ def test_operator_api_refuses_bad_input_in_openais_error_shape(fleet: str) -> No
     assert "x" not in {t["id"] for t in tenants}  # nothing half-written
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_an_ingress_killed_mid_stream_has_its_requests_aborted_and_metered_once(
-    fleet: str, fleet_store: Path
+    fleet: str, fleet_store: Path, endpoint: str
 ) -> None:
     """Both ingress replicas killed (SIGKILL) under 6 long streams: the LLM replicas abort the
     streams' requests within about 2 s (they would run for minutes), each is metered once,
@@ -466,20 +467,30 @@ def test_an_ingress_killed_mid_stream_has_its_requests_aborted_and_metered_once(
     from tandem.platform.usage_query import read_records
 
     started = time.time()
-    assert _admin(fleet, "POST", "/tenants", json={"id": "orphan-co", "limits": {"max_concurrent_requests": 16}}).status_code == 200
-    secret = _admin(fleet, "POST", "/tenants/orphan-co/keys").json()["key"]
+    tenant = f"orphan-{endpoint}"
+    assert _admin(fleet, "POST", "/tenants", json={"id": tenant, "limits": {"max_concurrent_requests": 16}}).status_code == 200
+    secret = _admin(fleet, "POST", f"/tenants/{tenant}/keys").json()["key"]
     wait_for(lambda: _every_ingress_answers(fleet, secret, True), 5, "the new key on every ingress replica")
     api = openai.OpenAI(base_url=f"{fleet}/v1", api_key=secret, max_retries=0, timeout=120)
     received: dict[str, int] = {}  # request id -> chunks with a token its client received
     flowing = threading.Barrier(7)
 
     def stream(i: int) -> None:
-        chunks = api.completions.create(
-            model="tiny", prompt=f"Orphan {i}", max_tokens=4000, stream=True, extra_body={"ignore_eos": True}
-        )
+        if endpoint == "chat":
+            chunks: Any = api.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": f"Orphan {i}"}], max_tokens=4000, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+        else:
+            chunks = api.completions.create(
+                model="tiny", prompt=f"Orphan {i}", max_tokens=4000, stream=True, extra_body={"ignore_eos": True}
+            )
         try:
             for n, chunk in enumerate(chunks):
-                received[chunk.id] = received.get(chunk.id, 0) + 1
+                has_token = bool(chunk.choices) and bool(
+                    chunk.choices[0].delta.content if endpoint == "chat" else chunk.choices[0].text
+                )
+                received[chunk.id] = received.get(chunk.id, 0) + int(has_token)
                 if n == 3:
                     flowing.wait(timeout=60)
         except (openai.APIError, httpx.HTTPError, ValueError):
@@ -518,7 +529,7 @@ def test_an_ingress_killed_mid_stream_has_its_requests_aborted_and_metered_once(
     records = mine()
     assert Counter(r.request_id for r in records) == Counter(list(received)), records
     for record in records:
-        assert record.status == "cancelled" and record.tenant == "orphan-co", record
+        assert record.status == "cancelled" and record.tenant == tenant, record
         assert received[record.request_id] <= record.output_tokens < 4000, (record, received[record.request_id])
     wait_for(lambda: _every_ingress_answers(fleet, secret, True), 90, "the ingress replicas replaced")
 

@@ -68,7 +68,9 @@ def current_caller(usage: UsageTag | None) -> CallerRef | None:
         ref = CallerRef(name, namespace, usage)
         if caller_alive(ref):
             return ref
-    logger.warning("this process is not found by its actor name; its requests are not watched", extra={"name": name})
+    logger.warning(
+        "this process is not found by its actor name; its requests are not watched", extra={"name": name}
+    )
     return None
 
 
@@ -134,7 +136,9 @@ class OrphanWatch:
                 if await asyncio.to_thread(self.is_alive, caller):
                     continue
                 orphans = [rid for rid, r in self._running.items() if r.caller.actor_name == name]
-                logger.warning("caller gone; its requests aborted", extra={"caller": name, "requests": len(orphans)})
+                logger.warning(
+                    "caller gone; its requests aborted", extra={"caller": name, "requests": len(orphans)}
+                )
                 for request_id in orphans:
                     self._orphaned(request_id)
 

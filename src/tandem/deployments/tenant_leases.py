@@ -174,4 +174,3 @@ class LeasedTenantLimiter:
             self.budget.learn(reply)
             asked |= reply.reclaim
         return asked
-

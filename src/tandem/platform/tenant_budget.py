@@ -133,7 +133,11 @@ class FleetBudget:
         window = self._windows.setdefault(tenant, _Window())
         refusal = rate_refusal(tenant, limits, *window.totals(now), now)
         leased = self._leased.get(tenant, 0)
-        if refusal is None and limits.max_concurrent_requests is not None and leased >= limits.max_concurrent_requests:
+        if (
+            refusal is None
+            and limits.max_concurrent_requests is not None
+            and leased >= limits.max_concurrent_requests
+        ):
             self._reclaim[tenant] = now  # slots may be idle at other owners: they give them back
             refusal = RateLimitError(
                 f"tenant {tenant!r} has {leased} requests in flight (limit {limits.max_concurrent_requests}); "
@@ -252,7 +256,9 @@ class LocalBudget:
         by_code[code] = by_code.get(code, 0) + 1
         self.refusal_log.add(tenant, code, 1, now)
 
-    def release(self, tenant: str, num_tokens: int, now: float, *, slot: bool, count_tokens: bool = True) -> None:
+    def release(
+        self, tenant: str, num_tokens: int, now: float, *, slot: bool, count_tokens: bool = True
+    ) -> None:
         """A request ended, having used `num_tokens` (counted when `count_tokens`: its tenant has a
         tokens-per-minute limit); `slot`: it held one of the tenant's slots."""
         if num_tokens and count_tokens:
