@@ -324,12 +324,12 @@ def admission(
                 else:
                     shard = shard_of(tenant, len(servers))
                     answered = servers[shard].serve(now + rtt_s / 2)
-                    refusal = budgets[shard].lease(str(replica), tenant, limits, answered)
-                    admitted = refusal is None
-                    if admitted:
-                        local.leased(tenant, limits)
+                    granted = budgets[shard].lease(str(replica), tenant, limits, answered)
+                    admitted = not isinstance(granted, tuple)
+                    if isinstance(granted, tuple):
+                        local.lease_refused(tenant, granted, answered + rtt_s / 2)
                     else:
-                        local.lease_refused(tenant, refusal, answered + rtt_s / 2)
+                        local.leased(tenant, limits, granted)
                     done_at = answered + rtt_s / 2
             if now >= warmup:
                 latencies.append(done_at - now)
@@ -344,8 +344,10 @@ def admission(
             if design == "before":
                 answered = servers[0].serve(now + rtt_s / 2)
                 fleet_usage.release(tenant, 200, owner=str(replica), now=answered)
-            else:
-                locals_[replica].release(tenant, 200, now, slot=True, count_tokens=False)
+            elif locals_[replica].release(tenant, 200, now, slot=True, count_tokens=False):
+                # a tight tenant's slot goes back if still idle after its short linger
+                at = now + locals_[replica].tight_linger_s
+                heapq.heappush(events, _Event(at, next(seq), "reconcile_once", replica))
         elif event.kind == "reconcile":
             replica = event.data
             local = locals_[replica]
@@ -358,6 +360,12 @@ def admission(
                 heapq.heappush(events, _Event(at, next(seq), "reconcile_part", (replica, shard, part)))
             if now + 1.0 < seconds:
                 heapq.heappush(events, _Event(now + 1.0, next(seq), "reconcile", replica))
+        elif event.kind == "reconcile_once":  # as `LeasedTenantLimiter.reconcile` woken early
+            replica = event.data
+            parts = locals_[replica].report(now).split(lambda name: shard_of(name, len(servers))).items()
+            for index, (shard, part) in enumerate(parts):
+                at = now + index * (rtt_s + call_s)
+                heapq.heappush(events, _Event(at, next(seq), "reconcile_part", (replica, shard, part)))
         elif event.kind == "reconcile_part":
             replica, shard, part = event.data
             answered = servers[shard].serve(now + rtt_s / 2)

@@ -18,16 +18,18 @@ def _admit(local: LocalBudget, fleet: FleetBudget, owner: str, limits: TenantLim
         return admitted.code or ""
     if admitted:
         return "ok"
-    refusal = fleet.lease(owner, "acme", limits, now)
-    if refusal is not None:
-        assert refusal[1] >= 1
-        return refusal[2]
-    local.leased("acme", limits)
+    granted = fleet.lease(owner, "acme", limits, now)
+    if isinstance(granted, tuple):
+        assert granted[1] >= 1
+        return granted[2]
+    local.leased("acme", limits, granted)
     return "ok"
 
 
 def test_concurrency_slots_hold_across_replicas_and_a_silent_replica_gives_its_slots_back() -> None:
-    fleet, a, b = FleetBudget(owner_ttl_s=30.0), LocalBudget(linger_s=2.0), LocalBudget(linger_s=2.0)
+    # lingering as if never tight (a tight tenant's slot lingers 0.1 s: the next test)
+    fleet = FleetBudget(owner_ttl_s=30.0)
+    a, b = LocalBudget(linger_s=2.0, tight_linger_s=2.0), LocalBudget(linger_s=2.0, tight_linger_s=2.0)
     limits = TenantLimits(max_concurrent_requests=2)
     assert _admit(a, fleet, "a", limits, 0.0) == "ok"
     assert _admit(b, fleet, "b", limits, 0.0) == "ok"
@@ -45,6 +47,24 @@ def test_concurrency_slots_hold_across_replicas_and_a_silent_replica_gives_its_s
     fleet.reconcile("a", a.report(20.0), 20.0)
     assert _admit(a, fleet, "a", limits, 20.0) == "rate_limit_exceeded"
     assert _admit(a, fleet, "a", limits, 31.0) == "ok" and fleet.leased("acme") == 1
+
+
+def test_a_tight_tenants_freed_slot_goes_back_after_a_short_linger() -> None:
+    """Limit 8: a lease that leaves under 2 free marks the tenant tight at that replica; its freed
+    slot lingers 0.1 s (reused by the next request there) rather than 2 s."""
+    fleet, a, b = FleetBudget(), LocalBudget(), LocalBudget()
+    limits = TenantLimits(max_concurrent_requests=8)
+    assert [_admit(a, fleet, "a", limits, 0.0) for _ in range(6)] == ["ok"] * 6
+    assert not a.release("acme", 1, 0.1, slot=True)  # 2 were free at its lease: not tight, lingers 2 s
+    assert _admit(a, fleet, "a", limits, 0.2) == "ok" and fleet.leased("acme") == 6  # the lingering slot
+    assert [_admit(a, fleet, "a", limits, 0.2) for _ in range(2)] == ["ok"] * 2  # the last lease left 0
+    assert fleet.leased("acme") == 8
+    assert a.release("acme", 1, 0.3, slot=True)  # tight: the caller reconciles after 0.1 s
+    fleet.reconcile("a", a.report(0.35), 0.35)
+    assert fleet.leased("acme") == 8  # 0.05 s idle: still lingering
+    fleet.reconcile("a", a.report(0.4), 0.4)
+    assert fleet.leased("acme") == 7  # back
+    assert _admit(b, fleet, "b", limits, 0.5) == "ok"
 
 
 def test_rates_count_every_replicas_usage_within_a_reconcile() -> None:
@@ -170,10 +190,10 @@ def test_refusals_are_counted_per_tenant_and_code_for_an_hour(monkeypatch: pytes
     clock = [0.0]
     monkeypatch.setattr("tandem.deployments.tenant_leases.time.monotonic", lambda: clock[0])
     state = TenantBudgetShard()
-    assert state.lease("a", "acme", 1, None, None) is None
-    assert state.lease("b", "acme", 1, None, None) is not None
-    assert state.lease("a", "acme", 1, None, None) is not None
-    assert state.lease("a", "globex", 1, None, None) is None
+    assert state.lease("a", "acme", 1, None, None) == 0  # granted: none left
+    assert isinstance(state.lease("b", "acme", 1, None, None), tuple)
+    assert isinstance(state.lease("a", "acme", 1, None, None), tuple)
+    assert state.lease("a", "globex", 1, None, None) == 0
     assert state.refusals() == {"acme": {"rate_limit_exceeded": 2}}
     for _ in range(1000):  # a client retrying in a loop: counted, in one minute's counts
         state.lease("b", "acme", 1, None, None)

@@ -9,6 +9,7 @@ serves stay level as the fleet grows."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -40,8 +41,9 @@ class TenantBudgetShard:
     def lease(
         self, owner: str, tenant: str, max_concurrent_requests: int | None, tokens_per_minute: int | None,
         requests_per_minute: int | None,
-    ) -> Refusal | None:  # fmt: skip
-        """One concurrency slot of `tenant` for `owner` (None), or (message, retry-after, code)."""
+    ) -> Refusal | int:  # fmt: skip
+        """One concurrency slot of `tenant` for `owner` (the tenant's slots still free after it),
+        or (message, retry-after, code)."""
         limits = TenantLimits(max_concurrent_requests, tokens_per_minute, requests_per_minute)
         return self.budget.lease(owner, tenant, limits, time.monotonic())
 
@@ -74,6 +76,7 @@ class LeasedTenantLimiter:
         self.num_fleet_calls = 0
         self._slotted: dict[str, int] = {}  # tenant -> admitted requests that hold a slot
         self._reconciler: asyncio.Task[None] | None = None
+        self._reconcile_now = asyncio.Event()
 
     def _shard(self, tenant: str) -> DeploymentHandle:
         return self.shards[shard_of(tenant, len(self.shards))]
@@ -89,32 +92,32 @@ class LeasedTenantLimiter:
         if not admitted:  # no free slot here: lease one
             call = asyncio.ensure_future(self._lease(tenant, limits))
             try:
-                refusal = await asyncio.shield(call)
+                granted = await asyncio.shield(call)
             except asyncio.CancelledError:
                 # The caller went away while the shard granted a slot, perhaps: keep it idle here,
                 # given back at the next reconcile.
                 call.add_done_callback(lambda done: self._idle_late(done, tenant))
                 raise
-            if refusal is not None:
+            if isinstance(granted, tuple):  # refused
                 self._ensure_reconciler()
-                raise self.budget.lease_refused(tenant, refusal, time.monotonic())
-            self.budget.leased(tenant, limits)
+                raise self.budget.lease_refused(tenant, granted, time.monotonic())
+            self.budget.leased(tenant, limits, granted)
         if limits.max_concurrent_requests is not None:
             self._slotted[tenant] = self._slotted.get(tenant, 0) + 1
         self._ensure_reconciler()
 
-    async def _lease(self, tenant: str, limits: TenantLimits) -> Refusal | None:
+    async def _lease(self, tenant: str, limits: TenantLimits) -> Refusal | int:
         self.num_fleet_calls += 1
         return cast(
-            "Refusal | None",
+            "Refusal | int",
             await self._shard(tenant).lease.remote(
                 self.owner, tenant, limits.max_concurrent_requests, limits.tokens_per_minute,
                 limits.requests_per_minute,
             ),
         )  # fmt: skip
 
-    def _idle_late(self, done: asyncio.Future[Refusal | None], tenant: str) -> None:
-        if not done.cancelled() and done.exception() is None and done.result() is None:
+    def _idle_late(self, done: asyncio.Future[Refusal | int], tenant: str) -> None:
+        if not done.cancelled() and done.exception() is None and not isinstance(done.result(), tuple):
             self.budget.add_idle_slot(tenant)
             self._ensure_reconciler()
 
@@ -126,7 +129,9 @@ class LeasedTenantLimiter:
         if not slot and not limits.enforced:
             return  # no limit to count against
         count_tokens = limits.tokens_per_minute is not None
-        self.budget.release(tenant, num_tokens, time.monotonic(), slot=slot, count_tokens=count_tokens)
+        if self.budget.release(tenant, num_tokens, time.monotonic(), slot=slot, count_tokens=count_tokens):
+            # a tight tenant's slot goes back soon if it stays idle
+            asyncio.get_running_loop().call_later(self.budget.tight_linger_s, self._reconcile_now.set)
         self._ensure_reconciler()
 
     async def refusals(self) -> dict[str, dict[str, int]]:
@@ -151,7 +156,9 @@ class LeasedTenantLimiter:
     async def _reconcile_loop(self) -> None:
         """Report every `reconcile_s` while there is anything to report or slots are held."""
         while self.budget.needs_reconcile():
-            await asyncio.sleep(self.reconcile_s)
+            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+                await asyncio.wait_for(self._reconcile_now.wait(), self.reconcile_s)
+            self._reconcile_now.clear()
             reclaim = await self.reconcile()
             if reclaim:  # another replica was refused while slots idle here: give them back now
                 await self.reconcile(reclaim)

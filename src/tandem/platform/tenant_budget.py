@@ -32,6 +32,7 @@ WINDOW_S = 60.0
 
 # (message, retry-after seconds, code): a refusal as it crosses a process boundary.
 Refusal = tuple[str, float, str]
+UNLIMITED = 1 << 30  # the free slots of a tenant without a concurrency limit
 
 
 @dataclass
@@ -48,6 +49,11 @@ class _Window:
                 events.popleft()
         oldest = min((e[0][0] for e in (self.tokens, self.admissions) if e), default=None)
         return sum(n for _, n in self.tokens), sum(n for _, n in self.admissions), oldest
+
+
+def _margin(limit: int) -> int:
+    """Free slots under which a tenant is tight: a quarter of its limit, at least 2."""
+    return max(2, limit // 4)
 
 
 def rate_refusal(
@@ -104,6 +110,7 @@ class Reply:
 
     windows: dict[str, tuple[int, int, float | None]] = field(default_factory=dict)
     reclaim: set[str] = field(default_factory=set)
+    tight: set[str] = field(default_factory=set)  # of the owner's tenants, those near their limits
 
 
 class FleetBudget:
@@ -119,20 +126,24 @@ class FleetBudget:
         self._windows: dict[str, _Window] = {}
         self._seen: dict[str, float] = {}  # owner -> last lease or reconcile
         self._reclaim: dict[str, float] = {}  # tenant -> when it was refused a slot
+        self._limits: dict[str, int] = {}  # tenant -> its concurrency limit, as last leased
         self.refusal_log = RefusalLog()
         self.num_calls = 0  # lease and reconcile calls (what the fleet state serves)
 
     def leased(self, tenant: str) -> int:
         return self._leased.get(tenant, 0)
 
-    def lease(self, owner: str, tenant: str, limits: TenantLimits, now: float) -> Refusal | None:
-        """One concurrency slot of `tenant` for `owner` (None: granted), or the refusal (counted)."""
+    def lease(self, owner: str, tenant: str, limits: TenantLimits, now: float) -> Refusal | int:
+        """One concurrency slot of `tenant` for `owner`: the slots still free after it (granted),
+        or the refusal (counted)."""
         self.num_calls += 1
         self._seen[owner] = now
         self._drop_silent(now)
         window = self._windows.setdefault(tenant, _Window())
         refusal = rate_refusal(tenant, limits, *window.totals(now), now)
         leased = self._leased.get(tenant, 0)
+        if limits.max_concurrent_requests is not None:
+            self._limits[tenant] = limits.max_concurrent_requests
         if (
             refusal is None
             and limits.max_concurrent_requests is not None
@@ -152,7 +163,9 @@ class FleetBudget:
         self._leased[tenant] = leased + 1
         held = self._held.setdefault(owner, {})
         held[tenant] = held.get(tenant, 0) + 1
-        return None
+        if limits.max_concurrent_requests is None:
+            return UNLIMITED
+        return limits.max_concurrent_requests - leased - 1
 
     def reconcile(self, owner: str, report: Report, now: float) -> Reply:
         """Take `owner`'s report; answer with the windows of the tenants it reported or holds."""
@@ -176,7 +189,12 @@ class FleetBudget:
         tenants = set(report.tokens) | set(report.admissions) | set(held) | report.known
         windows = {t: self._windows[t].totals(now) if t in self._windows else (0, 0, None) for t in tenants}
         self._reclaim = {t: when for t, when in self._reclaim.items() if when > now - self.reclaim_s}
-        return Reply(windows, set(self._reclaim) & set(held))
+        tight = {
+            t
+            for t in held
+            if t in self._limits and self._limits[t] - self._leased.get(t, 0) < _margin(self._limits[t])
+        }
+        return Reply(windows, set(self._reclaim) & set(held), tight)
 
     def _drop_silent(self, now: float) -> None:
         for owner in [o for o, seen in self._seen.items() if seen < now - self.owner_ttl_s]:
@@ -190,6 +208,7 @@ class _Slots:
     held: int = 0  # leased from the fleet
     in_use: int = 0
     idle_since: float = 0.0  # when in_use last dropped below held
+    tight: bool = False  # the tenant was near its limit at the last lease: freed slots go back at once
 
 
 class LocalBudget:
@@ -199,8 +218,11 @@ class LocalBudget:
     frees) without asking again: a tenant far over its limit costs its shard one call per replica
     per `hold_s`, not one per request."""
 
-    def __init__(self, linger_s: float = 2.0, hold_s: float = 0.25) -> None:
+    def __init__(self, linger_s: float = 2.0, hold_s: float = 0.25, tight_linger_s: float = 0.1) -> None:
+        """A freed slot stays `linger_s` for the tenant's next request here, `tight_linger_s` when
+        the tenant was near its limit at its last lease (other replicas may need it)."""
         self.linger_s = linger_s
+        self.tight_linger_s = tight_linger_s
         self.hold_s = hold_s
         self._held_off: dict[str, tuple[float, RateLimitError]] = {}  # tenant -> (until, the fleet's 429)
         self._slots: dict[str, _Slots] = {}
@@ -240,11 +262,16 @@ class LocalBudget:
             self._held_off[tenant] = (now + self.hold_s, error)
         return error
 
-    def leased(self, tenant: str, limits: TenantLimits) -> None:
-        """The fleet granted a slot for the request `admit` could not place: it is in use."""
+    def leased(self, tenant: str, limits: TenantLimits, num_free: int = UNLIMITED) -> None:
+        """The fleet granted a slot for the request `admit` could not place: it is in use.
+        `num_free`: the tenant's slots still free fleet-wide after it; under a quarter of its limit
+        (or 2), the tenant is tight, and a slot freed here lingers only `tight_linger_s` (enough
+        for the next request of a busy tenant here, not so long that other replicas go short)."""
         slots = self._slots.setdefault(tenant, _Slots())
         slots.held += 1
         slots.in_use += 1
+        limit = limits.max_concurrent_requests
+        slots.tight = limit is not None and num_free < _margin(limit)
         self._admitted(tenant, limits)
 
     def _admitted(self, tenant: str, limits: TenantLimits) -> None:
@@ -258,9 +285,11 @@ class LocalBudget:
 
     def release(
         self, tenant: str, num_tokens: int, now: float, *, slot: bool, count_tokens: bool = True
-    ) -> None:
+    ) -> bool:
         """A request ended, having used `num_tokens` (counted when `count_tokens`: its tenant has a
-        tokens-per-minute limit); `slot`: it held one of the tenant's slots."""
+        tokens-per-minute limit); `slot`: it held one of the tenant's slots. True when the freed
+        slot is a tight tenant's: the caller reconciles after `tight_linger_s` rather than at its
+        next period (an idle slot then goes back; one in use again stays)."""
         if num_tokens and count_tokens:
             self._pending.tokens[tenant] = self._pending.tokens.get(tenant, 0) + num_tokens
         slots = self._slots.get(tenant)
@@ -268,6 +297,8 @@ class LocalBudget:
             slots.in_use -= 1
             slots.idle_since = now
             self._held_off.pop(tenant, None)
+            return slots.tight
+        return False
 
     def add_idle_slot(self, tenant: str) -> None:
         """A slot the fleet granted to a request that went away before it could use it: held,
@@ -285,7 +316,8 @@ class LocalBudget:
         (lingered `linger_s`, or every idle one of a tenant in `reclaim`)."""
         for tenant, slots in self._slots.items():
             idle = slots.held - slots.in_use
-            if idle > 0 and (tenant in reclaim or now - slots.idle_since >= self.linger_s):
+            linger = self.tight_linger_s if slots.tight else self.linger_s
+            if idle > 0 and (tenant in reclaim or now - slots.idle_since >= linger - 1e-9):
                 slots.held -= idle
                 self._pending.returned[tenant] = self._pending.returned.get(tenant, 0) + idle
         self._slots = {t: s for t, s in self._slots.items() if s.held or s.in_use}
@@ -307,7 +339,11 @@ class LocalBudget:
                 mine_codes[code] = mine_codes.get(code, 0) + count
 
     def learn(self, reply: Reply) -> None:
-        """The fleet's windows; a tenant with nothing in its last minute is forgotten."""
+        """The fleet's windows (a tenant with nothing in its last minute is forgotten) and which
+        of this replica's tenants are near their limits now (their freed slots linger briefly)."""
+        for tenant in reply.tight:  # set here, cleared by a lease that leaves room
+            if tenant in self._slots:
+                self._slots[tenant].tight = True
         for tenant, window in reply.windows.items():
             if window[0] or window[1]:
                 self._windows[tenant] = window
