@@ -44,7 +44,7 @@ from common import log, percentile, write_result  # noqa: E402
 from tandem.batch.records import QUEUE_PREFIX  # noqa: E402
 from tandem.batch.service import BatchService  # noqa: E402
 from tandem.deployments.fleet import read_view  # noqa: E402
-from tandem.deployments.tenant_leases import shard_of  # noqa: E402
+from tandem.deployments.tenant_leases import RETRY_MARGIN_S, shard_of  # noqa: E402
 from tandem.platform.object_store import ObjectNotFound, ObjectStore, PreconditionFailed, StoredObject  # noqa: E402
 from tandem.platform.tenancy import TenantLimits, TenantUsage  # noqa: E402
 from tandem.platform.tenant_budget import FleetBudget, LocalBudget  # noqa: E402
@@ -267,6 +267,7 @@ def admission(
     rtt_s: float,
     local_s: float,
     num_shards: int,
+    linger_s: float | None = None,
     seed: int = 11,
 ) -> dict[str, Any]:
     """Admission latency of every request after a warm-up (module docstring)."""
@@ -288,7 +289,7 @@ def admission(
     servers = [_Server(call_s) for _ in range(num_shards if design == "now" else 1)]
     fleet_usage = TenantUsage()
     budgets = [FleetBudget() for _ in servers]
-    locals_ = [LocalBudget(linger_s=2.0) for _ in range(num_replicas)]
+    locals_ = [LocalBudget() if linger_s is None else LocalBudget(linger_s=linger_s) for _ in range(num_replicas)]
     events: list[_Event] = []
     seq = itertools.count()
     total_rate = requests_per_s * num_replicas
@@ -307,7 +308,8 @@ def admission(
         event = heapq.heappop(events)
         now = event.at
         if event.kind == "arrive":
-            replica, tenant = event.data
+            replica, tenant, *retry = event.data
+            first_at = retry[0] if retry else now
             limits = tenant_limits[tenant]
             if design == "before":
                 answered = servers[0].serve(now + rtt_s / 2)
@@ -326,11 +328,16 @@ def admission(
                     answered = servers[shard].serve(now + rtt_s / 2)
                     granted = budgets[shard].lease(str(replica), tenant, limits, answered)
                     admitted = not isinstance(granted, tuple)
+                    done_at = answered + rtt_s / 2
+                    if isinstance(granted, tuple) and not retry:  # one more try after a linger
+                        at = done_at + local.tight_linger_s + RETRY_MARGIN_S
+                        heapq.heappush(events, _Event(at, next(seq), "arrive", (replica, tenant, first_at)))
+                        continue
                     if isinstance(granted, tuple):
-                        local.lease_refused(tenant, granted, answered + rtt_s / 2)
+                        local.lease_refused(tenant, granted, done_at)
                     else:
                         local.leased(tenant, limits, granted)
-                    done_at = answered + rtt_s / 2
+            now = first_at
             if now >= warmup:
                 latencies.append(done_at - now)
             if admitted:
@@ -402,6 +409,7 @@ def main() -> None:
     parser.add_argument(
         "--replicas-per-shard", type=int, default=32, help="ingress replicas per budget shard"
     )
+    parser.add_argument("--linger-s", type=float, default=None, help="a freed slot's linger (default: LocalBudget's)")
     parser.add_argument("--out", default="benchmarks/results/control_plane_scale.json")
     args = parser.parse_args()
     world = build_world(args.tenants, args.batches, args.lines_per_batch)
@@ -427,6 +435,7 @@ def main() -> None:
                 num_replicas, design=design, seconds=args.admission_seconds, requests_per_s=args.requests_per_s,
                 num_tenants=args.tenants, call_s=args.call_us / 1e6, rtt_s=args.rtt_us / 1e6,
                 local_s=args.local_us / 1e6, num_shards=max(1, -(-num_replicas // args.replicas_per_shard)),
+                linger_s=args.linger_s,
             )  # fmt: skip
             log(f"admission {num_replicas} {design}: p50 {row[design]['p50_ms']:.3f} ms, "
                 f"p99 {row[design]['p99_ms']:.3f} ms, utilisation {row[design]['server_utilisation']:.2f} "

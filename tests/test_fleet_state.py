@@ -51,11 +51,11 @@ def test_concurrency_slots_hold_across_replicas_and_a_silent_replica_gives_its_s
 
 def test_a_tight_tenants_freed_slot_goes_back_after_a_short_linger() -> None:
     """Limit 8: a lease that leaves under 2 free marks the tenant tight at that replica; its freed
-    slot lingers 0.1 s (reused by the next request there) rather than 2 s."""
+    slot lingers 0.1 s (reused by the next request there) rather than 0.5 s."""
     fleet, a, b = FleetBudget(), LocalBudget(), LocalBudget()
     limits = TenantLimits(max_concurrent_requests=8)
     assert [_admit(a, fleet, "a", limits, 0.0) for _ in range(6)] == ["ok"] * 6
-    assert not a.release("acme", 1, 0.1, slot=True)  # 2 were free at its lease: not tight, lingers 2 s
+    assert not a.release("acme", 1, 0.1, slot=True)  # 2 were free at its lease: not tight, lingers 0.5 s
     assert _admit(a, fleet, "a", limits, 0.2) == "ok" and fleet.leased("acme") == 6  # the lingering slot
     assert [_admit(a, fleet, "a", limits, 0.2) for _ in range(2)] == ["ok"] * 2  # the last lease left 0
     assert fleet.leased("acme") == 8

@@ -18,12 +18,13 @@ from typing import cast
 
 from ray.serve.handle import DeploymentHandle
 
-from tandem.platform.tenancy import RateLimitError, TenantLimits, TenantRegistry
+from tandem.platform.tenancy import CONCURRENCY_LIMITED, RateLimitError, TenantLimits, TenantRegistry
 from tandem.platform.tenant_budget import FleetBudget, LocalBudget, Refusal, Reply, Report
 
 logger = logging.getLogger("tandem.fleet")
 
-TENANT_BUDGET_DEPLOYMENT = "TenantBudget"  # shard i is deployed as f"{TENANT_BUDGET_DEPLOYMENT}-{i}"
+TENANT_BUDGET_DEPLOYMENT = "TenantBudget"
+RETRY_MARGIN_S = 0.05  # past a lingering slot's return, before the one retry of a refused lease  # shard i is deployed as f"{TENANT_BUDGET_DEPLOYMENT}-{i}"
 
 
 def shard_of(tenant: str, num_shards: int) -> int:
@@ -65,7 +66,7 @@ class LeasedTenantLimiter:
         tenants: TenantRegistry,
         *,
         reconcile_s: float = 1.0,
-        linger_s: float = 2.0,
+        linger_s: float = 0.5,
     ) -> None:
         if not shards:
             raise ValueError("a leased tenant limiter needs at least one budget shard")
@@ -90,14 +91,13 @@ class LeasedTenantLimiter:
             self._ensure_reconciler()
             raise admitted
         if not admitted:  # no free slot here: lease one
-            call = asyncio.ensure_future(self._lease(tenant, limits))
-            try:
-                granted = await asyncio.shield(call)
-            except asyncio.CancelledError:
-                # The caller went away while the shard granted a slot, perhaps: keep it idle here,
-                # given back at the next reconcile.
-                call.add_done_callback(lambda done: self._idle_late(done, tenant))
-                raise
+            granted = await self._lease_once(tenant, limits)
+            if isinstance(granted, tuple) and granted[2] == CONCURRENCY_LIMITED:
+                # Refused at the limit: a slot another replica just freed may linger there for
+                # `tight_linger_s`; one more try after it, so that a client keeping to its limit
+                # across replicas is not refused for that.
+                await asyncio.sleep(self.budget.tight_linger_s + RETRY_MARGIN_S)
+                granted = await self._lease_once(tenant, limits)
             if isinstance(granted, tuple):  # refused
                 self._ensure_reconciler()
                 raise self.budget.lease_refused(tenant, granted, time.monotonic())
@@ -105,6 +105,16 @@ class LeasedTenantLimiter:
         if limits.max_concurrent_requests is not None:
             self._slotted[tenant] = self._slotted.get(tenant, 0) + 1
         self._ensure_reconciler()
+
+    async def _lease_once(self, tenant: str, limits: TenantLimits) -> Refusal | int:
+        call = asyncio.ensure_future(self._lease(tenant, limits))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # The caller went away while the shard granted a slot, perhaps: keep it idle here,
+            # given back at the next reconcile.
+            call.add_done_callback(lambda done: self._idle_late(done, tenant))
+            raise
 
     async def _lease(self, tenant: str, limits: TenantLimits) -> Refusal | int:
         self.num_fleet_calls += 1

@@ -218,7 +218,7 @@ class LocalBudget:
     frees) without asking again: a tenant far over its limit costs its shard one call per replica
     per `hold_s`, not one per request."""
 
-    def __init__(self, linger_s: float = 2.0, hold_s: float = 0.25, tight_linger_s: float = 0.1) -> None:
+    def __init__(self, linger_s: float = 0.5, hold_s: float = 0.25, tight_linger_s: float = 0.1) -> None:
         """A freed slot stays `linger_s` for the tenant's next request here, `tight_linger_s` when
         the tenant was near its limit at its last lease (other replicas may need it)."""
         self.linger_s = linger_s
