@@ -24,6 +24,7 @@ from tandem.platform.tenant_budget import FleetBudget, LocalBudget, Refusal, Rep
 logger = logging.getLogger("tandem.fleet")
 
 TENANT_BUDGET_DEPLOYMENT = "TenantBudget"
+WAKE_MARGIN_S = 0.01  # after a tight slot's linger, before the reconcile that returns it
 RETRY_MARGIN_S = 0.05  # past a lingering slot's return, before the one retry of a refused lease  # shard i is deployed as f"{TENANT_BUDGET_DEPLOYMENT}-{i}"
 
 
@@ -141,7 +142,9 @@ class LeasedTenantLimiter:
         count_tokens = limits.tokens_per_minute is not None
         if self.budget.release(tenant, num_tokens, time.monotonic(), slot=slot, count_tokens=count_tokens):
             # a tight tenant's slot goes back soon if it stays idle
-            asyncio.get_running_loop().call_later(self.budget.tight_linger_s, self._reconcile_now.set)
+            # (a little after the linger: the loop may run a timer up to its clock resolution early)
+            wake_s = self.budget.tight_linger_s + WAKE_MARGIN_S
+            asyncio.get_running_loop().call_later(wake_s, self._reconcile_now.set)
         self._ensure_reconciler()
 
     async def refusals(self) -> dict[str, dict[str, int]]:
