@@ -152,9 +152,10 @@ class RefusalLog:
 class TenantUsage:
     """Requests in flight and tokens used in the last minute, per tenant, against `TenantLimits`.
 
-    Each admitted request is held by an `owner` (the API process that admitted it), so that the
-    slots of an owner that went away can be given back at once (`drop_owner`). Not thread-safe:
-    callers serialise (TenantRegistry under its lock; the fleet's state actor by its event loop)."""
+    Each admitted request is held by an `owner` (the API process that admitted it: "local" in one
+    process; the control-plane benchmark's model of one shared counter names each replica). Not
+    thread-safe: callers serialise (TenantRegistry under its lock). Several ingress replicas use
+    budget leases instead (`tenant_budget.py`)."""
 
     def __init__(self) -> None:
         self._usage: dict[str, _Usage] = {}
@@ -216,19 +217,12 @@ class TenantUsage:
         """End one admitted request of `tenant` held by `owner`, which used `num_tokens` tokens."""
         now = time.monotonic() if now is None else now
         held = self._held.get(owner, {})
-        if held.get(tenant, 0) > 0:  # not already given back by drop_owner
+        if held.get(tenant, 0) > 0:
             held[tenant] -= 1
             usage = self._usage.setdefault(tenant, _Usage())
             usage.in_flight = max(0, usage.in_flight - 1)
         if num_tokens:
             self._usage.setdefault(tenant, _Usage()).token_events.append((now, num_tokens))
-
-    def drop_owner(self, owner: str) -> None:
-        """Give back every slot `owner` holds (it stopped: its requests ended with it)."""
-        for tenant, count in self._held.pop(owner, {}).items():
-            usage = self._usage.get(tenant)
-            if usage is not None:
-                usage.in_flight = max(0, usage.in_flight - count)
 
     def in_flight(self, tenant: str) -> int:
         usage = self._usage.get(tenant)
