@@ -38,10 +38,11 @@ from tandem.deployments.app_config import AppConfig
 from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
 from tandem.platform.errors import InsufficientStorageError, StoreUnavailableError
+from tandem.platform.local_state import SavedDocument, state_path
 from tandem.platform.object_store import FileObjectStore, ObjectStore, S3ObjectStore, S3Settings, StoredObject
 from tandem.platform.store_guard import GuardedStore
 from tandem.platform.tenant_directory import TenantDirectory, TenantSpec
-from tandem.platform.usage_log import UsageLog
+from tandem.platform.usage_log import UsageLog, default_spool_dir
 from tandem.platform.usage_query import read_records
 from tandem.platform.usage_records import UsageRecord
 
@@ -469,12 +470,13 @@ def test_the_local_state_is_keyed_by_store_and_kept_private(
 ) -> None:
     monkeypatch.setenv("TANDEM_STATE_DIR", str(tmp_path))
     store = FileObjectStore(str(tmp_path / "objects"))
-    directory = TenantDirectory(store, cache_path=TenantDirectory.default_cache_path(store.url))
+    saved = state_path("tenancy", store.url, ".json")
+    directory = TenantDirectory(store, saved=SavedDocument(saved))
     directory.create_tenant(TenantSpec(id="acme"))
-    saved = TenantDirectory.default_cache_path(store.url)
     assert saved.is_relative_to(tmp_path) and saved.exists()
     assert os.stat(saved).st_mode & 0o077 == 0
-    assert TenantDirectory.default_cache_path("file:///elsewhere") != saved
+    assert state_path("tenancy", "file:///elsewhere", ".json") != saved
+    assert state_path("usage-spool", store.url) == default_spool_dir(store.url)
 
 
 # -- callers that die -----------------------------------------------------------------------------

@@ -21,9 +21,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from tandem.batch.queue import BatchQueue
 from tandem.batch.records import (
     ENDPOINTS,
-    QUEUE_PREFIX,
     BatchError,
     BatchRecord,
     FileRecord,
@@ -94,7 +94,7 @@ class BatchService:
         self.served_models = served_models
         self.limits = limits or BatchLimits()
         self.default_max_tokens = default_max_tokens
-        self._queue_entries: dict[str, tuple[str, str]] = {}  # queue key -> (tenant, batch id)
+        self.queue = BatchQueue(store)
 
     # -- files -----------------------------------------------------------------------------
     def create_file(self, tenant: str, filename: str, purpose: str, data: bytes) -> FileRecord:
@@ -356,22 +356,8 @@ class BatchService:
                 continue  # someone else changed it: re-read and re-apply
 
     def queued_batches(self) -> list[tuple[str, str]]:
-        """(tenant, batch_id) of every batch not yet final, oldest first: one LIST, and a GET only
-        for a queue entry not seen before (an entry never changes while it exists)."""
-        out = []
-        keys = self.store.list(QUEUE_PREFIX)
-        for key in keys:
-            pointer = self._queue_entries.get(key)
-            if pointer is None:
-                try:
-                    doc = json.loads(self.store.get(key).data)
-                except ObjectNotFound:
-                    continue
-                pointer = self._queue_entries[key] = (doc["tenant"], doc["batch_id"])
-            out.append(pointer)
-        listed = set(keys)
-        self._queue_entries = {k: v for k, v in self._queue_entries.items() if k in listed}
-        return out
+        """(tenant, batch_id) of every batch not yet final, oldest first (`BatchQueue`)."""
+        return self.queue.batches()
 
     # -- paging -----------------------------------------------------------------------------
     def _ids(self, prefix: str) -> list[str]:

@@ -22,33 +22,38 @@ batch expires; a shard given up (its lease lost, a line to retry) keeps its fini
 the worker (`_kept`), and the worker's next claim of that shard runs only the others. A shard
 task that fails cancels its lines and releases its lease at once.
 
-When every shard is committed, one worker (holding the `finalize` lease) merges the result
-shards into the output and error files (OpenAI's JSONL line format) and marks the batch
-`completed`. Cancel stops new claims, in-flight shards commit what finished, and the batch ends
-`cancelled` with those partial results. Past `expires_at` the same happens and every request
-that never ran gets a `batch_expired` line in the error file.
+When every shard is committed, a worker finishes the batch (`finalizer.py`). Cancel stops new
+claims, in-flight shards commit what finished, and the batch ends `cancelled` with those partial
+results; past `expires_at` the same happens (`expired`). What a line is and how many go out at
+once: `lines.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import random
 import socket
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
+from tandem.batch.finalizer import BatchFinalizer
 from tandem.batch.leases import Lease, LeaseManager
+from tandem.batch.lines import (
+    Backpressure,
+    Execute,
+    ExecutedRequest,
+    LineWindow,
+    RetryLater,
+    batch_request_id,
+    response_model,
+    shard_counts,
+)
 from tandem.batch.records import (
     BatchRecord,
-    FileRecord,
-    ShardCounts,
-    batch_data_prefix,
     input_shard_key,
     lease_key,
     queue_key,
@@ -58,7 +63,7 @@ from tandem.batch.service import BatchService
 from tandem.batch.shards import BatchInput, BatchResult, decode_inputs, decode_results, encode_results
 from tandem.batch.usage import write_shard_usage
 from tandem.platform.errors import NotFoundError, TandemError
-from tandem.platform.object_store import ObjectNotFound, PreconditionFailed
+from tandem.platform.object_store import PreconditionFailed
 
 logger = logging.getLogger("tandem.batch")
 
@@ -66,94 +71,6 @@ COMMIT_BACKOFF_S = (0.5, 1.0, 2.0, 4.0)  # then every 4 s until the commit lands
 MAX_KEPT_SHARDS = 64  # shards given up whose finished lines a worker keeps for its next claim
 HINT_TTL_S = 5.0  # a queue length heard longer ago than this is not trusted
 IDLE_LIST_S = 30.0  # an idle worker lists the queue itself at least this often
-
-
-@dataclass
-class ExecutedRequest:
-    """What `execute` returns for one request: a response body or an OpenAI error object."""
-
-    status_code: int
-    request_id: str
-    body: dict[str, Any] | None
-    error: dict[str, Any] | None
-    input_tokens: int = 0
-    output_tokens: int = 0
-    cached_tokens: int = 0
-
-
-Execute = Callable[[str, dict[str, Any], str], Awaitable[ExecutedRequest]]  # (endpoint, body, tenant)
-
-
-class RetryLater(Exception):
-    """Raised by `execute` for a request that failed through no fault of its own (its replica
-    died, no engine could take it) after the executor's own retries: its answer must not be
-    written. The shard is not committed; its lease is released and a later claim runs it again
-    (until the batch expires)."""
-
-
-class Backpressure(Exception):
-    """Raised by `execute` when no engine has room for batch work now (each replica takes a
-    bounded number of batch requests, so real-time requests always find a seat): not a failure.
-    The line waits `retry_after_s` and is sent again, as long as its shard's lease holds."""
-
-    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class LineWindow:
-    """How many lines a worker has out at once, sized by the engines' backpressure (AIMD, as TCP
-    does): it starts at `limit`, halves on backpressure (at most once per `retry_after_s`, so a
-    burst of refusals of lines sent together counts once), and grows by one per answered line, up
-    to `limit`. Invariant: 1 <= size <= limit and in_flight <= max(size, in_flight at the last
-    shrink) (lines already out are never recalled)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.size = limit
-        self.in_flight = 0
-        self.num_backpressured = 0
-        self._last_shrink = float("-inf")
-        self._changed = asyncio.Condition()
-
-    async def acquire(self) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.in_flight < self.size)
-            self.in_flight += 1
-
-    async def release(self, *, answered: bool) -> None:
-        async with self._changed:
-            self.in_flight -= 1
-            if answered:
-                self.size = min(self.limit, self.size + 1)
-            self._changed.notify_all()
-
-    def shrink(self, hold_s: float) -> None:
-        self.num_backpressured += 1
-        now = time.monotonic()
-        if now - self._last_shrink >= hold_s:
-            self._last_shrink = now
-            self.size = max(1, self.size // 2)
-
-
-def _shard_counts(rows: list[BatchResult]) -> ShardCounts:
-    return ShardCounts(
-        completed=sum(r.ok for r in rows),
-        failed=sum(not r.ok for r in rows),
-        input_tokens=sum(r.input_tokens for r in rows),
-        output_tokens=sum(r.output_tokens for r in rows),
-    )
-
-
-def _response_model(body: dict[str, Any] | None, request: dict[str, Any]) -> str | None:
-    """The model a line's response names, else the one its request asked for."""
-    model = (body or {}).get("model") or request.get("model")
-    return model if isinstance(model, str) else None
-
-
-def batch_request_id(batch_id: str, line: int) -> str:
-    """Stable id of one request of a batch (the `id` of its output line)."""
-    return f"batch_req_{batch_id.removeprefix('batch_')}_{line}"
 
 
 class BatchWorker:
@@ -179,6 +96,7 @@ class BatchWorker:
         self.execute = execute
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{id(self):x}"
         self.leases = LeaseManager(self.store, self.worker_id, service.limits.lease_ttl_s)
+        self.finalizer = BatchFinalizer(service, self.leases)
         self.poll_interval_s = poll_interval_s
         self.num_shards_run = 0
         self.num_duplicate_commits = 0
@@ -345,7 +263,7 @@ class BatchWorker:
                 self._shards.add(task)
                 self._shard_leases[task] = lease_and_shard[0]
                 return True
-        return await asyncio.to_thread(self._try_finalize, record)
+        return await asyncio.to_thread(self.finalizer.try_finalize, record)
 
     def weight(self, tenant: str) -> float:
         live = self.weight_of(tenant) if self.weight_of is not None else None
@@ -367,7 +285,7 @@ class BatchWorker:
 
     # -- shards ----------------------------------------------------------------------------
     def _claim_shard(self, record: BatchRecord) -> tuple[Lease, int] | None:
-        committed = self._committed_shards(record)
+        committed = self.finalizer.committed_shards(record)
         for shard in range(record.num_shards):
             if shard in committed:
                 continue
@@ -379,10 +297,6 @@ class BatchWorker:
                 continue
             return lease, shard
         return None
-
-    def _committed_shards(self, record: BatchRecord) -> set[int]:
-        keys = self.store.list(f"{batch_data_prefix(record.tenant, record.id)}results/")
-        return {int(k.rsplit("/", 1)[1].removesuffix(".parquet")) for k in keys}
 
     async def _release(self, lease: Lease) -> None:
         """Give `lease` back (best effort: with the store down it expires on its own)."""
@@ -560,7 +474,7 @@ class BatchWorker:
             error=done.error,
             input_tokens=done.input_tokens,
             output_tokens=done.output_tokens,
-            model=_response_model(done.body, row.body),
+            model=response_model(done.body, row.body),
             cached_tokens=done.cached_tokens,
             started_at=started_at,
             finished_at=time.time(),
@@ -580,7 +494,7 @@ class BatchWorker:
             committed = decode_results(self.store.get(result_shard_key(record.tenant, record.id, shard)).data)
             rows = committed
         write_shard_usage(self.store, record, shard, rows)  # the committed rows, whoever committed them
-        counts = _shard_counts(rows)
+        counts = shard_counts(rows)
 
         def add(r: BatchRecord) -> bool:
             if shard in r.shard_counts:
@@ -590,135 +504,3 @@ class BatchWorker:
 
         self.service.update_batch(record.tenant, record.id, add)
         self.leases.release(lease)
-
-    # -- the end of a batch ----------------------------------------------------------------------
-    def _try_finalize(self, record: BatchRecord) -> bool:
-        """Finish `record` when nothing is left to run: every shard committed, or (cancelling /
-        expired) no shard lease still live. Returns True when this call finished it."""
-        if record.status in ("in_progress", "finalizing") and time.time() < record.expires_at:
-            committed = self._committed_shards(record)
-            if len(committed) < record.num_shards:
-                return False
-            final = "completed"
-        elif record.status == "cancelling":
-            final = "cancelled"
-        elif record.status in ("in_progress", "finalizing"):
-            final = "expired"
-        else:
-            return False
-        if final != "completed" and self._any_live_shard_lease(record):
-            return False  # in-flight shards will stop at their next renewal and commit
-        lease = self.leases.try_claim(lease_key(record.tenant, record.id, "finalize"))
-        if lease is None:
-            return False
-        try:
-            self._finalize(record, final)
-        finally:
-            self.leases.release(lease)
-        return True
-
-    def _any_live_shard_lease(self, record: BatchRecord) -> bool:
-        prefix = f"{batch_data_prefix(record.tenant, record.id)}leases/shard-"
-        return any(self.leases.is_live(key) for key in self.store.list(prefix))
-
-    def _finalize(self, record: BatchRecord, final: str) -> None:
-        tenant, batch_id = record.tenant, record.id
-        if final == "completed":
-
-            def finalizing(r: BatchRecord) -> bool:
-                if r.status != "in_progress":
-                    return False
-                r.status, r.finalizing_at = "finalizing", int(time.time())
-                return True
-
-            record = self.service.update_batch(tenant, batch_id, finalizing)
-        committed = sorted(self._committed_shards(record))
-        results: list[BatchResult] = []
-        shard_counts: dict[int, ShardCounts] = {}
-        for shard in committed:
-            rows = decode_results(self.store.get(result_shard_key(tenant, batch_id, shard)).data)
-            write_shard_usage(self.store, record, shard, rows)  # a committer that died before metering
-            shard_counts[shard] = _shard_counts(rows)
-            results.extend(rows)
-        if final == "expired":
-            results.extend(self._expired_results(record, {r.line for r in results}))
-        results.sort(key=lambda r: r.line)
-        ok = [r for r in results if r.ok]
-        failed = [r for r in results if not r.ok]
-        output_id = self._write_result_file(record, "output", ok)
-        error_id = self._write_result_file(record, "error", failed)
-        now = int(time.time())
-
-        def finish(r: BatchRecord) -> bool:
-            if r.is_terminal:
-                return False
-            r.status = final  # type: ignore[assignment]
-            r.output_file_id, r.error_file_id = output_id, error_id
-            r.shard_counts = shard_counts
-            if final == "completed":
-                r.completed_at = now
-            elif final == "cancelled":
-                r.cancelled_at = now
-            else:
-                r.expired_at = now
-            return True
-
-        self.service.update_batch(tenant, batch_id, finish)
-        self.store.delete(queue_key(batch_id))
-        logger.info(
-            "batch finished",
-            extra={
-                "tenant": tenant,
-                "batch_id": batch_id,
-                "status": final,
-                "ok": len(ok),
-                "failed": len(failed),
-            },
-        )
-
-    def _expired_results(self, record: BatchRecord, done_lines: set[int]) -> list[BatchResult]:
-        out = []
-        for shard in range(record.num_shards):
-            try:
-                rows = decode_inputs(self.store.get(input_shard_key(record.tenant, record.id, shard)).data)
-            except ObjectNotFound:
-                continue
-            for row in rows:
-                if row.line in done_lines:
-                    continue
-                out.append(
-                    BatchResult(
-                        line=row.line,
-                        custom_id=row.custom_id,
-                        request_id="",
-                        status_code=0,
-                        body=None,
-                        error={
-                            "code": "batch_expired",
-                            "message": "This request could not be executed before the completion window expired.",
-                        },
-                    )
-                )
-        return out
-
-    def _write_result_file(self, record: BatchRecord, kind: str, rows: list[BatchResult]) -> str | None:
-        """Write the output or error JSONL as a file of the batch's tenant (deterministic id, so a
-        finalizer that crashed and is re-run overwrites the same file)."""
-        if not rows and kind == "error":
-            return None
-        lines = [
-            json.dumps(r.output_line(batch_request_id(record.id, r.line)), separators=(",", ":"))
-            for r in rows
-        ]
-        data = ("\n".join(lines) + "\n").encode() if lines else b""
-        file = FileRecord(
-            id=f"file-{kind}-{record.id.removeprefix('batch_')}",
-            tenant=record.tenant,
-            bytes=len(data),
-            created_at=int(time.time()),
-            filename=f"{record.id}_{kind}.jsonl",
-            purpose="batch_output",
-            num_lines=len(lines),
-        )
-        self.service.write_file(file, data)
-        return file.id

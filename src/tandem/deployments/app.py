@@ -29,6 +29,7 @@ from tandem.deployments.replicas import (
 )
 from tandem.deployments.tenant_leases import TENANT_BUDGET_DEPLOYMENT, LeasedTenantLimiter, TenantBudgetShard
 from tandem.platform.cpu import usable_cpus
+from tandem.platform.local_state import SavedDocument, state_path
 from tandem.platform.object_store import open_object_store
 from tandem.platform.telemetry import get_telemetry
 from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys, parse_operator_keys
@@ -89,7 +90,7 @@ def openai_server(
     store = open_object_store(cfg.object_store) if cfg.object_store is not None else None
     directory = None
     if store is not None:
-        directory = TenantDirectory(store, cache_path=TenantDirectory.default_cache_path(store.url))
+        directory = TenantDirectory(store, saved=SavedDocument(state_path("tenancy", store.url, ".json")))
         # The keys issued before this replica started work from its first request: read now, or,
         # with the store down, the copy saved on this machine (the API serves without the store).
         directory.warm_start()

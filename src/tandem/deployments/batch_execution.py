@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tandem.batch.worker import Backpressure, ExecutedRequest, RetryLater
+from tandem.batch.lines import Backpressure, ExecutedRequest, RetryLater
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.engine.request import Priority
 from tandem.platform.errors import (

@@ -24,6 +24,7 @@ from tandem.deployments.engine_clients import HandleEngineClient
 from tandem.deployments.fleet import FleetView, watch_drain
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.errors import TandemError
+from tandem.platform.local_state import SavedDocument, state_path
 from tandem.platform.object_store import open_object_store
 from tandem.platform.tenancy import TenantRegistry
 from tandem.platform.tenant_directory import TenantDirectory
@@ -49,7 +50,7 @@ class BatchWorkerReplica:
         # the ingress uploads them to; the LLM replicas load them as for real-time requests.
         # The live tenant directory: each tenant's weight for shard turns, and its limits and
         # weight on the batch lines it sends the LLM replicas (as the ingress does).
-        directory = TenantDirectory(store, cache_path=TenantDirectory.default_cache_path(store.url))
+        directory = TenantDirectory(store, saved=SavedDocument(state_path("tenancy", store.url, ".json")))
         directory.warm_start()  # with the store down: the copy saved on this machine
         tenants = TenantRegistry({}, directory=directory)
         tenants.start_refresh(tenant_refresh_s)

@@ -6,7 +6,7 @@ operators on several ingress replicas never lose each other's writes, and a read
 the old or the new directory, never half of a change. Readers (`refresh`) HEAD the document and
 GET it only when its etag changed: every replica sees a change within its refresh interval.
 
-Local copy: with a `cache_path`, every version read is also saved on local disk (mode 0600: key
+Local copy: with `saved` (platform/local_state.py), every version read is also saved on local disk (mode 0600: key
 digests only, as in the store), and `warm_start` serves the saved version when the store cannot
 be read, so a process that starts while the store is down still knows the issued keys.
 
@@ -27,18 +27,17 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import re
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tandem.platform.errors import ConflictError, InvalidRequestError, NotFoundError
+from tandem.platform.local_state import SavedDocument
 from tandem.platform.object_store import ObjectNotFound, ObjectStore, PreconditionFailed
 
 logger = logging.getLogger("tandem.tenancy")
@@ -202,20 +201,12 @@ class TenantDirectory:
     """Reads and changes the directory in `store` (module docstring). Thread-safe: every change
     is a compare-and-swap of the whole document; `snapshot` is swapped atomically."""
 
-    def __init__(
-        self, store: ObjectStore, key: str = DIRECTORY_KEY, *, cache_path: Path | None = None
-    ) -> None:
+    def __init__(self, store: ObjectStore, key: str = DIRECTORY_KEY, *, saved: SavedDocument | None = None) -> None:
+        """`saved`: where every version read is kept on local disk (`warm_start` serves it)."""
         self.store = store
         self.key = key
-        self.cache_path = cache_path
+        self.saved = saved
         self._snapshot = DirectorySnapshot()
-
-    @staticmethod
-    def default_cache_path(store_url: str) -> Path:
-        """`$TANDEM_STATE_DIR/tenancy/<hash of the store's URL>.json` (default state dir
-        `~/.local/state/tandem`)."""
-        root = os.environ.get("TANDEM_STATE_DIR") or str(Path.home() / ".local" / "state" / "tandem")
-        return Path(root) / "tenancy" / (hashlib.sha256(store_url.encode()).hexdigest()[:16] + ".json")
 
     def warm_start(self) -> DirectorySnapshot:
         """Read the directory; when the store cannot answer, serve the copy saved on local disk
@@ -223,43 +214,20 @@ class TenantDirectory:
         try:
             return self.refresh()
         except Exception as exc:  # noqa: BLE001 - a process must start while the store is down
-            saved = self._load_saved()
+            copy = self.saved.load() if self.saved is not None else None
             logger.warning(
                 "tenant directory unreadable at start; serving the copy saved on local disk"
-                if saved is not None
+                if copy is not None
                 else "tenant directory unreadable at start and no local copy: only bootstrap keys work until it answers",
                 extra={"error": f"{type(exc).__name__}: {exc}"[:300]},
             )
-            if saved is not None:
-                self._snapshot = saved
+            if copy is not None:
+                self._snapshot = _from_json(*copy)
             return self._snapshot
 
-    def _load_saved(self) -> DirectorySnapshot | None:
-        if self.cache_path is None:
-            return None
-        try:
-            saved = json.loads(self.cache_path.read_bytes())
-            return _from_json(saved["document"].encode(), saved["etag"])
-        except (OSError, ValueError, KeyError):
-            return None
-
-    def _save(self, snapshot: DirectorySnapshot) -> None:
-        """Keep `snapshot` on local disk (best effort: a failure only loses the warm start)."""
-        if self.cache_path is None:
-            return
-        try:
-            self.cache_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            tmp = self.cache_path.with_name(f".{self.cache_path.name}.{os.getpid()}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(json.dumps({"etag": snapshot.etag, "document": _to_json(snapshot).decode()}).encode())
-            os.replace(tmp, self.cache_path)
-        except OSError:
-            logger.warning("could not save the tenant directory locally", exc_info=True)
-
     def _swap(self, snapshot: DirectorySnapshot) -> DirectorySnapshot:
-        if snapshot.etag != self._snapshot.etag or snapshot.etag is None:
-            self._save(snapshot)
+        if self.saved is not None and (snapshot.etag != self._snapshot.etag or snapshot.etag is None):
+            self.saved.save(_to_json(snapshot), snapshot.etag)
         self._snapshot = snapshot
         return snapshot
 

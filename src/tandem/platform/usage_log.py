@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
-import os
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from tandem.platform.local_state import state_path
 from tandem.platform.object_store import ObjectStore
 from tandem.platform.usage_compaction import compact_closed_hours
 from tandem.platform.usage_records import UsageRecord
@@ -46,10 +45,8 @@ def ship_due(num_unshipped: int, waited_s: float, interval_s: float, max_records
 
 
 def default_spool_dir(store_url: str) -> Path:
-    """`$TANDEM_STATE_DIR/usage-spool/<hash of the store's URL>` (default state dir
-    `~/.local/state/tandem`): every process of one store on this machine shares it."""
-    root = os.environ.get("TANDEM_STATE_DIR") or str(Path.home() / ".local" / "state" / "tandem")
-    return Path(root) / "usage-spool" / hashlib.sha256(store_url.encode()).hexdigest()[:16]
+    """Where every process of the store at `store_url` on this machine spools (local_state.py)."""
+    return state_path("usage-spool", store_url)
 
 
 class UsageLog:
