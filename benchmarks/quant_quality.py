@@ -44,6 +44,14 @@ VARIANTS = {
     "kv_fp8": {"dtype": "float32", "kv_cache_dtype": "fp8_e4m3"},
     "int4": {"dtype": "float32", "weight_dtype": "int4"},
     "int4_g128": {"dtype": "float32", "weight_dtype": "int4", "int4_group_size": 128},
+    # round-to-nearest against GPTQ (the default method for float weights), per group size; with a
+    # group size, a GGUF's Q4_1 codes are not used: the float weights are quantised afresh
+    "int4_rtn_g32": {"dtype": "float32", "weight_dtype": "int4", "int4_group_size": 32, "int4_method": "rtn"},
+    "int4_rtn_g128": {"dtype": "float32", "weight_dtype": "int4", "int4_group_size": 128, "int4_method": "rtn"},
+    "int4_gptq_g32": {"dtype": "float32", "weight_dtype": "int4", "int4_group_size": 32},
+    "int4_gptq_g64": {"dtype": "float32", "weight_dtype": "int4", "int4_group_size": 64},
+    "int4_gptq_g128": {"dtype": "float32", "weight_dtype": "int4", "int4_group_size": 128},
+    "int8": {"dtype": "float32", "weight_dtype": "int8"},  # Q8_0 linears, the fallback where INT4 loses answers
     "int4_dq": {"dtype": "float32", "weight_dtype": "int4", "int4_double_quant": True},
     "int4_kv_fp8": {"dtype": "float32", "weight_dtype": "int4", "kv_cache_dtype": "fp8_e4m3"},
     "bf16": {"dtype": "bfloat16"},

@@ -171,11 +171,14 @@ def test_the_probe_chooses_the_dtype_it_measured_fastest(factors: dict[str, floa
 @pytest.mark.skipif(int4_native.load() is None, reason="the native INT4 kernel cannot be built here")
 def test_the_probe_chooses_int4_weights_for_every_step_where_they_measured_faster_at_one_row() -> None:
     fast = run_probe(SHAPES, 4, ["float32"], int4=True, measure=slowed({"float32": 50.0}))
-    slow = run_probe(SHAPES, 4, ["float32"], int4=True, measure=slowed({"int4": 50.0}))
-    assert fast.int4_decode and not slow.int4_decode
+    slow = run_probe(SHAPES, 4, ["float32"], int4=True, measure=slowed({"int4": 50.0, "int8": 50.0}))
+    int8_only = run_probe(SHAPES, 4, ["float32"], int4=True, measure=slowed({"int4": 50.0}))
+    assert fast.int4_decode and not slow.int4_decode and not slow.int8_decode
+    assert not int8_only.int4_decode and int8_only.int8_decode
     choose = functools.partial(choose_precision, device_type="cpu", dtype="auto", weight_dtype="auto", flags=AVX2_ONLY)
     assert choose(native_int4=True, probe=fast).weight_dtype == "int4"  # never hybrid: one set of weights
     assert choose(native_int4=True, probe=slow).weight_dtype == "dense"
+    assert choose(native_int4=True, probe=int8_only).weight_dtype == "int8"
 
 
 def test_the_engine_probes_once_per_machine_and_reads_the_cache_after(
@@ -191,7 +194,9 @@ def test_the_engine_probes_once_per_machine_and_reads_the_cache_after(
     assert probe["source"] == "measured" and probe["seconds"] > 0
     assert cache_path(probe["key"], tmp_path).exists()
     timings = {c: {int(r): t for r, t in rows.items()} for c, rows in probe["timings_ms"].items()}
-    result = ProbeResult(probe["dtype"], probe["int4_decode"], timings, probe["seconds"], probe["key"])
+    result = ProbeResult(
+        probe["dtype"], probe["int4_decode"], timings, probe["seconds"], probe["key"], int8_decode=probe["int8_decode"]
+    )
     want = choose_precision(
         device_type="cpu", dtype="auto", weight_dtype="auto", flags=cpu_flags(),
         native_int4=int4_native.load() is not None, probe=result,

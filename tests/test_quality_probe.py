@@ -15,6 +15,7 @@ from tandem import LLM
 from tandem.engine.builder import build_models, kv_cache_spec
 from tandem.engine.models.loader import load_model
 from tandem.engine.precision import PIN_ENV, PrecisionChoice
+from tandem.engine.precision_probe import ProbeResult
 from tandem.engine.quality_gate import hold_to_bound
 from tandem.engine.quality_probe import MAX_MEAN_KL, compare
 from tandem.platform.config import EngineConfig
@@ -58,6 +59,27 @@ def test_an_automatic_choice_outside_the_bound_falls_back(tiny_model_dir: Path, 
 
     again = _hold(tiny_model_dir, PrecisionChoice("float32", "int4", "speed", automatic=True), tmp_path)
     assert again.quality[0].source == "cache" and again.quality[0].mean_kl == verdict.mean_kl
+
+
+def _probe(int8_decode: bool) -> ProbeResult:
+    return ProbeResult("float32", True, {"float32": {1: 2.0}, "int4": {1: 0.5}, "int8": {1: 0.8}}, 0.0, "k",
+                       int8_decode=int8_decode)  # fmt: skip
+
+
+@pytest.mark.parametrize("int8_decode", [True, False])
+def test_int4_outside_the_bound_falls_back_to_int8_where_it_is_faster_and_within(
+    tiny_model_dir: Path, tmp_path: Path, int8_decode: bool
+) -> None:
+    """Speed's INT4 outside the bound: INT8 (Q8_0) is measured next where the precision probe
+    found it faster than the dtype at one row, and served if within the bound; otherwise (or
+    without that speed) dense float32."""
+    chosen = PrecisionChoice("float32", "int4", "speed", probe=_probe(int8_decode), automatic=True)
+    held = _hold(tiny_model_dir, chosen, tmp_path)
+    candidates = [v.candidate.split(",")[0] for v in held.quality]
+    assert candidates == (["float32/int4", "float32/int8"] if int8_decode else ["float32/int4"])
+    int8_within = int8_decode and held.quality[1].within_bound
+    print(f"\n{[v.describe() for v in held.quality]}")
+    assert held.name == ("float32/int8" if int8_within else "float32/dense")
 
 
 def test_a_choice_within_the_bound_is_kept(tiny_model_dir: Path, tmp_path: Path) -> None:

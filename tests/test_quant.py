@@ -111,12 +111,16 @@ def test_fp8_cache_doubles_capacity_and_stays_close(tiny_model_dir: Path) -> Non
     """Same KV budget: a 16-bit cache holds 2x the float32 tokens, FP8 2D/(D+2) x the 16-bit ones
     (D = head dim; the float16 scale per vector is counted). Along the float32 run's greedy path,
     the FP8 run's log-probs stay close (the random tiny model has near-ties, so its greedy tokens
-    are a poor yardstick; the default model's quality is measured by benchmarks/quant_quality.py)."""
+    are a poor yardstick; the default model's quality is measured by benchmarks/quant_quality.py).
+    Not batch-invariant: there a prompt attends its own keys as the cache holds them (FP8), as a
+    prefix-cache hit would; here its first token comes from its unrounded K/V."""
     budget = 4 << 20
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
     runs = {}
     for kv_dtype in ("float32", "bfloat16", "fp8_e4m3"):
-        llm = LLM(str(tiny_model_dir), kv_cache_memory=budget, kv_cache_dtype=kv_dtype, max_model_len=512)
+        llm = LLM(
+            str(tiny_model_dir), kv_cache_memory=budget, kv_cache_dtype=kv_dtype, max_model_len=512, batch_invariant=False
+        )
         assert llm.stats()["kv_cache_dtype"] == {"fp8_e4m3": "float8_e4m3fn"}.get(kv_dtype, kv_dtype)
         runs[kv_dtype] = (llm.stats()["kv_capacity_tokens"], llm.generate(PROMPTS, params))
     cap32, cap16, cap8 = runs["float32"][0], runs["bfloat16"][0], runs["fp8_e4m3"][0]
@@ -141,8 +145,9 @@ def test_hybrid_weights_route_small_decode_steps_to_int4(tiny_model_dir: Path) -
     copies read and write the same KV cache."""
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
     options = {"kv_cache_memory": 4 << 20, "max_model_len": 512}
-    dense = LLM(str(tiny_model_dir), **options)
+    dense = LLM(str(tiny_model_dir), batch_invariant=False, **options)  # a hybrid engine is not batch-invariant
     hybrid = LLM(str(tiny_model_dir), weight_dtype="hybrid", hybrid_int4_max_batch=2, **options)
+    assert not hybrid.stats()["batch_invariant"]
     runner = hybrid.engine.runner
     assert runner.decode_model is not runner.model
     prompts = PROMPTS[:3]
@@ -315,7 +320,7 @@ def test_int4_group_size_unset_keeps_q4_1_and_set_requantises(default_model_path
     native = LLM(str(default_model_path), weight_dtype="int4", kv_cache_memory=16 << 20)
     assert [m.group_size for m in layer0(native)] == [32, 32]  # Q4_1's blocks, as stored
     requantised = LLM(
-        str(default_model_path), weight_dtype="int4", int4_group_size=128, kv_cache_memory=16 << 20
+        str(default_model_path), weight_dtype="int4", int4_group_size=128, int4_method="rtn", kv_cache_memory=16 << 20
     )
     assert [m.group_size for m in layer0(requantised)] == [64, 128]  # 576 inputs: 64 divides, 128 not
     assert sum(m.num_weight_bytes for m in layer0(requantised)) < sum(
@@ -376,3 +381,39 @@ def test_int4_and_fp8_keep_the_default_model_close(default_model_path: Path) -> 
         agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
         kl = (want.exp() * (want - got)).sum(-1).mean().item()
         assert agreement >= 0.9 and kl < 0.01, (options, agreement, kl)
+
+
+def test_int8_linear_matches_its_dequantised_weight_and_keeps_each_rows_bits() -> None:
+    """`Int8Linear` (weight_dtype="int8"): Q8_0 codes, computed row by row by the native kernel:
+    close to x @ dequantised(W).T, and each row the same bits whatever the call's size."""
+    from tandem.kernels.int8 import Int8Linear, dequantize_int8, quantize_int8
+
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(96, 256, generator=gen)
+    linear = Int8Linear(quantize_int8(weight), torch.device("cpu"), bias=torch.randn(96, generator=gen))
+    x = torch.randn(70, 256, generator=gen)
+    want = x @ dequantize_int8(quantize_int8(weight)).T + linear.bias
+    got = linear(x)
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
+    if linear.native:
+        alone = torch.cat([linear(x[i : i + 1]) for i in range(70)])
+        for rows in (2, 5, 16, 17, 70):
+            assert torch.equal(linear(x[:rows]), alone[:rows])
+
+
+def test_int8_weights_run_the_native_stack_and_match_the_eager_model(tiny_model_dir: Path) -> None:
+    """weight_dtype="int8": Q8_0 decoder linears, run by the native decoder stack where it runs,
+    whose logprobs equal the eager INT8 model's up to float32 summation order."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    options = {"weight_dtype": "int8", "kv_cache_memory": 4 << 20, "speculative": None}
+    native = LLM(str(tiny_model_dir), **options)
+    if not native.stats()["native_decoder"]:
+        pytest.skip("the native library is unavailable here")
+    eager = LLM(str(tiny_model_dir), native_decoder=False, **options)
+    for prompt in PROMPTS[:2]:
+        a = native.generate([prompt], params)[0].outputs[0]
+        b = eager.generate([prompt], params)[0].outputs[0]
+        first = a.token_ids[0]
+        assert first == b.token_ids[0]
+        assert a.logprobs[0][first] == pytest.approx(b.logprobs[0][first], abs=1e-3)
+    assert native.stats()["num_native_decoder_steps"] > 0

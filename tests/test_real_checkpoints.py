@@ -7,13 +7,16 @@ GGUF the package index ships; scripts/real_checkpoints.py) and the default model
   HF's prompt token counts.
 - With the defaults (no precision pin), each greedy step picks HF float32's token from the same
   prefix on at least 97% of positions, alone and in a batch of 16.
-- Through `tandem serve` with the defaults: a temperature-0 request alone, streamed and not,
-  gives the same text, and the same again (one precision; no switch by load).
+- Through `tandem serve` with the defaults (batch-invariant): a temperature-0 request gives the
+  same tokens alone, streamed and not, again, inside 16 concurrent requests, with speculation off
+  for it, and as a line of a batch job (`_same_tokens_everywhere`).
 """
 
 from __future__ import annotations
 
 import functools
+import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.engine.precision import PIN_ENV
 
+from .test_batch import wait_for
 from .test_cli_serve import ServeProcess
 from .test_serve import KEY
 
@@ -112,7 +116,7 @@ def test_gemma3_served_with_defaults_and_in_float32(
         base_url = f"http://127.0.0.1:{server.port}"
         info = _card(base_url, "gemma3")
         assert info["generation_defaults"] == {"top_p": 0.95, "top_k": 64}  # the checkpoint's own
-        _same_text_alone(base_url, "gemma3", CHAT_PROMPTS[:4])
+        _same_tokens_everywhere(base_url, "gemma3", CHAT_PROMPTS[:3])
         if (info["dtype"], info["weight_dtype"]) == ("float32", "dense"):
             _check_hf_greedy(base_url, hf_gemma)
             return
@@ -157,21 +161,61 @@ def test_gemma3_defaults_pick_hf_float32_tokens(
         assert agreed / total >= 0.97, name
 
 
-def _same_text_alone(base_url: str, model: str, prompts: list[str]) -> None:
-    """Each prompt at temperature 0, alone: non-streamed, streamed, and non-streamed again, equal."""
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
-    for content in prompts:
-        request: dict[str, Any] = {
-            "model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 48, "temperature": 0,
+def _same_tokens_everywhere(base_url: str, model: str, prompts: list[str]) -> None:
+    """Each prompt's chat completion at temperature 0 (its token ids, as logprobs name them): alone,
+    streamed, alone again, inside 16 other concurrent requests, with speculation off, and as a line
+    of a batch job: all equal."""
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+    def body(content: str, **extra: Any) -> dict[str, Any]:
+        return {
+            "model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 32, "temperature": 0,
+            "logprobs": True, **extra,
         }  # fmt: skip
-        first = client.chat.completions.create(**request).choices[0].message.content
-        streamed = "".join(
-            chunk.choices[0].delta.content or ""
-            for chunk in client.chat.completions.create(**request, stream=True)
-            if chunk.choices
-        )
-        again = client.chat.completions.create(**request).choices[0].message.content
-        assert first == streamed == again, content
+
+    def tokens(reply: Any) -> list[str]:
+        return [item.token for item in reply.choices[0].logprobs.content]
+
+    def ask(content: str, **extra: Any) -> list[str]:
+        return tokens(client.chat.completions.create(**body(content), extra_body=extra or None))
+
+    def streamed(content: str) -> list[str]:
+        out: list[str] = []
+        for chunk in client.chat.completions.create(**body(content), stream=True):
+            if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+                out.extend(item.token for item in chunk.choices[0].logprobs.content)
+        return out
+
+    others = [f"Write two sentences about {topic}." for topic in OTHER_TOPICS]
+    alone = {p: ask(p) for p in prompts}
+    for p in prompts:
+        assert streamed(p) == alone[p], p
+        assert ask(p) == alone[p], p
+        assert ask(p, speculative=False) == alone[p], p
+        with ThreadPoolExecutor(17) as pool:  # the prompt inside 16 others, sent together
+            futures = [pool.submit(ask, q) for q in [*others[:8], p, *others[8:16]]]
+            assert futures[8].result() == alone[p], p
+            assert all(f.result() for f in futures)
+    lines = [
+        json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body(p)})
+        for i, p in enumerate([*prompts, *others[:6]])
+    ]
+    file_id = client.files.create(file=("in.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch").id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = wait_for(client, batch.id, {"completed", "failed", "expired", "cancelled"}, timeout=600)
+    assert done.status == "completed" and done.output_file_id is not None
+    by_id = {
+        (line := json.loads(raw))["custom_id"]: line["response"]["body"]
+        for raw in client.files.content(done.output_file_id).text.splitlines()
+    }
+    for i, p in enumerate(prompts):
+        assert [item["token"] for item in by_id[f"line-{i}"]["choices"][0]["logprobs"]["content"]] == alone[p], p
+
+
+OTHER_TOPICS = [
+    "the moon", "bread", "rivers", "chess", "volcanoes", "the ocean", "bees", "trains", "glass", "clouds", "copper",
+    "owls", "jazz", "deserts", "maps", "tea",
+]  # fmt: skip
 
 
 @pytest.mark.ray
@@ -186,6 +230,6 @@ def test_default_model_served_with_defaults_answers_the_same_alone(tmp_path: Pat
         why = server.wait_for(r"\[tandem\] why: ").string
         print(f"\n{why.strip()}")
         assert PIN_ENV not in why  # the defaults, not the test suite's pin
-        _same_text_alone(f"http://127.0.0.1:{server.port}", "default", CHAT_PROMPTS[:4])
+        _same_tokens_everywhere(f"http://127.0.0.1:{server.port}", "default", CHAT_PROMPTS[:4])
     finally:
         server.stop()

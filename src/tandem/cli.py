@@ -169,7 +169,7 @@ def _app_args(args: argparse.Namespace) -> dict[str, Any]:
         engine["max_model_len"] = args.max_model_len
     if args.kv_cache_memory:
         engine["kv_cache_memory"] = args.kv_cache_memory
-    for option in ("dtype", "weight_dtype", "generation_config"):
+    for option in ("dtype", "weight_dtype", "generation_config", "batch_invariant"):
         if getattr(args, option) is not None:
             engine[option] = getattr(args, option)
     return {
@@ -395,8 +395,13 @@ def main(argv: list[str] | None = None) -> int:
         help="compute dtype (default auto: measured fastest here, held to the quality bound)",
     )  # fmt: skip
     srv.add_argument(
-        "--weight-dtype", choices=["auto", "dense", "int4", "hybrid"], default=None,
-        help="weights (default auto: INT4 only where measured faster and within the quality bound)",
+        "--weight-dtype", choices=["auto", "dense", "int4", "int8", "hybrid"], default=None,
+        help="weights (default auto: INT4, else INT8, only where measured faster and within the quality bound)",
+    )  # fmt: skip
+    srv.add_argument(
+        "--no-batch-invariant", dest="batch_invariant", action="store_false", default=None,
+        help="let a request's last bits (sometimes its tokens) depend on its batch, for throughput "
+        "(default: batch-invariant; the cost is in docs/performance.md)",
     )  # fmt: skip
     srv.add_argument(
         "--generation-config", choices=["auto", "none"], default=None,

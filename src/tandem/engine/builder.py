@@ -15,13 +15,16 @@ from typing import Any
 
 import torch
 
+from tandem.engine.batch_invariance import DISABLED, BatchInvariance, make_batch_invariant
 from tandem.engine.draft import DraftProposer, EagleProposer, PagedDraftCache
 from tandem.engine.generation_defaults import GenerationDefaults
 from tandem.engine.grammar import GrammarCompiler
+from tandem.engine.int4_calibration import calibrated_int4
 from tandem.engine.lora import LoRALimits, LoRAManager, LoRAModelShape
 from tandem.engine.models.eagle import EagleDraft, is_eagle_folder, load_eagle
 from tandem.engine.models.interface import CausalLM
 from tandem.engine.models.loader import (
+    DEFAULT_INT4_GROUP_SIZE,
     LoadedModel,
     build_model,
     default_cache_dir,
@@ -73,6 +76,7 @@ class EngineParts:
     max_positions: int | None = None  # positions the model's RoPE tables cover (None: max_model_len)
     kv_window: int | None = None  # blocks before a request's last kv_window positions are given back
     tuned_threads: int | None = None  # most intra-op threads the engine's `ThreadTuner` may use (None: fixed)
+    batch_invariance: BatchInvariance = DISABLED  # whether rows are computed alike in any batch, and why
     # what a request's unset sampling fields become (the checkpoint's, with generation_config "auto")
     generation_defaults: GenerationDefaults = dataclasses.field(default_factory=GenerationDefaults)
 
@@ -181,6 +185,12 @@ def build_parts(config: EngineConfig) -> EngineParts:
         )
     eos_token_ids = frozenset(cfg.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
     grammars = GrammarCompiler(loaded.tokenizer, cfg.vocab_size, sorted(eos_token_ids))
+    invariance = DISABLED
+    if config.batch_invariant and precision.weight_dtype == "hybrid":
+        invariance = BatchInvariance(True, False, "off with weight_dtype hybrid (INT4 small decode steps, dense others)")
+    elif config.batch_invariant:
+        threads = torch.get_num_threads()
+        invariance = make_batch_invariant(device, (threads, 1) if tune_threads and threads > 1 else (threads,), model, decode_model)
     runner = ModelRunner(
         model, kv_spec, sizes.num_blocks, device, seed=config.seed, lora=lora, compile_decode=config.compile_decode,
         decode_model=decode_model, decode_model_max_batch=config.hybrid_int4_max_batch, draft=proposer,
@@ -188,6 +198,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         eviction=eviction_policy(config),
         decode_graphs="capture" if uses_decode_graphs(config, device) and graph_capturable(model) else "off",
         graph_max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs), max_model_len=sizes.max_model_len,
+        batch_invariant=invariance.holds or (config.batch_invariant and precision.weight_dtype != "hybrid"),
     )  # fmt: skip
     runner.warmup_decode()
     runner.capture_graphs()
@@ -206,6 +217,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
             "kv_capacity_tokens": sizes.num_blocks * config.block_size, "max_model_len": sizes.max_model_len,
             "quality_probe": [q.describe() for q in precision.quality],
             "generation_defaults": generation_defaults.as_dict(),
+            "batch_invariant": invariance.holds, "batch_invariance": invariance.reason,
         },
     )  # fmt: skip
     return EngineParts(
@@ -214,7 +226,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         lora=lora, precision=precision, grammars=grammars, num_head_blocks=sizes.num_head_blocks,
         max_positions=sizes.max_positions, kv_window=window,
         tuned_threads=torch.get_num_threads() if tune_threads else None,
-        generation_defaults=generation_defaults,
+        generation_defaults=generation_defaults, batch_invariance=invariance,
     )  # fmt: skip
 
 
@@ -364,15 +376,20 @@ def build_models(
     """The model in `precision`, and with `weight_dtype="hybrid"` its INT4 copy for small decode steps."""
     hybrid = precision.weight_dtype == "hybrid"
     dtype = DTYPES[precision.dtype]
+    int4_weights = None
+    if precision.weight_dtype in ("int4", "hybrid") and uses_calibrated_int4(config, loaded):
+        group_size = config.int4_group_size or DEFAULT_INT4_GROUP_SIZE
+        spec = kv_cache_spec(loaded, config.block_size, torch.float32)
+        int4_weights = calibrated_int4(loaded, group_size, spec, device, default_cache_dir())
     build = functools.partial(
         build_model, loaded, dtype=dtype, device=device, max_positions=max_positions,
         int4_group_size=config.int4_group_size, int4_double_quant=config.int4_double_quant,
-        int4_kernel=config.int4_kernel,
+        int4_kernel=config.int4_kernel, int4_weights=int4_weights,
     )  # fmt: skip
     model = build(
         # inductor cannot lower oneDNN's prepacked (opaque) weights; it plans its own GEMMs
         pack_weights=hybrid or not config.compile_decode,
-        weight_dtype="int4" if precision.weight_dtype == "int4" else "dense",
+        weight_dtype=precision.weight_dtype if precision.weight_dtype in ("int4", "int8") else "dense",
     )
     decode_model = build(weight_dtype="int4") if hybrid else None
     if decode_model is not None and isinstance(decode_model.lm_head, Int8HeadLinear):
@@ -380,6 +397,13 @@ def build_models(
         # dtype, prepacked): no second 16-bit copy, and the logits of the dense path.
         decode_model.lm_head.use_dense_head(model.lm_head, dtype)
     return model, decode_model
+
+
+def uses_calibrated_int4(config: EngineConfig, loaded: LoadedModel) -> bool:
+    """INT4 from float weights by GPTQ (`int4_method`), unless the file's own Q4_1 codes load as
+    they are (a GGUF without an explicit group size)."""
+    own_codes = loaded.path.suffix == ".gguf" and config.int4_group_size is None
+    return config.int4_method == "gptq" and not own_codes
 
 
 def _build_proposer(

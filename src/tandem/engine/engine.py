@@ -68,6 +68,7 @@ class LLMEngine:
         self.lora = parts.lora
         self.kv_cache_dtype = parts.kv_cache_dtype
         self.precision = parts.precision
+        self.batch_invariance = parts.batch_invariance
         self.generation_defaults = parts.generation_defaults
         self.grammars: GrammarCompiler | None = parts.grammars
         self.kv_manager = KVCacheManager(

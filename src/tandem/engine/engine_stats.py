@@ -34,6 +34,8 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "precision_probe": engine.precision.probe.as_stats() if engine.precision and engine.precision.probe else None,
         "quality_probe": [q.as_stats() for q in engine.precision.quality] if engine.precision else [],
         "generation_defaults": engine.generation_defaults.as_dict(),
+        "batch_invariant": engine.batch_invariance.holds,
+        "batch_invariance": engine.batch_invariance.reason,
         "native_decoder": runner.native_decoder,
         "num_native_decoder_steps": runner.num_native_decoder_steps,
         "num_graph_steps": runner.num_graph_steps,

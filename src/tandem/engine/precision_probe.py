@@ -11,8 +11,8 @@ weights do (up to the model's layer count), and times one pass over them:
 - in each candidate compute dtype (float32; bfloat16 where oneDNN has bfloat16 GEMMs), through
   the kernels the engine runs (`kernels.linear.PackedLinear`), at decode row counts
   (`DECODE_ROWS`) and a prompt chunk (`PREFILL_ROWS`);
-- with INT4 weights through the native kernel (`kernels.int4.Int4Linear`), at the decode row
-  counts it serves.
+- with INT4 weights through the native kernel (`kernels.int4.Int4Linear`), and INT8 (Q8_0,
+  `kernels.int8.Int8Linear`), at the decode row counts the native stack serves.
 
 Contract of the choice (`ProbeResult`): `dtype` is the candidate with the smallest geometric
 mean of its time over the fastest one's at `COMPUTE_ROWS` (large decode batches and prompt
@@ -20,7 +20,7 @@ chunks); `int4_decode` is whether INT4 weights beat that dtype at one row (a lon
 decode step, memory-bound: what a user waits on at low load): then INT4 weights are speed's
 candidate for the whole model (one precision for every step; larger batches then run INT4 too,
 slower than the dense dtype there), kept only within the quality probe's bound
-(`quality_probe.py`). float16 is not a candidate.
+(`quality_probe.py`); `int8_decode` the same for INT8, the candidate where INT4 falls outside it. float16 is not a candidate.
 The result is cached per machine as JSON under `$TANDEM_CACHE_DIR/precision/`, keyed by the CPU
 model name, its flags, the CPUs this process may use, the torch version, the GEMM shapes and the
 probe version; a second start reads it (`source="cache"`).
@@ -47,12 +47,13 @@ from torch import nn
 
 from tandem.kernels import int4_native
 from tandem.kernels.int4 import NATIVE_GEMV_MAX_ROWS, Int4Linear, fit_group_size, quantize_int4
+from tandem.kernels.int8 import Int8Linear, quantize_int8
 from tandem.kernels.linear import PackedLinear, onednn_available
 from tandem.platform.cpu import cpu_flags, cpu_model_name, usable_cpus
 
 logger = logging.getLogger("tandem.engine")
 
-PROBE_VERSION = 3
+PROBE_VERSION = 4  # 4: INT8 (Q8_0) weights timed too
 DECODE_ROWS = (1, 4, 16, 64)
 PREFILL_ROWS = 256
 COMPUTE_ROWS = (16, 64, PREFILL_ROWS)
@@ -77,13 +78,14 @@ class ProbeResult:
     key: str
     source: str = "measured"  # "measured" | "cache"
     machine: dict[str, Any] = field(default_factory=dict)
+    int8_decode: bool = False  # INT8 (Q8_0) weights beat `dtype` at one row (the fallback when INT4 loses quality)
 
     def speedup(self, slow: str, fast: str, rows: int) -> float:
         return self.timings_ms[slow][rows] / self.timings_ms[fast][rows]
 
     def describe(self) -> str:
         """The choice in words, for the start-up log and `stats()["precision_reason"]`."""
-        others = [c for c in self.timings_ms if c not in (self.dtype, "int4")]
+        others = [c for c in self.timings_ms if c not in (self.dtype, "int4", "int8")]
         words = [f"dtype {self.dtype} measured fastest"]
         words += [
             f"{self.speedup(o, self.dtype, PREFILL_ROWS):.2f}x {o} at {PREFILL_ROWS} rows" for o in others
@@ -91,12 +93,14 @@ class ProbeResult:
         if "int4" in self.timings_ms:
             ratio = self.speedup(self.dtype, "int4", 1)
             words.append(f"INT4 {ratio:.2f}x {self.dtype} at 1 row")
+        if "int8" in self.timings_ms:
+            words.append(f"INT8 {self.speedup(self.dtype, 'int8', 1):.2f}x {self.dtype} at 1 row")
         return f"{', '.join(words)} (precision probe, {self.source})"
 
     def as_stats(self) -> dict[str, Any]:
         return {
             "source": self.source, "seconds": round(self.seconds, 3), "key": self.key,
-            "dtype": self.dtype, "int4_decode": self.int4_decode,
+            "dtype": self.dtype, "int4_decode": self.int4_decode, "int8_decode": self.int8_decode,
             "timings_ms": {c: {str(r): round(t, 4) for r, t in by_rows.items()} for c, by_rows in self.timings_ms.items()},
         }  # fmt: skip
 
@@ -141,7 +145,7 @@ def measure_pass(candidate: str, shapes: Sequence[Shape], num_copies: int, rows:
     """Seconds of one pass of `rows` rows through `num_copies` copies of the layer's linears in
     `candidate` ("float32", "bfloat16" or "int4"): the fastest of a few, after a warm-up pass."""
     layers = _layers(candidate, shapes, num_copies)
-    dtype = torch.float32 if candidate == "int4" else getattr(torch, candidate)
+    dtype = torch.float32 if candidate in ("int4", "int8") else getattr(torch, candidate)
     inputs = {k: torch.randn(rows, k).to(dtype) for _, k in shapes}
     with torch.inference_mode():
         best, spent, repeats = math.inf, 0.0, 0
@@ -179,6 +183,8 @@ def _linear(candidate: str, weight: torch.Tensor) -> nn.Module:
     if candidate == "int4":
         group_size = fit_group_size(weight.shape[1], INT4_GROUP_SIZE)
         return Int4Linear(quantize_int4(weight, group_size), torch.device("cpu"), kernel="native")
+    if candidate == "int8":
+        return Int8Linear(quantize_int8(weight), torch.device("cpu"))
     dtype = getattr(torch, candidate)
     if onednn_available(torch.device("cpu"), dtype):
         return PackedLinear(weight.to(dtype))
@@ -204,6 +210,7 @@ def run_probe(
     if int4:
         rows = [r for r in DECODE_ROWS if r <= NATIVE_GEMV_MAX_ROWS]
         timings["int4"] = {r: scale_ms * measure("int4", shapes, num_copies, r) for r in rows}
+        timings["int8"] = {r: scale_ms * measure("int8", shapes, num_copies, r) for r in rows}
     _LAYER_CACHE.clear()
 
     def relative_cost(dtype: str) -> float:  # geometric mean of time / the fastest dtype's
@@ -212,7 +219,8 @@ def run_probe(
 
     chosen = min(dtypes, key=relative_cost)
     int4_decode = int4 and timings["int4"][1] < timings[chosen][1]
-    return ProbeResult(chosen, int4_decode, timings, time.perf_counter() - started, key)
+    int8_decode = int4 and timings["int8"][1] < timings[chosen][1]
+    return ProbeResult(chosen, int4_decode, timings, time.perf_counter() - started, key, int8_decode=int8_decode)
 
 
 def cache_path(key: str, cache_dir: Path) -> Path:
@@ -255,8 +263,9 @@ def _read_cached(path: Path, key: str, machine: dict[str, Any]) -> ProbeResult |
         timings = {c: {int(r): float(t) for r, t in rows.items()} for c, rows in cached["timings_ms"].items()}
         seconds = float(cached["seconds"])
         return ProbeResult(
-            cached["dtype"], bool(cached["int4_decode"]), timings, seconds, key, "cache", machine
-        )
+            cached["dtype"], bool(cached["int4_decode"]), timings, seconds, key, "cache", machine,
+            bool(cached["int8_decode"]),
+        )  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 

@@ -5,8 +5,9 @@
 - an explicit dtype with dense weights: unchanged too (the unquantised model, asked for);
 - otherwise measures it (`quality_probe.probe_quality`, cached) in two decisions, each on its
   own: first an automatic 16-bit compute dtype, with dense weights (outside the bound: float32,
-  the reference); then INT4 (or hybrid) weights in the dtype so decided (outside the bound and
-  chosen automatically: dense weights). A 16-bit dtype that moves answers beyond the bound by
+  the reference); then INT4, INT8 (or hybrid) weights in the dtype so decided (INT4 outside the
+  bound and chosen automatically: INT8 weights where the precision probe measured them faster than
+  the dtype at one row and they are within the bound; else dense weights). A 16-bit dtype that moves answers beyond the bound by
   itself is not kept because some INT4 mix happens to land within it. An explicit choice outside
   the bound is kept, with a warning in the log that gives the figures.
 The result carries the verdict (`PrecisionChoice.quality`) and says why in its `reason`.
@@ -70,7 +71,12 @@ def hold_to_bound(
         chosen = dataclasses.replace(chosen, dtype="float32")  # the dtype alone moves answers
     if chosen.weight_dtype != "dense" and not verdict(chosen).within_bound:
         if auto_weights:
-            chosen = dataclasses.replace(chosen, weight_dtype="dense")
+            fallback = dataclasses.replace(chosen, weight_dtype="dense")
+            if chosen.weight_dtype == "int4" and chosen.probe is not None and chosen.probe.int8_decode:
+                int8 = dataclasses.replace(chosen, weight_dtype="int8")  # twice INT4's bytes, far less rounding
+                if verdict(int8).within_bound:
+                    fallback = int8
+            chosen = fallback
         else:
             logger.warning(
                 "the configured precision is outside the quality bound on this checkpoint",

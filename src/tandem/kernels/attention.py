@@ -284,9 +284,13 @@ def build_attention_metadata(
     block_size: int,
     num_kv_heads: int,
     device: torch.device,
+    every_row_native: bool = False,
 ) -> AttentionMetadata:
     """Index tensors for one step. Request i has `query_lens[i]` new tokens and, after them,
-    `context_lens[i]` tokens in its context; its new tokens are the last ones of the context."""
+    `context_lens[i]` tokens in its context; its new tokens are the last ones of the context.
+    `every_row_native` (a batch-invariant engine): where the native kernel runs, it attends every
+    row of the step, prompt chunks and large batches included, each over its own keys in one fixed
+    order, so that a row's attention never depends on the step it is in."""
     if uses_triton(device):
         return build_paged_metadata(block_tables, query_lens, context_lens, block_size, device)
     slot_chunks: list[torch.Tensor] = []
@@ -297,9 +301,11 @@ def build_attention_metadata(
     native_rows: list[int] = []
     native_positions: list[int] = []
     native_tables: list[list[int]] = []
-    num_native = sum(n for n, ctx in zip(query_lens, context_lens, strict=True) if _attends_natively(n, ctx))
+    attends_natively = _attends_always if every_row_native else _attends_natively
+    num_native = sum(n for n, ctx in zip(query_lens, context_lens, strict=True) if attends_natively(n, ctx))
     use_native = (
-        0 < num_native <= NATIVE_ATTENTION_MAX_ROWS  # a larger step: the batched torch path is faster
+        # a larger step: the batched torch path is faster (unless every row must be native)
+        num_native > 0 and (every_row_native or num_native <= NATIVE_ATTENTION_MAX_ROWS)
         and device.type == "cpu"
         and NATIVE_ATTENTION
         and int4_native.load() is not None
@@ -308,7 +314,7 @@ def build_attention_metadata(
     offsets = torch.arange(block_size, dtype=torch.int64)
     for table, n, ctx in zip(block_tables, query_lens, context_lens, strict=True):
         num_blocks = -(-ctx // block_size)
-        short = use_native and _attends_natively(n, ctx)
+        short = use_native and attends_natively(n, ctx)
         if short:
             native_rows.extend(range(row, row + n))
             native_positions.extend(range(ctx - n, ctx))
@@ -385,6 +391,10 @@ def build_paged_metadata(
 def _attends_natively(query_len: int, context_len: int) -> bool:
     """A decode row, or a short segment after a cached prefix (a verification step's rows)."""
     return query_len == 1 or (query_len <= NATIVE_SEGMENT_MAX_ROWS and context_len != query_len)
+
+
+def _attends_always(query_len: int, context_len: int) -> bool:
+    return True
 
 
 def native_paged_attention(

@@ -159,6 +159,9 @@ class Int4Linear(nn.Module):
         self.group_size = w.group_size
         self.num_weight_bytes = w.num_bytes
         self.kernel = _choose_kernel(kernel, device, w.group_size)
+        # Native kernel: calls of more rows dequantise the weight and leave the GEMM to torch
+        # (faster at prompt-chunk sizes, but another summation order: `compute_every_row_natively`).
+        self.native_max_rows = NATIVE_GEMV_MAX_ROWS
         self.packed: torch.Tensor
         # Group parameters: (scale, zero) as float16 (native) or bfloat16 (torch), or (with int8
         # params) the int8 codes and bfloat16 super-block scales; the unused ones are None.
@@ -210,6 +213,16 @@ class Int4Linear(nn.Module):
             superblock_scales = pad(params.superblock_scales).transpose(0, 1).unsqueeze(1).contiguous()
             self.register_buffer("superblock_scales", superblock_scales.to(device))
 
+    def compute_every_row_natively(self) -> None:
+        """Native kernel: every call through its row-wise integer kernel, whatever its size, so
+        that a row's result never depends on the other rows of the call (batch invariance)."""
+        self.native_max_rows = 1 << 62
+
+    @property
+    def rows_invariant(self) -> bool:
+        """Whether a row's result is independent of the call's size: the native kernel at every size."""
+        return self.kernel == "native" and self.native_max_rows > 1 << 40
+
     def group_params(self) -> torch.Tensor:  # torch kernel only: -> [G, N, 2] bfloat16
         if self.scales_and_zeros is not None:
             return self.scales_and_zeros
@@ -245,7 +258,7 @@ class Int4Linear(nn.Module):
         # Eager calls go straight to the library; under torch.compile the same functions are custom
         # ops, opaque to inductor, so the graph does not break around them.
         compiling = torch.compiler.is_compiling()
-        if x.shape[0] <= NATIVE_GEMV_MAX_ROWS:
+        if x.shape[0] <= self.native_max_rows:
             mm = torch.ops.tandem.int4_mm if compiling else int4_native.int4_mm
             return mm(x32, self.packed, params, self.superblock_scales, self.group_size).to(x.dtype)
         dequantize = torch.ops.tandem.int4_dequantize if compiling else int4_native.int4_dequantize

@@ -67,6 +67,37 @@ def int8_mm(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:  # [M, K] float32 -
     return y
 
 
+class Int8Linear(nn.Module):
+    """`y = x @ W.T (+ bias)` with W stored as Q8_0 (`Int8Weight`): the decoder linears of
+    `weight_dtype="int8"`. Where the native kernel runs (CPU, `int4_native.load()`), every call goes
+    through `int8_mm`, row by row (a row's result never depends on the call's other rows; the
+    native decoder stack reads the same codes); elsewhere the weight is dequantised per call and
+    multiplied in the input's dtype (the reference)."""
+
+    def __init__(self, w: Int8Weight, device: torch.device, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = w.codes.shape
+        self.codes: torch.Tensor
+        self.scales: torch.Tensor
+        self.bias: torch.Tensor | None
+        self.register_buffer("codes", w.codes.contiguous().to(device))
+        self.register_buffer("scales", w.scales.contiguous().to(device))
+        self.register_buffer("bias", None if bias is None else bias.detach().float().to(device))
+        self.native = device.type == "cpu" and int4_native.load() is not None
+        self.num_weight_bytes = w.num_bytes
+
+    @property
+    def int8_weight(self) -> Int8Weight:
+        return Int8Weight(self.codes, self.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+        if self.native:
+            y = int8_mm(x, self.int8_weight).to(x.dtype)
+        else:
+            y = F.linear(x, dequantize_int8(self.int8_weight).to(x.dtype))
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
 # Most rows a hybrid engine's INT8 head takes: at few rows it reads about half the bytes of a
 # 16-bit weight and is faster; at many rows the 16-bit and float32 GEMMs win (docs/performance.md).
 INT8_GEMV_MAX_ROWS = 4

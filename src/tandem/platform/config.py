@@ -84,13 +84,14 @@ class EngineConfig(BaseModel):
         "False: choose by CPU flags.",
     )
     device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'.")
-    weight_dtype: Literal["auto", "dense", "int4", "hybrid"] = Field(
+    weight_dtype: Literal["auto", "dense", "int4", "int8", "hybrid"] = Field(
         "auto",
         description="'int4': group-wise INT4 linears (two values per byte; the default model's Q4_1 "
-        "weights load as they are); 'dense': the compute dtype; 'auto': one precision for every step, "
-        "'int4' on a CPU where the precision probe measured INT4 faster than the compute dtype at one row "
-        "(a lone request's decode step) and the quality probe measured it within its bound on this "
-        "checkpoint, else "
+        "weights load as they are, float weights are quantised by int4_method); 'int8': Q8_0 linears "
+        "(int8 codes, a float16 scale per 32 inputs); 'dense': the compute dtype; 'auto': one precision "
+        "for every step, 'int4' on a CPU where the precision probe measured INT4 faster than the compute "
+        "dtype at one row (a lone request's decode step) and the quality probe measured it within its "
+        "bound on this checkpoint, else 'int8' where the same holds for INT8, else "
         "'dense'; 'hybrid' (never chosen by 'auto'): both copies, INT4 for decode steps of at most "
         "hybrid_int4_max_batch requests, the compute dtype for prefill and larger batches: a request's "
         "tokens then depend on the load. Costs the memory of both copies.",
@@ -119,8 +120,15 @@ class EngineConfig(BaseModel):
         ge=32,
         le=256,
         description="INT4 group size along the input dim. Unset: a Q4_1 GGUF's tensors load as they "
-        "are (group 32) and other weights are quantised with groups of 128. Set: every linear is "
+        "are (group 32) and other weights are quantised with groups of 32 (measured best of 32, 64, 128). Set: every linear is "
         "quantised at this size (from the dequantised file for a GGUF: fewer bytes, a second rounding).",
+    )
+    int4_method: Literal["gptq", "rtn"] = Field(
+        "gptq",
+        description="How INT4 weights are made from float weights (a Q4_1 GGUF's own codes load as "
+        "they are): 'gptq' quantises each linear with GPTQ's error feedback on the bundled calibration "
+        "text, once per checkpoint and machine (cached under TANDEM_CACHE_DIR/int4); 'rtn' rounds each "
+        "group to nearest (faster to load, much worse on some checkpoints: docs/performance.md).",
     )
     int4_double_quant: bool = Field(
         False,
@@ -251,6 +259,14 @@ class EngineConfig(BaseModel):
     )
     cuda_graph_max_batch: int = Field(
         256, ge=1, le=1024, description="Largest decode batch captured as a CUDA graph (at most max_num_seqs)."
+    )
+    batch_invariant: bool = Field(
+        True,
+        description="Compute every token row in one summation order whatever else runs (batch size, "
+        "prompt chunking, prefix-cache hits, speculation, thread count), so that temperature 0 and "
+        "seeded sampling give the same tokens alone, in any batch and as a batch line. Its cost is "
+        "measured in docs/performance.md; off: small decode steps and large steps take different "
+        "kernels, and a request's last bits (sometimes its tokens) depend on the batch.",
     )
     native_decoder: bool = Field(
         True,

@@ -39,7 +39,7 @@ from tandem.kernels.int4 import (
     fit_group_size,
     quantize_int4,
 )
-from tandem.kernels.int8 import Int8HeadLinear
+from tandem.kernels.int8 import Int8HeadLinear, Int8Linear, quantize_int8
 from tandem.kernels.linear import pack_linears
 from tandem.platform.errors import ModelLoadError
 
@@ -352,9 +352,12 @@ def build_model(
     int4_group_size: int | None = None,
     int4_double_quant: bool = False,
     int4_kernel: Int4Kernel = "auto",
+    int4_weights: dict[str, Int4Weight] | None = None,
 ) -> CausalLM:
     """Build on 'meta' (no random init), load the weights, then either quantise the linears to
-    INT4 (`weight_dtype="int4"`) or prepack them for the device's GEMM."""
+    INT4 (`weight_dtype="int4"`: `int4_weights`, calibrated ones keyed by the targets' checkpoint
+    names joined by "|", where given; else the file's own Q4_1 codes, else round-to-nearest) or
+    prepack them for the device's GEMM."""
     with torch.device("meta"):
         model = loaded.architecture.model_class(loaded.config, max_positions)
     # cast on 'meta' first: the device holds the weights once, in the compute dtype
@@ -369,15 +372,33 @@ def build_model(
         raise ModelLoadError(f"{loaded.path}: rope scaling: {exc}", param="model") from exc
     if weight_dtype == "int4":
         use_native = loaded.path.suffix == ".gguf" and int4_group_size is None
-        native = read_gguf_int4(loaded.path, loaded.config) if use_native else {}
+        native = read_gguf_int4(loaded.path, loaded.config) if use_native and int4_weights is None else {}
         group_size = int4_group_size or DEFAULT_INT4_GROUP_SIZE
-        apply_int4(model, native, group_size, device, double_quant=int4_double_quant, kernel=int4_kernel)
+        apply_int4(
+            model, native, group_size, device, double_quant=int4_double_quant, kernel=int4_kernel,
+            calibrated=int4_weights or {},
+        )  # fmt: skip
+    elif weight_dtype == "int8":
+        apply_int8(model, device)
     elif pack_weights:
         pack_linears(model)
     return model.eval()
 
 
-DEFAULT_INT4_GROUP_SIZE = 128  # for weights without native INT4 tensors
+# For weights without native INT4 tensors. Measured on Gemma 3 270M (GPTQ, decode path, against
+# float32): group 32 perplexity 1.10x, top-1 0.81; group 64 1.13x, 0.79; group 128 1.12x, 0.75
+# (docs/performance.md, 2026-12-05): 32 keeps the most, for 0.09 more bytes per weight than 128.
+DEFAULT_INT4_GROUP_SIZE = 32
+
+
+def apply_int8(model: CausalLM, device: torch.device) -> None:
+    """Swap every INT4 target (fused q/k/v and gate/up, o, down) for a Q8_0 `Int8Linear`
+    quantised from the loaded weights; the LM head and the input embedding as with INT4."""
+    for target in model.int4_targets():
+        linear = getattr(target.parent, target.attr)
+        setattr(target.parent, target.attr, Int8Linear(quantize_int8(linear.weight.detach()), device, linear.bias))
+    model.lm_head = Int8HeadLinear(model.lm_head.weight)
+    model.embed_tokens.to(torch.bfloat16)
 
 
 def read_gguf_int4(path: Path, config: LlamaConfig) -> dict[str, Int4Weight]:
@@ -430,6 +451,7 @@ def apply_int4(
     device: torch.device,
     double_quant: bool = False,
     kernel: Int4Kernel = "auto",
+    calibrated: dict[str, Int4Weight] | None = None,
 ) -> None:
     """Swap every decoder linear (fused q/k/v and gate/up, o, down) for an `Int4Linear`: from
     `native` INT4 weights where the file had them, else quantised from the loaded weights; with
@@ -439,6 +461,7 @@ def apply_int4(
     for target in model.int4_targets():
         names = [f"{name}.weight" for name in target.source_names]
         weight = _concat_int4([native[n] for n in names]) if all(n in native for n in names) else None
+        weight = (calibrated or {}).get("|".join(target.source_names), weight)
         linear = getattr(target.parent, target.attr)
         if weight is None:
             weight = quantize_int4(linear.weight.detach(), fit_group_size(linear.in_features, group_size))

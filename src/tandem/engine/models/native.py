@@ -22,6 +22,7 @@ import torch
 from tandem.engine.models.decoder import DecoderAttention, DecoderLayer, DecoderLM, DecoderMLP
 from tandem.engine.models.interface import CausalLM, KVLayer
 from tandem.kernels.int4 import Int4Linear
+from tandem.kernels.int8 import Int8Linear
 from tandem.kernels.native_decoder import DecoderWeights, Int4Tensors, LayerTensors, unsupported_reason
 
 
@@ -37,6 +38,13 @@ def _computes_the_shared_decoder(model: DecoderLM) -> bool:
     return all(
         type(layer) is DecoderLayer and type(layer.self_attn) is DecoderAttention and type(layer.mlp) is DecoderMLP
         for layer in model.layers
+    )
+
+
+def _native_linear(linear: object) -> bool:
+    """An INT4 linear with the native kernel, or a Q8_0 INT8 one where the native library runs."""
+    return (isinstance(linear, Int4Linear) and linear.kernel == "native") or (
+        isinstance(linear, Int8Linear) and linear.native
     )
 
 
@@ -100,8 +108,8 @@ class NativeLlama:
             assert isinstance(layer.mlp, DecoderMLP), "_computes_the_shared_decoder refuses sparse layers"
             assert isinstance(layer.self_attn, DecoderAttention), "and latent attention"
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            if not all(isinstance(linear, Int4Linear) and linear.kernel == "native" for linear in linears):
-                return "its decoder linears are not INT4 with the native kernel"
+            if not all(_native_linear(linear) for linear in linears):
+                return "its decoder linears are not INT4 or INT8 with the native kernel"
         return unsupported_reason(kv_caches[0][0].dtype)
 
     @classmethod
@@ -111,6 +119,8 @@ class NativeLlama:
         cfg = model.config
 
         def int4(linear: Any) -> Int4Tensors:
+            if isinstance(linear, Int8Linear):
+                return Int4Tensors(linear.codes, linear.scales, None, 32, int8=True)
             params = linear.scales_and_zeros if linear.param_codes is None else linear.param_codes
             return Int4Tensors(linear.packed, params, linear.superblock_scales, linear.group_size)
 

@@ -12,6 +12,10 @@ Paths, fastest first where they apply:
   decode steps of at most `decode_model_max_batch` requests; but when the native stack exists, a
   LoRA-free decode step too large for it runs the dense model instead (it is faster there).
 - `MODEL`: the model, eagerly (prompt chunks, large batches, everything else).
+A batch-invariant runner (`EngineConfig.batch_invariant`, the default) gives a row one arithmetic
+whatever step it is in: where the native stack exists, every LoRA-free step of the shared layout,
+prompt chunks and large batches included, goes through it (its kernels are row-wise), never the
+eager model, whose summation order differs; without the native stack every step is `MODEL`'s.
 Compressed requests (per-head layout) have two: `NATIVE_HEADS` (the native stack over the
 head-block pool, for unobserved decode rows within the same limits) and `HEAD_MODEL`.
 """
@@ -57,6 +61,7 @@ class RunnerPaths:
     separate_decode_model: bool  # the decode model is not the model (a hybrid's INT4 copy)
     decode_model_max_batch: int  # most requests of a step the decode model serves
     graph_max_batch: int = 0  # most requests of a step the captured decode graphs serve (0: none)
+    batch_invariant: bool = False  # one path per row whatever the step (module docstring)
 
 
 def choose_path(shape: StepShape, paths: RunnerPaths) -> ForwardPath:
@@ -66,6 +71,8 @@ def choose_path(shape: StepShape, paths: RunnerPaths) -> ForwardPath:
         and shape.num_requests <= paths.graph_max_batch
     ):  # fmt: skip
         return ForwardPath.GRAPH
+    if paths.batch_invariant and paths.native and not shape.has_lora and not shape.compressed:
+        return ForwardPath.NATIVE
     small = shape.decoding and shape.num_requests <= paths.decode_model_max_batch
     if shape.compressed:
         native_fits = shape.num_requests <= min(NATIVE_MAX_ROWS, paths.decode_model_max_batch)

@@ -66,6 +66,7 @@ class ModelRunner:
         decode_graphs: str = "off",
         graph_max_batch: int = 0,
         max_model_len: int = 0,
+        batch_invariant: bool = False,
     ) -> None:
         """`decode_model` (optional, e.g. an INT4 copy of `model` sharing nothing but the cache)
         serves decode steps of at most `decode_model_max_batch` requests; `native_decoder` allows
@@ -76,8 +77,11 @@ class ModelRunner:
         `decode_graphs`: "capture" replays decode steps of up to `graph_max_batch` requests from
         CUDA graphs (`decode_graphs`; captured by `capture_graphs`), "eager" runs the same static
         buffers without capturing (tests), "off" neither. Graphs need the Triton attention path,
-        one model (no separate decode model) and no draft."""
+        one model (no separate decode model) and no draft. `batch_invariant`: every row of the
+        shared layout through one path and row-wise attention (`forward_path`; the model's linears
+        are made row-invariant by `batch_invariance.make_batch_invariant` before)."""
         self.model = model
+        self.batch_invariant = batch_invariant
         self.decode_model = decode_model or model
         self.decode_model_max_batch = decode_model_max_batch if decode_model is not None else 1 << 30
         self._decode_forward: Any = torch.compile(self.decode_model.forward, dynamic=True) if compile_decode else None
@@ -140,6 +144,7 @@ class ModelRunner:
             separate_decode_model=self.decode_model is not self.model,
             decode_model_max_batch=self.decode_model_max_batch,
             graph_max_batch=self.graphs.max_batch if self.graphs is not None else 0,
+            batch_invariant=self.batch_invariant,
         )
 
     # Views of the head-block pool (tests and the fault hook read them).
@@ -322,6 +327,7 @@ class ModelRunner:
                 self.block_size,
                 self.kv_spec.num_kv_heads,
                 self.device,
+                every_row_native=self.batch_invariant,
             )
             forward = {
                 ForwardPath.COMPILED: self._decode_forward,

@@ -136,7 +136,15 @@ static void add_bias(float *y, const float *bias, int64_t T, int64_t N) {
         for (int64_t i = 0; i < N; i++) y[t * N + i] += bias[i];
 }
 
+int tandem_int8_mm(const float *x, const int8_t *codes, const uint16_t *scales, int64_t M, int64_t N, int64_t K,
+                   float *y, int num_threads);
+
+/* y [T, rows] = x [T, cols] @ W^T. mode 0 / 1: INT4 (tandem_int4_mm); mode 2: Q8_0 INT8, packed
+ * holding the int8 codes [rows, cols] and params their float16 scales [rows, cols / 32]. */
 static int linear(const TandemInt4Weight *w, const float *x, int64_t T, float *y, int num_threads) {
+    if (w->mode == 2)
+        return tandem_int8_mm(x, (const int8_t *)w->packed, (const uint16_t *)w->params, T, w->rows, w->cols, y,
+                              num_threads);
     return tandem_int4_mm(x, w->packed, (int)w->mode, w->params, w->superblock_scales,
                           w->groups_per_superblock, T, w->rows, w->cols, w->group_size, y, num_threads);
 }
