@@ -81,6 +81,10 @@ def test_serve_tenant_limits_from_flags_environment_and_defaults(tiny_model_dir:
     assert flags["engine"]["tenant_weights"] == {"gold": 2.0}
     result = run_serve(tiny_model_dir, "--print-config", "--tenant-weight", "gold=-1")
     assert result.returncode == 2 and '"param": "tenant_weight"' in result.stderr
+    # precision and batch invariance pass through to the engine; unset: the engine's defaults
+    assert "batch_invariant" not in default["engine"] and "weight_dtype" not in default["engine"]
+    engine = app_args("--no-batch-invariant", "--weight-dtype", "int8")["engine"]
+    assert engine["batch_invariant"] is False and engine["weight_dtype"] == "int8"
 
 
 def test_the_dev_key_belongs_to_a_tenant_of_the_directory(tmp_path: Path) -> None:

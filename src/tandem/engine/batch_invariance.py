@@ -4,9 +4,9 @@ else runs, on how its prompt is chunked or cached, on speculation, or on the thr
 Contract of `make_batch_invariant(model, decode_model, thread_counts)` (called by the builder
 before the runner is built, when `EngineConfig.batch_invariant` is on, the default): every row of
 a step is computed with one summation order whatever the step's size and rows:
-- INT4 linears with the native kernel compute every call row by row (`Int4Linear.
-  compute_every_row_natively`; exact integer dot products per run of 32, then float32 in a fixed
-  order), and the runner sends every LoRA-free step through the native decoder stack
+- INT4 and INT8 linears with the native kernels compute every call row by row (`Int4Linear.
+  compute_every_row_natively`, `Int8Linear`'s; exact integer dot products per run of 32, then
+  float32 in a fixed order), and the runner sends every LoRA-free step through the native decoder stack
   (`forward_path`), whose norms, activations and attention are row-wise too;
 - dense linears (oneDNN, `PackedLinear`) pad calls to the floor measured on this machine at which
   each row's bits are the same at every call size and under each thread count the engine may use
@@ -32,6 +32,7 @@ from torch import nn
 
 from tandem.kernels import int4_native
 from tandem.kernels.int4 import Int4Linear
+from tandem.kernels.int8 import Int8Linear
 from tandem.kernels.linear import make_rows_invariant
 
 
@@ -66,6 +67,8 @@ def make_batch_invariant(
                     module.compute_every_row_natively()
                 else:
                     problems.append(f"{name}: INT4 through torch's kernel")
+            elif isinstance(module, Int8Linear):
+                module.compute_every_row_natively()  # the native library loaded (checked above)
         problems.extend(
             f"{name}: no padding floor makes its rows invariant"
             for name in make_rows_invariant(model, thread_counts)

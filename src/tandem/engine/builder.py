@@ -19,7 +19,7 @@ from tandem.engine.batch_invariance import DISABLED, BatchInvariance, make_batch
 from tandem.engine.draft import DraftProposer, EagleProposer, PagedDraftCache
 from tandem.engine.generation_defaults import GenerationDefaults
 from tandem.engine.grammar import GrammarCompiler
-from tandem.engine.int4_calibration import calibrated_int4
+from tandem.engine.int4_calibration import calibrated_int4, int4_source
 from tandem.engine.lora import LoRALimits, LoRAManager, LoRAModelShape
 from tandem.engine.models.eagle import EagleDraft, is_eagle_folder, load_eagle
 from tandem.engine.models.interface import CausalLM
@@ -402,8 +402,7 @@ def build_models(
 def uses_calibrated_int4(config: EngineConfig, loaded: LoadedModel) -> bool:
     """INT4 from float weights by GPTQ (`int4_method`), unless the file's own Q4_1 codes load as
     they are (a GGUF without an explicit group size)."""
-    own_codes = loaded.path.suffix == ".gguf" and config.int4_group_size is None
-    return config.int4_method == "gptq" and not own_codes
+    return int4_source(config.int4_method, config.int4_group_size, loaded).startswith("GPTQ")
 
 
 def _build_proposer(

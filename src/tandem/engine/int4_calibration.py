@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tandem.engine.models.interface import Int4Target
-from tandem.engine.models.loader import LoadedModel, build_model
+from tandem.engine.models.loader import DEFAULT_INT4_GROUP_SIZE, LoadedModel, build_model
 from tandem.engine.precision_probe import probe_lock
 from tandem.engine.quality_probe import checkpoint_identity
 from tandem.engine.runner import ModelRunner
@@ -40,6 +40,15 @@ METHOD_VERSION = 1
 CALIBRATION_TEXT = Path(__file__).parent / "data" / "int4_calibration.txt"
 CHUNK_TOKENS = 512
 MAX_TOKENS = 4096
+
+
+def int4_source(method: str, group_size: int | None, loaded: LoadedModel) -> str:
+    """Where a checkpoint's INT4 weights come from, in words (part of the quality probe's cache
+    key and verdict): the file's own Q4_1 codes (a GGUF without an explicit group size), else the
+    quantiser and its group size."""
+    if loaded.path.suffix == ".gguf" and group_size is None:
+        return "the file's Q4_1 codes"
+    return f"{'GPTQ' if method == 'gptq' else 'round-to-nearest'}, group {group_size or DEFAULT_INT4_GROUP_SIZE}"
 
 
 def target_key(target: Int4Target) -> str:

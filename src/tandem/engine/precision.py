@@ -8,8 +8,8 @@ testable with forced CPU features):
 - On CUDA, `auto` is bfloat16, dense.
 - On CPU with a precision probe (`precision_probe.py`, the default), both autos follow what it
   measured on this machine for this model: `dtype` the fastest compute dtype for prompt chunks
-  and large batches, `weight_dtype` "int4" where INT4 weights beat that dtype at one row (a lone
-  request's decode step), else "int8" where INT8 (Q8_0) weights do, else dense. One precision serves every step: `weight_dtype="auto"` is never
+  and large batches, `weight_dtype` the fastest at one row (a lone request's decode step) of INT4
+  and INT8 (Q8_0) weights where it beats that dtype there, else dense. One precision serves every step: `weight_dtype="auto"` is never
   "hybrid" (two sets of weights picked by step size would make one served name two models).
 - On CPU without a probe (`precision_probe=False`), by CPU flags: `dtype="auto"` is bfloat16
   where the CPU has AMX-BF16 (oneDNN's bfloat16 GEMMs run on the tile units there, about twice
@@ -105,13 +105,13 @@ def choose_precision(
         chosen_weights = "dense"
         reasons.append(f"dense weights on {device_type}")
     elif probe is not None and native_int4:
-        chosen_weights = "int4" if probe.int4_decode else "int8" if probe.int8_decode else "dense"
-        reasons.append({
-            "int4": f"INT4 weights (native kernel) for every step: measured faster than {chosen_dtype} at one row",
-            "int8": f"INT8 weights (native kernel) for every step: INT4 measured slower than {chosen_dtype} at "
-            "one row, INT8 faster",
-            "dense": f"dense weights: INT4 and INT8 measured slower than {chosen_dtype} at one row",
-        }[chosen_weights])  # fmt: skip
+        faster = probe.faster_weights()
+        chosen_weights = faster[0] if faster else "dense"
+        reasons.append(
+            f"{chosen_weights.upper()} weights (native kernel) for every step: measured fastest at one row, "
+            f"ahead of {', '.join([*faster[1:], chosen_dtype])}"
+            if faster else f"dense weights: INT4 and INT8 measured slower than {chosen_dtype} at one row"
+        )  # fmt: skip
     elif native_int4:
         chosen_weights = "dense"
         reasons.append("dense weights: no precision probe measured INT4 faster here")

@@ -80,6 +80,12 @@ class ProbeResult:
     machine: dict[str, Any] = field(default_factory=dict)
     int8_decode: bool = False  # INT8 (Q8_0) weights beat `dtype` at one row (the fallback when INT4 loses quality)
 
+    def faster_weights(self) -> list[str]:
+        """The quantised weight formats ("int4", "int8") measured faster than `dtype` at one row,
+        fastest first: speed's candidates, in the order the quality bound tries them."""
+        found = [w for w, fast in (("int4", self.int4_decode), ("int8", self.int8_decode)) if fast]
+        return sorted(found, key=lambda w: self.timings_ms[w][1])
+
     def speedup(self, slow: str, fast: str, rows: int) -> float:
         return self.timings_ms[slow][rows] / self.timings_ms[fast][rows]
 

@@ -5,9 +5,9 @@
 - an explicit dtype with dense weights: unchanged too (the unquantised model, asked for);
 - otherwise measures it (`quality_probe.probe_quality`, cached) in two decisions, each on its
   own: first an automatic 16-bit compute dtype, with dense weights (outside the bound: float32,
-  the reference); then INT4, INT8 (or hybrid) weights in the dtype so decided (INT4 outside the
-  bound and chosen automatically: INT8 weights where the precision probe measured them faster than
-  the dtype at one row and they are within the bound; else dense weights). A 16-bit dtype that moves answers beyond the bound by
+  the reference); then speed's INT4 or INT8 (or an explicit hybrid) weights in the dtype so decided
+  (outside the bound and chosen automatically: the other of the two where the precision probe
+  measured it faster than the dtype at one row too and it is within the bound; else dense). A 16-bit dtype that moves answers beyond the bound by
   itself is not kept because some INT4 mix happens to land within it. An explicit choice outside
   the bound is kept, with a warning in the log that gives the figures.
 The result carries the verdict (`PrecisionChoice.quality`) and says why in its `reason`.
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tandem.engine.int4_calibration import int4_source
 from tandem.engine.models.interface import CausalLM
 from tandem.engine.models.loader import LoadedModel
 from tandem.engine.precision import PrecisionChoice
@@ -60,7 +61,10 @@ def hold_to_bound(
 
     def verdict(candidate: PrecisionChoice) -> QualityResult:
         kv_dtype = kv_cache_dtype(config, candidate.dtype)
-        name = f"{candidate.name}, KV {str(kv_dtype).removeprefix('torch.')}"
+        weights = ""  # INT4 weights differ by their source: the verdict (and its cache entry) names it
+        if candidate.weight_dtype in ("int4", "hybrid"):
+            weights = f" ({int4_source(config.int4_method, config.int4_group_size, loaded)})"
+        name = f"{candidate.name}{weights}, KV {str(kv_dtype).removeprefix('torch.')}"
         scorer = _scorer(config, candidate, kv_spec, kv_dtype, device, build_models)
         verdicts.append(probe_quality(loaded.path, name, token_ids, reference, scorer, cache_dir))
         return verdicts[-1]
@@ -71,11 +75,15 @@ def hold_to_bound(
         chosen = dataclasses.replace(chosen, dtype="float32")  # the dtype alone moves answers
     if chosen.weight_dtype != "dense" and not verdict(chosen).within_bound:
         if auto_weights:
+            # speed's other quantised format, where it too beat the dtype at one row: INT8 rounds
+            # less than a requantised INT4, but a file's own INT4 codes are its weights exactly
+            others = [w for w in (chosen.probe.faster_weights() if chosen.probe else []) if w != chosen.weight_dtype]
             fallback = dataclasses.replace(chosen, weight_dtype="dense")
-            if chosen.weight_dtype == "int4" and chosen.probe is not None and chosen.probe.int8_decode:
-                int8 = dataclasses.replace(chosen, weight_dtype="int8")  # twice INT4's bytes, far less rounding
-                if verdict(int8).within_bound:
-                    fallback = int8
+            for weights in others:
+                candidate = dataclasses.replace(chosen, weight_dtype=weights)
+                if verdict(candidate).within_bound:
+                    fallback = candidate
+                    break
             chosen = fallback
         else:
             logger.warning(

@@ -37,7 +37,7 @@ from tandem.platform.cpu import cpu_flags, cpu_model_name
 
 logger = logging.getLogger("tandem.engine")
 
-QUALITY_PROBE_VERSION = 1
+QUALITY_PROBE_VERSION = 2  # 2: candidates name their INT4 source (GPTQ or the file's codes)
 MAX_MEAN_KL = 0.02  # nats
 MIN_TOP1_AGREEMENT = 0.97
 NUM_PROMPT_TOKENS = 96

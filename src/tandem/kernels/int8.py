@@ -67,12 +67,16 @@ def int8_mm(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:  # [M, K] float32 -
     return y
 
 
+INT8_NATIVE_MAX_ROWS = 16  # as the INT4 kernel's: above it dequantise-then-GEMM wins
+
+
 class Int8Linear(nn.Module):
     """`y = x @ W.T (+ bias)` with W stored as Q8_0 (`Int8Weight`): the decoder linears of
-    `weight_dtype="int8"`. Where the native kernel runs (CPU, `int4_native.load()`), every call goes
-    through `int8_mm`, row by row (a row's result never depends on the call's other rows; the
-    native decoder stack reads the same codes); elsewhere the weight is dequantised per call and
-    multiplied in the input's dtype (the reference)."""
+    `weight_dtype="int8"`. Where the native kernel runs (CPU, `int4_native.load()`), calls of up to
+    `native_max_rows` rows go through `int8_mm`, row by row (the native decoder stack reads the
+    same codes); larger ones dequantise the weight and leave the GEMM to torch (faster, another
+    summation order), unless `compute_every_row_natively` (batch invariance). Elsewhere the weight
+    is dequantised per call and multiplied in the input's dtype (the reference)."""
 
     def __init__(self, w: Int8Weight, device: torch.device, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -84,15 +88,26 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", w.scales.contiguous().to(device))
         self.register_buffer("bias", None if bias is None else bias.detach().float().to(device))
         self.native = device.type == "cpu" and int4_native.load() is not None
+        self.native_max_rows = INT8_NATIVE_MAX_ROWS
         self.num_weight_bytes = w.num_bytes
+
+    def compute_every_row_natively(self) -> None:
+        """Every call through the row-wise native kernel, whatever its size (batch invariance)."""
+        self.native_max_rows = 1 << 62
+
+    @property
+    def rows_invariant(self) -> bool:
+        return self.native and self.native_max_rows > 1 << 40
 
     @property
     def int8_weight(self) -> Int8Weight:
         return Int8Weight(self.codes, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
-        if self.native:
+        if self.native and x.shape[0] <= self.native_max_rows:
             y = int8_mm(x, self.int8_weight).to(x.dtype)
+        elif self.native:
+            y = F.linear(x.float(), dequantize_int8(self.int8_weight)).to(x.dtype)
         else:
             y = F.linear(x, dequantize_int8(self.int8_weight).to(x.dtype))
         return y if self.bias is None else y + self.bias.to(y.dtype)
