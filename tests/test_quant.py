@@ -3,6 +3,7 @@ unquantised engine."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ from tandem.kernels.int4 import (
     int4_linear_reference,
     quantize_int4,
 )
-from tandem.kernels.int8 import INT8_GEMV_MAX_ROWS, Int8HeadLinear, dequantize_int8, int8_mm
+from tandem.kernels.int8 import INT8_GEMV_MAX_ROWS, Int8HeadLinear, dequantize_int8, q8_mm
 from tandem.kernels.linear import pack_linears
 
 requires_native_int4 = pytest.mark.skipif(
@@ -245,12 +246,17 @@ def test_int8_head_is_one_precision_for_every_step_unless_a_hybrid_shares_its_de
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(300, 128, generator=gen) * 0.05
     head = Int8HeadLinear(weight)
-    assert head.int8 is not None
+    assert head.int8 is not None and head.interleaved is not None
+
+    def head_kernel(x: torch.Tensor) -> torch.Tensor:  # the head's INT8 copy through its kernel
+        assert head.interleaved is not None
+        return q8_mm(x, *head.interleaved, 300)
+
     small = torch.randn(INT8_GEMV_MAX_ROWS, 128, generator=gen)
     large = torch.randn(INT8_GEMV_MAX_ROWS + 3, 128, generator=gen)
-    assert torch.equal(head(small), int8_mm(small, head.int8))
+    assert torch.equal(head(small), head_kernel(small))
     torch.testing.assert_close(head(small), small @ dequantize_int8(head.int8).T, rtol=1e-3, atol=1e-4)
-    assert torch.equal(head(large), int8_mm(large, head.int8))
+    assert torch.equal(head(large), head_kernel(large))
     assert torch.equal(head(large)[:1], head(large[:1]))  # a row's logits whatever the step's size
     before = head(large)
     exact = large @ weight.T
@@ -263,7 +269,7 @@ def test_int8_head_is_one_precision_for_every_step_unless_a_hybrid_shares_its_de
     assert torch.equal(head(large), dense(large))
     torch.testing.assert_close(head(large), exact, rtol=1e-5, atol=1e-5)
     assert (head(large) - exact).abs().max() < (before - exact).abs().max()
-    assert torch.equal(head(small), int8_mm(small, head.int8))  # small steps still read INT8
+    assert torch.equal(head(small), head_kernel(small))  # small steps still read INT8
     assert not list(head.children())  # the dense head stays the dense model's (not a submodule)
 
 
@@ -384,21 +390,30 @@ def test_int4_and_fp8_keep_the_default_model_close(default_model_path: Path) -> 
 
 
 def test_int8_linear_matches_its_dequantised_weight_and_keeps_each_rows_bits() -> None:
-    """`Int8Linear` (weight_dtype="int8"): Q8_0 codes, close to x @ dequantised(W).T; made
-    batch-invariant, the native kernel computes every call row by row: each row the same bits
-    whatever the call's size."""
-    from tandem.kernels.int8 import Int8Linear, dequantize_int8, quantize_int8
+    """`Int8Linear` (weight_dtype="int8"): Q8_0 codes in the native kernel's output-interleaved
+    layout (an exact round trip, 100 outputs padded to 112), close to x @ dequantised(W).T, and
+    each row the same bits whatever the call's size (one arithmetic per row and output)."""
+    from tandem.kernels.int8 import (
+        Int8Linear,
+        deinterleave_outputs,
+        dequantize_int8,
+        interleave_outputs,
+        quantize_int8,
+    )
 
     gen = torch.Generator().manual_seed(7)
+    q = quantize_int8(torch.randn(100, 256, generator=gen))
+    codes_il, scales_il = interleave_outputs(q)
+    assert codes_il.shape == (7, 128, 16, 2) and scales_il.shape == (7, 8, 16)
+    back = deinterleave_outputs(codes_il, scales_il, 100)
+    assert torch.equal(back.codes, q.codes) and torch.equal(back.scales, q.scales)
     weight = torch.randn(96, 256, generator=gen)
     linear = Int8Linear(quantize_int8(weight), torch.device("cpu"), bias=torch.randn(96, generator=gen))
     x = torch.randn(70, 256, generator=gen)
     want = x @ dequantize_int8(quantize_int8(weight)).T + linear.bias
     got = linear(x)
     assert (got - want).abs().max() < 1e-3 * want.abs().max()
-    if linear.native:  # above 16 rows dequantise-then-GEMM, unless batch-invariant
-        linear.compute_every_row_natively()
-        assert (linear(x) - want).abs().max() < 1e-3 * want.abs().max()
+    if linear.native:
         alone = torch.cat([linear(x[i : i + 1]) for i in range(70)])
         for rows in (2, 5, 16, 17, 70):
             assert torch.equal(linear(x[:rows]), alone[:rows])
@@ -420,3 +435,30 @@ def test_int8_weights_run_the_native_stack_and_match_the_eager_model(tiny_model_
         assert first == b.token_ids[0]
         assert a.logprobs[0][first] == pytest.approx(b.logprobs[0][first], abs=1e-3)
     assert native.stats()["num_native_decoder_steps"] > 0
+
+
+def test_int8_kernel_gives_the_same_bits_built_for_avx2(tmp_path: Path) -> None:
+    """`tandem_q8_mm`'s arithmetic is per (row, output), not per instruction set: the library built
+    for AVX2 only (`TANDEM_NATIVE_MARCH=haswell`, 8 outputs per register) gives this machine's
+    build's bits (16 per register with AVX-512), so replicas on different CPUs answer alike."""
+    import subprocess
+    import sys
+
+    from tandem.kernels.int8 import Int8Linear, quantize_int8
+    from tandem.platform.cpu import cpu_flags
+
+    if int4_native.load() is None or "avx512f" not in cpu_flags():
+        pytest.skip("compares an AVX-512 build with an AVX2 one")
+    script = (
+        "import sys, torch\n"
+        "from tandem.kernels.int8 import Int8Linear, quantize_int8\n"
+        "g = torch.Generator().manual_seed(11)\n"
+        "w, x = torch.randn(40, 320, generator=g), torch.randn(9, 320, generator=g)\n"
+        "torch.save(Int8Linear(quantize_int8(w), torch.device('cpu'))(x), sys.argv[1])\n"
+    )
+    out = tmp_path / "avx2.pt"
+    env = {**os.environ, "TANDEM_NATIVE_MARCH": "haswell", "TANDEM_CACHE_DIR": str(tmp_path / "cache")}
+    subprocess.run([sys.executable, "-c", script, str(out)], env=env, check=True, timeout=300)
+    g = torch.Generator().manual_seed(11)
+    w, x = torch.randn(40, 320, generator=g), torch.randn(9, 320, generator=g)
+    assert torch.equal(torch.load(out), Int8Linear(quantize_int8(w), torch.device("cpu"))(x))

@@ -68,7 +68,7 @@ def make_batch_invariant(
                 else:
                     problems.append(f"{name}: INT4 through torch's kernel")
             elif isinstance(module, Int8Linear):
-                module.compute_every_row_natively()  # the native library loaded (checked above)
+                module.compute_every_row_natively()  # row-wise at every size where the library loaded
         problems.extend(
             f"{name}: no padding floor makes its rows invariant"
             for name in make_rows_invariant(model, thread_counts)

@@ -53,7 +53,7 @@ from tandem.platform.cpu import cpu_flags, cpu_model_name, usable_cpus
 
 logger = logging.getLogger("tandem.engine")
 
-PROBE_VERSION = 4  # 4: INT8 (Q8_0) weights timed too
+PROBE_VERSION = 5  # 4: INT8 (Q8_0) weights timed too; 5: its output-interleaved kernel
 DECODE_ROWS = (1, 4, 16, 64)
 PREFILL_ROWS = 256
 COMPUTE_ROWS = (16, 64, PREFILL_ROWS)

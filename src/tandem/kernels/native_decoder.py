@@ -96,14 +96,15 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}  # the gated MLP's, as the 
 @dataclass(frozen=True)
 class Int4Tensors:
     """One quantised linear as the kernel reads it: INT4 (`Int4Linear` with the native kernel), or
-    with `int8` Q8_0 (`Int8Linear`: `packed` its int8 codes [N, K], `params` its float16 scales
-    [N, K / 32])."""
+    with `int8` Q8_0 (`Int8Linear` in `tandem_q8_mm`'s layout: `packed` its codes [Np / 16, K / 2,
+    16, 2], `params` its float32 scales [Np / 16, K / 32, 16], `rows` its N)."""
 
     packed: torch.Tensor  # [N, K/2] uint8
     params: torch.Tensor  # [N, G, 2] float16 (scale, zero) or int8 codes
     superblock_scales: torch.Tensor | None  # [N, S, 2] bfloat16 with int8 codes
     group_size: int
     int8: bool = False
+    rows: int = 0  # int8 only: the output rows (the layout pads them to a multiple of 16)
 
 
 @dataclass(frozen=True)
@@ -173,8 +174,7 @@ class DecoderWeights:
 
         def weight(w: Int4Tensors) -> _Int4Weight:
             if w.int8:
-                rows, cols = w.packed.shape
-                return _Int4Weight(ptr(w.packed), ptr(w.params), None, 1, rows, cols, 32, 2)
+                return _Int4Weight(ptr(w.packed), ptr(w.params), None, 1, w.rows, 2 * w.packed.shape[1], 32, 2)
             rows, half = w.packed.shape
             mode = 0 if w.superblock_scales is None else 1
             per_block = 1 if w.superblock_scales is None else w.params.shape[1] // w.superblock_scales.shape[1]

@@ -120,7 +120,7 @@ class NativeLlama:
 
         def int4(linear: Any) -> Int4Tensors:
             if isinstance(linear, Int8Linear):
-                return Int4Tensors(linear.codes, linear.scales, None, 32, int8=True)
+                return Int4Tensors(linear.codes, linear.scales, None, 32, int8=True, rows=linear.out_features)
             params = linear.scales_and_zeros if linear.param_codes is None else linear.param_codes
             return Int4Tensors(linear.packed, params, linear.superblock_scales, linear.group_size)
 

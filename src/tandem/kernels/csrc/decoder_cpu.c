@@ -136,15 +136,15 @@ static void add_bias(float *y, const float *bias, int64_t T, int64_t N) {
         for (int64_t i = 0; i < N; i++) y[t * N + i] += bias[i];
 }
 
-int tandem_int8_mm(const float *x, const int8_t *codes, const uint16_t *scales, int64_t M, int64_t N, int64_t K,
-                   float *y, int num_threads);
+int tandem_q8_mm(const float *x, const int8_t *codes_il, const float *scales_il, int64_t M, int64_t N, int64_t K,
+                 float *y, int num_threads);
 
-/* y [T, rows] = x [T, cols] @ W^T. mode 0 / 1: INT4 (tandem_int4_mm); mode 2: Q8_0 INT8, packed
- * holding the int8 codes [rows, cols] and params their float16 scales [rows, cols / 32]. */
+/* y [T, rows] = x [T, cols] @ W^T. mode 0 / 1: INT4 (tandem_int4_mm); mode 2: Q8_0 INT8 in the
+ * output-interleaved layout of tandem_q8_mm (packed: the codes, params: the float32 scales). */
 static int linear(const TandemInt4Weight *w, const float *x, int64_t T, float *y, int num_threads) {
     if (w->mode == 2)
-        return tandem_int8_mm(x, (const int8_t *)w->packed, (const uint16_t *)w->params, T, w->rows, w->cols, y,
-                              num_threads);
+        return tandem_q8_mm(x, (const int8_t *)w->packed, (const float *)w->params, T, w->rows, w->cols, y,
+                            num_threads);
     return tandem_int4_mm(x, w->packed, (int)w->mode, w->params, w->superblock_scales,
                           w->groups_per_superblock, T, w->rows, w->cols, w->group_size, y, num_threads);
 }
@@ -448,6 +448,102 @@ int tandem_int8_mm(const float *x, const int8_t *codes, const uint16_t *scales, 
     for (int64_t n = 0; n < N; n++)
         for (int64_t m = 0; m < M; m++)
             y[m * N + n] = int8_row(codes + n * K, scales + n * runs, xq + m * K, xscale + m * runs, runs);
+    free(xq); free(xscale);
+    return 0;
+}
+
+/* -- INT8 linears in the output-interleaved layout (weight_dtype="int8") ---------------------------
+ * W in Q8_0 (w_ij = codes_ij * scale[i, j / 32]), stored for this kernel in blocks of 16 outputs:
+ *   codes_il [Np / 16, K / 2, 16, 2] int8: block b, input pair p, lane l = (w[16b+l, 2p], w[16b+l, 2p+1])
+ *   scales_il [Np / 16, K / 32, 16] float32 (the float16 scales, widened exactly)
+ * with Np = N rounded up to 16 (padding rows are zero). Activations are rounded to int16 per run of
+ * 32 as in tandem_int4_mm. For each output (m, n): d_r = the exact integer dot product of run r,
+ * then acc = fma((float)d_r, scale[n, r] * xscale[m, r], acc) for r = 0, 1, ... in order, y = acc.
+ * That arithmetic is per (m, n): the same whatever M, the rows around m, the thread count or the
+ * instruction set (AVX-512 holds 16 outputs per register, AVX2 two halves of 8), so a row's
+ * result never depends on its call (batch invariance) and one kernel serves decode and prefill.
+ * Work per 16 outputs, 4 rows and input pair: one widened load of the codes and 4 multiply-adds
+ * (vpdpwssd where the CPU has AVX512-VNNI). Returns 0, -1 when scratch cannot be allocated. */
+#define Q8_ROWS 4
+
+static void q8_block_rows(const int8_t *wb, const float *sb, const int32_t *xpairs, const float *xscale,
+                          int64_t mb, int64_t K, int64_t runs, float out[Q8_ROWS][16]) {
+    const int64_t pairs = K / 2;
+#if defined(__AVX512BW__) && defined(__AVX512F__)
+    __m512 acc[Q8_ROWS];
+    for (int64_t m = 0; m < Q8_ROWS; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < runs; r++) {
+        __m512i d[Q8_ROWS];
+        for (int64_t m = 0; m < Q8_ROWS; m++) d[m] = _mm512_setzero_si512();
+        for (int64_t p = 16 * r; p < 16 * r + 16; p++) {
+            const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wb + 32 * p)));
+            for (int64_t m = 0; m < mb; m++) {
+                const __m512i xv = _mm512_set1_epi32(xpairs[m * pairs + p]);
+#if defined(__AVX512VNNI__)
+                d[m] = _mm512_dpwssd_epi32(d[m], wv, xv);
+#else
+                d[m] = _mm512_add_epi32(d[m], _mm512_madd_epi16(wv, xv));
+#endif
+            }
+        }
+        const __m512 ws = _mm512_loadu_ps(sb + 16 * r);
+        for (int64_t m = 0; m < mb; m++)
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[m]), _mm512_mul_ps(ws, _mm512_set1_ps(xscale[m * runs + r])),
+                                     acc[m]);
+    }
+    for (int64_t m = 0; m < mb; m++) _mm512_storeu_ps(out[m], acc[m]);
+#else
+    __m256 lo[Q8_ROWS], hi[Q8_ROWS];
+    for (int64_t m = 0; m < Q8_ROWS; m++) lo[m] = hi[m] = _mm256_setzero_ps();
+    for (int64_t r = 0; r < runs; r++) {
+        __m256i dlo[Q8_ROWS], dhi[Q8_ROWS];
+        for (int64_t m = 0; m < Q8_ROWS; m++) dlo[m] = dhi[m] = _mm256_setzero_si256();
+        for (int64_t p = 16 * r; p < 16 * r + 16; p++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + 32 * p));
+            const __m256i wlo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));      /* outputs 0..7 */
+            const __m256i whi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1)); /* outputs 8..15 */
+            for (int64_t m = 0; m < mb; m++) {
+                const __m256i xv = _mm256_set1_epi32(xpairs[m * pairs + p]);
+                dlo[m] = _mm256_add_epi32(dlo[m], _mm256_madd_epi16(wlo, xv));
+                dhi[m] = _mm256_add_epi32(dhi[m], _mm256_madd_epi16(whi, xv));
+            }
+        }
+        const __m256 wslo = _mm256_loadu_ps(sb + 16 * r), wshi = _mm256_loadu_ps(sb + 16 * r + 8);
+        for (int64_t m = 0; m < mb; m++) {
+            const __m256 xs = _mm256_set1_ps(xscale[m * runs + r]);
+            lo[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo[m]), _mm256_mul_ps(wslo, xs), lo[m]);
+            hi[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi[m]), _mm256_mul_ps(wshi, xs), hi[m]);
+        }
+    }
+    for (int64_t m = 0; m < mb; m++) {
+        _mm256_storeu_ps(out[m], lo[m]);
+        _mm256_storeu_ps(out[m] + 8, hi[m]);
+    }
+#endif
+}
+
+int tandem_q8_mm(const float *x, const int8_t *codes_il, const float *scales_il, int64_t M, int64_t N, int64_t K,
+                 float *y, int num_threads) {
+    const int64_t runs = K / 32, blocks = (N + 15) / 16;
+    int16_t *xq = malloc(sizeof(int16_t) * M * K);
+    float *xscale = malloc(sizeof(float) * M * runs);
+    if (!xq || !xscale) {
+        free(xq); free(xscale);
+        return -1;
+    }
+    round_activations(x, M, K, 32, xq, xscale, NULL);
+    const int32_t *xpairs = (const int32_t *)xq; /* row m's pair p: xq[m, 2p] | xq[m, 2p + 1] << 16 */
+#pragma omp parallel for schedule(static) collapse(2) num_threads(num_threads)
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t m0 = 0; m0 < M; m0 += Q8_ROWS) {
+            float out[Q8_ROWS][16];
+            const int64_t mb = M - m0 < Q8_ROWS ? M - m0 : Q8_ROWS;
+            q8_block_rows(codes_il + b * K * 16, scales_il + b * runs * 16, xpairs + m0 * (K / 2), xscale + m0 * runs,
+                          mb, K, runs, out);
+            const int64_t width = N - 16 * b < 16 ? N - 16 * b : 16;
+            for (int64_t m = 0; m < mb; m++) memcpy(y + (m0 + m) * N + 16 * b, out[m], sizeof(float) * width);
+        }
+    }
     free(xq); free(xscale);
     return 0;
 }
