@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= What is the capital of France?
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=25  # the slowest tests in every run: the CI budget is 30 minutes
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
 APT_INSTALL := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends
 
