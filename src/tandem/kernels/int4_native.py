@@ -114,8 +114,6 @@ def load() -> ctypes.CDLL | None:
     lib.tandem_decoder_layers.restype = i32
     lib.tandem_decoder_layers_heads.argtypes = [p, p, p, i64, p, p, p, i64, p, i32]
     lib.tandem_decoder_layers_heads.restype = i32
-    lib.tandem_int8_mm.argtypes = [p, p, p, i64, i64, i64, p, i32]
-    lib.tandem_int8_mm.restype = i32
     lib.tandem_q8_mm.argtypes = [p, p, p, i64, i64, i64, p, i32]
     lib.tandem_q8_mm.restype = i32
     f32 = ctypes.c_float

@@ -1,11 +1,13 @@
 """Symmetric INT8 weights with a float16 scale per run of 32 inputs (llama.cpp's Q8_0), and the
-native matmul over them (`csrc/decoder_cpu.c`, `tandem_int8_mm`).
+native matmul over them (`csrc/decoder_cpu.c`, `tandem_q8_mm`).
 
-Semantics: W ~= codes * scales.repeat_interleave(32, dim=1), codes in -127..127; `int8_mm(x, w)`
-= x @ W.T computed with x rounded to int16 per run of 32 (as the INT4 kernel does) and exact
-integer dot products per run. Used for the LM head of the native decode path: 1.06 bytes per
-weight instead of bfloat16's 2, and its rounding (half a step of max|w|/127 per run) is finer than
-the INT4 that moved the default model's greedy tokens there.
+Semantics: W ~= codes * scales.repeat_interleave(32, dim=1), codes in -127..127; `q8_mm(x, ...)`
+= x @ W.T computed with x rounded to int16 per run of 32 (as the INT4 kernel does), exact integer
+dot products per run, then one float32 multiply-add per run in order, for each (row, output)
+alike (the weight in the kernel's output-interleaved layout: `interleave_outputs`). Used for the
+linears of `weight_dtype="int8"` and for INT4/INT8 models' LM head: 1.06 bytes per weight instead
+of bfloat16's 2, and its rounding (half a step of max|w|/127 per run) is finer than the INT4 that
+moved the default model's greedy tokens there.
 """
 
 from __future__ import annotations
@@ -48,23 +50,6 @@ def dequantize_int8(w: Int8Weight) -> torch.Tensor:  # -> [N, K] float32
 
 def int8_linear_reference(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     return x.float() @ dequantize_int8(w).T
-
-
-def int8_mm(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:  # [M, K] float32 -> [M, N] float32
-    lib = int4_native.load()
-    if lib is None:
-        raise RuntimeError("native INT8 kernel unavailable: " + int4_native.unavailable_reason())
-    x32 = x.float().contiguous()
-    rows, cols = w.codes.shape
-    assert x32.shape[1] == cols
-    y = torch.empty(x32.shape[0], rows, dtype=torch.float32)
-    status = lib.tandem_int8_mm(
-        x32.data_ptr(), w.codes.data_ptr(), w.scales.data_ptr(), x32.shape[0], rows, cols, y.data_ptr(),
-        torch.get_num_threads(),
-    )  # fmt: skip
-    if status != 0:
-        raise MemoryError(f"native INT8 kernel could not allocate scratch for {x32.shape[0]} rows")
-    return y
 
 
 def interleave_outputs(w: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:

@@ -394,65 +394,7 @@ int tandem_decoder_layers_heads(const TandemDecoderDims *d, const TandemLayer *l
     return decoder_layers(d, layers, x, T, positions, NULL, NULL, 0, NULL, NULL, 0, NULL, num_threads, &paging);
 }
 
-/* -- INT8 matmul (the LM head of the native path) ------------------------------------------------
- * y[M, N] = x[M, K] @ (w * scale)^T with w int8 [N, K] and one float16 scale per (row, run of 32):
- * w_ij = codes_ij * scales[i, j / 32] (symmetric, llama.cpp's Q8_0). Activations are rounded to
- * int16 per run of 32 as in tandem_int4_mm; each run's integer dot product is exact. K % 32 == 0.
- * Returns 0, or -1 when scratch memory cannot be allocated. */
-static inline float int8_row(const int8_t *w, const uint16_t *scales, const int16_t *xq, const float *xscale,
-                             int64_t runs) {
-#if defined(__AVX512BW__) && defined(__AVX512F__)
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    int64_t r = 0;
-    for (; r + 2 <= runs; r += 2) {
-        __m512i d0 = _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + 32 * r))),
-                                       _mm512_loadu_si512(xq + 32 * r));
-        __m512i d1 = _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + 32 * r + 32))),
-                                       _mm512_loadu_si512(xq + 32 * r + 32));
-        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_set1_ps(_cvtsh_ss(scales[r]) * xscale[r]), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(_cvtsh_ss(scales[r + 1]) * xscale[r + 1]), acc1);
-    }
-    for (; r < runs; r++) {
-        __m512i d0 = _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + 32 * r))),
-                                       _mm512_loadu_si512(xq + 32 * r));
-        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_set1_ps(_cvtsh_ss(scales[r]) * xscale[r]), acc0);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-#else
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int64_t r = 0; r < runs; r++) {
-        __m256i codes = _mm256_loadu_si256((const __m256i *)(w + 32 * r));
-        __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(codes));
-        __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(codes, 1));
-        __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + 32 * r))),
-                                       _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 32 * r + 16))));
-        __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(_cvtsh_ss(scales[r]) * xscale[r]), acc0);
-        acc0 = acc1;
-        acc1 = sum;
-    }
-    return hsum(_mm256_add_ps(acc0, acc1));
-#endif
-}
-
-int tandem_int8_mm(const float *x, const int8_t *codes, const uint16_t *scales, int64_t M, int64_t N, int64_t K,
-                   float *y, int num_threads) {
-    const int64_t runs = K / 32;
-    int16_t *xq = malloc(sizeof(int16_t) * M * K);
-    float *xscale = malloc(sizeof(float) * M * runs);
-    if (!xq || !xscale) {
-        free(xq); free(xscale);
-        return -1;
-    }
-    round_activations(x, M, K, 32, xq, xscale, NULL);
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t m = 0; m < M; m++)
-            y[m * N + n] = int8_row(codes + n * K, scales + n * runs, xq + m * K, xscale + m * runs, runs);
-    free(xq); free(xscale);
-    return 0;
-}
-
-/* -- INT8 linears in the output-interleaved layout (weight_dtype="int8") ---------------------------
+/* -- INT8 (Q8_0) matmul: the linears of weight_dtype="int8" and INT4/INT8 models' LM head ---------
  * W in Q8_0 (w_ij = codes_ij * scale[i, j / 32]), stored for this kernel in blocks of 16 outputs:
  *   codes_il [Np / 16, K / 2, 16, 2] int8: block b, input pair p, lane l = (w[16b+l, 2p], w[16b+l, 2p+1])
  *   scales_il [Np / 16, K / 32, 16] float32 (the float16 scales, widened exactly)
