@@ -25,7 +25,12 @@ logger = logging.getLogger("tandem.fleet")
 
 TENANT_BUDGET_DEPLOYMENT = "TenantBudget"
 WAKE_MARGIN_S = 0.01  # after a tight slot's linger, before the reconcile that returns it
-RETRY_MARGIN_S = 0.05  # past a lingering slot's return, before the one retry of a refused lease  # shard i is deployed as f"{TENANT_BUDGET_DEPLOYMENT}-{i}"
+RETRY_MARGIN_S = 0.05  # past a lingering slot's return, before the first retry of a refused lease
+# Later retries of a lease refused at the concurrency limit, each after the previous one's wait
+# doubled: a slot another replica freed returns through that replica's reconcile, which a loaded
+# host (or Ray) can delay past the first retry; a client that keeps to its limit is not refused
+# for that, and one that does not learns it within about a second.
+NUM_LEASE_RETRIES = 3
 
 
 def shard_of(tenant: str, num_shards: int) -> int:
@@ -93,11 +98,15 @@ class LeasedTenantLimiter:
             raise admitted
         if not admitted:  # no free slot here: lease one
             granted = await self._lease_once(tenant, limits)
-            if isinstance(granted, tuple) and granted[2] == CONCURRENCY_LIMITED:
+            wait_s = self.budget.tight_linger_s + RETRY_MARGIN_S
+            for _ in range(NUM_LEASE_RETRIES):
+                if not (isinstance(granted, tuple) and granted[2] == CONCURRENCY_LIMITED):
+                    break
                 # Refused at the limit: a slot another replica just freed may linger there for
-                # `tight_linger_s`; one more try after it, so that a client keeping to its limit
-                # across replicas is not refused for that.
-                await asyncio.sleep(self.budget.tight_linger_s + RETRY_MARGIN_S)
+                # `tight_linger_s` and then travel back through its reconcile; try again after it,
+                # so that a client keeping to its limit across replicas is not refused for that.
+                await asyncio.sleep(wait_s)
+                wait_s *= 2
                 granted = await self._lease_once(tenant, limits)
             if isinstance(granted, tuple):  # refused
                 self._ensure_reconciler()

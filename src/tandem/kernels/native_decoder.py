@@ -94,7 +94,7 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}  # the gated MLP's, as the 
 
 
 @dataclass(frozen=True)
-class Int4Tensors:
+class QuantizedTensors:
     """One quantised linear as the kernel reads it: INT4 (`Int4Linear` with the native kernel), or
     with `int8` Q8_0 (`Int8Linear` in `tandem_q8_mm`'s layout: `packed` its codes [Np / 16, K / 2,
     16, 2], `params` its float32 scales [Np / 16, K / 32, 16], `rows` its N)."""
@@ -109,10 +109,10 @@ class Int4Tensors:
 
 @dataclass(frozen=True)
 class LayerTensors:
-    qkv: Int4Tensors
-    o: Int4Tensors
-    gate_up: Int4Tensors
-    down: Int4Tensors
+    qkv: QuantizedTensors
+    o: QuantizedTensors
+    gate_up: QuantizedTensors
+    down: QuantizedTensors
     input_norm: torch.Tensor  # [H] float32
     post_norm: torch.Tensor  # [H] float32
     kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -172,7 +172,7 @@ class DecoderWeights:
             self._keep.append(t)
             return t.data_ptr()
 
-        def weight(w: Int4Tensors) -> _Int4Weight:
+        def weight(w: QuantizedTensors) -> _Int4Weight:
             if w.int8:
                 return _Int4Weight(ptr(w.packed), ptr(w.params), None, 1, w.rows, 2 * w.packed.shape[1], 32, 2)
             rows, half = w.packed.shape

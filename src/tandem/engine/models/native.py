@@ -23,7 +23,7 @@ from tandem.engine.models.decoder import DecoderAttention, DecoderLayer, Decoder
 from tandem.engine.models.interface import CausalLM, KVLayer
 from tandem.kernels.int4 import Int4Linear
 from tandem.kernels.int8 import Int8Linear
-from tandem.kernels.native_decoder import DecoderWeights, Int4Tensors, LayerTensors, unsupported_reason
+from tandem.kernels.native_decoder import DecoderWeights, LayerTensors, QuantizedTensors, unsupported_reason
 
 
 def _decoder_layers(model: DecoderLM) -> list[DecoderLayer]:
@@ -118,11 +118,11 @@ class NativeLlama:
             return None
         cfg = model.config
 
-        def int4(linear: Any) -> Int4Tensors:
+        def quantized(linear: Any) -> QuantizedTensors:
             if isinstance(linear, Int8Linear):
-                return Int4Tensors(linear.codes, linear.scales, None, 32, int8=True, rows=linear.out_features)
+                return QuantizedTensors(linear.codes, linear.scales, None, 32, int8=True, rows=linear.out_features)
             params = linear.scales_and_zeros if linear.param_codes is None else linear.param_codes
-            return Int4Tensors(linear.packed, params, linear.superblock_scales, linear.group_size)
+            return QuantizedTensors(linear.packed, params, linear.superblock_scales, linear.group_size)
 
         def norm(weight: torch.Tensor | None) -> torch.Tensor | None:  # Gemma's (1 + w) as one weight
             return None if weight is None else cfg.norm_offset + weight.detach().float()
@@ -134,7 +134,7 @@ class NativeLlama:
             local = index in model.local_rope_layers
             mlp_input_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
             return LayerTensors(
-                int4(attn.qkv_proj), int4(attn.o_proj), int4(mlp.gate_up_proj), int4(mlp.down_proj),
+                quantized(attn.qkv_proj), quantized(attn.o_proj), quantized(mlp.gate_up_proj), quantized(mlp.down_proj),
                 norm(layer.input_layernorm), norm(mlp_input_norm), kv_cache,  # type: ignore[arg-type]
                 qkv_bias=attn.qkv_proj.bias, o_bias=attn.o_proj.bias,
                 gate_up_bias=mlp.gate_up_proj.bias, down_bias=mlp.down_proj.bias,
