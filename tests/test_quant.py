@@ -306,7 +306,8 @@ def test_gguf_q4_1_loads_as_int4_without_a_round_trip(default_model_path: Path) 
     exactly what gguf's own dequantiser gives."""
     import gguf
 
-    from tandem.engine.models.loader import _read_gguf, read_gguf_int4
+    from tandem.engine.models.loader import _read_gguf
+    from tandem.engine.models.quantized import read_gguf_int4
 
     loaded = _read_gguf(default_model_path)
     native = read_gguf_int4(default_model_path, loaded.config)

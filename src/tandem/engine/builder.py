@@ -24,7 +24,6 @@ from tandem.engine.lora import LoRALimits, LoRAManager, LoRAModelShape
 from tandem.engine.models.eagle import EagleDraft, is_eagle_folder, load_eagle
 from tandem.engine.models.interface import CausalLM
 from tandem.engine.models.loader import (
-    DEFAULT_INT4_GROUP_SIZE,
     LoadedModel,
     build_model,
     default_cache_dir,
@@ -32,6 +31,7 @@ from tandem.engine.models.loader import (
     resolve_model_path,
 )
 from tandem.engine.models.moe_layer import SparseMoE
+from tandem.engine.models.quantized import DEFAULT_INT4_GROUP_SIZE
 from tandem.engine.precision import PrecisionChoice, choose_precision
 from tandem.engine.precision import pinned as pinned_precision
 from tandem.engine.precision_probe import probe_precision

@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tandem.engine.models.interface import Int4Target
-from tandem.engine.models.loader import DEFAULT_INT4_GROUP_SIZE, LoadedModel, build_model
+from tandem.engine.models.loader import LoadedModel, build_model
+from tandem.engine.models.quantized import DEFAULT_INT4_GROUP_SIZE
 from tandem.engine.precision_probe import probe_lock
 from tandem.engine.quality_probe import checkpoint_identity
 from tandem.engine.runner import ModelRunner

@@ -21,8 +21,10 @@ import numpy as np
 import torch
 
 from tandem.engine.generation_defaults import GenerationDefaults
+from tandem.engine.models.gguf_names import gguf_to_hf_name, unpermute_rope
 from tandem.engine.models.interface import CausalLM
 from tandem.engine.models.llama import LLAMA, LlamaConfig
+from tandem.engine.models.quantized import DEFAULT_INT4_GROUP_SIZE, apply_int4, apply_int8, read_gguf_int4
 from tandem.engine.models.registry import Architecture, architecture_for
 from tandem.engine.models.support import (
     check_tensor_names,
@@ -31,15 +33,7 @@ from tandem.engine.models.support import (
     safetensors_names,
 )
 from tandem.engine.tokenizer import Tokenizer
-from tandem.kernels.int4 import (
-    Int4Kernel,
-    Int4Linear,
-    Int4Weight,
-    double_quantize_int4,
-    fit_group_size,
-    quantize_int4,
-)
-from tandem.kernels.int8 import Int8HeadLinear, Int8Linear, quantize_int8
+from tandem.kernels.int4 import Int4Kernel, Int4Weight
 from tandem.kernels.linear import pack_linears
 from tandem.platform.errors import ModelLoadError
 
@@ -220,29 +214,6 @@ def _load_hf_folder(name: str, folder: Path) -> LoadedModel:
 
 
 # -- GGUF -----------------------------------------------------------------------------------
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-
-
-def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's convert-time q/k permutation (interleaved -> HF rotate_half layout)."""
-    rows = weight.shape[0]
-    return (
-        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
-
-
 def _read_gguf(path: Path) -> LoadedModel:
     import gguf
 
@@ -284,12 +255,12 @@ def _read_gguf(path: Path) -> LoadedModel:
                 f"{path}: tensor {tensor.name}: cannot dequantise ({exc})", param="model"
             ) from exc
         array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
-        hf_name = _gguf_to_hf_name(tensor.name)
+        hf_name = gguf_to_hf_name(tensor.name)
         assert hf_name is not None  # every name was checked above
         if hf_name.endswith("q_proj.weight"):
-            array = _unpermute_rope(array, config.num_attention_heads)
+            array = unpermute_rope(array, config.num_attention_heads)
         elif hf_name.endswith("k_proj.weight"):
-            array = _unpermute_rope(array, config.num_key_value_heads)
+            array = unpermute_rope(array, config.num_key_value_heads)
         weights[hf_name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
     return LoadedModel(path.name, path, config, weights, tokenizer, generation_defaults=GenerationDefaults.from_gguf_fields(fields))
 
@@ -318,27 +289,13 @@ def _open_gguf(path: Path) -> tuple[Any, dict[str, Any]]:
 def _check_gguf_tensor_names(path: Path, names: set[str], num_layers: int) -> None:
     """Refuse tensors with no HF counterpart the Llama module consumes (e.g. `rope_freqs`, which
     carries llama3 rope scaling the metadata does not state)."""
-    hf_names = [_gguf_to_hf_name(n) or n for n in names]
+    hf_names = [gguf_to_hf_name(n) or n for n in names]
     check_tensor_names(hf_names, lambda prefix: expected_tensor_names(num_layers, prefix=prefix), source=str(path))
 
 
 def _gguf_tensor_names(path: Path) -> None:
     reader, fields = _open_gguf(path)
     _check_gguf_tensor_names(path, {t.name for t in reader.tensors}, int(fields["llama.block_count"]))
-
-
-def _gguf_to_hf_name(name: str) -> str | None:
-    if name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if name == "output_norm.weight":
-        return "model.norm.weight"
-    if name == "output.weight":
-        return "lm_head.weight"
-    if name.startswith("blk."):
-        _, index, kind, suffix = name.split(".", 3)
-        if kind in _GGUF_LAYER_NAMES:
-            return f"model.layers.{index}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
-    return None  # e.g. rope_freqs: refused by `_check_gguf_tensor_names`
 
 
 def build_model(
@@ -383,94 +340,3 @@ def build_model(
     elif pack_weights:
         pack_linears(model)
     return model.eval()
-
-
-# For weights without native INT4 tensors. Measured on Gemma 3 270M (GPTQ, decode path, against
-# float32): group 32 perplexity 1.10x, top-1 0.81; group 64 1.13x, 0.79; group 128 1.12x, 0.75
-# (docs/performance.md, 2026-12-05): 32 keeps the most, for 0.09 more bytes per weight than 128.
-DEFAULT_INT4_GROUP_SIZE = 32
-
-
-def apply_int8(model: CausalLM, device: torch.device) -> None:
-    """Swap every INT4 target (fused q/k/v and gate/up, o, down) for a Q8_0 `Int8Linear`
-    quantised from the loaded weights; the LM head and the input embedding as with INT4."""
-    for target in model.int4_targets():
-        linear = getattr(target.parent, target.attr)
-        setattr(target.parent, target.attr, Int8Linear(quantize_int8(linear.weight.detach()), device, linear.bias))
-    model.lm_head = Int8HeadLinear(model.lm_head.weight)
-    model.embed_tokens.to(torch.bfloat16)
-
-
-def read_gguf_int4(path: Path, config: LlamaConfig) -> dict[str, Int4Weight]:
-    """The Q4_1 tensors of a GGUF file as INT4 weights (HF names), without dequantising: a Q4_1
-    block is fp16 d, fp16 m and 16 bytes of nibbles (low nibbles = elements 0-15, high = 16-31),
-    w = d * q + m, which is `Int4Weight` with group 32 and zero = m + 8d."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    out: dict[str, Int4Weight] = {}
-    for tensor in reader.tensors:
-        hf_name = _gguf_to_hf_name(tensor.name)
-        if tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1 or hf_name is None:
-            continue
-        rows = int(tensor.shape[1]) if len(tensor.shape) > 1 else 1
-        cols = int(tensor.shape[0])
-        raw = np.asarray(tensor.data).view(np.uint8).reshape(rows, cols // 32, 20)
-        d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        nibbles = raw[..., 4:20]
-        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, cols)
-        scale, zero = d, m + 8 * d
-        if hf_name.endswith("q_proj.weight") or hf_name.endswith("k_proj.weight"):
-            heads = config.num_attention_heads if "q_proj" in hf_name else config.num_key_value_heads
-            q, scale, zero = (_unpermute_rope(a, heads) for a in (q, scale, zero))
-        out[hf_name] = Int4Weight(
-            torch.from_numpy(np.ascontiguousarray(q)),
-            torch.from_numpy(np.ascontiguousarray(scale)),
-            torch.from_numpy(np.ascontiguousarray(zero)),
-            32,
-        )
-    return out
-
-
-def _concat_int4(parts: list[Int4Weight]) -> Int4Weight | None:
-    if any(p.group_size != parts[0].group_size for p in parts):
-        return None
-    return Int4Weight(
-        torch.cat([p.q for p in parts]),
-        torch.cat([p.scale for p in parts]),
-        torch.cat([p.zero for p in parts]),
-        parts[0].group_size,
-    )
-
-
-def apply_int4(
-    model: CausalLM,
-    native: dict[str, Int4Weight],
-    group_size: int,
-    device: torch.device,
-    double_quant: bool = False,
-    kernel: Int4Kernel = "auto",
-    calibrated: dict[str, Int4Weight] | None = None,
-) -> None:
-    """Swap every decoder linear (fused q/k/v and gate/up, o, down) for an `Int4Linear`: from
-    `native` INT4 weights where the file had them, else quantised from the loaded weights; with
-    `double_quant`, their group scales and zeros then become int8 codes (`double_quantize_int4`);
-    `kernel` picks the INT4 matmul (`Int4Linear`). The norms keep the model dtype; the LM head and
-    the input embedding become bfloat16."""
-    for target in model.int4_targets():
-        names = [f"{name}.weight" for name in target.source_names]
-        weight = _concat_int4([native[n] for n in names]) if all(n in native for n in names) else None
-        weight = (calibrated or {}).get("|".join(target.source_names), weight)
-        linear = getattr(target.parent, target.attr)
-        if weight is None:
-            weight = quantize_int4(linear.weight.detach(), fit_group_size(linear.in_features, group_size))
-        if double_quant:
-            weight = double_quantize_int4(weight)
-        setattr(target.parent, target.attr, Int4Linear(weight, device, kernel, bias=linear.bias))
-    # The LM head (often the tied embedding) is not INT4: INT4 there moved the default model's
-    # greedy tokens within a few steps, while INT4 everywhere else keeps most of them. It is INT8
-    # (Q8_0-style) for every step where the native kernel runs, bfloat16 otherwise (a hybrid
-    # engine hands it the dense model's head for its larger steps: `Int8HeadLinear.use_dense_head`).
-    model.lm_head = Int8HeadLinear(model.lm_head.weight)
-    model.embed_tokens.to(torch.bfloat16)  # rows are looked up, then cast to the compute dtype
