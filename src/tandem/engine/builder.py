@@ -19,8 +19,8 @@ from tandem.engine.batch_invariance import DISABLED, BatchInvariance, make_batch
 from tandem.engine.draft import DraftProposer, EagleProposer, PagedDraftCache
 from tandem.engine.generation_defaults import GenerationDefaults
 from tandem.engine.grammar import GrammarCompiler
-from tandem.engine.int4_calibration import calibrated_int4, int4_source
 from tandem.engine.lora import LoRALimits, LoRAManager, LoRAModelShape
+from tandem.engine.model_weights import build_models, kv_cache_spec
 from tandem.engine.models.eagle import EagleDraft, is_eagle_folder, load_eagle
 from tandem.engine.models.interface import CausalLM
 from tandem.engine.models.loader import (
@@ -31,7 +31,6 @@ from tandem.engine.models.loader import (
     resolve_model_path,
 )
 from tandem.engine.models.moe_layer import SparseMoE
-from tandem.engine.models.quantized import DEFAULT_INT4_GROUP_SIZE
 from tandem.engine.precision import PrecisionChoice, choose_precision
 from tandem.engine.precision import pinned as pinned_precision
 from tandem.engine.precision_probe import probe_precision
@@ -42,12 +41,11 @@ from tandem.engine.step import Runner
 from tandem.engine.tokenizer import Tokenizer
 from tandem.kernels import int4_native
 from tandem.kernels.head_attention import head_pool_dtype, head_slot_bytes
-from tandem.kernels.int8 import Int8HeadLinear
 from tandem.kernels.kv_eviction import EvictionPolicy
 from tandem.kernels.triton_support import uses_triton
 from tandem.platform.config import EngineConfig
 from tandem.platform.cpu import cpu_flags, usable_cpus
-from tandem.platform.errors import InvalidRequestError, ModelLoadError
+from tandem.platform.errors import InvalidRequestError
 
 logger = logging.getLogger("tandem.engine")
 
@@ -264,21 +262,6 @@ def kv_window(config: EngineConfig, loaded: LoadedModel, has_draft: bool) -> int
     return max(w for w in windows if w is not None)
 
 
-def kv_cache_spec(loaded: LoadedModel, block_size: int, kv_dtype: torch.dtype) -> KVCacheSpec:
-    """The paged cache for a model, from its architecture's per-layer KV (`Architecture.kv_layers`).
-    Raises `ModelLoadError` for layers that differ: the paged cache holds one shape for all."""
-    layers = loaded.architecture.kv_layers(loaded.config)
-    first = layers[0]
-    shape = (first.num_kv_heads, first.head_dim, first.shared_kv)
-    if any((layer.num_kv_heads, layer.head_dim, layer.shared_kv) != shape for layer in layers):
-        shapes = sorted({(layer.num_kv_heads, layer.head_dim) for layer in layers})
-        raise ModelLoadError(
-            f"{loaded.path}: layers with different KV shapes (kv heads, head dim) {shapes} are not supported",
-            param="model",
-        )
-    return KVCacheSpec(len(layers), *shape[:2], block_size, kv_dtype, shared_kv=first.shared_kv)
-
-
 def _load_draft(
     config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype
 ) -> _Draft | None:
@@ -367,42 +350,6 @@ def _max_model_len(config: EngineConfig, cfg: Any, capacity: int) -> int:
             param="max_model_len",
         )
     return config.max_model_len
-
-
-def build_models(
-    config: EngineConfig, loaded: LoadedModel, precision: PrecisionChoice, max_positions: int, *,
-    device: torch.device,
-) -> tuple[CausalLM, CausalLM | None]:  # fmt: skip
-    """The model in `precision`, and with `weight_dtype="hybrid"` its INT4 copy for small decode steps."""
-    hybrid = precision.weight_dtype == "hybrid"
-    dtype = DTYPES[precision.dtype]
-    int4_weights = None
-    if precision.weight_dtype in ("int4", "hybrid") and uses_calibrated_int4(config, loaded):
-        group_size = config.int4_group_size or DEFAULT_INT4_GROUP_SIZE
-        spec = kv_cache_spec(loaded, config.block_size, torch.float32)
-        int4_weights = calibrated_int4(loaded, group_size, spec, device, default_cache_dir())
-    build = functools.partial(
-        build_model, loaded, dtype=dtype, device=device, max_positions=max_positions,
-        int4_group_size=config.int4_group_size, int4_double_quant=config.int4_double_quant,
-        int4_kernel=config.int4_kernel, int4_weights=int4_weights,
-    )  # fmt: skip
-    model = build(
-        # inductor cannot lower oneDNN's prepacked (opaque) weights; it plans its own GEMMs
-        pack_weights=hybrid or not config.compile_decode,
-        weight_dtype=precision.weight_dtype if precision.weight_dtype in ("int4", "int8") else "dense",
-    )
-    decode_model = build(weight_dtype="int4") if hybrid else None
-    if decode_model is not None and isinstance(decode_model.lm_head, Int8HeadLinear):
-        # Decode steps above the INT8 head's rows take the dense model's head (its compute
-        # dtype, prepacked): no second 16-bit copy, and the logits of the dense path.
-        decode_model.lm_head.use_dense_head(model.lm_head, dtype)
-    return model, decode_model
-
-
-def uses_calibrated_int4(config: EngineConfig, loaded: LoadedModel) -> bool:
-    """INT4 from float weights by GPTQ (`int4_method`), unless the file's own Q4_1 codes load as
-    they are (a GGUF without an explicit group size)."""
-    return int4_source(config.int4_method, config.int4_group_size, loaded).startswith("GPTQ")
 
 
 def _build_proposer(
