@@ -214,7 +214,9 @@ def run_through_serve(args: argparse.Namespace) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="tandem-interference-") as data_dir:
         server, base = start_server(
-            data_dir, free_port(), {"TANDEM_API_KEYS": f"{SERVE_KEY}=bench", "TANDEM_OPERATOR_KEYS": OPERATOR_KEY}
+            data_dir,
+            free_port(),
+            {"TANDEM_API_KEYS": f"{SERVE_KEY}=bench", "TANDEM_OPERATOR_KEYS": OPERATOR_KEY},
         )
         try:
             client = openai.OpenAI(base_url=base, api_key=SERVE_KEY, max_retries=0, timeout=600)

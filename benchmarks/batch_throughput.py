@@ -39,8 +39,22 @@ from tandem.platform.object_store import FileObjectStore
 from tandem.platform.tenancy import TenantRegistry, parse_keys
 
 TOPICS = [
-    "the ocean", "a city at night", "old trains", "mountain weather", "bread baking", "chess openings",
-    "bees", "the moon", "jazz", "rivers", "volcanoes", "libraries", "winter", "robots", "tea", "bridges",
+    "the ocean",
+    "a city at night",
+    "old trains",
+    "mountain weather",
+    "bread baking",
+    "chess openings",
+    "bees",
+    "the moon",
+    "jazz",
+    "rivers",
+    "volcanoes",
+    "libraries",
+    "winter",
+    "robots",
+    "tea",
+    "bridges",
 ]
 KEY = "sk-bench"
 
@@ -61,17 +75,30 @@ def run_offline(options: dict[str, Any], num_requests: int, new_tokens: int) -> 
 
 
 def run_batch(
-    engine: AsyncEngine, model: str, num_requests: int, new_tokens: int, shards_in_flight: int, shard_size: int
+    engine: AsyncEngine,
+    model: str,
+    num_requests: int,
+    new_tokens: int,
+    shards_in_flight: int,
+    shard_size: int,
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tandem-batch-bench-") as root:
         service = BatchService(
-            FileObjectStore(root), {model}, BatchLimits(shard_size=shard_size, max_shards_in_flight=shards_in_flight)
+            FileObjectStore(root),
+            {model},
+            BatchLimits(shard_size=shard_size, max_shards_in_flight=shards_in_flight),
         )
-        server = OpenAIServer(LocalEngineClient(engine), TenantRegistry(parse_keys(f"{KEY}=bench")), batches=service)
-        worker = BatchWorker(service, partial(execute_batch_line, server), poll_interval_s=0.05, worker_id="bench")
+        server = OpenAIServer(
+            LocalEngineClient(engine), TenantRegistry(parse_keys(f"{KEY}=bench")), batches=service
+        )
+        worker = BatchWorker(
+            service, partial(execute_batch_line, server), poll_interval_s=0.05, worker_id="bench"
+        )
         with TestClient(create_app(server)) as http:
             running = http.portal.start_task_soon(worker.run_forever)
-            client = openai.OpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=http, max_retries=0)
+            client = openai.OpenAI(
+                base_url="http://testserver/v1", api_key=KEY, http_client=http, max_retries=0
+            )
             lines = [
                 {
                     "custom_id": f"r{i}",
@@ -90,7 +117,9 @@ def run_batch(
             data = "".join(json.dumps(line) + "\n" for line in lines).encode()
             file_id = client.files.create(file=("bench.jsonl", io.BytesIO(data)), purpose="batch").id
             started = time.perf_counter()
-            batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+            batch = client.batches.create(
+                input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
             last_report = 0.0
             while batch.status not in ("completed", "failed", "expired", "cancelled"):
                 time.sleep(0.2)
@@ -114,7 +143,9 @@ def run_batch(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--num-requests", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--shard-size", type=int, default=32)
@@ -131,7 +162,9 @@ def main() -> None:
     try:
         for shards in args.shards_in_flight:
             log(f"batch, {shards} shard(s) of {args.shard_size} in flight")
-            batches.append(run_batch(engine, model, args.num_requests, args.new_tokens, shards, args.shard_size))
+            batches.append(
+                run_batch(engine, model, args.num_requests, args.new_tokens, shards, args.shard_size)
+            )
             log(f"batch, {shards} in flight: {batches[-1]['tokens_per_s']:.1f} tok/s")
     finally:
         engine.shutdown()

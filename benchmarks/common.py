@@ -68,12 +68,26 @@ def start_server(
     replica is ready (polled, with a deadline: the first start on a machine dequantises the GGUF)."""
     import httpx
 
-    command = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), "--data-dir", data_dir, *args]
+    command = [
+        sys.executable,
+        "-m",
+        "tandem.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--data-dir",
+        data_dir,
+        *args,
+    ]
     log(" ".join(command[1:]))
     log_path = os.path.join(data_dir, "serve.log")  # Ray's and the replicas' lines, kept out of the report
     with open(log_path, "ab") as log_file:
         server = subprocess.Popen(
-            command, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=log_file, start_new_session=True
+            command,
+            env={**os.environ, **env},
+            stdout=subprocess.DEVNULL,
+            stderr=log_file,
+            start_new_session=True,
         )
     deadline = time.monotonic() + 900
     while True:

@@ -289,7 +289,9 @@ def admission(
     servers = [_Server(call_s) for _ in range(num_shards if design == "now" else 1)]
     fleet_usage = TenantUsage()
     budgets = [FleetBudget() for _ in servers]
-    locals_ = [LocalBudget() if linger_s is None else LocalBudget(linger_s=linger_s) for _ in range(num_replicas)]
+    locals_ = [
+        LocalBudget() if linger_s is None else LocalBudget(linger_s=linger_s) for _ in range(num_replicas)
+    ]
     events: list[_Event] = []
     seq = itertools.count()
     total_rate = requests_per_s * num_replicas
@@ -409,7 +411,9 @@ def main() -> None:
     parser.add_argument(
         "--replicas-per-shard", type=int, default=32, help="ingress replicas per budget shard"
     )
-    parser.add_argument("--linger-s", type=float, default=None, help="a freed slot's linger (default: LocalBudget's)")
+    parser.add_argument(
+        "--linger-s", type=float, default=None, help="a freed slot's linger (default: LocalBudget's)"
+    )
     parser.add_argument("--out", default="benchmarks/results/control_plane_scale.json")
     args = parser.parse_args()
     world = build_world(args.tenants, args.batches, args.lines_per_batch)

@@ -34,12 +34,28 @@ from tandem.engine.engine import LLMEngine
 KEY = "sk-bench"
 
 
-async def stream_gaps(client: httpx.AsyncClient, base: str, model: str, prompt: str, max_tokens: int, started: asyncio.Event | None) -> tuple[float, list[float]]:
+async def stream_gaps(
+    client: httpx.AsyncClient,
+    base: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    started: asyncio.Event | None,
+) -> tuple[float, list[float]]:
     """(TTFT, gaps between streamed tokens) of one streaming completion."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     sent = time.perf_counter()
     times: list[float] = []
-    async with client.stream("POST", f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as resp:
+    async with client.stream(
+        "POST", f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+    ) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -56,12 +72,17 @@ async def workload(base: str, model: str, args: argparse.Namespace, round_id: st
     async with httpx.AsyncClient(timeout=600) as client:
         events = [asyncio.Event() for _ in range(args.streams)]
         decoders = [
-            asyncio.create_task(stream_gaps(client, base, model, f"{round_id} story number {i}:", args.new_tokens, events[i]))
+            asyncio.create_task(
+                stream_gaps(client, base, model, f"{round_id} story number {i}:", args.new_tokens, events[i])
+            )
             for i in range(args.streams)
         ]
         await asyncio.gather(*(e.wait() for e in events))
         longs = await asyncio.gather(
-            *(stream_gaps(client, base, model, f"{round_id}-{i} {long_prompt}", 2, None) for i in range(args.long_prompts))
+            *(
+                stream_gaps(client, base, model, f"{round_id}-{i} {long_prompt}", 2, None)
+                for i in range(args.long_prompts)
+            )
         )
         decoded = await asyncio.gather(*decoders)
     gaps = [g for _, gs in decoded for g in gs]
@@ -76,13 +97,21 @@ async def workload(base: str, model: str, args: argparse.Namespace, round_id: st
 def serve_mode(mode: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
     cores = os.cpu_count() or 2
     engine = {"model": args.model, "max_model_len": 2048, "speculative": None}
-    app_args: dict[str, Any] = {"api_keys": f"{KEY}=bench", "replica_num_cpus": 0, "engine": {**engine, "num_threads": cores}}
+    app_args: dict[str, Any] = {
+        "api_keys": f"{KEY}=bench",
+        "replica_num_cpus": 0,
+        "engine": {**engine, "num_threads": cores},
+    }
     if mode == "disaggregated":
         half = max(1, cores // 2)
-        app_args.update(mode="disaggregated", engine={**engine, "num_threads": half}, prefill_engine={"num_threads": half})
+        app_args.update(
+            mode="disaggregated", engine={**engine, "num_threads": half}, prefill_engine={"num_threads": half}
+        )
     serve.run(build_app(app_args), name=mode, route_prefix=f"/{mode}")
     base = f"http://127.0.0.1:{port}/{mode}"
-    model = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=60).json()["data"][0]["id"]
+    model = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=60).json()[
+        "data"
+    ][0]["id"]
     asyncio.run(workload(base, model, args, f"warm-up {mode}"))
     result = asyncio.run(workload(base, model, args, f"measured {mode}"))
     serve.delete(mode)
@@ -91,12 +120,16 @@ def serve_mode(mode: str, args: argparse.Namespace, port: int) -> dict[str, Any]
 
 
 def handover_bytes(model: str, num_tokens: int) -> dict[str, float]:
-    sender = LLMEngine.from_options(model, kv_cache_dtype="bfloat16", kv_cache_memory=64 << 20, speculative=None)
+    sender = LLMEngine.from_options(
+        model, kv_cache_dtype="bfloat16", kv_cache_memory=64 << 20, speculative=None
+    )
     prompt = list(range(100, 100 + num_tokens))
     sizes = {}
     for dtype in ("bfloat16", "float8_e4m3fn"):
         request_id = f"bytes-{dtype}"
-        sender.add_prefill_request(GenerationRequest(request_id, prompt_token_ids=prompt, sampling_params=SamplingParams()))
+        sender.add_prefill_request(
+            GenerationRequest(request_id, prompt_token_ids=prompt, sampling_params=SamplingParams())
+        )
         while sender.has_unfinished_requests():
             sender.step()
         sizes[dtype] = sender.export_kv(request_id, dtype).num_bytes / num_tokens
@@ -105,7 +138,9 @@ def handover_bytes(model: str, num_tokens: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -127,7 +162,9 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
-    result["tpot_p99_colocated_over_disaggregated"] = result["colocated"]["tpot_p99_ms"] / result["disaggregated"]["tpot_p99_ms"]
+    result["tpot_p99_colocated_over_disaggregated"] = (
+        result["colocated"]["tpot_p99_ms"] / result["disaggregated"]["tpot_p99_ms"]
+    )
     write_result(args.out, result)
 
 

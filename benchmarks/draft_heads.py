@@ -24,7 +24,9 @@ MORE = [
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--head", action="append", required=True, help="NAME=PATH of a draft head folder")
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -32,15 +34,22 @@ def main() -> None:
     args = parser.parse_args()
     heads = dict(item.split("=", 1) for item in args.head)
     engines = {
-        name: LLM(args.model, speculative={"method": "auto", "draft_model": path}, enable_prefix_caching=False,
-                  kv_cache_memory=256 << 20)
+        name: LLM(
+            args.model,
+            speculative={"method": "auto", "draft_model": path},
+            enable_prefix_caching=False,
+            kv_cache_memory=256 << 20,
+        )
         for name, path in heads.items()
     }
     first = next(iter(engines.values()))
     prompts = chat_token_ids(first, CHAT + MORE)
     for llm in engines.values():
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
-    modes: dict[str, tuple[LLM, bool]] = {"plain": (first, False), **{n: (e, True) for n, e in engines.items()}}
+    modes: dict[str, tuple[LLM, bool]] = {
+        "plain": (first, False),
+        **{n: (e, True) for n, e in engines.items()},
+    }
     totals = {mode: {"tokens": 0, "wall": 0.0} for mode in modes}
     before = {name: engine.stats() for name, engine in engines.items()}
     for prompt in prompts:
@@ -51,7 +60,10 @@ def main() -> None:
             totals[mode]["wall"] += time.perf_counter() - start
             totals[mode]["tokens"] += len(output.outputs[0].token_ids)
     plain = totals["plain"]["tokens"] / totals["plain"]["wall"]
-    result: dict[str, Any] = {"config": {k: str(v) for k, v in vars(args).items()}, "plain_tokens_per_s": plain}
+    result: dict[str, Any] = {
+        "config": {k: str(v) for k, v in vars(args).items()},
+        "plain_tokens_per_s": plain,
+    }
     for name, engine in engines.items():
         after = engine.stats()
         rate = totals[name]["tokens"] / totals[name]["wall"]
@@ -59,7 +71,8 @@ def main() -> None:
             "tokens_per_s": rate,
             "ratio": rate / plain,
             "draft_tokens": after["num_draft_tokens"] - before[name]["num_draft_tokens"],
-            "accepted_draft_tokens": after["num_accepted_draft_tokens"] - before[name]["num_accepted_draft_tokens"],
+            "accepted_draft_tokens": after["num_accepted_draft_tokens"]
+            - before[name]["num_accepted_draft_tokens"],
         }
         log(f"{name}: {result[name]}")
     write_result(args.out, result)

@@ -24,7 +24,10 @@ TOPICS = ["the ocean", "a city at night", "old trains", "mountain weather", "bre
 def main() -> None:
     llm = LLM()
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    prompts = [[{"role": "user", "content": f"Write about {TOPICS[i % len(TOPICS)]} (note {i})."}] for i in range(256)]
+    prompts = [
+        [{"role": "user", "content": f"Write about {TOPICS[i % len(TOPICS)]} (note {i})."}]
+        for i in range(256)
+    ]
     runs: dict[str, Any] = {}
 
     def run(tag: str) -> None:
@@ -45,7 +48,9 @@ def main() -> None:
     other = threading.Thread(target=run, args=("second_thread",))
     other.start()
     other.join()
-    runs["ratio_second_over_loading"] = runs["second_thread"]["tokens_per_s"] / runs["loading_thread"]["tokens_per_s"]
+    runs["ratio_second_over_loading"] = (
+        runs["second_thread"]["tokens_per_s"] / runs["loading_thread"]["tokens_per_s"]
+    )
     write_result(Path(__file__).parent / "results" / "engine_threads.json", runs)
 
 

@@ -156,7 +156,10 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--rounds", type=int, default=1, help="runs of each engine per concurrency, alternating; the median counts"
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of each engine per concurrency, alternating; the median counts",
     )
     parser.add_argument(
         "--output", type=Path, default=Path(__file__).parent / "results" / "engine_throughput.json"
@@ -193,7 +196,9 @@ def main() -> None:
     baseline = {key: _option_value(value) for key, value in (o.split("=", 1) for o in args.baseline_option)}
     if baseline:
         engines["baseline"] = LLM(args.model, **common, **baseline)
-        log(f"baseline: {engines['baseline'].stats()['dtype']} / {engines['baseline'].stats()['weight_dtype']}")
+        log(
+            f"baseline: {engines['baseline'].stats()['dtype']} / {engines['baseline'].stats()['weight_dtype']}"
+        )
     stats = engines["tandem"].stats()
     log(f"precision: {stats['dtype']} / {stats['weight_dtype']} ({stats['precision_reason']})")
     vocab = engines["tandem"].engine.model_config.vocab_size
@@ -257,18 +262,28 @@ def main() -> None:
         if "tandem_no_spec" in row:
             # The figure: the median over rounds of on / off within a round (the two engines ran back
             # to back, so a host slowing down between rounds cancels); also the medians' ratio.
-            paired = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["tandem"], runs["tandem_no_spec"], strict=True)]
+            paired = [
+                a["tokens_per_s"] / b["tokens_per_s"]
+                for a, b in zip(runs["tandem"], runs["tandem_no_spec"], strict=True)
+            ]
             row["spec_on_over_off_rounds"] = paired
             row["spec_on_over_off"] = statistics.median(paired)
-            row["spec_on_over_off_of_medians"] = row["tandem"]["tokens_per_s"] / row["tandem_no_spec"]["tokens_per_s"]
+            row["spec_on_over_off_of_medians"] = (
+                row["tandem"]["tokens_per_s"] / row["tandem_no_spec"]["tokens_per_s"]
+            )
             log(
                 f"concurrency {n}: speculation on / off {row['spec_on_over_off']:.3f} (median of the rounds' "
                 f"ratios; ratio of the medians {row['spec_on_over_off_of_medians']:.3f})"
             )
         if "baseline" in row:
-            paired = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["tandem"], runs["baseline"], strict=True)]
+            paired = [
+                a["tokens_per_s"] / b["tokens_per_s"]
+                for a, b in zip(runs["tandem"], runs["baseline"], strict=True)
+            ]
             row["defaults_over_baseline"] = statistics.median(paired)
-            log(f"concurrency {n}: defaults / baseline {row['defaults_over_baseline']:.3f} (median of the rounds' ratios)")
+            log(
+                f"concurrency {n}: defaults / baseline {row['defaults_over_baseline']:.3f} (median of the rounds' ratios)"
+            )
         if hf_model is not None:
             log(f"concurrency {n}: HF generate ...")
             row["hf"] = run_hf(hf_model, prompts, args.new_tokens)
@@ -304,8 +319,11 @@ def main() -> None:
             "kv_cache_dtype": stats["kv_cache_dtype"],
         },
         "baseline": {
-            "options": baseline, **{k: engines["baseline"].stats()[k] for k in ("dtype", "weight_dtype")}
-        } if baseline else None,
+            "options": baseline,
+            **{k: engines["baseline"].stats()[k] for k in ("dtype", "weight_dtype")},
+        }
+        if baseline
+        else None,
         "llama_cpp": llama_note or "llama-batched-bench, same GGUF and threads",
         "results": rows,
     }

@@ -55,12 +55,16 @@ def time_pass(layers: nn.Sequential, rows: int, dtype: torch.dtype, repeats: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 512, 4096])
     parser.add_argument("--repeats", type=int, default=3, help="passes per cell; the fastest counts")
     parser.add_argument("--output", default="benchmarks/results/gemm_dtypes.json")
     args = parser.parse_args()
-    dtypes = [torch.float32] + ([torch.bfloat16] if onednn_available(torch.device("cpu"), torch.bfloat16) else [])
+    dtypes = [torch.float32] + (
+        [torch.bfloat16] if onednn_available(torch.device("cpu"), torch.bfloat16) else []
+    )
     log(f"CPU {cpu()}, torch threads {torch.get_num_threads()}, dtypes {[str(d) for d in dtypes]}")
     flop_per_row = 2 * NUM_LAYERS * sum(o * i for o, i in SHAPES)
     models = {dtype: build(dtype) for dtype in dtypes}  # built once: every row count runs the same weights
@@ -71,7 +75,9 @@ def main() -> None:
             name = str(dtype).removeprefix("torch.")
             seconds = time_pass(layers, rows, dtype, args.repeats)
             cell[name] = {"ms_per_pass": 1e3 * seconds, "gflop_per_s": flop_per_row * rows / seconds / 1e9}
-            log(f"rows {rows:5d} {name:9s} {1e3 * seconds:8.1f} ms  {flop_per_row * rows / seconds / 1e9:6.0f} GFLOP/s")
+            log(
+                f"rows {rows:5d} {name:9s} {1e3 * seconds:8.1f} ms  {flop_per_row * rows / seconds / 1e9:6.0f} GFLOP/s"
+            )
         if "bfloat16" in cell:
             f32, b16 = cell["float32"], cell["bfloat16"]
             assert isinstance(f32, dict) and isinstance(b16, dict)
@@ -79,7 +85,12 @@ def main() -> None:
         results.append(cell)
     write_result(
         args.output,
-        {"benchmark": "gemm_dtypes", "torch_threads": torch.get_num_threads(), "shapes": SHAPES, "results": results},
+        {
+            "benchmark": "gemm_dtypes",
+            "torch_threads": torch.get_num_threads(),
+            "shapes": SHAPES,
+            "results": results,
+        },
     )
 
 

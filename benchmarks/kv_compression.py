@@ -122,7 +122,11 @@ def natural_texts() -> list[str]:
     import pydoc_data.topics
 
     topics = pydoc_data.topics.topics
-    return [topics[name] for name in ("compound", "datamodel", "types", "specialnames", "formatstrings", "assignment") if name in topics]
+    return [
+        topics[name]
+        for name in ("compound", "datamodel", "types", "specialnames", "formatstrings", "assignment")
+        if name in topics
+    ]
 
 
 def build_samples(tokenizer: Any, args: argparse.Namespace) -> list[Sample]:
@@ -139,7 +143,7 @@ def build_samples(tokenizer: Any, args: argparse.Namespace) -> list[Sample]:
         document = encode(texts[i % len(texts)])
         passage = encode(texts[(i + 1) % len(texts)])[200 : 200 + args.continuation]
         head = encode("Read this document. It quotes one passage.\n\n")
-        tail = encode("\n\nNow repeat the quoted passage exactly, word for word:\n\n\"")
+        tail = encode('\n\nNow repeat the quoted passage exactly, word for word:\n\n"')
         quoted = encode('\n\n"') + passage + encode('"\n\n')
         body = max(0, args.context - len(head) - len(quoted) - len(tail))
         before = int(body * rng.choice([0.2, 0.5, 0.8]))
@@ -163,7 +167,9 @@ def build_samples(tokenizer: Any, args: argparse.Namespace) -> list[Sample]:
     return samples
 
 
-def evaluate(model: Any, attention: EvictionAttention, sample: Sample, keep: dict[int, torch.Tensor] | None) -> torch.Tensor:
+def evaluate(
+    model: Any, attention: EvictionAttention, sample: Sample, keep: dict[int, torch.Tensor] | None
+) -> torch.Tensor:
     """Log-probabilities [m, V] of the continuation positions under `keep` (None: full cache)."""
     ids = torch.tensor([sample.context_ids + sample.continuation_ids])
     attention.num_context = len(sample.context_ids)
@@ -254,7 +260,9 @@ def serve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
         params = SamplingParams(max_tokens=args.serve_new_tokens, temperature=0.0, ignore_eos=True)
         llm.generate([prompts[0][:32]], SamplingParams(max_tokens=2))  # warm-up
         for i in range(args.serve_requests):
-            engine.add_request(GenerationRequest(f"s{i}", prompt_token_ids=prompts[i % len(prompts)], sampling_params=params))
+            engine.add_request(
+                GenerationRequest(f"s{i}", prompt_token_ids=prompts[i % len(prompts)], sampling_params=params)
+            )
         most_running, num_tokens = 0, 0
         started = time.perf_counter()
         while engine.scheduler.has_unfinished():
@@ -284,12 +292,19 @@ def serve(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--rates", type=float, nargs="+", default=[2.0, 8.0, 32.0, 64.0])
     parser.add_argument("--context", type=int, default=1024, help="context tokens (perplexity, copy)")
     parser.add_argument("--continuation", type=int, default=64)
-    parser.add_argument("--window", type=int, default=16, help="observation window; also the protected recent tokens (fewer at high rates)")
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=16,
+        help="observation window; also the protected recent tokens (fewer at high rates)",
+    )
     parser.add_argument("--pool-kernel", type=int, default=7, help="score pooling (SnapKV); 1: none")
     parser.add_argument("--sinks", type=int, default=4, help="first tokens always kept (attention sinks)")
     parser.add_argument("--samples", type=int, default=3, help="per task")
@@ -304,7 +319,9 @@ def main() -> None:
     parser.add_argument("--kv-budget-mb", type=float, default=100.0, help="KV budget of the serving runs")
     parser.add_argument("--pool-fraction", type=float, default=0.9, help="compression pool's share of it")
     parser.add_argument("--skip-quality", action="store_true")
-    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS), help="quality tasks to run")
+    parser.add_argument(
+        "--tasks", nargs="+", default=list(TASKS), choices=list(TASKS), help="quality tasks to run"
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "kv_compression.json"))
     args = parser.parse_args()
     if args.threads:
@@ -316,10 +333,15 @@ def main() -> None:
     folder = gguf_to_hf_folder(path, default_cache_dir()) if path.suffix == ".gguf" else path
     attention = EvictionAttention(args.window)
     AttentionInterface.register(ATTENTION_NAME, attention)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation=ATTENTION_NAME).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation=ATTENTION_NAME
+    ).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     samples = [sample for sample in build_samples(tokenizer, args) if sample.task in args.tasks]
-    log(f"{len(samples)} samples: " + ", ".join(f"{s.name} ({len(s.context_ids)}+{len(s.continuation_ids)})" for s in samples))
+    log(
+        f"{len(samples)} samples: "
+        + ", ".join(f"{s.name} ({len(s.context_ids)}+{len(s.continuation_ids)})" for s in samples)
+    )
 
     rows: list[dict[str, Any]] = []
     kept_counts: dict[str, dict[float, list[list[int]]]] = {m: {r: [] for r in args.rates} for m in METHODS}
@@ -340,8 +362,12 @@ def main() -> None:
                 row[key] = score(sample.task, sample, compressed)
                 row[f"{key}:achieved_rate"] = sum(m.numel() for m in masks.values()) / num_kept
                 if sample.task == "perplexity":
-                    row[f"{key}:kl"] = float(F.kl_div(compressed, full, log_target=True, reduction="batchmean"))
-                    row[f"{key}:top1_agreement"] = float((compressed.argmax(dim=-1) == full_argmax).float().mean())
+                    row[f"{key}:kl"] = float(
+                        F.kl_div(compressed, full, log_target=True, reduction="batchmean")
+                    )
+                    row[f"{key}:top1_agreement"] = float(
+                        (compressed.argmax(dim=-1) == full_argmax).float().mean()
+                    )
         rows.append(row)
         elapsed = time.perf_counter() - started
         log(f"[{index + 1}/{len(samples)}] {sample.name}: full {row['full']:.3f}, "
@@ -354,7 +380,10 @@ def main() -> None:
         if not task_rows:
             summary[task] = {"note": "the full cache scored 0 on every sample: not reported"}
             continue
-        entry: dict[str, Any] = {"samples": len(task_rows), "full": sum(r["full"] for r in task_rows) / len(task_rows)}
+        entry: dict[str, Any] = {
+            "samples": len(task_rows),
+            "full": sum(r["full"] for r in task_rows) / len(task_rows),
+        }
         for method in METHODS:
             for rate in args.rates:
                 key = f"{method}@{rate:g}x"
@@ -365,7 +394,9 @@ def main() -> None:
                 entry[key] = round(fraction, 4)
                 if task == "perplexity":
                     entry[f"{key}:kl"] = round(sum(r[f"{key}:kl"] for r in task_rows) / len(task_rows), 4)
-                    entry[f"{key}:top1_agreement"] = round(sum(r[f"{key}:top1_agreement"] for r in task_rows) / len(task_rows), 4)
+                    entry[f"{key}:top1_agreement"] = round(
+                        sum(r[f"{key}:top1_agreement"] for r in task_rows) / len(task_rows), 4
+                    )
         summary[task] = entry
     # Two means: over every task, and over perplexity and copy, the tasks the issue leans on (a
     # small part of a long context matters); digit recall and the passkey read tokens that any
@@ -379,7 +410,9 @@ def main() -> None:
                 values = [summary[t][key] for t in tasks if key in summary.get(t, {})]
                 target[key] = round(sum(values) / len(values), 4) if values else None
     config = model.config
-    blocks_per_context = config.num_hidden_layers * config.num_key_value_heads * -(-args.context // args.block_size)
+    blocks_per_context = (
+        config.num_hidden_layers * config.num_key_value_heads * -(-args.context // args.block_size)
+    )
     counts = {m: {r: v for r, v in per.items()} for m, per in kept_counts.items()}
     result = {
         "benchmark": "kv_compression",
@@ -390,15 +423,23 @@ def main() -> None:
         "capacity_contexts_admitted": {
             "budget_head_blocks": 8 * blocks_per_context,
             "full_cache": 8,
-            **capacity(samples, counts, config.num_hidden_layers, config.num_key_value_heads,
-                       args.block_size, 8 * blocks_per_context),  # fmt: skip
+            **capacity(
+                samples,
+                counts,
+                config.num_hidden_layers,
+                config.num_key_value_heads,
+                args.block_size,
+                8 * blocks_per_context,
+            ),  # fmt: skip
         },
         "rows": rows,
     }
     if args.serve_requests:
         # Distinct prompts (no prefix-cache hits for the shared layout): windows of all the texts.
         stream = [t for text in natural_texts() for t in tokenizer.encode(text, add_special_tokens=False)]
-        prompts = [stream[i * args.context : (i + 1) * args.context] for i in range(len(stream) // args.context)]
+        prompts = [
+            stream[i * args.context : (i + 1) * args.context] for i in range(len(stream) // args.context)
+        ]
         del model
         result["serving"] = serve(args, prompts)
     for key, value in headline.items():

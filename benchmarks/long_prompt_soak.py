@@ -60,7 +60,9 @@ async def soak(base: str, args: argparse.Namespace) -> dict[str, Any]:
                     "messages": [{"role": "user", "content": f"Tell a story ({i})."}]}  # fmt: skip
             while not stop.is_set():
                 try:
-                    async with client.stream("POST", "/chat/completions", json=body, headers=headers_b) as reply:
+                    async with client.stream(
+                        "POST", "/chat/completions", json=body, headers=headers_b
+                    ) as reply:
                         statuses[f"b_{reply.status_code}"] = statuses.get(f"b_{reply.status_code}", 0) + 1
                         async for _ in reply.aiter_lines():
                             pass
@@ -96,7 +98,9 @@ async def soak(base: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--prompt-tokens", type=int, default=7200)
     parser.add_argument("--streams", type=int, default=8)

@@ -50,7 +50,11 @@ def run(engine: LLMEngine, requests: list[GenerationRequest]) -> dict:
                     first_token_at = time.perf_counter()
                 if output.finished:
                     for completion in output.outputs:
-                        index = completion.index if len(requests) == 1 else int(output.request_id.rsplit("-", 1)[1])
+                        index = (
+                            completion.index
+                            if len(requests) == 1
+                            else int(output.request_id.rsplit("-", 1)[1])
+                        )
                         choices[index] = completion.token_ids
             peak_blocks = max(peak_blocks, engine.kv_manager.pool.num_used_blocks)
     finally:
@@ -74,7 +78,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per mode (the best is kept)")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="alternating rounds per mode (the best is kept)"
+    )
     parser.add_argument("--out", default="benchmarks/results/parallel_sampling.json")
     args = parser.parse_args()
     summary: dict = {"benchmark": "parallel_sampling", "config": vars(args)}
@@ -95,19 +101,31 @@ def compare(args: argparse.Namespace, caching: bool) -> dict:
     def params(n: int, seed: int) -> SamplingParams:
         return SamplingParams(n=n, max_tokens=args.max_tokens, temperature=0.8, seed=seed, ignore_eos=True)
 
-    run(engine, [GenerationRequest("warmup", prompt_token_ids=prompt_tokens(64, 2), sampling_params=params(2, 0))])
+    run(
+        engine,
+        [GenerationRequest("warmup", prompt_token_ids=prompt_tokens(64, 2), sampling_params=params(2, 0))],
+    )
     results: dict[str, list[dict]] = {"n_choices": [], "separate_requests": []}
     for round_index in range(args.rounds):
         engine.kv_manager.pool.reset_prefix_cache()  # no round reuses the previous one's blocks
         results["n_choices"].append(
-            run(engine, [GenerationRequest(f"fam{round_index}", prompt_token_ids=prompt, sampling_params=params(args.n, 42))])
+            run(
+                engine,
+                [
+                    GenerationRequest(
+                        f"fam{round_index}", prompt_token_ids=prompt, sampling_params=params(args.n, 42)
+                    )
+                ],
+            )
         )
         engine.kv_manager.pool.reset_prefix_cache()
         results["separate_requests"].append(
             run(
                 engine,
                 [
-                    GenerationRequest(f"sep{round_index}-{i}", prompt_token_ids=prompt, sampling_params=params(1, 42 + i))
+                    GenerationRequest(
+                        f"sep{round_index}-{i}", prompt_token_ids=prompt, sampling_params=params(1, 42 + i)
+                    )
                     for i in range(args.n)
                 ],
             )
@@ -126,8 +144,10 @@ def compare(args: argparse.Namespace, caching: bool) -> dict:
         "n_choices": best["n_choices"],
         "separate_requests": best["separate_requests"],
         "tokens_per_s_ratio": best["n_choices"]["tokens_per_s"] / best["separate_requests"]["tokens_per_s"],
-        "peak_kv_blocks_ratio": best["n_choices"]["peak_kv_blocks"] / best["separate_requests"]["peak_kv_blocks"],
-        "scheduled_tokens_ratio": best["n_choices"]["scheduled_tokens"] / best["separate_requests"]["scheduled_tokens"],
+        "peak_kv_blocks_ratio": best["n_choices"]["peak_kv_blocks"]
+        / best["separate_requests"]["peak_kv_blocks"],
+        "scheduled_tokens_ratio": best["n_choices"]["scheduled_tokens"]
+        / best["separate_requests"]["scheduled_tokens"],
         "all_rounds": results,
     }
     log(
@@ -136,6 +156,7 @@ def compare(args: argparse.Namespace, caching: bool) -> dict:
         f"tokens; same choices: {same}"
     )
     return summary
+
 
 if __name__ == "__main__":
     main()

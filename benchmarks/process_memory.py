@@ -60,7 +60,9 @@ def main() -> None:
                 timeout=300,
             )
             reply.raise_for_status()
-            metrics = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}, timeout=60)
+            metrics = httpx.get(
+                f"{base}/metrics", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}, timeout=60
+            )
             metrics.raise_for_status()
             processes = {}
             for proc in psutil.Process().children(recursive=True):

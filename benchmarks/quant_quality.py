@@ -47,11 +47,19 @@ VARIANTS = {
     # round-to-nearest against GPTQ (the default method for float weights), per group size; with a
     # group size, a GGUF's Q4_1 codes are not used: the float weights are quantised afresh
     "int4_rtn_g32": {"dtype": "float32", "weight_dtype": "int4", "int4_group_size": 32, "int4_method": "rtn"},
-    "int4_rtn_g128": {"dtype": "float32", "weight_dtype": "int4", "int4_group_size": 128, "int4_method": "rtn"},
+    "int4_rtn_g128": {
+        "dtype": "float32",
+        "weight_dtype": "int4",
+        "int4_group_size": 128,
+        "int4_method": "rtn",
+    },
     "int4_gptq_g32": {"dtype": "float32", "weight_dtype": "int4", "int4_group_size": 32},
     "int4_gptq_g64": {"dtype": "float32", "weight_dtype": "int4", "int4_group_size": 64},
     "int4_gptq_g128": {"dtype": "float32", "weight_dtype": "int4", "int4_group_size": 128},
-    "int8": {"dtype": "float32", "weight_dtype": "int8"},  # Q8_0 linears, the fallback where INT4 loses answers
+    "int8": {
+        "dtype": "float32",
+        "weight_dtype": "int8",
+    },  # Q8_0 linears, the fallback where INT4 loses answers
     "int4_dq": {"dtype": "float32", "weight_dtype": "int4", "int4_double_quant": True},
     "int4_kv_fp8": {"dtype": "float32", "weight_dtype": "int4", "kv_cache_dtype": "fp8_e4m3"},
     "bf16": {"dtype": "bfloat16"},
@@ -123,7 +131,9 @@ def main() -> None:
         options = VARIANTS[name]
         started = time.perf_counter()
         llm = LLM(args.model, kv_cache_memory=256 << 20, **options)
-        token_ids = llm.tokenizer.encode(text)[: llm.engine.max_positions]  # a tiny model's context may be short
+        token_ids = llm.tokenizer.encode(text)[
+            : llm.engine.max_positions
+        ]  # a tiny model's context may be short
         decode_ids = token_ids[: args.decode_prompt + args.decode_tokens]
         decode_logits = llm.engine.runner.teacher_forced_logits(decode_ids, args.decode_prompt)[:-1]  # [D, V]
         decode_targets = torch.tensor(decode_ids[args.decode_prompt :])

@@ -53,7 +53,9 @@ def _measure(
                     runs[who].append(run_hf(hf, prompts, args.new_tokens)["tokens_per_s"])
         out[str(n)] = {who: statistics.median(values) for who, values in runs.items()}
         out[str(n)]["rounds"] = runs
-        log(f"  N={n}: tandem {out[str(n)]['tandem']:.1f} tok/s, HF {out[str(n)]['hf']:.1f} tok/s (medians of {runs})")
+        log(
+            f"  N={n}: tandem {out[str(n)]['tandem']:.1f} tok/s, HF {out[str(n)]['hf']:.1f} tok/s (medians of {runs})"
+        )
     return out
 
 
@@ -66,7 +68,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--busy", type=int, default=2, help="busy processes beside the engine")
-    parser.add_argument("--rounds", type=int, default=1, help="runs of each per phase and N; the median counts")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="runs of each per phase and N; the median counts"
+    )
     parser.add_argument("--out", default="benchmarks/results/shared_cpu.json")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM

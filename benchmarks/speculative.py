@@ -72,8 +72,19 @@ def run_ours(
     """Each wave (a list of prompts run at once) in every mode, alternating, so that whatever
     else the machine does falls on all alike; totals over all waves and rounds. `plain` runs on
     the `auto` engine with speculation off per request."""
-    totals = {mode: {"generated": 0, "wall": 0.0, "drafts": 0, "accepted": 0, "steps": 0, "draft_wall": 0.0,
-                     "step_wall": 0.0, "token_ids": []} for mode in MODES}
+    totals = {
+        mode: {
+            "generated": 0,
+            "wall": 0.0,
+            "drafts": 0,
+            "accepted": 0,
+            "steps": 0,
+            "draft_wall": 0.0,
+            "step_wall": 0.0,
+            "token_ids": [],
+        }
+        for mode in MODES
+    }
     turn = 0
     for _ in range(rounds):
         for wave in waves:
@@ -91,8 +102,13 @@ def run_ours(
                 total = totals[mode]
                 total["generated"] += sum(len(o.outputs[0].token_ids) for o in outputs)
                 total["wall"] += wall
-                for key, stat in (("drafts", "num_draft_tokens"), ("accepted", "num_accepted_draft_tokens"),
-                                  ("steps", "num_steps"), ("draft_wall", "draft_wall_s"), ("step_wall", "step_wall_s")):
+                for key, stat in (
+                    ("drafts", "num_draft_tokens"),
+                    ("accepted", "num_accepted_draft_tokens"),
+                    ("steps", "num_steps"),
+                    ("draft_wall", "draft_wall_s"),
+                    ("step_wall", "step_wall_s"),
+                ):
                     total[key] += after[stat] - before[stat]
                 total["token_ids"].extend(o.outputs[0].token_ids for o in outputs)
     return {
@@ -125,8 +141,15 @@ def summary(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def run_hf(model: Any, prompts: list[list[int]], new_tokens: int, eos_ids: list[int], lookup: int | None) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"do_sample": False, "max_new_tokens": new_tokens, "eos_token_id": eos_ids, "pad_token_id": 0}
+def run_hf(
+    model: Any, prompts: list[list[int]], new_tokens: int, eos_ids: list[int], lookup: int | None
+) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "do_sample": False,
+        "max_new_tokens": new_tokens,
+        "eos_token_id": eos_ids,
+        "pad_token_id": 0,
+    }
     if lookup:
         kwargs["prompt_lookup_num_tokens"] = lookup
     generated = 0
@@ -141,14 +164,18 @@ def run_hf(model: Any, prompts: list[list[int]], new_tokens: int, eos_ids: list[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="*", default=[8, 32])
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
     parser.add_argument("--hf-lookup-tokens", type=int, default=10, help="HF's prompt_lookup_num_tokens")
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--rounds", type=int, default=1, help="runs of every batch-1 wave per mode (concurrent: at least 2)")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="runs of every batch-1 wave per mode (concurrent: at least 2)"
+    )
     parser.add_argument("--kv-cache-mib", type=int, default=512, help="KV cache of each engine")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "speculative.json")
     args = parser.parse_args()
@@ -172,7 +199,11 @@ def main() -> None:
     for engine in engines.values():
         for prompt in warm_up:
             engine.generate([prompt], SamplingParams(max_tokens=args.new_tokens, temperature=0.0))
-    result: dict[str, Any] = {"config": {k: str(v) for k, v in vars(args).items()}, "batch_1": {}, "concurrent": {}}
+    result: dict[str, Any] = {
+        "config": {k: str(v) for k, v in vars(args).items()},
+        "batch_1": {},
+        "concurrent": {},
+    }
     for name, prompts in workloads.items():
         # batch 1: one prompt per wave
         row = summary(run_ours(engines, [[p] for p in prompts], args.new_tokens, rounds=args.rounds))
@@ -185,16 +216,26 @@ def main() -> None:
         row = summary(run_ours(engines, [wave], args.new_tokens, rounds=max(2, args.rounds)))
         log(f"concurrency {n} chat: {row}")
         result["concurrent"][str(n)] = row
-    result["speculation_by_batch"] = {method: engine.stats()["speculation_by_batch"] for method, engine in engines.items()}
+    result["speculation_by_batch"] = {
+        method: engine.stats()["speculation_by_batch"] for method, engine in engines.items()
+    }
     log(f"the guard's verdicts: {result['speculation_by_batch']}")
-    result["step_cost"] = dict(zip(("fixed_s", "per_token_s", "per_row_s"), llm.engine.scheduler.speculation.step_cost.coefficients(), strict=True))
+    result["step_cost"] = dict(
+        zip(
+            ("fixed_s", "per_token_s", "per_row_s"),
+            llm.engine.scheduler.speculation.step_cost.coefficients(),
+            strict=True,
+        )
+    )
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
         path = resolve_model_path(args.model)
         log("loading HF transformers (its own GGUF loader), float32")
         if path.suffix == ".gguf":
-            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=torch.float32
+            )
         else:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
         model.eval()

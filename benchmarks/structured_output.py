@@ -50,17 +50,44 @@ LONG_SCHEMA: dict[str, Any] = {
     "additionalProperties": False,
 }
 SUBJECTS = [
-    "a pizza restaurant", "a new laptop", "a trip to Japan", "a jazz concert", "a coffee shop", "an electric car",
-    "a modern art museum", "a cheap smartphone", "a hiking trail", "a science fiction novel", "a yoga class",
-    "a hotel in Paris", "a pair of running shoes", "a video game", "a bakery", "a train journey", "a podcast",
-    "a board game", "a vegan cafe", "a city bike", "a winter jacket", "a language app", "a theatre play",
-    "a sushi bar", "a camping tent", "a wireless headset", "a cooking class", "a zoo", "a bookshop", "a gym",
+    "a pizza restaurant",
+    "a new laptop",
+    "a trip to Japan",
+    "a jazz concert",
+    "a coffee shop",
+    "an electric car",
+    "a modern art museum",
+    "a cheap smartphone",
+    "a hiking trail",
+    "a science fiction novel",
+    "a yoga class",
+    "a hotel in Paris",
+    "a pair of running shoes",
+    "a video game",
+    "a bakery",
+    "a train journey",
+    "a podcast",
+    "a board game",
+    "a vegan cafe",
+    "a city bike",
+    "a winter jacket",
+    "a language app",
+    "a theatre play",
+    "a sushi bar",
+    "a camping tent",
+    "a wireless headset",
+    "a cooking class",
+    "a zoo",
+    "a bookshop",
+    "a gym",
 ]
 
 
 def review_prompt(subject: str) -> list[dict[str, str]]:
     fields = "title (text), rating (integer 1 to 5), pros (a list of at most 3 short texts), recommended (true or false)"
-    return [{"role": "user", "content": f"Review {subject}. Answer with a JSON object with the fields {fields}."}]
+    return [
+        {"role": "user", "content": f"Review {subject}. Answer with a JSON object with the fields {fields}."}
+    ]
 
 
 def parses_and_validates(text: str) -> tuple[bool, bool]:
@@ -104,7 +131,8 @@ def validity(llm: LLM, num_prompts: int, constrained: bool, max_tokens: int) -> 
     spec = StructuredOutput("json_schema", json.dumps(REVIEW_SCHEMA)) if constrained else None
     prompts = [review_prompt(f"{SUBJECTS[i % len(SUBJECTS)]} (number {i})") for i in range(num_prompts)]
     params = [
-        SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=i, structured=spec) for i in range(num_prompts)
+        SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=i, structured=spec)
+        for i in range(num_prompts)
     ]
     started = time.perf_counter()
     outs = llm.chat(prompts, params)
@@ -123,7 +151,9 @@ def validity(llm: LLM, num_prompts: int, constrained: bool, max_tokens: int) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -137,9 +167,17 @@ def main() -> None:
     llm = LLM(max_num_seqs=max(32, *args.concurrency))
     stats = llm.stats()
     log(f"engine: dtype {stats['dtype']}, weight_dtype {stats['weight_dtype']}")
-    llm.chat([review_prompt("a warm-up")], SamplingParams(max_tokens=8, structured=StructuredOutput("json_schema", json.dumps(LONG_SCHEMA))))
+    llm.chat(
+        [review_prompt("a warm-up")],
+        SamplingParams(max_tokens=8, structured=StructuredOutput("json_schema", json.dumps(LONG_SCHEMA))),
+    )
 
-    result: dict[str, Any] = {"new_tokens": args.new_tokens, "dtype": stats["dtype"], "weight_dtype": stats["weight_dtype"], "throughput": {}}
+    result: dict[str, Any] = {
+        "new_tokens": args.new_tokens,
+        "dtype": stats["dtype"],
+        "weight_dtype": stats["weight_dtype"],
+        "throughput": {},
+    }
     for n in args.concurrency:
         runs: dict[str, list[dict[str, Any]]] = {"none": [], "constrained": []}
         for repeat in range(args.repeats):
@@ -147,7 +185,10 @@ def main() -> None:
                 run = throughput(llm, n, args.new_tokens, mode == "constrained")
                 runs[mode].append(run)
                 log(f"{n} concurrent, {mode}, run {repeat + 1}: {run['tokens_per_s']:.1f} tok/s")
-        ratios = [c["tokens_per_s"] / u["tokens_per_s"] for u, c in zip(runs["none"], runs["constrained"], strict=True)]
+        ratios = [
+            c["tokens_per_s"] / u["tokens_per_s"]
+            for u, c in zip(runs["none"], runs["constrained"], strict=True)
+        ]
         result["throughput"][str(n)] = {
             "none_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs["none"]),
             "constrained_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs["constrained"]),
@@ -161,13 +202,23 @@ def main() -> None:
     result["validity"] = {}
     for mode in ("none", "constrained"):
         log(f"validity, {mode}: {args.num_prompts} prompts")
-        result["validity"][mode] = validity(llm, args.num_prompts, mode == "constrained", args.validity_max_tokens)
+        result["validity"][mode] = validity(
+            llm, args.num_prompts, mode == "constrained", args.validity_max_tokens
+        )
         log(f"validity, {mode}: {result['validity'][mode]['validates']:.0%} validate")
     result["engine_stats"] = {k: v for k, v in llm.stats().items() if "grammar" in k or "draft" in k}
     write_result(args.out, result)
-    print(json.dumps({k: v for k, v in result.items() if k != "throughput"} | {
-        "throughput": {n: {k: v for k, v in t.items() if k != "runs"} for n, t in result["throughput"].items()}
-    }, indent=2))
+    print(
+        json.dumps(
+            {k: v for k, v in result.items() if k != "throughput"}
+            | {
+                "throughput": {
+                    n: {k: v for k, v in t.items() if k != "runs"} for n, t in result["throughput"].items()
+                }
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

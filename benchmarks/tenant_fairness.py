@@ -55,7 +55,9 @@ def _headers(key: str) -> dict[str, str]:
 def _chat(i: int, max_tokens: int) -> dict[str, Any]:
     return {
         "model": MODEL,
-        "messages": [{"role": "user", "content": f"Tell me something about {TOPICS[i % len(TOPICS)]} ({i})."}],
+        "messages": [
+            {"role": "user", "content": f"Tell me something about {TOPICS[i % len(TOPICS)]} ({i})."}
+        ],
         "max_tokens": max_tokens,
         "temperature": 0.7,
         "ignore_eos": True,
@@ -109,9 +111,10 @@ async def _b_session(client: httpx.AsyncClient, args: argparse.Namespace, tag: s
 
 async def chat_part(base: str, args: argparse.Namespace) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=args.flood + 16, max_keepalive_connections=args.flood + 16)
-    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client, httpx.AsyncClient(
-        base_url=base.removesuffix("/v1"), timeout=30
-    ) as ops:
+    async with (
+        httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client,
+        httpx.AsyncClient(base_url=base.removesuffix("/v1"), timeout=30) as ops,
+    ):
         await _b_session(client, argparse.Namespace(**{**vars(args), "b_chats": 3}), "warm-up")
         alone = await _b_session(client, args, "alone")
         stop = asyncio.Event()
@@ -162,7 +165,9 @@ async def chat_part(base: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def _upload(client: httpx.Client, key: str, name: str, lines: list[dict[str, Any]]) -> str:
     data = io.BytesIO("".join(json.dumps(line) + "\n" for line in lines).encode())
-    reply = client.post("/files", headers=_headers(key), data={"purpose": "batch"}, files={"file": (name, data)})
+    reply = client.post(
+        "/files", headers=_headers(key), data={"purpose": "batch"}, files={"file": (name, data)}
+    )
     reply.raise_for_status()
     file_id = reply.json()["id"]
     reply = client.post(
@@ -209,7 +214,9 @@ def batch_part(base: str, args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(0.5)
         b_seconds = time.monotonic() - b_started
         a = status(KEY_A, a_id)
-        log(f"B's 8-line batch {b['status']} in {b_seconds:.1f}s; A at {a['request_counts']['completed']}/{args.a_lines}")
+        log(
+            f"B's 8-line batch {b['status']} in {b_seconds:.1f}s; A at {a['request_counts']['completed']}/{args.a_lines}"
+        )
         result: dict[str, Any] = {
             "b_completed_s": b_seconds,
             "b_status": b["status"],
@@ -228,7 +235,9 @@ def batch_part(base: str, args: argparse.Namespace) -> dict[str, Any]:
                 a_seconds=time.monotonic() - a_started,
                 a_answered_once=_answered_once(client, KEY_A, a, args.a_lines, "a"),
             )
-            log(f"A {a['status']} in {result['a_seconds']:.0f}s; every line answered once: {result['a_answered_once']}")
+            log(
+                f"A {a['status']} in {result['a_seconds']:.0f}s; every line answered once: {result['a_answered_once']}"
+            )
         else:
             client.post(f"/batches/{a_id}/cancel", headers=_headers(KEY_A))
     return result
@@ -252,7 +261,9 @@ def _weighted_tenants(base: str, streams: int) -> dict[str, str]:
 
 
 async def weights_chat(base: str, keys: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=4 * args.weight_streams, max_keepalive_connections=4 * args.weight_streams)
+    limits = httpx.Limits(
+        max_connections=4 * args.weight_streams, max_keepalive_connections=4 * args.weight_streams
+    )
     window: dict[str, float] = {}
     tokens = {name: 0 for name in keys}
     stop = asyncio.Event()
@@ -262,7 +273,9 @@ async def weights_chat(base: str, keys: dict[str, str], args: argparse.Namespace
             body = {**_chat(i, args.weight_tokens), "stream_options": {"include_usage": True}}
             while not stop.is_set():
                 used = 0
-                async with client.stream("POST", "/chat/completions", json=body, headers=_headers(keys[name])) as reply:
+                async with client.stream(
+                    "POST", "/chat/completions", json=body, headers=_headers(keys[name])
+                ) as reply:
                     if reply.status_code != 200:
                         await reply.aread()
                         await asyncio.sleep(float(reply.headers.get("retry-after", 1.0)))
@@ -275,7 +288,9 @@ async def weights_chat(base: str, keys: dict[str, str], args: argparse.Namespace
                 if window and window["start"] <= ended < window["end"]:
                     tokens[name] += used
 
-        tasks = [asyncio.ensure_future(streamer(name, i)) for name in keys for i in range(args.weight_streams)]
+        tasks = [
+            asyncio.ensure_future(streamer(name, i)) for name in keys for i in range(args.weight_streams)
+        ]
         await asyncio.sleep(args.warmup_s)
         window.update(start=time.monotonic(), end=time.monotonic() + args.window_s)
         await asyncio.sleep(args.window_s)
@@ -284,13 +299,18 @@ async def weights_chat(base: str, keys: dict[str, str], args: argparse.Namespace
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     share = tokens["gold"] / max(1, tokens["silver"])
-    log(f"real time over {args.window_s:.0f}s: gold {tokens['gold']} tokens, silver {tokens['silver']}: {share:.2f}x")
+    log(
+        f"real time over {args.window_s:.0f}s: gold {tokens['gold']} tokens, silver {tokens['silver']}: {share:.2f}x"
+    )
     return {"tokens": tokens, "gold_over_silver": share, "window_s": args.window_s}
 
 
 def weights_batch(base: str, keys: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
     with httpx.Client(base_url=base, timeout=120) as client:
-        ids = {name: _upload(client, key, f"{name}.jsonl", _batch_lines(name, args.weight_lines)) for name, key in keys.items()}
+        ids = {
+            name: _upload(client, key, f"{name}.jsonl", _batch_lines(name, args.weight_lines))
+            for name, key in keys.items()
+        }
 
         def done() -> dict[str, int]:
             counts = {}
@@ -307,16 +327,22 @@ def weights_batch(base: str, keys: dict[str, str], args: argparse.Namespace) -> 
             client.post(f"/batches/{batch_id}/cancel", headers=_headers(keys[name]))
     lines = {name: after[name] - before[name] for name in keys}
     share = lines["gold"] / max(1, lines["silver"])
-    log(f"batch over {args.window_s:.0f}s: gold {lines['gold']} lines, silver {lines['silver']}: {share:.2f}x")
+    log(
+        f"batch over {args.window_s:.0f}s: gold {lines['gold']} lines, silver {lines['silver']}: {share:.2f}x"
+    )
     return {"lines": lines, "gold_over_silver": share, "window_s": args.window_s}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--part", choices=["chat", "batch", "both", "weights"], default="both")
     parser.add_argument("--weight-streams", type=int, default=64, help="weights: each tenant's streams")
     parser.add_argument("--weight-tokens", type=int, default=32, help="weights: tokens per stream")
-    parser.add_argument("--weight-lines", type=int, default=4000, help="weights: lines of each tenant's batch")
+    parser.add_argument(
+        "--weight-lines", type=int, default=4000, help="weights: lines of each tenant's batch"
+    )
     parser.add_argument("--flood", type=int, default=150, help="A's concurrent streams")
     parser.add_argument("--flood-tokens", type=int, default=300)
     parser.add_argument("--b-chats", type=int, default=20)

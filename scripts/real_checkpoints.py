@@ -69,7 +69,14 @@ CHAT_TEMPLATE = (
     "{%- endif -%}\n"
 )
 # google/gemma-3-270m's generation_config.json (sampling defaults and its two EOS ids).
-GENERATION_CONFIG = {"bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0, "do_sample": True, "top_k": 64, "top_p": 0.95}
+GENERATION_CONFIG = {
+    "bos_token_id": 2,
+    "eos_token_id": [1, 106],
+    "pad_token_id": 0,
+    "do_sample": True,
+    "top_k": 64,
+    "top_p": 0.95,
+}
 
 
 def cache_root() -> Path:

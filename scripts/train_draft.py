@@ -51,18 +51,77 @@ DEFAULT_OUT = REPO / "src/tandem/engine/drafts/smollm2-135m-instruct-eagle"
 TOP_K = 8  # target distribution kept per position
 
 TOPICS = [
-    "the moon", "volcanoes", "bread baking", "the French Revolution", "photosynthesis", "chess",
-    "electric cars", "honeybees", "the stock market", "learning a new language", "rainforests",
-    "the human heart", "jazz music", "recycling", "the Roman Empire", "black holes", "gardening",
-    "social media", "marathon training", "ancient Egypt", "climate change", "vaccines", "robots",
-    "the internet", "coral reefs", "time management", "meditation", "pirates", "dinosaurs",
-    "the water cycle", "friendship", "public speaking", "the solar system", "birds migrating",
-    "a rainy day", "mountains", "teamwork", "video games", "cooking pasta", "saving money",
-    "the printing press", "earthquakes", "cats", "dogs", "coffee", "tea", "winter", "summer holidays",
-    "a job interview", "renewable energy", "the piano", "football", "libraries", "trains",
-    "the Great Wall of China", "penguins", "writing a novel", "machine learning", "the brain",
-    "kindness", "a small town", "the desert", "submarines", "volunteering", "healthy breakfast",
-    "Python programming", "databases", "the history of writing", "bicycles", "owls", "the Olympics",
+    "the moon",
+    "volcanoes",
+    "bread baking",
+    "the French Revolution",
+    "photosynthesis",
+    "chess",
+    "electric cars",
+    "honeybees",
+    "the stock market",
+    "learning a new language",
+    "rainforests",
+    "the human heart",
+    "jazz music",
+    "recycling",
+    "the Roman Empire",
+    "black holes",
+    "gardening",
+    "social media",
+    "marathon training",
+    "ancient Egypt",
+    "climate change",
+    "vaccines",
+    "robots",
+    "the internet",
+    "coral reefs",
+    "time management",
+    "meditation",
+    "pirates",
+    "dinosaurs",
+    "the water cycle",
+    "friendship",
+    "public speaking",
+    "the solar system",
+    "birds migrating",
+    "a rainy day",
+    "mountains",
+    "teamwork",
+    "video games",
+    "cooking pasta",
+    "saving money",
+    "the printing press",
+    "earthquakes",
+    "cats",
+    "dogs",
+    "coffee",
+    "tea",
+    "winter",
+    "summer holidays",
+    "a job interview",
+    "renewable energy",
+    "the piano",
+    "football",
+    "libraries",
+    "trains",
+    "the Great Wall of China",
+    "penguins",
+    "writing a novel",
+    "machine learning",
+    "the brain",
+    "kindness",
+    "a small town",
+    "the desert",
+    "submarines",
+    "volunteering",
+    "healthy breakfast",
+    "Python programming",
+    "databases",
+    "the history of writing",
+    "bicycles",
+    "owls",
+    "the Olympics",
 ]
 
 TEMPLATES = [
@@ -113,7 +172,9 @@ def stage_generate(work: Path, args: argparse.Namespace) -> None:
     for index in range(0, len(prompts), args.gen_batch):
         chunk = prompts[index : index + args.gen_batch]
         token_prompts = [
-            tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
+            tokenizer.encode(
+                tokenizer.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False
+            )
             for p in chunk
         ]
         greedy = (index // args.gen_batch) % 2 == 0
@@ -127,8 +188,13 @@ def stage_generate(work: Path, args: argparse.Namespace) -> None:
         for ids, output in zip(token_prompts, outputs, strict=True):
             sequences.append({"prompt": ids, "answer": list(output.outputs[0].token_ids)})
         num_tokens = sum(len(s["answer"]) for s in sequences)
-        log("generate", prompts=len(sequences), of=len(prompts), answer_tokens=num_tokens,
-            tokens_per_s=round(num_tokens / (time.perf_counter() - started), 1))
+        log(
+            "generate",
+            prompts=len(sequences),
+            of=len(prompts),
+            answer_tokens=num_tokens,
+            tokens_per_s=round(num_tokens / (time.perf_counter() - started), 1),
+        )
     out.write_text(json.dumps(sequences))
 
 
@@ -146,8 +212,12 @@ def stage_features(work: Path, args: argparse.Namespace) -> None:
     max_len = max(len(s["prompt"]) + len(s["answer"]) for s in sequences)
     num_blocks = -(-max_len // block_size) * 8 + 1
     kv = [
-        (torch.zeros(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim),
-         torch.zeros(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim), None, None)
+        (
+            torch.zeros(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim),
+            torch.zeros(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim),
+            None,
+            None,
+        )
         for _ in range(cfg.num_hidden_layers)
     ]
     token_ids, states, top_ids, top_probs, offsets = [], [], [], [], [0]
@@ -161,7 +231,13 @@ def stage_features(work: Path, args: argparse.Namespace) -> None:
         flat = torch.tensor([t for ids in batch for t in ids], dtype=torch.int64)
         positions = torch.tensor([p for n in lens for p in range(n)], dtype=torch.int64)
         logits, hidden = model(
-            flat, positions, kv, metadata, torch.arange(len(flat)), return_hidden=True, hidden_layers=feature_layers(args)
+            flat,
+            positions,
+            kv,
+            metadata,
+            torch.arange(len(flat)),
+            return_hidden=True,
+            hidden_layers=feature_layers(args),
         )
         probs, ids = logits.softmax(dim=-1).topk(TOP_K, dim=-1)  # [T, 8]
         token_ids.append(flat.to(torch.int32))
@@ -170,8 +246,12 @@ def stage_features(work: Path, args: argparse.Namespace) -> None:
         top_probs.append(probs.to(torch.float16))
         for n in lens:
             offsets.append(offsets[-1] + n)
-        log("features", sequences=min(index + 8, len(sequences)), of=len(sequences),
-            tokens_per_s=round(offsets[-1] / (time.perf_counter() - started), 1))
+        log(
+            "features",
+            sequences=min(index + 8, len(sequences)),
+            of=len(sequences),
+            tokens_per_s=round(offsets[-1] / (time.perf_counter() - started), 1),
+        )
     torch.save(
         {
             "token_ids": torch.cat(token_ids),
@@ -220,7 +300,9 @@ def make_head(args: argparse.Namespace, token_map: torch.Tensor) -> tuple[EagleD
     head = EagleDraft(cfg, max_positions=2048)
     head.token_map = token_map
     head.init_rope()
-    embed = torch.nn.Embedding.from_pretrained(loaded.weights["model.embed_tokens.weight"].float(), freeze=True)
+    embed = torch.nn.Embedding.from_pretrained(
+        loaded.weights["model.embed_tokens.weight"].float(), freeze=True
+    )
     lm_head = loaded.weights.get("lm_head.weight", loaded.weights["model.embed_tokens.weight"])
     head.attach_target(embed, loaded.weights["model.norm.weight"], lm_head.float())
     # Start the layer from the target's last layer (closest to the states it must predict).
@@ -228,9 +310,13 @@ def make_head(args: argparse.Namespace, token_map: torch.Tensor) -> tuple[EagleD
     w = loaded.weights
     with torch.no_grad():
         layer = head.layer
-        layer.self_attn.qkv_proj.weight.copy_(torch.cat([w[layer_prefix + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+        layer.self_attn.qkv_proj.weight.copy_(
+            torch.cat([w[layer_prefix + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+        )
         layer.self_attn.o_proj.weight.copy_(w[layer_prefix + "self_attn.o_proj.weight"])
-        layer.mlp.gate_up_proj.weight.copy_(torch.cat([w[layer_prefix + "mlp.gate_proj.weight"], w[layer_prefix + "mlp.up_proj.weight"]]))
+        layer.mlp.gate_up_proj.weight.copy_(
+            torch.cat([w[layer_prefix + "mlp.gate_proj.weight"], w[layer_prefix + "mlp.up_proj.weight"]])
+        )
         layer.mlp.down_proj.weight.copy_(w[layer_prefix + "mlp.down_proj.weight"])
         layer.input_layernorm.copy_(w[layer_prefix + "input_layernorm.weight"])
         layer.post_attention_layernorm.copy_(w[layer_prefix + "post_attention_layernorm.weight"])
@@ -260,8 +346,13 @@ def batches(data: dict[str, torch.Tensor], indices: list[int], max_tokens: int) 
     return out
 
 
-def collate(data: dict[str, torch.Tensor], seq_ids: list[int], remap: torch.Tensor, noise: float,
-            answers_only: bool = True):
+def collate(
+    data: dict[str, torch.Tensor],
+    seq_ids: list[int],
+    remap: torch.Tensor,
+    noise: float,
+    answers_only: bool = True,
+):
     offsets = data["offsets"]
     lengths = [int(offsets[i + 1] - offsets[i]) for i in seq_ids]
     length = max(lengths)
@@ -300,7 +391,9 @@ def ttt_mask(length: int, depth: int) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
-def ttt_forward(head: EagleDraft, input_ids: torch.Tensor, features: torch.Tensor, depth: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def ttt_forward(
+    head: EagleDraft, input_ids: torch.Tensor, features: torch.Tensor, depth: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Training-time test (EAGLE-3): pass 1 reads the target's states; pass d reads the states
     the head predicted in pass d - 1 at the position before, and attends as drafting depth d does.
     Per pass: logits [N, T, K] and predicted states [N, T, H]."""
@@ -318,11 +411,17 @@ def ttt_forward(head: EagleDraft, input_ids: torch.Tensor, features: torch.Tenso
         normed = rms_norm(x, layer.input_layernorm, layer.eps)
         q, k, v = attn.qkv_proj(normed).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         q = apply_rope(q.view(num_seqs, length, attn.num_heads, attn.head_dim), cos, sin).transpose(1, 2)
-        keys.append(apply_rope(k.view(num_seqs, length, attn.num_kv_heads, attn.head_dim), cos, sin).transpose(1, 2))
+        keys.append(
+            apply_rope(k.view(num_seqs, length, attn.num_kv_heads, attn.head_dim), cos, sin).transpose(1, 2)
+        )
         values.append(v.view(num_seqs, length, attn.num_kv_heads, attn.head_dim).transpose(1, 2))
         out = F.scaled_dot_product_attention(
-            q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=ttt_mask(length, d),
-            scale=attn.scale, enable_gqa=True,
+            q,
+            torch.cat(keys, dim=2),
+            torch.cat(values, dim=2),
+            attn_mask=ttt_mask(length, d),
+            scale=attn.scale,
+            enable_gqa=True,
         )  # [N, Hq, T, D]
         h = x + attn.o_proj(out.transpose(1, 2).reshape(num_seqs, length, attn.q_size))
         hidden = h + layer.mlp(rms_norm(h, layer.post_attention_layernorm, layer.eps))
@@ -332,8 +431,9 @@ def ttt_forward(head: EagleDraft, input_ids: torch.Tensor, features: torch.Tenso
     return outputs
 
 
-def losses(head: EagleDraft, batch: tuple[torch.Tensor, ...], feature_scale: float, depth: int
-           ) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+def losses(
+    head: EagleDraft, batch: tuple[torch.Tensor, ...], feature_scale: float, depth: int
+) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
     """Regression and cross-entropy summed over passes (weight 0.8^(d-1)), and top-1 agreement
     with the target per pass."""
     input_ids, features, target_states, target_ids, target_probs, mask = batch
@@ -347,7 +447,9 @@ def losses(head: EagleDraft, batch: tuple[torch.Tensor, ...], feature_scale: flo
         pass_mask = mask.clone()
         pass_mask[:, :d] = 0
         scale = 0.8**d
-        per_position = F.smooth_l1_loss(predicted.float() / feature_scale, target_states / feature_scale, reduction="none").mean(-1)
+        per_position = F.smooth_l1_loss(
+            predicted.float() / feature_scale, target_states / feature_scale, reduction="none"
+        ).mean(-1)
         regression = regression + scale * (per_position * pass_mask).sum() / pass_mask.sum()
         picked = logits.log_softmax(dim=-1).gather(-1, target_ids.clamp(min=0)) * valid  # [N, T, 8]
         per_position = -(picked * weights).sum(-1) / weights.sum(-1).clamp(min=1e-6)
@@ -359,7 +461,9 @@ def losses(head: EagleDraft, batch: tuple[torch.Tensor, ...], feature_scale: flo
 
 def stage_train(work: Path, args: argparse.Namespace, token_map: torch.Tensor) -> EagleDraft:
     head, loaded = make_head(args, token_map)
-    checkpoint = features_path(work, args).with_name(features_path(work, args).stem.replace("features", "head") + ".pt")
+    checkpoint = features_path(work, args).with_name(
+        features_path(work, args).stem.replace("features", "head") + ".pt"
+    )
     data = torch.load(features_path(work, args))
     remap = torch.full((loaded.config.vocab_size,), -1, dtype=torch.int64)
     remap[token_map] = torch.arange(len(token_map))
@@ -394,17 +498,34 @@ def stage_train(work: Path, args: argparse.Namespace, token_map: torch.Tensor) -
             optimizer.step()
             step += 1
             if step % 20 == 0 or step == total_steps:
-                log("train", epoch=epoch, step=step, of=total_steps, regression=round(float(regression), 4),
-                    ce=round(float(ce), 4), top1_by_depth=[round(a, 3) for a in accuracy], lr=round(lr, 6),
-                    elapsed_s=round(time.perf_counter() - started, 1))
+                log(
+                    "train",
+                    epoch=epoch,
+                    step=step,
+                    of=total_steps,
+                    regression=round(float(regression), 4),
+                    ce=round(float(ce), 4),
+                    top1_by_depth=[round(a, 3) for a in accuracy],
+                    lr=round(lr, 6),
+                    elapsed_s=round(time.perf_counter() - started, 1),
+                )
         evaluate(head, data, heldout, remap, feature_scale, epoch, max(3, args.ttt_depth))
-    torch.save({k: v for k, v in head.state_dict().items() if not k.startswith(("norm", "lm_head"))}, checkpoint)
+    torch.save(
+        {k: v for k, v in head.state_dict().items() if not k.startswith(("norm", "lm_head"))}, checkpoint
+    )
     return head
 
 
 @torch.no_grad()
-def evaluate(head: EagleDraft, data: dict[str, torch.Tensor], heldout: list[int], remap: torch.Tensor,
-             feature_scale: float, epoch: int, depth: int) -> list[float]:
+def evaluate(
+    head: EagleDraft,
+    data: dict[str, torch.Tensor],
+    heldout: list[int],
+    remap: torch.Tensor,
+    feature_scale: float,
+    epoch: int,
+    depth: int,
+) -> list[float]:
     """Held-out top-1 agreement with the target per drafting depth (teacher-forced tokens)."""
     sums = [0.0] * depth
     for seq_ids in batches(data, heldout, 8192):
@@ -417,7 +538,9 @@ def evaluate(head: EagleDraft, data: dict[str, torch.Tensor], heldout: list[int]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--work", type=Path, default=REPO / ".cache/train_draft")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -428,13 +551,28 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--noise", type=float, default=0.1, help="uniform noise on the input states, in units of their mean magnitude")
+    parser.add_argument(
+        "--noise",
+        type=float,
+        default=0.1,
+        help="uniform noise on the input states, in units of their mean magnitude",
+    )
     parser.add_argument("--ce-weight", type=float, default=0.5)
-    parser.add_argument("--feature-layers", default="2,14,29", help="target layers whose outputs the head reads, "
-                        "fused (EAGLE-3: low, middle, top); empty: the last layer's alone")
-    parser.add_argument("--regression-weight", type=float, default=0.0,
-                        help="weight of smooth-L1 to the target's top state (EAGLE-1; EAGLE-3 drops it)")
-    parser.add_argument("--ttt-depth", type=int, default=3, help="drafting depths trained (training-time test)")
+    parser.add_argument(
+        "--feature-layers",
+        default="2,14,29",
+        help="target layers whose outputs the head reads, "
+        "fused (EAGLE-3: low, middle, top); empty: the last layer's alone",
+    )
+    parser.add_argument(
+        "--regression-weight",
+        type=float,
+        default=0.0,
+        help="weight of smooth-L1 to the target's top state (EAGLE-1; EAGLE-3 drops it)",
+    )
+    parser.add_argument(
+        "--ttt-depth", type=int, default=3, help="drafting depths trained (training-time test)"
+    )
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stages", default="generate,features,vocab,train,export")

@@ -222,7 +222,11 @@ def sse_lines(base_url: str, key: str, max_tokens: int, lines: list[str], starte
     }
     try:
         with httpx.stream(
-            "POST", f"{base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120
+            "POST",
+            f"{base_url}/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=120,
         ) as response:
             for line in response.iter_lines():
                 if line:
@@ -275,8 +279,6 @@ def ray_serve():  # type: ignore[no-untyped-def]
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
-
-
 
 
 S3_BUCKET = BUCKET  # the session's bucket (tests name it through conftest)

@@ -28,8 +28,11 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "ministral": (
         "MinistralConfig",
         "MinistralForCausalLM",
-        {"sliding_window": WINDOW, "head_dim": 16,
-         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]},
+        {
+            "sliding_window": WINDOW,
+            "head_dim": 16,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        },
     ),  # fmt: skip
     "qwen2": (
         "Qwen2Config",
@@ -37,7 +40,11 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2},
     ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "attention_bias": True}),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16, "tie_word_embeddings": False, "attention_bias": True}),
+    "gemma": (
+        "GemmaConfig",
+        "GemmaForCausalLM",
+        {"head_dim": 16, "tie_word_embeddings": False, "attention_bias": True},
+    ),
     "gemma2": (
         "Gemma2Config",
         "Gemma2ForCausalLM",
@@ -84,41 +91,90 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 
 # Mixture-of-experts families: 8 experts, top-2 (Qwen3-MoE with one dense layer among the sparse)
 MOE_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2}),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2},
+    ),
     "qwen3_moe": (
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
-        {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-         "decoder_sparse_step": 1, "mlp_only_layers": [1], "norm_topk_prob": True},
+        {
+            "head_dim": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [1],
+            "norm_topk_prob": True,
+        },
     ),  # fmt: skip
     # DeepSeek-style routing: 4 groups of 2, 2 groups eligible, a correction bias and a scale, one
     # shared expert, a dense first layer; q/k/v biases, q/k norms and half the head rotated
     "glm4_moe": (
         "Glm4MoeConfig",
         "Glm4MoeForCausalLM",
-        {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-         "n_shared_experts": 1, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
-         "first_k_dense_replace": 1, "norm_topk_prob": True, "attention_bias": True, "use_qk_norm": True,
-         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+        {
+            "head_dim": 16,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.5,
+            "first_k_dense_replace": 1,
+            "norm_topk_prob": True,
+            "attention_bias": True,
+            "use_qk_norm": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        },
     ),  # fmt: skip
     # Multi-head latent attention (q and kv through low-rank latents, interleaved rotary dims) and
     # GLM's routing, scaled down: latent 32 + rotary 8 per token for 4 heads of 16 + 8 and 16
     "deepseek_v3": (
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
-        {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-         "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2,
-         "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 4, "topk_group": 2,
-         "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "norm_topk_prob": True, "rope_interleave": True},
+        {
+            "num_key_value_heads": 4,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.5,
+            "first_k_dense_replace": 1,
+            "norm_topk_prob": True,
+            "rope_interleave": True,
+        },
     ),  # fmt: skip
     # Kimi K2's shape: DeepSeek-V3's layers with many experts, 8 active, one group, no q latent
     "kimi_k2": (
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
-        {"num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-         "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 64, "num_experts_per_tok": 8,
-         "moe_intermediate_size": 16, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
-         "routed_scaling_factor": 2.827, "first_k_dense_replace": 1, "norm_topk_prob": True},
+        {
+            "num_key_value_heads": 4,
+            "q_lora_rank": None,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "n_routed_experts": 64,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 16,
+            "n_shared_experts": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.827,
+            "first_k_dense_replace": 1,
+            "norm_topk_prob": True,
+        },
     ),  # fmt: skip
 }
 MLA_FAMILIES = ("deepseek_v3", "kimi_k2")
@@ -163,7 +219,9 @@ def load_hf(family: str, folder: Path) -> Any:
     import transformers
 
     _, model_name, _ = ALL_FAMILIES[family]
-    model = getattr(transformers, model_name).from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
+    model = getattr(transformers, model_name).from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager"
+    )
     return model.eval()
 
 

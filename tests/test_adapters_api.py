@@ -177,7 +177,9 @@ def test_bad_uploads_get_clear_errors(
     # A source URI works only under the caller's own folder of the allowed prefixes.
     shutil.copytree(peft_adapters["attn-r4"], tmp_path / "sources" / "acme" / "attn")
     ok = http.post(
-        "/v1/adapters", headers=headers, json={"name": "src", "source": f"file://{tmp_path}/sources/acme/attn"}
+        "/v1/adapters",
+        headers=headers,
+        json={"name": "src", "source": f"file://{tmp_path}/sources/acme/attn"},
     )
     assert ok.status_code == 200, ok.text
     denied = http.post("/v1/adapters", headers=headers, json={"name": "src2", "source": f"file://{tmp_path}"})
@@ -196,9 +198,16 @@ def test_per_tenant_adapter_count_and_bytes_limits(
     folder = peft_adapters["all-r8"]
     size = (folder / "adapter_model.safetensors").stat().st_size
     adapters = AdapterStore(
-        FileObjectStore(str(tmp_path / "objects")), "tiny", max_adapters_per_tenant=3, max_adapter_bytes_per_tenant=None
+        FileObjectStore(str(tmp_path / "objects")),
+        "tiny",
+        max_adapters_per_tenant=3,
+        max_adapter_bytes_per_tenant=None,
     )
-    server = OpenAIServer(LocalEngineClient(engine, adapters), TenantRegistry(parse_keys(f"{KEY_A}=acme,{KEY_B}=globex")), adapters=adapters)
+    server = OpenAIServer(
+        LocalEngineClient(engine, adapters),
+        TenantRegistry(parse_keys(f"{KEY_A}=acme,{KEY_B}=globex")),
+        adapters=adapters,
+    )
     with TestClient(create_app(server)) as http:
         for index in range(3):
             assert upload(http, KEY_A, f"a{index}", folder).status_code == 200
@@ -210,7 +219,9 @@ def test_per_tenant_adapter_count_and_bytes_limits(
         assert http.delete("/v1/adapters/a0", headers={"Authorization": f"Bearer {KEY_A}"}).status_code == 200
         assert upload(http, KEY_A, "a3", folder).status_code == 200
     adapters.max_adapters_per_tenant, adapters.max_adapter_bytes_per_tenant = None, 2 * size + size // 2
-    server = OpenAIServer(LocalEngineClient(engine, adapters), TenantRegistry(parse_keys(f"{KEY_B}=globex")), adapters=adapters)
+    server = OpenAIServer(
+        LocalEngineClient(engine, adapters), TenantRegistry(parse_keys(f"{KEY_B}=globex")), adapters=adapters
+    )
     with TestClient(create_app(server)) as http:
         assert upload(http, KEY_B, "b1", folder).status_code == 200  # 2 of 2.5 sizes
         over = upload(http, KEY_B, "b2", folder)

@@ -155,12 +155,17 @@ def test_prefill_replicas_follow_queued_prompt_tokens() -> None:
     assert wanted({"p1": 1500.0, "p2": 900.0}) == 3  # 2400 queued tokens
     assert wanted({"p1": 99_000.0}) == 4  # the ceiling
     options = prefill_replica_options(
-        AppConfig(mode="disaggregated", prefill_autoscaling={"target_prompt_tokens_per_replica": 2048, "max_replicas": 3})
+        AppConfig(
+            mode="disaggregated",
+            prefill_autoscaling={"target_prompt_tokens_per_replica": 2048, "max_replicas": 3},
+        )
     )
     config = AutoscalingConfig(**options["autoscaling_config"])
     assert (config.min_replicas, config.max_replicas) == (1, 3) and "num_replicas" not in options
     assert config.policy.policy_kwargs["target_prompt_tokens_per_replica"] == 2048
-    assert prefill_replica_options(AppConfig(mode="disaggregated", num_prefill_replicas=2))["num_replicas"] == 2
+    assert (
+        prefill_replica_options(AppConfig(mode="disaggregated", num_prefill_replicas=2))["num_replicas"] == 2
+    )
 
 
 def test_prefill_engine_overrides_are_engine_settings() -> None:
@@ -170,7 +175,9 @@ def test_prefill_engine_overrides_are_engine_settings() -> None:
 
     from tandem.deployments.app import AppConfig
 
-    assert AppConfig(mode="disaggregated", prefill_engine={"max_num_seqs": 4}).prefill_engine == {"max_num_seqs": 4}
+    assert AppConfig(mode="disaggregated", prefill_engine={"max_num_seqs": 4}).prefill_engine == {
+        "max_num_seqs": 4
+    }
     for overrides, named in (
         ({"max_num_seq": 4}, "max_num_seq are not engine settings"),
         ({"max_num_seqs": "four"}, "max_num_seqs"),
@@ -185,7 +192,9 @@ def test_engine_reports_its_prefill_backlog(tiny_llm) -> None:  # type: ignore[n
 
     engine = tiny_llm.engine
     assert engine.stats()["queued_prompt_tokens"] == 0
-    engine.add_request(GenerationRequest("backlog", prompt_token_ids=[5] * 40, sampling_params=SamplingParams(max_tokens=2)))
+    engine.add_request(
+        GenerationRequest("backlog", prompt_token_ids=[5] * 40, sampling_params=SamplingParams(max_tokens=2))
+    )
     assert engine.stats()["queued_prompt_tokens"] == 40
     while engine.has_unfinished_requests():
         engine.step()

@@ -432,7 +432,9 @@ def test_a_worker_keeps_several_shards_in_flight(tmp_path: Path) -> None:
     """With `max_shards_in_flight` 3, requests of three shards wait in the executor at once (one
     shard's tail never idles the replicas), never more; the batch then completes exactly once."""
     service = BatchService(
-        FileObjectStore(str(tmp_path / "objects")), {"tiny"}, BatchLimits(shard_size=2, max_shards_in_flight=3)
+        FileObjectStore(str(tmp_path / "objects")),
+        {"tiny"},
+        BatchLimits(shard_size=2, max_shards_in_flight=3),
     )
     lines = [_line(f"r-{i}") for i in range(10)]  # 5 shards
     file_id = service.create_file("acme", "in.jsonl", "batch", ("\n".join(lines) + "\n").encode()).id
@@ -478,7 +480,9 @@ def test_tenants_take_turns_at_shards(
     (weighted: configured, or live from the tenant directory, which wins), so B's batch runs while
     A's does, not after it; every line answered exactly once."""
     service = BatchService(
-        FileObjectStore(str(tmp_path / "objects")), {"tiny"}, BatchLimits(shard_size=2, max_shards_in_flight=1)
+        FileObjectStore(str(tmp_path / "objects")),
+        {"tiny"},
+        BatchLimits(shard_size=2, max_shards_in_flight=1),
     )
     batches = {}
     for tenant, num_lines in (("A", 20), ("B", 4)):
@@ -493,7 +497,12 @@ def test_tenants_take_turns_at_shards(
 
     async def scenario() -> None:
         worker = BatchWorker(
-            service, execute, poll_interval_s=0.01, worker_id="fair", tenant_weights=weights, weight_of=live.get
+            service,
+            execute,
+            poll_interval_s=0.01,
+            worker_id="fair",
+            tenant_weights=weights,
+            weight_of=live.get,
         )
         task = asyncio.ensure_future(worker.run_forever())
         deadline = time.monotonic() + 30
@@ -519,7 +528,11 @@ def test_failures_not_of_the_requests_making_are_retried_never_answered(
     from tandem.platform.errors import ReplicaLostError, RequestFailedError
 
     monkeypatch.setattr(batch_execution, "RETRY_BACKOFF_S", (0.0, 0.0))
-    answer = {"id": "chatcmpl-x", "object": "chat.completion", "usage": {"prompt_tokens": 1, "completion_tokens": 2}}
+    answer = {
+        "id": "chatcmpl-x",
+        "object": "chat.completion",
+        "usage": {"prompt_tokens": 1, "completion_tokens": 2},
+    }
 
     class FlakyServer:
         def __init__(self, failures: list[Exception]) -> None:
@@ -566,7 +579,10 @@ def test_failures_not_of_the_requests_making_are_retried_never_answered(
     done_record = service.get_batch("acme", batch.id)
     totals = done_record.totals()
     assert (totals.completed, totals.failed) == (4, 0)
-    output = [json.loads(x) for x in service.file_content("acme", done_record.output_file_id or "").decode().splitlines()]
+    output = [
+        json.loads(x)
+        for x in service.file_content("acme", done_record.output_file_id or "").decode().splitlines()
+    ]
     assert sorted(o["custom_id"] for o in output) == [f"r-{i}" for i in range(4)]
 
 
@@ -589,7 +605,9 @@ def test_backpressure_waits_and_resends_and_the_window_follows_the_engines_room(
     assert refused.value.retry_after_s == 0.25
 
     service = BatchService(
-        FileObjectStore(str(tmp_path / "objects")), {"tiny"}, BatchLimits(shard_size=8, max_shards_in_flight=2)
+        FileObjectStore(str(tmp_path / "objects")),
+        {"tiny"},
+        BatchLimits(shard_size=8, max_shards_in_flight=2),
     )
     lines = [_line(f"r-{i}", content=f"hello r-{i}") for i in range(24)]  # 3 shards
     file_id = service.create_file("acme", "in.jsonl", "batch", ("\n".join(lines) + "\n").encode()).id

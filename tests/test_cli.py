@@ -67,7 +67,9 @@ def test_serve_tenant_limits_from_flags_environment_and_defaults(tiny_model_dir:
         TANDEM_MAX_CONCURRENT_PER_TENANT="5", TANDEM_TOKENS_PER_MINUTE_PER_TENANT="900",
         TANDEM_TENANT_WEIGHTS="gold=3,silver=1.5", TANDEM_MAX_ADAPTERS_PER_TENANT="9",
     )  # fmt: skip
-    assert from_env["max_adapters_per_tenant"] == 9 and "max_adapter_bytes_per_tenant" not in from_env  # default
+    assert (
+        from_env["max_adapters_per_tenant"] == 9 and "max_adapter_bytes_per_tenant" not in from_env
+    )  # default
     assert from_env["max_concurrent_requests_per_tenant"] == 5
     assert from_env["tokens_per_minute_per_tenant"] == 900
     assert from_env["engine"]["tenant_weights"] == {"gold": 3.0, "silver": 1.5}

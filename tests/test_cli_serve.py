@@ -123,8 +123,16 @@ def check_logs(server: ServeProcess, base_url: str) -> None:
     )
     assert reply.status_code == 400
     line = server.wait_for(r"log-check-400").string
-    assert re.search(r"\bINFO \S+ tandem\.api request refused ", line) and line.count("log-check-400") == 1, line
-    for field in ("route=/v1/completions", "status=400", "code=context_length_exceeded", "param=prompt", "tenant=acme"):
+    assert re.search(r"\bINFO \S+ tandem\.api request refused ", line) and line.count("log-check-400") == 1, (
+        line
+    )
+    for field in (
+        "route=/v1/completions",
+        "status=400",
+        "code=context_length_exceeded",
+        "param=prompt",
+        "tenant=acme",
+    ):
         assert field in line, (field, line)
     idle: list[str] = []
     quiet_from = time.monotonic()
@@ -223,14 +231,22 @@ def test_sigterm_drains_streams_and_releases_batch_leases_and_the_port_is_free_a
         base_url = f"http://127.0.0.1:{port}"
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=60)
         lines = [
-            json.dumps({
-                "custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
-                "body": {"model": "tiny", "prompt": f"count {i}", "max_tokens": 400, "ignore_eos": True},
-            })  # fmt: skip
+            json.dumps(
+                {
+                    "custom_id": f"line-{i}",
+                    "method": "POST",
+                    "url": "/v1/completions",
+                    "body": {"model": "tiny", "prompt": f"count {i}", "max_tokens": 400, "ignore_eos": True},
+                }
+            )  # fmt: skip
             for i in range(24)
         ]
-        file_id = client.files.create(file=("in.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch").id
-        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+        file_id = client.files.create(
+            file=("in.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch"
+        ).id
+        batch = client.batches.create(
+            input_file_id=file_id, endpoint="/v1/completions", completion_window="24h"
+        )
         short: list[str] = []
         long: list[str] = []
         events = [threading.Event(), threading.Event()]
@@ -283,6 +299,8 @@ def test_sigterm_drains_streams_and_releases_batch_leases_and_the_port_is_free_a
             time.sleep(0.5)
         assert status.output_file_id is not None
         output = client.files.content(status.output_file_id).text.splitlines()
-        assert sorted(json.loads(line)["custom_id"] for line in output) == sorted(f"line-{i}" for i in range(24))
+        assert sorted(json.loads(line)["custom_id"] for line in output) == sorted(
+            f"line-{i}" for i in range(24)
+        )
     finally:
         restarted.stop()

@@ -52,10 +52,21 @@ class RayNode:
         """`node_ports`: one per `PORT_FLAGS`, distinct from each other and from any port in `args`
         (ports picked one by one may repeat, and Ray refuses a port given to two of its components)."""
         self.log = log
-        ports = [arg for flag, port in zip(self.PORT_FLAGS, node_ports, strict=True) for arg in (flag, str(port))]
+        ports = [
+            arg for flag, port in zip(self.PORT_FLAGS, node_ports, strict=True) for arg in (flag, str(port))
+        ]
         with open(log, "ab") as out:
             self.process = subprocess.Popen(
-                [RAY, "start", "--block", "--node-ip-address", "127.0.0.1", "--disable-usage-stats", *ports, *args],
+                [
+                    RAY,
+                    "start",
+                    "--block",
+                    "--node-ip-address",
+                    "127.0.0.1",
+                    "--disable-usage-stats",
+                    *ports,
+                    *args,
+                ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=_env(),
@@ -107,7 +118,9 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
     # Every port this cluster is given, picked at once or checked against the others: a port
     # picked but not yet bound (a node still starting, Serve's proxy not yet deployed) is free to
     # be picked again.
-    gcs_port, dashboard_port, client_server_port, http_port, *node_ports = free_ports(4 + len(RayNode.PORT_FLAGS))
+    gcs_port, dashboard_port, client_server_port, http_port, *node_ports = free_ports(
+        4 + len(RayNode.PORT_FLAGS)
+    )
     given = {gcs_port, dashboard_port, client_server_port, http_port, *node_ports}
     head = RayNode(
         [
@@ -131,7 +144,14 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
             pass
         given.update(engine_ports)
         node = RayNode(
-            ["--address", f"127.0.0.1:{gcs_port}", "--num-cpus", "2", "--resources", json.dumps({"tandem_engine": 1})],
+            [
+                "--address",
+                f"127.0.0.1:{gcs_port}",
+                "--num-cpus",
+                "2",
+                "--resources",
+                json.dumps({"tandem_engine": 1}),
+            ],
             tmp_path / f"engine-{len(nodes)}.log",
             engine_ports,
         )
@@ -139,12 +159,18 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
         return node
 
     try:
+
         def head_up() -> bool:
             assert head.process.poll() is None, f"ray start --head exited:\n{head.log_tail()}"
             return _get(f"{dashboard}/api/version") is not None
 
         _until(head_up, 120, "the head's dashboard")
-        yield {"dashboard": dashboard, "http_port": http_port, "add_engine_node": add_engine_node, "tmp": tmp_path}
+        yield {
+            "dashboard": dashboard,
+            "http_port": http_port,
+            "add_engine_node": add_engine_node,
+            "tmp": tmp_path,
+        }
     finally:
         for node in reversed(nodes):
             node.stop()
@@ -205,15 +231,24 @@ def test_engines_on_a_second_node_survive_its_loss(cluster: dict[str, Any], tiny
     )
     config_path = tmp / "serve.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    subprocess.run([SERVE, "deploy", str(config_path), "--address", dashboard], check=True, env=_env(), timeout=120)
+    subprocess.run(
+        [SERVE, "deploy", str(config_path), "--address", dashboard], check=True, env=_env(), timeout=120
+    )
     _until(
-        lambda: (_get(f"{dashboard}/api/serve/applications/") or {}).get("applications", {}).get("tandem", {}).get("status")
-        == "RUNNING",
+        lambda: (
+            (_get(f"{dashboard}/api/serve/applications/") or {})
+            .get("applications", {})
+            .get("tandem", {})
+            .get("status")
+            == "RUNNING"
+        ),
         300,
         "the app to run",
         interval_s=1.0,
     )
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=KEY, max_retries=0, timeout=120)
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{http_port}/v1", api_key=KEY, max_retries=0, timeout=120
+    )
 
     def chat(text: str) -> str:
         reply = client.chat.completions.create(
@@ -226,15 +261,22 @@ def test_engines_on_a_second_node_survive_its_loss(cluster: dict[str, Any], tiny
     assert before
     # The engine replica runs on the engine node (its pid is one of that node's process group).
     stats = httpx.get(
-        f"http://127.0.0.1:{http_port}/metrics", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}, timeout=30
+        f"http://127.0.0.1:{http_port}/metrics",
+        headers={"Authorization": f"Bearer {OPERATOR_KEY}"},
+        timeout=30,
     )
     assert stats.status_code == 200 and "tandem_num_requests_running" in stats.text
 
     num_lines = 160
     file_id = client.files.create(file=("in.jsonl", io.BytesIO(_batch_lines(num_lines))), purpose="batch").id
-    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     _until(
-        lambda: (b := client.batches.retrieve(batch.id)).request_counts is not None and b.request_counts.completed > 0,
+        lambda: (
+            (b := client.batches.retrieve(batch.id)).request_counts is not None
+            and b.request_counts.completed > 0
+        ),
         180,
         "the batch to make progress",
         interval_s=0.2,
@@ -256,13 +298,22 @@ def test_engines_on_a_second_node_survive_its_loss(cluster: dict[str, Any], tiny
     assert client.batches.retrieve(batch.id).status == "in_progress"
 
     cluster["add_engine_node"]()  # a node with the resource returns: Serve places the replica there
-    _until(lambda: _deployment_statuses(dashboard).get("LLMReplica") == "HEALTHY", 300, "a new engine replica")
+    _until(
+        lambda: _deployment_statuses(dashboard).get("LLMReplica") == "HEALTHY", 300, "a new engine replica"
+    )
     done = _until(
-        lambda: (b := client.batches.retrieve(batch.id)).status in ("completed", "failed", "expired", "cancelled") and b,
+        lambda: (
+            (b := client.batches.retrieve(batch.id)).status in ("completed", "failed", "expired", "cancelled")
+            and b
+        ),
         300,
         "the batch to end",
     )
-    assert done.status == "completed" and done.request_counts.completed == num_lines and done.request_counts.failed == 0
+    assert (
+        done.status == "completed"
+        and done.request_counts.completed == num_lines
+        and done.request_counts.failed == 0
+    )
     output = [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()]
     assert sorted(o["custom_id"] for o in output) == sorted(f"c{i}" for i in range(num_lines))  # each once
     assert all(o["response"]["status_code"] == 200 for o in output)

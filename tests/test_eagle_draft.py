@@ -32,7 +32,9 @@ def one_layer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("eagle-1layer"), max_positions=1024, num_layers=1)
 
 
-def make_head(target: Path, folder: Path, kind: str, seed: int = 0, feature_layers: list[int] | None = None) -> Path:
+def make_head(
+    target: Path, folder: Path, kind: str, seed: int = 0, feature_layers: list[int] | None = None
+) -> Path:
     """A head for `target`: `random` (random weights, half the vocabulary), `mirror` (a
     one-layer target's own layer over the token embedding, ignoring states: it predicts exactly
     what the target will), or `passthrough` (its output is the state it reads)."""
@@ -55,9 +57,13 @@ def make_head(target: Path, folder: Path, kind: str, seed: int = 0, feature_laye
             head.fc.weight[:, :hidden].copy_(torch.eye(hidden))
             w = loaded.weights
             p = "model.layers.0."
-            head.layer.self_attn.qkv_proj.weight.copy_(torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+            head.layer.self_attn.qkv_proj.weight.copy_(
+                torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+            )
             head.layer.self_attn.o_proj.weight.copy_(w[p + "self_attn.o_proj.weight"])
-            head.layer.mlp.gate_up_proj.weight.copy_(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]))
+            head.layer.mlp.gate_up_proj.weight.copy_(
+                torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+            )
             head.layer.mlp.down_proj.weight.copy_(w[p + "mlp.down_proj.weight"])
             head.layer.input_layernorm.copy_(w[p + "input_layernorm.weight"])
             head.layer.post_attention_layernorm.copy_(w[p + "post_attention_layernorm.weight"])
@@ -84,23 +90,45 @@ def spec_llm(target: Path, head: Path, method: str = "draft", **options: Any) ->
 def test_paged_forward_equals_dense_forward(target_dir: Path, tmp_path: Path) -> None:
     """A prompt in two chunks then two single positions through the paged cache give the dense
     (training) form's logits and states at every position."""
-    head = load_eagle(make_head(target_dir, tmp_path / "h", "random"), dtype=torch.float32, device=torch.device("cpu"), max_positions=64)
+    head = load_eagle(
+        make_head(target_dir, tmp_path / "h", "random"),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        max_positions=64,
+    )
     torch.manual_seed(1)
     cfg = head.config
-    head.attach_target(torch.nn.Embedding(cfg.target_vocab_size, cfg.hidden_size), torch.rand(cfg.hidden_size) + 0.5,
-                       torch.randn(cfg.target_vocab_size, cfg.hidden_size))
+    head.attach_target(
+        torch.nn.Embedding(cfg.target_vocab_size, cfg.hidden_size),
+        torch.rand(cfg.hidden_size) + 0.5,
+        torch.randn(cfg.target_vocab_size, cfg.hidden_size),
+    )
     length, block_size = 11, 4
     ids = torch.randint(0, cfg.target_vocab_size, (length,))
     states = torch.randn(length, cfg.hidden_size)
     want_logits, want_hidden = head.dense_forward(ids[None], states[None])
-    kv = [(torch.zeros(4, block_size, cfg.num_key_value_heads, cfg.head_dim),
-           torch.zeros(4, block_size, cfg.num_key_value_heads, cfg.head_dim), None, None)]
+    kv = [
+        (
+            torch.zeros(4, block_size, cfg.num_key_value_heads, cfg.head_dim),
+            torch.zeros(4, block_size, cfg.num_key_value_heads, cfg.head_dim),
+            None,
+            None,
+        )
+    ]
     table = [2, 0, 3]
     with torch.inference_mode():
         for start, end in ((0, 6), (6, 9), (9, 10), (10, 11)):
-            metadata = build_attention_metadata([table], [end - start], [end], block_size, cfg.num_key_value_heads, torch.device("cpu"))
-            logits, hidden = head(ids[start:end], states[start:end], torch.arange(start, end), kv, metadata,
-                                  torch.arange(end - start))
+            metadata = build_attention_metadata(
+                [table], [end - start], [end], block_size, cfg.num_key_value_heads, torch.device("cpu")
+            )
+            logits, hidden = head(
+                ids[start:end],
+                states[start:end],
+                torch.arange(start, end),
+                kv,
+                metadata,
+                torch.arange(end - start),
+            )
             torch.testing.assert_close(logits, want_logits[0, start:end], rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(hidden, want_hidden[0, start:end], rtol=1e-4, atol=1e-4)
 
@@ -166,8 +194,13 @@ def test_head_reads_the_targets_state_at_the_previous_position(target_dir: Path,
     holds at every proposal only if each request gets its own states at the right positions:
     through chunked prefill, prefix-cache hits, preemption, accepted and rejected drafts, and
     steps where prompt lookup proposed instead (method auto)."""
-    spec = spec_llm(target_dir, make_head(target_dir, tmp_path / "p", "passthrough"), method="auto",
-                    max_num_batched_tokens=16, max_num_seqs=8)
+    spec = spec_llm(
+        target_dir,
+        make_head(target_dir, tmp_path / "p", "passthrough"),
+        method="auto",
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+    )
     checked = []
     propose = spec.engine.runner.draft.propose
 
@@ -198,7 +231,12 @@ def test_a_handed_over_request_drafts_with_the_head(one_layer_dir: Path, tmp_pat
 
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     prompt = [5, 6, 7, 8] * 5 + [9]
-    want = LLM(str(one_layer_dir), speculative=None, **OPTIONS).generate([prompt], params)[0].outputs[0].token_ids
+    want = (
+        LLM(str(one_layer_dir), speculative=None, **OPTIONS)
+        .generate([prompt], params)[0]
+        .outputs[0]
+        .token_ids
+    )
     head = make_head(one_layer_dir, tmp_path / "m", "mirror")
     sender = LLMEngine.from_options(str(one_layer_dir), role="prefill", **OPTIONS)
     assert sender.config.speculative is None  # a prefill engine drafts nothing

@@ -228,9 +228,14 @@ def test_a_request_that_does_not_stream_gets_its_first_and_final_outputs_only(
         try:
             streamed, quiet, quiet_stopped = await asyncio.gather(
                 collect(GenerationRequest("s", prompt=PROMPTS[0], sampling_params=greedy(20)), engine),
-                collect(GenerationRequest("q", prompt=PROMPTS[0], sampling_params=greedy(20), stream=False), engine),
                 collect(
-                    GenerationRequest("qs", prompt=PROMPTS[0], sampling_params=greedy(20, stop=[stop]), stream=False),
+                    GenerationRequest("q", prompt=PROMPTS[0], sampling_params=greedy(20), stream=False),
+                    engine,
+                ),
+                collect(
+                    GenerationRequest(
+                        "qs", prompt=PROMPTS[0], sampling_params=greedy(20, stop=[stop]), stream=False
+                    ),
                     engine,
                 ),
             )
@@ -241,7 +246,11 @@ def test_a_request_that_does_not_stream_gets_its_first_and_final_outputs_only(
             assert len(outs) == 2 and not outs[0].finished and outs[1].finished
             assert len(outs[0].outputs[0].token_ids) < len(want.token_ids)
             final = outs[1].outputs[0]
-            assert (final.token_ids, final.text, final.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+            assert (final.token_ids, final.text, final.finish_reason) == (
+                want.token_ids,
+                want.text,
+                want.finish_reason,
+            )
 
     asyncio.run(scenario())
 

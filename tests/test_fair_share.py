@@ -26,14 +26,21 @@ def make_scheduler(
 ARRIVALS = iter(range(1_000_000))
 
 
-def add(sched: Scheduler, tenant: str, count: int = 1, num_prompt: int = 4, max_tokens: int = 100) -> list[str]:
+def add(
+    sched: Scheduler, tenant: str, count: int = 1, num_prompt: int = 4, max_tokens: int = 100
+) -> list[str]:
     ids = []
     for _ in range(count):
         arrival = next(ARRIVALS)
         rid = f"{tenant}{arrival}"
         sched.add_request(
-            Request(rid, list(range(1, num_prompt + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                    tenant_id=tenant, arrival_time=float(arrival))  # fmt: skip
+            Request(
+                rid,
+                list(range(1, num_prompt + 1)),
+                SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                tenant_id=tenant,
+                arrival_time=float(arrival),
+            )  # fmt: skip
         )
         ids.append(rid)
     return ids
@@ -137,7 +144,9 @@ def test_a_lighter_tenants_short_prompt_runs_in_a_step_of_its_own() -> None:
     assert {s.request_id for s in out.scheduled} == {*a, *b, *long_prompt}
     a_more = add(sched, "a", num_prompt=3)
     out = step(sched)
-    assert {*a, *b} <= {s.request_id for s in out.scheduled} and a_more[0] in {s.request_id for s in out.scheduled}
+    assert {*a, *b} <= {s.request_id for s in out.scheduled} and a_more[0] in {
+        s.request_id for s in out.scheduled
+    }
 
 
 def test_decodes_go_first_and_the_rest_is_shared() -> None:
@@ -188,8 +197,14 @@ def test_weights_carried_by_requests_change_shares_live() -> None:
         for _ in range(count):
             arrival = next(ARRIVALS)
             sched.add_request(
-                Request(f"{tenant}{arrival}", [1, 2, 3, 4], SamplingParams(max_tokens=100, ignore_eos=True),
-                        tenant_id=tenant, tenant_weight=weight, arrival_time=float(arrival))  # fmt: skip
+                Request(
+                    f"{tenant}{arrival}",
+                    [1, 2, 3, 4],
+                    SamplingParams(max_tokens=100, ignore_eos=True),
+                    tenant_id=tenant,
+                    tenant_weight=weight,
+                    arrival_time=float(arrival),
+                )  # fmt: skip
             )
 
     sched = make_scheduler(max_seqs=6)

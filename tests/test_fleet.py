@@ -107,7 +107,9 @@ def test_an_adapter_is_loaded_by_one_replica(fleet: str, peft_adapters: dict[str
         return await asyncio.gather(*(one(i) for i in range(20)))
 
     assert set(asyncio.run(twenty())) == {"tiny:fleet-bot"}
-    holders = [rid for rid, s in fresh_board(time.time()).items() if any("fleet-bot" in n for n in s["loras_loaded"])]
+    holders = [
+        rid for rid, s in fresh_board(time.time()).items() if any("fleet-bot" in n for n in s["loras_loaded"])
+    ]
     assert len(holders) == 1, fresh_board(time.time())
 
 
@@ -171,7 +173,9 @@ def test_tenant_concurrency_limit_holds_across_replicas(fleet: str) -> None:
     outcomes = asyncio.run(six())
     assert sorted(outcomes) == ["429"] * 4 + ["ok"] * 2, outcomes
     # The operator's view counts the fleet's refusals, whichever ingress replica refused.
-    load = httpx.get(f"{fleet}/v1/admin/load", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}, timeout=10)
+    load = httpx.get(
+        f"{fleet}/v1/admin/load", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}, timeout=10
+    )
     assert load.json()["tenants"]["acme"]["refused_last_hour"]["rate_limit_exceeded"] >= 4, load.text
     # The closed streams give their slots back (the server learns of a disconnect a moment later).
     api = client(fleet)
@@ -194,7 +198,9 @@ def test_metrics_cover_both_replicas(fleet: str) -> None:
     assert replicas == set(board()), replicas
 
 
-def test_killing_a_replica_mid_run_loses_no_request_and_meters_each_once(fleet: str, fleet_store: Path) -> None:
+def test_killing_a_replica_mid_run_loses_no_request_and_meters_each_once(
+    fleet: str, fleet_store: Path
+) -> None:
     """A batch and a mix of real-time requests (streamed, non-streamed, cancelled, failed) of one
     tenant, one LLM replica killed while they run: the batch loses no line, and the usage records
     match what the responses reported, each request once (batch lines that ran twice included)."""
@@ -204,7 +210,12 @@ def test_killing_a_replica_mid_run_loses_no_request_and_meters_each_once(fleet: 
     from tandem.platform.usage_query import read_records
 
     started = int(time.time())
-    assert _admin(fleet, "POST", "/tenants", json={"id": "meter-co", "limits": {"max_concurrent_requests": 8}}).status_code == 200
+    assert (
+        _admin(
+            fleet, "POST", "/tenants", json={"id": "meter-co", "limits": {"max_concurrent_requests": 8}}
+        ).status_code
+        == 200
+    )
     secret = _admin(fleet, "POST", "/tenants/meter-co/keys").json()["key"]
     wait_for(lambda: _every_ingress_answers(fleet, secret, True), 5, "the new key on every ingress replica")
     api = openai.OpenAI(base_url=f"{fleet}/v1", api_key=secret, max_retries=0, timeout=120)
@@ -219,7 +230,9 @@ def test_killing_a_replica_mid_run_loses_no_request_and_meters_each_once(fleet: 
         )
         for i in range(24)
     ]
-    file_id = api.files.create(file=("in.jsonl", io.BytesIO(("\n".join(lines) + "\n").encode())), purpose="batch").id
+    file_id = api.files.create(
+        file=("in.jsonl", io.BytesIO(("\n".join(lines) + "\n").encode())), purpose="batch"
+    ).id
     batch = api.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
     replica_pids = [
         proc.pid
@@ -238,7 +251,9 @@ def test_killing_a_replica_mid_run_loses_no_request_and_meters_each_once(fleet: 
         kind = i % 4
         try:
             if kind == 0:
-                done = api.completions.create(model="tiny", prompt=f"Now {i}", max_tokens=64, extra_body={"ignore_eos": True})
+                done = api.completions.create(
+                    model="tiny", prompt=f"Now {i}", max_tokens=64, extra_body={"ignore_eos": True}
+                )
                 assert done.usage is not None
                 reported[done.id] = (done.usage.prompt_tokens, done.usage.completion_tokens)
             elif kind == 1:
@@ -253,7 +268,11 @@ def test_killing_a_replica_mid_run_loses_no_request_and_meters_each_once(fleet: 
                 reported[chunks[0].id] = (usage.prompt_tokens, usage.completion_tokens)
             elif kind == 2:
                 stream = api.completions.create(
-                    model="tiny", prompt=f"Now {i}", max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
+                    model="tiny",
+                    prompt=f"Now {i}",
+                    max_tokens=2000,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
                 )
                 first = next(iter(stream))
                 next(iter(stream))
@@ -276,11 +295,15 @@ def test_killing_a_replica_mid_run_loses_no_request_and_meters_each_once(fleet: 
     assert batch.request_counts.completed == 24 and batch.request_counts.failed == 0, batch.request_counts
     output = [json.loads(line) for line in api.files.content(batch.output_file_id).text.splitlines()]
     assert sorted(o["custom_id"] for o in output) == sorted(f"k{i}" for i in range(24))
-    assert all(o["response"]["status_code"] == 200 for o in output), [o for o in output if o["response"]["status_code"] != 200]
+    assert all(o["response"]["status_code"] == 200 for o in output), [
+        o for o in output if o["response"]["status_code"] != 200
+    ]
     done = api.completions.create(model="tiny", prompt="After the loss", max_tokens=4, temperature=0)
     assert done.choices[0].finish_reason in ("length", "stop")
     reported[done.id] = (done.usage.prompt_tokens, done.usage.completion_tokens) if done.usage else (0, 0)
-    print(f"\nreal-time: {len(reported)} answered, {len(cancelled)} cancelled, {num_errors} lost with the replica")
+    print(
+        f"\nreal-time: {len(reported)} answered, {len(cancelled)} cancelled, {num_errors} lost with the replica"
+    )
 
     # -- metering: every request once, as reported ---------------------------------------------
     store = FileObjectStore(str(fleet_store))
@@ -290,7 +313,9 @@ def test_killing_a_replica_mid_run_loses_no_request_and_meters_each_once(fleet: 
 
     # records are on the ingress's disk before a response reports them, in the store within a
     # second or so (the spool's ship interval)
-    wait_for(lambda: {*cancelled, *reported} <= {r.request_id for r in records()}, 15, "every request's record")
+    wait_for(
+        lambda: {*cancelled, *reported} <= {r.request_id for r in records()}, 15, "every request's record"
+    )
     stored = records()
     counts: dict[str, int] = {}
     for r in stored:
@@ -328,7 +353,9 @@ def test_killing_a_replica_mid_run_loses_no_request_and_meters_each_once(fleet: 
         len(reported) + len(gone),
     ]
     # the tenant's own key sees only its own usage
-    own = _usage_api(fleet, secret, {"start_time": started - 60, "bucket_width": "1h", "group_by": "project_id"})
+    own = _usage_api(
+        fleet, secret, {"start_time": started - 60, "bucket_width": "1h", "group_by": "project_id"}
+    )
     assert {r["project_id"] for bucket in own["data"] for r in bucket["results"]} == {"meter-co"}
 
 
@@ -341,7 +368,10 @@ def _usage_api(fleet: str, key: str, params: dict[str, Any]) -> dict[str, Any]:
     while True:
         query = {**params, **({"page": cursor} if cursor else {})}
         reply = httpx.get(
-            f"{fleet}/v1/organization/usage/completions", params=query, headers={"Authorization": f"Bearer {key}"}, timeout=30
+            f"{fleet}/v1/organization/usage/completions",
+            params=query,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=30,
         )
         assert reply.status_code == 200, reply.text
         page = reply.json()
@@ -397,7 +427,9 @@ def test_a_key_issued_through_the_operator_api_works_everywhere_and_revocation_f
     wait_for(lambda: _every_ingress_answers(fleet, secret, True), 5, "the new key on every ingress replica")
     assert time.monotonic() - started < 5
     api = openai.OpenAI(base_url=f"{fleet}/v1", api_key=secret, max_retries=0, timeout=120)
-    reply = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    reply = api.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
     assert reply.usage is not None and reply.usage.completion_tokens > 0
     listed = _admin(fleet, "GET", "/tenants/initech/keys").json()
     assert [k["id"] for k in listed["data"]] == [key_id] and secret not in json.dumps(listed)
@@ -431,7 +463,9 @@ def test_a_tenants_limits_change_live_and_leave_other_tenants_alone(fleet: str) 
         return False
 
     wait_for(limited, 5, "the new tokens-per-minute limit in force")
-    client(fleet).completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0)  # acme: unaffected
+    client(fleet).completions.create(
+        model="tiny", prompt="Hello", max_tokens=4, temperature=0
+    )  # acme: unaffected
 
 
 def test_operator_api_refuses_bad_input_in_openais_error_shape(fleet: str) -> None:
@@ -472,7 +506,12 @@ def test_an_ingress_killed_mid_stream_has_its_requests_aborted_and_metered_once(
 
     started = time.time()
     tenant = f"orphan-{endpoint}"
-    assert _admin(fleet, "POST", "/tenants", json={"id": tenant, "limits": {"max_concurrent_requests": 16}}).status_code == 200
+    assert (
+        _admin(
+            fleet, "POST", "/tenants", json={"id": tenant, "limits": {"max_concurrent_requests": 16}}
+        ).status_code
+        == 200
+    )
     secret = _admin(fleet, "POST", f"/tenants/{tenant}/keys").json()["key"]
     wait_for(lambda: _every_ingress_answers(fleet, secret, True), 5, "the new key on every ingress replica")
     api = openai.OpenAI(base_url=f"{fleet}/v1", api_key=secret, max_retries=0, timeout=120)
@@ -487,7 +526,11 @@ def test_an_ingress_killed_mid_stream_has_its_requests_aborted_and_metered_once(
             )  # fmt: skip
         else:
             chunks = api.completions.create(
-                model="tiny", prompt=f"Orphan {i}", max_tokens=4000, stream=True, extra_body={"ignore_eos": True}
+                model="tiny",
+                prompt=f"Orphan {i}",
+                max_tokens=4000,
+                stream=True,
+                extra_body={"ignore_eos": True},
             )
         try:
             for n, chunk in enumerate(chunks):
@@ -530,7 +573,10 @@ def test_an_ingress_killed_mid_stream_has_its_requests_aborted_and_metered_once(
     assert Counter(r.request_id for r in records) == Counter(list(received)), records
     for record in records:
         assert record.status == "cancelled" and record.tenant == tenant, record
-        assert received[record.request_id] <= record.output_tokens < 4000, (record, received[record.request_id])
+        assert received[record.request_id] <= record.output_tokens < 4000, (
+            record,
+            received[record.request_id],
+        )
     wait_for(lambda: len(_ingress_pids()) == 2 and _every_ingress_answers(fleet, secret, True), 90,
              "both ingress replicas replaced")  # fmt: skip
 
@@ -547,11 +593,19 @@ def test_a_batch_worker_killed_mid_batch_never_stalls_real_time_streams(fleet: s
 
     api = client(fleet)
     lines = [
-        json.dumps({"custom_id": f"w{i}", "method": "POST", "url": "/v1/completions",
-                    "body": {"model": "tiny", "prompt": f"Work {i}", "max_tokens": 200, "ignore_eos": True}})  # fmt: skip
+        json.dumps(
+            {
+                "custom_id": f"w{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": "tiny", "prompt": f"Work {i}", "max_tokens": 200, "ignore_eos": True},
+            }
+        )  # fmt: skip
         for i in range(32)
     ]
-    file_id = api.files.create(file=("in.jsonl", io.BytesIO(("\n".join(lines) + "\n").encode())), purpose="batch").id
+    file_id = api.files.create(
+        file=("in.jsonl", io.BytesIO(("\n".join(lines) + "\n").encode())), purpose="batch"
+    ).id
     batch = api.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
     arrivals: list[float] = []
     done = threading.Event()

@@ -55,7 +55,9 @@ def test_unset_fields_take_the_checkpoint_defaults(folder: Path) -> None:
     llm = LLM(str(folder), kv_cache_memory=4 << 20, speculative=None)
     assert llm.stats()["generation_defaults"]["top_k"] == 1
     greedy = _texts(llm, SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))
-    left_to_model = SamplingParams(max_tokens=7, seed=3, ignore_eos=True, model_defaults=frozenset({"temperature", "top_k"}))
+    left_to_model = SamplingParams(
+        max_tokens=7, seed=3, ignore_eos=True, model_defaults=frozenset({"temperature", "top_k"})
+    )
     assert _texts(llm, left_to_model) == greedy
     explicit = _texts(llm, SamplingParams(temperature=1.3, max_tokens=7, seed=3, ignore_eos=True))
     assert explicit != greedy  # set fields are the request's own: it samples
@@ -65,13 +67,17 @@ def test_generation_config_none_turns_them_off(folder: Path) -> None:
     llm = LLM(str(folder), kv_cache_memory=4 << 20, speculative=None, generation_config="none")
     assert llm.stats()["generation_defaults"] == {}
     greedy = _texts(llm, SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))
-    unset = SamplingParams(max_tokens=7, seed=3, ignore_eos=True, model_defaults=frozenset({"temperature", "top_k"}))
+    unset = SamplingParams(
+        max_tokens=7, seed=3, ignore_eos=True, model_defaults=frozenset({"temperature", "top_k"})
+    )
     assert _texts(llm, unset) != greedy  # temperature 1 over the whole vocabulary
 
 
 @pytest.fixture(scope="module")
 def client(folder: Path) -> Iterator[openai.OpenAI]:
-    engine = AsyncEngine.from_options(str(folder), kv_cache_memory=4 << 20, served_model_name="tiny-gen", speculative=None)
+    engine = AsyncEngine.from_options(
+        str(folder), kv_cache_memory=4 << 20, served_model_name="tiny-gen", speculative=None
+    )
     server = OpenAIServer(LocalEngineClient(engine), TenantRegistry(parse_keys(f"{KEY}=acme")))
     with TestClient(create_app(server)) as http:
         yield openai.OpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=http, max_retries=0)
@@ -81,7 +87,12 @@ def client(folder: Path) -> Iterator[openai.OpenAI]:
 def test_the_api_applies_them_and_says_which(client: openai.OpenAI) -> None:
     card = client.models.retrieve("tiny-gen")
     info = card.model_extra["tandem"]  # type: ignore[index]
-    assert info["generation_defaults"] == {"temperature": 1.3, "top_k": 1, "repetition_penalty": 1.0, "max_tokens": 7}
+    assert info["generation_defaults"] == {
+        "temperature": 1.3,
+        "top_k": 1,
+        "repetition_penalty": 1.0,
+        "max_tokens": 7,
+    }
     assert info["dtype"] and info["weight_dtype"] and info["precision_reason"]
 
     def complete(top_k: int | None = None, **kwargs: object) -> tuple[str, int]:
@@ -117,4 +128,6 @@ def test_repetition_penalty_as_transformers(tiny_model_dir: Path) -> None:
         ref = hf.generate(ids, max_new_tokens=12, do_sample=False, repetition_penalty=1.7, min_new_tokens=12)
         assert out.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist(), prompt
     plain = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in plain] != [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert [o.outputs[0].token_ids for o in plain] != [
+        o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)
+    ]

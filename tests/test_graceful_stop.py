@@ -31,11 +31,15 @@ HEADERS = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, OpenAIServer]]:
+def served(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, OpenAIServer]]:
     root = tmp_path_factory.mktemp("drain")
     engine = AsyncEngine.from_options(str(tiny_model_dir), kv_cache_memory=8 << 20, served_model_name="tiny")
     batches = BatchService(FileObjectStore(str(root / "objects")), {"tiny"}, BatchLimits(shard_size=4))
-    server = OpenAIServer(LocalEngineClient(engine), TenantRegistry(parse_keys(f"{KEY}=acme")), batches=batches)
+    server = OpenAIServer(
+        LocalEngineClient(engine), TenantRegistry(parse_keys(f"{KEY}=acme")), batches=batches
+    )
     worker = BatchWorker(batches, lambda *a: execute_batch_line(server, *a), poll_interval_s=0.05)
     try:
         with serve_with_worker(create_app(server), worker) as base_url:
@@ -62,13 +66,18 @@ def test_drain_refuses_new_requests_and_ends_streams_with_done(served: tuple[str
         assert event.wait(30)
     server.begin_drain(120)
     refused = httpx.post(
-        f"{base_url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, headers=HEADERS, timeout=30
+        f"{base_url}/v1/completions",
+        json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+        headers=HEADERS,
+        timeout=30,
     )
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
     assert int(refused.headers["retry-after"]) >= 1
     threads[0].join(60)  # the short stream finishes within the drain
     assert short[-1] == "data: [DONE]"
-    finishes = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in short[:-1] if '"choices":[{' in line]
+    finishes = [
+        json.loads(line[6:])["choices"][0]["finish_reason"] for line in short[:-1] if '"choices":[{' in line
+    ]
     assert finishes[-1] == "length"
     assert threads[1].is_alive(), "the long stream ended before the drain did: make it longer"
     server.begin_drain(0)  # the drain's end (a second signal brings it closer)
@@ -84,31 +93,44 @@ def test_a_stopped_worker_releases_its_leases_at_once(tiny_model_dir: Path, tmp_
     away (not after the lease's time) and the batch completes with every line once."""
 
     async def scenario() -> None:
-        engine = AsyncEngine.from_options(str(tiny_model_dir), kv_cache_memory=8 << 20, served_model_name="tiny")
+        engine = AsyncEngine.from_options(
+            str(tiny_model_dir), kv_cache_memory=8 << 20, served_model_name="tiny"
+        )
         try:
             limits = BatchLimits(shard_size=4, lease_ttl_s=600)  # an expiry would take 10 minutes
             batches = BatchService(FileObjectStore(str(tmp_path / "objects")), {"tiny"}, limits)
-            server = OpenAIServer(LocalEngineClient(engine), TenantRegistry(parse_keys(f"{KEY}=acme")), batches=batches)
+            server = OpenAIServer(
+                LocalEngineClient(engine), TenantRegistry(parse_keys(f"{KEY}=acme")), batches=batches
+            )
             lines = [
                 json.dumps(
                     {
                         "custom_id": f"line-{i}",
                         "method": "POST",
                         "url": "/v1/completions",
-                        "body": {"model": "tiny", "prompt": f"count {i}", "max_tokens": 60, "ignore_eos": True},
+                        "body": {
+                            "model": "tiny",
+                            "prompt": f"count {i}",
+                            "max_tokens": 60,
+                            "ignore_eos": True,
+                        },
                     }
                 )
                 for i in range(8)
             ]
             file = batches.create_file("acme", "input.jsonl", "batch", ("\n".join(lines) + "\n").encode())
             batch = batches.create_batch("acme", file.id, "/v1/completions", "24h")
-            first = BatchWorker(batches, lambda *a: execute_batch_line(server, *a), poll_interval_s=0.05, worker_id="first")
+            first = BatchWorker(
+                batches, lambda *a: execute_batch_line(server, *a), poll_interval_s=0.05, worker_id="first"
+            )
             run = asyncio.ensure_future(first.run_forever())
             while first.num_shards_in_flight == 0:
                 await asyncio.sleep(0.01)
             await first.stop()
             assert batches.get_batch("acme", batch.id).status == "in_progress"
-            second = BatchWorker(batches, lambda *a: execute_batch_line(server, *a), poll_interval_s=0.05, worker_id="second")
+            second = BatchWorker(
+                batches, lambda *a: execute_batch_line(server, *a), poll_interval_s=0.05, worker_id="second"
+            )
             run2 = asyncio.ensure_future(second.run_forever())
             started = time.monotonic()
             while batches.get_batch("acme", batch.id).status != "completed":
@@ -117,7 +139,9 @@ def test_a_stopped_worker_releases_its_leases_at_once(tiny_model_dir: Path, tmp_
             record = batches.get_batch("acme", batch.id)
             assert record.output_file_id is not None
             output = batches.file_content("acme", record.output_file_id).decode().splitlines()
-            assert sorted(json.loads(line)["custom_id"] for line in output) == sorted(f"line-{i}" for i in range(8))
+            assert sorted(json.loads(line)["custom_id"] for line in output) == sorted(
+                f"line-{i}" for i in range(8)
+            )
             for task in (run, run2):
                 task.cancel()
             await asyncio.gather(run, run2, return_exceptions=True)

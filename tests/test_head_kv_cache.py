@@ -89,11 +89,15 @@ def _fill(kv: HeadKVCacheManager, request_id: str, k_pool: torch.Tensor, v_pool:
         write_head_kv(keys[layer], values[layer], k_pool, v_pool, head_slots, k_scale, v_scale)
 
 
-def _layer_tables(kv: HeadKVCacheManager, request_ids: list[str], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _layer_tables(
+    kv: HeadKVCacheManager, request_ids: list[str], layer: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     heads = kv.num_kv_heads
     tables = [kv.head_tables(r)[layer * heads : (layer + 1) * heads] for r in request_ids]
     width = max(len(t.block_ids) for ts in tables for t in ts)
-    block_tables = torch.tensor([[t.block_ids + [0] * (width - len(t.block_ids)) for t in ts] for ts in tables])
+    block_tables = torch.tensor(
+        [[t.block_ids + [0] * (width - len(t.block_ids)) for t in ts] for ts in tables]
+    )
     head_lens = torch.tensor([[t.num_tokens for t in ts] for ts in tables])
     return block_tables, head_lens
 
@@ -163,7 +167,9 @@ def test_attention_over_a_compressed_per_head_cache_equals_dense_attention_over_
                 for h in range(num_kv_heads)
             ]
             per_head_v = [
-                torch.cat([values[layer, kept[request_id][layer * num_kv_heads + h], h], new_values[layer, :, h]])
+                torch.cat(
+                    [values[layer, kept[request_id][layer * num_kv_heads + h], h], new_values[layer, :, h]]
+                )
                 for h in range(num_kv_heads)
             ]
             rows = slice(num_new * i, num_new * (i + 1))
@@ -242,7 +248,9 @@ def test_observation_scores_over_ragged_heads_read_each_heads_own_tokens() -> No
             want[h, : last + 1] += weights.square()
     torch.testing.assert_close(scores, want)
     assert scores[1, 5:].eq(0).all()
-    torch.testing.assert_close(observation_scores(q, k[:, :1], 0.3, lengths[:1]), observation_scores(q, k[:, :1], 0.3))
+    torch.testing.assert_close(
+        observation_scores(q, k[:, :1], 0.3, lengths[:1]), observation_scores(q, k[:, :1], 0.3)
+    )
 
 
 def test_select_kept_over_ragged_heads_keeps_no_padding_and_each_heads_own_tail() -> None:
@@ -280,7 +288,9 @@ def test_a_later_eviction_keeps_the_rate_of_all_tokens_seen() -> None:
     kept = plan_kept(scores, 8.0, policy, head_lens=head_lens, num_seen=160)
     assert [sum(len(k) for k in kept[0:2]), sum(len(k) for k in kept[2:4])] == [40, 40]
     assert all(max(k) < n for k, n in zip(kept, head_lens, strict=True))
-    assert plan_kept(scores, 8.0, policy, head_lens=head_lens, num_seen=800) == [list(range(n)) for n in head_lens]
+    assert plan_kept(scores, 8.0, policy, head_lens=head_lens, num_seen=800) == [
+        list(range(n)) for n in head_lens
+    ]
 
 
 def test_pooled_scores_keep_a_read_span_whole() -> None:
@@ -295,7 +305,9 @@ def test_pooled_scores_keep_a_read_span_whole() -> None:
 
 @given(st.integers(1, 40), st.integers(1, 4), st.floats(1.0, 64.0), st.integers(0, 8))
 @settings(max_examples=60, deadline=None)
-def test_num_kept_for_rate_stays_within_bounds(num_tokens: int, num_kv_heads: int, rate: float, window: int) -> None:
+def test_num_kept_for_rate_stays_within_bounds(
+    num_tokens: int, num_kv_heads: int, rate: float, window: int
+) -> None:
     kept = num_kept_for_rate(num_tokens, num_kv_heads, rate, window)
     assert num_kv_heads * min(window, num_tokens) <= kept <= num_kv_heads * num_tokens
     assert kept >= math.ceil(num_kv_heads * num_tokens / rate) or kept == num_kv_heads * num_tokens
@@ -345,7 +357,9 @@ class HeadCacheMachine(RuleBasedStateMachine):
         snapshot = [self.memory[s] for s in moves.src_slots]  # gather, then scatter
         for slot, value in zip(moves.dst_slots, snapshot, strict=True):
             self.memory[slot] = value
-        self.model[request_id] = [[held[i] for i in keep] for held, keep in zip(self.model[request_id], kept, strict=True)]
+        self.model[request_id] = [
+            [held[i] for i in keep] for held, keep in zip(self.model[request_id], kept, strict=True)
+        ]
 
     @precondition(lambda self: bool(self.model))
     @rule(data=st.data())

@@ -103,13 +103,18 @@ def test_overlay_runs_its_serve_config_on_its_image_with_the_resources_it_asks(n
             requested = group["template"]["spec"]["containers"][0]["resources"]["requests"]
             if placement.num_gpus:
                 assert float(requested.get("nvidia.com/gpu", 0)) == gpus, "pod GPUs and Ray's num-gpus differ"
-            if gpus >= placement.num_gpus and all(offered.get(k, 0) >= v for k, v in placement.resources.items()):
+            if gpus >= placement.num_gpus and all(
+                offered.get(k, 0) >= v for k, v in placement.resources.items()
+            ):
                 fits.append(group["groupName"])
         assert fits, f"no worker group of the {name} overlay fits {deployment}'s placement {placement}"
     probes = [c.get("readinessProbe") for c in containers(service) if c.get("readinessProbe")]
     assert probes and all(p["httpGet"]["path"] == "/health" for p in probes)
     if name == "prod":
-        assert any("nvidia.com/gpu" in g["template"]["spec"]["containers"][0]["resources"]["requests"] for g in groups)
+        assert any(
+            "nvidia.com/gpu" in g["template"]["spec"]["containers"][0]["resources"]["requests"]
+            for g in groups
+        )
 
 
 def test_images_follow_the_ray_and_torch_the_package_pins() -> None:
@@ -135,7 +140,9 @@ def test_pod_templates_follow_the_kubernetes_schema(name: str) -> None:
     import kubernetes_validate
 
     service = (
-        yaml.safe_load((INFRA / "k8s" / "base" / "rayservice.yaml").read_text()) if name == "base" else overlay(name)
+        yaml.safe_load((INFRA / "k8s" / "base" / "rayservice.yaml").read_text())
+        if name == "base"
+        else overlay(name)
     )
     cluster = service["spec"]["rayClusterConfig"]
     for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:

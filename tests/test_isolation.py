@@ -80,7 +80,9 @@ def start_platform(root: Path, peft_folder: Path, *, max_positions: int) -> Iter
         parse_keys(f"{HOSTILE}=acme,{BYSTANDER}=globex"), operator_keys=parse_operator_keys(OPERATOR)
     )
     server = OpenAIServer(LocalEngineClient(engine, adapters), tenants, batches=batches, adapters=adapters)
-    worker = BatchWorker(batches, partial(execute_batch_line, server), poll_interval_s=0.05, worker_id="isolation")
+    worker = BatchWorker(
+        batches, partial(execute_batch_line, server), poll_interval_s=0.05, worker_id="isolation"
+    )
     try:
         with serve_with_worker(create_app(server), worker) as base_url:
             yield Platform(base_url, engine, adapters, root / "sources", peft_folder)
@@ -299,24 +301,35 @@ def test_hostile_numbers_and_text_are_refused_at_the_edge(platform: Platform) ->
     # in the same file is answered.
     client = platform.client(HOSTILE)
     expected = {}
-    lines = ['{"custom_id": "good", "method": "POST", "url": "/v1/chat/completions", "body": ' + json.dumps(CHAT) + "}"]
+    lines = [
+        '{"custom_id": "good", "method": "POST", "url": "/v1/chat/completions", "body": '
+        + json.dumps(CHAT)
+        + "}"
+    ]
     for number, (name, body, status, param) in enumerate(HOSTILE_BODIES):
         if status != 400 or name in ("invalid UTF-8", "not an object", "deeply nested"):
             continue
         if json.loads(body).get("model") != "tiny":  # another model is a problem of the file
             continue
         expected[f"h{number}"] = (name, param)
-        lines.append(f'{{"custom_id": "h{number}", "method": "POST", "url": "/v1/chat/completions", "body": {body}}}')
+        lines.append(
+            f'{{"custom_id": "h{number}", "method": "POST", "url": "/v1/chat/completions", "body": {body}}}'
+        )
     upload = client.files.create(
         file=("in.jsonl", io.BytesIO("\n".join(lines).encode("utf-8", "surrogatepass"))), purpose="batch"
     )
-    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     batch = _until_done(client, batch)
     assert batch.status == "completed", batch.errors
     assert batch.output_file_id is not None and batch.error_file_id is not None
     output = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
     assert [o["custom_id"] for o in output] == ["good"]
-    errors = {e["custom_id"]: e["response"] for e in map(json.loads, client.files.content(batch.error_file_id).text.splitlines())}
+    errors = {
+        e["custom_id"]: e["response"]
+        for e in map(json.loads, client.files.content(batch.error_file_id).text.splitlines())
+    }
     assert sorted(errors) == sorted(expected)
     for custom_id, (name, param) in expected.items():
         assert errors[custom_id]["status_code"] == 400, (name, errors[custom_id])
@@ -647,7 +660,10 @@ def _upload_adapter(platform: Platform, key: str, name: str) -> None:
         data={"name": name},
         files={
             "adapter_config": ("adapter_config.json", (folder / "adapter_config.json").read_bytes()),
-            "adapter_model": ("adapter_model.safetensors", (folder / "adapter_model.safetensors").read_bytes()),
+            "adapter_model": (
+                "adapter_model.safetensors",
+                (folder / "adapter_model.safetensors").read_bytes(),
+            ),
         },
         timeout=60,
     )
@@ -665,8 +681,18 @@ def test_a_batch_runs_its_adapter_lines_and_fails_only_its_bad_lines(platform: P
     prompts = ["Paged attention stores keys", "Continuous batching lets", "The quick brown fox"]
 
     def line(custom_id: str, model: str, prompt: str, **body: Any) -> dict[str, Any]:
-        request = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 8, "temperature": 0}
-        return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": {**request, **body}}
+        request = {
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 8,
+            "temperature": 0,
+        }
+        return {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {**request, **body},
+        }
 
     lines = [line(f"base-{i}", "tiny", p) for i, p in enumerate(prompts)]
     lines += [line(f"mine-{i}", "tiny:batch-mine", p) for i, p in enumerate(prompts)]
@@ -674,7 +700,9 @@ def test_a_batch_runs_its_adapter_lines_and_fails_only_its_bad_lines(platform: P
     lines.append(line("bad-max-tokens", "tiny", prompts[0], max_tokens=-1))
     data = "".join(json.dumps(x) + "\n" for x in lines).encode()
     file_id = client.files.create(file=("mixed.jsonl", io.BytesIO(data)), purpose="batch").id
-    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     batch = _until_done(client, batch)
     assert batch.status == "completed", batch.errors
     counts = batch.request_counts
@@ -682,7 +710,9 @@ def test_a_batch_runs_its_adapter_lines_and_fails_only_its_bad_lines(platform: P
 
     assert batch.output_file_id is not None and batch.error_file_id is not None
     output = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
-    assert sorted(o["custom_id"] for o in output) == sorted(f"{k}-{i}" for k in ("base", "mine") for i in range(3))
+    assert sorted(o["custom_id"] for o in output) == sorted(
+        f"{k}-{i}" for k in ("base", "mine") for i in range(3)
+    )
     by_id = {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in output}
     for i, prompt in enumerate(prompts):
         for kind, model in (("base", "tiny"), ("mine", "tiny:batch-mine")):
@@ -692,7 +722,10 @@ def test_a_batch_runs_its_adapter_lines_and_fails_only_its_bad_lines(platform: P
             assert by_id[f"{kind}-{i}"] == realtime.choices[0].message.content, (kind, i)
     assert any(by_id[f"mine-{i}"] != by_id[f"base-{i}"] for i in range(3))  # the adapter was applied
 
-    errors = {e["custom_id"]: e for e in (json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines())}
+    errors = {
+        e["custom_id"]: e
+        for e in (json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines())
+    }
     assert sorted(errors) == ["bad-max-tokens", "theirs"]
     theirs, bad = errors["theirs"]["response"], errors["bad-max-tokens"]["response"]
     assert theirs["status_code"] == 404 and theirs["body"]["error"]["code"] == "model_not_found"
@@ -700,5 +733,8 @@ def test_a_batch_runs_its_adapter_lines_and_fails_only_its_bad_lines(platform: P
     for error in errors.values():
         assert error["error"] is None and "Traceback" not in json.dumps(error)
     # Another tenant's adapter name is that line's 404, never a load (acme's own one is loaded).
-    assert not any(name.startswith("acme/batch-theirs") or name.startswith("globex/") for name in platform.engine.engine.list_loras())
+    assert not any(
+        name.startswith("acme/batch-theirs") or name.startswith("globex/")
+        for name in platform.engine.engine.list_loras()
+    )
     assert any(name.startswith("acme/batch-mine@") for name in platform.engine.engine.list_loras())

@@ -168,7 +168,11 @@ def test_native_decode_attention_matches_the_torch_gather_path(cache_dtype: torc
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
 @pytest.mark.parametrize(("window", "softcap"), [(4, None), (None, 2.0), (5, 3.0), (64, None)])
 def test_sliding_window_and_softcap_match_dense(
-    monkeypatch: pytest.MonkeyPatch, native: bool, cache_dtype: torch.dtype, window: int | None, softcap: float | None
+    monkeypatch: pytest.MonkeyPatch,
+    native: bool,
+    cache_dtype: torch.dtype,
+    window: int | None,
+    softcap: float | None,
 ) -> None:
     """Every path of `paged_attention` (native rows, gathered decode, whole prompts, chunks after a
     cached prefix, short and long) with a sliding window and soft-capped scores, against the dense
@@ -206,17 +210,43 @@ def test_sliding_window_and_softcap_match_dense(
     v_new = torch.cat([v[c:] for (c, _), v in zip(shapes, full_v, strict=True)])
     write_kv(k_new, v_new, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     out = paged_attention(
-        q, k_new, v_new, k_cache, v_cache, meta, head_dim**-0.5, k_scale, v_scale, window=window, softcap=softcap
+        q,
+        k_new,
+        v_new,
+        k_cache,
+        v_cache,
+        meta,
+        head_dim**-0.5,
+        k_scale,
+        v_scale,
+        window=window,
+        softcap=softcap,
     )
     row = 0
     for (cached, new), table, k, v in zip(shapes, tables, full_k, full_v, strict=True):
-        if cached:  # what attention reads back: the cache's values (a whole prompt attends its own as computed)
-            slots = torch.tensor([table[i // block_size] * block_size + i % block_size for i in range(cached + new)])
+        if (
+            cached
+        ):  # what attention reads back: the cache's values (a whole prompt attends its own as computed)
+            slots = torch.tensor(
+                [table[i // block_size] * block_size + i % block_size for i in range(cached + new)]
+            )
             index = (slots[:, None] * num_kv_heads + torch.arange(num_kv_heads)).reshape(-1)
-            k = _gather_rows(k_cache.view(-1, head_dim), None if k_scale is None else k_scale.view(-1), index, torch.float32)
-            v = _gather_rows(v_cache.view(-1, head_dim), None if v_scale is None else v_scale.view(-1), index, torch.float32)
+            k = _gather_rows(
+                k_cache.view(-1, head_dim),
+                None if k_scale is None else k_scale.view(-1),
+                index,
+                torch.float32,
+            )
+            v = _gather_rows(
+                v_cache.view(-1, head_dim),
+                None if v_scale is None else v_scale.view(-1),
+                index,
+                torch.float32,
+            )
             k, v = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
-        expected = reference_attention(q[row : row + new], k, v, head_dim**-0.5, window=window, softcap=softcap)
+        expected = reference_attention(
+            q[row : row + new], k, v, head_dim**-0.5, window=window, softcap=softcap
+        )
         torch.testing.assert_close(out[row : row + new], expected, atol=1e-4, rtol=1e-4)
         row += new
     if window is not None and window < 30:  # the window is not a no-op: the full context differs

@@ -18,7 +18,9 @@ OPTIONS = {"dtype": "float32", "weight_dtype": "dense", "speculative": None, "ma
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir: Path) -> LLM:
-    return LLM(str(tiny_model_dir), kv_cache_memory=8 << 20, enable_kv_compression=True, block_size=4, **OPTIONS)
+    return LLM(
+        str(tiny_model_dir), kv_cache_memory=8 << 20, enable_kv_compression=True, block_size=4, **OPTIONS
+    )
 
 
 def greedy(max_tokens: int, rate: float | None = None) -> SamplingParams:
@@ -95,7 +97,9 @@ def test_eviction_frees_head_blocks_and_the_request_goes_on(llm: LLM) -> None:
     assert head_kv.pool.num_used_blocks == 0
 
 
-def test_a_generating_request_is_evicted_again_every_interval_and_stays_at_its_rate(tiny_model_dir: Path) -> None:
+def test_a_generating_request_is_evicted_again_every_interval_and_stays_at_its_rate(
+    tiny_model_dir: Path,
+) -> None:
     """With `kv_compression_interval=8`, a 120-token prompt at rate 8 generating 40 tokens is
     evicted once its context is computed (at 120 tokens) and again after every 8 decode steps (128,
     136, 144, 152): after each, every layer holds ceil(Hk * seen / 8) vectors, the rate's share of
@@ -122,13 +126,15 @@ def test_a_generating_request_is_evicted_again_every_interval_and_stays_at_its_r
             if "g" in engine.scheduler.requests and request.num_computed_tokens >= 120:
                 kept = head_kv.num_tokens("g")
                 held[request.num_computed_tokens] = [
-                    sum(kept[layer * num_kv_heads : (layer + 1) * num_kv_heads]) for layer in range(num_layers)
+                    sum(kept[layer * num_kv_heads : (layer + 1) * num_kv_heads])
+                    for layer in range(num_layers)
                 ]
                 assert head_kv.num_blocks_used("g") == sum(-(-k // head_kv.block_size) for k in kept)
         engine.scheduler.check_integrity()
         assert head_kv.pool.num_used_blocks == 0
         assert engine.stats()["kv_compression_evictions"] == (5 if interval else 1)
         held_by_interval[interval] = held
+
     def kept_at(seen: int) -> int:
         return math.ceil(num_kv_heads * seen / 8)
 
@@ -136,9 +142,13 @@ def test_a_generating_request_is_evicted_again_every_interval_and_stays_at_its_r
     for seen, per_layer in sorted(held_by_interval[8].items()):
         if seen % 8 == 0:
             last_eviction = seen
-        assert per_layer == [kept_at(last_eviction) + num_kv_heads * (seen - last_eviction)] * num_layers, seen
+        assert per_layer == [kept_at(last_eviction) + num_kv_heads * (seen - last_eviction)] * num_layers, (
+            seen
+        )
     last = max(held_by_interval[0])
-    assert last > 150 and held_by_interval[0][last] == [kept_at(120) + num_kv_heads * (last - 120)] * num_layers
+    assert (
+        last > 150 and held_by_interval[0][last] == [kept_at(120) + num_kv_heads * (last - 120)] * num_layers
+    )
 
 
 def test_a_compressed_request_copies_a_cached_prefix_and_leaves_it_intact(tiny_model_dir: Path) -> None:
@@ -222,13 +232,17 @@ def test_compression_needs_its_pool_and_checks_its_rate(tiny_model_dir: Path, ll
     assert info.value.param == "max_tokens"
 
 
-def test_compressed_requests_preempted_for_head_blocks_recompute_the_same_tokens(tiny_model_dir: Path) -> None:
+def test_compressed_requests_preempted_for_head_blocks_recompute_the_same_tokens(
+    tiny_model_dir: Path,
+) -> None:
     """A head pool for about three of these requests and five running: compressed requests
     preempt each other (the latest first; never an uncompressed one, whose blocks they cannot
     use), recompute, and every output is still the shared layout's. (Prompt plus output stay
     within the protected window and sinks, so no eviction drops anything: a preempted request
     that recomputes a longer context is evicted again over it, and may keep other tokens.)"""
-    small = LLM(str(tiny_model_dir), kv_cache_memory=72 << 10, enable_kv_compression=True, block_size=4, **OPTIONS)
+    small = LLM(
+        str(tiny_model_dir), kv_cache_memory=72 << 10, enable_kv_compression=True, block_size=4, **OPTIONS
+    )
     prompts = ["cat", "dog", "fish", "bird", "frog"]
     assert all(len(small.tokenizer.encode(p)) + 13 <= 20 for p in prompts)
     want = [o.outputs[0].token_ids for o in small.generate(prompts, greedy(13))]
@@ -261,7 +275,9 @@ def test_the_api_takes_kv_compression_rate_as_an_extension_field(tiny_model_dir:
         try:
             server = OpenAIServer(LocalEngineClient(engine), TenantRegistry(parse_keys("sk-a=acme")))
             with TestClient(create_app(server)) as http:
-                client = openai.OpenAI(base_url="http://testserver/v1", api_key="sk-a", http_client=http, max_retries=0)
+                client = openai.OpenAI(
+                    base_url="http://testserver/v1", api_key="sk-a", http_client=http, max_retries=0
+                )
 
                 def ask(client: openai.OpenAI = client, **extra: object) -> str:
                     reply = client.chat.completions.create(
@@ -323,7 +339,9 @@ def test_compressed_decode_rows_through_the_native_stack_match_the_torch_path(
         got = [max(p.values()) for p in ours.outputs[0].logprobs or []]
         ref_logprobs = want.outputs[0].logprobs or []
         ref = [max(p.values()) for p in ref_logprobs]
-        same = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b), len(tokens))
+        same = next(
+            (i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b), len(tokens)
+        )
         if same < len(tokens):
             top_two = sorted(ref_logprobs[same].values(), reverse=True)[:2]
             assert top_two[0] - top_two[1] < 0.01, (same, ref_logprobs[same])

@@ -18,7 +18,9 @@ PROMPTS = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13] * 3, [40, 41, 42], [7] * 17]
 
 
 def engine(model_dir: Path, **options: object) -> LLMEngine:
-    return LLMEngine.from_options(str(model_dir), kv_cache_memory=4 << 20, block_size=4, speculative=None, **options)
+    return LLMEngine.from_options(
+        str(model_dir), kv_cache_memory=4 << 20, block_size=4, speculative=None, **options
+    )
 
 
 def run(engine_: LLMEngine) -> dict[str, list[int]]:
@@ -30,7 +32,9 @@ def run(engine_: LLMEngine) -> dict[str, list[int]]:
     return outputs
 
 
-def prefill(sender: LLMEngine, request_id: str, prompt: list[int], cache_dtype: str | None = None) -> KVTransfer:
+def prefill(
+    sender: LLMEngine, request_id: str, prompt: list[int], cache_dtype: str | None = None
+) -> KVTransfer:
     sender.add_prefill_request(GenerationRequest(request_id, prompt_token_ids=prompt, sampling_params=PARAMS))
     run(sender)
     return sender.export_kv(request_id, cache_dtype)
@@ -124,7 +128,11 @@ def test_async_engines_hand_over_and_stream(tiny_model_dir: Path) -> None:
     async def main() -> None:
         gen = GenerationRequest("r", prompt_token_ids=PROMPTS[0], sampling_params=PARAMS)
         transfer = await sender.prefill(gen)
-        tokens = [t async for out in receiver.generate_from_kv(gen, transfer) for t in out.outputs[0].delta_token_ids]
+        tokens = [
+            t
+            async for out in receiver.generate_from_kv(gen, transfer)
+            for t in out.outputs[0].delta_token_ids
+        ]
         assert tokens == want
         broken = dataclasses.replace(transfer, pages=transfer.pages[1:])
         with pytest.raises(KVTransferError):
@@ -274,8 +282,14 @@ def test_the_decode_replica_skips_cached_pages_and_recovers_from_their_eviction(
 
     from tandem.deployments.replicas import DecodeReplica, PrefillReplica
 
-    options = {"model": str(tiny_model_dir), "kv_cache_memory": 4 << 20, "block_size": 4, "speculative": None,
-               "weight_dtype": "auto", "kv_cache_dtype": "auto"}
+    options = {
+        "model": str(tiny_model_dir),
+        "kv_cache_memory": 4 << 20,
+        "block_size": 4,
+        "speculative": None,
+        "weight_dtype": "auto",
+        "kv_cache_dtype": "auto",
+    }
     shared = PROMPTS[0][:28]
     colocated = engine(tiny_model_dir)
     colocated.add_request(GenerationRequest("r", prompt_token_ids=[*shared, 50, 51], sampling_params=PARAMS))
@@ -351,7 +365,9 @@ def test_the_decode_replica_tokenises_a_chat_request_once(tiny_model_dir: Path) 
         for name in ("encode", "apply_chat_template"):
             original = getattr(tokenizer, name)
 
-            def counted(*args: Any, _original: Any = original, _tag: str = f"{side}.{name}", **kwargs: Any) -> Any:
+            def counted(
+                *args: Any, _original: Any = original, _tag: str = f"{side}.{name}", **kwargs: Any
+            ) -> Any:
                 calls.append(_tag)
                 return _original(*args, **kwargs)
 

@@ -86,7 +86,11 @@ def test_family_matches_hf(
         tight = {**TIGHT, "kv_cache_memory": 70 << 10}
     llm = LLM(str(folder), dtype="float32", speculative=None, **tight)
     if family in RELEASES_BLOCKS:  # a cache smaller than one request serves the whole context
-        assert llm.engine.kv_manager.capacity_tokens < len(prompt_ids[0]) + NEW_TOKENS <= llm.engine.max_model_len
+        assert (
+            llm.engine.kv_manager.capacity_tokens
+            < len(prompt_ids[0]) + NEW_TOKENS
+            <= llm.engine.max_model_len
+        )
 
     want = [hf_greedy(hf, ids, NEW_TOKENS, None) for ids in prompt_ids]
     assert llm.generate([prompt_ids[0]], greedy())[0].outputs[0].token_ids == want[0]
@@ -241,7 +245,10 @@ def test_hand_over_between_engines_of_a_windowed_model(
 
     folder = checkpoint(family, tokenizer_files, tmp_path_factory)
     options = {"dtype": "float32", "kv_cache_memory": 1 << 20, "block_size": 4, "speculative": None}
-    chunked = {"max_num_batched_tokens": 16, "max_num_seqs": 8}  # the prompt in chunks: blocks leave the window
+    chunked = {
+        "max_num_batched_tokens": 16,
+        "max_num_seqs": 8,
+    }  # the prompt in chunks: blocks leave the window
     sender = LLMEngine.from_options(str(folder), **options, **chunked)
     receiver = LLMEngine.from_options(str(folder), **options)
     hf = load_hf(family, folder)

@@ -90,7 +90,9 @@ def test_inexact_configs_are_refused_by_key(
 
 
 @pytest.mark.parametrize("rope_type", ["proportional", "su"])
-def test_an_unsupported_rope_type_is_refused_by_key(tmp_path: Path, tokenizer_files: Path, rope_type: str) -> None:
+def test_an_unsupported_rope_type_is_refused_by_key(
+    tmp_path: Path, tokenizer_files: Path, rope_type: str
+) -> None:
     folder = hf_checkpoint(tmp_path / "m", tokenizer_files, "LlamaConfig")
     config = json.loads((folder / "config.json").read_text())
     config["rope_parameters"] = {"rope_type": rope_type, "rope_theta": 10000.0, "factor": 2.0}
@@ -137,7 +139,10 @@ def test_tandem_serve_exits_with_the_refusal(tmp_path: Path, tokenizer_files: Pa
     env = {**os.environ, "TANDEM_API_KEYS": "k=t"}
     result = subprocess.run(
         [sys.executable, "-m", "tandem.cli", "serve", "--model", str(folder), "--port", "0"],
-        capture_output=True, text=True, timeout=120, env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert result.returncode == 2, result.stderr
     error = json.loads(result.stderr.strip().splitlines()[-1])["error"]

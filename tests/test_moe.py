@@ -231,7 +231,9 @@ def test_int4_experts_compute_their_dequantised_weights_in_under_a_third_of_the_
     assert len(linears) == 2 * (8 + 1)  # every expert's gate/up and down, and the shared expert's
     assert not isinstance(int4_block.router, Int4Linear)
     bf16_bytes = sum(2 * m.in_features * m.out_features for m in linears)
-    assert sum(m.num_weight_bytes for m in linears) < bf16_bytes / 3  # group 32: 4 bits + 32 bits of scale and zero per 32 = 5 / 16 of bfloat16
+    assert (
+        sum(m.num_weight_bytes for m in linears) < bf16_bytes / 3
+    )  # group 32: 4 bits + 32 bits of scale and zero per 32 = 5 / 16 of bfloat16
 
     rounded = SparseMoE(int4_block.moe, 64, 1)
     weights = load_file(str(folder / "model.safetensors"))

@@ -56,12 +56,22 @@ def test_native_stack_matches_the_eager_int4_model(tiny_model_dir: Path, kv_cach
     tables = [[7, 2, 9, 4, 11], [5, 1, 3]]
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in (13, 6)]
     with torch.inference_mode():
-        prefill = build_attention_metadata(tables, [13, 6], [13, 6], block_size, num_kv_heads, torch.device("cpu"))
-        model(torch.tensor(prompts[0] + prompts[1]), torch.tensor([*range(13), *range(6)]), caches, prefill, torch.tensor([12, 18]))
+        prefill = build_attention_metadata(
+            tables, [13, 6], [13, 6], block_size, num_kv_heads, torch.device("cpu")
+        )
+        model(
+            torch.tensor(prompts[0] + prompts[1]),
+            torch.tensor([*range(13), *range(6)]),
+            caches,
+            prefill,
+            torch.tensor([12, 18]),
+        )
         before = _snapshot(caches)
         # A verifies three rows (its token and two drafts), B decodes one.
         rows = [[5, 9, 17], [23]]
-        metadata = build_attention_metadata(tables, [3, 1], [16, 7], block_size, num_kv_heads, torch.device("cpu"))
+        metadata = build_attention_metadata(
+            tables, [3, 1], [16, 7], block_size, num_kv_heads, torch.device("cpu")
+        )
         logits_rows = torch.tensor([0, 1, 2, 3])
         want, want_states = model(
             torch.tensor(rows[0] + rows[1]), torch.tensor([13, 14, 15, 6]), caches, metadata, logits_rows,
@@ -99,7 +109,9 @@ def test_native_stack_matches_the_eager_int4_model(tiny_model_dir: Path, kv_cach
 def test_a_rows_result_does_not_depend_on_its_batch(tiny_model_dir: Path) -> None:
     """Row-wise arithmetic: a request computed alone and next to others gets the same bits
     (while the step's logits rows stay within the INT8 LM head's limit)."""
-    llm = LLM(str(tiny_model_dir), weight_dtype="int4", kv_cache_memory=2 << 20, block_size=4, speculative=None)
+    llm = LLM(
+        str(tiny_model_dir), weight_dtype="int4", kv_cache_memory=2 << 20, block_size=4, speculative=None
+    )
     runner = llm.engine.runner
     native = NativeLlama.build(runner.model, runner.kv_caches, runner.block_size)
     assert native is not None

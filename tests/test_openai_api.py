@@ -152,13 +152,35 @@ def test_logprobs(client: openai.OpenAI) -> None:
         (lambda c: c.completions.create(model="tiny", prompt="x", max_tokens=0), 400, "max_tokens"),
         # limits at the edge: at most 16 stop strings of at most 1,000 characters, token ids of
         # this model's vocabulary, extension fields of their own type only
-        (lambda c: c.completions.create(model="tiny", prompt="x", stop=[f"s{i}" for i in range(17)]), 400, "stop"),
+        (
+            lambda c: c.completions.create(model="tiny", prompt="x", stop=[f"s{i}" for i in range(17)]),
+            400,
+            "stop",
+        ),
         (lambda c: c.completions.create(model="tiny", prompt="x", stop=["s" * 1001]), 400, "stop.0"),
         (lambda c: c.completions.create(model="tiny", prompt="x", stop="s" * 1001), 400, "stop"),
-        (lambda c: c.completions.create(model="tiny", prompt="x", extra_body={"stop_token_ids": [1_000_000_000]}), 400, "stop_token_ids"),
-        (lambda c: c.completions.create(model="tiny", prompt="x", extra_body={"speculative": "yes"}), 400, "speculative"),
-        (lambda c: c.completions.create(model="tiny", prompt="x", extra_body={"ignore_eos": 1}), 400, "ignore_eos"),
-        (lambda c: c.completions.create(model="tiny", prompt="x", extra_body={"max_tokens": "5"}), 400, "max_tokens"),
+        (
+            lambda c: c.completions.create(
+                model="tiny", prompt="x", extra_body={"stop_token_ids": [1_000_000_000]}
+            ),
+            400,
+            "stop_token_ids",
+        ),
+        (
+            lambda c: c.completions.create(model="tiny", prompt="x", extra_body={"speculative": "yes"}),
+            400,
+            "speculative",
+        ),
+        (
+            lambda c: c.completions.create(model="tiny", prompt="x", extra_body={"ignore_eos": 1}),
+            400,
+            "ignore_eos",
+        ),
+        (
+            lambda c: c.completions.create(model="tiny", prompt="x", extra_body={"max_tokens": "5"}),
+            400,
+            "max_tokens",
+        ),
     ],
 )
 def test_bad_requests_get_openai_errors(client: openai.OpenAI, call, status: int, param: str) -> None:  # type: ignore[no-untyped-def]
@@ -482,7 +504,9 @@ def test_a_stream_closed_before_its_first_event_frees_the_slot_and_the_request(e
         assert time.monotonic() < deadline, engine.stats()
 
 
-def test_a_replica_refuses_batch_requests_over_its_seats_and_never_real_time_ones(engine: AsyncEngine) -> None:
+def test_a_replica_refuses_batch_requests_over_its_seats_and_never_real_time_ones(
+    engine: AsyncEngine,
+) -> None:
     """`LLMReplica(max_batch_requests=2)`: a third batch request at once is refused before it
     starts (`BatchCapacityError`, code `batch_capacity`); an interactive request is not; once a
     batch request ends, its seat is free again."""
@@ -526,7 +550,14 @@ def test_n_choices_seeded_greedy_streamed_and_usage(client: openai.OpenAI) -> No
     greedy choices are identical; a stream interleaves the choices' indexes; usage counts the
     prompt once."""
     messages = [{"role": "user", "content": "Tell me about paged attention"}]
-    sampled = dict(model="tiny", messages=messages, max_tokens=8, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    sampled = dict(
+        model="tiny",
+        messages=messages,
+        max_tokens=8,
+        temperature=1.0,
+        seed=11,
+        extra_body={"ignore_eos": True},
+    )
     first = client.chat.completions.create(n=4, **sampled)  # type: ignore[call-overload]
     again = client.chat.completions.create(n=4, **sampled)  # type: ignore[call-overload]
     assert [c.index for c in first.choices] == [0, 1, 2, 3]
@@ -544,7 +575,10 @@ def test_n_choices_seeded_greedy_streamed_and_usage(client: openai.OpenAI) -> No
     assert len(greedy.choices) == 3 and len({c.message.content for c in greedy.choices}) == 1
 
     stream = client.chat.completions.create(
-        n=2, stream=True, stream_options={"include_usage": True}, **sampled  # type: ignore[call-overload]
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        **sampled,  # type: ignore[call-overload]
     )
     indexes: list[int] = []
     streamed = {0: "", 1: ""}
@@ -563,10 +597,20 @@ def test_n_choices_seeded_greedy_streamed_and_usage(client: openai.OpenAI) -> No
     assert finishes == {0: "length", 1: "length"}
     last_of_0 = len(indexes) - 1 - indexes[::-1].index(0)
     assert indexes.index(1) < last_of_0  # interleaved: choice 1's text starts before choice 0's ends
-    assert usage is not None and usage.completion_tokens == 16 and usage.prompt_tokens == first.usage.prompt_tokens
+    assert (
+        usage is not None
+        and usage.completion_tokens == 16
+        and usage.prompt_tokens == first.usage.prompt_tokens
+    )
 
     completion = client.completions.create(
-        model="tiny", prompt="Paged attention", n=3, max_tokens=5, temperature=1.0, seed=3, extra_body={"ignore_eos": True}
+        model="tiny",
+        prompt="Paged attention",
+        n=3,
+        max_tokens=5,
+        temperature=1.0,
+        seed=3,
+        extra_body={"ignore_eos": True},
     )
     assert [c.index for c in completion.choices] == [0, 1, 2]
     assert completion.usage is not None and completion.usage.completion_tokens == 15

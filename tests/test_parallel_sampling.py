@@ -60,7 +60,9 @@ def test_the_prompt_is_computed_once_and_its_blocks_shared(tiny_model_dir: Path)
     )
     block_size = engine.kv_manager.block_size
     n = 4
-    engine.add_request(GenerationRequest("fam", prompt=PROMPT, sampling_params=sampled(seed=1, n=n, max_tokens=6)))
+    engine.add_request(
+        GenerationRequest("fam", prompt=PROMPT, sampling_params=sampled(seed=1, n=n, max_tokens=6))
+    )
     prompt_len = len(engine.scheduler.requests["fam#0"].prompt_token_ids)
     num_full = (prompt_len - 1) // block_size
     assert num_full >= 2
@@ -89,7 +91,9 @@ def test_prompt_tokens_computed_once(tiny_model_dir: Path) -> None:
     per other choice, at most a block of its prompt, plus the generated tokens."""
     engine = LLMEngine.from_options(str(tiny_model_dir), kv_cache_memory=4 << 20, enable_prefix_caching=False)
     n, max_tokens = 4, 5
-    engine.add_request(GenerationRequest("fam", prompt=PROMPT, sampling_params=sampled(seed=3, n=n, max_tokens=max_tokens)))
+    engine.add_request(
+        GenerationRequest("fam", prompt=PROMPT, sampling_params=sampled(seed=3, n=n, max_tokens=max_tokens))
+    )
     prompt_len = len(engine.scheduler.requests["fam#0"].prompt_token_ids)
     num_tokens = 0
     real_schedule = engine.scheduler.schedule
@@ -116,7 +120,9 @@ def test_async_engine_streams_choices_with_their_index_and_abort_ends_all(tiny_m
             indexes: set[int] = set()
             text: dict[int, str] = {}
             last = None
-            async for out in engine.generate(GenerationRequest("s", prompt=PROMPT, sampling_params=sampled(5, n=3))):
+            async for out in engine.generate(
+                GenerationRequest("s", prompt=PROMPT, sampling_params=sampled(5, n=3))
+            ):
                 for c in out.outputs:
                     indexes.add(c.index)
                     text[c.index] = text.get(c.index, "") + c.delta_text
@@ -124,11 +130,15 @@ def test_async_engine_streams_choices_with_their_index_and_abort_ends_all(tiny_m
             assert last is not None and last.finished and indexes == {0, 1, 2}
             assert [text[i] for i in range(3)] == [c.text for c in last.outputs]
             # leaving early aborts every choice and frees their blocks
-            stream = engine.generate(GenerationRequest("a", prompt=PROMPT, sampling_params=sampled(5, n=3, max_tokens=200)))
+            stream = engine.generate(
+                GenerationRequest("a", prompt=PROMPT, sampling_params=sampled(5, n=3, max_tokens=200))
+            )
             await anext(stream)
             await stream.aclose()  # what a client disconnect does: aborts every choice
             # Any request that completes afterwards ran after the abort was applied.
-            async for _ in engine.generate(GenerationRequest("b", prompt="Hello", sampling_params=sampled(1))):
+            async for _ in engine.generate(
+                GenerationRequest("b", prompt="Hello", sampling_params=sampled(1))
+            ):
                 pass
             stats = engine.stats()
             assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0

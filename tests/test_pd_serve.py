@@ -83,7 +83,8 @@ def send_raw_completion(base_url: str, path: str, prompt: str) -> socket.socket:
     sock = socket.create_connection((host, int(port)))
     sock.sendall(
         f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
     )
     return sock
 
@@ -92,7 +93,9 @@ PD_ENGINE = {"weight_dtype": "auto", "kv_cache_dtype": "auto", "speculative": No
 LONG_PROMPT = "Paged attention keeps the cache in blocks. " * 170  # about 3,750 tokens of the tiny model
 
 
-def test_a_prefill_replica_killed_mid_prefill_costs_no_request(ray_serve: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_a_prefill_replica_killed_mid_prefill_costs_no_request(
+    ray_serve: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """Two prefill replicas computing a long prompt in small chunks; the one holding it is
     SIGKILLed mid-prefill: the decode replica retries on the other and the client gets the
     colocated answer; a request running meanwhile is untouched; blocks return to baseline on the
@@ -110,11 +113,18 @@ def test_a_prefill_replica_killed_mid_prefill_costs_no_request(ray_serve: str, t
         num_prefill_replicas=2,
         # Small prefill chunks: the long prompt takes hundreds of steps, time to find its replica.
         # (no prefix cache there: every request computes the whole prompt)
-        prefill_engine={"max_num_batched_tokens": 8, "max_num_seqs": 4, "kv_hold_ttl_s": 2.0, "enable_prefix_caching": False},
+        prefill_engine={
+            "max_num_batched_tokens": 8,
+            "max_num_seqs": 4,
+            "kv_hold_ttl_s": 2.0,
+            "enable_prefix_caching": False,
+        },
     )
     try:
         client = openai.OpenAI(base_url=f"{ray_serve}/pdkill/v1", api_key=KEY, max_retries=0)
-        kwargs: dict[str, Any] = dict(model="tiny", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        kwargs: dict[str, Any] = dict(
+            model="tiny", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
         want = client.completions.create(prompt=LONG_PROMPT, **kwargs).choices[0].text  # nobody killed
         results: dict[str, Any] = {}
 
@@ -139,18 +149,26 @@ def test_a_prefill_replica_killed_mid_prefill_costs_no_request(ray_serve: str, t
         assert decode.stats.remote().result()["num_prefill_retries"] == 1  # it was the victim's prefill
 
         # A client that goes away while its prompt is prefilled: its connection is closed.
-        wait_until(lambda: running_replicas(app, "PrefillReplica") == 2, 120, "the killed prefill replica's replacement")
+        wait_until(
+            lambda: running_replicas(app, "PrefillReplica") == 2,
+            120,
+            "the killed prefill replica's replacement",
+        )
         leaver = send_raw_completion(ray_serve, "/pdkill/v1/completions", LONG_PROMPT + " again")
         wait_until(lambda: busy_prefill_pid(app), 60, "the prefill to start")
         leaver.close()
         wait_until(lambda: kv_blocks_used(app, "LLMReplica") == [0], 30, "decode blocks back to baseline")
-        wait_until(lambda: kv_blocks_used(app, "PrefillReplica") == [0, 0], 30, "prefill blocks back to baseline")
+        wait_until(
+            lambda: kv_blocks_used(app, "PrefillReplica") == [0, 0], 30, "prefill blocks back to baseline"
+        )
         assert client.completions.create(prompt=LONG_PROMPT, **kwargs).choices[0].text == want
     finally:
         serve.delete(app)
 
 
-def test_both_pools_scale_up_under_load_and_back_down(ray_serve: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_both_pools_scale_up_under_load_and_back_down(
+    ray_serve: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """Long generations push the decode replicas' KV occupancy past its target and long prompts
     queue on the prefill replica: each pool grows to its maximum (2). When the load stops both go
     back to 1, and a request streaming while they shrink finishes."""
@@ -163,8 +181,14 @@ def test_both_pools_scale_up_under_load_and_back_down(ray_serve: str, tmp_path_f
         "/pdscale",
         mode="disaggregated",
         engine={**PD_ENGINE, "kv_cache_memory": 4 << 20},  # about 5,400 tokens
-        autoscaling={"target_kv_occupancy": 0.2, "min_replicas": 1, "max_replicas": 2,
-                     "upscale_delay_s": 0.0, "downscale_delay_s": 3.0, "look_back_period_s": 1.0},
+        autoscaling={
+            "target_kv_occupancy": 0.2,
+            "min_replicas": 1,
+            "max_replicas": 2,
+            "upscale_delay_s": 0.0,
+            "downscale_delay_s": 3.0,
+            "look_back_period_s": 1.0,
+        },
         prefill_autoscaling={"target_prompt_tokens_per_replica": 512, "min_replicas": 1, "max_replicas": 2},
         prefill_engine={"max_num_batched_tokens": 64, "max_num_seqs": 8},
     )
@@ -176,8 +200,13 @@ def test_both_pools_scale_up_under_load_and_back_down(ray_serve: str, tmp_path_f
         def generate_long() -> None:  # long answers hold KV blocks
             while not stop.is_set():
                 try:
-                    for _ in client.completions.create(model="tiny", prompt="Count with me:", max_tokens=600,
-                                                       stream=True, extra_body={"ignore_eos": True}):
+                    for _ in client.completions.create(
+                        model="tiny",
+                        prompt="Count with me:",
+                        max_tokens=600,
+                        stream=True,
+                        extra_body={"ignore_eos": True},
+                    ):
                         if stop.is_set():
                             break
                 except Exception as exc:  # noqa: BLE001
@@ -211,8 +240,9 @@ def test_both_pools_scale_up_under_load_and_back_down(ray_serve: str, tmp_path_f
         late: dict[str, Any] = {}
 
         def stream_late() -> None:
-            for chunk in client.completions.create(model="tiny", prompt="Late", max_tokens=200, stream=True,
-                                                   extra_body={"ignore_eos": True}):
+            for chunk in client.completions.create(
+                model="tiny", prompt="Late", max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+            ):
                 if chunk.choices and chunk.choices[0].finish_reason:
                     late["finish"] = chunk.choices[0].finish_reason
 

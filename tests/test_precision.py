@@ -42,17 +42,29 @@ SIX_PROMPTS = ["The quick brown fox", "Paged attention", "Hello there", "Numbers
         (AMX, False, ("bfloat16", "dense")),
     ],
 )
-def test_auto_follows_the_cpu_features(flags: frozenset[str], native_int4: bool, want: tuple[str, str]) -> None:
-    choice = choose_precision(device_type="cpu", dtype="auto", weight_dtype="auto", flags=flags, native_int4=native_int4)
+def test_auto_follows_the_cpu_features(
+    flags: frozenset[str], native_int4: bool, want: tuple[str, str]
+) -> None:
+    choice = choose_precision(
+        device_type="cpu", dtype="auto", weight_dtype="auto", flags=flags, native_int4=native_int4
+    )
     assert (choice.dtype, choice.weight_dtype) == want
     assert choice.dtype in choice.reason and choice.weight_dtype in choice.reason
-    again = choose_precision(device_type="cpu", dtype="auto", weight_dtype="auto", flags=flags, native_int4=native_int4)
+    again = choose_precision(
+        device_type="cpu", dtype="auto", weight_dtype="auto", flags=flags, native_int4=native_int4
+    )
     assert again == choice  # a pure function of its inputs
 
 
 def test_explicit_choices_and_the_pin_win() -> None:
     def choose(**kw: object) -> tuple[str, str]:
-        args: dict = {"device_type": "cpu", "dtype": "auto", "weight_dtype": "auto", "flags": AMX, "native_int4": True}
+        args: dict = {
+            "device_type": "cpu",
+            "dtype": "auto",
+            "weight_dtype": "auto",
+            "flags": AMX,
+            "native_int4": True,
+        }
         choice = choose_precision(**{**args, **kw})
         return choice.dtype, choice.weight_dtype
 
@@ -70,11 +82,21 @@ def test_explicit_choices_and_the_pin_win() -> None:
 def test_engine_records_the_automatic_choice(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the probe, the CPU flags decide."""
     monkeypatch.delenv(PIN_ENV, raising=False)
-    llm = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, speculative=None, precision_probe=False, quality_probe=False)
+    llm = LLM(
+        str(tiny_model_dir),
+        kv_cache_memory=4 << 20,
+        speculative=None,
+        precision_probe=False,
+        quality_probe=False,
+    )
     assert llm.stats()["precision_probe"] is None
     stats = llm.stats()
     want = choose_precision(
-        device_type="cpu", dtype="auto", weight_dtype="auto", flags=cpu_flags(), native_int4=int4_native.load() is not None
+        device_type="cpu",
+        dtype="auto",
+        weight_dtype="auto",
+        flags=cpu_flags(),
+        native_int4=int4_native.load() is not None,
     )
     assert (stats["dtype"], stats["weight_dtype"], stats["precision_reason"]) == (
         want.dtype,
@@ -88,7 +110,9 @@ def test_engine_records_the_automatic_choice(tiny_model_dir: Path, monkeypatch: 
 def test_hybrid_decode_model_shares_the_dense_lm_head(tiny_model_dir: Path) -> None:
     """With hybrid weights the INT4 decode model serves steps above the INT8 head's rows with the
     dense model's LM head (compute dtype), not a bfloat16 copy of its own."""
-    llm = LLM(str(tiny_model_dir), dtype="float32", weight_dtype="hybrid", kv_cache_memory=4 << 20, speculative=None)
+    llm = LLM(
+        str(tiny_model_dir), dtype="float32", weight_dtype="hybrid", kv_cache_memory=4 << 20, speculative=None
+    )
     runner = llm.engine.runner
     head = runner.decode_model.lm_head
     assert isinstance(head, Int8HeadLinear)
@@ -111,7 +135,12 @@ def test_hybrid_compiled_decode_calls_the_shared_head_eagerly(
     decode model's."""
     prompts = SIX_PROMPTS
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    options: dict = {"dtype": "float32", "weight_dtype": "hybrid", "native_decoder": False, "speculative": None}
+    options: dict = {
+        "dtype": "float32",
+        "weight_dtype": "hybrid",
+        "native_decoder": False,
+        "speculative": None,
+    }
     eager = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, **options)
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
     compiled = LLM(str(tiny_model_dir), kv_cache_memory=4 << 20, compile_decode=True, **options)
@@ -151,7 +180,9 @@ def slowed(factors: dict[str, float]):  # type: ignore[no-untyped-def]
 SHAPES = ((3 * 128, 128), (128, 128), (2 * 256, 128), (128, 256))  # a small layer: q/k/v, o, gate/up, down
 
 
-@pytest.mark.parametrize(("factors", "want_dtype"), [({"bfloat16": 50.0}, "float32"), ({"float32": 50.0}, "bfloat16")])
+@pytest.mark.parametrize(
+    ("factors", "want_dtype"), [({"bfloat16": 50.0}, "float32"), ({"float32": 50.0}, "bfloat16")]
+)
 def test_the_probe_chooses_the_dtype_it_measured_fastest(factors: dict[str, float], want_dtype: str) -> None:
     """A forced slow bfloat16 (a Xeon whose AVX512-BF16 GEMMs lose to float32) makes the probe
     choose float32, a slow float32 bfloat16: the choice follows the timings, not the flags."""
@@ -175,9 +206,13 @@ def test_the_probe_chooses_int4_weights_for_every_step_where_they_measured_faste
     int8_only = run_probe(SHAPES, 4, ["float32"], int4=True, measure=slowed({"int4": 50.0}))
     assert fast.int4_decode and not slow.int4_decode and not slow.int8_decode
     assert not int8_only.int4_decode and int8_only.int8_decode
-    choose = functools.partial(choose_precision, device_type="cpu", dtype="auto", weight_dtype="auto", flags=AVX2_ONLY)
+    choose = functools.partial(
+        choose_precision, device_type="cpu", dtype="auto", weight_dtype="auto", flags=AVX2_ONLY
+    )
     assert set(fast.faster_weights()) == {"int4", "int8"}  # both beat a 50x slower float32
-    assert choose(native_int4=True, probe=fast).weight_dtype == fast.faster_weights()[0]  # the faster; never hybrid
+    assert (
+        choose(native_int4=True, probe=fast).weight_dtype == fast.faster_weights()[0]
+    )  # the faster; never hybrid
     assert choose(native_int4=True, probe=slow).weight_dtype == "dense"
     assert choose(native_int4=True, probe=int8_only).weight_dtype == "int8"
 
@@ -196,7 +231,12 @@ def test_the_engine_probes_once_per_machine_and_reads_the_cache_after(
     assert cache_path(probe["key"], tmp_path).exists()
     timings = {c: {int(r): t for r, t in rows.items()} for c, rows in probe["timings_ms"].items()}
     result = ProbeResult(
-        probe["dtype"], probe["int4_decode"], timings, probe["seconds"], probe["key"], int8_decode=probe["int8_decode"]
+        probe["dtype"],
+        probe["int4_decode"],
+        timings,
+        probe["seconds"],
+        probe["key"],
+        int8_decode=probe["int8_decode"],
     )
     want = choose_precision(
         device_type="cpu", dtype="auto", weight_dtype="auto", flags=cpu_flags(),
@@ -238,6 +278,7 @@ def test_engines_starting_together_probe_once(tiny_model_dir: Path, tmp_path: Pa
     from tandem.engine.precision_probe import probe_precision
 
     cfg = load_model(str(tiny_model_dir)).config
+
     def start(_: int) -> ProbeResult | None:
         return probe_precision(cfg, torch.device("cpu"), tmp_path, int4=True)
 

@@ -37,7 +37,9 @@ def _hold(folder: Path, precision: PrecisionChoice, cache: Path, **options: obje
     loaded = load_model(str(folder))
     config = EngineConfig(model=str(folder), **options)
     build = functools.partial(build_models, config, loaded, device=CPU)
-    return hold_to_bound(config, loaded, precision, kv_cache_spec(loaded, 16, torch.float32), CPU, cache, build)
+    return hold_to_bound(
+        config, loaded, precision, kv_cache_spec(loaded, 16, torch.float32), CPU, cache, build
+    )
 
 
 def test_an_automatic_choice_outside_the_bound_falls_back(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -54,7 +56,9 @@ def test_an_automatic_choice_outside_the_bound_falls_back(tiny_model_dir: Path, 
     # two decisions: the 16-bit dtype on its own (dense weights), then INT4 in the dtype kept
     dtype_verdict, int4_verdict = bf16.quality
     dtype = "bfloat16" if dtype_verdict.within_bound else "float32"
-    assert dtype_verdict.candidate.startswith("bfloat16/dense") and int4_verdict.candidate.startswith(f"{dtype}/int4")
+    assert dtype_verdict.candidate.startswith("bfloat16/dense") and int4_verdict.candidate.startswith(
+        f"{dtype}/int4"
+    )
     assert bf16.name == f"{dtype}/{'int4' if int4_verdict.within_bound else 'dense'}"
 
     again = _hold(tiny_model_dir, PrecisionChoice("float32", "int4", "speed", automatic=True), tmp_path)
@@ -105,7 +109,13 @@ def test_an_explicit_int4_outside_the_bound_starts_with_a_warning(
 ) -> None:
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="tandem.engine"):
-        llm = LLM(str(tiny_model_dir), dtype="float32", weight_dtype="int4", kv_cache_memory=4 << 20, speculative=None)
+        llm = LLM(
+            str(tiny_model_dir),
+            dtype="float32",
+            weight_dtype="int4",
+            kv_cache_memory=4 << 20,
+            speculative=None,
+        )
     stats = llm.stats()
     assert stats["weight_dtype"] == "int4"  # as configured
     (verdict,) = stats["quality_probe"]

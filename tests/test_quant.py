@@ -120,7 +120,11 @@ def test_fp8_cache_doubles_capacity_and_stays_close(tiny_model_dir: Path) -> Non
     runs = {}
     for kv_dtype in ("float32", "bfloat16", "fp8_e4m3"):
         llm = LLM(
-            str(tiny_model_dir), kv_cache_memory=budget, kv_cache_dtype=kv_dtype, max_model_len=512, batch_invariant=False
+            str(tiny_model_dir),
+            kv_cache_memory=budget,
+            kv_cache_dtype=kv_dtype,
+            max_model_len=512,
+            batch_invariant=False,
         )
         assert llm.stats()["kv_cache_dtype"] == {"fp8_e4m3": "float8_e4m3fn"}.get(kv_dtype, kv_dtype)
         runs[kv_dtype] = (llm.stats()["kv_capacity_tokens"], llm.generate(PROMPTS, params))
@@ -146,7 +150,9 @@ def test_hybrid_weights_route_small_decode_steps_to_int4(tiny_model_dir: Path) -
     copies read and write the same KV cache."""
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
     options = {"kv_cache_memory": 4 << 20, "max_model_len": 512}
-    dense = LLM(str(tiny_model_dir), batch_invariant=False, **options)  # a hybrid engine is not batch-invariant
+    dense = LLM(
+        str(tiny_model_dir), batch_invariant=False, **options
+    )  # a hybrid engine is not batch-invariant
     hybrid = LLM(str(tiny_model_dir), weight_dtype="hybrid", hybrid_int4_max_batch=2, **options)
     assert not hybrid.stats()["batch_invariant"]
     runner = hybrid.engine.runner
@@ -327,7 +333,11 @@ def test_int4_group_size_unset_keeps_q4_1_and_set_requantises(default_model_path
     native = LLM(str(default_model_path), weight_dtype="int4", kv_cache_memory=16 << 20)
     assert [m.group_size for m in layer0(native)] == [32, 32]  # Q4_1's blocks, as stored
     requantised = LLM(
-        str(default_model_path), weight_dtype="int4", int4_group_size=128, int4_method="rtn", kv_cache_memory=16 << 20
+        str(default_model_path),
+        weight_dtype="int4",
+        int4_group_size=128,
+        int4_method="rtn",
+        kv_cache_memory=16 << 20,
     )
     assert [m.group_size for m in layer0(requantised)] == [64, 128]  # 576 inputs: 64 divides, 128 not
     assert sum(m.num_weight_bytes for m in layer0(requantised)) < sum(

@@ -71,7 +71,9 @@ def _hf_greedy(hf: tuple[Any, Any], input_ids: list[int]) -> tuple[str, int]:
 
 
 def _chat_ids(tokenizer: Any, content: str) -> list[int]:
-    out = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=True, add_generation_prompt=True)
+    out = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=True, add_generation_prompt=True
+    )
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
@@ -87,7 +89,10 @@ def _check_hf_greedy(base_url: str, hf_gemma: tuple[Any, Any]) -> None:
     for content in CHAT_PROMPTS:
         want, num_prompt_tokens = _hf_greedy(hf_gemma, _chat_ids(tokenizer, content))
         chat = client.chat.completions.create(
-            model="gemma3", messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS, temperature=0
+            model="gemma3",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
         )
         assert chat.choices[0].message.content == want, content
         assert chat.usage is not None and chat.usage.prompt_tokens == num_prompt_tokens
@@ -106,7 +111,9 @@ def test_gemma3_served_with_defaults_and_in_float32(
     """Through `tandem serve` with the defaults: alone, streamed or not, the same text, and again;
     in float32 (the defaults' own precision where they resolve to it, else `--dtype float32`): HF
     float32's greedy text and prompt token counts."""
-    serve = functools.partial(ServeProcess, model=str(gemma3_folder), served_name="gemma3", pinned_precision=False)
+    serve = functools.partial(
+        ServeProcess, model=str(gemma3_folder), served_name="gemma3", pinned_precision=False
+    )
     server = serve(tmp_path, "--kv-cache-memory", str(64 << 20))
     try:
         server.wait_for(r"serving .* at http://")
@@ -126,7 +133,10 @@ def test_gemma3_served_with_defaults_and_in_float32(
     try:
         server.wait_for(r"serving .* at http://")
         base_url = f"http://127.0.0.1:{server.port}"
-        assert (_card(base_url, "gemma3")["dtype"], _card(base_url, "gemma3")["weight_dtype"]) == ("float32", "dense")
+        assert (_card(base_url, "gemma3")["dtype"], _card(base_url, "gemma3")["weight_dtype"]) == (
+            "float32",
+            "dense",
+        )
         _check_hf_greedy(base_url, hf_gemma)
     finally:
         server.stop()
@@ -148,9 +158,13 @@ def test_gemma3_defaults_pick_hf_float32_tokens(
     is HF float32's after the same prefix on >= 97% of positions, alone and in a batch of 16."""
     monkeypatch.delenv(PIN_ENV, raising=False)
     llm = LLM(str(gemma3_folder), kv_cache_memory=128 << 20, max_num_seqs=16)
-    print(f"\ndefaults: {llm.stats()['dtype']} / {llm.stats()['weight_dtype']}: {llm.stats()['precision_reason']}")
+    print(
+        f"\ndefaults: {llm.stats()['dtype']} / {llm.stats()['weight_dtype']}: {llm.stats()['precision_reason']}"
+    )
     tokenizer = hf_gemma[1]
-    prompts = [tokenizer(p)["input_ids"] for p in COMPLETION_PROMPTS] + [_chat_ids(tokenizer, c) for c in CHAT_PROMPTS]
+    prompts = [tokenizer(p)["input_ids"] for p in COMPLETION_PROMPTS] + [
+        _chat_ids(tokenizer, c) for c in CHAT_PROMPTS
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=32)
     alone = [llm.generate([ids], params)[0] for ids in prompts]
     batch = llm.generate(prompts, params)
@@ -197,11 +211,15 @@ def _same_tokens_everywhere(base_url: str, model: str, prompts: list[str]) -> No
         answers = list(pool.map(ask, together))
     assert answers[8 : 8 + len(prompts)] == [alone[p] for p in prompts]
     lines = [
-        json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body(p)})
+        json.dumps(
+            {"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body(p)}
+        )
         for i, p in enumerate([*prompts, *others[:6]])
     ]
     file_id = client.files.create(file=("in.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch").id
-    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     done = wait_for(client, batch.id, {"completed", "failed", "expired", "cancelled"}, timeout=600)
     assert done.status == "completed" and done.output_file_id is not None
     by_id = {
@@ -209,7 +227,9 @@ def _same_tokens_everywhere(base_url: str, model: str, prompts: list[str]) -> No
         for raw in client.files.content(done.output_file_id).text.splitlines()
     }
     for i, p in enumerate(prompts):
-        assert [item["token"] for item in by_id[f"line-{i}"]["choices"][0]["logprobs"]["content"]] == alone[p], p
+        assert [item["token"] for item in by_id[f"line-{i}"]["choices"][0]["logprobs"]["content"]] == alone[
+            p
+        ], p
 
 
 OTHER_TOPICS = [

@@ -68,7 +68,9 @@ def load(rid: str, ongoing: int, kv: float = 0.1) -> ReplicaLoad:
         ([load("a", 2), load("b", 0), load("c", 0, kv=0.99)], {}, [["b", "a"], ["c"]]),
     ],
 )
-def test_rank_replicas(loads: list[ReplicaLoad], affinity: dict[str, float], expected: list[list[str]]) -> None:
+def test_rank_replicas(
+    loads: list[ReplicaLoad], affinity: dict[str, float], expected: list[list[str]]
+) -> None:
     ranks = rank_replicas(loads, affinity, CONFIG)
     assert ranks == expected
     assert sorted(rid for rank in ranks for rid in rank) == sorted(r.replica_id for r in loads)
@@ -82,7 +84,9 @@ def test_placement_by_key_agrees_everywhere_and_respects_the_load_guard() -> Non
     loads = [load(f"r{i}", 0) for i in range(4)]
     chosen = {key: place(loads, key, CONFIG) for key in (f"adapter-{i}" for i in range(40))}
     assert len(set(chosen.values())) == 4  # keys spread over the replicas ...
-    assert all(place(list(reversed(loads)), key, CONFIG) == rid for key, rid in chosen.items())  # ... the same way
+    assert all(
+        place(list(reversed(loads)), key, CONFIG) == rid for key, rid in chosen.items()
+    )  # ... the same way
     # A replica that leaves moves only its own keys.
     survivors = [r for r in loads if r.replica_id != "r0"]
     assert all(place(survivors, key, CONFIG) == rid for key, rid in chosen.items() if rid != "r0")

@@ -281,6 +281,7 @@ class ParallelSamplingMachine(SchedulerMachine):
     @rule()
     def step_checking_forks(self) -> None:
         """A step in which no choice that forked computes a token of its shared blocks."""
+
         def shared(request: Request) -> int:
             return (request.num_prompt_tokens - 1) // 4 * 4
 
@@ -395,7 +396,15 @@ def test_batch_steps_stay_short_for_a_while_after_interactive_traffic() -> None:
         kv,
         max_num_seqs=16,
         max_num_batched_tokens=64,
-        max_model_len=64, batch=BatchPolicy(max_prefill_tokens=64, tokens_under_load=1, tokens_after_interactive=3, interactive_quiet_s=2.0, clock=lambda: now[0]))
+        max_model_len=64,
+        batch=BatchPolicy(
+            max_prefill_tokens=64,
+            tokens_under_load=1,
+            tokens_after_interactive=3,
+            interactive_quiet_s=2.0,
+            clock=lambda: now[0],
+        ),
+    )
     for i in range(8):
         sched.add_request(make_request(f"b{i}", 2, max_tokens=30, priority=Priority.BATCH, arrival=i))
 
@@ -500,7 +509,9 @@ class MixedCompressionMachine(SchedulerMachine):
         super().__init__()
         from tandem.engine.head_kv_cache import HeadKVCacheManager
 
-        self.head_kv = HeadKVCacheManager(48, 4, num_layers=2, num_kv_heads=2)  # one 42-token request alone fits
+        self.head_kv = HeadKVCacheManager(
+            48, 4, num_layers=2, num_kv_heads=2
+        )  # one 42-token request alone fits
         kv = KVCacheManager(12, 4, watermark=0.0)
         kv.enable_prefix_caching = True  # prompts share prefixes: compressed ones copy them
         self.sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,

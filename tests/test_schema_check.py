@@ -28,8 +28,14 @@ class Chain(BaseModel):
         {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"},
         {"type": "object", "properties": {"child": {"$ref": "#"}}, "required": ["child"]},
         {"type": "array", "items": {"$ref": "#"}, "minItems": 1},
-        {"definitions": {"N": {"type": "object", "properties": {"n": {"$ref": "#/definitions/N"}}, "required": ["n"]}},
-         "type": "object", "properties": {"root": {"$ref": "#/definitions/N"}}, "required": ["root"]},
+        {
+            "definitions": {
+                "N": {"type": "object", "properties": {"n": {"$ref": "#/definitions/N"}}, "required": ["n"]}
+            },
+            "type": "object",
+            "properties": {"root": {"$ref": "#/definitions/N"}},
+            "required": ["root"],
+        },
         {"anyOf": [{"$ref": "#"}, {"$ref": "#"}]},
         {"type": "object", "properties": {"a": False}, "required": ["a"]},
         {"enum": []},
@@ -46,12 +52,27 @@ def test_no_finite_value_is_found(schema: dict[str, Any]) -> None:
         (Tree.model_json_schema(), {"name": "a", "children": []}),
         (Chain.model_json_schema(), {"value": 1, "next": None}),
         ({"type": "object", "properties": {"child": {"$ref": "#"}}}, {}),
-        ({"anyOf": [{"type": "string"}, {"type": "object", "properties": {"c": {"$ref": "#"}}, "required": ["c"]}]}, "x"),
+        (
+            {
+                "anyOf": [
+                    {"type": "string"},
+                    {"type": "object", "properties": {"c": {"$ref": "#"}}, "required": ["c"]},
+                ]
+            },
+            "x",
+        ),
         ({"type": ["object", "null"], "properties": {"c": {"$ref": "#"}}, "required": ["c"]}, None),
         ({"type": "array", "items": {"$ref": "#"}}, []),
         ({"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"type": "integer"}}, "$ref": "#/$defs/A"}, 3),
         ({"properties": {"c": {"$ref": "#"}}, "required": ["c"]}, 5),  # untyped: 5 is valid
-        ({"type": "object", "properties": {"a~b/c": {"type": "string"}, "d": {"$ref": "#/properties/a~0b~1c"}}, "required": ["d"]}, {"d": "x"}),
+        (
+            {
+                "type": "object",
+                "properties": {"a~b/c": {"type": "string"}, "d": {"$ref": "#/properties/a~0b~1c"}},
+                "required": ["d"],
+            },
+            {"d": "x"},
+        ),
     ],
 )
 def test_a_schema_with_a_value_passes(schema: dict[str, Any], instance: Any) -> None:

@@ -150,15 +150,24 @@ def test_console_through_serve(served: str) -> None:
     assert page.status_code == 200 and "script-src 'self'" in page.headers["content-security-policy"]
     assert httpx.get(f"{served}/console/assets/console.js", timeout=10).status_code == 200
     with httpx.Client(base_url=served, timeout=30) as http:
-        assert http.post("/console/session", json={"key": KEY}, headers={"X-Tandem-Console": "1"}).json()["tenant"] == "acme"
+        assert (
+            http.post("/console/session", json={"key": KEY}, headers={"X-Tandem-Console": "1"}).json()[
+                "tenant"
+            ]
+            == "acme"
+        )
         assert http.get("/v1/batches").status_code == 401
         assert http.get("/v1/batches", headers={"X-Tandem-Console": "1"}).status_code == 200
     operator = {"Authorization": f"Bearer {OPERATOR_KEY}"}
     deadline = time.monotonic() + 30
-    while not (fleet := httpx.get(f"{served}/v1/admin/fleet", headers=operator, timeout=10).json())["replicas"]:
+    while not (fleet := httpx.get(f"{served}/v1/admin/fleet", headers=operator, timeout=10).json())[
+        "replicas"
+    ]:
         assert time.monotonic() < deadline, "no replica reported to the fleet state"
         time.sleep(0.1)  # polling the fleet state, which replicas report to every stats period
-    assert fleet["model"] == "tiny" and all(0.0 <= r["kv_occupancy"] <= 1.0 for r in fleet["replicas"].values())
+    assert fleet["model"] == "tiny" and all(
+        0.0 <= r["kv_occupancy"] <= 1.0 for r in fleet["replicas"].values()
+    )
     assert fleet["scaling"] and fleet["scaling"][-1]["replicas"] >= 1  # the fleet state's autoscaling samples
     tenant = {"Authorization": f"Bearer {KEY}"}
     assert httpx.get(f"{served}/v1/admin/fleet", headers=tenant, timeout=10).status_code == 403
@@ -250,13 +259,17 @@ def check_disconnect_frees_kv_blocks(
     closed_at = time.monotonic()
     # The requirement is "free within a second": check the condition until that deadline.
     while engine_stats()["kv_occupancy"] > 0:
-        assert time.monotonic() - closed_at < 1.0 + staleness_s, "aborted request still holds KV blocks after 1 s"
+        assert time.monotonic() - closed_at < 1.0 + staleness_s, (
+            "aborted request still holds KV blocks after 1 s"
+        )
     stats = engine_stats()
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
 
 
 def test_client_disconnect_frees_kv_blocks(served: str) -> None:
-    check_disconnect_frees_kv_blocks(served, lambda: scraped_engine_stats(served), staleness_s=2 * STATS_PERIOD_S)
+    check_disconnect_frees_kv_blocks(
+        served, lambda: scraped_engine_stats(served), staleness_s=2 * STATS_PERIOD_S
+    )
 
 
 def five_streams_at_once(base_url: str) -> list[str]:
@@ -488,7 +501,9 @@ def test_progress_line_shows_rate_and_eta() -> None:
     assert line.startswith("[#####---------------] 25/100 in_progress")
     assert "30.0 tok/s 0m50s elapsed, ETA 2m30s" in line
     done = batch.model_copy(update={"status": "completed", "completed_at": 1100})
-    assert "ETA" not in progress_line(done, now=5000.0) and "15.0 tok/s 1m40s" in progress_line(done, now=5000.0)
+    assert "ETA" not in progress_line(done, now=5000.0) and "15.0 tok/s 1m40s" in progress_line(
+        done, now=5000.0
+    )
 
 
 def test_adapter_upload_and_multiplexed_use_through_serve(served: str, peft_adapters: dict) -> None:
@@ -503,7 +518,10 @@ def upload_adapter(base_url: str, name: str, folder: Path, key: str = KEY) -> No
         data={"name": name},
         files={
             "adapter_config": ("adapter_config.json", (folder / "adapter_config.json").read_bytes()),
-            "adapter_model": ("adapter_model.safetensors", (folder / "adapter_model.safetensors").read_bytes()),
+            "adapter_model": (
+                "adapter_model.safetensors",
+                (folder / "adapter_model.safetensors").read_bytes(),
+            ),
         },
         timeout=60,
     )
@@ -554,7 +572,9 @@ def test_batch_lines_on_the_tenants_adapter_through_serve(served: str, peft_adap
     batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
     deadline = time.monotonic() + 180
     while (batch := client.batches.retrieve(batch.id)).status != "completed":
-        assert batch.status in ("validating", "in_progress", "finalizing") and time.monotonic() < deadline, batch
+        assert batch.status in ("validating", "in_progress", "finalizing") and time.monotonic() < deadline, (
+            batch
+        )
         time.sleep(0.1)
     assert (batch.request_counts.completed, batch.request_counts.failed) == (6, 3)
     answered = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
@@ -582,7 +602,9 @@ def test_replica_env_vars_reach_the_replica_process_only(served: str) -> None:
                 env_by_process[cmdline.split(":")[-1].split()[0].split(".")[0]] = proc.environ()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-    assert sorted(env_by_process) == ["BatchWorker", "FleetState", "LLMReplica", "OpenAIIngress"], sorted(env_by_process)
+    assert sorted(env_by_process) == ["BatchWorker", "FleetState", "LLMReplica", "OpenAIIngress"], sorted(
+        env_by_process
+    )
     assert env_by_process["LLMReplica"].get("TANDEM_TEST_REPLICA_ENV") == "replica"
     assert "TANDEM_TEST_REPLICA_ENV" not in env_by_process["BatchWorker"]
     assert "TANDEM_TEST_REPLICA_ENV" not in env_by_process["OpenAIIngress"]
@@ -639,7 +661,9 @@ def test_print_config_round_trips_through_serve_run(ray_serve: str, tmp_path: Pa
         serve.delete("tandem-printed")
 
 
-def test_disaggregated_mode_answers_as_colocated(served: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_disaggregated_mode_answers_as_colocated(
+    served: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """Prefill replica -> verified KV hand-over -> decode replica, with the same weights and cache
     dtype on both: greedy answers equal the colocated app's, streamed and not; the prefill side's
     blocks are all free afterwards."""
@@ -651,15 +675,23 @@ def test_disaggregated_mode_answers_as_colocated(served: str, tmp_path_factory: 
         colocated = openai.OpenAI(base_url=f"{served}/v1", api_key=KEY, max_retries=0)
         disaggregated = openai.OpenAI(base_url=f"{served}/pd/v1", api_key=KEY, max_retries=0)
         for prompt in ("The quick brown fox", "Paged attention " * 20):
-            kwargs = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+            kwargs = dict(
+                model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+            )
             want = colocated.completions.create(**kwargs).choices[0].text
             assert disaggregated.completions.create(**kwargs).choices[0].text == want
             streamed = "".join(
-                c.choices[0].text for c in disaggregated.completions.create(stream=True, **kwargs) if c.choices
+                c.choices[0].text
+                for c in disaggregated.completions.create(stream=True, **kwargs)
+                if c.choices
             )
             assert streamed == want
-        prefill_stats = serve.get_deployment_handle("PrefillReplica", app_name="tandem-pd").stats.remote().result()
-        assert prefill_stats["num_steps"] >= 4 and prefill_stats["kv_blocks_used"] == 0  # it computed the prompts
+        prefill_stats = (
+            serve.get_deployment_handle("PrefillReplica", app_name="tandem-pd").stats.remote().result()
+        )
+        assert (
+            prefill_stats["num_steps"] >= 4 and prefill_stats["kv_blocks_used"] == 0
+        )  # it computed the prompts
     finally:
         serve.delete("tandem-pd")
 
@@ -689,7 +721,9 @@ def test_n_choices_through_serve(served: str) -> None:
         "custom_id": "n-line", "method": "POST", "url": "/v1/completions",
         "body": {"model": "tiny", "prompt": "Once upon", "n": 4, "max_tokens": 3, "temperature": 1.0, "seed": 5, "ignore_eos": True},
     }  # fmt: skip
-    file_id = client.files.create(file=("n.jsonl", io.BytesIO((json.dumps(line) + "\n").encode())), purpose="batch").id
+    file_id = client.files.create(
+        file=("n.jsonl", io.BytesIO((json.dumps(line) + "\n").encode())), purpose="batch"
+    ).id
     batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
     deadline = time.monotonic() + 120
     while (batch := client.batches.retrieve(batch.id)).status != "completed":
@@ -717,7 +751,13 @@ def test_a_sliding_window_model_through_disaggregated_serve(
 
     tokenizer_files = make_tiny_model(tmp_path_factory.mktemp("window-tokenizer"), num_layers=1)
     folder = save_family_model("mistral", tmp_path_factory.mktemp("mistral"), tokenizer_files)
-    engine = {"model": str(folder), "dtype": "float32", "block_size": 4, "speculative": None, "weight_dtype": "dense"}
+    engine = {
+        "model": str(folder),
+        "dtype": "float32",
+        "block_size": 4,
+        "speculative": None,
+        "weight_dtype": "dense",
+    }
     deploy(tmp_path_factory, "tandem-window", "/window", mode="disaggregated", engine=engine)
     try:
         client = openai.OpenAI(base_url=f"{served}/window/v1", api_key=KEY, max_retries=0)
@@ -725,11 +765,17 @@ def test_a_sliding_window_model_through_disaggregated_serve(
         hf = load_hf("mistral", folder)
         prompt = "Once upon a time, in a land far away, there lived a small dragon"
         want = tokenizer.decode(hf_greedy(hf, tokenizer.encode(prompt), 24, None))
-        kwargs = dict(model="tiny", prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+        kwargs = dict(
+            model="tiny", prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert client.completions.create(**kwargs).choices[0].text == want
-        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+        streamed = "".join(
+            c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices
+        )
         assert streamed == want
-        decode_stats = serve.get_deployment_handle(LLM_DEPLOYMENT, app_name="tandem-window").stats.remote().result()
+        decode_stats = (
+            serve.get_deployment_handle(LLM_DEPLOYMENT, app_name="tandem-window").stats.remote().result()
+        )
         assert decode_stats["kv_window_released_blocks"] > 0, decode_stats
     finally:
         serve.delete("tandem-window")

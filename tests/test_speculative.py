@@ -90,7 +90,11 @@ def test_plan_drafts_speculates_when_steps_are_fixed_cost_and_stops_as_the_batch
     proposal = [1, 2, 3, 4, 5]
     # Batch 1, a step mostly fixed cost (a small model on a CPU): several drafts pay off.
     lone = plan_drafts(
-        [DraftCandidate("a", proposal, 0.7)], step_cost_s=0.054, step_yield=1, draft_cost_s=0.004, max_draft_tokens=64
+        [DraftCandidate("a", proposal, 0.7)],
+        step_cost_s=0.054,
+        step_yield=1,
+        draft_cost_s=0.004,
+        max_draft_tokens=64,
     )
     assert lone["a"] >= 3
     # 32 decoding requests: the step already yields 32 tokens; a draft's expected gain does not
@@ -168,7 +172,9 @@ def test_rejected_drafts_roll_back_and_never_reach_the_prefix_cache() -> None:
 
 def test_a_stop_token_among_accepted_drafts_ends_the_request_there() -> None:
     sched = scheduler()
-    sched.add_request(Request("r", [1, 2, 3, 1, 2], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[2])))
+    sched.add_request(
+        Request("r", [1, 2, 3, 1, 2], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[2]))
+    )
     sched.update_from_output(out := sched.schedule(), RunnerResult({"r": [3]}))
     out = sched.schedule()
     assert out.scheduled[0].draft_token_ids == [1, 2, 3]
@@ -233,7 +239,11 @@ def test_greedy_output_is_identical_with_speculation_for_lora_requests(
     from tandem import LoRARequest
 
     prompts = [[3, 4, 5, 6] * 5 + [7], [9, 10, 11] * 5, [12, 13] * 8]
-    loras = [LoRARequest("all", str(peft_adapters["all-r8"])), None, LoRARequest("attn", str(peft_adapters["attn-r4"]))]
+    loras = [
+        LoRARequest("all", str(peft_adapters["all-r8"])),
+        None,
+        LoRARequest("attn", str(peft_adapters["attn-r4"])),
+    ]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     options = {"kv_cache_memory": 8 << 20, "enable_lora": True, "max_lora_rank": 16}
     want = LLM(str(tiny_model_dir), speculative=None, **options).generate(prompts, params, lora=loras)
@@ -267,7 +277,9 @@ class ScriptedRunner:
                 self.num_steps_with_drafts += 1
                 result.sampled_token_ids[item.request_id] = [*item.draft_token_ids[: self.accept], 99]
             else:
-                result.sampled_token_ids[item.request_id] = [self.script[len(item.output_token_ids) % len(self.script)]]
+                result.sampled_token_ids[item.request_id] = [
+                    self.script[len(item.output_token_ids) % len(self.script)]
+                ]
         return result
 
 
@@ -293,7 +305,9 @@ def test_the_engine_runs_on_an_injected_runner(tiny_llm: LLM) -> None:
     engine = LLMEngine(EngineConfig(model="scripted", block_size=4, enable_prefix_caching=False), parts)
     engine.scheduler.speculation.always_draft()
     request = engine.add_request(
-        GenerationRequest("r", prompt_token_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9], sampling_params=SamplingParams(max_tokens=9))
+        GenerationRequest(
+            "r", prompt_token_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9], sampling_params=SamplingParams(max_tokens=9)
+        )
     )
     outputs = []
     while engine.has_unfinished_requests():
@@ -325,11 +339,17 @@ def test_rejection_sampling_with_a_draft_distribution_keeps_the_target_distribut
 
 
 @pytest.mark.parametrize("draft_seed", [0, 1], ids=["self-draft", "other-draft"])
-def test_greedy_output_is_identical_with_a_draft_model(tiny_dir: Path, tmp_path: Path, draft_seed: int) -> None:
+def test_greedy_output_is_identical_with_a_draft_model(
+    tiny_dir: Path, tmp_path: Path, draft_seed: int
+) -> None:
     """A draft model with its own KV beside the target's, in mixed batches with preemption: greedy
     tokens equal the target's alone. The target as its own draft (seed 0) has every draft accepted;
     another random model (seed 1) has most rejected, so rollback is exercised too."""
-    draft_dir = tiny_dir if draft_seed == 0 else make_tiny_model(tmp_path / "draft", seed=draft_seed, max_positions=1024)
+    draft_dir = (
+        tiny_dir
+        if draft_seed == 0
+        else make_tiny_model(tmp_path / "draft", seed=draft_seed, max_positions=1024)
+    )
     prompts = [[3, 4, 5, 6] * 6 + [7], [9, 10, 11] * 5, [12, 13] * 8 + [14, 15], [20, 21, 22, 23, 24] * 3]
     params = [
         SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
@@ -340,7 +360,10 @@ def test_greedy_output_is_identical_with_a_draft_model(tiny_dir: Path, tmp_path:
     options = {"kv_cache_memory": 160 << 10, "block_size": 4}
     want = LLM(str(tiny_dir), speculative=None, **options).generate(prompts, params)
     # A sampled request rides along (rejection sampling against the draft's distribution).
-    prompts, params = [*prompts, [30, 31, 32] * 4], [*params, SamplingParams(max_tokens=50, temperature=0.9, ignore_eos=True)]
+    prompts, params = (
+        [*prompts, [30, 31, 32] * 4],
+        [*params, SamplingParams(max_tokens=50, temperature=0.9, ignore_eos=True)],
+    )
     spec = LLM(
         str(tiny_dir),
         speculative={"method": "draft", "draft_model": str(draft_dir), "num_speculative_tokens": 3},
@@ -397,5 +420,11 @@ def test_a_draft_row_is_charged_the_jump_of_a_step_that_verifies() -> None:
     for rows, wall_1 in ((1, 0.0060), (2, 0.0095), (3, 0.0128), (4, 0.0149)):
         model.observe(rows, rows, wall_1)
     wall, per_row = model.decode_step_costs(1) or (0.0, 0.0)
-    lone = plan_drafts([DraftCandidate("a", [1, 2, 3], 0.9)], step_cost_s=wall, step_yield=1, draft_cost_s=per_row, max_draft_tokens=8)
+    lone = plan_drafts(
+        [DraftCandidate("a", [1, 2, 3], 0.9)],
+        step_cost_s=wall,
+        step_yield=1,
+        draft_cost_s=per_row,
+        max_draft_tokens=8,
+    )
     assert lone.get("a", 0) >= 1

@@ -43,7 +43,11 @@ REVIEW_SCHEMA: dict[str, Any] = {
     "properties": {
         "title": {"type": "string", "maxLength": 40},
         "rating": {"type": "integer", "minimum": 1, "maximum": 5},
-        "tags": {"type": "array", "items": {"type": "string", "enum": ["food", "travel", "tech", "music"]}, "maxItems": 3},
+        "tags": {
+            "type": "array",
+            "items": {"type": "string", "enum": ["food", "travel", "tech", "music"]},
+            "maxItems": 3,
+        },
         "recommended": {"type": "boolean"},
     },
     "required": ["title", "rating", "tags", "recommended"],
@@ -92,7 +96,10 @@ class Server:
 
     def post(self, body: dict[str, Any]) -> httpx.Response:
         return httpx.post(
-            f"{self.base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120
+            f"{self.base_url}/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=120,
         )
 
 
@@ -103,7 +110,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     engine = AsyncEngine.from_options(kv_cache_memory=128 << 20, max_num_seqs=16, served_model_name=MODEL)
     batches = BatchService(FileObjectStore(str(root / "objects")), {MODEL}, BatchLimits(shard_size=4))
     api = OpenAIServer(LocalEngineClient(engine), TenantRegistry(parse_keys(f"{KEY}=acme")), batches=batches)
-    worker = BatchWorker(batches, partial(execute_batch_line, api), poll_interval_s=0.05, worker_id="structured")
+    worker = BatchWorker(
+        batches, partial(execute_batch_line, api), poll_interval_s=0.05, worker_id="structured"
+    )
     try:
         with serve_with_worker(create_app(api), worker) as base_url:
             yield Server(base_url, engine)
@@ -195,13 +204,18 @@ def test_json_object_and_completions_response_format(server: Server) -> None:
         max_tokens=100,
         stream=True,
     )
-    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == chat.choices[0].message.content
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        == chat.choices[0].message.content
+    )
     completion = client.completions.create(
         model=MODEL,
         prompt="A JSON review of a bakery:",
         temperature=0,
         max_tokens=120,
-        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": REVIEW_SCHEMA}}},
+        extra_body={
+            "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": REVIEW_SCHEMA}}
+        },
     )
     assert completion.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(completion.choices[0].text), REVIEW_SCHEMA)
@@ -218,7 +232,12 @@ def test_tool_choice_required_named_and_none(server: Server) -> None:
     client = server.client()
     messages = [{"role": "user", "content": "What is the weather like in Paris, in celsius?"}]
     required = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=120  # type: ignore[arg-type]
+        model=MODEL,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=0,
+        max_tokens=120,  # type: ignore[arg-type]
     ).choices[0]
     assert required.finish_reason == "tool_calls" and required.message.content is None
     _check_calls(required.message.tool_calls or [], {"get_weather", "add"})
@@ -235,15 +254,28 @@ def test_tool_choice_required_named_and_none(server: Server) -> None:
     _check_calls(named.message.tool_calls or [], {"add"})
 
     single = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,  # type: ignore[arg-type]
-        temperature=1.0, seed=5, max_tokens=150,
+        model=MODEL,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,  # type: ignore[arg-type]
+        temperature=1.0,
+        seed=5,
+        max_tokens=150,
     ).choices[0]
     assert single.finish_reason == "tool_calls" and len(single.message.tool_calls or []) == 1
 
     none = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=40  # type: ignore[arg-type]
+        model=MODEL,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="none",
+        temperature=0,
+        max_tokens=40,  # type: ignore[arg-type]
     ).choices[0]
-    assert none.message.tool_calls is None and none.message.content and none.finish_reason in ("stop", "length")
+    assert (
+        none.message.tool_calls is None and none.message.content and none.finish_reason in ("stop", "length")
+    )
 
     # The call goes back into the conversation, with its result, and the model answers in text.
     call = (required.message.tool_calls or [])[0]
@@ -266,7 +298,16 @@ def _weather_turns(city: str, call_id: str, degrees: int) -> list[dict[str, Any]
     arguments = json.dumps({"city": city, "unit": "celsius"})
     return [
         {"role": "user", "content": f"What is the weather in {city}?"},
-        {"role": "assistant", "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": arguments},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": call_id, "content": json.dumps({"temperature": degrees})},
         {"role": "assistant", "content": f"It is {degrees} degrees in {city}."},
     ]
@@ -279,7 +320,10 @@ def test_tool_choice_auto_lets_the_model_choose(server: Server) -> None:
     client = server.client()
     history = _weather_turns("Madrid", "call_1", 30) + _weather_turns("Lima", "call_2", 18)
     choices = {}
-    for name, question in (("weather", "What is the weather in Berlin?"), ("chat", "Say hello to my friend Anna.")):
+    for name, question in (
+        ("weather", "What is the weather in Berlin?"),
+        ("chat", "Say hello to my friend Anna."),
+    ):
         choices[name] = client.chat.completions.create(
             model=MODEL,
             messages=[*history, {"role": "user", "content": question}],  # type: ignore[list-item]
@@ -380,8 +424,12 @@ def test_tool_call_stream_parser_matches_the_whole_text_parser() -> None:
                     names[call["index"]] = call["function"]["name"]
                 pieces.setdefault(call["index"], []).append(call["function"]["arguments"])
         assert streamed_content == content
-        assert [(names[i], "".join(pieces[i])) for i in sorted(pieces)] == [(c.name, c.arguments) for c in calls]
-    assert parse_tool_calls('<tool_call>\n{"name": "add", "arguments": {"a": 1')[1] == []  # ended, not cut: text
+        assert [(names[i], "".join(pieces[i])) for i in sorted(pieces)] == [
+            (c.name, c.arguments) for c in calls
+        ]
+    assert (
+        parse_tool_calls('<tool_call>\n{"name": "add", "arguments": {"a": 1')[1] == []
+    )  # ended, not cut: text
 
 
 def test_a_cut_call_is_a_call_with_partial_arguments_streamed_and_not() -> None:
@@ -411,7 +459,9 @@ def test_a_cut_call_is_a_call_with_partial_arguments_streamed_and_not() -> None:
         pieces: dict[int, str] = {}
         for delta in deltas:
             for call_delta in delta.get("tool_calls", []):
-                pieces[call_delta["index"]] = pieces.get(call_delta["index"], "") + call_delta["function"]["arguments"]
+                pieces[call_delta["index"]] = (
+                    pieces.get(call_delta["index"], "") + call_delta["function"]["arguments"]
+                )
         assert streamed == (content or "")
         assert [pieces[i] for i in sorted(pieces)] == [c.arguments for c in calls]
 
@@ -419,16 +469,51 @@ def test_a_cut_call_is_a_call_with_partial_arguments_streamed_and_not() -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "format": "no-such-format"}}}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}}}, "response_format.json_schema.name"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "objekt"}},
+                }
+            },
+            "response_format",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "string", "format": "no-such-format"}},
+                }
+            },
+            "response_format",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}}},
+            "response_format.json_schema.name",
+        ),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"parallel_tool_calls": False}, "parallel_tool_calls"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": [WEATHER, WEATHER]}, "tools"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}]}, "tools"),
-        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}},
+                        },
+                    }
+                ]
+            },
+            "tools",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
         ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
     ],
 )
@@ -450,18 +535,28 @@ SELF_REQUIRED = {
 
 
 @pytest.mark.parametrize("schema", [CYCLE, SELF_REQUIRED], ids=["cycle", "self-required"])
-def test_schemas_with_no_finite_value_are_400s_within_a_second(server: Server, schema: dict[str, Any]) -> None:
+def test_schemas_with_no_finite_value_are_400s_within_a_second(
+    server: Server, schema: dict[str, Any]
+) -> None:
     """A $ref cycle and a required recursive $ref: a 400 naming the field, found before anything
     is generated, as a response format and as a tool's parameters."""
     for body, param in (
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}, "response_format"),
         (
-            {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}], "tool_choice": "required"},
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+            "response_format",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+                "tool_choice": "required",
+            },
             "tools.0.function.parameters",
         ),
     ):
         started = time.monotonic()
-        response = server.post({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, **body})
+        response = server.post(
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, **body}
+        )
         assert time.monotonic() - started < 1.0
         assert response.status_code == 400, response.text
         error = response.json()["error"]
@@ -487,10 +582,18 @@ def test_a_batch_file_with_response_format_lines(server: Server) -> None:
         for i, prompt in enumerate(REVIEW_PROMPTS[:4])
     ]
     lines.append({**lines[0], "custom_id": "bad-schema"})
-    lines[-1]["body"] = {**lines[0]["body"], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}}
+    lines[-1]["body"] = {
+        **lines[0]["body"],
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "objekt"}},
+        },
+    }
     data = "".join(json.dumps(line) + "\n" for line in lines).encode()
     file_id = client.files.create(file=("reviews.jsonl", io.BytesIO(data)), purpose="batch").id
-    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     deadline = time.monotonic() + 300
     while batch.status not in ("completed", "failed"):
         assert time.monotonic() < deadline, f"batch stuck in {batch.status}"
@@ -510,7 +613,9 @@ def test_a_batch_file_with_response_format_lines(server: Server) -> None:
 # -- the engine's masking against a reference --------------------------------------------------
 
 
-def _reference_tokens(hf_model: Any, prompt_ids: list[int], grammar_spec: StructuredOutput, engine: Any, max_tokens: int) -> list[int]:
+def _reference_tokens(
+    hf_model: Any, prompt_ids: list[int], grammar_spec: StructuredOutput, engine: Any, max_tokens: int
+) -> list[int]:
     """HF transformers' greedy decoding, each step's logits masked by llguidance's own matcher and
     its own numpy bitmask helpers (of ours: only the tokenizer and the grammar text handed to the
     library, which `grammar_text` gets from the library's own `grammar_from_json_schema`)."""
@@ -520,7 +625,9 @@ def _reference_tokens(hf_model: Any, prompt_ids: list[int], grammar_spec: Struct
     from tandem.engine.grammar import grammar_text
 
     tokenizer = llg.LLTokenizer(
-        engine.tokenizer.backend.to_str(), n_vocab=engine.model_config.vocab_size, eos_token=sorted(engine.eos_token_ids)
+        engine.tokenizer.backend.to_str(),
+        n_vocab=engine.model_config.vocab_size,
+        eos_token=sorted(engine.eos_token_ids),
     )
     matcher = llg.LLMatcher(tokenizer, grammar_text(grammar_spec))
     bitmask = llg_np.allocate_token_bitmask(1, engine.model_config.vocab_size)
@@ -540,7 +647,9 @@ def _reference_tokens(hf_model: Any, prompt_ids: list[int], grammar_spec: Struct
     return out
 
 
-def test_constrained_tokens_equal_a_reference_masked_step_by_step(default_llm: Any, hf_default_model: Any) -> None:
+def test_constrained_tokens_equal_a_reference_masked_step_by_step(
+    default_llm: Any, hf_default_model: Any
+) -> None:
     engine = default_llm.engine
     spec = StructuredOutput("json_schema", json.dumps(REVIEW_SCHEMA))
     params = SamplingParams(max_tokens=60, temperature=0, structured=spec, speculative=False)
@@ -554,7 +663,9 @@ def test_constrained_tokens_equal_a_reference_masked_step_by_step(default_llm: A
     engine.scheduler.speculation.always_draft()
     drafts_before = engine.scheduler.speculation.num_draft_tokens_total
     try:
-        (speculated,) = default_llm.chat([messages], SamplingParams(max_tokens=60, temperature=0, structured=spec))
+        (speculated,) = default_llm.chat(
+            [messages], SamplingParams(max_tokens=60, temperature=0, structured=spec)
+        )
     finally:
         engine.scheduler.speculation.step_cost = saved
     assert engine.scheduler.speculation.num_draft_tokens_total > drafts_before
@@ -615,14 +726,21 @@ def test_langchain_structured_output_cut_by_max_tokens_raises_a_length_error(ser
 
     def chat(max_tokens: int) -> ChatOpenAI:
         return ChatOpenAI(
-            model=MODEL, base_url=f"{server.base_url}/v1", api_key=KEY, temperature=0, max_tokens=max_tokens, max_retries=0  # type: ignore[arg-type]
+            model=MODEL,
+            base_url=f"{server.base_url}/v1",
+            api_key=KEY,
+            temperature=0,
+            max_tokens=max_tokens,
+            max_retries=0,  # type: ignore[arg-type]
         )
 
     question = "Invent a person who lives in Italy and describe them."
     with pytest.raises(openai.LengthFinishReasonError):
         chat(20).with_structured_output(Person).invoke(question)
     assert isinstance(chat(200).with_structured_output(Person).invoke(question), Person)
-    raw = chat(20).with_structured_output(Person, method="function_calling", include_raw=True).invoke(question)
+    raw = (
+        chat(20).with_structured_output(Person, method="function_calling", include_raw=True).invoke(question)
+    )
     message = raw["raw"]
     assert message.response_metadata["finish_reason"] == "length"  # type: ignore[union-attr]
     assert "<tool_call>" not in str(message.content)  # type: ignore[union-attr]

@@ -38,12 +38,18 @@ def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
 
     if request.param == "file":
         return FileObjectStore(str(tmp_path / "store"))
-    return S3ObjectStore(S3_BUCKET, prefix=f"dir-{uuid.uuid4().hex[:8]}", settings=request.getfixturevalue("s3_server"))
+    return S3ObjectStore(
+        S3_BUCKET, prefix=f"dir-{uuid.uuid4().hex[:8]}", settings=request.getfixturevalue("s3_server")
+    )
 
 
-def test_a_key_issued_on_one_replica_authenticates_on_another_and_revocation_follows(any_store: ObjectStore) -> None:
+def test_a_key_issued_on_one_replica_authenticates_on_another_and_revocation_follows(
+    any_store: ObjectStore,
+) -> None:
     writer, reader = TenantDirectory(any_store), TenantDirectory(any_store)
-    writer.create_tenant(parse_tenant_spec({"id": "acme", "limits": {"tokens_per_minute": 1000}, "weight": 2}))
+    writer.create_tenant(
+        parse_tenant_spec({"id": "acme", "limits": {"tokens_per_minute": 1000}, "weight": 2})
+    )
     key, secret = writer.create_key("acme", name="ci")
     assert secret.startswith("tdm-") and key.prefix == secret[:8]
     assert reader.snapshot.tenant_for_digest(_digest(secret)) is None  # not read yet
@@ -74,7 +80,11 @@ def test_limits_and_weight_change_live(any_store: ObjectStore) -> None:
     reader.refresh()
     writer.update_tenant("acme", parse_tenant_patch({"limits": {"tokens_per_minute": 50}, "weight": 3}))
     tenant = reader.refresh().tenants["acme"]
-    assert (tenant.limits.max_concurrent_requests, tenant.limits.tokens_per_minute, tenant.weight) == (4, 50, 3.0)
+    assert (tenant.limits.max_concurrent_requests, tenant.limits.tokens_per_minute, tenant.weight) == (
+        4,
+        50,
+        3.0,
+    )
     writer.update_tenant("acme", parse_tenant_patch({"limits": {"max_concurrent_requests": None}}))
     assert reader.refresh().tenants["acme"].limits.max_concurrent_requests is None
 
@@ -168,17 +178,24 @@ def test_operator_api_in_process(engine: object, store: FileObjectStore) -> None
         op = {"Authorization": "Bearer sk-op"}
         assert http.post("/v1/admin/tenants", json={"id": "initech"}, headers=op).status_code == 200
         issued = http.post("/v1/admin/tenants/initech/keys", json={}, headers=op).json()
-        api = openai.OpenAI(base_url="http://testserver/v1", api_key=issued["key"], http_client=http, max_retries=0)
+        api = openai.OpenAI(
+            base_url="http://testserver/v1", api_key=issued["key"], http_client=http, max_retries=0
+        )
         assert [m.id for m in api.models.list().data] == ["tiny"]  # this replica: at once
         assert http.patch("/v1/admin/tenants/initech", json={"weight": 3}, headers=op).status_code == 200
         api.completions.create(model="tiny", prompt="Hello", max_tokens=2)
         assert engine.engine.scheduler.fair.weights["initech"] == 3.0  # type: ignore[attr-defined]  # carried by the request
-        patched = http.patch("/v1/admin/tenants/initech", json={"limits": {"tokens_per_minute": 1}}, headers=op)
+        patched = http.patch(
+            "/v1/admin/tenants/initech", json={"limits": {"tokens_per_minute": 1}}, headers=op
+        )
         assert patched.status_code == 200
         with pytest.raises(openai.RateLimitError):
             api.completions.create(model="tiny", prompt="Hello", max_tokens=2)
         assert http.get("/v1/admin/tenants", headers={"Authorization": "Bearer sk-boot"}).status_code == 403
-        assert http.get("/v1/admin/tenants", headers={"Authorization": f"Bearer {issued['key']}"}).status_code == 403
+        assert (
+            http.get("/v1/admin/tenants", headers={"Authorization": f"Bearer {issued['key']}"}).status_code
+            == 403
+        )
         revoked = http.delete(f"/v1/admin/tenants/initech/keys/{issued['id']}", headers=op)
         assert revoked.status_code == 200
         with pytest.raises(openai.AuthenticationError):
@@ -236,7 +253,9 @@ def test_tenants_cli_over_the_operator_api(
         assert run("keys", "revoke", "acme", issued["id"])[0] == 0
         with pytest.raises(openai.AuthenticationError):
             api.models.list()
-        code, out, _ = run("usage", "acme", "--hours", "1", "--bucket-width", "1h", "--group-by", "api_key_id")
+        code, out, _ = run(
+            "usage", "acme", "--hours", "1", "--bucket-width", "1h", "--group-by", "api_key_id"
+        )
         results = [r for bucket in json.loads(out)["data"] for r in bucket["results"]]
         assert code == 0 and [(r["api_key_id"], r["output_tokens"]) for r in results] == [
             (issued["id"], used.completion_tokens)
@@ -257,13 +276,19 @@ def test_requests_per_minute_and_max_tokens_limits(engine: object, store: FileOb
     from tandem.platform.tenancy import TenantRegistry, parse_keys, parse_operator_keys
 
     directory = TenantDirectory(store)
-    directory.create_tenant(parse_tenant_spec({"id": "acme", "limits": {"requests_per_minute": 2, "max_tokens": 3}}))
+    directory.create_tenant(
+        parse_tenant_spec({"id": "acme", "limits": {"requests_per_minute": 2, "max_tokens": 3}})
+    )
     _, secret = directory.create_key("acme")
-    tenants = TenantRegistry(parse_keys("sk-other=globex"), operator_keys=parse_operator_keys("sk-op"), directory=directory)
+    tenants = TenantRegistry(
+        parse_keys("sk-other=globex"), operator_keys=parse_operator_keys("sk-op"), directory=directory
+    )
     server = OpenAIServer(LocalEngineClient(engine), tenants, max_tokens_default=16)  # type: ignore[arg-type]
     with TestClient(create_app(server)) as http:
         api = openai.OpenAI(base_url="http://testserver/v1", api_key=secret, http_client=http, max_retries=0)
-        other = openai.OpenAI(base_url="http://testserver/v1", api_key="sk-other", http_client=http, max_retries=0)
+        other = openai.OpenAI(
+            base_url="http://testserver/v1", api_key="sk-other", http_client=http, max_retries=0
+        )
         with pytest.raises(openai.BadRequestError) as too_many:
             api.completions.create(model="tiny", prompt="Hello", max_tokens=4)
         assert too_many.value.body["param"] == "max_tokens"  # type: ignore[index]
@@ -289,7 +314,10 @@ def test_a_tenants_own_adapter_limits_override_the_servers(any_store: ObjectStor
     directory.create_tenant(parse_tenant_spec({"id": "byte-plan", "limits": {"max_adapter_bytes": 5}}))
     tenants = TenantRegistry({}, directory=directory)
     adapters = AdapterStore(any_store, "tiny", tenant_limits=tenants.adapter_limits_for)
-    for tenant, param in (("tiny-plan", "max_adapters_per_tenant"), ("byte-plan", "max_adapter_bytes_per_tenant")):
+    for tenant, param in (
+        ("tiny-plan", "max_adapters_per_tenant"),
+        ("byte-plan", "max_adapter_bytes_per_tenant"),
+    ):
         with pytest.raises(InvalidRequestError) as refused:
             adapters.create(tenant, "bot", b"{}", b"0123456789", None, 8)  # type: ignore[arg-type]
         assert refused.value.param == param and refused.value.code == "adapter_limit_reached"
@@ -299,7 +327,9 @@ def test_a_tenants_own_adapter_limits_override_the_servers(any_store: ObjectStor
     assert getattr(other.value, "code", None) != "adapter_limit_reached"
 
 
-def test_batch_tokens_queued_beyond_a_tenants_limit_are_refused(engine: object, store: FileObjectStore) -> None:
+def test_batch_tokens_queued_beyond_a_tenants_limit_are_refused(
+    engine: object, store: FileObjectStore
+) -> None:
     """max_batch_tokens_queued: a batch whose lines' max_tokens, with what the tenant's unfinished
     batches may still generate, pass the limit is a 429 naming the limit, and nothing is created;
     a smaller one, or another tenant's, is accepted."""
@@ -345,6 +375,8 @@ def test_batch_tokens_queued_beyond_a_tenants_limit_are_refused(engine: object, 
         assert len(api.batches.list().data) == 1  # nothing half-created
         api.batches.create(input_file_id=batch_file(api, [30, 14]), endpoint="/v1/completions",
                            completion_window="24h")  # fmt: skip  # 56 + 44 = 100: fits
-        other = openai.OpenAI(base_url="http://testserver/v1", api_key="sk-other", http_client=http, max_retries=0)
+        other = openai.OpenAI(
+            base_url="http://testserver/v1", api_key="sk-other", http_client=http, max_retries=0
+        )
         other.batches.create(input_file_id=batch_file(other, [500]), endpoint="/v1/completions",
                              completion_window="24h")  # fmt: skip  # no limit for globex

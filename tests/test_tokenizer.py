@@ -64,7 +64,9 @@ def _chat_ids(ref, conversation) -> list[int]:  # type: ignore[no-untyped-def]
 
 
 def _ours_chat_ids(ours, conversation) -> list[int]:  # type: ignore[no-untyped-def]
-    return ours.encode(ours.apply_chat_template(conversation, add_generation_prompt=True), add_special_tokens=False)
+    return ours.encode(
+        ours.apply_chat_template(conversation, add_generation_prompt=True), add_special_tokens=False
+    )
 
 
 @pytest.mark.slow
@@ -125,7 +127,9 @@ def test_post_processor_special_tokens_as_transformers(tmp_path: Path, add_bos: 
     folder = make_tiny_model(tmp_path / "tok", num_layers=1)
     backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
     single = " ".join([*(["<|endoftext|>"] if add_bos else []), "$A", *(["<|im_end|>"] if add_eos else [])])
-    specials = [(t, backend.token_to_id(t)) for t, on in (("<|endoftext|>", add_bos), ("<|im_end|>", add_eos)) if on]
+    specials = [
+        (t, backend.token_to_id(t)) for t, on in (("<|endoftext|>", add_bos), ("<|im_end|>", add_eos)) if on
+    ]
     backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
     backend.save(str(folder / "tokenizer.json"))
     config = json.loads((folder / "tokenizer_config.json").read_text())

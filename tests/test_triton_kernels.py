@@ -78,7 +78,9 @@ def test_kv_write_matches_reference(device: str, dtype: torch.dtype) -> None:
     expected = _kv_cache(4, 8, num_kv_heads, head_dim, dtype, device)
     actual = _kv_cache(4, 8, num_kv_heads, head_dim, dtype, device)
     keep = slots >= 0
-    write_kv_reference(k[keep].to(device), v[keep].to(device), *expected[:2], slots[keep].to(device), *expected[2:])
+    write_kv_reference(
+        k[keep].to(device), v[keep].to(device), *expected[:2], slots[keep].to(device), *expected[2:]
+    )
     write_kv_triton(k.to(device), v.to(device), *actual[:2], slots.to(device), *actual[2:])
     for want, got in zip(expected, actual, strict=True):
         if want is not None:
@@ -135,7 +137,9 @@ def test_paged_attention_matches_reference(
         tables.append(table)
         k, v = torch.randn(ctx, num_kv_heads, head_dim) * 2, torch.randn(ctx, num_kv_heads, head_dim)
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx)])
-        write_kv_reference(k.to(device), v.to(device), caches[0], caches[1], slots.to(device), caches[2], caches[3])
+        write_kv_reference(
+            k.to(device), v.to(device), caches[0], caches[1], slots.to(device), caches[2], caches[3]
+        )
         keys.append(slots)
         fresh_k.append(k[ctx - n :])
         fresh_v.append(v[ctx - n :])
@@ -261,7 +265,9 @@ def test_cuda_paths_are_chosen_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> 
     from tandem.engine.builder import uses_decode_graphs
     from tandem.platform.config import EngineConfig
 
-    assert uses_decode_graphs(EngineConfig(), cuda) and not uses_decode_graphs(EngineConfig(cuda_graphs=False), cuda)
+    assert uses_decode_graphs(EngineConfig(), cuda) and not uses_decode_graphs(
+        EngineConfig(cuda_graphs=False), cuda
+    )
     assert not uses_decode_graphs(EngineConfig(), cpu)
     metadata = build_attention_metadata([[3, 1]], [5], [5], 4, 2, cpu)
     assert metadata.paged is None and metadata.prefills  # the torch path's per-segment metadata
@@ -332,7 +338,11 @@ PROMPTS = ["The quick brown fox jumps", "Paged attention stores keys and values 
     "options",
     # FP8: the CPU path not batch-invariant, whose prompts attend their own unrounded K/V as the
     # Triton kernel does (a batch-invariant CPU prompt attends its keys as cached, FP8)
-    [{}, {"kv_cache_dtype": "fp8_e4m3", "batch_invariant": False}, {"weight_dtype": "int4", "int4_group_size": 32}],
+    [
+        {},
+        {"kv_cache_dtype": "fp8_e4m3", "batch_invariant": False},
+        {"weight_dtype": "int4", "int4_group_size": 32},
+    ],
     ids=["f32", "fp8-kv", "int4"],
 )
 def test_engine_through_triton_kernels_matches_torch_path(
@@ -426,7 +436,10 @@ def test_windowed_families_through_triton_kernels_match_hf(
     folder = save_family_model(family, tmp_path_factory.mktemp(family), tokenizer_files)
     monkeypatch.setenv(TRITON_ON_CPU_ENV, "1")
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    texts = ["Paged attention stores keys and values in fixed-size blocks.", "The quick brown fox jumps over it"]
+    texts = [
+        "Paged attention stores keys and values in fixed-size blocks.",
+        "The quick brown fox jumps over it",
+    ]
     prompts = [tokenizer.encode(text).ids for text in texts]
     llm = LLM(str(folder), dtype="float32", speculative=None, kv_cache_memory=256 << 10, block_size=4,
               max_num_batched_tokens=16, max_num_seqs=8)  # fmt: skip

@@ -85,7 +85,8 @@ def compile_all(arch: int = 90) -> dict[str, str]:
         signature = {**args, **dict.fromkeys(constexprs, "constexpr")}
         try:
             compiled = triton.compile(
-                ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", arch, 32)
+                ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                target=GPUTarget("cuda", arch, 32),
             )
             results[name] = "ok" if compiled.asm.get("cubin") else "no machine code"
         except Exception as exc:  # noqa: BLE001 - report every kernel's error, not the first

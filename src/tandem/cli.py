@@ -179,10 +179,15 @@ def _app_args(args: argparse.Namespace) -> dict[str, Any]:
         "mode": args.mode,
         "stream_interval": args.stream_interval,
         "replica_num_cpus": 0 if args.address is None else 1,
-        "object_store": args.object_store or "file://" + os.path.join(os.path.abspath(args.data_dir), "objects"),
+        "object_store": args.object_store
+        or "file://" + os.path.join(os.path.abspath(args.data_dir), "objects"),
         "adapter_source_prefixes": args.adapter_source_prefix,
         **({"meter_usage": False} if args.no_usage_metering else {}),
-        **({} if args.usage_commit_interval is None else {"usage_commit_interval_s": args.usage_commit_interval}),
+        **(
+            {}
+            if args.usage_commit_interval is None
+            else {"usage_commit_interval_s": args.usage_commit_interval}
+        ),
         **tenant_limits(args),
     }
 
@@ -267,7 +272,10 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         threading.Event().wait()
     except KeyboardInterrupt:
-        print(f"[tandem] stopping: draining requests in flight (up to {args.drain_timeout:g} s)", file=sys.stderr)
+        print(
+            f"[tandem] stopping: draining requests in flight (up to {args.drain_timeout:g} s)",
+            file=sys.stderr,
+        )
         try:
             _drain(serve, args.drain_timeout)
         except KeyboardInterrupt:  # a second signal: stop now
@@ -305,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--model", default=DEFAULT_MODEL, help="bundled name, HF folder or .gguf file")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=None, help="default: the model's generation default, else 1")
+    gen.add_argument(
+        "--top-p", type=float, default=None, help="default: the model's generation default, else 1"
+    )
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="plain completion, no chat template")

@@ -32,7 +32,9 @@ def model_line(base: str, served_name: str, key: str | None) -> str:
     if key is None:
         return f"[tandem] model {served_name}: GET {base}/v1/models says its precision and defaults"
     try:
-        card = httpx.get(f"{base}/v1/models/{served_name}", headers={"Authorization": f"Bearer {key}"}, timeout=60).json()
+        card = httpx.get(
+            f"{base}/v1/models/{served_name}", headers={"Authorization": f"Bearer {key}"}, timeout=60
+        ).json()
         info = card["tandem"]
     except (httpx.HTTPError, KeyError, ValueError) as exc:
         return f"[tandem] model {served_name}: precision not known ({type(exc).__name__})"

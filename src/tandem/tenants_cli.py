@@ -40,7 +40,9 @@ def add_tenants_parser(sub: Any) -> None:
     cmds.add_parser("list", help="list tenants")
     for name in ("show", "delete"):
         cmds.add_parser(name, help=f"{name} a tenant").add_argument("tenant_id")
-    keys = cmds.add_parser("keys", help="a tenant's API keys").add_subparsers(dest="keys_command", required=True)
+    keys = cmds.add_parser("keys", help="a tenant's API keys").add_subparsers(
+        dest="keys_command", required=True
+    )
     key_create = keys.add_parser("create", help="issue a key (its secret is shown only once)")
     key_create.add_argument("tenant_id")
     key_create.add_argument("--name", default=None)

@@ -47,6 +47,7 @@ class LeaseManager:
     def renew_every_s(self) -> float:
         """How often an owner renews (a third of the ttl: two renewals may fail in a row)."""
         return self.ttl_s / 3
+
     def try_claim(self, key: str) -> Lease | None:
         """Take the lease at `key` if nobody holds a live one; None when someone does."""
         try:

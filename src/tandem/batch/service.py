@@ -232,9 +232,13 @@ class BatchService:
         self.store.put(queue_key(record.id), json.dumps({"tenant": tenant, "batch_id": record.id}).encode())
         return self.validate_batch(tenant, record.id, checked)
 
-    def _check_queued_tokens(self, tenant: str, input_file_id: str, endpoint: str, limit: int) -> ValidatedFile:
+    def _check_queued_tokens(
+        self, tenant: str, input_file_id: str, endpoint: str, limit: int
+    ) -> ValidatedFile:
         """The input file validated; raises `RateLimitError` when it would pass `limit`."""
-        checked = validate_batch_file(self.store.get(file_data_key(tenant, input_file_id)).data, endpoint, self.served_models)
+        checked = validate_batch_file(
+            self.store.get(file_data_key(tenant, input_file_id)).data, endpoint, self.served_models
+        )
         if checked.errors:
             return checked  # the batch fails validation and queues nothing
         new = checked.num_output_tokens_requested(self.default_max_tokens)
@@ -264,7 +268,9 @@ class BatchService:
                 data = self.store.get(file_data_key(tenant, record.input_file_id)).data
             except ObjectNotFound:
                 errors = [
-                    BatchError(code="file_not_found", message=f"input file {record.input_file_id} was deleted")
+                    BatchError(
+                        code="file_not_found", message=f"input file {record.input_file_id} was deleted"
+                    )
                 ]
                 return self._fail(tenant, batch_id, errors)
             checked = validate_batch_file(data, record.endpoint, self.served_models)

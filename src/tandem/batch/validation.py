@@ -35,7 +35,11 @@ class ValidatedFile:
         total = 0
         for item in self.inputs:
             asked = item.body.get("max_completion_tokens") or item.body.get("max_tokens")
-            total += asked if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else default_max_tokens
+            total += (
+                asked
+                if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0
+                else default_max_tokens
+            )
         return total
 
     def error(self, line: int, code: str, message: str, param: str | None = None) -> None:
@@ -103,7 +107,9 @@ def validate_batch_file(data: bytes, endpoint: str, served_models: set[str]) -> 
             continue
         model = body.get("model")
         if not isinstance(model, str) or not model:
-            result.error(number, "missing_required_parameter", "body.model is required (a string).", "body.model")
+            result.error(
+                number, "missing_required_parameter", "body.model is required (a string).", "body.model"
+            )
             continue
         base = model.partition(":")[0]  # `base:adapter` names one of the tenant's LoRA adapters
         if result.model is None:

@@ -128,7 +128,8 @@ class BatchWorker:
                     raise
                 except TandemError as exc:  # the store is down or full: the next poll tries again
                     logger.warning(
-                        "batch worker step failed; retrying", extra={"worker": self.worker_id, "error": exc.message}
+                        "batch worker step failed; retrying",
+                        extra={"worker": self.worker_id, "error": exc.message},
                     )
                     did_work = False
                 except Exception:
@@ -139,7 +140,9 @@ class BatchWorker:
                     waker: asyncio.Future[Any] = asyncio.ensure_future(self._wake.wait())
                     watched: set[asyncio.Future[Any]] = {waker, *self._shards}
                     try:
-                        await asyncio.wait(watched, timeout=self.poll_interval_s, return_when=asyncio.FIRST_COMPLETED)
+                        await asyncio.wait(
+                            watched, timeout=self.poll_interval_s, return_when=asyncio.FIRST_COMPLETED
+                        )
                     finally:
                         waker.cancel()
         finally:
@@ -215,12 +218,15 @@ class BatchWorker:
         for tenant in active - self.claimed.keys():
             self.claimed[tenant] = floor
         return sorted(queued, key=lambda item: self.claimed[item[0]])  # stable: age within a tenant
+
     def _reap(self) -> bool:
         """Forget finished shard tasks (logging any that raised); True when there were some."""
         done = {task for task in self._shards if task.done()}
         for task in done:
             if not task.cancelled() and task.exception() is not None:
-                logger.error("batch shard failed", exc_info=task.exception(), extra={"worker": self.worker_id})
+                logger.error(
+                    "batch shard failed", exc_info=task.exception(), extra={"worker": self.worker_id}
+                )
         self._shards -= done
         for task in done:
             self._shard_leases.pop(task, None)
@@ -303,7 +309,9 @@ class BatchWorker:
         try:
             await asyncio.to_thread(self.leases.release, lease)
         except Exception as exc:  # noqa: BLE001
-            logger.warning("lease release failed; it expires", extra={"key": lease.key, "error": str(exc)[:200]})
+            logger.warning(
+                "lease release failed; it expires", extra={"key": lease.key, "error": str(exc)[:200]}
+            )
 
     async def _run_shard(self, record: BatchRecord, lease: Lease, shard: int) -> None:
         """Run a claimed shard and commit it. Cancelled (the worker stops), it commits nothing;
@@ -317,7 +325,9 @@ class BatchWorker:
             data = await asyncio.to_thread(self.store.get, input_shard_key(tenant, batch_id, shard))
             inputs = decode_inputs(data.data)
             logger.info("shard claimed", extra={**log, "requests": len(inputs), "kept": len(kept)})
-            tasks = [asyncio.ensure_future(self._run_one(record, row)) for row in inputs if row.line not in kept]
+            tasks = [
+                asyncio.ensure_future(self._run_one(record, row)) for row in inputs if row.line not in kept
+            ]
             stop_reason = await self._supervise(tenant, batch_id, lease, tasks)
         except BaseException as exc:  # cancelled, or a failure: its lines' requests end with it
             for task in tasks:
@@ -331,13 +341,19 @@ class BatchWorker:
             self._keep(tenant, batch_id, shard, kept, tasks)
             logger.warning("lease lost; shard left to its new owner", extra=log)
             return
-        failed = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+        failed = [
+            t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception() is not None
+        ]
         if failed:  # RetryLater (or a bug): no line's answer is lost or written as an error
             self._keep(tenant, batch_id, shard, kept, tasks)
             await self._release(lease)
             logger.warning(
                 "shard not committed; it runs again",
-                extra={**log, "failed": len(failed), "error": f"{type(failed[0]).__name__}: {failed[0]}"[:300]},
+                extra={
+                    **log,
+                    "failed": len(failed),
+                    "error": f"{type(failed[0]).__name__}: {failed[0]}"[:300],
+                },
             )
             return
         rows = list(kept.values()) + [t.result() for t in tasks if t.done() and not t.cancelled()]
@@ -371,7 +387,9 @@ class BatchWorker:
         while len(self._kept) > MAX_KEPT_SHARDS:
             del self._kept[next(iter(self._kept))]
 
-    async def _commit_with_retries(self, record: BatchRecord, shard: int, rows: list[BatchResult], lease: Lease) -> bool:
+    async def _commit_with_retries(
+        self, record: BatchRecord, shard: int, rows: list[BatchResult], lease: Lease
+    ) -> bool:
         """Commit, retrying a store failure with backoff (renewing the lease meanwhile) until it
         lands or the batch expires; False then. A commit is put-if-absent: retrying it, or another
         worker committing first, never counts a line twice."""

@@ -179,7 +179,9 @@ class AdapterStore:
         """The two PEFT files of the folder `source`, which must lie under one of `tenant`'s own
         source prefixes (`source_prefixes` with `{tenant}` filled in). Nothing is created, and
         nothing outside those folders is read."""
-        folder = resolve_source(source, [p.format(tenant=quote(tenant, safe="")) for p in self.source_prefixes])
+        folder = resolve_source(
+            source, [p.format(tenant=quote(tenant, safe="")) for p in self.source_prefixes]
+        )
         try:
             if isinstance(folder, Path):
                 return _read_inside(folder, CONFIG_FILE), _read_inside(folder, WEIGHTS_FILE)
@@ -187,11 +189,15 @@ class AdapterStore:
             store = S3ObjectStore(bucket, key_prefix, self.s3_settings)
             return store.get(CONFIG_FILE).data, store.get(WEIGHTS_FILE).data
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError, ObjectNotFound) as exc:
-            raise NotFoundError(f"{source} must hold {CONFIG_FILE} and {WEIGHTS_FILE}", param="source") from exc
+            raise NotFoundError(
+                f"{source} must hold {CONFIG_FILE} and {WEIGHTS_FILE}", param="source"
+            ) from exc
         except Exception as exc:  # permissions, credentials, the network: the caller cannot fix those
             logger.warning("adapter source unreadable", extra={"tenant": tenant, "error": repr(exc)[:300]})
             raise InvalidRequestError(
-                f"{source} could not be read; upload the files instead", param="source", code="source_unreadable"
+                f"{source} could not be read; upload the files instead",
+                param="source",
+                code="source_unreadable",
             ) from exc
 
     def get(self, tenant: str, name: str) -> AdapterRecord:

@@ -86,7 +86,9 @@ def openai_server(
     if cfg.keys_file:
         with open(cfg.keys_file) as f:
             spec = f.read() + "," + spec
-    operator_spec = cfg.operator_keys if cfg.operator_keys is not None else os.environ.get("TANDEM_OPERATOR_KEYS", "")
+    operator_spec = (
+        cfg.operator_keys if cfg.operator_keys is not None else os.environ.get("TANDEM_OPERATOR_KEYS", "")
+    )
     store = open_object_store(cfg.object_store) if cfg.object_store is not None else None
     directory = None
     if store is not None:
@@ -103,7 +105,9 @@ def openai_server(
     tenants.start_refresh(cfg.tenant_refresh_s)
     batches = adapters = None
     if store is not None:
-        batches = BatchService(store, {client.model_name}, cfg.batch, default_max_tokens=cfg.max_tokens_default)
+        batches = BatchService(
+            store, {client.model_name}, cfg.batch, default_max_tokens=cfg.max_tokens_default
+        )
         adapters = AdapterStore(
             store,
             client.model_name,

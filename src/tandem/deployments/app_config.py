@@ -35,7 +35,9 @@ class Placement(BaseModel):
         return options
 
 
-DeploymentName = Literal["LLMReplica", "PrefillReplica", "OpenAIIngress", "BatchWorker", "FleetState", "TenantBudget"]
+DeploymentName = Literal[
+    "LLMReplica", "PrefillReplica", "OpenAIIngress", "BatchWorker", "FleetState", "TenantBudget"
+]
 
 
 class AppConfig(BaseModel):
@@ -76,7 +78,8 @@ class AppConfig(BaseModel):
     max_tokens_default: int = 256
     num_replicas: int = 1
     routing: RoutingConfig = Field(
-        default_factory=lambda: RoutingConfig.model_validate({}), description="Which replica serves a request (adapter, prefix, load)"
+        default_factory=lambda: RoutingConfig.model_validate({}),
+        description="Which replica serves a request (adapter, prefix, load)",
     )
     autoscaling: AutoscalingConfig | None = Field(
         None, description="When set, the LLM replicas scale on KV occupancy and queue depth"
@@ -146,7 +149,8 @@ class AppConfig(BaseModel):
         "(tenants, keys, limits changed through /v1/admin take effect everywhere within this)",
     )
     meter_usage: bool = Field(
-        True, description="Record each request's usage in the object store (needs one); off: the usage API is 404"
+        True,
+        description="Record each request's usage in the object store (needs one); off: the usage API is 404",
     )
     usage_commit_interval_s: float = Field(
         1.0,
@@ -165,7 +169,9 @@ class AppConfig(BaseModel):
     )
 
     max_adapter_bytes: int = 256 << 20
-    max_adapters_per_tenant: int | None = Field(64, ge=1, description="Adapters one tenant may store (None: no limit)")
+    max_adapters_per_tenant: int | None = Field(
+        64, ge=1, description="Adapters one tenant may store (None: no limit)"
+    )
     max_adapter_bytes_per_tenant: int | None = Field(
         4 << 30, ge=1, description="Adapter weight bytes one tenant may store in all (None: no limit)"
     )

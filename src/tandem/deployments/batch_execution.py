@@ -48,7 +48,9 @@ def is_retryable(exc: TandemError) -> bool:
     return isinstance(exc, RequestFailedError) and exc.code in ("engine_failed", "kv_integrity")
 
 
-async def execute_batch_line(server: OpenAIServer, endpoint: str, body: dict[str, Any], tenant: str) -> ExecutedRequest:
+async def execute_batch_line(
+    server: OpenAIServer, endpoint: str, body: dict[str, Any], tenant: str
+) -> ExecutedRequest:
     """Run one line of a batch file at batch priority: the same code path and response body
     as the real-time endpoint, with errors captured in OpenAI's shape instead of raised. A
     retryable failure (`is_retryable`) is retried, then raises `RetryLater`; a replica with no

@@ -99,7 +99,9 @@ def tandem_error_reply(exc: TandemError, request_id: str) -> tuple[int, dict[str
     return exc.status_code, tandem_error_body(exc, request_id), headers
 
 
-def log_refusal(route: str, status: int, body: dict[str, Any], request_id: str | None, tenant: str | None) -> None:
+def log_refusal(
+    route: str, status: int, body: dict[str, Any], request_id: str | None, tenant: str | None
+) -> None:
     """One INFO line for a refused request (4xx): route, status, error code and param, request
     id and tenant. A 5xx is logged where it happens, with its traceback."""
     error = body.get("error", {})
@@ -194,7 +196,9 @@ class CompletionRoutes:
                     result = await server.chat(chat_req, tenant, timing=timing, api_key_id=key_id)
                 else:
                     completion_req = CompletionRequest.model_validate(body)
-                    result = await server.completions(completion_req, tenant, timing=timing, api_key_id=key_id)
+                    result = await server.completions(
+                        completion_req, tenant, timing=timing, api_key_id=key_id
+                    )
                 reply_headers = {"Server-Timing": timing.header()}
                 if isinstance(result, dict):
                     await _send_json(send_tracked, 200, result, reply_headers)

@@ -156,7 +156,9 @@ class FleetState:
         live = [s for s in self.snapshot().values() if s.get("role") != "prefill"]
         kv = [float(s.get("kv_occupancy", 0.0)) for s in live]
         waiting = [float(s.get("num_waiting", 0)) for s in live]
-        target = desired_replicas(len(live), kv, waiting, self.scaling_targets) if self.scaling_targets else None
+        target = (
+            desired_replicas(len(live), kv, waiting, self.scaling_targets) if self.scaling_targets else None
+        )
         now = time.time()
         self._scaling.append({
             "time": now, "replicas": len(live), "target": target,

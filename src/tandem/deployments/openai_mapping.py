@@ -156,7 +156,9 @@ def stream_chunks(
                     created=created,
                     delta=delta,
                     finish_reason=finish,
-                    logprobs=names.chat_logprobs(completion.delta_token_ids, completion.delta_logprobs, num_top),
+                    logprobs=names.chat_logprobs(
+                        completion.delta_token_ids, completion.delta_logprobs, num_top
+                    ),
                     index=completion.index,
                 )
             )
@@ -196,7 +198,9 @@ def engine_error(out: RequestOutput, param: str | None = None) -> TandemError:
     message = f"{out.error or 'the engine could not compute this request'} (request id {out.request_id})"
     if out.error_code == "constraint_failed":
         return InvalidRequestError(
-            f"{message}; simplify the schema or grammar, or raise max_tokens", param=param, code="constraint_failed"
+            f"{message}; simplify the schema or grammar, or raise max_tokens",
+            param=param,
+            code="constraint_failed",
         )
     return RequestFailedError(message, code=out.error_code or "request_failed")
 

@@ -66,7 +66,6 @@ from tandem.platform.usage_records import UsageStatus
 logger = logging.getLogger("tandem.api")
 
 
-
 class TenantLimiter(Protocol):
     """Admits a tenant's real-time requests under its limits (429 `RateLimitError` when over)."""
 
@@ -430,12 +429,16 @@ class OpenAIServer:
         started, started_ns = time.monotonic(), time.time_ns()
         meter = None
         if accounted and self.usage_log is not None:
-            meter = RequestMeter(gen.request_id, tenant, api_key_id, self._api_model(gen), self._adapter_name(gen))
+            meter = RequestMeter(
+                gen.request_id, tenant, api_key_id, self._api_model(gen), self._adapter_name(gen)
+            )
         usage = None if meter is None else UsageTag(meter.api_key_id, meter.model, meter.adapter)
         outputs = self.client.generate(gen, usage)
         self.num_in_flight += 1
         try:
-            first = await self._next_output(outputs)  # validation errors surface here, before any byte is sent
+            first = await self._next_output(
+                outputs
+            )  # validation errors surface here, before any byte is sent
             if first is None:
                 raise RuntimeError(f"the engine stream of {gen.request_id} ended without an output")
             first_at = time.monotonic()
@@ -509,7 +512,9 @@ class OpenAIServer:
         finish_reason = last.outputs[0].finish_reason if last.outputs else None
         await self.usage_log.commit(meter.record("completed", finish_reason))
 
-    def _meter_end(self, meter: RequestMeter | None, exc: BaseException | None, *, failed: bool = False) -> None:
+    def _meter_end(
+        self, meter: RequestMeter | None, exc: BaseException | None, *, failed: bool = False
+    ) -> None:
         """Record a request that ends without reporting usage: `cancelled` when its client went
         away (a cancellation) or the server drained, `failed` otherwise. Never waits or raises."""
         if meter is None or self.usage_log is None or meter.recorded:
@@ -519,7 +524,9 @@ class OpenAIServer:
             status = "cancelled"
         self.usage_log.submit(meter.record(status, "abort" if status == "cancelled" else "error"))
 
-    def _final_body(self, gen: GenerationRequest, last: RequestOutput, *, chat: bool, tool_calls: bool) -> dict[str, Any]:
+    def _final_body(
+        self, gen: GenerationRequest, last: RequestOutput, *, chat: bool, tool_calls: bool
+    ) -> dict[str, Any]:
         """The JSON body of a finished request: one choice per `last.outputs` (every choice's final
         output), usage counting the prompt once."""
         num_top = gen.sampling_params.logprobs or 0
@@ -590,7 +597,9 @@ class OpenAIServer:
                         model=self._api_model(gen),
                         created=created,
                         delta=delta,
-                        finish_reason=("tool_calls" if calls.num_calls and finish == "stop" else finish) if last else None,
+                        finish_reason=("tool_calls" if calls.num_calls and finish == "stop" else finish)
+                        if last
+                        else None,
                         logprobs=logprobs if position == 0 else None,
                         index=completion.index,
                     )
@@ -638,7 +647,9 @@ class OpenAIServer:
                     raise engine_error(out, _constraint_param(gen))
                 if calls is not None:
                     for completion in unsent_choices(out, ended):
-                        for event in self._tool_call_events(completion, calls[completion.index], gen, created):
+                        for event in self._tool_call_events(
+                            completion, calls[completion.index], gen, created
+                        ):
                             yield event
                     out = await self._next_output(outputs)
                     continue
@@ -712,7 +723,9 @@ class _Events:
     its `finally`: closing this one before the first event (a client gone before the response
     started) still closes the engine stream and gives the tenant's slot back."""
 
-    def __init__(self, events: AsyncGenerator[str, None], close_unstarted: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self, events: AsyncGenerator[str, None], close_unstarted: Callable[[], Awaitable[None]]
+    ) -> None:
         self.events, self.close_unstarted, self.started = events, close_unstarted, False
 
     def __aiter__(self) -> _Events:

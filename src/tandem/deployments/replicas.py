@@ -202,7 +202,9 @@ class PrefillReplica:
 
         self.engine = AsyncEngine.from_options(**{"role": "prefill", **(engine_options or {})})
 
-    async def prefill(self, request: GenerationRequest, cache_dtype: str | None = None, skip_pages: int = 0) -> KVTransfer:
+    async def prefill(
+        self, request: GenerationRequest, cache_dtype: str | None = None, skip_pages: int = 0
+    ) -> KVTransfer:
         return await self.engine.prefill(request, cache_dtype, skip_pages)
 
     async def stats(self) -> dict[str, Any]:

@@ -208,13 +208,17 @@ def place(loads: Sequence[ReplicaLoad], key: str | None, config: RoutingConfig) 
     a replica joining or leaving moves only its share of keys. Without one: the least-loaded."""
     least = min(r.num_ongoing for r in loads)
     eligible = [
-        r for r in loads if r.kv_occupancy < config.kv_saturation and r.num_ongoing <= least + config.max_imbalance
+        r
+        for r in loads
+        if r.kv_occupancy < config.kv_saturation and r.num_ongoing <= least + config.max_imbalance
     ]
     if key is None or not eligible:
         return min(
             loads, key=lambda r: (r.kv_occupancy >= config.kv_saturation, r.num_ongoing, r.kv_occupancy)
         ).replica_id
-    return max(eligible, key=lambda r: hashlib.blake2b(f"{key}|{r.replica_id}".encode(), digest_size=8).digest()).replica_id
+    return max(
+        eligible, key=lambda r: hashlib.blake2b(f"{key}|{r.replica_id}".encode(), digest_size=8).digest()
+    ).replica_id
 
 
 class TandemRouter(RequestRouter):
@@ -238,7 +242,9 @@ class TandemRouter(RequestRouter):
             stats = replica.routing_stats or {}
             if queued is None:  # no fresh probe: the replica's own last report
                 queued = int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
-            loads.append(ReplicaLoad(replica.replica_id.unique_id, queued, float(stats.get("kv_occupancy", 0.0))))
+            loads.append(
+                ReplicaLoad(replica.replica_id.unique_id, queued, float(stats.get("kv_occupancy", 0.0)))
+            )
         return loads
 
     def _adapter_holders(self, lora_name: str, replicas: Sequence[RunningReplica]) -> dict[str, float]:
@@ -266,7 +272,9 @@ class TandemRouter(RequestRouter):
         if request.lora_name is not None:
             affinity = self._adapter_holders(request.lora_name, candidate_replicas)
         else:
-            digests, num_units = prefix_hashes(request, self.config.prefix_chunk_chars, self.config.max_prefix_chunks)
+            digests, num_units = prefix_hashes(
+                request, self.config.prefix_chunk_chars, self.config.max_prefix_chunks
+            )
             self._pending_digests[request.request_id] = digests
             while len(self._pending_digests) > MAX_PENDING_DIGESTS:
                 self._pending_digests.popitem(last=False)
@@ -290,7 +298,9 @@ class TandemRouter(RequestRouter):
         elif digests:
             self.prefix_index.record(digests, replica_id)
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
+    ) -> None:
         request = _generation_request(pending_request)
         if request is None:
             return

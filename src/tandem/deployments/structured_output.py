@@ -56,7 +56,11 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 def response_format_constraint(req: ChatCompletionRequest | CompletionRequest) -> StructuredOutput | None:
     """The constraint of `req.response_format` alone (None for none or `text`)."""
     schema = _response_schema(req)
-    return None if schema is None else StructuredOutput("json_schema", json.dumps(schema), param="response_format")
+    return (
+        None
+        if schema is None
+        else StructuredOutput("json_schema", json.dumps(schema), param="response_format")
+    )
 
 
 def _response_schema(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any] | None:
@@ -70,7 +74,7 @@ def _response_schema(req: ChatCompletionRequest | CompletionRequest) -> dict[str
 
 
 def tool_mode(req: ChatCompletionRequest) -> str | None:
-    """"auto", "required", "named" or None (no tools, or `tool_choice: "none"`)."""
+    """ "auto", "required", "named" or None (no tools, or `tool_choice: "none"`)."""
     if not req.tools or req.tool_choice == "none":
         return None
     if isinstance(req.tool_choice, NamedToolChoice):
@@ -194,7 +198,11 @@ class ParsedCall:
     arguments: str  # the model's JSON text
 
     def as_openai(self, call_id: str) -> dict[str, Any]:
-        return {"id": call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": call_id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 def parse_tool_calls(text: str, *, cut: bool = False) -> tuple[str | None, list[ParsedCall]]:
@@ -355,10 +363,16 @@ class ToolCallStream:
             return True
         # "args": everything up to CALL_END is arguments
         close = self.buffer.find(CALL_END)
-        end = close if close >= 0 else len(self.buffer) - (0 if final else _partial_suffix(self.buffer, CALL_END))
+        end = (
+            close
+            if close >= 0
+            else len(self.buffer) - (0 if final else _partial_suffix(self.buffer, CALL_END))
+        )
         if end > 0:
             self.arguments += self.buffer[:end]
-            deltas.append({"tool_calls": [{"index": self.num_calls, "function": {"arguments": self.buffer[:end]}}]})
+            deltas.append(
+                {"tool_calls": [{"index": self.num_calls, "function": {"arguments": self.buffer[:end]}}]}
+            )
         self.buffer = self.buffer[end:]
         if close < 0:
             return False

@@ -197,7 +197,11 @@ def take_prefix(sched: Scheduler, request: Request) -> None:
     if request.compressed and sched.head_layout is not None:
         lookup_tokens = sched.head_layout.prefix_lookup_tokens(request)
     cached = sched.kv.allocate_cached_prefix(
-        request.request_id, lookup_tokens, request.token_ids_slice, sched.cache_salt(request), whole=request.hold_kv
+        request.request_id,
+        lookup_tokens,
+        request.token_ids_slice,
+        sched.cache_salt(request),
+        whole=request.hold_kv,
     )
     request.num_computed_tokens = cached
     if request.num_preemptions == 0:

@@ -136,7 +136,9 @@ class AsyncEngine:
         """`LLMEngine.cached_prefix_pages`: leading prompt pages a sender need not send here."""
         return cast(int, await self._call(lambda engine: engine.cached_prefix_pages(request)))
 
-    async def prefill(self, request: GenerationRequest, cache_dtype: str | None = None, skip_pages: int = 0) -> KVTransfer:
+    async def prefill(
+        self, request: GenerationRequest, cache_dtype: str | None = None, skip_pages: int = 0
+    ) -> KVTransfer:
         """Compute the prompt and first token here and return its KV pages (`LLMEngine.export_kv`,
         from page `skip_pages` on) for a decode engine; this engine's blocks are free when it returns."""
         last: RequestOutput | None = None
@@ -144,8 +146,13 @@ class AsyncEngine:
             last = output
         assert last is not None and last.finished
         if last.outputs[0].finish_reason == "error":
-            raise RequestFailedError(last.error or "the prefill failed", code=last.error_code or "request_failed")
-        return cast(KVTransfer, await self._call(lambda engine: engine.export_kv(request.request_id, cache_dtype, skip_pages)))
+            raise RequestFailedError(
+                last.error or "the prefill failed", code=last.error_code or "request_failed"
+            )
+        return cast(
+            KVTransfer,
+            await self._call(lambda engine: engine.export_kv(request.request_id, cache_dtype, skip_pages)),
+        )
 
     async def generate_from_kv(
         self, request: GenerationRequest, transfer: KVTransfer, stream_interval: int = 1
@@ -171,7 +178,9 @@ class AsyncEngine:
             if first.finished:
                 return
             streaming = True  # from here `_stream_outputs` aborts the request if we are left
-            async for output in self._stream_outputs(request.request_id, stream, stream_interval, num_yielded=1):
+            async for output in self._stream_outputs(
+                request.request_id, stream, stream_interval, num_yielded=1
+            ):
                 yield output
         finally:
             if not streaming and not first.finished:

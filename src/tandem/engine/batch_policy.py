@@ -42,7 +42,10 @@ class BatchPolicy:
         if interactive_active:
             self._last_interactive_at = now
             return self.tokens_under_load
-        if self.tokens_after_interactive is not None and now - self._last_interactive_at < self.interactive_quiet_s:
+        if (
+            self.tokens_after_interactive is not None
+            and now - self._last_interactive_at < self.interactive_quiet_s
+        ):
             return self.tokens_after_interactive
         return None
 

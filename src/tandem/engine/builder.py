@@ -126,7 +126,9 @@ def available_memory_bytes(device: torch.device) -> int:
 
 def eviction_policy(config: EngineConfig) -> EvictionPolicy:
     """How compressed requests are evicted (the runner scores and plans; the scheduler times)."""
-    return EvictionPolicy(per_head=config.kv_compression_policy == "per_head", interval=config.kv_compression_interval)
+    return EvictionPolicy(
+        per_head=config.kv_compression_policy == "per_head", interval=config.kv_compression_interval
+    )
 
 
 def build_parts(config: EngineConfig) -> EngineParts:
@@ -141,7 +143,9 @@ def build_parts(config: EngineConfig) -> EngineParts:
     loaded = load_model(config.model)
     cfg = loaded.config
     native_int4 = device.type == "cpu" and config.int4_kernel != "torch" and int4_native.load() is not None
-    probing = config.precision_probe and device.type == "cpu" and config.dtype == "auto" and not pinned_precision()
+    probing = (
+        config.precision_probe and device.type == "cpu" and config.dtype == "auto" and not pinned_precision()
+    )
     precision = choose_precision(
         device_type=device.type,
         dtype=config.dtype,
@@ -185,10 +189,14 @@ def build_parts(config: EngineConfig) -> EngineParts:
     grammars = GrammarCompiler(loaded.tokenizer, cfg.vocab_size, sorted(eos_token_ids))
     invariance = DISABLED
     if config.batch_invariant and precision.weight_dtype == "hybrid":
-        invariance = BatchInvariance(True, False, "off with weight_dtype hybrid (INT4 small decode steps, dense others)")
+        invariance = BatchInvariance(
+            True, False, "off with weight_dtype hybrid (INT4 small decode steps, dense others)"
+        )
     elif config.batch_invariant:
         threads = torch.get_num_threads()
-        invariance = make_batch_invariant(device, (threads, 1) if tune_threads and threads > 1 else (threads,), model, decode_model)
+        invariance = make_batch_invariant(
+            device, (threads, 1) if tune_threads and threads > 1 else (threads,), model, decode_model
+        )
     runner = ModelRunner(
         model, kv_spec, sizes.num_blocks, device, seed=config.seed, lora=lora, compile_decode=config.compile_decode,
         decode_model=decode_model, decode_model_max_batch=config.hybrid_int4_max_batch, draft=proposer,
@@ -201,7 +209,9 @@ def build_parts(config: EngineConfig) -> EngineParts:
     runner.warmup_decode()
     runner.capture_graphs()
     kv_cache_dtype_name = str(kv_dtype).removeprefix("torch.")
-    generation_defaults = loaded.generation_defaults if config.generation_config == "auto" else GenerationDefaults()
+    generation_defaults = (
+        loaded.generation_defaults if config.generation_config == "auto" else GenerationDefaults()
+    )
     logger.info(
         "engine ready",
         extra={
@@ -272,11 +282,15 @@ def _load_draft(
         return None
     if is_eagle_folder(path):
         try:
-            head = load_eagle(path, dtype=dtype, device=device, max_positions=loaded.config.max_position_embeddings)
+            head = load_eagle(
+                path, dtype=dtype, device=device, max_positions=loaded.config.max_position_embeddings
+            )
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="speculative.draft_model") from exc
         hcfg = head.config
-        return _Draft(KVCacheSpec(1, hcfg.num_key_value_heads, hcfg.head_dim, config.block_size, kv_dtype), head=head)
+        return _Draft(
+            KVCacheSpec(1, hcfg.num_key_value_heads, hcfg.head_dim, config.block_size, kv_dtype), head=head
+        )
     spec = config.speculative
     assert spec is not None and spec.draft_model is not None
     model = load_model(spec.draft_model)
@@ -300,7 +314,9 @@ def _size(
     budget = config.kv_cache_memory or int(config.kv_cache_memory_fraction * available_memory_bytes(device))
     num_head_blocks = 0
     if config.enable_kv_compression or config.kv_compression_rate is not None:
-        head_block_bytes = config.block_size * head_slot_bytes(head_pool_dtype(kv_spec.dtype, dtype), cfg.head_dim)
+        head_block_bytes = config.block_size * head_slot_bytes(
+            head_pool_dtype(kv_spec.dtype, dtype), cfg.head_dim
+        )
         head_budget = int(config.kv_compression_memory_fraction * budget)
         num_head_blocks = head_budget // head_block_bytes
         if num_head_blocks < cfg.num_hidden_layers * cfg.num_key_value_heads:
@@ -329,7 +345,9 @@ def _size(
     if draft is not None and draft.head is not None:
         max_model_len = min(max_model_len, draft.head.max_positions)
     # Compressed requests' context is the compression pool's (before eviction), within the model's.
-    compressed_len = (num_head_blocks // (cfg.num_hidden_layers * cfg.num_key_value_heads)) * config.block_size
+    compressed_len = (
+        num_head_blocks // (cfg.num_hidden_layers * cfg.num_key_value_heads)
+    ) * config.block_size
     max_positions = max(max_model_len, min(cfg.max_position_embeddings, compressed_len))
     return _Sizes(num_blocks, num_head_blocks, max_model_len, max_positions)
 

@@ -49,7 +49,11 @@ def draw_draft(
 
 
 def draft_step_metadata(
-    active: list[ScheduledRequest], query_lens: list[int], depth: int, block_size: int, num_kv_heads: int,
+    active: list[ScheduledRequest],
+    query_lens: list[int],
+    depth: int,
+    block_size: int,
+    num_kv_heads: int,
     device: torch.device,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """Attention metadata of one drafting pass (request i computes `query_lens[i]` positions
@@ -72,7 +76,9 @@ class PagedDraftCache:
     wants_hidden = False  # whether the runner hands over the target's states (`EagleProposer`)
     hidden_layers: tuple[int, ...] = ()  # which target layers' outputs it wants
 
-    def __init__(self, kv_caches: list[KVLayer], num_kv_heads: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, kv_caches: list[KVLayer], num_kv_heads: int, block_size: int, device: torch.device
+    ) -> None:
         self.kv_caches = kv_caches
         self.num_kv_heads = num_kv_heads
         self.block_size = block_size
@@ -115,7 +121,9 @@ class DraftProposer(PagedDraftCache):
 
     def accepted(self, request_id: str, start_position: int, num_drafts: int, num_accepted: int) -> None:
         """After verification: the draft KV written for rejected drafts is invalid."""
-        self.num_computed[request_id] = min(self.num_computed.get(request_id, 0), start_position + 1 + num_accepted)
+        self.num_computed[request_id] = min(
+            self.num_computed.get(request_id, 0), start_position + 1 + num_accepted
+        )
 
     @torch.inference_mode()
     def propose(
@@ -258,7 +266,11 @@ class EagleProposer(PagedDraftCache):
         position's row is the target's state at the position before it, zeros where unknown."""
         hidden = self.model.config.hidden_size
         buffered = self._buffered(request_id)
-        first, states = buffered if buffered is not None else (last, torch.empty(0, hidden, dtype=self.state_dtype, device=self.device))
+        first, states = (
+            buffered
+            if buffered is not None
+            else (last, torch.empty(0, hidden, dtype=self.state_dtype, device=self.device))
+        )
         start = min(max(done, first), last)
         rows = torch.zeros(last + 1 - start, hidden, dtype=states.dtype, device=states.device)
         lo, hi = max(start - 1, first), min(last - 1, first + states.shape[0] - 1)  # state positions used

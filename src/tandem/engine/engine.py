@@ -79,7 +79,9 @@ class LLMEngine:
         )
         cfg = parts.model_config
         self.head_kv = (
-            HeadKVCacheManager(parts.num_head_blocks, config.block_size, cfg.num_hidden_layers, cfg.num_key_value_heads)
+            HeadKVCacheManager(
+                parts.num_head_blocks, config.block_size, cfg.num_hidden_layers, cfg.num_key_value_heads
+            )
             if parts.num_head_blocks
             else None
         )
@@ -175,7 +177,6 @@ class LLMEngine:
         if request.lora_name is not None and self.lora is not None:
             self.lora.release(request.lora_name)
 
-
     # -- LoRA adapters --------------------------------------------------------------------
     def add_lora(self, name: str, source: str | LoRAAdapter) -> LoRAAdapter:
         """Register an adapter by name: a PEFT folder (adapter_config.json +
@@ -261,7 +262,6 @@ class LLMEngine:
             self.families.add(request.request_id, [c.request_id for c in children])
         return request
 
-
     # -- KV hand-over (handover.py) --------------------------------------------------------------
     def make_prefill_request(self, gen: GenerationRequest) -> tuple[Request, str | None]:
         return handover.make_prefill_request(self, gen)
@@ -279,7 +279,9 @@ class LLMEngine:
     def export_kv(self, request_id: str, cache_dtype: str | None = None, skip_pages: int = 0) -> KVTransfer:
         return handover.export_kv(self, request_id, cache_dtype, skip_pages)
 
-    def add_request_with_kv(self, gen: GenerationRequest, transfer: KVTransfer, *, stream_text: bool = False) -> RequestOutput:
+    def add_request_with_kv(
+        self, gen: GenerationRequest, transfer: KVTransfer, *, stream_text: bool = False
+    ) -> RequestOutput:
         return handover.add_request_with_kv(self, gen, transfer, stream_text=stream_text)
 
     def abort_request(
@@ -320,7 +322,6 @@ class LLMEngine:
     def new_request_id() -> str:
         return uuid.uuid4().hex
 
-
     # -- the loop -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One step: schedule, execute, update, outputs (choices mapped to their parents)."""
@@ -333,7 +334,9 @@ class LLMEngine:
     def _execute(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
         """Run a scheduled step and apply it: the requests the runner failed end first (none of
         their tokens is kept), then the others' tokens and outputs."""
-        self.output_processor.mark_scheduled([s.request_id for s in scheduled.scheduled if s.is_new], time.monotonic())
+        self.output_processor.mark_scheduled(
+            [s.request_id for s in scheduled.scheduled if s.is_new], time.monotonic()
+        )
         threads = caller_threads = None
         size = 0
         if self.thread_tuner is not None:

@@ -31,7 +31,9 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "dtype": engine.precision.dtype if engine.precision else None,
         "weight_dtype": engine.precision.weight_dtype if engine.precision else engine.config.weight_dtype,
         "precision_reason": engine.precision.reason if engine.precision else "",
-        "precision_probe": engine.precision.probe.as_stats() if engine.precision and engine.precision.probe else None,
+        "precision_probe": engine.precision.probe.as_stats()
+        if engine.precision and engine.precision.probe
+        else None,
         "quality_probe": [q.as_stats() for q in engine.precision.quality] if engine.precision else [],
         "generation_defaults": engine.generation_defaults.as_dict(),
         "batch_invariant": engine.batch_invariance.holds,
@@ -85,7 +87,10 @@ def _moe_stats(expert_tokens: list[int]) -> dict[str, Any]:
     if not expert_tokens:
         return {}
     mean = sum(expert_tokens) / len(expert_tokens)
-    return {"moe_expert_tokens": expert_tokens, "moe_expert_imbalance": max(expert_tokens) / mean if mean else 1.0}
+    return {
+        "moe_expert_tokens": expert_tokens,
+        "moe_expert_imbalance": max(expert_tokens) / mean if mean else 1.0,
+    }
 
 
 def _compression_stats(engine: LLMEngine) -> dict[str, Any]:

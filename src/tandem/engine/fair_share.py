@@ -88,7 +88,9 @@ class FairShare:
             queues.setdefault(request.tenant_id, deque()).append(request)
         if len(queues) <= 1:
             return list(requests)
-        heap = [(self.counter(q[0]), q[0].arrival_time, i, tenant) for i, (tenant, q) in enumerate(queues.items())]
+        heap = [
+            (self.counter(q[0]), q[0].arrival_time, i, tenant) for i, (tenant, q) in enumerate(queues.items())
+        ]
         heapq.heapify(heap)
         ordered: list[Request] = []
         while heap:
@@ -118,7 +120,9 @@ class FairShare:
         shares = self.seat_shares(request.priority, num_seats)
         if seats[request.tenant_id] + 1 > shares.get(request.tenant_id, 0.0) + 1e-9:
             return None
-        over = {t: seats[t] / shares[t] for t in seats if t != request.tenant_id and seats[t] > shares.get(t, 0.0)}
+        over = {
+            t: seats[t] / shares[t] for t in seats if t != request.tenant_id and seats[t] > shares.get(t, 0.0)
+        }
         if not over:
             return None
         tenant = max(over, key=lambda t: (over[t], self.counters[(request.priority, t)]))

@@ -63,7 +63,11 @@ class GenerationDefaults:
     @classmethod
     def from_gguf_fields(cls, fields: dict[str, Any]) -> GenerationDefaults:
         """A GGUF file's `general.sampling.*` keys (llama.cpp's per-model sampling defaults)."""
-        values = {_HF_KEYS[key]: fields[gguf_key] for gguf_key, key in GGUF_SAMPLING_KEYS.items() if gguf_key in fields}
+        values = {
+            _HF_KEYS[key]: fields[gguf_key]
+            for gguf_key, key in GGUF_SAMPLING_KEYS.items()
+            if gguf_key in fields
+        }
         return cls(**values)
 
     def to_hf_dict(self) -> dict[str, Any]:

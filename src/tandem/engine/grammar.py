@@ -45,7 +45,9 @@ def grammar_text(spec: StructuredOutput) -> str:
         try:
             schema = json.loads(spec.value)
         except json.JSONDecodeError as exc:
-            raise InvalidRequestError(f"{spec.param}: the schema is not valid JSON ({exc})", param=spec.param) from exc
+            raise InvalidRequestError(
+                f"{spec.param}: the schema is not valid JSON ({exc})", param=spec.param
+            ) from exc
         if not isinstance(schema, dict):
             raise InvalidRequestError(f"{spec.param}: the schema must be a JSON object", param=spec.param)
         problem = finite_value_problem(schema)
@@ -59,7 +61,9 @@ def grammar_text(spec: StructuredOutput) -> str:
     if spec.kind == "choice":
         choices = json.loads(spec.value)
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-            raise InvalidRequestError(f"{spec.param}: choices must be a non-empty list of non-empty strings", param=spec.param)
+            raise InvalidRequestError(
+                f"{spec.param}: choices must be a non-empty list of non-empty strings", param=spec.param
+            )
         return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
     raise InvalidRequestError(f"{spec.param}: unknown constraint kind {spec.kind!r}", param=spec.param)
 
@@ -99,7 +103,9 @@ class GrammarMatcher:
         a consumed EOS in its rollback; the last row allows EOS where the grammar can end, so the
         target still may end there), so the result is [num_valid + 1, num_words] and num_valid. The
         state is the same afterwards."""
-        limit = next((i for i, t in enumerate(draft_token_ids) if t in self.eos_token_ids), len(draft_token_ids))
+        limit = next(
+            (i for i, t in enumerate(draft_token_ids) if t in self.eos_token_ids), len(draft_token_ids)
+        )
         num_valid = self.matcher.validate_tokens(draft_token_ids[:limit]) if limit else 0
         masks = torch.empty(num_valid + 1, self.num_words, dtype=torch.int32)
         self.fill_bitmask(masks[0])
@@ -174,7 +180,9 @@ class GrammarCompiler:
             raise InvalidRequestError(f"{spec.param}: {_first_line(messages)}", param=spec.param)
         template = llg.LLMatcher(tokenizer, grammar, log_level=0)
         if template.is_error():
-            raise InvalidRequestError(f"{spec.param}: {_first_line([template.get_error()])}", param=spec.param)
+            raise InvalidRequestError(
+                f"{spec.param}: {_first_line([template.get_error()])}", param=spec.param
+            )
         with self._lock:
             self.compile_s += time.perf_counter() - started
             self.num_compiled += 1
@@ -197,7 +205,10 @@ class GrammarCompiler:
         if self._executor is None:
             self._executor = llg.LLExecutor()
         self._executor.unsafe_compute_mask_ptr(
-            [(m.matcher, row) for row, m in enumerate(matchers)], masks.data_ptr(), self.num_words * 4, len(matchers)
+            [(m.matcher, row) for row, m in enumerate(matchers)],
+            masks.data_ptr(),
+            self.num_words * 4,
+            len(matchers),
         )
         return masks
 

@@ -38,7 +38,9 @@ def make_prefill_request(engine: LLMEngine, gen: GenerationRequest) -> tuple[Req
     """`make_request` for a prefill: compute the prompt, sample one token, and keep the KV blocks
     for `export_kv` (or until `kv_hold_ttl_s` passes)."""
     request, prompt = engine.make_request(gen, compress=False)  # handed over in the shared layout, whole
-    request.sampling_params = dataclasses.replace(request.sampling_params, max_tokens=1, n=1, speculative=False)
+    request.sampling_params = dataclasses.replace(
+        request.sampling_params, max_tokens=1, n=1, speculative=False
+    )
     request.hold_kv = True
     return request, prompt
 
@@ -47,8 +49,13 @@ def kv_fingerprint(engine: LLMEngine) -> str:
     cfg = engine.model_config
     mla = getattr(cfg, "mla", None)  # a latent cache: one shared vector per token (`models/mla.py`)
     if mla is not None:
-        return fingerprint(engine.model_name, cfg.num_hidden_layers, 1, mla.latent_dim, cfg.vocab_size) + "|latent"
-    return fingerprint(engine.model_name, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size)
+        return (
+            fingerprint(engine.model_name, cfg.num_hidden_layers, 1, mla.latent_dim, cfg.vocab_size)
+            + "|latent"
+        )
+    return fingerprint(
+        engine.model_name, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size
+    )
 
 
 def cached_prefix_pages(engine: LLMEngine, gen: GenerationRequest) -> int:
@@ -60,7 +67,9 @@ def cached_prefix_pages(engine: LLMEngine, gen: GenerationRequest) -> int:
     )
 
 
-def export_kv(engine: LLMEngine, request_id: str, cache_dtype: str | None = None, skip_pages: int = 0) -> KVTransfer:
+def export_kv(
+    engine: LLMEngine, request_id: str, cache_dtype: str | None = None, skip_pages: int = 0
+) -> KVTransfer:
     """The prompt KV of a finished prefill request as checksummed pages in `cache_dtype` (this
     cache's own, or "float8_e4m3fn" for an FP8 receiver), from page `skip_pages` on (the receiver
     holds the ones before), and its first token; its blocks are freed. Raises `NotFoundError`
@@ -85,14 +94,22 @@ def export_kv(engine: LLMEngine, request_id: str, cache_dtype: str | None = None
             )
         block_ids = engine.kv_manager.block_table(request_id).block_ids
         if FREED_BLOCK in block_ids:  # `hold_kv` keeps a prefill's blocks: this is a bug, not bad input
-            raise RuntimeError(f"request {request_id!r}: blocks past the sliding window were given back before export")
+            raise RuntimeError(
+                f"request {request_id!r}: blocks past the sliding window were given back before export"
+            )
         datas = engine.runner.export_pages(block_ids[skip_pages:], len(prompt) - skip_pages * size, dtype)
         pages = []
         for index, data in enumerate(datas, start=skip_pages):
             tokens = tuple(prompt[index * size : (index + 1) * size])
             pages.append(KVPage(index, tokens, data, page_checksum(request_id, index, tokens, dtype, data)))
         return KVTransfer(
-            request_id, kv_fingerprint(engine), dtype, size, request.output_token_ids[0], tuple(pages), skip_pages
+            request_id,
+            kv_fingerprint(engine),
+            dtype,
+            size,
+            request.output_token_ids[0],
+            tuple(pages),
+            skip_pages,
         )
     finally:
         engine.scheduler.release_held(request_id)
@@ -107,7 +124,9 @@ def add_request_with_kv(
     raises `KVTransferError` and allocates nothing; no free blocks: 503."""
     request, prompt = engine.make_request(gen, compress=False)  # the transfer's pages: shared layout
     if request.sampling_params.n > 1:
-        raise InvalidRequestError("a handed-over prompt continues as one choice: compute n > 1 here", param="n")
+        raise InvalidRequestError(
+            "a handed-over prompt continues as one choice: compute n > 1 here", param="n"
+        )
     verify(
         transfer,
         model_fingerprint=kv_fingerprint(engine),
@@ -122,7 +141,9 @@ def add_request_with_kv(
         block_ids = engine.kv_manager.block_table(request.request_id).block_ids
         # Never into cached (shared) blocks: only the pages past this engine's own prefix.
         imported = [p for p in transfer.pages if p.index >= num_cached_blocks]
-        engine.runner.import_pages(block_ids[num_cached_blocks:], [(len(p.token_ids), p.data) for p in imported])
+        engine.runner.import_pages(
+            block_ids[num_cached_blocks:], [(len(p.token_ids), p.data) for p in imported]
+        )
         engine.runner.imported_prompt(
             request.request_id, num_cached_blocks * engine.kv_manager.block_size, request.num_prompt_tokens
         )
@@ -144,7 +165,10 @@ def _allocate(engine: LLMEngine, request: Request, transfer: KVTransfer) -> int:
     num_cached_blocks = 0
     if transfer.num_skipped_pages:
         cached = kv_manager.allocate_cached_prefix(
-            request.request_id, request.num_tokens, request.token_ids_slice, engine.scheduler.cache_salt(request)
+            request.request_id,
+            request.num_tokens,
+            request.token_ids_slice,
+            engine.scheduler.cache_salt(request),
         )
         num_cached_blocks = cached // size
         if num_cached_blocks < transfer.num_skipped_pages:
@@ -156,5 +180,7 @@ def _allocate(engine: LLMEngine, request: Request, transfer: KVTransfer) -> int:
         request.num_cached_tokens = cached
     if not kv_manager.allocate_slots(request.request_id, request.num_prompt_tokens + 1, admission=True):
         kv_manager.free(request.request_id)
-        raise ServiceUnavailableError("no free KV blocks for a handed-over request; retry shortly", code="kv_cache_full")
+        raise ServiceUnavailableError(
+            "no free KV blocks for a handed-over request; retry shortly", code="kv_cache_full"
+        )
     return num_cached_blocks

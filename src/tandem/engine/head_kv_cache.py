@@ -84,9 +84,7 @@ class HeadKVCacheManager:
         tables = self.tables.get(request_id)
         if tables is None:
             return self.num_heads * self._blocks_for(num_new_tokens)
-        return sum(
-            self._blocks_for(t.num_tokens + num_new_tokens) - len(t.block_ids) for t in tables
-        )
+        return sum(self._blocks_for(t.num_tokens + num_new_tokens) - len(t.block_ids) for t in tables)
 
     def append_slots(self, request_id: str, num_new_tokens: int) -> list[list[int]] | None:
         """Room for `num_new_tokens` more tokens in every head of the request (a new request gets

@@ -49,7 +49,9 @@ def int4_source(method: str, group_size: int | None, loaded: LoadedModel) -> str
     quantiser and its group size."""
     if loaded.path.suffix == ".gguf" and group_size is None:
         return "the file's Q4_1 codes"
-    return f"{'GPTQ' if method == 'gptq' else 'round-to-nearest'}, group {group_size or DEFAULT_INT4_GROUP_SIZE}"
+    return (
+        f"{'GPTQ' if method == 'gptq' else 'round-to-nearest'}, group {group_size or DEFAULT_INT4_GROUP_SIZE}"
+    )
 
 
 def target_key(target: Int4Target) -> str:

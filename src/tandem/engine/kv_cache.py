@@ -340,7 +340,9 @@ class KVCacheManager:
             return []
         pool_generations = self.pool.generations
         current = np.fromiter(
-            (pool_generations[b] if b != FREED_BLOCK else 0 for t in tables if t for b in t.block_ids), np.int64, total
+            (pool_generations[b] if b != FREED_BLOCK else 0 for t in tables if t for b in t.block_ids),
+            np.int64,
+            total,
         )
         expected = np.fromiter(chain.from_iterable(t.generations for t in tables if t), np.int64, total)
         mismatch = current != expected

@@ -74,25 +74,38 @@ def fingerprint(model_name: str, num_layers: int, num_kv_heads: int, head_dim: i
     return f"{model_name}|layers={num_layers}|kv_heads={num_kv_heads}|head_dim={head_dim}|vocab={vocab_size}"
 
 
-def page_checksum(request_id: str, index: int, token_ids: tuple[int, ...], cache_dtype: str, data: bytes) -> str:
+def page_checksum(
+    request_id: str, index: int, token_ids: tuple[int, ...], cache_dtype: str, data: bytes
+) -> str:
     digest = hashlib.blake2b(digest_size=16)
     digest.update(f"{request_id}|{index}|{cache_dtype}|{','.join(map(str, token_ids))}|".encode())
     digest.update(data)
     return digest.hexdigest()
 
 
-def verify(transfer: KVTransfer, *, model_fingerprint: str, cache_dtype: str, block_size: int, prompt_token_ids: list[int]) -> None:
+def verify(
+    transfer: KVTransfer,
+    *,
+    model_fingerprint: str,
+    cache_dtype: str,
+    block_size: int,
+    prompt_token_ids: list[int],
+) -> None:
     """Raise `KVTransferError` unless `transfer` fits this engine and this request's prompt:
     same model and cache layout, every page intact and in order, its tokens the prompt's."""
     if transfer.model_fingerprint != model_fingerprint:
-        raise KVTransferError(f"KV transfer is for another model ({transfer.model_fingerprint}); this engine is {model_fingerprint}")
+        raise KVTransferError(
+            f"KV transfer is for another model ({transfer.model_fingerprint}); this engine is {model_fingerprint}"
+        )
     if transfer.cache_dtype != cache_dtype or transfer.block_size != block_size:
         raise KVTransferError(
             f"KV transfer holds {transfer.cache_dtype} pages of {transfer.block_size} tokens; this cache "
             f"holds {cache_dtype} blocks of {block_size}"
         )
     skipped_tokens = transfer.num_skipped_pages * transfer.block_size
-    if skipped_tokens + transfer.num_tokens != len(prompt_token_ids) or skipped_tokens >= len(prompt_token_ids):
+    if skipped_tokens + transfer.num_tokens != len(prompt_token_ids) or skipped_tokens >= len(
+        prompt_token_ids
+    ):
         raise KVTransferError(
             f"KV transfer carries {transfer.num_tokens} tokens after {transfer.num_skipped_pages} skipped pages; "
             f"the prompt has {len(prompt_token_ids)}"
@@ -100,8 +113,13 @@ def verify(transfer: KVTransfer, *, model_fingerprint: str, cache_dtype: str, bl
     position = skipped_tokens
     for expected_index, page in enumerate(transfer.pages, start=transfer.num_skipped_pages):
         if page.index != expected_index:
-            raise KVTransferError(f"KV transfer page {page.index} arrived where page {expected_index} belongs")
-        if page_checksum(transfer.request_id, page.index, page.token_ids, transfer.cache_dtype, page.data) != page.checksum:
+            raise KVTransferError(
+                f"KV transfer page {page.index} arrived where page {expected_index} belongs"
+            )
+        if (
+            page_checksum(transfer.request_id, page.index, page.token_ids, transfer.cache_dtype, page.data)
+            != page.checksum
+        ):
             raise KVTransferError(f"KV transfer page {page.index} failed its checksum (corrupted in transit)")
         if list(page.token_ids) != prompt_token_ids[position : position + len(page.token_ids)]:
             raise KVTransferError(f"KV transfer page {page.index} holds other tokens than this prompt's")

@@ -60,7 +60,11 @@ class LoRAAdapter:
 
 
 def parse_peft_adapter(
-    name: str, config: dict[str, Any] | bytes, tensors: bytes, shape: LoRAModelShape, limits: LoRALimits | None = None
+    name: str,
+    config: dict[str, Any] | bytes,
+    tensors: bytes,
+    shape: LoRAModelShape,
+    limits: LoRALimits | None = None,
 ) -> LoRAAdapter:
     """Validate a PEFT LoRA checkpoint (`check_peft_adapter`) and convert it to the fused layout."""
     checked = check_peft_adapter(config, tensors, shape, limits)
@@ -70,7 +74,10 @@ def parse_peft_adapter(
 
 
 def _fuse(
-    found: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], rank: int, scaling: float, shape: LoRAModelShape
+    found: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+    rank: int,
+    scaling: float,
+    shape: LoRAModelShape,
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     fused_weights = {}
     for layer in range(shape.num_layers):

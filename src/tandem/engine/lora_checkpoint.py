@@ -166,7 +166,9 @@ def read_safetensors(data: bytes) -> dict[str, np.ndarray]:
     try:
         entries = safetensors.deserialize(data)
     except Exception as exc:  # safetensors raises its own error types
-        raise AdapterError(f"adapter_model is not a valid safetensors file: {exc}", param="adapter_model") from exc
+        raise AdapterError(
+            f"adapter_model is not a valid safetensors file: {exc}", param="adapter_model"
+        ) from exc
     tensors = {}
     for name, entry in entries:
         dtype, raw = entry["dtype"], entry["data"]
@@ -192,7 +194,9 @@ def _check_numbers(layer: int, module: str, a: np.ndarray, b_scaled: np.ndarray,
     for name, tensor in (("lora_A", a), ("lora_B", b_scaled)):
         if not bool(np.isfinite(tensor).all()):
             raise AdapterError(
-                f"{where}: {name} holds NaN or infinite values", param="adapter_model", code="adapter_not_finite"
+                f"{where}: {name} holds NaN or infinite values",
+                param="adapter_model",
+                code="adapter_not_finite",
             )
         largest = float(np.abs(tensor).max())
         if largest > limits.max_weight_abs:
@@ -270,5 +274,3 @@ def _check_config(
             param="target_modules",
         )
     return rank, float(scaling), targets
-
-

@@ -186,5 +186,8 @@ def merge_by_id(first: list[RequestOutput], then: list[RequestOutput]) -> list[R
         earlier.outputs = sorted([*earlier_by_index.values(), *completions], key=lambda c: c.index)
         earlier.finished = output.finished
         earlier.metrics = output.metrics
-        earlier.error, earlier.error_code = output.error or earlier.error, output.error_code or earlier.error_code
+        earlier.error, earlier.error_code = (
+            output.error or earlier.error,
+            output.error_code or earlier.error_code,
+        )
     return merged

@@ -48,7 +48,7 @@ class PrecisionChoice:
 
     @property
     def name(self) -> str:
-        """"<dtype>/<weight_dtype>", e.g. "bfloat16/dense"."""
+        """ "<dtype>/<weight_dtype>", e.g. "bfloat16/dense"."""
         return f"{self.dtype}/{self.weight_dtype}"
 
     @property

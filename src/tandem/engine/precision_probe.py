@@ -78,7 +78,9 @@ class ProbeResult:
     key: str
     source: str = "measured"  # "measured" | "cache"
     machine: dict[str, Any] = field(default_factory=dict)
-    int8_decode: bool = False  # INT8 (Q8_0) weights beat `dtype` at one row (the fallback when INT4 loses quality)
+    int8_decode: bool = (
+        False  # INT8 (Q8_0) weights beat `dtype` at one row (the fallback when INT4 loses quality)
+    )
 
     def faster_weights(self) -> list[str]:
         """The quantised weight formats ("int4", "int8") measured faster than `dtype` at one row,
@@ -226,7 +228,9 @@ def run_probe(
     chosen = min(dtypes, key=relative_cost)
     int4_decode = int4 and timings["int4"][1] < timings[chosen][1]
     int8_decode = int4 and timings["int8"][1] < timings[chosen][1]
-    return ProbeResult(chosen, int4_decode, timings, time.perf_counter() - started, key, int8_decode=int8_decode)
+    return ProbeResult(
+        chosen, int4_decode, timings, time.perf_counter() - started, key, int8_decode=int8_decode
+    )
 
 
 def cache_path(key: str, cache_dir: Path) -> Path:

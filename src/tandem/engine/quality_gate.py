@@ -56,7 +56,9 @@ def hold_to_bound(
     if device.type != "cpu" or not config.quality_probe or precision.is_reference or explicit_dense:
         return precision
     token_ids = calibration_token_ids(loaded.tokenizer.encode)
-    reference = _scorer(config, PrecisionChoice("float32", "dense", ""), kv_spec, torch.float32, device, build_models)
+    reference = _scorer(
+        config, PrecisionChoice("float32", "dense", ""), kv_spec, torch.float32, device, build_models
+    )
     verdicts: list[QualityResult] = []
 
     def verdict(candidate: PrecisionChoice) -> QualityResult:
@@ -77,7 +79,9 @@ def hold_to_bound(
         if auto_weights:
             # speed's other quantised format, where it too beat the dtype at one row: INT8 rounds
             # less than a requantised INT4, but a file's own INT4 codes are its weights exactly
-            others = [w for w in (chosen.probe.faster_weights() if chosen.probe else []) if w != chosen.weight_dtype]
+            others = [
+                w for w in (chosen.probe.faster_weights() if chosen.probe else []) if w != chosen.weight_dtype
+            ]
             fallback = dataclasses.replace(chosen, weight_dtype="dense")
             for weights in others:
                 candidate = dataclasses.replace(chosen, weight_dtype=weights)
@@ -97,6 +101,8 @@ def hold_to_bound(
 def _verdict(precision: PrecisionChoice, verdicts: list[QualityResult], last: str) -> PrecisionChoice:
     words = [precision.reason, *(v.describe() for v in verdicts), *([last] if last else [])]
     return dataclasses.replace(precision, quality=tuple(verdicts), reason="; ".join(words))
+
+
 def kv_cache_dtype(config: EngineConfig, compute_dtype: str) -> torch.dtype:
     """What the KV cache stores: the configured `kv_cache_dtype`, or the compute dtype for "auto"."""
     return {"auto": DTYPES[compute_dtype], "fp8_e4m3": torch.float8_e4m3fn, **DTYPES}[config.kv_cache_dtype]

@@ -20,15 +20,23 @@ if TYPE_CHECKING:
     from tandem.engine.engine import LLMEngine
 
 
-def make_request(engine: LLMEngine, gen: GenerationRequest, *, compress: bool = True) -> tuple[Request, str | None]:
+def make_request(
+    engine: LLMEngine, gen: GenerationRequest, *, compress: bool = True
+) -> tuple[Request, str | None]:
     """Validate and tokenise; raises `InvalidRequestError` before anything is allocated.
     `compress=False`: the shared layout whatever the request or engine asks (KV hand-over)."""
     token_ids, prompt = _prompt_token_ids(engine, gen)
     params = engine.generation_defaults.apply(gen.sampling_params)
     vocab = engine.model_config.vocab_size
     if any(t >= vocab for t in params.stop_token_ids):
-        raise InvalidRequestError(f"stop_token_ids must be token ids of this model: in [0, {vocab})", param="stop_token_ids")
-    rate = params.kv_compression_rate if params.kv_compression_rate is not None else engine.config.kv_compression_rate
+        raise InvalidRequestError(
+            f"stop_token_ids must be token ids of this model: in [0, {vocab})", param="stop_token_ids"
+        )
+    rate = (
+        params.kv_compression_rate
+        if params.kv_compression_rate is not None
+        else engine.config.kv_compression_rate
+    )
     compressed = compress and rate is not None and rate > 1.0
     if compressed:
         params = _check_compression(engine, params, gen)
@@ -54,6 +62,7 @@ def make_request(engine: LLMEngine, gen: GenerationRequest, *, compress: bool = 
     )
     return request, prompt
 
+
 def _prompt_token_ids(engine: LLMEngine, gen: GenerationRequest) -> tuple[list[int], str | None]:
     """The prompt's token ids (tokenised from text or messages, or checked as given) and its
     text (None when given as ids)."""
@@ -77,8 +86,13 @@ def _prompt_token_ids(engine: LLMEngine, gen: GenerationRequest) -> tuple[list[i
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
     return token_ids, None
 
+
 def _with_max_tokens(
-    engine: LLMEngine, params: SamplingParams, gen: GenerationRequest, num_prompt_tokens: int, compressed: bool
+    engine: LLMEngine,
+    params: SamplingParams,
+    gen: GenerationRequest,
+    num_prompt_tokens: int,
+    compressed: bool,
 ) -> SamplingParams:
     """`params` with `max_tokens` resolved against the context left after the prompt. A
     compressed request must fit the compression pool alone before eviction (so it can always
@@ -92,7 +106,9 @@ def _with_max_tokens(
     remaining = context - num_prompt_tokens
     if params.max_tokens is None:  # the request's default, the checkpoint's, what the context leaves
         defaults = (gen.default_max_tokens, engine.generation_defaults.max_tokens)
-        return dataclasses.replace(params, max_tokens=min([remaining, *(d for d in defaults if d is not None)]))
+        return dataclasses.replace(
+            params, max_tokens=min([remaining, *(d for d in defaults if d is not None)])
+        )
     if params.max_tokens > remaining:
         raise ContextLengthExceededError(
             f"This model's maximum context length is {context} tokens; the prompt has "
@@ -101,6 +117,7 @@ def _with_max_tokens(
             param="max_tokens",
         )
     return params
+
 
 def _check_compression(engine: LLMEngine, params: SamplingParams, gen: GenerationRequest) -> SamplingParams:
     """A compressed request needs the head-block pool and no adapter; it does not speculate

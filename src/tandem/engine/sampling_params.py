@@ -22,7 +22,11 @@ MAX_REPETITION_PENALTY = 10.0
 # JSON under a constraint is written as Python's json.dumps writes it: fixed separators and no
 # other whitespace (a small model given free whitespace can spend its whole budget on newlines).
 # llguidance's JSON options; also given inline (`x-guidance`) to schemas inside Lark grammars.
-JSON_GRAMMAR_OPTIONS: dict[str, object] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_GRAMMAR_OPTIONS: dict[str, object] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 
 StructuredKind = Literal["json_schema", "regex", "lark", "choice"]
 
@@ -94,11 +98,20 @@ class SamplingParams:
         def bad(param: str, message: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param} {message}", param=param)
 
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise bad(name, f"must be a finite number, got {value!r}")
-        if self.max_tokens is not None and (_not_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32):
+        if self.max_tokens is not None and (
+            _not_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT32
+        ):
             raise bad("max_tokens", f"must be an integer in [1, {MAX_INT32}], got {self.max_tokens!r}")
         if _not_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
@@ -117,20 +130,29 @@ class SamplingParams:
             if not -2.0 <= value <= 2.0:
                 raise bad(name, f"must be in [-2, 2], got {value}")
         if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise bad("repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
+            raise bad(
+                "repetition_penalty",
+                f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}",
+            )
         if self.logprobs is not None and (_not_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in self.stop):
-            raise bad("stop", f"may hold at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters")
+            raise bad(
+                "stop", f"may hold at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters"
+            )
         if any(_not_int(t) or not 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"must be integers in [0, {MAX_INT32}]")
         rate = self.kv_compression_rate
         if rate is not None and (
-            isinstance(rate, bool) or not isinstance(rate, int | float) or not 1.0 <= rate <= MAX_COMPRESSION_RATE
+            isinstance(rate, bool)
+            or not isinstance(rate, int | float)
+            or not 1.0 <= rate <= MAX_COMPRESSION_RATE
         ):
-            raise bad("kv_compression_rate", f"must be a number in [1, {MAX_COMPRESSION_RATE:g}], got {rate!r}")
+            raise bad(
+                "kv_compression_rate", f"must be a number in [1, {MAX_COMPRESSION_RATE:g}], got {rate!r}"
+            )
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 raise bad("structured", "must be a StructuredOutput")

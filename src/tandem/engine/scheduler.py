@@ -80,8 +80,12 @@ class Scheduler:
         # Where requests' KV lives (`kv_layout.py`): the shared paged cache, and for compressed
         # requests (`Request.compressed`) the per-head layout (None: the engine runs none).
         self.shared = SharedLayout(kv_manager)
-        self.head_layout = None if head_kv is None else HeadLayout(
-            head_kv, kv_manager, eviction_interval=eviction_interval, eviction_window=eviction_window
+        self.head_layout = (
+            None
+            if head_kv is None
+            else HeadLayout(
+                head_kv, kv_manager, eviction_interval=eviction_interval, eviction_window=eviction_window
+            )
         )
         # Speculation (None: off): the planner decides each step's drafts and learns from verdicts.
         self.speculation = SpeculationPlanner(
@@ -163,7 +167,11 @@ class Scheduler:
         """Prompt tokens of live requests whose KV is not computed yet (the prefill backlog); a
         parallel-sampling choice waiting for its leader's blocks counts only what it will compute."""
         return sum(
-            max(0, r.num_prompt_tokens - max(r.num_computed_tokens, admission.num_forked_tokens(self, r) if r.fork_of else 0))
+            max(
+                0,
+                r.num_prompt_tokens
+                - max(r.num_computed_tokens, admission.num_forked_tokens(self, r) if r.fork_of else 0),
+            )
             for r in (*self.waiting, *self.running)
         )
 
@@ -228,7 +236,11 @@ class Scheduler:
         return self.fair.victim(same_pool or self.running)
 
     def _schedule_one(
-        self, request: Request, num_new: int, scheduled: list[ScheduledRequest], drafts: Proposal | None = None
+        self,
+        request: Request,
+        num_new: int,
+        scheduled: list[ScheduledRequest],
+        drafts: Proposal | None = None,
     ) -> None:
         """Schedule `num_new` of the request's own tokens, then `drafts` (only when they reach its
         end; with a draft model, as many slots for the runner's own drafts)."""
@@ -319,7 +331,9 @@ class Scheduler:
             num_new = min(num_new, self.batch.prefill_cap(self.max_num_batched_tokens))
         return num_new
 
-    def _schedule_class(self, priority: Priority, step: StepInProgress, cap: int, prompts_wait: bool = False) -> None:
+    def _schedule_class(
+        self, priority: Priority, step: StepInProgress, cap: int, prompts_wait: bool = False
+    ) -> None:
         """One priority class within `cap` tokens: first its decoding requests (one token each,
         plus drafts), then its running prompts' chunks and its waiting requests' admissions in
         one fair order (`FairShare.order`), so a tenant's long prompt shares the budget with
@@ -340,8 +354,6 @@ class Scheduler:
             return
         cap = self._schedule_running(self.fair.order(decoding, self._num_uncomputed), step, cap)
         admission.admit_waiting(self, queue, step, cap)
-
-
 
     def _schedule_running(self, candidates: list[Request], step: StepInProgress, cap: int) -> int:
         """Schedule these running requests, in this order, within `cap` tokens; when blocks run
@@ -378,7 +390,6 @@ class Scheduler:
     def _num_uncomputed(request: Request) -> int:
         return max(1, request.num_tokens - request.num_computed_tokens)
 
-
     def _preempt_in_step(self, request: Request, step: StepInProgress) -> int:
         """Preempt a running request, giving back its share of this step if it had one (its
         tokens and draft slots, returned)."""
@@ -398,8 +409,6 @@ class Scheduler:
         tenants are configured to share cached prefixes."""
         tenant = None if self.share_prefix_cache_across_tenants else request.tenant_id
         return (request.lora_name, tenant)
-
-
 
     # -- applying the runner's result (step_updates.py) ------------------------------------------
     def update_from_output(self, output: SchedulerOutput, result: RunnerResult) -> list[RequestUpdate]:

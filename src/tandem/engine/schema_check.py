@@ -123,7 +123,9 @@ def _ref_targets(schema: Any) -> dict[str, Any]:
             if target is not None:
                 targets[ref] = target
                 pending.append(target)
-        pending.extend(value for key, value in node.items() if key not in ("enum", "const", "default", "examples"))
+        pending.extend(
+            value for key, value in node.items() if key not in ("enum", "const", "default", "examples")
+        )
     return targets
 
 

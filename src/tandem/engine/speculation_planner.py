@@ -79,7 +79,9 @@ class SpeculationPlanner:
     def always_draft(self) -> None:
         """Test hook: verify the proposals whatever they cost (a step-cost prior under which every
         draft pays, never refitted; no guard)."""
-        self.step_cost = StepCostModel(prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0)
+        self.step_cost = StepCostModel(
+            prior_fixed_s=1.0, prior_per_token_s=1e-4, prior_per_row_s=1e-4, window=0
+        )
         self.guard = SpeculationGuard(enabled=False)
 
     def forget(self, request_id: str) -> None:
@@ -125,7 +127,9 @@ class SpeculationPlanner:
         num_decoding = sum(rows.values())
         step_tokens = min(self.max_num_batched_tokens, sum(tokens.values()))
         eligible = [
-            r for r in running if r.num_computed_tokens == r.num_tokens - 1 and self._may_speculate(r, batch_cap)
+            r
+            for r in running
+            if r.num_computed_tokens == r.num_tokens - 1 and self._may_speculate(r, batch_cap)
         ]
         # The guard measures decode-only steps where speculation could happen (else both arms are alike).
         if not self.guard.begin_step(num_decoding, measured=bool(eligible) and num_decoding == step_tokens):
@@ -138,7 +142,9 @@ class SpeculationPlanner:
             if proposal:
                 self._match_len[request.request_id] = match_len
                 proposals[request.request_id] = proposal
-                candidates.append(DraftCandidate(request.request_id, proposal, self.acceptance.estimate(match_len)))
+                candidates.append(
+                    DraftCandidate(request.request_id, proposal, self.acceptance.estimate(match_len))
+                )
         if not candidates:
             return {}
         planned = plan_drafts(
@@ -190,7 +196,9 @@ class SpeculationPlanner:
             # copies its prompt), the runner's draft model proposes.
             slots = Proposal(num_model_drafts=min(room, settings.num_speculative_tokens))
             head = expected_accepted(self.acceptance.estimate(0), len(slots), step_cost_s, draft_cost_s)
-            lookup = expected_accepted(self.acceptance.estimate(match_len), len(proposal), step_cost_s, draft_cost_s)
+            lookup = expected_accepted(
+                self.acceptance.estimate(match_len), len(proposal), step_cost_s, draft_cost_s
+            )
             if head > lookup or (head == lookup and not proposal):
                 return slots, 0
         return proposal, match_len

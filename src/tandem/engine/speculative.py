@@ -154,7 +154,9 @@ class StepCostModel:
                 entry[0] += self.decode_smoothing * (wall_s - entry[0])
                 entry[1] += 1
 
-    def decode_coefficients(self, min_rows: int = 1, max_rows: int | None = None) -> tuple[float, float] | None:
+    def decode_coefficients(
+        self, min_rows: int = 1, max_rows: int | None = None
+    ) -> tuple[float, float] | None:
         """(fixed_s, per_row_s) of decode-only steps, fitted on those alone over the measured sizes
         in [min_rows, max_rows] (each weighted by its steps, up to 32); None until two sizes
         have been seen there (or when the fit is not positive)."""

@@ -57,7 +57,10 @@ class ThreadTuner:
         if unmeasured and seen >= 1:  # the first step warms up on every core, then each count is timed
             self.exploring[size] = (unmeasured[0], [], 1)  # a first estimate: one step
             return unmeasured[0]
-        best = min(self.candidates, key=lambda t: self.cost.get((size, t), math.inf if t != self.max_threads else 0.0))
+        best = min(
+            self.candidates,
+            key=lambda t: self.cost.get((size, t), math.inf if t != self.max_threads else 0.0),
+        )
         other = next(t for t in self.candidates if t != best)
         # Follow a host that changed: try the other count when the chosen one's cost moved by a
         # third since the two were last compared the way that favours the other (all threads
@@ -95,7 +98,9 @@ class ThreadTuner:
                 self.cost[key] = sum(samples) / len(samples)
                 del self.exploring[size]
                 # what "moved" is measured against: the cheaper count's cost at this comparison
-                self.cost_when_compared[size] = min(self.cost.get((size, t), math.inf) for t in self.candidates)
+                self.cost_when_compared[size] = min(
+                    self.cost.get((size, t), math.inf) for t in self.candidates
+                )
             return
         previous = self.cost.get(key)
         self.cost[key] = per_token if previous is None else previous + self.smoothing * (per_token - previous)

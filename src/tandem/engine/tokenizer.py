@@ -181,7 +181,9 @@ def _set_special_tokens(backend: HFTokenizer, bos: str | None, eos: str | None) 
     the template transformers builds from `add_bos_token` / `add_eos_token`."""
     specials = [(token, backend.token_to_id(token)) for token in (bos, eos) if token is not None]
     if any(token_id is None for _, token_id in specials):
-        raise ModelLoadError(f"special tokens {[t for t, _ in specials]} are not in the vocabulary", param="model")
+        raise ModelLoadError(
+            f"special tokens {[t for t, _ in specials]} are not in the vocabulary", param="model"
+        )
     single = " ".join([*([f"{bos}:0"] if bos else []), "$A:0", *([f"{eos}:0"] if eos else [])])
     pair = " ".join([single, *([f"{bos}:1"] if bos else []), "$B:1", *([f"{eos}:1"] if eos else [])])
     backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
@@ -192,7 +194,11 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map that byte-level BPE vocabularies are written in."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars = list(printable)
     extra = 0
     for byte in range(256):

@@ -217,7 +217,9 @@ class PrefillSegment:
     # are in `native_rows`. A whole prompt attends its own keys as computed, not as cached.
     short: bool = False
     context_len: int = 0  # L: the request's tokens after this step (its rows sit at L - n .. L - 1)
-    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> [n, L] (built once per step)
+    window_masks: dict[int, torch.Tensor] = field(
+        default_factory=dict
+    )  # window -> [n, L] (built once per step)
 
     def mask_for(self, window: int | None, device: torch.device) -> torch.Tensor | None:
         """[n, L] bool: what query row i (position L - n + i) attends with a sliding `window`
@@ -305,7 +307,8 @@ def build_attention_metadata(
     num_native = sum(n for n, ctx in zip(query_lens, context_lens, strict=True) if attends_natively(n, ctx))
     use_native = (
         # a larger step: the batched torch path is faster (unless every row must be native)
-        num_native > 0 and (every_row_native or num_native <= NATIVE_ATTENTION_MAX_ROWS)
+        num_native > 0
+        and (every_row_native or num_native <= NATIVE_ATTENTION_MAX_ROWS)
         and device.type == "cpu"
         and NATIVE_ATTENTION
         and int4_native.load() is not None
@@ -352,7 +355,9 @@ def build_attention_metadata(
         decode_mask = torch.zeros(0, 1, 1, 0, dtype=torch.bool)
     native_block_tables = None
     if native_rows:
-        native_block_tables = torch.zeros(len(native_rows), max(len(t) for t in native_tables), dtype=torch.int64)
+        native_block_tables = torch.zeros(
+            len(native_rows), max(len(t) for t in native_tables), dtype=torch.int64
+        )
         for i, table in enumerate(native_tables):
             native_block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
     return AttentionMetadata(
@@ -364,14 +369,20 @@ def build_attention_metadata(
         prefills=prefills,
         num_decodes=num_decodes,
         native_rows=torch.tensor(native_rows, dtype=torch.int64, device=device) if native_rows else None,
-        native_positions=torch.tensor(native_positions, dtype=torch.int64, device=device) if native_rows else None,
+        native_positions=torch.tensor(native_positions, dtype=torch.int64, device=device)
+        if native_rows
+        else None,
         native_block_tables=None if native_block_tables is None else native_block_tables.to(device),
         decode_lens=torch.tensor(decode_lens, dtype=torch.int64, device=device),
     )
 
 
 def build_paged_metadata(
-    block_tables: list[list[int]], query_lens: list[int], context_lens: list[int], block_size: int, device: torch.device
+    block_tables: list[list[int]],
+    query_lens: list[int],
+    context_lens: list[int],
+    block_size: int,
+    device: torch.device,
 ) -> AttentionMetadata:
     """`build_attention_metadata` for the Triton kernel: the new tokens' slots and `PagedRows`."""
     slot_mapping, paged = build_paged_rows(block_tables, query_lens, context_lens, block_size, device)

@@ -181,7 +181,9 @@ def head_paged_attention(
         slots = slots[:, :max_len].view(len(decoding), num_kv_heads, max_len)  # [b, Hk, Lmax]
         keys = gather_head_vectors(k_pool, k_scale, slots, q.dtype)  # [b, Hk, Lmax, D]
         values = gather_head_vectors(v_pool, v_scale, slots, q.dtype)
-        held = torch.arange(max_len, device=q.device).view(1, 1, 1, -1) < lens.view(*lens.shape, 1, 1)  # [b,Hk,1,L]
+        held = torch.arange(max_len, device=q.device).view(1, 1, 1, -1) < lens.view(
+            *lens.shape, 1, 1
+        )  # [b,Hk,1,L]
         # Two small matmuls: at one query row CPU SDPA with a mask costs several times more.
         qg = q.index_select(0, rows).view(len(decoding), num_kv_heads, group, head_dim)  # [b, Hk, G, D]
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [b, Hk, G, Lmax]
@@ -291,7 +293,9 @@ def head_attention_layer(
         lengths = metadata.head_lens[layer, index]  # [Hk]: heads may differ after an eviction
         num_tokens = int(lengths.max())
         slots = head_slots_of(metadata.block_tables[layer, index], block_size)[:, :num_tokens]  # [Hk, T]
-        keys = gather_head_vectors(metadata.k_pool, metadata.k_scale, slots, q.dtype).transpose(0, 1)  # [T, Hk, D]
+        keys = gather_head_vectors(metadata.k_pool, metadata.k_scale, slots, q.dtype).transpose(
+            0, 1
+        )  # [T, Hk, D]
         metadata.scores.setdefault(index, []).append(observation_scores(q[start:end], keys, scale, lengths))
     return head_paged_attention(
         q, metadata.query_start_loc, metadata.k_pool, metadata.v_pool,
@@ -319,8 +323,16 @@ def _decode_row_scores(
     tables = metadata.block_tables[layer].index_select(0, index).flatten(0, 1)  # [b * Hk, M]
     slots = head_slots_of(tables, block_size)[:, :max_len].view(num_requests, num_kv_heads, max_len)
     keys = gather_head_vectors(metadata.k_pool, metadata.k_scale, slots, torch.float32)  # [b, Hk, Lmax, D]
-    qg = q.index_select(0, rows).float().view(num_requests, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    qg = (
+        q.index_select(0, rows)
+        .float()
+        .view(num_requests, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    )
     logits = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [b, Hk, G, Lmax]
-    padding = torch.arange(max_len, device=q.device).view(1, 1, 1, -1) >= lens.view(num_requests, num_kv_heads, 1, 1)
-    scores = torch.softmax(logits.masked_fill(padding, float("-inf")), dim=-1).square().sum(dim=2)  # [b, Hk, Lmax]
+    padding = torch.arange(max_len, device=q.device).view(1, 1, 1, -1) >= lens.view(
+        num_requests, num_kv_heads, 1, 1
+    )
+    scores = (
+        torch.softmax(logits.masked_fill(padding, float("-inf")), dim=-1).square().sum(dim=2)
+    )  # [b, Hk, Lmax]
     return [scores[j, :, : int(lens[j].max())] for j in range(num_requests)]

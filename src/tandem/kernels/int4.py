@@ -150,7 +150,11 @@ class Int4Linear(nn.Module):
     says which one runs."""
 
     def __init__(
-        self, w: Int4Weight, device: torch.device, kernel: Int4Kernel = "auto", bias: torch.Tensor | None = None
+        self,
+        w: Int4Weight,
+        device: torch.device,
+        kernel: Int4Kernel = "auto",
+        bias: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = w.q.shape
@@ -178,7 +182,9 @@ class Int4Linear(nn.Module):
 
             param_dtype = torch.float16 if params is None else torch.float32
             self.register_buffer("packed", pack_int4_columns(w.q).to(device))
-            self.register_buffer("column_scales", w.scale.t().contiguous().to(device=device, dtype=param_dtype))
+            self.register_buffer(
+                "column_scales", w.scale.t().contiguous().to(device=device, dtype=param_dtype)
+            )
             self.register_buffer("column_zeros", w.zero.t().contiguous().to(device=device, dtype=param_dtype))
             return
         if self.kernel == "native":  # row-major parameters, [N, ...]

@@ -117,7 +117,27 @@ def load() -> ctypes.CDLL | None:
     lib.tandem_q8_mm.argtypes = [p, p, p, i64, i64, i64, p, i32]
     lib.tandem_q8_mm.restype = i32
     f32 = ctypes.c_float
-    lib.tandem_paged_attention.argtypes = [p, i64, i64, i64, i64, i64, i64, f32, p, p, p, p, p, p, i64, i64, f32, p, i32]
+    lib.tandem_paged_attention.argtypes = [
+        p,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        f32,
+        p,
+        p,
+        p,
+        p,
+        p,
+        p,
+        i64,
+        i64,
+        f32,
+        p,
+        i32,
+    ]
     lib.tandem_paged_attention.restype = None
     return lib
 

@@ -45,7 +45,9 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:  # [N, K], K % 32 == 0
 
 
 def dequantize_int8(w: Int8Weight) -> torch.Tensor:  # -> [N, K] float32
-    return (w.codes.float().view(w.codes.shape[0], -1, RUN) * w.scales.float().unsqueeze(-1)).view(w.codes.shape)
+    return (w.codes.float().view(w.codes.shape[0], -1, RUN) * w.scales.float().unsqueeze(-1)).view(
+        w.codes.shape
+    )
 
 
 def int8_linear_reference(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:

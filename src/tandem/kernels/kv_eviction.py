@@ -45,7 +45,9 @@ def observation_scores(
     keys = k.float().permute(1, 0, 2).unsqueeze(1)  # [Hk, 1, T, D]
     logits = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [Hk, G, W, T]
     indices = torch.arange(num_tokens, device=k.device)
-    last_read = lengths.to(k.device).view(-1, 1) - num_window + torch.arange(num_window, device=k.device)  # [Hk, W]
+    last_read = (
+        lengths.to(k.device).view(-1, 1) - num_window + torch.arange(num_window, device=k.device)
+    )  # [Hk, W]
     hidden = indices.view(1, 1, -1) > last_read.unsqueeze(-1)  # [Hk, W, T]
     logits = logits.masked_fill(hidden.unsqueeze(1), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
@@ -161,7 +163,9 @@ def plan_kept(
     kept: list[list[int]] = []
     for layer, scores in enumerate(layer_scores):
         num_kv_heads, num_tokens = scores.shape
-        lengths = None if head_lens is None else list(head_lens[layer * num_kv_heads : (layer + 1) * num_kv_heads])
+        lengths = (
+            None if head_lens is None else list(head_lens[layer * num_kv_heads : (layer + 1) * num_kv_heads])
+        )
         held = num_kv_heads * num_tokens if lengths is None else sum(lengths)
         seen = num_tokens if num_seen is None else num_seen
         protected = protected_window_for(seen, rate, policy.window, policy.sinks)

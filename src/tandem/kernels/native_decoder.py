@@ -174,12 +174,23 @@ class DecoderWeights:
 
         def weight(w: QuantizedTensors) -> _Int4Weight:
             if w.int8:
-                return _Int4Weight(ptr(w.packed), ptr(w.params), None, 1, w.rows, 2 * w.packed.shape[1], 32, 2)
+                return _Int4Weight(
+                    ptr(w.packed), ptr(w.params), None, 1, w.rows, 2 * w.packed.shape[1], 32, 2
+                )
             rows, half = w.packed.shape
             mode = 0 if w.superblock_scales is None else 1
-            per_block = 1 if w.superblock_scales is None else w.params.shape[1] // w.superblock_scales.shape[1]
+            per_block = (
+                1 if w.superblock_scales is None else w.params.shape[1] // w.superblock_scales.shape[1]
+            )
             return _Int4Weight(
-                ptr(w.packed), ptr(w.params), ptr(w.superblock_scales), per_block, rows, 2 * half, w.group_size, mode
+                ptr(w.packed),
+                ptr(w.params),
+                ptr(w.superblock_scales),
+                per_block,
+                rows,
+                2 * half,
+                w.group_size,
+                mode,
             )
 
         self.num_layers = len(layers)
@@ -244,7 +255,12 @@ class DecoderWeights:
         assert x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == self.hidden
         for t in (positions, head_slots, head_tables, head_lens):
             assert t.dtype == torch.int64 and t.is_contiguous()
-        assert head_slots.shape[:2] == head_lens.shape[:2] == head_tables.shape[:2] == (self.num_layers, num_rows)
+        assert (
+            head_slots.shape[:2]
+            == head_lens.shape[:2]
+            == head_tables.shape[:2]
+            == (self.num_layers, num_rows)
+        )
         status = int4_native.load().tandem_decoder_layers_heads(  # type: ignore[union-attr]
             ctypes.byref(self._dims), self._layers, x.data_ptr(), num_rows, positions.data_ptr(),
             head_slots.data_ptr(), head_tables.data_ptr(), head_tables.shape[-1], head_lens.data_ptr(),

@@ -50,7 +50,9 @@ def rope_inv_freq(
         return _yarn(head_dim, theta, scaling, max_position_embeddings)
     if rope_type == "longrope":
         return _longrope(head_dim, theta, scaling, max_position_embeddings)
-    raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    raise ValueError(
+        f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
 
 
 def _yarn(
@@ -112,7 +114,9 @@ def _longrope(
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     short = torch.tensor(scaling["short_factor"], dtype=torch.float32)
     if short.numel() != dim // 2:
-        raise ValueError(f"longrope short_factor has {short.numel()} entries, expected head_dim / 2 = {dim // 2}")
+        raise ValueError(
+            f"longrope short_factor has {short.numel()} entries, expected head_dim / 2 = {dim // 2}"
+        )
     shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     return 1.0 / (short * base**shape), float(attention_factor)
 

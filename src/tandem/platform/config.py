@@ -258,7 +258,10 @@ class EngineConfig(BaseModel):
         "steps run eagerly. Ignored on CPU, with a draft model, and with weight_dtype 'hybrid'.",
     )
     cuda_graph_max_batch: int = Field(
-        256, ge=1, le=1024, description="Largest decode batch captured as a CUDA graph (at most max_num_seqs)."
+        256,
+        ge=1,
+        le=1024,
+        description="Largest decode batch captured as a CUDA graph (at most max_num_seqs).",
     )
     batch_invariant: bool = Field(
         True,

@@ -113,7 +113,9 @@ class ReplicaLostError(ServiceUnavailableError):
     """The model replica serving the request died under it (HTTP 503): not the request's fault,
     and safe to retry from the start (Serve is replacing the replica; others may serve it now)."""
 
-    def __init__(self, message: str = "the model replica serving this request stopped; retry the request") -> None:
+    def __init__(
+        self, message: str = "the model replica serving this request stopped; retry the request"
+    ) -> None:
         super().__init__(message, code="replica_lost")
 
 

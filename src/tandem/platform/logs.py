@@ -26,7 +26,9 @@ class StructuredFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
         fields = " ".join(
-            f"{key}={_value(value)}" for key, value in vars(record).items() if key not in _STANDARD and value is not None
+            f"{key}={_value(value)}"
+            for key, value in vars(record).items()
+            if key not in _STANDARD and value is not None
         )
         line = f"{record.levelname} {stamp} {record.name} {record.getMessage()}"
         if fields:

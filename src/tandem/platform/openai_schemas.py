@@ -301,19 +301,23 @@ class ChatCompletionRequest(_SamplingRequest):
             if self.tool_choice is not None and self.tool_choice != "none":
                 raise _param_error("tool_choice", "tool_choice is only allowed when tools are specified")
             if self.parallel_tool_calls is not None:
-                raise _param_error("parallel_tool_calls", "parallel_tool_calls is only allowed when tools are specified")
+                raise _param_error(
+                    "parallel_tool_calls", "parallel_tool_calls is only allowed when tools are specified"
+                )
             return self
         names = [tool.function.name for tool in self.tools]
         if len(set(names)) != len(names):
             raise _param_error("tools", "tool function names must be unique")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
             raise _param_error(
-                "tool_choice", f"tool_choice names the function {self.tool_choice.function.name!r}, which is not in tools"
+                "tool_choice",
+                f"tool_choice names the function {self.tool_choice.function.name!r}, which is not in tools",
             )
         forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
         if forced and self.response_format is not None and self.response_format.type != "text":
             raise _param_error(
-                "response_format", "response_format cannot constrain the text when tool_choice forces a tool call"
+                "response_format",
+                "response_format cannot constrain the text when tool_choice forces a tool call",
             )
         return self
 

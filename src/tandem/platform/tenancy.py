@@ -53,7 +53,10 @@ class TenantLimits:
     @property
     def enforced(self) -> bool:
         """Whether any of these limits is set (else admission needs no bookkeeping)."""
-        return any(v is not None for v in (self.max_concurrent_requests, self.tokens_per_minute, self.requests_per_minute))
+        return any(
+            v is not None
+            for v in (self.max_concurrent_requests, self.tokens_per_minute, self.requests_per_minute)
+        )
 
 
 def hash_key(key: str) -> str:
@@ -91,7 +94,9 @@ def parse_keys(spec: str) -> dict[str, str]:
 def _bearer_digest(authorization: str | None, what: str) -> str:
     """The digest of the key in 'Bearer KEY'; 401 naming `what` when there is none."""
     if not authorization or not authorization.lower().startswith("bearer "):
-        raise AuthenticationError(f"missing {what}: send 'Authorization: Bearer <{what}>'", code="invalid_api_key")
+        raise AuthenticationError(
+            f"missing {what}: send 'Authorization: Bearer <{what}>'", code="invalid_api_key"
+        )
     return hash_key(authorization[7:].strip())
 
 
@@ -177,7 +182,9 @@ class TenantUsage:
         error code."""
         return self._refusals.totals(time.monotonic() if now is None else now)
 
-    def _try_acquire(self, tenant: str, limits: TenantLimits, owner: str, now: float) -> RateLimitError | None:
+    def _try_acquire(
+        self, tenant: str, limits: TenantLimits, owner: str, now: float
+    ) -> RateLimitError | None:
         usage = self._usage.setdefault(tenant, _Usage())
         if limits.max_concurrent_requests is not None and usage.in_flight >= limits.max_concurrent_requests:
             return RateLimitError(
@@ -213,7 +220,9 @@ class TenantUsage:
         held[tenant] = held.get(tenant, 0) + 1
         return None
 
-    def release(self, tenant: str, num_tokens: int, *, owner: str = "local", now: float | None = None) -> None:
+    def release(
+        self, tenant: str, num_tokens: int, *, owner: str = "local", now: float | None = None
+    ) -> None:
         """End one admitted request of `tenant` held by `owner`, which used `num_tokens` tokens."""
         now = time.monotonic() if now is None else now
         held = self._held.get(owner, {})
@@ -324,7 +333,9 @@ class TenantRegistry:
     def adapter_limits_for(self, tenant: str) -> tuple[int | None, int | None]:
         """The tenant's own (max adapters, max adapter bytes) from the directory; None where unset."""
         record = self._record(tenant)
-        return (None, None) if record is None else (record.limits.max_adapters, record.limits.max_adapter_bytes)
+        return (
+            (None, None) if record is None else (record.limits.max_adapters, record.limits.max_adapter_bytes)
+        )
 
     def weight_for(self, tenant: str) -> float | None:
         """The tenant's fair-share weight from the directory (None: not set there)."""

@@ -150,8 +150,12 @@ def _to_json(snapshot: DirectorySnapshot) -> bytes:
             },
             "keys": {
                 k.id: {
-                    "tenant": k.tenant, "digest": k.digest, "prefix": k.prefix, "created_at": k.created_at,
-                    "name": k.name, "expires_at": k.expires_at,
+                    "tenant": k.tenant,
+                    "digest": k.digest,
+                    "prefix": k.prefix,
+                    "created_at": k.created_at,
+                    "name": k.name,
+                    "expires_at": k.expires_at,
                 }  # fmt: skip
                 for k in snapshot.keys.values()
             },
@@ -184,7 +188,8 @@ def parse_tenant_spec(body: Any) -> TenantSpec:
         raise _invalid(exc) from exc
     if not TENANT_ID.match(spec.id):
         raise InvalidRequestError(
-            "id: letters, digits, '.', '_' and '-' only (starting with a letter or digit), at most 64", param="id"
+            "id: letters, digits, '.', '_' and '-' only (starting with a letter or digit), at most 64",
+            param="id",
         )
     return spec
 
@@ -201,7 +206,9 @@ class TenantDirectory:
     """Reads and changes the directory in `store` (module docstring). Thread-safe: every change
     is a compare-and-swap of the whole document; `snapshot` is swapped atomically."""
 
-    def __init__(self, store: ObjectStore, key: str = DIRECTORY_KEY, *, saved: SavedDocument | None = None) -> None:
+    def __init__(
+        self, store: ObjectStore, key: str = DIRECTORY_KEY, *, saved: SavedDocument | None = None
+    ) -> None:
         """`saved`: where every version read is kept on local disk (`warm_start` serves it)."""
         self.store = store
         self.key = key
@@ -358,13 +365,17 @@ class TenantDirectory:
         current = self._read()[0]
         if tenant_id not in current.tenants:
             raise NotFoundError(f"no tenant {tenant_id!r}", param="tenant_id")
-        return sorted((k for k in current.keys.values() if k.tenant == tenant_id), key=lambda k: (k.created_at, k.id))
+        return sorted(
+            (k for k in current.keys.values() if k.tenant == tenant_id), key=lambda k: (k.created_at, k.id)
+        )
 
     def revoke_key(self, tenant_id: str, key_id: str) -> None:
         def edit(current: DirectorySnapshot) -> tuple[DirectorySnapshot, None]:
             key = current.keys.get(key_id)
             if key is None or key.tenant != tenant_id:
                 raise NotFoundError(f"tenant {tenant_id!r} has no key {key_id!r}", param="key_id")
-            return DirectorySnapshot(current.tenants, {k: v for k, v in current.keys.items() if k != key_id}), None
+            return DirectorySnapshot(
+                current.tenants, {k: v for k, v in current.keys.items() if k != key_id}
+            ), None
 
         self._change(edit)

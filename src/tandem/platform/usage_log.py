@@ -127,7 +127,7 @@ class UsageLog:
         try:
             await asyncio.wait_for(asyncio.shield(stored), timeout_s)
             return True
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             logger.warning(
                 "usage record not spooled in time; it stays queued",
                 extra={"request_id": record.request_id, "timeout_s": timeout_s},
@@ -271,7 +271,10 @@ class UsageLog:
     def _maybe_compact(self) -> None:
         """Start a compaction of the closed hours on its own thread (reading an hour's objects
         can take long: flushes never wait for it), at most one at a time."""
-        if self.compaction_interval_s is None or time.monotonic() - self._compacted_at < self.compaction_interval_s:
+        if (
+            self.compaction_interval_s is None
+            or time.monotonic() - self._compacted_at < self.compaction_interval_s
+        ):
             return
         if self.num_committed == self._committed_at_compaction:
             return  # an idle process leaves compaction to the busy ones: no store calls

@@ -207,9 +207,13 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = _norm_weight(cfg.hidden_size) if cfg.sandwich_norms else None
         mla, moe = cfg.mla, cfg.moe if cfg.moe is not None and cfg.moe.is_sparse(layer_idx) else None
         self.self_attn: DecoderAttention | MLAAttention = (
-            MLAAttention(mla, cfg.hidden_size, cfg.num_attention_heads, layer_idx) if mla else DecoderAttention(cfg, layer_idx)
+            MLAAttention(mla, cfg.hidden_size, cfg.num_attention_heads, layer_idx)
+            if mla
+            else DecoderAttention(cfg, layer_idx)
         )
-        self.mlp: DecoderMLP | SparseMoE = SparseMoE(moe, cfg.hidden_size, layer_idx) if moe else DecoderMLP(cfg, layer_idx)
+        self.mlp: DecoderMLP | SparseMoE = (
+            SparseMoE(moe, cfg.hidden_size, layer_idx) if moe else DecoderMLP(cfg, layer_idx)
+        )
 
     def forward(
         self,
@@ -221,7 +225,9 @@ class DecoderLayer(nn.Module):
         lora: LoRAContext | None = None,
     ) -> torch.Tensor:
         eps, offset = self.eps, self.offset
-        attended = self.self_attn(rms_norm(x, self.input_layernorm, eps, offset), cos, sin, kv_cache, metadata, lora)
+        attended = self.self_attn(
+            rms_norm(x, self.input_layernorm, eps, offset), cos, sin, kv_cache, metadata, lora
+        )
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
             h = x + attended
             return h + self.mlp(rms_norm(h, self.post_attention_layernorm, eps, offset), lora)
@@ -331,7 +337,11 @@ class DecoderLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             if isinstance(attn, DecoderAttention):  # latent attention stays in the compute dtype
                 targets += [
-                    Int4Target(attn, "qkv_proj", (p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj")),
+                    Int4Target(
+                        attn,
+                        "qkv_proj",
+                        (p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"),
+                    ),
                     Int4Target(attn, "o_proj", (p + "self_attn.o_proj",)),
                 ]
             if isinstance(mlp, SparseMoE):
@@ -358,7 +368,9 @@ class DecoderLM(nn.Module):
         def put(param: torch.Tensor | None, value: torch.Tensor, name: str) -> None:
             assert param is not None
             if tuple(param.shape) != tuple(value.shape):
-                raise ValueError(f"weight {name!r}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
+                raise ValueError(
+                    f"weight {name!r}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}"
+                )
             with torch.no_grad():
                 param.copy_(value)
 
@@ -384,7 +396,9 @@ class DecoderLM(nn.Module):
             put(mlp.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj")
             put(mlp.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj")
             if cfg.mlp_bias:
-                gate_up_bias = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")], dim=0)
+                gate_up_bias = torch.cat(
+                    [take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")], dim=0
+                )
                 put(mlp.gate_up_proj.bias, gate_up_bias, p + "mlp.gate_up_proj.bias")
                 put(mlp.down_proj.bias, take(p + "mlp.down_proj.bias"), p + "mlp.down_proj.bias")
 
@@ -444,4 +458,6 @@ def decoder_tensor_names(cfg: DecoderConfig, prefix: str = "model.") -> set[str]
 
 
 def decoder_kv_layers(cfg: DecoderConfig) -> list[LayerKV]:
-    return [LayerKV(cfg.num_key_value_heads, cfg.head_dim, cfg.window(i)) for i in range(cfg.num_hidden_layers)]
+    return [
+        LayerKV(cfg.num_key_value_heads, cfg.head_dim, cfg.window(i)) for i in range(cfg.num_hidden_layers)
+    ]

@@ -102,7 +102,9 @@ class EagleDraft(nn.Module):
         self.config = cfg
         hidden = cfg.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
-        self.fuse = nn.Linear(len(cfg.feature_layers) * hidden, hidden, bias=False) if cfg.feature_layers else None
+        self.fuse = (
+            nn.Linear(len(cfg.feature_layers) * hidden, hidden, bias=False) if cfg.feature_layers else None
+        )
         self.layer = LlamaDecoderLayer(cfg.layer_config(), 0)
         # The target's final norm and its LM-head rows for token_map (frozen; set by attach_target).
         self.norm = nn.Parameter(torch.ones(hidden), requires_grad=False)
@@ -123,7 +125,9 @@ class EagleDraft(nn.Module):
         cos, sin = rope_cos_sin(inv_freq, self.max_positions, attention_scaling)
         self.rope_cos, self.rope_sin = cos.to(self.fc.weight.device), sin.to(self.fc.weight.device)
 
-    def attach_target(self, embed_tokens: nn.Embedding, final_norm: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+    def attach_target(
+        self, embed_tokens: nn.Embedding, final_norm: torch.Tensor, lm_head_weight: torch.Tensor
+    ) -> None:
         """Share the target's embedding; copy its final norm and the LM-head rows of `token_map`
         (`lm_head_weight`: [V, hidden], the target's whole head)."""
         if tuple(lm_head_weight.shape) != (self.config.target_vocab_size, self.config.hidden_size):
@@ -135,7 +139,9 @@ class EagleDraft(nn.Module):
         dtype = self.fc.weight.dtype
         with torch.no_grad():
             self.norm.copy_(final_norm.to(dtype))
-            self.lm_head.weight.copy_(lm_head_weight.index_select(0, self.token_map.to(lm_head_weight.device)).to(dtype))
+            self.lm_head.weight.copy_(
+                lm_head_weight.index_select(0, self.token_map.to(lm_head_weight.device)).to(dtype)
+            )
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -189,7 +195,12 @@ class EagleDraft(nn.Module):
         k = apply_rope(k.view(num_seqs, length, attn.num_kv_heads, attn.head_dim), cos, sin)
         v = v.view(num_seqs, length, attn.num_kv_heads, attn.head_dim)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=attn.scale, enable_gqa=True
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            scale=attn.scale,
+            enable_gqa=True,
         )  # [N, Hq, T, D]
         h = x + attn.o_proj(out.transpose(1, 2).reshape(num_seqs, length, attn.q_size))
         hidden = h + layer.mlp(rms_norm(h, layer.post_attention_layernorm, layer.eps))
@@ -208,7 +219,8 @@ class EagleDraft(nn.Module):
     def save(self, folder: Path, dtype: torch.dtype = torch.bfloat16) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         state = {
-            name: (t if t.dtype == torch.int64 else t.to(dtype)).cpu() for name, t in self.own_state_dict().items()
+            name: (t if t.dtype == torch.int64 else t.to(dtype)).cpu()
+            for name, t in self.own_state_dict().items()
         }
         save_file(state, str(folder / "model.safetensors"))
         config = {"architectures": [ARCHITECTURE], **asdict(self.config)}
@@ -233,7 +245,9 @@ def load_eagle(folder: Path, *, dtype: torch.dtype, device: torch.device, max_po
         )
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ValueError(f"{folder}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}")
+            raise ValueError(
+                f"{folder}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}"
+            )
     token_map = state["token_map"]
     if int(token_map.min()) < 0 or int(token_map.max()) >= cfg.target_vocab_size:
         raise ValueError(f"{folder}: token_map holds ids outside the target vocabulary")

@@ -48,7 +48,9 @@ def _gemma_fields(cfg: dict[str, Any], default_types: list[str]) -> dict[str, An
 def check_gemma(cfg: dict[str, Any]) -> None:
     # HF's GemmaMLP reads `hidden_act` only: a `hidden_activation` key changes nothing there
     check_common(
-        {**cfg, "hidden_activation": None}, implemented=("attention_bias",), activations=(*GELU_TANH_ACTIVATIONS, "gelu")
+        {**cfg, "hidden_activation": None},
+        implemented=("attention_bias",),
+        activations=(*GELU_TANH_ACTIVATIONS, "gelu"),
     )
 
 
@@ -57,7 +59,10 @@ def parse_gemma(cfg: dict[str, Any]) -> DecoderConfig:
     bias = bool(cfg.get("attention_bias", False))
     act = cfg.get("hidden_act") or "gelu_pytorch_tanh"
     return DecoderConfig(
-        **{**decoder_fields(cfg, default_eps=1e-6), "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True))},
+        **{
+            **decoder_fields(cfg, default_eps=1e-6),
+            "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+        },
         model_type="gemma",
         qkv_bias=bias,
         o_bias=bias,

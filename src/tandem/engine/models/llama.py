@@ -46,7 +46,9 @@ class LlamaConfig(DecoderConfig):
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
         bias = bool(cfg.get("attention_bias", False))
-        return cls(**decoder_fields(cfg), qkv_bias=bias, o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)))
+        return cls(
+            **decoder_fields(cfg), qkv_bias=bias, o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False))
+        )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json an HF `LlamaForCausalLM` (and `from_hf_dict`) reads back."""

@@ -51,7 +51,9 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]  # HF names, float32
     tokenizer: Tokenizer
     architecture: Architecture = LLAMA
-    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)  # the checkpoint's own
+    generation_defaults: GenerationDefaults = field(
+        default_factory=GenerationDefaults
+    )  # the checkpoint's own
 
 
 def resolve_model_path(model: str) -> Path:
@@ -157,7 +159,9 @@ def gguf_to_hf_folder(path: Path, cache_dir: Path) -> Path:
         )
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
         if loaded.generation_defaults.as_dict():
-            (tmp / "generation_config.json").write_text(json.dumps(loaded.generation_defaults.to_hf_dict(), indent=1))
+            (tmp / "generation_config.json").write_text(
+                json.dumps(loaded.generation_defaults.to_hf_dict(), indent=1)
+            )
         try:
             tmp.rename(folder)
         except OSError:  # another process won the race: use its copy
@@ -210,7 +214,9 @@ def _load_hf_folder(name: str, folder: Path) -> LoadedModel:
     if unused is not None:  # never read: not kept either
         weights = {name: tensor for name, tensor in weights.items() if not unused(name)}
     tokenizer = Tokenizer.from_hf_folder(folder, config.eos_token_ids)
-    return LoadedModel(name, folder, config, weights, tokenizer, architecture, GenerationDefaults.from_hf_folder(folder))
+    return LoadedModel(
+        name, folder, config, weights, tokenizer, architecture, GenerationDefaults.from_hf_folder(folder)
+    )
 
 
 # -- GGUF -----------------------------------------------------------------------------------
@@ -262,7 +268,14 @@ def _read_gguf(path: Path) -> LoadedModel:
         elif hf_name.endswith("k_proj.weight"):
             array = unpermute_rope(array, config.num_key_value_heads)
         weights[hf_name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
-    return LoadedModel(path.name, path, config, weights, tokenizer, generation_defaults=GenerationDefaults.from_gguf_fields(fields))
+    return LoadedModel(
+        path.name,
+        path,
+        config,
+        weights,
+        tokenizer,
+        generation_defaults=GenerationDefaults.from_gguf_fields(fields),
+    )
 
 
 def _open_gguf(path: Path) -> tuple[Any, dict[str, Any]]:
@@ -281,7 +294,8 @@ def _open_gguf(path: Path) -> tuple[Any, dict[str, Any]]:
     scaling = fields.get("llama.rope.scaling.type")
     if scaling not in (None, "none", "linear"):
         raise ModelLoadError(
-            f"{path}: GGUF key llama.rope.scaling.type={scaling!r} is not supported (none, linear)", param="model"
+            f"{path}: GGUF key llama.rope.scaling.type={scaling!r} is not supported (none, linear)",
+            param="model",
         )
     return reader, fields
 
@@ -290,7 +304,9 @@ def _check_gguf_tensor_names(path: Path, names: set[str], num_layers: int) -> No
     """Refuse tensors with no HF counterpart the Llama module consumes (e.g. `rope_freqs`, which
     carries llama3 rope scaling the metadata does not state)."""
     hf_names = [gguf_to_hf_name(n) or n for n in names]
-    check_tensor_names(hf_names, lambda prefix: expected_tensor_names(num_layers, prefix=prefix), source=str(path))
+    check_tensor_names(
+        hf_names, lambda prefix: expected_tensor_names(num_layers, prefix=prefix), source=str(path)
+    )
 
 
 def _gguf_tensor_names(path: Path) -> None:

@@ -115,7 +115,9 @@ def mtp_layer_tensor(cfg: DecoderConfig, name: str) -> bool:
     if "layers" not in parts[:-1]:
         return False
     index = parts[parts.index("layers") + 1]
-    return index.isdigit() and cfg.num_hidden_layers <= int(index) < cfg.num_hidden_layers + cfg.num_mtp_layers
+    return (
+        index.isdigit() and cfg.num_hidden_layers <= int(index) < cfg.num_hidden_layers + cfg.num_mtp_layers
+    )
 
 
 def check_grouped_routing(cfg: dict[str, Any]) -> None:

@@ -36,7 +36,9 @@ def _computes_the_shared_decoder(model: DecoderLM) -> bool:
     if type(model).forward is not DecoderLM.forward:
         return False
     return all(
-        type(layer) is DecoderLayer and type(layer.self_attn) is DecoderAttention and type(layer.mlp) is DecoderMLP
+        type(layer) is DecoderLayer
+        and type(layer.self_attn) is DecoderAttention
+        and type(layer.mlp) is DecoderMLP
         for layer in model.layers
     )
 
@@ -72,7 +74,9 @@ class NativeStep:
         row_tables: list[int] = []
         width = max(len(table) for table in block_tables)
         tables = torch.zeros(len(block_tables), width, dtype=torch.int64)
-        for index, (tokens, start, table) in enumerate(zip(token_ids, start_positions, block_tables, strict=True)):
+        for index, (tokens, start, table) in enumerate(
+            zip(token_ids, start_positions, block_tables, strict=True)
+        ):
             tables[index, : len(table)] = torch.tensor(table, dtype=torch.int64)
             for position in range(start, start + len(tokens)):
                 positions.append(position)
@@ -107,7 +111,12 @@ class NativeLlama:
         for layer in _decoder_layers(model):
             assert isinstance(layer.mlp, DecoderMLP), "_computes_the_shared_decoder refuses sparse layers"
             assert isinstance(layer.self_attn, DecoderAttention), "and latent attention"
-            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            linears = (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
             if not all(_native_linear(linear) for linear in linears):
                 return "its decoder linears are not INT4 or INT8 with the native kernel"
         return unsupported_reason(kv_caches[0][0].dtype)
@@ -120,7 +129,9 @@ class NativeLlama:
 
         def quantized(linear: Any) -> QuantizedTensors:
             if isinstance(linear, Int8Linear):
-                return QuantizedTensors(linear.codes, linear.scales, None, 32, int8=True, rows=linear.out_features)
+                return QuantizedTensors(
+                    linear.codes, linear.scales, None, 32, int8=True, rows=linear.out_features
+                )
             params = linear.scales_and_zeros if linear.param_codes is None else linear.param_codes
             return QuantizedTensors(linear.packed, params, linear.superblock_scales, linear.group_size)
 

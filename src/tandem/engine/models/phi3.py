@@ -65,13 +65,19 @@ class Phi3ForCausalLM(DecoderLM):
             if name.endswith("self_attn.qkv_proj.weight"):
                 base = name.removesuffix("qkv_proj.weight")
                 if tensor.shape[0] != q_size + 2 * kv_size:
-                    raise ValueError(f"weight {name!r}: expected {q_size + 2 * kv_size} rows, got {tensor.shape[0]}")
+                    raise ValueError(
+                        f"weight {name!r}: expected {q_size + 2 * kv_size} rows, got {tensor.shape[0]}"
+                    )
                 q, k, v = tensor.split([q_size, kv_size, kv_size], dim=0)
-                split.update({base + "q_proj.weight": q, base + "k_proj.weight": k, base + "v_proj.weight": v})
+                split.update(
+                    {base + "q_proj.weight": q, base + "k_proj.weight": k, base + "v_proj.weight": v}
+                )
             elif name.endswith("mlp.gate_up_proj.weight"):
                 base = name.removesuffix("gate_up_proj.weight")
                 if tensor.shape[0] != 2 * cfg.intermediate_size:
-                    raise ValueError(f"weight {name!r}: expected {2 * cfg.intermediate_size} rows, got {tensor.shape[0]}")
+                    raise ValueError(
+                        f"weight {name!r}: expected {2 * cfg.intermediate_size} rows, got {tensor.shape[0]}"
+                    )
                 gate, up = tensor.split(cfg.intermediate_size, dim=0)
                 split.update({base + "gate_proj.weight": gate, base + "up_proj.weight": up})
             else:

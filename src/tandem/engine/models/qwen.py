@@ -16,7 +16,9 @@ def _windows(cfg: dict[str, Any]) -> list[int | None] | None:
         return None
     layers = int(cfg["num_hidden_layers"])
     first = int(cfg.get("max_window_layers", layers))
-    return layer_windows(cfg, ["sliding_attention" if i >= first else "full_attention" for i in range(layers)])
+    return layer_windows(
+        cfg, ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    )
 
 
 def check_qwen2(cfg: dict[str, Any]) -> None:
@@ -25,7 +27,10 @@ def check_qwen2(cfg: dict[str, Any]) -> None:
 
 def parse_qwen2(cfg: dict[str, Any]) -> DecoderConfig:
     return DecoderConfig(
-        **decoder_fields(cfg, default_eps=1e-6), model_type="qwen2", qkv_bias=True, layer_windows=_windows(cfg)
+        **decoder_fields(cfg, default_eps=1e-6),
+        model_type="qwen2",
+        qkv_bias=True,
+        layer_windows=_windows(cfg),
     )
 
 

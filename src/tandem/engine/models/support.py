@@ -44,7 +44,9 @@ MATH_KEYS = (
 
 
 def _refuse(message: str) -> ModelLoadError:
-    return ModelLoadError(message + " (not implemented: refused rather than answered inexactly)", param="model")
+    return ModelLoadError(
+        message + " (not implemented: refused rather than answered inexactly)", param="model"
+    )
 
 
 def rope_settings(
@@ -73,7 +75,9 @@ def rope_settings(
     return theta, scaling, key
 
 
-def check_rope(cfg: dict[str, Any], layer_type: str = "full_attention", *, partial_rotary: bool = False) -> None:
+def check_rope(
+    cfg: dict[str, Any], layer_type: str = "full_attention", *, partial_rotary: bool = False
+) -> None:
     """Refuse rope types and parameters the rotary tables do not compute exactly (HF's values);
     a partial rotary factor only where the family implements it (`partial_rotary`)."""
     max_positions = int(cfg.get("max_position_embeddings", 2048))
@@ -176,7 +180,9 @@ def layer_windows(cfg: dict[str, Any], default_types: list[str]) -> list[int | N
         return None
     types = cfg.get("layer_types") or default_types
     if len(types) != int(cfg["num_hidden_layers"]):
-        raise ModelLoadError(f"config key layer_types has {len(types)} entries, expected one per layer", param="model")
+        raise ModelLoadError(
+            f"config key layer_types has {len(types)} entries, expected one per layer", param="model"
+        )
     unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
     if unknown:
         raise _refuse(f"config key layer_types: {', '.join(map(repr, unknown))} is not supported")
@@ -215,7 +221,7 @@ def expected_tensor_names(num_layers: int, *, prefix: str = "model.") -> set[str
 
 
 def tensor_prefix(names: Iterable[str]) -> str:
-    """"model." when the checkpoint's decoder tensors carry it (HF's usual layout), else ""."""
+    """ "model." when the checkpoint's decoder tensors carry it (HF's usual layout), else ""."""
     return "model." if any(n.startswith("model.") for n in names) else ""
 
 
@@ -234,7 +240,9 @@ def check_tensor_names(
     expected_names = expected(tensor_prefix(names))
     unused_names = sorted(n for n in names if n not in expected_names and not _DERIVED_TENSOR.match(n))
     if unused_names:
-        shown = ", ".join(unused_names[:8]) + (f" and {len(unused_names) - 8} more" if len(unused_names) > 8 else "")
+        shown = ", ".join(unused_names[:8]) + (
+            f" and {len(unused_names) - 8} more" if len(unused_names) > 8 else ""
+        )
         raise _refuse(f"{source}: {len(unused_names)} checkpoint tensor(s) no module consumes: {shown}")
 
 

@@ -178,7 +178,9 @@ class HeadPoolForward:
             layer_lens=lens.view(len(items), self.num_layers, self.num_kv_heads).permute(1, 0, 2).contiguous(),
         )  # fmt: skip
 
-    def _plan_evictions(self, items: list[ScheduledRequest], metadata: HeadAttentionMetadata, result: RunnerResult) -> None:
+    def _plan_evictions(
+        self, items: list[ScheduledRequest], metadata: HeadAttentionMetadata, result: RunnerResult
+    ) -> None:
         """Add the observed rows' scores to each request's window; on its evicting step, what each
         head keeps (`RunnerResult.kept_tokens`)."""
         for index, layer_scores in metadata.scores.items():
@@ -208,14 +210,22 @@ class HeadPoolForward:
         num_kv_heads = self.num_kv_heads
         src = torch.tensor(head.prefix_src_slots, dtype=torch.int64, device=self.device)  # [n]
         dst = torch.tensor(head.prefix_dst_slots, dtype=torch.int64, device=self.device)  # [L * Hk, n]
-        for layer, (k_cache, v_cache, k_cache_scale, v_cache_scale) in enumerate(shared_caches[: self.num_layers]):
+        for layer, (k_cache, v_cache, k_cache_scale, v_cache_scale) in enumerate(
+            shared_caches[: self.num_layers]
+        ):
             layer_dst = dst[layer * num_kv_heads : (layer + 1) * num_kv_heads].reshape(-1)  # [Hk * n]
             for cache, pool in ((k_cache, k_pool), (v_cache, v_pool)):
                 if cache.dtype != pool.dtype:
-                    raise RuntimeError(f"prefix copy from a {cache.dtype} cache into a {pool.dtype} head pool")
+                    raise RuntimeError(
+                        f"prefix copy from a {cache.dtype} cache into a {pool.dtype} head pool"
+                    )
                 width = cache.shape[-1] * cache.element_size()
-                rows = cache.view(torch.uint8).view(-1, num_kv_heads, width).index_select(0, src)  # [n, Hk, B]
-                pool.view(torch.uint8).view(-1, width).index_copy_(0, layer_dst, rows.transpose(0, 1).reshape(-1, width))
+                rows = (
+                    cache.view(torch.uint8).view(-1, num_kv_heads, width).index_select(0, src)
+                )  # [n, Hk, B]
+                pool.view(torch.uint8).view(-1, width).index_copy_(
+                    0, layer_dst, rows.transpose(0, 1).reshape(-1, width)
+                )
             for cache_scale, pool_scale in ((k_cache_scale, k_scale), (v_cache_scale, v_scale)):
                 if cache_scale is not None and pool_scale is not None:
                     scales = cache_scale.view(-1, num_kv_heads).index_select(0, src)  # [n, Hk]

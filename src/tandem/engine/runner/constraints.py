@@ -57,7 +57,9 @@ class GrammarMasks:
                 failed[item.request_id] = GRAMMAR_FAILED
                 continue
             if matcher is not None and matcher.error is not None:
-                logger.error("grammar matcher in error", extra={"request_id": item.request_id, "error": matcher.error})
+                logger.error(
+                    "grammar matcher in error", extra={"request_id": item.request_id, "error": matcher.error}
+                )
                 failed[item.request_id] = GRAMMAR_FAILED
 
     def advance(self, items: list[ScheduledRequest], result: RunnerResult) -> None:
@@ -69,7 +71,8 @@ class GrammarMasks:
             if matcher is None or not tokens or matcher.accept(tokens):
                 continue
             logger.error(
-                "grammar refused a sampled token", extra={"request_id": item.request_id, "error": matcher.error}
+                "grammar refused a sampled token",
+                extra={"request_id": item.request_id, "error": matcher.error},
             )
             del result.sampled_token_ids[item.request_id]
             result.logprobs.pop(item.request_id, None)

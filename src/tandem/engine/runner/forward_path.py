@@ -76,7 +76,11 @@ def choose_path(shape: StepShape, paths: RunnerPaths) -> ForwardPath:
     small = shape.decoding and shape.num_requests <= paths.decode_model_max_batch
     if shape.compressed:
         native_fits = shape.num_requests <= min(NATIVE_MAX_ROWS, paths.decode_model_max_batch)
-        return ForwardPath.NATIVE_HEADS if paths.native_heads and shape.decoding and native_fits else ForwardPath.HEAD_MODEL
+        return (
+            ForwardPath.NATIVE_HEADS
+            if paths.native_heads and shape.decoding and native_fits
+            else ForwardPath.HEAD_MODEL
+        )
     if small and paths.native and not shape.has_lora and shape.num_rows <= NATIVE_MAX_ROWS:
         return ForwardPath.NATIVE
     dense_is_faster = paths.native and not shape.has_lora and paths.separate_decode_model

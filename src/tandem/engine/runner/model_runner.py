@@ -84,7 +84,9 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         self.decode_model = decode_model or model
         self.decode_model_max_batch = decode_model_max_batch if decode_model is not None else 1 << 30
-        self._decode_forward: Any = torch.compile(self.decode_model.forward, dynamic=True) if compile_decode else None
+        self._decode_forward: Any = (
+            torch.compile(self.decode_model.forward, dynamic=True) if compile_decode else None
+        )
         self.num_compiled_steps = 0
         self.num_decode_model_steps = 0
         self.num_native_steps = 0
@@ -110,7 +112,9 @@ class ModelRunner:
             )
             native_heads = None
             if self.native is not None:  # the native stack over the pool, where it runs shared steps
-                native_heads = NativeLlama.build(self.decode_model, [pool] * model.config.num_hidden_layers, self.block_size)
+                native_heads = NativeLlama.build(
+                    self.decode_model, [pool] * model.config.num_hidden_layers, self.block_size
+                )
             self.heads = HeadPoolForward(pool, model, native_heads, eviction or EvictionPolicy(), device)
         self.graphs: DecodeGraphs | None = None
         if decode_graphs != "off" and graph_max_batch > 0 and decode_model is None and draft is None:
@@ -229,7 +233,9 @@ class ModelRunner:
         except Exception:
             if len(items) == 1:
                 return dataclasses.replace(failed_alone(items[0]), forward_failed=True)
-            logger.warning("step failed; rerunning its requests one by one", extra={"num_requests": len(items)})
+            logger.warning(
+                "step failed; rerunning its requests one by one", extra={"num_requests": len(items)}
+            )
         result = RunnerResult({})
         num_raised = 0
         for item in items:
@@ -249,7 +255,9 @@ class ModelRunner:
         if self.heads is None:
             raise RuntimeError("a compressed request reached a runner without a head-block pool")
         path = choose_path(self.heads.shape_of(compressed), self.paths)
-        result = self.heads.execute(compressed, path, self.kv_caches, lambda i, logits: self._finish(i, logits, None, {}))
+        result = self.heads.execute(
+            compressed, path, self.kv_caches, lambda i, logits: self._finish(i, logits, None, {})
+        )
         if len(compressed) < len(items):
             result.merge(self._execute_shared([item for item in items if not item.is_compressed]))
         return result
@@ -270,7 +278,9 @@ class ModelRunner:
         no request's KV before the engine starts: call it only then (the quality probe does)."""
         num_blocks = -(-len(token_ids) // self.block_size)
         if not 0 < num_prompt_tokens <= len(token_ids) or num_blocks > self.kv_caches[0][0].shape[0]:
-            raise ValueError(f"{len(token_ids)} tokens ({num_prompt_tokens} as the prompt) do not fit this runner")
+            raise ValueError(
+                f"{len(token_ids)} tokens ({num_prompt_tokens} as the prompt) do not fit this runner"
+            )
         block_ids = list(range(num_blocks))
         params = SamplingParams(temperature=0.0)
 
@@ -316,7 +326,10 @@ class ModelRunner:
         if path is ForwardPath.NATIVE:
             assert self.native is not None
             step = NativeStep.build(
-                [i.token_ids for i in items], [i.start_position for i in items], [i.block_ids for i in items], self.block_size
+                [i.token_ids for i in items],
+                [i.start_position for i in items],
+                [i.block_ids for i in items],
+                self.block_size,
             )
             output = self.native.forward(step, rows, return_hidden=hidden, hidden_layers=hidden_layers)
         else:
@@ -376,12 +389,16 @@ class ModelRunner:
             for item in items:
                 tokens = result.sampled_token_ids.get(item.request_id)
                 if item.draft_token_ids and tokens:
-                    self.draft.accepted(item.request_id, item.start_position, len(item.draft_token_ids), len(tokens) - 1)
+                    self.draft.accepted(
+                        item.request_id, item.start_position, len(item.draft_token_ids), len(tokens) - 1
+                    )
         if hidden is not None:
             self._record_states(items, hidden, result)
         return result
 
-    def _record_states(self, items: list[ScheduledRequest], hidden: torch.Tensor, result: RunnerResult) -> None:
+    def _record_states(
+        self, items: list[ScheduledRequest], hidden: torch.Tensor, result: RunnerResult
+    ) -> None:
         """Hand the draft head the target's states [T, hidden] of the positions each request
         keeps: its own tokens and its accepted drafts (none of a failed request)."""
         assert self.draft is not None
@@ -397,12 +414,16 @@ class ModelRunner:
                 self.draft.record(item.request_id, item.start_position, hidden[offset : offset + num_kept])
             offset += num_rows
 
-    def _propose(self, items: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], dict[str, torch.Tensor]]:
+    def _propose(
+        self, items: list[ScheduledRequest]
+    ) -> tuple[list[ScheduledRequest], dict[str, torch.Tensor]]:
         """The draft model's drafts appended to the items that have draft slots, and the draft
         distributions of sampled requests (for rejection sampling)."""
         assert self.draft is not None
         started = time.perf_counter()
-        proposals = self.draft.propose([item for item in items if item.num_draft_slots], self.sampler.generator_for)
+        proposals = self.draft.propose(
+            [item for item in items if item.num_draft_slots], self.sampler.generator_for
+        )
         self.draft_wall_s += time.perf_counter() - started
         filled, draft_probs = [], {}
         for item in items:
@@ -413,7 +434,9 @@ class ModelRunner:
             if probs is not None:
                 draft_probs[item.request_id] = probs
             filled.append(
-                dataclasses.replace(item, token_ids=item.token_ids + tokens, draft_token_ids=tokens, num_draft_slots=0)
+                dataclasses.replace(
+                    item, token_ids=item.token_ids + tokens, draft_token_ids=tokens, num_draft_slots=0
+                )
             )
         return filled, draft_probs
 
@@ -442,7 +465,12 @@ class ModelRunner:
         try:
             for batch in batch_sizes:
                 metadata = build_attention_metadata(
-                    [[0, 0]] * batch, [1] * batch, [2] * batch, self.block_size, self.kv_spec.num_kv_heads, self.device
+                    [[0, 0]] * batch,
+                    [1] * batch,
+                    [2] * batch,
+                    self.block_size,
+                    self.kv_spec.num_kv_heads,
+                    self.device,
                 )
                 self._decode_forward(
                     torch.zeros(batch, dtype=torch.int64, device=self.device),

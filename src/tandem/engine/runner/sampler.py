@@ -29,9 +29,7 @@ __all__ = ["GRAMMAR_FAILED", "NON_FINITE_LOGITS", "REQUEST_FAILED", "Sampler", "
 
 # What a client is told when its request failed in the runner (details go to the log only).
 REQUEST_FAILED = "this request could not be computed by the engine; the server log has the details"
-NON_FINITE_LOGITS = (
-    "the model produced non-finite logits for this request (an adapter with extreme weights?)"
-)
+NON_FINITE_LOGITS = "the model produced non-finite logits for this request (an adapter with extreme weights?)"
 
 
 def failed_alone(item: ScheduledRequest) -> RunnerResult:
@@ -40,7 +38,9 @@ def failed_alone(item: ScheduledRequest) -> RunnerResult:
     return RunnerResult({}, failed={item.request_id: REQUEST_FAILED})
 
 
-def _logprob_entry(token_id: int, chosen_lp: float, top_ids: list[int], top_vals: list[float]) -> dict[int, float]:
+def _logprob_entry(
+    token_id: int, chosen_lp: float, top_ids: list[int], top_vals: list[float]
+) -> dict[int, float]:
     entry = {token_id: chosen_lp}
     for top_id, value in zip(top_ids, top_vals, strict=True):
         entry.setdefault(top_id, value)
@@ -95,8 +95,12 @@ class Sampler:
         if failed:
             logger.error("non-finite logits; failing those requests", extra={"request_ids": sorted(failed)})
         self.masks.check(items, failed)
-        alive = [(item, start) for item, start in zip(items, starts, strict=True) if item.request_id not in failed]
-        result = self._sample_plain(logits, [(item, start) for item, start in alive if not item.num_draft_tokens])
+        alive = [
+            (item, start) for item, start in zip(items, starts, strict=True) if item.request_id not in failed
+        ]
+        result = self._sample_plain(
+            logits, [(item, start) for item, start in alive if not item.num_draft_tokens]
+        )
         for item, start in alive:
             if not item.num_draft_tokens:
                 continue
@@ -180,7 +184,9 @@ class Sampler:
             sub = logits.index_select(0, rows) / torch.tensor(
                 [params[r].temperature for r in random_rows], device=logits.device
             ).unsqueeze(1)
-            if any(params[r].top_k > 0 or params[r].top_p < 1.0 or params[r].min_p > 0.0 for r in random_rows):
+            if any(
+                params[r].top_k > 0 or params[r].top_p < 1.0 or params[r].min_p > 0.0 for r in random_rows
+            ):
                 sub = filter_logits(
                     sub,
                     torch.tensor([params[r].top_k for r in random_rows], device=logits.device),
@@ -195,11 +201,18 @@ class Sampler:
         if logprob_rows:
             num_top = max(params[r].logprobs or 0 for r in logprob_rows)
             rows = torch.tensor(logprob_rows, dtype=torch.int64, device=logits.device)
-            chosen_lp, top_ids, top_vals = top_logprobs(raw_logits.index_select(0, rows), chosen[rows], num_top)
+            chosen_lp, top_ids, top_vals = top_logprobs(
+                raw_logits.index_select(0, rows), chosen[rows], num_top
+            )
             for i, row in enumerate(logprob_rows):
                 n = params[row].logprobs or 0
                 result.logprobs[items[row].request_id] = [
-                    _logprob_entry(chosen_list[row], float(chosen_lp[i]), top_ids[i, :n].tolist(), top_vals[i, :n].tolist())
+                    _logprob_entry(
+                        chosen_list[row],
+                        float(chosen_lp[i]),
+                        top_ids[i, :n].tolist(),
+                        top_vals[i, :n].tolist(),
+                    )
                 ]
         return result
 
