@@ -132,7 +132,7 @@ def handover_bytes(model: str, num_tokens: int) -> dict[str, float]:
         )
         while sender.has_unfinished_requests():
             sender.step()
-        sizes[dtype] = sender.export_kv(request_id, dtype).num_bytes / num_tokens
+        sizes[dtype] = sender.handover.export_kv(request_id, dtype).num_bytes / num_tokens
     return {"bytes_per_token_16bit": sizes["bfloat16"], "bytes_per_token_fp8": sizes["float8_e4m3fn"],
             "fp8_over_16bit": sizes["float8_e4m3fn"] / sizes["bfloat16"]}  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""The evidence behind `dtype="auto"` on a CPU (engine/precision.py): float32 against bfloat16
+"""The evidence behind `dtype="auto"` on a CPU (engine/host/precision.py): float32 against bfloat16
 dense GEMMs at the default model's shapes, through the same kernels the engine runs (oneDNN's
 prepacked linear, `kernels/linear.PackedLinear`).
 

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from common import log, write_result
-from tandem.engine.head_kv_cache import HeadKVCacheManager
+from tandem.engine.kv.head_cache import HeadKVCacheManager
 from tandem.engine.models.loader import default_cache_dir, gguf_to_hf_folder, resolve_model_path
 from tandem.kernels.kv_eviction import (
     num_kept_for_rate,

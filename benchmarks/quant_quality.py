@@ -9,7 +9,7 @@
   next `--decode-tokens` as a one-token decode step, through the runner's own paths as a lone
   request takes them (`ModelRunner.teacher_forced_logits`: the native INT4 stack, a hybrid
   engine's INT4 copy): perplexity ratio, mean KL and top-1 agreement with the base there, and the
-  quality probe's verdict on those figures (its bound, engine/quality_probe.py);
+  quality probe's verdict on those figures (its bound, engine/host/quality_probe.py);
 - greedy agreement on 32 prompts x 64 new tokens: the fraction of positions whose token equals the
   base model's, and the mean length of the identical prefix (`--greedy-batch N`: in waves of N
   requests, e.g. 8 for a hybrid engine's INT4 decode steps, whose LM head is INT8 up to 4 rows and
@@ -33,7 +33,7 @@ import torch
 
 from common import log, write_result
 from tandem import LLM, SamplingParams
-from tandem.engine.quality_probe import MAX_MEAN_KL, MIN_TOP1_AGREEMENT, compare
+from tandem.engine.host.quality_probe import MAX_MEAN_KL, MIN_TOP1_AGREEMENT, compare
 from tandem.kernels.attention import build_attention_metadata
 
 # Every variant is float32 compute (an explicit dtype: `auto` would pick by the CPU), so that each

@@ -42,7 +42,7 @@ CHAT = [
 
 
 def grounded_prompts() -> list[str]:
-    code = (REPO / "src/tandem/engine/speculative.py").read_text().split("class NgramIndex")[1][:900]
+    code = (REPO / "src/tandem/engine/spec/drafts.py").read_text().split("class NgramIndex")[1][:900]
     prose = (REPO / "README.md").read_text()[:900]
     return [
         f"Rewrite this Python code, renaming the variable `index` to `idx` and changing nothing else:\n\n"

@@ -36,7 +36,7 @@ TINY_CHAT_TEMPLATE = (
 
 # The suite's comparisons (HF parity, identical greedy tokens across configurations) are written
 # for one precision on every CPU: pin dtype/weight_dtype "auto" to dense float32 (the engine's
-# operator pin; engine/precision.py). Tests of the automatic choice unset it. Set at import, so
+# operator pin; engine/host/precision.py). Tests of the automatic choice unset it. Set at import, so
 # Ray workers started by the tests inherit it too.
 os.environ.setdefault("TANDEM_AUTO_PRECISION", "float32")
 # Without CUDA, Triton kernels run in Triton's CPU interpreter (tests/test_triton_kernels.py).

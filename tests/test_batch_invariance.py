@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.engine.precision import PIN_ENV
+from tandem.engine.host.precision import PIN_ENV
 from tandem.kernels.linear import INVARIANCE_ROWS, PackedLinear, make_rows_invariant, onednn_available
 
 TOPICS = ["the moon", "bread", "rivers", "chess", "volcanoes", "the ocean", "bees", "trains", "glass", "clouds",

@@ -245,7 +245,7 @@ def test_a_handed_over_request_drafts_with_the_head(one_layer_dir: Path, tmp_pat
     sender.add_prefill_request(gen)
     while sender.has_unfinished_requests():
         sender.step()
-    first = receiver.add_request_with_kv(gen, sender.export_kv("r"))
+    first = receiver.handover.add_request_with_kv(gen, sender.handover.export_kv("r"))
     tokens = list(first.outputs[0].token_ids)
     while receiver.has_unfinished_requests():
         for out in receiver.step():
@@ -275,7 +275,7 @@ def test_a_head_fusing_several_target_layers(target_dir: Path, tmp_path: Path) -
     sender.add_prefill_request(gen)
     while sender.has_unfinished_requests():
         sender.step()
-    first = spec.engine.add_request_with_kv(gen, sender.export_kv("h"))
+    first = spec.engine.handover.add_request_with_kv(gen, sender.handover.export_kv("h"))
     tokens = list(first.outputs[0].token_ids)
     while spec.engine.has_unfinished_requests():
         for out in spec.engine.step():

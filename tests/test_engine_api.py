@@ -59,16 +59,16 @@ def test_stop_token_ids_and_eos(tiny_llm: LLM) -> None:
     base = tiny_llm.generate([PROMPTS[2]], greedy(10))[0].outputs[0].token_ids
     out = tiny_llm.generate([PROMPTS[2]], greedy(10, stop_token_ids=[base[3]]))[0].outputs[0]
     assert out.token_ids == base[: base.index(base[3]) + 1] and out.stop_reason == base[3]
-    engine = tiny_llm.engine
-    saved = engine.eos_token_ids
-    engine.eos_token_ids = frozenset({base[0]})
+    inputs = tiny_llm.engine.input_processor  # what makes each request's stop set
+    saved = inputs.eos_token_ids
+    inputs.eos_token_ids = frozenset({base[0]})
     try:
         stopped = tiny_llm.generate([PROMPTS[2]], SamplingParams(max_tokens=10, temperature=0.0))[0].outputs[
             0
         ]
         ignored = tiny_llm.generate([PROMPTS[2]], greedy(10))[0].outputs[0]
     finally:
-        engine.eos_token_ids = saved
+        inputs.eos_token_ids = saved
     assert stopped.token_ids == base[:1] and stopped.finish_reason == "stop"
     assert ignored.token_ids == base and ignored.finish_reason == "length"
 

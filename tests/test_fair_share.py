@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tandem.engine.fair_share import FairShare
-from tandem.engine.kv_cache import KVCacheManager
+from tandem.engine.kv.block_manager import KVCacheManager
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.scheduler import Scheduler
-from tandem.engine.step import RunnerResult, SchedulerOutput
+from tandem.engine.sched.fair_share import FairShare
+from tandem.engine.sched.scheduler import Scheduler
+from tandem.engine.sched.step import RunnerResult, SchedulerOutput
 
 
 def make_scheduler(

@@ -16,7 +16,7 @@ from tandem import LLM, AsyncEngine, SamplingParams
 from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
 from tandem.deployments.openai_server import OpenAIServer
-from tandem.engine.generation_defaults import GenerationDefaults
+from tandem.engine.io.generation_defaults import GenerationDefaults
 from tandem.engine.models.loader import load_model
 from tandem.platform.errors import ModelLoadError
 from tandem.platform.tenancy import TenantRegistry, parse_keys

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tandem.engine.head_kv_cache import HeadKVCacheManager
+from tandem.engine.kv.head_cache import HeadKVCacheManager
 from tandem.kernels.attention import quantize_fp8
 from tandem.kernels.head_attention import (
     HeadAttentionMetadata,

@@ -1,4 +1,4 @@
-"""Calibrated INT4 (GPTQ, `kernels/gptq.py`, `engine/int4_calibration.py`).
+"""Calibrated INT4 (GPTQ, `kernels/gptq.py`, `engine/host/int4_calibration.py`).
 
 - The maths: on inputs whose channels differ in scale and correlate (as activations do), GPTQ's
   error feedback gives a layer's outputs a smaller error than round-to-nearest at the same group

@@ -33,7 +33,7 @@ from tandem.deployments.batch_execution import execute_batch_line
 from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
 from tandem.deployments.openai_server import OpenAIServer
-from tandem.engine.lora import parse_peft_adapter
+from tandem.engine.lora.manager import parse_peft_adapter
 from tandem.platform.object_store import FileObjectStore
 from tandem.platform.tenancy import TenantRegistry, parse_keys, parse_operator_keys
 

@@ -12,7 +12,7 @@ import pytest
 
 from tandem import GenerationRequest, SamplingParams
 from tandem.engine.engine import LLMEngine
-from tandem.engine.kv_transfer import KVTransfer, KVTransferError
+from tandem.engine.kv.transfer import KVTransfer, KVTransferError
 
 PROMPTS = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13] * 3, [40, 41, 42], [7] * 17]
 
@@ -37,7 +37,7 @@ def prefill(
 ) -> KVTransfer:
     sender.add_prefill_request(GenerationRequest(request_id, prompt_token_ids=prompt, sampling_params=PARAMS))
     run(sender)
-    return sender.export_kv(request_id, cache_dtype)
+    return sender.handover.export_kv(request_id, cache_dtype)
 
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -63,7 +63,7 @@ def test_handed_over_requests_decode_as_colocated_ones(tiny_model_dir: Path, dec
         if fp8:
             full = prefill(sender, f"f{i}", prompt)  # the same pages in float32, to compare sizes
             assert transfer.num_bytes < 0.3 * full.num_bytes
-        first = receiver.add_request_with_kv(
+        first = receiver.handover.add_request_with_kv(
             GenerationRequest(f"r{i}", prompt_token_ids=prompt, sampling_params=PARAMS), transfer
         )
         firsts[f"r{i}"] = first.outputs[0].token_ids
@@ -92,12 +92,12 @@ def test_bad_transfers_fail_their_request_and_allocate_nothing(tiny_model_dir: P
     }
     for expected, transfer in bad_transfers.items():
         with pytest.raises(KVTransferError, match=expected) as info:
-            receiver.add_request_with_kv(gen, transfer)
+            receiver.handover.add_request_with_kv(gen, transfer)
         assert info.value.code == "kv_transfer_invalid"
         assert receiver.stats()["kv_blocks_used"] == 0 and not receiver.has_unfinished_requests()
     assert sender.stats()["kv_blocks_used"] == 0  # every export freed the sender's blocks
     # The good one still works, and is then decoded to the end.
-    receiver.add_request_with_kv(gen, good)
+    receiver.handover.add_request_with_kv(gen, good)
     assert len(run(receiver)["r"]) == PARAMS.max_tokens
 
 
@@ -109,7 +109,7 @@ def test_held_prefill_blocks_are_freed_when_nobody_collects_them(tiny_model_dir:
     sender.step()  # the lease has run out: the next step frees them
     assert sender.stats()["kv_blocks_used"] == 0
     with pytest.raises(Exception, match="no prefilled KV is held"):
-        sender.export_kv("r")
+        sender.handover.export_kv("r")
 
 
 def test_async_engines_hand_over_and_stream(tiny_model_dir: Path) -> None:
@@ -228,7 +228,7 @@ def test_pages_in_the_receivers_prefix_cache_are_not_sent_again(tiny_model_dir: 
     the output equals a colocated engine's; pages evicted between the question and the import
     make the import fail cleanly (KVPrefixEvictedError: ask for a whole transfer), and a
     transfer whose skip count is tampered with fails its checks."""
-    from tandem.engine.kv_transfer import KVPrefixEvictedError
+    from tandem.engine.kv.transfer import KVPrefixEvictedError
 
     shared = PROMPTS[0][:28]
     warm, prompt = [*shared, 90, 91, 92], [*shared, 50, 51, 52]
@@ -241,35 +241,35 @@ def test_pages_in_the_receivers_prefix_cache_are_not_sent_again(tiny_model_dir: 
     receiver.add_request(GenerationRequest("warm", prompt_token_ids=warm, sampling_params=PARAMS))
     run(receiver)
     gen = GenerationRequest("r", prompt_token_ids=prompt, sampling_params=PARAMS)
-    skip = receiver.cached_prefix_pages(gen)
+    skip = receiver.handover.cached_prefix_pages(gen)
     assert skip == len(shared) // 4
     whole = prefill(sender, "whole", prompt)
     sender.add_prefill_request(dataclasses.replace(gen))
     run(sender)
-    partial = sender.export_kv("r", skip_pages=skip)
+    partial = sender.handover.export_kv("r", skip_pages=skip)
     assert [p.index for p in partial.pages] == list(range(skip, len(whole.pages)))
     assert partial.num_bytes * whole.num_tokens == whole.num_bytes * partial.num_tokens  # per token alike
     tampered = dataclasses.replace(partial, num_skipped_pages=skip - 1)
     with pytest.raises(KVTransferError):
-        receiver.add_request_with_kv(gen, tampered)
-    first = receiver.add_request_with_kv(gen, partial)
+        receiver.handover.add_request_with_kv(gen, tampered)
+    first = receiver.handover.add_request_with_kv(gen, partial)
     got = run(receiver)["r"]
     assert first.outputs[0].token_ids + got[1:] == want and got == want
     assert receiver.stats()["kv_blocks_used"] == 0
 
     # Evicted meanwhile: nothing is allocated, and a whole transfer then works.
     again = GenerationRequest("r2", prompt_token_ids=prompt, sampling_params=PARAMS)
-    skip = receiver.cached_prefix_pages(again)
+    skip = receiver.handover.cached_prefix_pages(again)
     assert skip > 0
     sender.add_prefill_request(again)
     run(sender)
-    partial = sender.export_kv("r2", skip_pages=skip)
+    partial = sender.handover.export_kv("r2", skip_pages=skip)
     receiver.kv_manager.pool.reset_prefix_cache()
     with pytest.raises(KVPrefixEvictedError) as info:
-        receiver.add_request_with_kv(again, partial)
+        receiver.handover.add_request_with_kv(again, partial)
     assert info.value.code == "kv_prefix_evicted" and info.value.status_code == 503
     assert receiver.stats()["kv_blocks_used"] == 0 and not receiver.has_unfinished_requests()
-    receiver.add_request_with_kv(again, prefill(sender, "r2", prompt))
+    receiver.handover.add_request_with_kv(again, prefill(sender, "r2", prompt))
     assert run(receiver)["r2"] == want
     assert sender.stats()["kv_blocks_used"] == 0 and receiver.stats()["kv_blocks_used"] == 0
 
@@ -334,7 +334,7 @@ def test_a_constrained_request_handed_over_continues_its_grammar(tiny_model_dir:
     sender, receiver = engine(tiny_model_dir), engine(tiny_model_dir)
     sender.add_prefill_request(dataclasses.replace(gen))
     run(sender)
-    receiver.add_request_with_kv(dataclasses.replace(gen), sender.export_kv("c"))
+    receiver.handover.add_request_with_kv(dataclasses.replace(gen), sender.handover.export_kv("c"))
     got = run(receiver)["c"]
     assert got == want
     assert receiver.grammars is not None and receiver.grammars.matcher(params.structured).accept(got)  # type: ignore[arg-type]

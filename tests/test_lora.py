@@ -12,7 +12,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from tandem import LLM, LoRARequest, SamplingParams
-from tandem.engine.lora import AdapterError, LoRALimits, LoRAModelShape, parse_peft_adapter
+from tandem.engine.lora.manager import AdapterError, LoRALimits, LoRAModelShape, parse_peft_adapter
 from tandem.kernels.lora import LoRAGroups, lora_apply, lora_apply_reference
 
 from .conftest import ADAPTERS
@@ -49,7 +49,7 @@ def _peft_reference(
     """Greedy tokens and first-token log-probs from transformers (+ peft) for every prompt."""
     from transformers import LlamaForCausalLM
 
-    from tandem.engine.tokenizer import Tokenizer
+    from tandem.engine.io.tokenizer import Tokenizer
 
     model = LlamaForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     if adapter is not None:
@@ -157,7 +157,7 @@ def test_half_precision_checkpoints_read_as_the_float32_one(peft_adapters: dict[
     import torch
     from safetensors.torch import load, save
 
-    from tandem.engine.lora_checkpoint import read_safetensors
+    from tandem.engine.lora.checkpoint import read_safetensors
 
     stored = load((peft_adapters["all-r8"] / "adapter_model.safetensors").read_bytes())
     for dtype in (torch.bfloat16, torch.float16):

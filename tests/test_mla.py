@@ -14,7 +14,7 @@ import torch
 
 from tandem import LLM, LoRARequest, SamplingParams
 from tandem.engine.engine import LLMEngine
-from tandem.engine.kv_transfer import KVTransferError
+from tandem.engine.kv.transfer import KVTransferError
 from tandem.engine.protocol import GenerationRequest
 
 from .conftest import make_tiny_model
@@ -93,16 +93,16 @@ def test_latent_pages_hand_over_between_engines(folder: Path) -> None:
         sender.add_prefill_request(gen)
         while sender.has_unfinished_requests():
             sender.step()
-        transfer = sender.export_kv(gen.request_id)
+        transfer = sender.handover.export_kv(gen.request_id)
         assert transfer.model_fingerprint.endswith("|latent")
         if index == 0:
             page = transfer.pages[1]
             flipped = dataclasses.replace(page, data=bytes([page.data[0] ^ 1]) + page.data[1:])
             bad = dataclasses.replace(transfer, pages=(transfer.pages[0], flipped, *transfer.pages[2:]))
             with pytest.raises(KVTransferError):
-                receiver.add_request_with_kv(gen, bad)
+                receiver.handover.add_request_with_kv(gen, bad)
             assert receiver.stats()["kv_blocks_used"] == 0
-        receiver.add_request_with_kv(gen, transfer)
+        receiver.handover.add_request_with_kv(gen, transfer)
         tokens: list[int] = []
         while receiver.has_unfinished_requests():
             for out in receiver.step():
@@ -112,7 +112,7 @@ def test_latent_pages_hand_over_between_engines(folder: Path) -> None:
 
 
 def test_per_head_compression_and_adapters_are_refused_naming_why(folder: Path, tmp_path: Path) -> None:
-    from tandem.engine.lora import AdapterError
+    from tandem.engine.lora.manager import AdapterError
     from tandem.platform.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError) as refused:

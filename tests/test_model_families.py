@@ -155,7 +155,7 @@ def test_an_adapter_for_other_module_names_is_refused(
 ) -> None:
     """An adapter naming projections the base model does not have (Llama's q_proj on Phi-3, whose
     checkpoint fuses q/k/v) is a 400 naming `target_modules`, not silently half-applied."""
-    from tandem.engine.lora import AdapterError
+    from tandem.engine.lora.manager import AdapterError
 
     folder = checkpoint("phi3", tokenizer_files, tmp_path_factory)
     llama = checkpoint("llama-bias", tokenizer_files, tmp_path_factory)
@@ -174,7 +174,7 @@ def test_sliding_window_memory_is_bounded(
     each step the request holds exactly its table less the blocks wholly before position
     `computed - W + 1`, so never more than W / 4 + 2 blocks, and its tokens are HF's. A model
     with a global layer (Gemma 2) keeps every block (one table serves all its layers)."""
-    from tandem.engine.kv_cache import FREED_BLOCK
+    from tandem.engine.kv.block_manager import FREED_BLOCK
     from tandem.engine.protocol import GenerationRequest
 
     folder = checkpoint(family, tokenizer_files, tmp_path_factory)
@@ -259,7 +259,7 @@ def test_hand_over_between_engines_of_a_windowed_model(
         sender.add_prefill_request(gen)
         while sender.has_unfinished_requests():
             sender.step()
-        receiver.add_request_with_kv(gen, sender.export_kv(gen.request_id))
+        receiver.handover.add_request_with_kv(gen, sender.handover.export_kv(gen.request_id))
         tokens: list[int] = []
         while receiver.has_unfinished_requests():
             for out in receiver.step():
@@ -333,7 +333,7 @@ def test_a_prefix_hit_needs_only_the_blocks_inside_the_window(
     reuses) its early blocks as it goes, so the start of its prompt is no longer cached when the
     same prompt comes again. The second request still skips all but its last tokens: it takes the
     cached blocks inside the window of its first computed position, and its tokens are HF's."""
-    from tandem.engine.kv_cache import FREED_BLOCK
+    from tandem.engine.kv.block_manager import FREED_BLOCK
     from tandem.engine.protocol import GenerationRequest
 
     folder = checkpoint("mistral", tokenizer_files, tmp_path_factory)

@@ -116,7 +116,7 @@ def test_an_adapter_on_expert_modules_is_refused_naming_them(
 ) -> None:
     import peft
 
-    from tandem.engine.lora import AdapterError
+    from tandem.engine.lora.manager import AdapterError
 
     folder = checkpoints["qwen3_moe"]  # layer 1 is dense: PEFT finds gate/up/down_proj there
     llm = LLM(str(folder), dtype="float32", enable_lora=True, max_lora_rank=8, kv_cache_memory=1 << 20)

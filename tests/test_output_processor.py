@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from tandem import SamplingParams
-from tandem.engine.output_processor import OutputProcessor
+from tandem.engine.io.output_processor import OutputProcessor
 from tandem.engine.request import Request
-from tandem.engine.step import RequestUpdate
+from tandem.engine.sched.step import RequestUpdate
 
 TEXT = "Grüße, 世界! Emoji 🙂🚀 and code: `x = {'ä': 1}`\n" * 8
 

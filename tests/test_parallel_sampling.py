@@ -10,8 +10,8 @@ import pytest
 
 from tandem import LLM, AsyncEngine, GenerationRequest, SamplingParams
 from tandem.engine.engine import LLMEngine
-from tandem.engine.parallel_sampling import choice_seed
 from tandem.engine.sampling_params import MAX_SEED, MIN_SEED
+from tandem.engine.sched.parallel_sampling import choice_seed
 from tandem.platform.errors import InvalidRequestError
 
 # 70 tokens or so: four full blocks of 16 and a partial one

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.engine.precision import PIN_ENV, choose_precision
-from tandem.engine.precision_probe import (
+from tandem.engine.host.precision import PIN_ENV, choose_precision
+from tandem.engine.host.precision_probe import (
     COMPUTE_ROWS,
     ProbeResult,
     cache_path,
@@ -274,8 +274,8 @@ def test_engines_starting_together_probe_once(tiny_model_dir: Path, tmp_path: Pa
     (GEMMs timed against each other would be noise)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from tandem.engine.host.precision_probe import probe_precision
     from tandem.engine.models.loader import load_model
-    from tandem.engine.precision_probe import probe_precision
 
     cfg = load_model(str(tiny_model_dir)).config
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tandem import LLM, SamplingParams
-from tandem.engine.kv_cache import KVCacheManager
+from tandem.engine.kv.block_manager import KVCacheManager
 from tandem.engine.protocol import GenerationRequest
 
 BS = 4

@@ -1,4 +1,4 @@
-"""The quality probe and its bound (engine/quality_probe.py, engine/quality_gate.py): a precision
+"""The quality probe and its bound (engine/host/quality_probe.py, engine/host/quality_gate.py): a precision
 chosen for speed is kept only within a measured bound on the checkpoint; an explicit one outside
 it starts with a warning that gives the figures. Real checkpoints: tests/test_real_checkpoints.py."""
 
@@ -13,11 +13,11 @@ import torch
 
 from tandem import LLM
 from tandem.engine.builder import build_models, kv_cache_spec
+from tandem.engine.host.precision import PIN_ENV, PrecisionChoice
+from tandem.engine.host.precision_probe import ProbeResult
+from tandem.engine.host.quality_gate import hold_to_bound
+from tandem.engine.host.quality_probe import MAX_MEAN_KL, compare
 from tandem.engine.models.loader import load_model
-from tandem.engine.precision import PIN_ENV, PrecisionChoice
-from tandem.engine.precision_probe import ProbeResult
-from tandem.engine.quality_gate import hold_to_bound
-from tandem.engine.quality_probe import MAX_MEAN_KL, compare
 from tandem.platform.config import EngineConfig
 
 CPU = torch.device("cpu")

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.engine.precision import PIN_ENV
+from tandem.engine.host.precision import PIN_ENV
 
 from .test_batch import wait_for
 from .test_cli_serve import ServeProcess

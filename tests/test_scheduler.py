@@ -6,21 +6,28 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tandem.engine.batch_policy import BatchPolicy
-from tandem.engine.kv_cache import KVCacheManager
+from tandem.engine.kv.block_manager import KVCacheManager
 from tandem.engine.request import Priority, Request, RequestStatus
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.scheduler import Scheduler
-from tandem.engine.step import RunnerResult, SchedulerOutput
+from tandem.engine.sched.batch_policy import BatchPolicy
+from tandem.engine.sched.fair_share import FairShare
+from tandem.engine.sched.scheduler import Scheduler
+from tandem.engine.sched.step import RunnerResult, SchedulerOutput
 
 EOS = 0
 
 
 def make_scheduler(
-    num_blocks: int = 16, block_size: int = 4, budget: int = 32, max_seqs: int = 8
+    num_blocks: int = 16,
+    block_size: int = 4,
+    budget: int = 32,
+    max_seqs: int = 8,
+    fair_share: FairShare | None = None,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, watermark=0.0)
-    return Scheduler(kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=64)
+    return Scheduler(
+        kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=64, fair_share=fair_share
+    )
 
 
 def make_request(
@@ -218,9 +225,9 @@ class TenantSchedulerMachine(SchedulerMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        from tandem.engine.fair_share import FairShare
-
-        self.sched.fair = FairShare({"t0": 2.0})
+        self.sched = make_scheduler(
+            num_blocks=12, block_size=4, budget=16, max_seqs=4, fair_share=FairShare({"t0": 2.0})
+        )
         self.last_counters: dict = {}
 
     @rule(
@@ -267,7 +274,7 @@ class ParallelSamplingMachine(SchedulerMachine):
         batch=st.booleans(),
     )
     def add_family(self, num_prompt: int, max_tokens: int, n: int, batch: bool) -> None:
-        from tandem.engine.parallel_sampling import choice_requests
+        from tandem.engine.sched.parallel_sampling import choice_requests
 
         rid = f"f{self.counter}"
         self.counter += 1
@@ -309,7 +316,7 @@ TestParallelSamplingMachine.settings = settings(max_examples=120, stateful_step_
 
 
 def test_choices_wait_for_their_leader_then_share_its_prompt_blocks() -> None:
-    from tandem.engine.parallel_sampling import choice_requests
+    from tandem.engine.sched.parallel_sampling import choice_requests
 
     sched = make_scheduler(num_blocks=16, block_size=4, budget=8)
     parent = make_request("p", 10, max_tokens=3)
@@ -507,7 +514,7 @@ class MixedCompressionMachine(SchedulerMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        from tandem.engine.head_kv_cache import HeadKVCacheManager
+        from tandem.engine.kv.head_cache import HeadKVCacheManager
 
         self.head_kv = HeadKVCacheManager(
             48, 4, num_layers=2, num_kv_heads=2

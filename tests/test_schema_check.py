@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
-from tandem.engine.schema_check import finite_value_problem
+from tandem.engine.structured.schema_check import finite_value_problem
 
 
 class Tree(BaseModel):

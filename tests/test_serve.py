@@ -744,7 +744,7 @@ def test_a_sliding_window_model_through_disaggregated_serve(
     from ray import serve
 
     from tandem.deployments.replicas import LLM_DEPLOYMENT
-    from tandem.engine.tokenizer import Tokenizer
+    from tandem.engine.io.tokenizer import Tokenizer
 
     from .model_families import load_hf, save_family_model
     from .test_hf_parity import hf_greedy

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from tandem import LLM, SamplingParams
-from tandem.engine.speculation_guard import SpeculationGuard
+from tandem.engine.spec.guard import SpeculationGuard
 
 
 class Steps:

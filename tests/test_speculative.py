@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from tandem import GenerationRequest, SamplingParams
-from tandem.engine.kv_cache import KVCacheManager
+from tandem.engine.kv.block_manager import KVCacheManager
 from tandem.engine.llm import LLM
 from tandem.engine.request import Request
-from tandem.engine.scheduler import Scheduler
-from tandem.engine.speculative import (
+from tandem.engine.sched.scheduler import Scheduler
+from tandem.engine.sched.step import RunnerResult, RunnerStats, SchedulerOutput
+from tandem.engine.spec.drafts import (
     AcceptanceTracker,
     DraftCandidate,
     NgramIndex,
@@ -21,7 +22,6 @@ from tandem.engine.speculative import (
     StepCostModel,
     plan_drafts,
 )
-from tandem.engine.step import RunnerResult, RunnerStats, SchedulerOutput
 from tandem.kernels.sampling import verify_drafts
 
 from .conftest import make_tiny_model

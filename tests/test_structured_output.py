@@ -622,7 +622,7 @@ def _reference_tokens(
     import llguidance as llg
     import llguidance.numpy as llg_np
 
-    from tandem.engine.grammar import grammar_text
+    from tandem.engine.structured.grammar import grammar_text
 
     tokenizer = llg.LLTokenizer(
         engine.tokenizer.backend.to_str(),

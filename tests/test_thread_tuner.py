@@ -3,7 +3,7 @@ host (all threads) and a shared one (one thread), and back."""
 
 from __future__ import annotations
 
-from tandem.engine.thread_tuner import ThreadTuner
+from tandem.engine.host.thread_tuner import ThreadTuner
 
 
 def run(tuner: ThreadTuner, steps: int, cost_per_token: dict[int, float], num_tokens: int = 1) -> list[int]:

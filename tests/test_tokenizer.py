@@ -121,7 +121,7 @@ def test_post_processor_special_tokens_as_transformers(tmp_path: Path, add_bos: 
     from tokenizers import processors
     from transformers import AutoTokenizer
 
-    from tandem.engine.tokenizer import Tokenizer
+    from tandem.engine.io.tokenizer import Tokenizer
     from tests.conftest import make_tiny_model
 
     folder = make_tiny_model(tmp_path / "tok", num_layers=1)

@@ -241,7 +241,7 @@ def test_int4_linear_runs_triton_where_it_is_forced(monkeypatch: pytest.MonkeyPa
 def test_cuda_paths_are_chosen_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """The device picks the implementation: CUDA gets Triton's attention, KV write and INT4 kernels
     and bfloat16; CPU never does unless a test forces it, and the CPU-only paths refuse CUDA."""
-    from tandem.engine.precision import choose_precision
+    from tandem.engine.host.precision import choose_precision
     from tandem.kernels.linear import onednn_available
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")

@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from tandem.deployments.adapters import AdapterStore
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.deployments.uploads import json_request_body, reject_declared_oversize
-from tandem.engine.lora_checkpoint import LoRAModelShape
+from tandem.engine.lora.checkpoint import LoRAModelShape
 from tandem.platform.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
 from tandem.platform.openai_schemas import require_unicode
 

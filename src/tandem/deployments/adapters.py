@@ -29,7 +29,7 @@ from urllib.parse import quote, urlparse
 from pydantic import BaseModel
 
 from tandem.batch.records import tenant_prefix
-from tandem.engine.lora_checkpoint import LoRALimits, LoRAModelShape, check_peft_adapter
+from tandem.engine.lora.checkpoint import LoRALimits, LoRAModelShape, check_peft_adapter
 from tandem.platform.errors import ConflictError, InvalidRequestError, NotFoundError
 from tandem.platform.object_store import ObjectNotFound, ObjectStore, S3ObjectStore, S3Settings
 

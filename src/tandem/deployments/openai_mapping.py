@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.deployments.structured_output import request_constraint, response_format_constraint
-from tandem.engine.generation_defaults import DEFAULTABLE
+from tandem.engine.io.generation_defaults import DEFAULTABLE
 from tandem.engine.protocol import CompletionOutput, RequestOutput
 from tandem.engine.sampling_params import SamplingParams
 from tandem.platform.errors import InvalidRequestError, RequestFailedError, TandemError

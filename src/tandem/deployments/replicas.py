@@ -26,7 +26,7 @@ from ray.serve.handle import DeploymentHandle
 
 from tandem.deployments.adapters import AdapterStore, load_into_engine
 from tandem.deployments.orphans import CallerRef, OrphanWatch
-from tandem.engine.kv_transfer import KVPrefixEvictedError, KVTransfer
+from tandem.engine.kv.transfer import KVPrefixEvictedError, KVTransfer
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Priority
 from tandem.platform.errors import BatchCapacityError, ServiceUnavailableError, TandemError

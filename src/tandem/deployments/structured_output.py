@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.sampling_params import JSON_GRAMMAR_OPTIONS, StructuredOutput
-from tandem.engine.schema_check import finite_value_problem
+from tandem.engine.structured.schema_check import finite_value_problem
 from tandem.platform.errors import InvalidRequestError
 from tandem.platform.openai_schemas import (
     ChatCompletionRequest,

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from tandem.engine.engine import LLMEngine
-from tandem.engine.handover import with_token_ids
-from tandem.engine.kv_transfer import KVTransfer
+from tandem.engine.io.tokenizer import Tokenizer
+from tandem.engine.kv.handover import with_token_ids
+from tandem.engine.kv.transfer import KVTransfer
 from tandem.engine.protocol import GenerationRequest, RequestOutput, merge_outputs
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.tokenizer import Tokenizer
 from tandem.platform.errors import InvalidRequestError, RequestFailedError, ServiceUnavailableError
 
 logger = logging.getLogger("tandem.engine")
@@ -134,7 +134,7 @@ class AsyncEngine:
 
     async def cached_prefix_pages(self, request: GenerationRequest) -> int:
         """`LLMEngine.cached_prefix_pages`: leading prompt pages a sender need not send here."""
-        return cast(int, await self._call(lambda engine: engine.cached_prefix_pages(request)))
+        return cast(int, await self._call(lambda engine: engine.handover.cached_prefix_pages(request)))
 
     async def prefill(
         self, request: GenerationRequest, cache_dtype: str | None = None, skip_pages: int = 0
@@ -142,7 +142,7 @@ class AsyncEngine:
         """Compute the prompt and first token here and return its KV pages (`LLMEngine.export_kv`,
         from page `skip_pages` on) for a decode engine; this engine's blocks are free when it returns."""
         last: RequestOutput | None = None
-        async for output in self._start(self.engine.make_prefill_request(request)):
+        async for output in self._start(self.engine.handover.make_prefill_request(request)):
             last = output
         assert last is not None and last.finished
         if last.outputs[0].finish_reason == "error":
@@ -151,7 +151,9 @@ class AsyncEngine:
             )
         return cast(
             KVTransfer,
-            await self._call(lambda engine: engine.export_kv(request.request_id, cache_dtype, skip_pages)),
+            await self._call(
+                lambda engine: engine.handover.export_kv(request.request_id, cache_dtype, skip_pages)
+            ),
         )
 
     async def generate_from_kv(
@@ -162,7 +164,7 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
 
         def add(engine: LLMEngine) -> RequestOutput:
-            first = engine.add_request_with_kv(request, transfer, stream_text=True)
+            first = engine.handover.add_request_with_kv(request, transfer, stream_text=True)
             if not first.finished:
                 self._streams[request.request_id] = stream
             return first

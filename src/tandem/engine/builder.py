@@ -15,11 +15,14 @@ from typing import Any
 
 import torch
 
-from tandem.engine.batch_invariance import DISABLED, BatchInvariance, make_batch_invariant
-from tandem.engine.draft import DraftProposer, EagleProposer, PagedDraftCache
-from tandem.engine.generation_defaults import GenerationDefaults
-from tandem.engine.grammar import GrammarCompiler
-from tandem.engine.lora import LoRALimits, LoRAManager, LoRAModelShape
+from tandem.engine.host.batch_invariance import DISABLED, BatchInvariance, make_batch_invariant
+from tandem.engine.host.precision import PrecisionChoice, choose_precision
+from tandem.engine.host.precision import pinned as pinned_precision
+from tandem.engine.host.precision_probe import probe_precision
+from tandem.engine.host.quality_gate import DTYPES, hold_to_bound, kv_cache_dtype
+from tandem.engine.io.generation_defaults import GenerationDefaults
+from tandem.engine.io.tokenizer import Tokenizer
+from tandem.engine.lora.manager import LoRALimits, LoRAManager, LoRAModelShape
 from tandem.engine.model_weights import build_models, kv_cache_spec
 from tandem.engine.models.eagle import EagleDraft, is_eagle_folder, load_eagle
 from tandem.engine.models.interface import CausalLM
@@ -31,14 +34,11 @@ from tandem.engine.models.loader import (
     resolve_model_path,
 )
 from tandem.engine.models.moe_layer import SparseMoE
-from tandem.engine.precision import PrecisionChoice, choose_precision
-from tandem.engine.precision import pinned as pinned_precision
-from tandem.engine.precision_probe import probe_precision
-from tandem.engine.quality_gate import DTYPES, hold_to_bound, kv_cache_dtype
 from tandem.engine.runner import KVCacheSpec, ModelRunner, allocate_kv_caches
-from tandem.engine.speculative import SpeculationSettings
-from tandem.engine.step import Runner
-from tandem.engine.tokenizer import Tokenizer
+from tandem.engine.runner.draft import DraftProposer, EagleProposer, PagedDraftCache
+from tandem.engine.sched.step import Runner
+from tandem.engine.spec.drafts import SpeculationSettings
+from tandem.engine.structured.grammar import GrammarCompiler
 from tandem.kernels import int4_native
 from tandem.kernels.head_attention import head_pool_dtype, head_slot_bytes
 from tandem.kernels.kv_eviction import EvictionPolicy

@@ -17,24 +17,31 @@ from typing import Any
 
 import torch
 
-from tandem.engine import handover, request_validation
-from tandem.engine.batch_policy import BatchPolicy
 from tandem.engine.builder import EngineParts, build_parts, eviction_policy, speculation_settings
-from tandem.engine.engine_stats import engine_stats
-from tandem.engine.fair_share import FairShare
-from tandem.engine.grammar import GrammarCompiler
-from tandem.engine.head_kv_cache import HeadKVCacheManager
-from tandem.engine.kv_cache import KVCacheManager
-from tandem.engine.kv_transfer import KVTransfer
-from tandem.engine.lora import LoRAAdapter, parse_peft_adapter
-from tandem.engine.output_processor import OutputProcessor
-from tandem.engine.parallel_sampling import ChoiceFamilies, choice_requests, merge_by_id
+from tandem.engine.host.thread_tuner import ThreadTuner
+from tandem.engine.io.input_processor import InputProcessor
+from tandem.engine.io.output_processor import OutputProcessor
+from tandem.engine.io.stats import (
+    CompressionStats,
+    EngineStats,
+    JSONValue,
+    KVStats,
+    SchedulerStats,
+    SpeculationStats,
+)
+from tandem.engine.kv.block_manager import KVCacheManager
+from tandem.engine.kv.handover import KVHandover, kv_fingerprint
+from tandem.engine.kv.head_cache import HeadKVCacheManager
+from tandem.engine.lora.manager import LoRAAdapter, parse_peft_adapter
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import GRAMMAR_FAILED
-from tandem.engine.scheduler import Scheduler
-from tandem.engine.step import RequestUpdate, RunnerResult, SchedulerOutput
-from tandem.engine.thread_tuner import ThreadTuner
+from tandem.engine.sched.batch_policy import BatchPolicy
+from tandem.engine.sched.fair_share import FairShare
+from tandem.engine.sched.parallel_sampling import ChoiceFamilies, choice_requests, merge_by_id
+from tandem.engine.sched.scheduler import Scheduler
+from tandem.engine.sched.step import RequestUpdate, RunnerResult, SchedulerOutput
+from tandem.engine.structured.grammar import GrammarCompiler
 from tandem.platform.config import EngineConfig
 from tandem.platform.errors import InvalidRequestError, NotFoundError
 
@@ -98,6 +105,30 @@ class LLMEngine:
         self.scheduler = self._build_scheduler()
         self.output_processor = OutputProcessor(self.tokenizer)
         self.families = ChoiceFamilies()  # requests with n > 1 choices, by parent id
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            self.generation_defaults,
+            vocab_size=cfg.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            compressed_max_len=self.compressed_max_len,
+            kv_compression_rate=config.kv_compression_rate,
+            has_compression_pool=self.head_kv is not None,
+            check_lora=self._check_lora,
+            compile_grammar=self.grammars.compile if self.grammars is not None else None,
+        )
+        # The prefill/decode hand-over of this engine's KV (`kv/handover.py`).
+        self.handover = KVHandover(
+            self.scheduler,
+            self.kv_manager,
+            self.runner,
+            make_request=self.make_request,
+            fingerprint=kv_fingerprint(self.model_name, cfg),
+            kv_cache_dtype=self.kv_cache_dtype,
+            acquire_lora=self.acquire_lora,
+            add_output=self.output_processor.add,
+            outputs=self.outputs,
+        )
 
     def _build_scheduler(self) -> Scheduler:
         config = self.config
@@ -141,10 +172,10 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------
     def make_request(self, gen: GenerationRequest, *, compress: bool = True) -> tuple[Request, str | None]:
-        """Validate and tokenise (`request_validation.make_request`); raises `InvalidRequestError`
+        """Validate and tokenise (`InputProcessor.make_request`); raises `InvalidRequestError`
         before anything is allocated. `compress=False`: the shared layout whatever the request or
         engine asks (KV hand-over)."""
-        return request_validation.make_request(self, gen, compress=compress)
+        return self.input_processor.make_request(gen, compress=compress)
 
     @property
     def compressed_capacity_tokens(self) -> int:
@@ -262,27 +293,10 @@ class LLMEngine:
             self.families.add(request.request_id, [c.request_id for c in children])
         return request
 
-    # -- KV hand-over (handover.py) --------------------------------------------------------------
-    def make_prefill_request(self, gen: GenerationRequest) -> tuple[Request, str | None]:
-        return handover.make_prefill_request(self, gen)
-
+    # -- KV hand-over (`self.handover`: kv/handover.py) -----------------------------------------
     def add_prefill_request(self, gen: GenerationRequest) -> Request:
-        """Queue `gen` as a prefill (`handover.make_prefill_request`)."""
-        return self.add_prepared(*self.make_prefill_request(gen))
-
-    def kv_fingerprint(self) -> str:
-        return handover.kv_fingerprint(self)
-
-    def cached_prefix_pages(self, gen: GenerationRequest) -> int:
-        return handover.cached_prefix_pages(self, gen)
-
-    def export_kv(self, request_id: str, cache_dtype: str | None = None, skip_pages: int = 0) -> KVTransfer:
-        return handover.export_kv(self, request_id, cache_dtype, skip_pages)
-
-    def add_request_with_kv(
-        self, gen: GenerationRequest, transfer: KVTransfer, *, stream_text: bool = False
-    ) -> RequestOutput:
-        return handover.add_request_with_kv(self, gen, transfer, stream_text=stream_text)
+        """Queue `gen` as a prefill (`KVHandover.make_prefill_request`)."""
+        return self.add_prepared(*self.handover.make_prefill_request(gen))
 
     def abort_request(
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -433,4 +447,44 @@ class LLMEngine:
         return block_id
 
     def stats(self) -> dict[str, Any]:
-        return engine_stats(self)
+        """The engine's counters and gauges as one flat JSON object (`EngineStats.as_dict`)."""
+        return self.typed_stats().as_dict()
+
+    def typed_stats(self) -> EngineStats:
+        """Each component's statistics, read from the component that owns them."""
+        precision = self.precision
+        scheduler = self.scheduler
+        loras: list[JSONValue] = list(self.list_loras())
+        return EngineStats(
+            kv=KVStats.of(self.kv_manager, self.kv_cache_dtype),
+            scheduler=SchedulerStats.of(scheduler),
+            speculation=SpeculationStats.of(scheduler.speculation),
+            runner=self.runner.stats(),
+            model={
+                "loras_loaded": loras,
+                "num_loras_loaded": len(loras),
+                "dtype": precision.dtype if precision else None,
+                "weight_dtype": precision.weight_dtype if precision else self.config.weight_dtype,
+                "precision_reason": precision.reason if precision else "",
+                "precision_probe": precision.probe.as_stats() if precision and precision.probe else None,
+                "quality_probe": [q.as_stats() for q in precision.quality] if precision else [],
+                "generation_defaults": self.generation_defaults.as_dict(),
+                "batch_invariant": self.batch_invariance.holds,
+                "batch_invariance": self.batch_invariance.reason,
+                "role": self.config.role,
+                "max_model_len": self.max_model_len,
+            },
+            counters={
+                "num_kv_integrity_aborts": self.num_kv_integrity_aborts,
+                "num_failed_requests": self.num_failed_requests,
+                "num_steps": self.num_steps,
+                "step_wall_s": self.step_wall_s,
+                "step_thread_cpu_s": self.step_thread_cpu_s,
+            },
+            compression=CompressionStats.of(
+                self.head_kv, scheduler.head_layout, self.compressed_capacity_tokens
+            )
+            if self.head_kv is not None
+            else None,
+            extra=dict(self.grammars.stats()) if self.grammars is not None else {},
+        )

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from tandem.engine.engine import LLMEngine
-from tandem.engine.generation_defaults import DEFAULTABLE
+from tandem.engine.io.generation_defaults import DEFAULTABLE
 from tandem.engine.protocol import GenerationRequest, LoRARequest, RequestOutput
 from tandem.engine.request import Priority
 from tandem.engine.sampling_params import SamplingParams

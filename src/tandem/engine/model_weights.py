@@ -9,12 +9,12 @@ import functools
 
 import torch
 
-from tandem.engine.int4_calibration import calibrated_int4, int4_source
+from tandem.engine.host.int4_calibration import calibrated_int4, int4_source
+from tandem.engine.host.precision import PrecisionChoice
+from tandem.engine.host.quality_gate import DTYPES
 from tandem.engine.models.interface import CausalLM
 from tandem.engine.models.loader import LoadedModel, build_model, default_cache_dir
 from tandem.engine.models.quantized import DEFAULT_INT4_GROUP_SIZE
-from tandem.engine.precision import PrecisionChoice
-from tandem.engine.quality_gate import DTYPES
 from tandem.engine.runner import KVCacheSpec
 from tandem.kernels.int8 import Int8HeadLinear
 from tandem.platform.config import EngineConfig

@@ -33,7 +33,7 @@ StructuredKind = Literal["json_schema", "regex", "lark", "choice"]
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """A constraint on the generated text, enforced token by token (engine/grammar.py).
+    """A constraint on the generated text, enforced token by token (engine/structured/grammar.py).
 
     `kind` says what `value` holds: a JSON schema as JSON text (`{"type": "object"}` is any JSON
     object), a regular expression (Rust `regex` syntax), a Lark grammar in llguidance's dialect

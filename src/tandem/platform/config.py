@@ -72,7 +72,7 @@ class EngineConfig(BaseModel):
         "auto",
         description="Compute dtype of weights and activations. 'auto': bfloat16 on CUDA; on CPU the "
         "fastest the precision probe measured for this model on this machine (precision_probe), or "
-        "without it bfloat16 on CPUs with AMX-BF16 and float32 elsewhere (engine/precision.py; "
+        "without it bfloat16 on CPUs with AMX-BF16 and float32 elsewhere (engine/host/precision.py; "
         "stats() and the start-up log say what was chosen and why). An explicit dtype is the whole "
         "unquantised model in that dtype (with weight_dtype 'auto').",
     )
@@ -101,7 +101,7 @@ class EngineConfig(BaseModel):
         description="At the first start on a machine, hold a quantised or automatically chosen 16-bit "
         "precision to a bound on this checkpoint: next-token distributions on a bundled calibration text, "
         "decode steps included, against the float32 weights (mean KL <= 0.02 nats, top-1 agreement >= "
-        "0.97; engine/quality_probe.py). An automatic choice outside it falls back (INT4 to dense, "
+        "0.97; engine/host/quality_probe.py). An automatic choice outside it falls back (INT4 to dense, "
         "bfloat16 to float32); an explicit one starts with a warning giving the figures. Cached per "
         "machine and checkpoint under $TANDEM_CACHE_DIR/precision.",
     )

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.engine.generation_defaults import GenerationDefaults
+from tandem.engine.io.generation_defaults import GenerationDefaults
+from tandem.engine.io.tokenizer import Tokenizer
 from tandem.engine.models.gguf_names import gguf_to_hf_name, unpermute_rope
 from tandem.engine.models.interface import CausalLM
 from tandem.engine.models.llama import LLAMA, LlamaConfig
@@ -32,7 +33,6 @@ from tandem.engine.models.support import (
     safetensors_files,
     safetensors_names,
 )
-from tandem.engine.tokenizer import Tokenizer
 from tandem.kernels.int4 import Int4Kernel, Int4Weight
 from tandem.kernels.linear import pack_linears
 from tandem.platform.errors import ModelLoadError

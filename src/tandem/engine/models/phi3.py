@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tandem.engine.lora_checkpoint import FUSED_CHECKPOINT_TARGETS
+from tandem.engine.lora.checkpoint import FUSED_CHECKPOINT_TARGETS
 from tandem.engine.models.decoder import DecoderConfig, DecoderLM, decoder_kv_layers
 from tandem.engine.models.registry import Architecture, register
 from tandem.engine.models.support import check_common, decoder_fields, layer_windows, layered_tensor_names

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tandem.engine.lora_checkpoint import SUPPORTED_TARGETS
+from tandem.engine.lora.checkpoint import SUPPORTED_TARGETS
 from tandem.platform.errors import ModelLoadError
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from tandem.engine.models.interface import CausalLM, KVLayer
 from tandem.engine.models.native import NativeLlama
 from tandem.engine.runner.forward_path import ForwardPath, StepShape
-from tandem.engine.step import HeadStep, RunnerResult, ScheduledRequest
+from tandem.engine.sched.step import HeadStep, RunnerResult, ScheduledRequest
 from tandem.kernels.head_attention import HeadAttentionMetadata, HeadPool, head_pool_dtype, move_head_slots
 from tandem.kernels.kv_eviction import EvictionPolicy, plan_kept
 

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from tandem.engine.grammar import GrammarCompiler, GrammarMatcher
-from tandem.engine.step import RunnerResult, ScheduledRequest
+from tandem.engine.sched.step import RunnerResult, ScheduledRequest
+from tandem.engine.structured.grammar import GrammarCompiler, GrammarMatcher
 from tandem.kernels.sampling import apply_token_bitmask_
 
 logger = logging.getLogger("tandem.engine.runner")

@@ -14,15 +14,14 @@ from typing import Any
 
 import torch
 
-from tandem.engine.draft import PagedDraftCache
-from tandem.engine.grammar import GrammarCompiler
-from tandem.engine.lora import LoRAManager, LoRAStep
+from tandem.engine.lora.manager import LoRAManager, LoRAStep
 from tandem.engine.models.interface import CausalLM
 from tandem.engine.models.moe_layer import routed_tokens
 from tandem.engine.models.native import NativeLlama, NativeStep
 from tandem.engine.runner.compressed import HeadPoolForward, allocate_head_pool
 from tandem.engine.runner.constraints import GrammarMasks
 from tandem.engine.runner.decode_graphs import DecodeGraphs, graph_batch_sizes
+from tandem.engine.runner.draft import PagedDraftCache
 from tandem.engine.runner.forward_path import ForwardPath, RunnerPaths, StepShape, choose_path
 from tandem.engine.runner.kv_tensors import (
     KVCacheSpec,
@@ -33,7 +32,8 @@ from tandem.engine.runner.kv_tensors import (
 )
 from tandem.engine.runner.sampler import Sampler, failed_alone
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.step import RunnerResult, RunnerStats, ScheduledRequest, SchedulerOutput
+from tandem.engine.sched.step import RunnerResult, RunnerStats, ScheduledRequest, SchedulerOutput
+from tandem.engine.structured.grammar import GrammarCompiler
 from tandem.kernels.attention import build_attention_metadata
 from tandem.kernels.kv_eviction import EvictionPolicy
 

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from tandem.engine.runner.constraints import GRAMMAR_FAILED, GrammarMasks
-from tandem.engine.step import RunnerResult, ScheduledRequest
+from tandem.engine.sched.step import RunnerResult, ScheduledRequest
 from tandem.kernels.sampling import (
     apply_penalties,
     apply_repetition_penalty,

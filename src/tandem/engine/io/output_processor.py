@@ -14,10 +14,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from tandem.engine.io.tokenizer import Tokenizer
 from tandem.engine.protocol import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.step import RequestUpdate
-from tandem.engine.tokenizer import Tokenizer
+from tandem.engine.sched.step import RequestUpdate
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tandem.engine.lora_checkpoint import (
+from tandem.engine.lora.checkpoint import (
     FUSED_AS_STORED,
     FUSED_MODULES,
     SUPPORTED_TARGETS,

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from tandem.engine.host.precision_probe import probe_lock
+from tandem.engine.host.quality_probe import checkpoint_identity
 from tandem.engine.models.interface import Int4Target
 from tandem.engine.models.loader import LoadedModel, build_model
 from tandem.engine.models.quantized import DEFAULT_INT4_GROUP_SIZE
-from tandem.engine.precision_probe import probe_lock
-from tandem.engine.quality_probe import checkpoint_identity
 from tandem.engine.runner import ModelRunner
 from tandem.engine.runner.kv_tensors import KVCacheSpec
 from tandem.kernels.gptq import gptq_quantize
@@ -38,7 +38,7 @@ from tandem.platform.cpu import cpu_model_name
 logger = logging.getLogger("tandem.engine")
 
 METHOD_VERSION = 1
-CALIBRATION_TEXT = Path(__file__).parent / "data" / "int4_calibration.txt"
+CALIBRATION_TEXT = Path(__file__).parent.parent / "data" / "int4_calibration.txt"
 CHUNK_TOKENS = 512
 MAX_TOKENS = 4096
 

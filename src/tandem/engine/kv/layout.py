@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from tandem.engine.head_kv_cache import HeadKVCacheManager
-from tandem.engine.kv_cache import BlockPool, KVCacheManager
+from tandem.engine.kv.block_manager import BlockPool, KVCacheManager
+from tandem.engine.kv.head_cache import HeadKVCacheManager
 from tandem.engine.request import Request
-from tandem.engine.step import HeadStep, ScheduledRequest
+from tandem.engine.sched.step import HeadStep, ScheduledRequest
 
 
 class KVLayout(Protocol):
@@ -71,6 +71,36 @@ class SharedLayout:
 
     def stale_requests(self, request_ids: list[str]) -> list[str]:
         return self.kv.stale_requests(request_ids)
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.block_size
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the request holds a block table here."""
+        return request_id in self.kv.tables
+
+    def fork(self, request_id: str, parent_id: str, num_blocks: int) -> int:
+        """Share the parent's first `num_blocks` blocks (a parallel-sampling choice); returns the
+        tokens they hold."""
+        return self.kv.fork(request_id, parent_id, num_blocks)
+
+    def take_cached_prefix(self, request: Request, num_tokens: int, salt: object, *, whole: bool) -> int:
+        """Allocate what the prefix cache holds of the request's first `num_tokens` tokens;
+        returns the tokens it holds (`KVCacheManager.allocate_cached_prefix`)."""
+        return self.kv.allocate_cached_prefix(
+            request.request_id, num_tokens, request.token_ids_slice, salt, whole=whole
+        )
+
+    def publish_full_blocks(self, request: Request, salt: object) -> None:
+        """Publish the request's blocks filled with computed tokens to the prefix cache."""
+        self.kv.cache_full_blocks(
+            request.request_id, request.token_ids_slice, request.num_computed_tokens, salt
+        )
+
+    def release_outside_window(self, request: Request) -> None:
+        """Give back the blocks no query of the request can read again (a sliding window)."""
+        self.kv.release_outside_window(request.request_id, request.num_computed_tokens)
 
     def check_request(self, request: Request) -> None:
         table = self.kv.tables.get(request.request_id)

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tandem.engine.precision_probe import ProbeResult
-    from tandem.engine.quality_probe import QualityResult
+    from tandem.engine.host.precision_probe import ProbeResult
+    from tandem.engine.host.quality_probe import QualityResult
 
 FAST_BF16_FLAGS = frozenset({"amx_bf16"})  # where bfloat16 GEMMs beat float32
 PIN_ENV = "TANDEM_AUTO_PRECISION"

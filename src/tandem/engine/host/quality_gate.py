@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.engine.int4_calibration import int4_source
+from tandem.engine.host.int4_calibration import int4_source
+from tandem.engine.host.precision import PrecisionChoice
+from tandem.engine.host.quality_probe import QualityResult, Scorer, calibration_token_ids, probe_quality
 from tandem.engine.models.interface import CausalLM
 from tandem.engine.models.loader import LoadedModel
-from tandem.engine.precision import PrecisionChoice
-from tandem.engine.quality_probe import QualityResult, Scorer, calibration_token_ids, probe_quality
 from tandem.engine.runner import ModelRunner
 from tandem.engine.runner.kv_tensors import KVCacheSpec
 

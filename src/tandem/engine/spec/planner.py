@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.engine.request import Priority, Request
-from tandem.engine.speculation_guard import SpeculationGuard
-from tandem.engine.speculative import (
+from tandem.engine.spec.drafts import (
     AcceptanceTracker,
     DraftCandidate,
     NgramIndex,
@@ -24,6 +23,7 @@ from tandem.engine.speculative import (
     StepCostModel,
     plan_drafts,
 )
+from tandem.engine.spec.guard import SpeculationGuard
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,9 @@ from typing import Any, cast
 import llguidance as llg
 import torch
 
+from tandem.engine.io.tokenizer import Tokenizer
 from tandem.engine.sampling_params import JSON_GRAMMAR_OPTIONS, StructuredOutput
-from tandem.engine.schema_check import finite_value_problem
-from tandem.engine.tokenizer import Tokenizer
+from tandem.engine.structured.schema_check import finite_value_problem
 from tandem.platform.errors import InvalidRequestError
 
 

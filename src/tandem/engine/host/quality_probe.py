@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from tandem.engine.precision_probe import probe_lock, write_atomically
+from tandem.engine.host.precision_probe import probe_lock, write_atomically
 from tandem.platform.cpu import cpu_flags, cpu_model_name
 
 logger = logging.getLogger("tandem.engine")
@@ -42,7 +42,7 @@ MAX_MEAN_KL = 0.02  # nats
 MIN_TOP1_AGREEMENT = 0.97
 NUM_PROMPT_TOKENS = 96
 NUM_DECODE_TOKENS = 128
-CALIBRATION_TEXT = Path(__file__).parent / "data" / "calibration.txt"
+CALIBRATION_TEXT = Path(__file__).parent.parent / "data" / "calibration.txt"
 
 # (token_ids, num_prompt_tokens) -> the teacher-forced logits [positions, V] of a runner of one
 # precision (`ModelRunner.teacher_forced_logits`).

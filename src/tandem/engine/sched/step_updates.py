@@ -1,0 +1,141 @@
+"""Applying a step's results to the scheduler's requests (no torch): `StepUpdates`.
+
+It takes the runner's tokens: computed counts advance past each request's own tokens and its
+accepted drafts only, full blocks are published to the prefix cache, tokens are appended until
+one stops the request (the scheduler's `finish_request`, the one path every finish takes),
+evictions of compressed requests are recorded, and the step's cost feeds the speculation planner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tandem.engine.request import Priority, Request, RequestStatus
+from tandem.engine.sched.queues import RequestQueues
+from tandem.engine.sched.step import RequestUpdate, RunnerResult, SchedulerOutput
+from tandem.engine.spec.planner import SpeculationPlanner
+
+
+class StepUpdates:
+    def __init__(
+        self,
+        queues: RequestQueues,
+        speculation: SpeculationPlanner,
+        *,
+        max_model_len: int,
+        finish: Callable[[str, RequestStatus], Request | None],
+    ) -> None:
+        """`finish`: the scheduler's `finish_request` (a token that stops a request ends it there)."""
+        self.queues = queues
+        self.speculation = speculation
+        self.max_model_len = max_model_len
+        self.finish = finish
+        # Tokens appended to requests' outputs, per priority class (batch progress is visible
+        # while real-time traffic runs).
+        self.num_output_tokens_total = {priority: 0 for priority in Priority}
+
+    def update_from_output(self, output: SchedulerOutput, result: RunnerResult) -> list[RequestUpdate]:
+        """Apply the runner's tokens: each request's computed count advances past its own tokens
+        and its accepted drafts only (rejected drafts' slots are rewritten later and never cached),
+        then its new tokens are appended one by one until one of them stops it. The step's cost
+        (`result.wall_s`) feeds the speculation's step-cost model, its generated tokens the
+        speculation guard."""
+        num_rows = sum(1 + s.num_draft_tokens for s in output.scheduled if s.sample)
+        self.speculation.step_cost.observe(output.num_scheduled_tokens, num_rows, result.wall_s)
+        updates: list[RequestUpdate] = []
+        num_generated = 0
+        for item in output.scheduled:
+            request = self.queues.requests.get(item.request_id)
+            if request is None:  # finished while the step ran (abort)
+                continue
+            self.queues.fair.charge(request, len(item.token_ids) + item.num_draft_slots)
+            if item.head is not None and item.head.prefix_src_slots:  # copied into its heads
+                self.queues.shared.free(item.request_id)  # the shared blocks go back
+            kept = result.kept_tokens.get(item.request_id)
+            if kept is not None and self.queues.head_layout is not None and request.compressed:
+                self.queues.head_layout.apply_eviction(request, item, kept)
+            token_ids = result.sampled_token_ids.get(item.request_id) or []
+            num_drafts = item.num_draft_tokens
+            num_accepted = min(max(0, len(token_ids) - 1), num_drafts)
+            if num_drafts:
+                self.speculation.record(request.request_id, num_drafts, num_accepted)
+                request.num_accepted_draft_tokens += num_accepted
+            if not token_ids:  # a prefill chunk short of the prompt's end (never has drafts)
+                before = request.num_computed_tokens
+                request.num_computed_tokens += len(item.token_ids)
+                self.maybe_cache(request, before)
+                self.release_outside_window(request)
+                continue
+            logprobs = result.logprobs.get(item.request_id)
+            num_generated += num_accepted + 1
+            update = self.append_tokens(request, token_ids[: num_accepted + 1], logprobs)
+            if not update.finished:
+                self.release_outside_window(request)
+            updates.append(update)
+        self.speculation.end_step(num_generated)
+        return updates
+
+    def add_handed_over(self, request: Request, first_token_id: int) -> RequestUpdate:
+        """Admit a request whose prompt KV another engine computed, its blocks allocated and filled
+        (`num_computed_tokens` = its prompt), with the first token that engine sampled: the token
+        goes through the same stop checks and bookkeeping as a token sampled here."""
+        self.queues.add(request, RequestStatus.RUNNING)
+        return self.append_tokens(request, [first_token_id], None)
+
+    def append_tokens(
+        self, request: Request, token_ids: list[int], logprobs: list[dict[int, float]] | None
+    ) -> RequestUpdate:
+        """Append a request's new tokens until one of them stops it; every token but the newest
+        now has its KV written (this step's own tokens and accepted drafts; a stop inside the
+        accepted drafts ends the request there)."""
+        before = request.num_computed_tokens
+        new_tokens: list[int] = []
+        status: RequestStatus | None = None
+        for token_id in token_ids:
+            request.output_token_ids.append(token_id)
+            new_tokens.append(token_id)
+            status = self.check_stop(request, token_id)
+            if status is not None:
+                break
+        request.num_computed_tokens = request.num_tokens - 1
+        self.num_output_tokens_total[request.priority] += len(new_tokens)
+        self.maybe_cache(request, before)
+        self.speculation.extend(request.request_id, new_tokens)
+        if status is not None:
+            self.finish(request.request_id, status)
+        return RequestUpdate(
+            request=request,
+            new_token_ids=new_tokens,
+            new_logprobs=logprobs[: len(new_tokens)] if logprobs is not None else None,
+            finished=status is not None,
+        )
+
+    def release_outside_window(self, request: Request) -> None:
+        """Give back the blocks no query of the request can read again (a sliding-window model's;
+        `KVCacheManager.release_outside_window`), except for a prefill whose KV waits to be exported
+        whole (`hold_kv`)."""
+        if not request.hold_kv:
+            self.queues.shared.release_outside_window(request)
+
+    def maybe_cache(self, request: Request, computed_before: int) -> None:
+        """Publish blocks that this step filled with computed tokens to the prefix cache."""
+        if (
+            computed_before // self.queues.shared.block_size
+            != request.num_computed_tokens // self.queues.shared.block_size
+        ):
+            self.queues.shared.publish_full_blocks(request, self.queues.cache_salt(request))
+
+    def check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            request.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        max_tokens = (
+            params.max_tokens if params.max_tokens is not None else self.max_model_len
+        )  # None: the context
+        if request.num_output_tokens >= max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

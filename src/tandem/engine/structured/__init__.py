@@ -1,0 +1,1 @@
+"""Structured output: JSON-schema checks (no torch) and the grammar compiler."""
