@@ -94,7 +94,7 @@ def test_the_dev_key_belongs_to_a_tenant_of_the_directory(tmp_path: Path) -> Non
     directory (so `tandem tenants show dev` and the console know it); a new run revokes the last."""
     import hashlib
 
-    from tandem.platform.object_store import open_object_store
+    from tandem.platform.store_guard import open_object_store
     from tandem.platform.tenant_directory import TenantDirectory
     from tandem.serve_banner import DEV_TENANT, banner, dev_tenant_key
 

@@ -51,7 +51,7 @@ def lora_llm(tiny_model_dir: Path, peft_adapters: dict[str, Path]) -> LLM:
         max_loras=3,
         max_num_seqs=8,
     )
-    llm.engine.add_lora("good", str(peft_adapters["all-r8"]))
+    llm.engine.adapters.add("good", str(peft_adapters["all-r8"]))
     return llm
 
 

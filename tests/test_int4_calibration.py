@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.engine import int4_calibration
+from tandem.engine.host import int4_calibration
 from tandem.kernels.gptq import gptq_quantize
 from tandem.kernels.int4 import dequantize_int4, quantize_int4
 

@@ -735,6 +735,6 @@ def test_a_batch_runs_its_adapter_lines_and_fails_only_its_bad_lines(platform: P
     # Another tenant's adapter name is that line's 404, never a load (acme's own one is loaded).
     assert not any(
         name.startswith("acme/batch-theirs") or name.startswith("globex/")
-        for name in platform.engine.engine.list_loras()
+        for name in platform.engine.engine.adapters.names()
     )
-    assert any(name.startswith("acme/batch-mine@") for name in platform.engine.engine.list_loras())
+    assert any(name.startswith("acme/batch-mine@") for name in platform.engine.engine.adapters.names())

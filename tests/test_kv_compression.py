@@ -12,6 +12,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.platform.errors import InvalidRequestError
+from tests.kv_faults import inject_kv_fault
 
 OPTIONS = {"dtype": "float32", "weight_dtype": "dense", "speculative": None, "max_num_seqs": 8}
 
@@ -204,7 +205,7 @@ def test_a_reassigned_head_block_aborts_only_its_request(llm: LLM, overwrite: bo
             if out.finished:
                 finished[out.request_id] = out
         if step == 3:  # mid-decode: the last head block of the first request's last head
-            engine.inject_kv_fault(ids[0], -1, overwrite=overwrite)
+            inject_kv_fault(engine, ids[0], -1, overwrite=overwrite)
         if not engine.has_unfinished_requests():
             break
     victim = finished[ids[0]].outputs[0]

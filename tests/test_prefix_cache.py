@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from tandem import LLM, SamplingParams
 from tandem.engine.kv.block_manager import KVCacheManager
 from tandem.engine.protocol import GenerationRequest
+from tests.kv_faults import inject_kv_fault
 
 BS = 4
 
@@ -121,7 +122,7 @@ def test_reassigned_block_aborts_only_its_request(pair: tuple[LLM, LLM], overwri
                 finished[out.request_id] = out
         steps += 1
         if steps == 4:  # mid-decode
-            engine.inject_kv_fault(ids[1], 0, overwrite=overwrite)
+            inject_kv_fault(engine, ids[1], 0, overwrite=overwrite)
     victim = finished[ids[1]]
     assert victim.outputs[0].finish_reason == "error" and victim.error_code == "kv_integrity"
     assert len(victim.outputs[0].token_ids) < 16  # nothing generated after the fault

@@ -182,7 +182,7 @@ def _worker(args: argparse.Namespace) -> int:
     from tandem.deployments.openai_server import OpenAIServer
     from tandem.engine.async_engine import AsyncEngine
     from tandem.platform.config import DEFAULT_MODEL
-    from tandem.platform.object_store import open_object_store
+    from tandem.platform.store_guard import open_object_store
     from tandem.platform.tenancy import TenantRegistry
 
     options: dict[str, Any] = {}

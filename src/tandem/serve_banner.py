@@ -13,7 +13,7 @@ def dev_tenant_key(object_store: str) -> str:
     run` prints is a tenant's key like any other (`tandem tenants show dev`, the console's key
     page); the keys earlier runs issued under the same name are revoked."""
     from tandem.platform.errors import ConflictError
-    from tandem.platform.object_store import open_object_store
+    from tandem.platform.store_guard import open_object_store
     from tandem.platform.tenant_directory import TenantDirectory, TenantSpec
 
     directory = TenantDirectory(open_object_store(object_store))

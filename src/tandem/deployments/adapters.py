@@ -311,4 +311,4 @@ def load_into_engine(engine: Any, adapters: AdapterStore, lora_id: str) -> None:
     if engine.lora.has(lora_id):
         return
     config, weights = adapters.read(lora_id)
-    engine.add_lora_checkpoint(lora_id, config, weights)
+    engine.adapters.add_checkpoint(lora_id, config, weights)

@@ -30,7 +30,7 @@ from tandem.deployments.replicas import (
 from tandem.deployments.tenant_leases import TENANT_BUDGET_DEPLOYMENT, LeasedTenantLimiter, TenantBudgetShard
 from tandem.platform.cpu import usable_cpus
 from tandem.platform.local_state import SavedDocument, state_path
-from tandem.platform.object_store import open_object_store
+from tandem.platform.store_guard import open_object_store
 from tandem.platform.telemetry import get_telemetry
 from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys, parse_operator_keys
 from tandem.platform.tenant_directory import TenantDirectory

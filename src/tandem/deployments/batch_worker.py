@@ -25,7 +25,7 @@ from tandem.deployments.fleet import FleetView, watch_drain
 from tandem.deployments.openai_server import OpenAIServer
 from tandem.platform.errors import TandemError
 from tandem.platform.local_state import SavedDocument, state_path
-from tandem.platform.object_store import open_object_store
+from tandem.platform.store_guard import open_object_store
 from tandem.platform.tenancy import TenantRegistry
 from tandem.platform.tenant_directory import TenantDirectory
 

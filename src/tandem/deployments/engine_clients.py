@@ -80,7 +80,7 @@ class LocalEngineClient:
         return []  # one engine in this process: nothing scales
 
     async def lora_info(self) -> dict[str, Any]:
-        return dict(self.engine.engine.lora_info())
+        return dict(self.engine.engine.adapters.info())
 
     async def model_info(self) -> dict[str, Any]:
         return dict(self.engine.model_info())

@@ -38,7 +38,8 @@ from ray.serve.handle import DeploymentHandle
 
 from tandem.batch.records import QUEUE_PREFIX
 from tandem.deployments.autoscaling import ScalingTargets, desired_replicas
-from tandem.platform.object_store import ObjectStore, open_object_store
+from tandem.platform.object_store import ObjectStore
+from tandem.platform.store_guard import open_object_store
 from tandem.platform.tenant_directory import DIRECTORY_KEY
 
 logger = logging.getLogger("tandem.fleet")

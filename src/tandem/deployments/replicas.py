@@ -30,7 +30,7 @@ from tandem.engine.kv.transfer import KVPrefixEvictedError, KVTransfer
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Priority
 from tandem.platform.errors import BatchCapacityError, ServiceUnavailableError, TandemError
-from tandem.platform.object_store import open_object_store
+from tandem.platform.store_guard import open_object_store
 from tandem.platform.usage_log import UsageLog
 
 if TYPE_CHECKING:  # the engine (and torch) loads in the replica's process only, not in the ingress's
@@ -51,7 +51,7 @@ class _LoadedAdapter:
         self.engine, self.lora_id = engine, lora_id
 
     def __del__(self) -> None:
-        self.engine.engine.remove_lora(self.lora_id)
+        self.engine.engine.adapters.remove(self.lora_id)
 
 
 class LLMReplica:

@@ -258,7 +258,7 @@ class AsyncEngine:
         return dict(self._stats)
 
     def lora_info(self) -> dict[str, Any]:
-        return self.engine.lora_info()
+        return self.engine.adapters.info()
 
     def model_info(self) -> dict[str, Any]:
         return self.engine.model_info()

@@ -10,11 +10,11 @@ import dataclasses
 import functools
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from tandem.engine.draft_setup import LoadedDraft, build_proposer, load_draft
 from tandem.engine.host.batch_invariance import DISABLED, BatchInvariance, make_batch_invariant
 from tandem.engine.host.precision import PrecisionChoice, choose_precision
 from tandem.engine.host.precision import pinned as pinned_precision
@@ -24,20 +24,15 @@ from tandem.engine.io.generation_defaults import GenerationDefaults
 from tandem.engine.io.tokenizer import Tokenizer
 from tandem.engine.lora.manager import LoRALimits, LoRAManager, LoRAModelShape
 from tandem.engine.model_weights import build_models, kv_cache_spec
-from tandem.engine.models.eagle import EagleDraft, is_eagle_folder, load_eagle
 from tandem.engine.models.interface import CausalLM
 from tandem.engine.models.loader import (
     LoadedModel,
-    build_model,
     default_cache_dir,
     load_model,
-    resolve_model_path,
 )
 from tandem.engine.models.moe_layer import SparseMoE
-from tandem.engine.runner import KVCacheSpec, ModelRunner, allocate_kv_caches
-from tandem.engine.runner.draft import DraftProposer, EagleProposer, PagedDraftCache
+from tandem.engine.runner import KVCacheSpec, ModelRunner
 from tandem.engine.sched.step import Runner
-from tandem.engine.spec.drafts import SpeculationSettings
 from tandem.engine.structured.grammar import GrammarCompiler
 from tandem.kernels import int4_native
 from tandem.kernels.head_attention import head_pool_dtype, head_slot_bytes
@@ -48,10 +43,6 @@ from tandem.platform.cpu import cpu_flags, usable_cpus
 from tandem.platform.errors import InvalidRequestError
 
 logger = logging.getLogger("tandem.engine")
-
-
-# Draft heads trained for bundled models (scripts/train_draft.py), by model name.
-BUNDLED_DRAFTS = {"smollm2-135m-instruct": Path(__file__).parent / "drafts" / "smollm2-135m-instruct-eagle"}
 
 
 @dataclasses.dataclass
@@ -77,15 +68,6 @@ class EngineParts:
     batch_invariance: BatchInvariance = DISABLED  # whether rows are computed alike in any batch, and why
     # what a request's unset sampling fields become (the checkpoint's, with generation_config "auto")
     generation_defaults: GenerationDefaults = dataclasses.field(default_factory=GenerationDefaults)
-
-
-@dataclasses.dataclass
-class _Draft:
-    """A loaded draft: an EAGLE head or a small model of the same vocabulary, and its cache's shape."""
-
-    spec: KVCacheSpec
-    head: EagleDraft | None = None
-    model: LoadedModel | None = None
 
 
 @dataclasses.dataclass
@@ -135,36 +117,16 @@ def build_parts(config: EngineConfig) -> EngineParts:
     """Load `config.model`, size the KV cache, build the model (and its INT4 decode copy with
     `weight_dtype="hybrid"`), the draft, the LoRA manager and the runner."""
     device = resolve_device(config.device)
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    elif device.type == "cpu":  # torch's default, but no more than the CPUs this process may use
-        torch.set_num_threads(min(torch.get_num_threads(), usable_cpus()))
-    tune_threads = device.type == "cpu" and config.adaptive_threads
+    tune_threads = _set_threads(config, device)
     loaded = load_model(config.model)
     cfg = loaded.config
-    native_int4 = device.type == "cpu" and config.int4_kernel != "torch" and int4_native.load() is not None
-    probing = (
-        config.precision_probe and device.type == "cpu" and config.dtype == "auto" and not pinned_precision()
-    )
-    precision = choose_precision(
-        device_type=device.type,
-        dtype=config.dtype,
-        weight_dtype=config.weight_dtype,
-        flags=cpu_flags(),
-        native_int4=native_int4,
-        pin=pinned_precision(),
-        probe=probe_precision(cfg, device, default_cache_dir(), int4=native_int4) if probing else None,
-    )
     check_features(config, loaded)
     build = functools.partial(build_models, config, loaded, device=device)
-    precision = hold_to_bound(
-        config, loaded, precision, kv_cache_spec(loaded, config.block_size, torch.float32), device,
-        default_cache_dir(), build,
-    )  # fmt: skip
+    precision = _choose_precision(config, loaded, device, build)
     dtype = DTYPES[precision.dtype]
     kv_dtype = kv_cache_dtype(config, precision.dtype)
     kv_spec = kv_cache_spec(loaded, config.block_size, kv_dtype)
-    draft = _load_draft(config, loaded, dtype, device, kv_dtype)
+    draft = load_draft(config, loaded, dtype, device, kv_dtype)
     window = kv_window(config, loaded, draft is not None)
     if device.type == "cuda":
         # Weights first: the KV budget is a fraction of the device memory they leave free. Their
@@ -174,29 +136,13 @@ def build_parts(config: EngineConfig) -> EngineParts:
     else:
         sizes = _size(config, cfg, kv_spec, draft, device, dtype, window)
         model, decode_model = build(precision, sizes.max_positions)
-    proposer = _build_proposer(config, loaded, model, draft, sizes, dtype, device)
-    lora = None
-    if config.enable_lora:
-        lora = LoRAManager(
-            LoRAModelShape.from_config(cfg, loaded.architecture.lora_targets),
-            max_loras=config.max_loras,
-            max_cpu_loras=config.max_cpu_loras or 4 * config.max_loras,
-            limits=LoRALimits(max_lora_rank=config.max_lora_rank),
-            device=device,
-            dtype=dtype,
-        )
+    proposer = build_proposer(
+        config, loaded, model, draft, sizes.num_blocks, sizes.max_model_len, dtype, device
+    )
+    lora = _lora_manager(config, loaded, device, dtype)
     eos_token_ids = frozenset(cfg.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
     grammars = GrammarCompiler(loaded.tokenizer, cfg.vocab_size, sorted(eos_token_ids))
-    invariance = DISABLED
-    if config.batch_invariant and precision.weight_dtype == "hybrid":
-        invariance = BatchInvariance(
-            True, False, "off with weight_dtype hybrid (INT4 small decode steps, dense others)"
-        )
-    elif config.batch_invariant:
-        threads = torch.get_num_threads()
-        invariance = make_batch_invariant(
-            device, (threads, 1) if tune_threads and threads > 1 else (threads,), model, decode_model
-        )
+    invariance = _batch_invariance(config, precision, device, tune_threads, model, decode_model)
     runner = ModelRunner(
         model, kv_spec, sizes.num_blocks, device, seed=config.seed, lora=lora, compile_decode=config.compile_decode,
         decode_model=decode_model, decode_model_max_batch=config.hybrid_int4_max_batch, draft=proposer,
@@ -208,33 +154,110 @@ def build_parts(config: EngineConfig) -> EngineParts:
     )  # fmt: skip
     runner.warmup_decode()
     runner.capture_graphs()
-    kv_cache_dtype_name = str(kv_dtype).removeprefix("torch.")
     generation_defaults = (
         loaded.generation_defaults if config.generation_config == "auto" else GenerationDefaults()
     )
+    parts = EngineParts(
+        model_name=loaded.name, model_config=cfg, tokenizer=loaded.tokenizer, eos_token_ids=eos_token_ids,
+        runner=runner, num_blocks=sizes.num_blocks, max_model_len=sizes.max_model_len,
+        kv_cache_dtype=str(kv_dtype).removeprefix("torch."), lora=lora, precision=precision, grammars=grammars,
+        num_head_blocks=sizes.num_head_blocks, max_positions=sizes.max_positions, kv_window=window,
+        tuned_threads=torch.get_num_threads() if tune_threads else None,
+        generation_defaults=generation_defaults, batch_invariance=invariance,
+    )  # fmt: skip
+    _log_ready(parts, runner, device, config.block_size)
+    return parts
+
+
+def _set_threads(config: EngineConfig, device: torch.device) -> bool:
+    """Set this process's intra-op threads; whether the engine tunes them per step."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    elif device.type == "cpu":  # torch's default, but no more than the CPUs this process may use
+        torch.set_num_threads(min(torch.get_num_threads(), usable_cpus()))
+    return device.type == "cpu" and config.adaptive_threads
+
+
+def _choose_precision(
+    config: EngineConfig, loaded: LoadedModel, device: torch.device, build: functools.partial[Any]
+) -> PrecisionChoice:
+    """`dtype` / `weight_dtype` as configured or measured on this host (`choose_precision`),
+    then held to the quality bound on the checkpoint (`hold_to_bound`)."""
+    native_int4 = device.type == "cpu" and config.int4_kernel != "torch" and int4_native.load() is not None
+    probing = (
+        config.precision_probe and device.type == "cpu" and config.dtype == "auto" and not pinned_precision()
+    )
+    precision = choose_precision(
+        device_type=device.type,
+        dtype=config.dtype,
+        weight_dtype=config.weight_dtype,
+        flags=cpu_flags(),
+        native_int4=native_int4,
+        pin=pinned_precision(),
+        probe=probe_precision(loaded.config, device, default_cache_dir(), int4=native_int4)
+        if probing
+        else None,
+    )
+    return hold_to_bound(
+        config, loaded, precision, kv_cache_spec(loaded, config.block_size, torch.float32), device,
+        default_cache_dir(), build,
+    )  # fmt: skip
+
+
+def _lora_manager(
+    config: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype
+) -> LoRAManager | None:
+    if not config.enable_lora:
+        return None
+    return LoRAManager(
+        LoRAModelShape.from_config(loaded.config, loaded.architecture.lora_targets),
+        max_loras=config.max_loras,
+        max_cpu_loras=config.max_cpu_loras or 4 * config.max_loras,
+        limits=LoRALimits(max_lora_rank=config.max_lora_rank),
+        device=device,
+        dtype=dtype,
+    )
+
+
+def _batch_invariance(
+    config: EngineConfig,
+    precision: PrecisionChoice,
+    device: torch.device,
+    tune_threads: bool,
+    model: CausalLM,
+    decode_model: CausalLM | None,
+) -> BatchInvariance:
+    """Whether every row is computed alike in any batch (`make_batch_invariant`), and why."""
+    if not config.batch_invariant:
+        return DISABLED
+    if precision.weight_dtype == "hybrid":
+        return BatchInvariance(
+            True, False, "off with weight_dtype hybrid (INT4 small decode steps, dense others)"
+        )
+    threads = torch.get_num_threads()
+    return make_batch_invariant(
+        device, (threads, 1) if tune_threads and threads > 1 else (threads,), model, decode_model
+    )
+
+
+def _log_ready(parts: EngineParts, runner: ModelRunner, device: torch.device, block_size: int) -> None:
+    precision = parts.precision
+    assert precision is not None
     logger.info(
         "engine ready",
         extra={
-            "model": loaded.name, "device": str(device), "dtype": precision.dtype,
+            "model": parts.model_name, "device": str(device), "dtype": precision.dtype,
             "weight_dtype": precision.weight_dtype, "precision_reason": precision.reason,
             "native_decoder": runner.native is not None,
             "native_decoder_unavailable": runner.native_unavailable_reason if runner.native is None else "",
             "kernels": "triton" if uses_triton(device) else "torch/native",
             "decode_graph_max_batch": runner.paths.graph_max_batch,
-            "kv_cache_dtype": kv_cache_dtype_name, "kv_blocks": sizes.num_blocks,
-            "kv_capacity_tokens": sizes.num_blocks * config.block_size, "max_model_len": sizes.max_model_len,
+            "kv_cache_dtype": parts.kv_cache_dtype, "kv_blocks": parts.num_blocks,
+            "kv_capacity_tokens": parts.num_blocks * block_size, "max_model_len": parts.max_model_len,
             "quality_probe": [q.describe() for q in precision.quality],
-            "generation_defaults": generation_defaults.as_dict(),
-            "batch_invariant": invariance.holds, "batch_invariance": invariance.reason,
+            "generation_defaults": parts.generation_defaults.as_dict(),
+            "batch_invariant": parts.batch_invariance.holds, "batch_invariance": parts.batch_invariance.reason,
         },
-    )  # fmt: skip
-    return EngineParts(
-        model_name=loaded.name, model_config=cfg, tokenizer=loaded.tokenizer, eos_token_ids=eos_token_ids,
-        runner=runner, num_blocks=sizes.num_blocks, max_model_len=sizes.max_model_len, kv_cache_dtype=kv_cache_dtype_name,
-        lora=lora, precision=precision, grammars=grammars, num_head_blocks=sizes.num_head_blocks,
-        max_positions=sizes.max_positions, kv_window=window,
-        tuned_threads=torch.get_num_threads() if tune_threads else None,
-        generation_defaults=generation_defaults, batch_invariance=invariance,
     )  # fmt: skip
 
 
@@ -272,39 +295,8 @@ def kv_window(config: EngineConfig, loaded: LoadedModel, has_draft: bool) -> int
     return max(w for w in windows if w is not None)
 
 
-def _load_draft(
-    config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype
-) -> _Draft | None:
-    """The configured draft (`draft_path`): an EAGLE head folder, or a model that tokenises
-    exactly as the target does."""
-    path = draft_path(config)
-    if path is None:
-        return None
-    if is_eagle_folder(path):
-        try:
-            head = load_eagle(
-                path, dtype=dtype, device=device, max_positions=loaded.config.max_position_embeddings
-            )
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), param="speculative.draft_model") from exc
-        hcfg = head.config
-        return _Draft(
-            KVCacheSpec(1, hcfg.num_key_value_heads, hcfg.head_dim, config.block_size, kv_dtype), head=head
-        )
-    spec = config.speculative
-    assert spec is not None and spec.draft_model is not None
-    model = load_model(spec.draft_model)
-    if model.tokenizer.token_bytes_table() != loaded.tokenizer.token_bytes_table():
-        raise InvalidRequestError(
-            f"draft model {spec.draft_model!r} does not share the target's vocabulary; a draft must "
-            "tokenise exactly as the target does",
-            param="speculative.draft_model",
-        )
-    return _Draft(kv_cache_spec(model, config.block_size, kv_dtype), model=model)
-
-
 def _size(
-    config: EngineConfig, cfg: Any, kv_spec: KVCacheSpec, draft: _Draft | None, device: torch.device, dtype: torch.dtype,
+    config: EngineConfig, cfg: Any, kv_spec: KVCacheSpec, draft: LoadedDraft | None, device: torch.device, dtype: torch.dtype,
     window: int | None = None,
 ) -> _Sizes:  # fmt: skip
     """Blocks of the shared cache (a draft's cache sits beside it, block for block) and of the
@@ -368,63 +360,3 @@ def _max_model_len(config: EngineConfig, cfg: Any, capacity: int) -> int:
             param="max_model_len",
         )
     return config.max_model_len
-
-
-def _build_proposer(
-    config: EngineConfig, loaded: LoadedModel, model: CausalLM, draft: _Draft | None, sizes: _Sizes,
-    dtype: torch.dtype, device: torch.device,
-) -> PagedDraftCache | None:  # fmt: skip
-    """The draft's proposer over its own paged cache: an EAGLE head reading the target's
-    embedding, final norm and LM head, or a draft model."""
-    if draft is None:
-        return None
-    caches = allocate_kv_caches(draft.spec, sizes.num_blocks, device)
-    if draft.head is not None:
-        weights = loaded.weights
-        prefix = "model." if "model.norm.weight" in weights else ""
-        try:
-            draft.head.attach_target(
-                model.embed_tokens,
-                weights[prefix + "norm.weight"],
-                weights.get("lm_head.weight", weights[prefix + "embed_tokens.weight"]),
-            )
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), param="speculative.draft_model") from exc
-        return EagleProposer(draft.head, caches, draft.spec.num_kv_heads, config.block_size, device)
-    assert draft.model is not None
-    draft_model = build_model(draft.model, dtype=dtype, device=device, max_positions=sizes.max_model_len)
-    return DraftProposer(draft_model, caches, draft.spec.num_kv_heads, config.block_size, device)
-
-
-def speculation_settings(config: EngineConfig, *, has_draft: bool) -> SpeculationSettings | None:
-    """What the scheduler plans drafts with (None: no speculation); "auto" verifies the draft
-    model's drafts and prompt lookup's where a draft is loaded, else prompt lookup's."""
-    spec = config.speculative
-    if spec is None:
-        return None
-    method = {"auto": "both" if has_draft else "ngram", "ngram": "ngram", "draft": "draft"}[spec.method]
-    return SpeculationSettings(
-        method=method,
-        num_speculative_tokens=spec.num_speculative_tokens,
-        prompt_lookup_min=spec.prompt_lookup_min,
-        prompt_lookup_max=spec.prompt_lookup_max,
-    )
-
-
-def draft_path(config: EngineConfig) -> Path | None:
-    """Where the draft comes from: `draft_model`, else the head bundled for the model (methods
-    'draft' and 'auto'); None for prompt lookup alone."""
-    spec = config.speculative
-    if spec is None or spec.method == "ngram":
-        return None
-    if spec.draft_model is not None:
-        return resolve_model_path(spec.draft_model)
-    bundled = BUNDLED_DRAFTS.get(config.model.lower())
-    if bundled is not None and (bundled / "model.safetensors").exists():
-        return bundled
-    if spec.method == "draft":
-        raise InvalidRequestError(
-            f"speculative method 'draft' needs draft_model: no draft is bundled for {config.model!r}",
-            param="speculative.draft_model",
-        )
-    return None

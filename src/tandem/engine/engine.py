@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from tandem.engine.builder import EngineParts, build_parts, eviction_policy, speculation_settings
+from tandem.engine.builder import EngineParts, build_parts, eviction_policy
+from tandem.engine.engine_setup import build_kv_managers, build_scheduler
 from tandem.engine.host.thread_tuner import ThreadTuner
 from tandem.engine.io.input_processor import InputProcessor
 from tandem.engine.io.output_processor import OutputProcessor
@@ -29,21 +29,16 @@ from tandem.engine.io.stats import (
     SchedulerStats,
     SpeculationStats,
 )
-from tandem.engine.kv.block_manager import KVCacheManager
 from tandem.engine.kv.handover import KVHandover, kv_fingerprint
-from tandem.engine.kv.head_cache import HeadKVCacheManager
-from tandem.engine.lora.manager import LoRAAdapter, parse_peft_adapter
+from tandem.engine.lora.adapters import EngineAdapters
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import GRAMMAR_FAILED
-from tandem.engine.sched.batch_policy import BatchPolicy
-from tandem.engine.sched.fair_share import FairShare
 from tandem.engine.sched.parallel_sampling import ChoiceFamilies, choice_requests, merge_by_id
-from tandem.engine.sched.scheduler import Scheduler
 from tandem.engine.sched.step import RequestUpdate, RunnerResult, SchedulerOutput
 from tandem.engine.structured.grammar import GrammarCompiler
 from tandem.platform.config import EngineConfig
-from tandem.platform.errors import InvalidRequestError, NotFoundError
+from tandem.platform.errors import InvalidRequestError
 
 __all__ = ["EngineBrokenError", "EngineParts", "LLMEngine"]
 
@@ -72,26 +67,13 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.max_positions = parts.max_positions or parts.max_model_len  # the model's RoPE tables
         self.runner = parts.runner
-        self.lora = parts.lora
+        self.adapters = EngineAdapters(parts.lora)  # the LoRA adapters served, by name
         self.kv_cache_dtype = parts.kv_cache_dtype
         self.precision = parts.precision
         self.batch_invariance = parts.batch_invariance
         self.generation_defaults = parts.generation_defaults
         self.grammars: GrammarCompiler | None = parts.grammars
-        self.kv_manager = KVCacheManager(
-            parts.num_blocks,
-            config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            sliding_window=parts.kv_window,
-        )
-        cfg = parts.model_config
-        self.head_kv = (
-            HeadKVCacheManager(
-                parts.num_head_blocks, config.block_size, cfg.num_hidden_layers, cfg.num_key_value_heads
-            )
-            if parts.num_head_blocks
-            else None
-        )
+        self.kv_manager, self.head_kv = build_kv_managers(config, parts)
         self.num_kv_integrity_aborts = 0
         self.num_failed_requests = 0  # requests the runner could not compute (ended with an error)
         self.num_consecutive_failed_steps = 0  # steps in a row whose model pass raised for every request
@@ -102,61 +84,43 @@ class LLMEngine:
         self.step_wall_s = 0.0
         self.step_thread_cpu_s = 0.0
         self.thread_tuner = ThreadTuner(parts.tuned_threads) if parts.tuned_threads else None
-        self.scheduler = self._build_scheduler()
+        self.scheduler = build_scheduler(
+            config,
+            self.kv_manager,
+            self.head_kv,
+            max_model_len=max(self.max_model_len, self.compressed_max_len),
+            has_draft=self.runner.has_draft,
+            eviction_window=eviction_policy(config).window,
+            on_finish=self._on_finish,
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.families = ChoiceFamilies()  # requests with n > 1 choices, by parent id
-        self.input_processor = InputProcessor(
-            self.tokenizer,
-            self.generation_defaults,
-            vocab_size=cfg.vocab_size,
-            eos_token_ids=self.eos_token_ids,
-            max_model_len=self.max_model_len,
-            compressed_max_len=self.compressed_max_len,
-            kv_compression_rate=config.kv_compression_rate,
-            has_compression_pool=self.head_kv is not None,
-            check_lora=self._check_lora,
-            compile_grammar=self.grammars.compile if self.grammars is not None else None,
-        )
+        self.input_processor = self._input_processor()
         # The prefill/decode hand-over of this engine's KV (`kv/handover.py`).
         self.handover = KVHandover(
             self.scheduler,
             self.kv_manager,
             self.runner,
             make_request=self.make_request,
-            fingerprint=kv_fingerprint(self.model_name, cfg),
+            fingerprint=kv_fingerprint(self.model_name, self.model_config),
             kv_cache_dtype=self.kv_cache_dtype,
-            acquire_lora=self.acquire_lora,
+            acquire_lora=self.adapters.acquire,
             add_output=self.output_processor.add,
             outputs=self.outputs,
         )
 
-    def _build_scheduler(self) -> Scheduler:
-        config = self.config
-        return Scheduler(
-            self.kv_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            # Compressed requests may be longer than the shared cache holds: the engine checks
-            # each request's context when it is made; this is only the backstop.
-            max_model_len=max(self.max_model_len, self.compressed_max_len),
-            batch=BatchPolicy(
-                kv_occupancy_limit=config.batch_kv_occupancy_limit,
-                max_prefill_tokens=config.batch_max_prefill_tokens,
-                tokens_under_load=config.batch_tokens_under_load,
-                tokens_after_interactive=config.batch_tokens_after_interactive,
-                tokens_beside_interactive_prompt=config.batch_tokens_beside_interactive_prompt,
-                interactive_quiet_s=config.interactive_quiet_s,
-            ),
-            max_loras=config.max_loras if config.enable_lora else 0,
-            share_prefix_cache_across_tenants=config.share_prefix_cache_across_tenants,
-            speculation=speculation_settings(config, has_draft=self.runner.has_draft),
-            head_kv=self.head_kv,
-            eviction_interval=config.kv_compression_interval,
-            eviction_window=eviction_policy(config).window,
-            fair_share=FairShare(config.tenant_weights),
-            kv_hold_ttl_s=config.kv_hold_ttl_s,
-            check_kv_integrity=config.kv_integrity_check,
-            on_finish=self._on_finish,
+    def _input_processor(self) -> InputProcessor:
+        return InputProcessor(
+            self.tokenizer,
+            self.generation_defaults,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            compressed_max_len=self.compressed_max_len,
+            kv_compression_rate=self.config.kv_compression_rate,
+            has_compression_pool=self.head_kv is not None,
+            check_lora=self.adapters.check,
+            compile_grammar=self.grammars.compile if self.grammars is not None else None,
         )
 
     @classmethod
@@ -189,56 +153,10 @@ class LLMEngine:
         """The context of a compressed request: the compression pool's, within the model's."""
         return min(self.compressed_capacity_tokens, self.max_positions)
 
-    def _check_lora(self, name: str) -> None:
-        if self.lora is None:
-            raise InvalidRequestError(
-                "this engine serves no LoRA adapters; start it with enable_lora=True", param="model"
-            )
-        if not self.lora.has(name):
-            raise NotFoundError(f"LoRA adapter {name!r} is not loaded", param="model", code="model_not_found")
-
-    def acquire_lora(self, name: str) -> None:
-        """Hold adapter `name` for a request (checked first); `_on_finish` gives it back."""
-        self._check_lora(name)
-        assert self.lora is not None
-        self.lora.acquire(name)
-
     def _on_finish(self, request: Request) -> None:
         """Every finished request passes here once (`Scheduler.finish_request`, whatever ended it)."""
-        if request.lora_name is not None and self.lora is not None:
-            self.lora.release(request.lora_name)
-
-    # -- LoRA adapters --------------------------------------------------------------------
-    def add_lora(self, name: str, source: str | LoRAAdapter) -> LoRAAdapter:
-        """Register an adapter by name: a PEFT folder (adapter_config.json +
-        adapter_model.safetensors) or an already parsed `LoRAAdapter`. Thread-safe."""
-        if self.lora is None:
-            raise InvalidRequestError("LoRA is not enabled; pass enable_lora=True", param="enable_lora")
-        if isinstance(source, LoRAAdapter):
-            adapter = source
-        else:
-            folder = Path(source)
-            config_path, weights_path = folder / "adapter_config.json", folder / "adapter_model.safetensors"
-            if not config_path.is_file() or not weights_path.is_file():
-                raise NotFoundError(
-                    f"{folder} must hold adapter_config.json and adapter_model.safetensors "
-                    "(PEFT save_pretrained output; .bin checkpoints are refused)",
-                    param="lora",
-                )
-            return self.add_lora_checkpoint(name, config_path.read_bytes(), weights_path.read_bytes())
-        self.lora.add(adapter)
-        return adapter
-
-    def add_lora_checkpoint(self, name: str, config: bytes, weights: bytes) -> LoRAAdapter:
-        """Register an adapter from a PEFT checkpoint's two files' bytes (validated). Thread-safe."""
-        if self.lora is None:
-            raise InvalidRequestError("LoRA is not enabled; pass enable_lora=True", param="enable_lora")
-        adapter = parse_peft_adapter(name, config, weights, self.lora.shape, self.lora.limits)
-        self.lora.add(adapter)
-        return adapter
-
-    def remove_lora(self, name: str) -> bool:
-        return self.lora.remove(name) if self.lora is not None else False
+        if request.lora_name is not None:
+            self.adapters.release(request.lora_name)
 
     def model_info(self) -> dict[str, Any]:
         """What `/v1/models` says of the served model: the precision it runs (and why) and the
@@ -253,19 +171,6 @@ class LLMEngine:
             "generation_defaults": self.generation_defaults.as_dict(),
             "max_model_len": self.max_model_len,
         }
-
-    def lora_info(self) -> dict[str, Any]:
-        """What an API needs to validate adapter uploads for this engine."""
-        if self.lora is None:
-            return {"enabled": False}
-        return {
-            "enabled": True,
-            "max_lora_rank": self.lora.limits.max_lora_rank,
-            "shape": dict(self.lora.shape.__dict__),
-        }
-
-    def list_loras(self) -> list[str]:
-        return list(self.lora.adapters) if self.lora is not None else []
 
     def add_request(self, gen: GenerationRequest, *, stream_text: bool = False) -> Request:
         request, prompt = self.make_request(gen)
@@ -282,11 +187,11 @@ class LLMEngine:
                 f"request id {request.request_id!r} is already running", param="request_id"
             )
         if request.lora_name is not None:
-            self._check_lora(request.lora_name)
+            self.adapters.check(request.lora_name)
         children = choice_requests(request) if request.sampling_params.n > 1 else [request]
         for child in children:
             if child.lora_name is not None:
-                self.acquire_lora(child.lora_name)  # raises when it was removed meanwhile
+                self.adapters.acquire(child.lora_name)  # raises when it was removed meanwhile
             self.scheduler.add_request(child)
             self.output_processor.add(child, prompt, stream_text, final_only)
         if len(children) > 1:
@@ -429,23 +334,6 @@ class LLMEngine:
         request.error, request.error_code = message, code
         return self._finish_one(request_id, RequestStatus.FINISHED_ERROR)  # step() maps choices
 
-    def inject_kv_fault(self, request_id: str, block_index: int = 0, *, overwrite: bool = False) -> int:
-        """Test hook: act as a buggy allocator (or a late KV transfer) on a running request's
-        block: hand it out again (its generation changes) and, with `overwrite`, scribble over its
-        KV. Returns the physical block id. For a compressed request: its head blocks, in table
-        order over all its heads (`HeadKVCacheManager`), and the head-block pool."""
-        request = self.scheduler.requests.get(request_id)
-        if request is not None and request.compressed and self.head_kv is not None:
-            head_block_ids = [b for table in self.head_kv.head_tables(request_id) for b in table.block_ids]
-            block_id = head_block_ids[block_index]
-            self.head_kv.pool.generations[block_id] += 1
-        else:
-            block_id = self.kv_manager.block_table(request_id).block_ids[block_index]
-            self.kv_manager.pool.generations[block_id] += 1
-        if overwrite:
-            self.runner.corrupt_block(block_id, head_pool=request is not None and request.compressed)
-        return block_id
-
     def stats(self) -> dict[str, Any]:
         """The engine's counters and gauges as one flat JSON object (`EngineStats.as_dict`)."""
         return self.typed_stats().as_dict()
@@ -454,7 +342,7 @@ class LLMEngine:
         """Each component's statistics, read from the component that owns them."""
         precision = self.precision
         scheduler = self.scheduler
-        loras: list[JSONValue] = list(self.list_loras())
+        loras: list[JSONValue] = list(self.adapters.names())
         return EngineStats(
             kv=KVStats.of(self.kv_manager, self.kv_cache_dtype),
             scheduler=SchedulerStats.of(scheduler),

@@ -65,10 +65,10 @@ class LLM:
             raise InvalidRequestError(
                 f"got {len(loras)} LoRA requests for {num_prompts} prompts", param="lora"
             )
-        loaded = set(self.engine.list_loras())
+        loaded = set(self.engine.adapters.names())
         for adapter in loras:
             if adapter is not None and adapter.name not in loaded:
-                self.engine.add_lora(adapter.name, adapter.path)
+                self.engine.adapters.add(adapter.name, adapter.path)
                 loaded.add(adapter.name)
         return loras
 

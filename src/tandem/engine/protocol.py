@@ -31,7 +31,7 @@ class GenerationRequest:
     # The tenant's fair-share weight as its operator set it now (the tenant directory, changed
     # live); None: the engine's configured weight (`tenant_weights`, else 1).
     tenant_weight: float | None = None
-    lora_name: str | None = None  # a LoRA adapter registered with the engine (`add_lora`)
+    lora_name: str | None = None  # a LoRA adapter registered with the engine (`EngineAdapters.add`)
     # With `sampling_params.max_tokens=None`: at most this many new tokens (None: what the context leaves)
     default_max_tokens: int | None = None
     # False (a consumer that wants only the answer, e.g. a non-streaming API call or a batch line):

@@ -16,7 +16,7 @@ such as SeaweedFS and MinIO work). Etags are opaque strings; compare them, never
 Failures: a store that is down, stalled or answers a server error raises `StoreUnavailableError`
 (HTTP 503 with Retry-After at the API) within a bounded time (S3: `S3Settings`' connect and read
 timeouts and retry budget, not boto3's minutes); a full disk raises `InsufficientStorageError`
-(507). `open_object_store` wraps either store in a `GuardedStore` (store_guard.py), which fails
+(507). `store_guard.open_object_store` wraps either store in a `GuardedStore`, which fails
 fast while the store is known to be down.
 """
 
@@ -335,13 +335,6 @@ class S3ObjectStore(ObjectStore):
             for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
                 keys.extend(obj["Key"][len(self.prefix) :] for obj in page.get("Contents", []))
         return sorted(keys)
-
-
-def open_object_store(url: str, settings: S3Settings | None = None) -> ObjectStore:
-    """`file:///abs/path`, a plain path, or `s3://bucket[/prefix]`, behind a `GuardedStore`."""
-    from tandem.platform.store_guard import GuardedStore
-
-    return GuardedStore(open_raw_object_store(url, settings))
 
 
 def open_raw_object_store(url: str, settings: S3Settings | None = None) -> ObjectStore:

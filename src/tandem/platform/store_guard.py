@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from tandem.platform.errors import StoreUnavailableError
-from tandem.platform.object_store import ObjectStore, StoredObject
+from tandem.platform.object_store import ObjectStore, S3Settings, StoredObject, open_raw_object_store
 
 T = TypeVar("T")
 
@@ -108,3 +108,8 @@ class GuardedStore(ObjectStore):
 
     def ensure_room(self, num_bytes: int) -> None:
         self.inner.ensure_room(num_bytes)
+
+
+def open_object_store(url: str, settings: S3Settings | None = None) -> ObjectStore:
+    """`file:///abs/path`, a plain path, or `s3://bucket[/prefix]`, behind a `GuardedStore`."""
+    return GuardedStore(open_raw_object_store(url, settings))

@@ -130,9 +130,3 @@ def _stored(k: T, v: T) -> tuple[T, ...]:
     """The layer's K and V as stored: K alone when V is K (a shared-KV cache)."""
     same = v is k or (isinstance(k, tuple) and isinstance(v, tuple) and v[0] is k[0])
     return (k,) if same else (k, v)
-
-
-def scribble(tensors: list[torch.Tensor], block_id: int) -> None:
-    """Overwrite block `block_id` of each tensor with garbage bytes (a test's simulated fault)."""
-    for tensor in tensors:
-        tensor[block_id].view(torch.uint8).fill_(0x7F)

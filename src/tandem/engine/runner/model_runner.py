@@ -28,7 +28,6 @@ from tandem.engine.runner.kv_tensors import (
     allocate_kv_caches,
     export_pages,
     import_pages,
-    scribble,
 )
 from tandem.engine.runner.sampler import Sampler, failed_alone
 from tandem.engine.sampling_params import SamplingParams
@@ -187,15 +186,6 @@ class ModelRunner:
             width = self.model.config.hidden_size * max(1, len(self.draft.hidden_layers))
             zeros = torch.zeros(num_tokens - first_position, width, device=self.device)
             self.draft.record(request_id, first_position, self.draft.prepare_states(zeros))
-
-    def corrupt_block(self, block_id: int, *, head_pool: bool = False) -> None:
-        """Test hook (`LLMEngine.inject_kv_fault`): overwrite a block of the shared cache, or of
-        the head-block pool, with garbage."""
-        if head_pool:
-            if self.heads is not None:
-                scribble(list(self.heads.pool[:2]), block_id)
-            return
-        scribble([t for layer in self.kv_caches for t in layer[:2]], block_id)
 
     # -- one step --------------------------------------------------------------------------------
     def forget(self, request_ids: list[str]) -> None:

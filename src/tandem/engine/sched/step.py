@@ -178,7 +178,3 @@ class Runner(Protocol):
     def imported_prompt(self, request_id: str, first_position: int, num_tokens: int) -> None:
         """Positions first_position..num_tokens-1 of the request's prompt were imported."""
         ...
-
-    def corrupt_block(self, block_id: int, *, head_pool: bool = False) -> None:
-        """Test hook: overwrite a KV block (of the head-block pool with `head_pool`) with garbage."""
-        ...
