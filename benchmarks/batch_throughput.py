@@ -34,7 +34,8 @@ from tandem.batch.worker import BatchWorker
 from tandem.deployments.batch_execution import execute_batch_line
 from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
-from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.openai.endpoints import ENDPOINTS
+from tandem.deployments.openai.server import OpenAIServer
 from tandem.platform.object_store import FileObjectStore
 from tandem.platform.tenancy import TenantRegistry, parse_keys
 
@@ -87,6 +88,7 @@ def run_batch(
             FileObjectStore(root),
             {model},
             BatchLimits(shard_size=shard_size, max_shards_in_flight=shards_in_flight),
+            endpoints=ENDPOINTS,
         )
         server = OpenAIServer(
             LocalEngineClient(engine), TenantRegistry(parse_keys(f"{KEY}=bench")), batches=service

@@ -64,7 +64,7 @@ def main() -> None:
     from tandem import AsyncEngine
     from tandem.deployments.engine_clients import LocalEngineClient
     from tandem.deployments.ingress import create_app
-    from tandem.deployments.openai_server import OpenAIServer
+    from tandem.deployments.openai.server import OpenAIServer
     from tandem.platform.tenancy import TenantRegistry, parse_keys
 
     chromium = shutil.which("chromium")

@@ -44,6 +44,7 @@ from common import log, percentile, write_result  # noqa: E402
 from tandem.batch.records import QUEUE_PREFIX  # noqa: E402
 from tandem.batch.service import BatchService  # noqa: E402
 from tandem.deployments.fleet import read_view  # noqa: E402
+from tandem.deployments.openai.endpoints import ENDPOINTS
 from tandem.deployments.tenant_leases import RETRY_MARGIN_S, shard_of  # noqa: E402
 from tandem.platform.object_store import ObjectNotFound, ObjectStore, PreconditionFailed, StoredObject  # noqa: E402
 from tandem.platform.tenancy import TenantLimits, TenantUsage  # noqa: E402
@@ -148,7 +149,7 @@ def store_ops(
         "directory": num_processes / sampled_processes, "batch_queue": num_workers / sampled_workers,
         "usage": num_replicas / sampled_replicas, "fleet_state": 1.0, "operator": 1.0,
     }  # fmt: skip
-    services = [BatchService(store, {"tiny"}) for _ in range(sampled_workers)]
+    services = [BatchService(store, {"tiny"}, endpoints=ENDPOINTS) for _ in range(sampled_workers)]
     store.component = "setup"
     first = TenantDirectory(store)
     first.refresh()

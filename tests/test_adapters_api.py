@@ -18,7 +18,7 @@ from tandem import AsyncEngine
 from tandem.deployments.adapters import AdapterStore
 from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
-from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.openai.server import OpenAIServer
 from tandem.engine.io.tokenizer import Tokenizer
 from tandem.platform.object_store import FileObjectStore
 from tandem.platform.tenancy import TenantRegistry, parse_keys

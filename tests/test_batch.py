@@ -30,7 +30,8 @@ from tandem.batch.worker import BatchWorker, ExecutedRequest
 from tandem.deployments.batch_execution import execute_batch_line
 from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
-from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.openai.endpoints import ENDPOINTS
+from tandem.deployments.openai.server import OpenAIServer
 from tandem.platform.object_store import (
     FileObjectStore,
     ObjectNotFound,
@@ -114,7 +115,7 @@ def test_validation_reports_every_bad_line_of_the_file_with_its_number() -> None
         _line("ok-6", model="tiny:some-adapter"),
         json.dumps({"custom_id": "no-model", "method": "POST", "url": CHAT, "body": {"messages": []}}),
     ]
-    checked = validate_batch_file("\n".join(lines).encode(), CHAT, {"tiny", "other"})
+    checked = validate_batch_file("\n".join(lines).encode(), CHAT, {"tiny", "other"}, ENDPOINTS)
     by_line = {e.line: e for e in checked.errors}
     assert sorted(by_line) == [2, 3, 4, 5, 6, 7, 11]
     assert by_line[2].code == "invalid_json_line"
@@ -124,7 +125,7 @@ def test_validation_reports_every_bad_line_of_the_file_with_its_number() -> None
     assert by_line[7].code == "mismatched_model"
     assert by_line[11].param == "body.model"
     assert [i.custom_id for i in checked.inputs] == ["ok-1", "ok-4", "ok-5", "ok-6"]
-    unknown = validate_batch_file(_line("x", model="nope").encode(), CHAT, {"tiny"})
+    unknown = validate_batch_file(_line("x", model="nope").encode(), CHAT, {"tiny"}, ENDPOINTS)
     assert unknown.errors[0].code == "model_not_found"
 
 
@@ -154,7 +155,10 @@ def make_platform(engine: AsyncEngine) -> Iterator[Callable[..., Platform]]:
 
     def make(store: ObjectStore, *, start_worker: bool = True, **limits: Any) -> Platform:
         service = BatchService(
-            store, {"tiny"}, BatchLimits(**{"shard_size": 4, "lease_ttl_s": 5.0, **limits})
+            store,
+            {"tiny"},
+            BatchLimits(**{"shard_size": 4, "lease_ttl_s": 5.0, **limits}),
+            endpoints=ENDPOINTS,
         )
         tenants = TenantRegistry(parse_keys(f"{KEY_A}=acme,{KEY_B}=globex"))
         server = OpenAIServer(LocalEngineClient(engine), tenants, batches=service)
@@ -435,6 +439,7 @@ def test_a_worker_keeps_several_shards_in_flight(tmp_path: Path) -> None:
         FileObjectStore(str(tmp_path / "objects")),
         {"tiny"},
         BatchLimits(shard_size=2, max_shards_in_flight=3),
+        endpoints=ENDPOINTS,
     )
     lines = [_line(f"r-{i}") for i in range(10)]  # 5 shards
     file_id = service.create_file("acme", "in.jsonl", "batch", ("\n".join(lines) + "\n").encode()).id
@@ -483,6 +488,7 @@ def test_tenants_take_turns_at_shards(
         FileObjectStore(str(tmp_path / "objects")),
         {"tiny"},
         BatchLimits(shard_size=2, max_shards_in_flight=1),
+        endpoints=ENDPOINTS,
     )
     batches = {}
     for tenant, num_lines in (("A", 20), ("B", 4)):
@@ -555,7 +561,9 @@ def test_failures_not_of_the_requests_making_are_retried_never_answered(
     with pytest.raises(RetryLater):
         asyncio.run(execute_batch_line(always, CHAT, body, "acme"))  # type: ignore[arg-type]
 
-    service = BatchService(FileObjectStore(str(tmp_path / "objects")), {"tiny"}, BatchLimits(shard_size=2))
+    service = BatchService(
+        FileObjectStore(str(tmp_path / "objects")), {"tiny"}, BatchLimits(shard_size=2), endpoints=ENDPOINTS
+    )
     lines = [_line(f"r-{i}", content=f"hello r-{i}") for i in range(4)]
     file_id = service.create_file("acme", "in.jsonl", "batch", ("\n".join(lines) + "\n").encode()).id
     batch = service.create_batch("acme", file_id, CHAT, "24h")
@@ -608,6 +616,7 @@ def test_backpressure_waits_and_resends_and_the_window_follows_the_engines_room(
         FileObjectStore(str(tmp_path / "objects")),
         {"tiny"},
         BatchLimits(shard_size=8, max_shards_in_flight=2),
+        endpoints=ENDPOINTS,
     )
     lines = [_line(f"r-{i}", content=f"hello r-{i}") for i in range(24)]  # 3 shards
     file_id = service.create_file("acme", "in.jsonl", "batch", ("\n".join(lines) + "\n").encode()).id

@@ -94,9 +94,9 @@ def test_the_dev_key_belongs_to_a_tenant_of_the_directory(tmp_path: Path) -> Non
     directory (so `tandem tenants show dev` and the console know it); a new run revokes the last."""
     import hashlib
 
+    from tandem.cli.banner import DEV_TENANT, banner, dev_tenant_key
     from tandem.platform.store_guard import open_object_store
     from tandem.platform.tenant_directory import TenantDirectory
-    from tandem.serve_banner import DEV_TENANT, banner, dev_tenant_key
 
     url = f"file://{tmp_path / 'objects'}"
     first = dev_tenant_key(url)

@@ -32,7 +32,8 @@ from tandem.deployments.batch_execution import execute_batch_line
 from tandem.deployments.console_routes import CONTENT_SECURITY_POLICY, SESSION_COOKIE, STATIC_DIR
 from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
-from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.openai.endpoints import ENDPOINTS
+from tandem.deployments.openai.server import OpenAIServer
 from tandem.platform.object_store import FileObjectStore
 from tandem.platform.tenancy import TenantRegistry, parse_operator_keys
 from tandem.platform.tenant_directory import TenantDirectory
@@ -89,7 +90,7 @@ def platform(engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactory) -> I
         {}, operator_keys=parse_operator_keys(OPERATOR_KEY), directory=TenantDirectory(store)
     )
     adapters = AdapterStore(store, "tiny")
-    batches = BatchService(store, {"tiny"}, BatchLimits(shard_size=2, lease_ttl_s=5.0))
+    batches = BatchService(store, {"tiny"}, BatchLimits(shard_size=2, lease_ttl_s=5.0), endpoints=ENDPOINTS)
     usage_log = UsageLog(store, commit_interval_s=0.05)
     server = OpenAIServer(
         LocalEngineClient(engine, adapters), tenants, batches=batches, adapters=adapters, usage_log=usage_log

@@ -37,6 +37,7 @@ from tandem.deployments.app import openai_server
 from tandem.deployments.app_config import AppConfig
 from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
+from tandem.deployments.openai.endpoints import ENDPOINTS
 from tandem.platform.errors import InsufficientStorageError, StoreUnavailableError
 from tandem.platform.local_state import SavedDocument, state_path
 from tandem.platform.object_store import FileObjectStore, ObjectStore, S3ObjectStore, S3Settings, StoredObject
@@ -353,11 +354,11 @@ def test_the_api_serves_without_the_store_and_store_calls_answer_503(
 
 
 def test_a_full_disk_is_a_507_before_anything_is_written(tmp_path: Path, engine: AsyncEngine) -> None:
-    from tandem.deployments.openai_server import OpenAIServer
+    from tandem.deployments.openai.server import OpenAIServer
     from tandem.platform.tenancy import TenantRegistry, parse_keys
 
     store = FileObjectStore(str(tmp_path / "objects"), min_free_bytes=0)
-    service = BatchService(store, {"tiny"}, BatchLimits())
+    service = BatchService(store, {"tiny"}, BatchLimits(), endpoints=ENDPOINTS)
     server = OpenAIServer(
         LocalEngineClient(engine), TenantRegistry(parse_keys("sk-full=acme")), batches=service
     )
@@ -408,7 +409,7 @@ def test_a_batch_survives_store_outages_with_every_line_once_and_none_run_twice(
     answered once and no line sent to an engine twice."""
     switch = OutageStore(FileObjectStore(str(tmp_path / "objects")))
     store = GuardedStore(switch, cooldown_s=0.2)
-    service = BatchService(store, {"tiny"}, BatchLimits(shard_size=4, lease_ttl_s=1.5))
+    service = BatchService(store, {"tiny"}, BatchLimits(shard_size=4, lease_ttl_s=1.5), endpoints=ENDPOINTS)
     lines = [
         json.dumps(
             {

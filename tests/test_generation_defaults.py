@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from tandem import LLM, AsyncEngine, SamplingParams
 from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
-from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.openai.server import OpenAIServer
 from tandem.engine.io.generation_defaults import GenerationDefaults
 from tandem.engine.models.loader import load_model
 from tandem.platform.errors import ModelLoadError

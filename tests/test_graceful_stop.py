@@ -20,7 +20,8 @@ from tandem.batch.worker import BatchWorker
 from tandem.deployments.batch_execution import execute_batch_line
 from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
-from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.openai.endpoints import ENDPOINTS
+from tandem.deployments.openai.server import OpenAIServer
 from tandem.platform.object_store import FileObjectStore
 from tandem.platform.tenancy import TenantRegistry, parse_keys
 
@@ -36,7 +37,9 @@ def served(
 ) -> Iterator[tuple[str, OpenAIServer]]:
     root = tmp_path_factory.mktemp("drain")
     engine = AsyncEngine.from_options(str(tiny_model_dir), kv_cache_memory=8 << 20, served_model_name="tiny")
-    batches = BatchService(FileObjectStore(str(root / "objects")), {"tiny"}, BatchLimits(shard_size=4))
+    batches = BatchService(
+        FileObjectStore(str(root / "objects")), {"tiny"}, BatchLimits(shard_size=4), endpoints=ENDPOINTS
+    )
     server = OpenAIServer(
         LocalEngineClient(engine), TenantRegistry(parse_keys(f"{KEY}=acme")), batches=batches
     )
@@ -98,7 +101,9 @@ def test_a_stopped_worker_releases_its_leases_at_once(tiny_model_dir: Path, tmp_
         )
         try:
             limits = BatchLimits(shard_size=4, lease_ttl_s=600)  # an expiry would take 10 minutes
-            batches = BatchService(FileObjectStore(str(tmp_path / "objects")), {"tiny"}, limits)
+            batches = BatchService(
+                FileObjectStore(str(tmp_path / "objects")), {"tiny"}, limits, endpoints=ENDPOINTS
+            )
             server = OpenAIServer(
                 LocalEngineClient(engine), TenantRegistry(parse_keys(f"{KEY}=acme")), batches=batches
             )

@@ -32,7 +32,8 @@ from tandem.deployments.adapters import AdapterRecord, AdapterStore
 from tandem.deployments.batch_execution import execute_batch_line
 from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
-from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.openai.endpoints import ENDPOINTS
+from tandem.deployments.openai.server import OpenAIServer
 from tandem.engine.lora.manager import parse_peft_adapter
 from tandem.platform.object_store import FileObjectStore
 from tandem.platform.tenancy import TenantRegistry, parse_keys, parse_operator_keys
@@ -75,7 +76,7 @@ def start_platform(root: Path, peft_folder: Path, *, max_positions: int) -> Iter
     )
     store = FileObjectStore(str(root / "objects"))
     adapters = AdapterStore(store, "tiny", source_prefixes=(f"file://{root}/sources/{{tenant}}/",))
-    batches = BatchService(store, {"tiny"}, BatchLimits(shard_size=2, lease_ttl_s=30.0))
+    batches = BatchService(store, {"tiny"}, BatchLimits(shard_size=2, lease_ttl_s=30.0), endpoints=ENDPOINTS)
     tenants = TenantRegistry(
         parse_keys(f"{HOSTILE}=acme,{BYSTANDER}=globex"), operator_keys=parse_operator_keys(OPERATOR)
     )
@@ -528,7 +529,7 @@ def test_unexpected_errors_are_500s_in_openai_shape_with_a_request_id(
     first chunk ends with an error event and then `[DONE]`."""
     import logging
 
-    from tandem.deployments import openai_server
+    from tandem.deployments.openai import server as openai_server
 
     def broken_chunk(*args: object, **kwargs: object) -> None:
         raise KeyError("internal detail that must not leak")

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from tandem import AsyncEngine
 from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
-from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.openai.server import OpenAIServer
 from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys, parse_operator_keys
 
 KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
@@ -214,7 +214,7 @@ def test_malformed_json_and_server_keeps_serving(http: TestClient, client: opena
 def test_body_over_the_limit_is_413_wrong_method_405_and_server_keeps_serving(
     http: TestClient, client: openai.OpenAI
 ) -> None:
-    from tandem.deployments.completion_routes import MAX_BODY_BYTES
+    from tandem.deployments.openai.routes import MAX_BODY_BYTES
 
     padding = "x" * (MAX_BODY_BYTES + 1)
     for path in ("/v1/chat/completions", "/v1/completions"):
@@ -480,8 +480,8 @@ def test_a_stream_closed_before_its_first_event_frees_the_slot_and_the_request(e
     import asyncio
 
     from tandem.deployments.engine_clients import LocalEngineClient
-    from tandem.deployments.openai_server import OpenAIServer
-    from tandem.platform.openai_schemas import CompletionRequest
+    from tandem.deployments.openai.requests import CompletionRequest
+    from tandem.deployments.openai.server import OpenAIServer
     from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys
 
     tenants = TenantRegistry(parse_keys("k=acme"), TenantLimits(max_concurrent_requests=1))

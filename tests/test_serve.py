@@ -474,7 +474,7 @@ def test_batch_cli_submit_wait_and_results(
 def test_progress_line_shows_rate_and_eta() -> None:
     from openai.types import Batch
 
-    from tandem.batch_cli import progress_line
+    from tandem.cli.batch import progress_line
 
     batch = Batch.model_validate(
         {

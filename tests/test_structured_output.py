@@ -27,8 +27,9 @@ from tandem.batch.worker import BatchWorker
 from tandem.deployments.batch_execution import execute_batch_line
 from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
-from tandem.deployments.openai_server import OpenAIServer
-from tandem.deployments.structured_output import ToolCallStream, parse_tool_calls
+from tandem.deployments.openai.endpoints import ENDPOINTS
+from tandem.deployments.openai.server import OpenAIServer
+from tandem.deployments.openai.structured_output import ToolCallStream, parse_tool_calls
 from tandem.engine.sampling_params import SamplingParams, StructuredOutput
 from tandem.platform.object_store import FileObjectStore
 from tandem.platform.tenancy import TenantRegistry, parse_keys
@@ -108,7 +109,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The app under uvicorn on a loopback port with the default model, and a batch worker."""
     root = tmp_path_factory.mktemp("structured")
     engine = AsyncEngine.from_options(kv_cache_memory=128 << 20, max_num_seqs=16, served_model_name=MODEL)
-    batches = BatchService(FileObjectStore(str(root / "objects")), {MODEL}, BatchLimits(shard_size=4))
+    batches = BatchService(
+        FileObjectStore(str(root / "objects")), {MODEL}, BatchLimits(shard_size=4), endpoints=ENDPOINTS
+    )
     api = OpenAIServer(LocalEngineClient(engine), TenantRegistry(parse_keys(f"{KEY}=acme")), batches=batches)
     worker = BatchWorker(
         batches, partial(execute_batch_line, api), poll_interval_s=0.05, worker_id="structured"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.deployments.openai.endpoints import ENDPOINTS
 from tandem.platform.errors import ConflictError, InvalidRequestError, NotFoundError
 from tandem.platform.object_store import FileObjectStore, ObjectStore, S3ObjectStore
 from tandem.platform.tenant_directory import (
@@ -166,7 +167,7 @@ def test_operator_api_in_process(engine: object, store: FileObjectStore) -> None
 
     from tandem.deployments.engine_clients import LocalEngineClient
     from tandem.deployments.ingress import create_app
-    from tandem.deployments.openai_server import OpenAIServer
+    from tandem.deployments.openai.server import OpenAIServer
     from tandem.platform.tenancy import TenantRegistry, parse_keys, parse_operator_keys
 
     directory = TenantDirectory(store)
@@ -217,7 +218,7 @@ def test_tenants_cli_over_the_operator_api(
     from tandem.cli import main
     from tandem.deployments.engine_clients import LocalEngineClient
     from tandem.deployments.ingress import create_app
-    from tandem.deployments.openai_server import OpenAIServer
+    from tandem.deployments.openai.server import OpenAIServer
     from tandem.platform.tenancy import TenantRegistry, parse_operator_keys
 
     from .conftest import serve_app
@@ -272,7 +273,7 @@ def test_requests_per_minute_and_max_tokens_limits(engine: object, store: FileOb
 
     from tandem.deployments.engine_clients import LocalEngineClient
     from tandem.deployments.ingress import create_app
-    from tandem.deployments.openai_server import OpenAIServer
+    from tandem.deployments.openai.server import OpenAIServer
     from tandem.platform.tenancy import TenantRegistry, parse_keys, parse_operator_keys
 
     directory = TenantDirectory(store)
@@ -342,14 +343,14 @@ def test_batch_tokens_queued_beyond_a_tenants_limit_are_refused(
     from tandem.batch.service import BatchService
     from tandem.deployments.engine_clients import LocalEngineClient
     from tandem.deployments.ingress import create_app
-    from tandem.deployments.openai_server import OpenAIServer
+    from tandem.deployments.openai.server import OpenAIServer
     from tandem.platform.tenancy import TenantRegistry, parse_keys
 
     directory = TenantDirectory(store)
     directory.create_tenant(parse_tenant_spec({"id": "acme", "limits": {"max_batch_tokens_queued": 100}}))
     _, secret = directory.create_key("acme")
     tenants = TenantRegistry(parse_keys("sk-other=globex"), directory=directory)
-    batches = BatchService(store, {"tiny"}, default_max_tokens=16)
+    batches = BatchService(store, {"tiny"}, default_max_tokens=16, endpoints=ENDPOINTS)
     server = OpenAIServer(LocalEngineClient(engine), tenants, batches=batches)  # type: ignore[arg-type]
 
     def batch_file(api: openai.OpenAI, max_tokens: list[int | None]) -> str:

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tandem.deployments.openai_server import LocalTenantLimiter
+from tandem.deployments.openai.limiter import LocalTenantLimiter
 from tandem.platform.tenancy import RateLimitError, TenantLimits, TenantRegistry, parse_keys
 
 

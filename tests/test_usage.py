@@ -23,7 +23,7 @@ from tandem.batch.shards import BatchResult, decode_results, encode_results
 from tandem.batch.usage import write_shard_usage
 from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
-from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.openai.server import OpenAIServer
 from tandem.platform.errors import InvalidRequestError
 from tandem.platform.object_store import FileObjectStore, ObjectStore, S3ObjectStore, StoredObject
 from tandem.platform.telemetry import get_telemetry

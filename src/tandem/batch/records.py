@@ -27,7 +27,6 @@ BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
 ]
 TERMINAL_STATUSES = frozenset({"failed", "completed", "expired", "cancelled"})
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 
 
 def new_object_id(prefix: str) -> str:

@@ -16,14 +16,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from pydantic import BaseModel, Field
 
 from tandem.batch.queue import BatchQueue
 from tandem.batch.records import (
-    ENDPOINTS,
     BatchError,
     BatchRecord,
     FileRecord,
@@ -86,12 +85,14 @@ def _now() -> int:
 class BatchService:
     def __init__(
         self, store: ObjectStore, served_models: set[str], limits: BatchLimits | None = None,
-        default_max_tokens: int = 256,
+        default_max_tokens: int = 256, *, endpoints: Collection[str],
     ) -> None:  # fmt: skip
         """`default_max_tokens`: what a line without `max_tokens` counts against a tenant's
-        `max_queued_tokens` (the server's default for such requests)."""
+        `max_queued_tokens` (the server's default for such requests). `endpoints`: the URLs a
+        batch may name (the API's endpoint table: `deployments.openai.endpoints.ENDPOINTS`)."""
         self.store = store
         self.served_models = served_models
+        self.endpoints = tuple(endpoints)
         self.limits = limits or BatchLimits()
         self.default_max_tokens = default_max_tokens
         self.queue = BatchQueue(store)
@@ -192,9 +193,9 @@ class BatchService:
         whose lines' output tokens (`ValidatedFile.num_output_tokens_requested`), with those the
         tenant's unfinished batches have yet to generate, would pass it is refused (429) before
         anything is written."""
-        if endpoint not in ENDPOINTS:
+        if endpoint not in self.endpoints:
             raise InvalidRequestError(
-                f"endpoint {endpoint!r} is not supported; use one of {list(ENDPOINTS)}", param="endpoint"
+                f"endpoint {endpoint!r} is not supported; use one of {list(self.endpoints)}", param="endpoint"
             )
         if completion_window not in COMPLETION_WINDOWS:
             raise InvalidRequestError(
@@ -237,7 +238,10 @@ class BatchService:
     ) -> ValidatedFile:
         """The input file validated; raises `RateLimitError` when it would pass `limit`."""
         checked = validate_batch_file(
-            self.store.get(file_data_key(tenant, input_file_id)).data, endpoint, self.served_models
+            self.store.get(file_data_key(tenant, input_file_id)).data,
+            endpoint,
+            self.served_models,
+            self.endpoints,
         )
         if checked.errors:
             return checked  # the batch fails validation and queues nothing
@@ -273,7 +277,7 @@ class BatchService:
                     )
                 ]
                 return self._fail(tenant, batch_id, errors)
-            checked = validate_batch_file(data, record.endpoint, self.served_models)
+            checked = validate_batch_file(data, record.endpoint, self.served_models, self.endpoints)
         if checked.errors:
             return self._fail(tenant, batch_id, checked.errors)
         size = self.limits.shard_size

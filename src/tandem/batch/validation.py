@@ -13,14 +13,13 @@ file while the rest of the batch runs.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from tandem.batch.records import BatchError
 from tandem.batch.shards import BatchInput
 
 MAX_REPORTED_ERRORS = 100
-
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 
 
 @dataclass
@@ -47,11 +46,14 @@ class ValidatedFile:
             self.errors.append(BatchError(code=code, message=message, param=param, line=line))
 
 
-def validate_batch_file(data: bytes, endpoint: str, served_models: set[str]) -> ValidatedFile:
-    """Parse and check every line against `endpoint` and the models this deployment serves."""
+def validate_batch_file(
+    data: bytes, endpoint: str, served_models: set[str], endpoints: Collection[str]
+) -> ValidatedFile:
+    """Parse and check every line against `endpoint` (one of the served `endpoints`) and the
+    models this deployment serves."""
     result = ValidatedFile()
-    if endpoint not in ENDPOINTS:
-        result.error(0, "invalid_endpoint", f"endpoint must be one of {list(ENDPOINTS)}")
+    if endpoint not in endpoints:
+        result.error(0, "invalid_endpoint", f"endpoint must be one of {list(endpoints)}")
         return result
     try:
         text = data.decode("utf-8")

@@ -19,11 +19,11 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from tandem.deployments.adapters import AdapterStore
-from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.openai.requests import require_unicode
+from tandem.deployments.openai.server import OpenAIServer
 from tandem.deployments.uploads import json_request_body, reject_declared_oversize
 from tandem.engine.lora.checkpoint import LoRAModelShape
 from tandem.platform.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
-from tandem.platform.openai_schemas import require_unicode
 
 # The JSON form of an upload (the multipart form with the two files is the other).
 _SOURCE_BODY = {

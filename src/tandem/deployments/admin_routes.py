@@ -37,7 +37,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.openai.server import OpenAIServer
 from tandem.platform.errors import InvalidRequestError, NotFoundError
 from tandem.platform.tenancy import PermissionDeniedError
 from tandem.platform.tenant_directory import TenantDirectory, parse_tenant_patch, parse_tenant_spec

@@ -19,7 +19,9 @@ from tandem.deployments.batch_worker import BatchWorkerReplica
 from tandem.deployments.engine_clients import EngineClient, HandleEngineClient
 from tandem.deployments.fleet import FLEET_STATE_DEPLOYMENT, FleetState, watch_drain
 from tandem.deployments.ingress import create_app, install_server
-from tandem.deployments.openai_server import LocalTenantLimiter, OpenAIServer, TenantLimiter
+from tandem.deployments.openai.endpoints import ENDPOINTS
+from tandem.deployments.openai.limiter import LocalTenantLimiter, TenantLimiter
+from tandem.deployments.openai.server import OpenAIServer
 from tandem.deployments.replicas import (
     LLM_DEPLOYMENT,
     PREFILL_DEPLOYMENT,
@@ -32,7 +34,13 @@ from tandem.platform.cpu import usable_cpus
 from tandem.platform.local_state import SavedDocument, state_path
 from tandem.platform.store_guard import open_object_store
 from tandem.platform.telemetry import get_telemetry
-from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys, parse_operator_keys
+from tandem.platform.tenancy import (
+    TenantLimits,
+    TenantRegistry,
+    env_api_keys,
+    parse_keys,
+    parse_operator_keys,
+)
 from tandem.platform.tenant_directory import TenantDirectory
 from tandem.platform.usage_log import UsageLog
 
@@ -82,7 +90,7 @@ def openai_server(
 ) -> OpenAIServer:
     """The OpenAI routes' server over `client`: tenants and keys (limits kept with the
     `budget_shards` when there are several ingress replicas), files, batches and adapters."""
-    spec = cfg.api_keys if cfg.api_keys is not None else os.environ.get("TANDEM_API_KEYS", "")
+    spec = cfg.api_keys if cfg.api_keys is not None else env_api_keys()
     if cfg.keys_file:
         with open(cfg.keys_file) as f:
             spec = f.read() + "," + spec
@@ -106,7 +114,11 @@ def openai_server(
     batches = adapters = None
     if store is not None:
         batches = BatchService(
-            store, {client.model_name}, cfg.batch, default_max_tokens=cfg.max_tokens_default
+            store,
+            {client.model_name},
+            cfg.batch,
+            default_max_tokens=cfg.max_tokens_default,
+            endpoints=ENDPOINTS,
         )
         adapters = AdapterStore(
             store,

@@ -13,7 +13,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from tandem.batch.lines import Backpressure, ExecutedRequest, RetryLater
-from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.openai.endpoints import ENDPOINTS
+from tandem.deployments.openai.errors import error_body, validation_error_body
+from tandem.deployments.openai.requests import reject_unsupported
+from tandem.deployments.openai.responses import new_id
+from tandem.deployments.openai.server import OpenAIServer
 from tandem.engine.request import Priority
 from tandem.platform.errors import (
     InvalidRequestError,
@@ -21,14 +25,6 @@ from tandem.platform.errors import (
     RequestFailedError,
     ServiceUnavailableError,
     TandemError,
-)
-from tandem.platform.openai_schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    error_body,
-    new_id,
-    reject_unsupported,
-    validation_error_body,
 )
 
 logger = logging.getLogger("tandem.batch")
@@ -56,21 +52,16 @@ async def execute_batch_line(
     retryable failure (`is_retryable`) is retried, then raises `RetryLater`; a replica with no
     seat left for batch work raises `Backpressure` (the worker waits and sends the line again)."""
     try:
+        spec = ENDPOINTS.get(endpoint)
+        if spec is None:
+            raise InvalidRequestError(f"endpoint {endpoint!r} is not supported", param="url")
         reject_unsupported(body)
         if body.get("stream"):
             raise InvalidRequestError("stream is not supported in a batch", param="stream")
+        request = spec.request_model.model_validate(body)  # validated once, before any attempt
         for attempt in range(1 + len(RETRY_BACKOFF_S)):
             try:
-                if endpoint == "/v1/chat/completions":
-                    result = await server.chat(
-                        ChatCompletionRequest.model_validate(body), tenant, Priority.BATCH
-                    )
-                elif endpoint == "/v1/completions":
-                    result = await server.completions(
-                        CompletionRequest.model_validate(body), tenant, Priority.BATCH
-                    )
-                else:
-                    raise InvalidRequestError(f"endpoint {endpoint!r} is not supported", param="url")
+                result = await spec.run(server, request, tenant, Priority.BATCH)
                 break
             except TandemError as exc:
                 if exc.code == "batch_capacity":  # every seat for batch work is taken: wait, not a failure

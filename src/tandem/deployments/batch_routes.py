@@ -14,10 +14,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from tandem.batch.service import BatchService
-from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.openai.errors import validation_error_body
+from tandem.deployments.openai.requests import Text
+from tandem.deployments.openai.server import OpenAIServer
 from tandem.deployments.uploads import json_request_body, reject_declared_oversize
 from tandem.platform.errors import InvalidRequestError, NotFoundError
-from tandem.platform.openai_schemas import Text, validation_error_body
 
 
 class BatchCreateRequest(BaseModel):

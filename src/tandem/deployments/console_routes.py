@@ -33,7 +33,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
-from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.openai.server import OpenAIServer
 from tandem.platform.errors import InvalidRequestError, NotFoundError
 from tandem.platform.tenancy import PermissionDeniedError
 

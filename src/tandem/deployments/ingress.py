@@ -26,26 +26,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tandem.deployments.adapter_routes import adapter_router
 from tandem.deployments.admin_routes import admin_router
 from tandem.deployments.batch_routes import batch_router
-from tandem.deployments.completion_routes import (
+from tandem.deployments.console_routes import ConsoleSessionAuth, console_router
+from tandem.deployments.openai.endpoints import ENDPOINTS
+from tandem.deployments.openai.errors import ErrorResponse, error_body, internal_error_body
+from tandem.deployments.openai.responses import new_id
+from tandem.deployments.openai.routes import (
     CompletionRoutes,
     log_refusal,
     parse_json_object,
     tandem_error_reply,
     validation_error_reply,
 )
-from tandem.deployments.console_routes import ConsoleSessionAuth, console_router
-from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.openai.server import OpenAIServer
 from tandem.deployments.operator_routes import operator_router
 from tandem.deployments.usage_routes import usage_router
 from tandem.platform.errors import TandemError
-from tandem.platform.openai_schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ErrorResponse,
-    error_body,
-    internal_error_body,
-    new_id,
-)
 
 logger = logging.getLogger("tandem.api")
 
@@ -111,16 +106,14 @@ def _openapi_schema(app: FastAPI) -> dict[str, Any]:
     components = schema.setdefault("components", {})
     models = components.setdefault("schemas", {})
     error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
-    for path, model in (
-        ("/v1/chat/completions", ChatCompletionRequest),
-        ("/v1/completions", CompletionRequest),
-    ):
+    for endpoint in ENDPOINTS.values():
+        model = endpoint.request_model
         body = model.model_json_schema(ref_template="#/components/schemas/{model}")
         models.update(body.pop("$defs", {}))
         models[model.__name__] = body
-        schema["paths"][path] = {
+        schema["paths"][endpoint.path] = {
             "post": {
-                "summary": f"Create a {'chat ' if model is ChatCompletionRequest else ''}completion",
+                "summary": endpoint.summary,
                 "requestBody": {
                     "required": True,
                     "content": {

@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.openai.server import OpenAIServer
 from tandem.platform.errors import NotFoundError
 
 

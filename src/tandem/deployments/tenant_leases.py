@@ -64,7 +64,7 @@ class TenantBudgetShard:
 
 
 class LeasedTenantLimiter:
-    """`TenantLimiter` (openai_server.py) over a `LocalBudget` and the tenants' budget shards."""
+    """`TenantLimiter` (openai/limiter.py) over a `LocalBudget` and the tenants' budget shards."""
 
     def __init__(
         self,

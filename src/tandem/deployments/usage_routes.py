@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from tandem.deployments.openai_server import OpenAIServer
+from tandem.deployments.openai.server import OpenAIServer
 from tandem.platform.errors import NotFoundError
 from tandem.platform.tenancy import PermissionDeniedError
 from tandem.platform.usage_query import parse_usage_query, usage_page

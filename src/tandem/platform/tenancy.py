@@ -77,6 +77,11 @@ class Caller:
     api_key_id: str
 
 
+def env_api_keys() -> str:
+    """`$TANDEM_API_KEYS` ("key1=tenant1,key2=tenant2"; "" when unset): the one place it is read."""
+    return os.environ.get("TANDEM_API_KEYS", "")
+
+
 def parse_keys(spec: str) -> dict[str, str]:
     """ "k1=t1,k2=t2" (or one pair per line) -> {sha256(k): tenant}. Raises on malformed pairs."""
     hashed: dict[str, str] = {}
@@ -266,7 +271,7 @@ class TenantRegistry:
 
     @classmethod
     def from_env(cls, keys_file: Path | None = None, limits: TenantLimits | None = None) -> TenantRegistry:
-        spec = os.environ.get("TANDEM_API_KEYS", "")
+        spec = env_api_keys()
         if keys_file is not None:
             spec = keys_file.read_text() + "," + spec
         return cls(parse_keys(spec), limits)

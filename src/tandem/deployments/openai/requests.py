@@ -1,4 +1,4 @@
-"""OpenAI request/response models for /v1/chat/completions, /v1/completions and /v1/models.
+"""OpenAI request models for /v1/chat/completions and /v1/completions.
 
 Requests reject unknown fields (extra="forbid"), and OpenAI fields the engine does not implement
 are listed in `UNSUPPORTED_FIELDS` so the API answers 400 naming the field instead of silently
@@ -8,9 +8,6 @@ ignoring it. vLLM-style extensions (`top_k`, `min_p`, `ignore_eos`, `stop_token_
 from __future__ import annotations
 
 import re
-import time
-import uuid
-from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
@@ -30,75 +27,6 @@ UNSUPPORTED_FIELDS = {
     "web_search_options",
     "reasoning_effort",
 }
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-def error_body(
-    message: str, error_type: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    """OpenAI's error shape: the body of an error response, or an error event in a stream."""
-    return ErrorResponse(
-        error=ErrorInfo(message=message, type=error_type, param=param, code=code)
-    ).model_dump()
-
-
-def validation_error_body(errors: Sequence[Any]) -> dict[str, Any]:
-    """An `invalid_request_error` naming the first field pydantic refused (`messages.0.content`)."""
-    if not errors:
-        return error_body("invalid request", "invalid_request_error")
-    # A union field reports one error per member: take the member that got furthest in.
-    field = errors[0].get("loc", ())[:1]
-    first = max((e for e in errors if e.get("loc", ())[:1] == field), key=lambda e: len(e.get("loc", ())))
-    param = _escape_surrogates(".".join(str(p) for p in first.get("loc", ()) if _is_field(p))) or None
-    message = str(first.get("msg", "invalid value"))
-    return error_body(f"{param}: {message}" if param else message, "invalid_request_error", param, None)
-
-
-def _escape_surrogates(text: str) -> str:
-    """`text` with lone surrogates written as `\\udXXX` (a dict key can carry one into an error)."""
-    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def _is_field(part: Any) -> bool:
-    """A location part that names a field or an index, not a union member's type tag
-    (`function-after[...]`, `list[int]`, `TextContentPart`) or FastAPI's `body`."""
-    if isinstance(part, int):
-        return True
-    text = str(part)
-    return not (text == "body" or text in _TYPE_TAGS or "[" in text or text[:1].isupper())
-
-
-def tandem_error_body(exc: TandemError, request_id: str) -> dict[str, Any]:
-    """`exc` in OpenAI's shape; a 5xx also names `request_id` (the id its traceback is logged under)."""
-    message = exc.message
-    if exc.status_code >= 500 and request_id not in message:
-        message = f"{message} (request id {request_id})"
-    return error_body(message, exc.error_type, exc.param, exc.code)
-
-
-def internal_error_body(request_id: str) -> dict[str, Any]:
-    """The body for a failure with no `TandemError` behind it: nothing internal, only the request
-    id under which the traceback was logged."""
-    return error_body(
-        f"The server had an error while processing your request (request id {request_id}); "
-        "retry it, and report the request id if the error persists",
-        "server_error",
-        None,
-        "internal_error",
-    )
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -339,121 +267,6 @@ class FieldRuleError(TandemError):
 
 def _param_error(param: str, message: str) -> FieldRuleError:
     return FieldRuleError(message, param=param)
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=now)
-    owned_by: str = "tandem"
-    # Tandem extension on the base model: the precision it runs and why (quality verdicts
-    # included) and the generation defaults that fill a request's unset sampling fields
-    tandem: dict[str, Any] | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-def chat_choice(
-    *,
-    index: int,
-    text: str | None,
-    finish_reason: str | None,
-    logprobs: dict[str, Any] | None = None,
-    tool_calls: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    """One choice of a chat completion; `text` is the message content (None with tool calls and
-    no text before them)."""
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def chat_completion(
-    *, request_id: str, model: str, choices: list[dict[str, Any]], usage: Usage
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": now(),
-        "model": model,
-        "choices": choices,
-        "usage": usage.model_dump(),
-    }
-
-
-def chat_chunk(
-    *,
-    request_id: str,
-    model: str,
-    created: int,
-    delta: dict[str, Any],
-    finish_reason: str | None,
-    logprobs: dict[str, Any] | None = None,
-    usage: Usage | None = None,
-    no_choices: bool = False,
-    index: int = 0,
-) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": []
-        if no_choices
-        else [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
-    }
-    if usage is not None:
-        chunk["usage"] = usage.model_dump()
-    return chunk
-
-
-def text_completion(
-    *,
-    request_id: str,
-    model: str,
-    created: int,
-    text: str,
-    finish_reason: str | None,
-    usage: Usage | None,
-    logprobs: dict[str, Any] | None = None,
-    no_choices: bool = False,
-    index: int = 0,
-) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": []
-        if no_choices
-        else [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
-    }
-    if usage is not None:
-        body["usage"] = usage.model_dump()
-    return body
 
 
 def reject_unsupported(body: dict[str, Any]) -> None:

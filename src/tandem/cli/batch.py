@@ -16,12 +16,14 @@ from functools import partial
 from typing import Any
 
 from tandem.deployments.batch_execution import execute_batch_line
+from tandem.deployments.openai.endpoints import ENDPOINTS
 
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 
 
-def add_batch_parser(sub: Any) -> None:
+def add_parser(sub: Any) -> None:
     batch = sub.add_parser("batch", help="batch jobs: submit, status, results, cancel, worker")
+    batch.set_defaults(run=run)
     batch.add_argument("--base-url", default=os.environ.get("TANDEM_BASE_URL", "http://127.0.0.1:8000/v1"))
     batch.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"))
     cmds = batch.add_subparsers(dest="batch_command", required=True)
@@ -52,7 +54,7 @@ def add_batch_parser(sub: Any) -> None:
     worker.add_argument("--shard-size", type=int, default=32)
 
 
-def run_batch_command(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.batch_command == "worker":
         return _worker(args)
     import openai
@@ -179,7 +181,7 @@ def _worker(args: argparse.Namespace) -> int:
     from tandem.batch.worker import BatchWorker
     from tandem.deployments.adapters import AdapterStore
     from tandem.deployments.engine_clients import LocalEngineClient
-    from tandem.deployments.openai_server import OpenAIServer
+    from tandem.deployments.openai.server import OpenAIServer
     from tandem.engine.async_engine import AsyncEngine
     from tandem.platform.config import DEFAULT_MODEL
     from tandem.platform.store_guard import open_object_store
@@ -194,7 +196,7 @@ def _worker(args: argparse.Namespace) -> int:
     engine = AsyncEngine.from_options(args.model or DEFAULT_MODEL, **options)
     limits = BatchLimits(lease_ttl_s=args.lease_ttl, shard_size=args.shard_size)
     store = open_object_store(args.object_store)
-    service = BatchService(store, {engine.model_name}, limits)
+    service = BatchService(store, {engine.model_name}, limits, endpoints=ENDPOINTS)
     adapters = AdapterStore(store, engine.model_name)  # lines may name the owner's adapters
     server = OpenAIServer(LocalEngineClient(engine, adapters), TenantRegistry({}), adapters=adapters)
     worker = BatchWorker(service, partial(execute_batch_line, server))

@@ -9,19 +9,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.deployments.structured_output import request_constraint, response_format_constraint
+from tandem.deployments.openai.requests import ChatCompletionRequest, CompletionRequest
+from tandem.deployments.openai.responses import PromptTokensDetails, Usage, chat_chunk, text_completion
+from tandem.deployments.openai.structured_output import request_constraint, response_format_constraint
 from tandem.engine.io.generation_defaults import DEFAULTABLE
 from tandem.engine.protocol import CompletionOutput, RequestOutput
 from tandem.engine.sampling_params import SamplingParams
 from tandem.platform.errors import InvalidRequestError, RequestFailedError, TandemError
-from tandem.platform.openai_schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    PromptTokensDetails,
-    Usage,
-    chat_chunk,
-    text_completion,
-)
 
 
 @dataclass

@@ -30,19 +30,18 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from tandem.deployments.openai_mapping import ResponseTiming
-from tandem.deployments.openai_server import OpenAIServer
-from tandem.platform.errors import InvalidRequestError, PayloadTooLargeError, TandemError
-from tandem.platform.openai_schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
+from tandem.deployments.openai.endpoints import ENDPOINTS, Endpoint
+from tandem.deployments.openai.errors import (
     error_body,
     internal_error_body,
-    new_id,
-    reject_unsupported,
     tandem_error_body,
     validation_error_body,
 )
+from tandem.deployments.openai.mapping import ResponseTiming
+from tandem.deployments.openai.requests import reject_unsupported
+from tandem.deployments.openai.responses import new_id
+from tandem.deployments.openai.server import OpenAIServer
+from tandem.platform.errors import InvalidRequestError, PayloadTooLargeError, TandemError
 from tandem.platform.tenancy import Caller
 
 logger = logging.getLogger("tandem.api")
@@ -55,8 +54,6 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 MAX_BODY_BYTES = 4 << 20
 
-# route path -> whether it is the chat route
-ROUTES: dict[str, bool] = {"/v1/chat/completions": True, "/v1/completions": False}
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _SSE_HEADERS = [
@@ -160,17 +157,17 @@ class CompletionRoutes:
         self.server_of = server_of
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        chat = None
+        endpoint = None
         if scope["type"] == "http":
             path, root = scope["path"], scope.get("root_path", "")
-            chat = ROUTES.get(path[len(root) :] if root and path.startswith(root) else path)
-        if chat is None:
+            endpoint = ENDPOINTS.get(path[len(root) :] if root and path.startswith(root) else path)
+        if endpoint is None:
             await self.app(scope, receive, send)
         else:
-            await self._answer(scope, receive, send, chat)
+            await self._answer(scope, receive, send, endpoint)
 
-    async def _answer(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
-        """Answer `scope`'s request as the chat route (`chat`) or the completions route."""
+    async def _answer(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        """Answer `scope`'s request at `endpoint`."""
         headers = _RequestHeaders.of(scope)
         client_request_id = headers.request_id
         if scope["method"] != "POST":
@@ -191,14 +188,8 @@ class CompletionRoutes:
             server, caller, body = await self._read_request(scope, headers, receive)
             tenant, key_id = caller.tenant, caller.api_key_id
             async with _CancelOnDisconnect(receive):
-                if chat:
-                    chat_req = ChatCompletionRequest.model_validate(body)
-                    result = await server.chat(chat_req, tenant, timing=timing, api_key_id=key_id)
-                else:
-                    completion_req = CompletionRequest.model_validate(body)
-                    result = await server.completions(
-                        completion_req, tenant, timing=timing, api_key_id=key_id
-                    )
+                request = endpoint.request_model.model_validate(body)
+                result = await endpoint.run(server, request, tenant, timing=timing, api_key_id=key_id)
                 reply_headers = {"Server-Timing": timing.header()}
                 if isinstance(result, dict):
                     await _send_json(send_tracked, 200, result, reply_headers)

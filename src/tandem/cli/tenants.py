@@ -22,8 +22,9 @@ from typing import Any
 from urllib.parse import urlencode
 
 
-def add_tenants_parser(sub: Any) -> None:
+def add_parser(sub: Any) -> None:
     tenants = sub.add_parser("tenants", help="tenants and their API keys (operator API)")
+    tenants.set_defaults(run=run)
     tenants.add_argument("--base-url", default=os.environ.get("TANDEM_BASE_URL", "http://127.0.0.1:8000/v1"))
     tenants.add_argument("--operator-key", default=os.environ.get("TANDEM_OPERATOR_KEY"))
     cmds = tenants.add_subparsers(dest="tenants_command", required=True)
@@ -123,7 +124,7 @@ def _request_for(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | N
     return "DELETE", f"/tenants/{tenant}/keys/{args.key_id}", None
 
 
-def run_tenants_command(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     import httpx
 
     if not args.operator_key:

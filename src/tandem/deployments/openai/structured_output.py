@@ -33,16 +33,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.engine.sampling_params import JSON_GRAMMAR_OPTIONS, StructuredOutput
-from tandem.engine.structured.schema_check import finite_value_problem
-from tandem.platform.errors import InvalidRequestError
-from tandem.platform.openai_schemas import (
+from tandem.deployments.openai.requests import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     NamedToolChoice,
     ToolDefinition,
 )
+from tandem.engine.sampling_params import JSON_GRAMMAR_OPTIONS, StructuredOutput
+from tandem.engine.structured.schema_check import finite_value_problem
+from tandem.platform.errors import InvalidRequestError
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"

@@ -1,0 +1,5 @@
+"""`python -m tandem.cli ...`: the `tandem` command."""
+
+from tandem.cli.main import main
+
+raise SystemExit(main())
