@@ -36,8 +36,9 @@ from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
 from tandem.deployments.openai.endpoints import ENDPOINTS
 from tandem.deployments.openai.server import OpenAIServer
+from tandem.platform.api_keys import parse_keys
 from tandem.platform.object_store import FileObjectStore
-from tandem.platform.tenancy import TenantRegistry, parse_keys
+from tandem.platform.tenancy import TenantRegistry
 
 TOPICS = [
     "the ocean",

@@ -65,7 +65,8 @@ def main() -> None:
     from tandem.deployments.engine_clients import LocalEngineClient
     from tandem.deployments.ingress import create_app
     from tandem.deployments.openai.server import OpenAIServer
-    from tandem.platform.tenancy import TenantRegistry, parse_keys
+    from tandem.platform.api_keys import parse_keys
+    from tandem.platform.tenancy import TenantRegistry
 
     chromium = shutil.which("chromium")
     if chromium is None:

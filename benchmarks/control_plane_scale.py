@@ -47,7 +47,7 @@ from tandem.deployments.fleet import read_view  # noqa: E402
 from tandem.deployments.openai.endpoints import ENDPOINTS
 from tandem.deployments.tenant_leases import RETRY_MARGIN_S, shard_of  # noqa: E402
 from tandem.platform.object_store import ObjectNotFound, ObjectStore, PreconditionFailed, StoredObject  # noqa: E402
-from tandem.platform.tenancy import TenantLimits, TenantUsage  # noqa: E402
+from tandem.platform.tenancy import TenantLimits, TenantUsage
 from tandem.platform.tenant_budget import FleetBudget, LocalBudget  # noqa: E402
 from tandem.platform.tenant_directory import DIRECTORY_KEY, TenantDirectory  # noqa: E402
 from tandem.platform.usage_log import ship_due  # noqa: E402

@@ -34,7 +34,7 @@ import torch
 from common import log, write_result
 from tandem import LLM, SamplingParams
 from tandem.engine.host.quality_probe import MAX_MEAN_KL, MIN_TOP1_AGREEMENT, compare
-from tandem.kernels.attention import build_attention_metadata
+from tandem.kernels.attention_metadata import build_attention_metadata
 
 # Every variant is float32 compute (an explicit dtype: `auto` would pick by the CPU), so that each
 # differs from the base in one thing.

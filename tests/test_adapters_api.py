@@ -20,8 +20,9 @@ from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
 from tandem.deployments.openai.server import OpenAIServer
 from tandem.engine.io.tokenizer import Tokenizer
+from tandem.platform.api_keys import parse_keys
 from tandem.platform.object_store import FileObjectStore
-from tandem.platform.tenancy import TenantRegistry, parse_keys
+from tandem.platform.tenancy import TenantRegistry
 
 from .test_lora import _peft_reference
 

@@ -23,15 +23,17 @@ from fastapi.testclient import TestClient
 
 from tandem import AsyncEngine
 from tandem.batch.leases import LeaseManager
+from tandem.batch.lines import ExecutedRequest
 from tandem.batch.records import batch_data_prefix, result_shard_key
 from tandem.batch.service import BatchLimits, BatchService
 from tandem.batch.validation import validate_batch_file
-from tandem.batch.worker import BatchWorker, ExecutedRequest
+from tandem.batch.worker import BatchWorker
 from tandem.deployments.batch_execution import execute_batch_line
 from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
 from tandem.deployments.openai.endpoints import ENDPOINTS
 from tandem.deployments.openai.server import OpenAIServer
+from tandem.platform.api_keys import parse_keys
 from tandem.platform.object_store import (
     FileObjectStore,
     ObjectNotFound,
@@ -39,7 +41,7 @@ from tandem.platform.object_store import (
     PreconditionFailed,
     S3ObjectStore,
 )
-from tandem.platform.tenancy import TenantRegistry, parse_keys
+from tandem.platform.tenancy import TenantRegistry
 
 from .conftest import S3_BUCKET
 
@@ -347,14 +349,14 @@ def test_second_commit_of_a_shard_is_discarded(
     other = BatchWorker(platform.service, platform.worker.execute, worker_id="other")
 
     async def race() -> None:
-        first = platform.worker._claim_shard(record)
+        first = platform.worker.shards.claim(record)
         assert first is not None
         while platform.worker.leases.is_live(first[0].key):  # the first worker stalls past its lease
             await anyio.sleep(0.05)
-        second = other._claim_shard(record)
+        second = other.shards.claim(record)
         assert second is not None and second[1] == first[1]
-        await other._run_shard(record, *second)
-        await platform.worker._run_shard(record, *first)  # the stalled worker finishes and commits
+        await other.shards.run(record, *second)
+        await platform.worker.shards.run(record, *first)  # the stalled worker finishes and commits
 
     platform.http.portal.call(race)
     assert other.num_duplicate_commits == 0 and platform.worker.num_duplicate_commits == 1
@@ -530,7 +532,7 @@ def test_failures_not_of_the_requests_making_are_retried_never_answered(
     failure, and raises `RetryLater` when retries run out; the worker then leaves the shard
     uncommitted and a later claim runs it: every line is answered by the model exactly once."""
     import tandem.deployments.batch_execution as batch_execution
-    from tandem.batch.worker import RetryLater
+    from tandem.batch.lines import RetryLater
     from tandem.platform.errors import ReplicaLostError, RequestFailedError
 
     monkeypatch.setattr(batch_execution, "RETRY_BACKOFF_S", (0.0, 0.0))
@@ -544,7 +546,7 @@ def test_failures_not_of_the_requests_making_are_retried_never_answered(
         def __init__(self, failures: list[Exception]) -> None:
             self.failures, self.calls = failures, 0
 
-        async def chat(self, *args: Any) -> dict[str, Any]:
+        async def chat(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
             self.calls += 1
             if self.failures:
                 raise self.failures.pop(0)
@@ -600,11 +602,11 @@ def test_backpressure_waits_and_resends_and_the_window_follows_the_engines_room(
     the worker's line window shrinks below the 16 lines it could send, so most lines wait in the
     worker instead of being refused over and over; every line is answered exactly once.
     `execute_batch_line` turns a replica's `BatchCapacityError` into `Backpressure`."""
-    from tandem.batch.worker import Backpressure
+    from tandem.batch.lines import Backpressure
     from tandem.platform.errors import BatchCapacityError
 
     class FullServer:
-        async def chat(self, *args: Any) -> dict[str, Any]:
+        async def chat(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
             raise BatchCapacityError("no seat", retry_after_s=0.25)
 
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}

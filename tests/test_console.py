@@ -34,8 +34,9 @@ from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
 from tandem.deployments.openai.endpoints import ENDPOINTS
 from tandem.deployments.openai.server import OpenAIServer
+from tandem.platform.api_keys import parse_operator_keys
 from tandem.platform.object_store import FileObjectStore
-from tandem.platform.tenancy import TenantRegistry, parse_operator_keys
+from tandem.platform.tenancy import TenantRegistry
 from tandem.platform.tenant_directory import TenantDirectory
 from tandem.platform.usage_log import UsageLog
 

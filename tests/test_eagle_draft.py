@@ -14,7 +14,7 @@ from tandem import SamplingParams
 from tandem.engine.llm import LLM
 from tandem.engine.models.eagle import EagleConfig, EagleDraft, load_eagle
 from tandem.engine.models.loader import load_model
-from tandem.kernels.attention import build_attention_metadata
+from tandem.kernels.attention_metadata import build_attention_metadata
 from tandem.platform.errors import InvalidRequestError
 
 from .conftest import make_tiny_model

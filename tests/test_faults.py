@@ -31,8 +31,9 @@ import pytest
 
 from tandem import AsyncEngine
 from tandem.batch.leases import LeaseManager
+from tandem.batch.lines import ExecutedRequest
 from tandem.batch.service import BatchLimits, BatchService
-from tandem.batch.worker import BatchWorker, ExecutedRequest
+from tandem.batch.worker import BatchWorker
 from tandem.deployments.app import openai_server
 from tandem.deployments.app_config import AppConfig
 from tandem.deployments.engine_clients import LocalEngineClient
@@ -355,7 +356,8 @@ def test_the_api_serves_without_the_store_and_store_calls_answer_503(
 
 def test_a_full_disk_is_a_507_before_anything_is_written(tmp_path: Path, engine: AsyncEngine) -> None:
     from tandem.deployments.openai.server import OpenAIServer
-    from tandem.platform.tenancy import TenantRegistry, parse_keys
+    from tandem.platform.api_keys import parse_keys
+    from tandem.platform.tenancy import TenantRegistry
 
     store = FileObjectStore(str(tmp_path / "objects"), min_free_bytes=0)
     service = BatchService(store, {"tiny"}, BatchLimits(), endpoints=ENDPOINTS)

@@ -130,7 +130,8 @@ def test_a_caller_cancelled_while_the_fleet_admits_it_gives_the_slot_back() -> N
     """A client gone while its lease was in flight: the slot the fleet granted meanwhile is given
     back at the replica's next reconcile, so the tenant is not left a slot short."""
     from tandem.deployments.tenant_leases import LeasedTenantLimiter, TenantBudgetShard
-    from tandem.platform.tenancy import TenantRegistry, parse_keys
+    from tandem.platform.api_keys import parse_keys
+    from tandem.platform.tenancy import TenantRegistry
 
     state = TenantBudgetShard()
     limiter = LeasedTenantLimiter(
@@ -161,7 +162,8 @@ def test_a_busy_tenant_is_admitted_without_a_round_trip_per_request() -> None:
     """200 requests of one tenant, 4 at a time under a limit of 4, through one replica: the
     fleet state sees the 4 leases and the periodic reconciles, not 400 calls."""
     from tandem.deployments.tenant_leases import LeasedTenantLimiter, TenantBudgetShard
-    from tandem.platform.tenancy import TenantRegistry, parse_keys
+    from tandem.platform.api_keys import parse_keys
+    from tandem.platform.tenancy import TenantRegistry
 
     state = TenantBudgetShard()
     limiter = LeasedTenantLimiter(

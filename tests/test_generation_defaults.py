@@ -18,8 +18,9 @@ from tandem.deployments.ingress import create_app
 from tandem.deployments.openai.server import OpenAIServer
 from tandem.engine.io.generation_defaults import GenerationDefaults
 from tandem.engine.models.loader import load_model
+from tandem.platform.api_keys import parse_keys
 from tandem.platform.errors import ModelLoadError
-from tandem.platform.tenancy import TenantRegistry, parse_keys
+from tandem.platform.tenancy import TenantRegistry
 
 KEY = "sk-acme"
 PROMPTS = ["The quick brown fox", "Paged attention stores", "Continuous batching lets", "Hello there"]

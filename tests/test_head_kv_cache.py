@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tandem.engine.kv.head_cache import HeadKVCacheManager
-from tandem.kernels.attention import quantize_fp8
+from tandem.kernels.fp8 import quantize_fp8
 from tandem.kernels.head_attention import (
     HeadAttentionMetadata,
     head_attention_layer,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.kernels.attention import build_attention_metadata
+from tandem.kernels.attention_metadata import build_attention_metadata
 
 from .conftest import make_tiny_model
 

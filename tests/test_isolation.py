@@ -35,8 +35,9 @@ from tandem.deployments.ingress import create_app
 from tandem.deployments.openai.endpoints import ENDPOINTS
 from tandem.deployments.openai.server import OpenAIServer
 from tandem.engine.lora.manager import parse_peft_adapter
+from tandem.platform.api_keys import parse_keys, parse_operator_keys
 from tandem.platform.object_store import FileObjectStore
-from tandem.platform.tenancy import TenantRegistry, parse_keys, parse_operator_keys
+from tandem.platform.tenancy import TenantRegistry
 
 from .conftest import make_tiny_model, serve_with_worker
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kernels.attention import build_attention_metadata, paged_attention, reference_attention, write_kv
+from tandem.kernels.attention import paged_attention, reference_attention, write_kv
+from tandem.kernels.attention_metadata import build_attention_metadata
 from tandem.kernels.sampling import (
     apply_penalties,
     apply_token_bitmask_,
@@ -177,12 +178,12 @@ def test_sliding_window_and_softcap_match_dense(
     """Every path of `paged_attention` (native rows, gathered decode, whole prompts, chunks after a
     cached prefix, short and long) with a sliding window and soft-capped scores, against the dense
     reference over the keys as the cache holds them (FP8: dequantised)."""
-    from tandem.kernels import attention, int4_native
+    from tandem.kernels import attention_metadata, int4_native
     from tandem.kernels.attention import _gather_rows
 
     if native and int4_native.load() is None:
         pytest.skip(f"native library unavailable: {int4_native.unavailable_reason()}")
-    monkeypatch.setattr(attention, "NATIVE_ATTENTION", native)
+    monkeypatch.setattr(attention_metadata, "NATIVE_ATTENTION", native)
     torch.manual_seed(2)
     num_heads, num_kv_heads, head_dim, block_size, num_blocks = 6, 2, 8, 4, 96
     fp8 = cache_dtype == torch.float8_e4m3fn

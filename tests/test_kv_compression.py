@@ -266,7 +266,8 @@ def test_the_api_takes_kv_compression_rate_as_an_extension_field(tiny_model_dir:
     from tandem.deployments.engine_clients import LocalEngineClient
     from tandem.deployments.ingress import create_app
     from tandem.deployments.openai.server import OpenAIServer
-    from tandem.platform.tenancy import TenantRegistry, parse_keys
+    from tandem.platform.api_keys import parse_keys
+    from tandem.platform.tenancy import TenantRegistry
 
     for compression in (True, False):
         engine = AsyncEngine.from_options(

@@ -287,7 +287,7 @@ def test_longrope_is_served_up_to_its_original_context(
 def _teacher_forced_nll(llm: LLM, token_ids: list[int], chunk: int = 16) -> float:
     """Mean next-token NLL of `token_ids` through the engine's model and paged cache, in chunks, so
     that attention reads earlier context back from the cache (where FP8 KV acts)."""
-    from tandem.kernels.attention import build_attention_metadata
+    from tandem.kernels.attention_metadata import build_attention_metadata
 
     engine = llm.engine
     runner, block_size = engine.runner, engine.kv_manager.block_size

@@ -14,7 +14,8 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.engine.models.native import NativeLlama, NativeStep
 from tandem.kernels import int4_native
-from tandem.kernels.attention import build_attention_metadata, e4m3_to_float
+from tandem.kernels.attention_metadata import build_attention_metadata
+from tandem.kernels.fp8 import e4m3_to_float
 
 pytestmark = pytest.mark.skipif(
     int4_native.load() is None, reason=f"native INT4 kernel unavailable: {int4_native.unavailable_reason()}"

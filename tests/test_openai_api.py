@@ -15,7 +15,8 @@ from tandem import AsyncEngine
 from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
 from tandem.deployments.openai.server import OpenAIServer
-from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys, parse_operator_keys
+from tandem.platform.api_keys import parse_keys, parse_operator_keys
+from tandem.platform.tenancy import TenantLimits, TenantRegistry
 
 KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
 OPERATOR_KEY = "sk-operator"
@@ -482,7 +483,8 @@ def test_a_stream_closed_before_its_first_event_frees_the_slot_and_the_request(e
     from tandem.deployments.engine_clients import LocalEngineClient
     from tandem.deployments.openai.requests import CompletionRequest
     from tandem.deployments.openai.server import OpenAIServer
-    from tandem.platform.tenancy import TenantLimits, TenantRegistry, parse_keys
+    from tandem.platform.api_keys import parse_keys
+    from tandem.platform.tenancy import TenantLimits, TenantRegistry
 
     tenants = TenantRegistry(parse_keys("k=acme"), TenantLimits(max_concurrent_requests=1))
     server = OpenAIServer(LocalEngineClient(engine), tenants)

@@ -12,14 +12,9 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.kernels import int4_native
-from tandem.kernels.attention import (
-    build_attention_metadata,
-    e4m3_to_float,
-    paged_attention,
-    quantize_fp8,
-    reference_attention,
-    write_kv,
-)
+from tandem.kernels.attention import paged_attention, reference_attention, write_kv
+from tandem.kernels.attention_metadata import build_attention_metadata
+from tandem.kernels.fp8 import e4m3_to_float, quantize_fp8
 from tandem.kernels.int4 import (
     NATIVE_GEMV_MAX_ROWS,
     Int4Linear,
@@ -66,11 +61,11 @@ def test_e4m3_bit_conversion_matches_torch_for_every_code() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_e4m3_bits_placed_in_a_wide_type_read_as_the_value_over_2_to_120(dtype: torch.dtype) -> None:
     """The decode gather's conversion (no factor applied: it joins the per-row scale)."""
-    from tandem.kernels.attention import _e4m3_bits_as
+    from tandem.kernels.fp8 import e4m3_bits_as
 
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     want = codes.view(torch.float8_e4m3fn).float()
-    got = _e4m3_bits_as(codes, dtype)
+    got = e4m3_bits_as(codes, dtype)
     finite = ~want.isnan()
     assert got.dtype == dtype
     assert torch.equal(got.float()[finite] * 2.0**120, want[finite])
@@ -355,7 +350,7 @@ def test_int4_group_size_unset_keeps_q4_1_and_set_requantises(default_model_path
 
 def _next_token_logprobs(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     """[N-1, V] teacher-forced next-token log-probs through the engine's model and paged KV."""
-    from tandem.kernels.attention import build_attention_metadata
+    from tandem.kernels.attention_metadata import build_attention_metadata
 
     runner = llm.engine.runner
     block_size = llm.engine.kv_manager.block_size

@@ -31,8 +31,9 @@ from tandem.deployments.openai.endpoints import ENDPOINTS
 from tandem.deployments.openai.server import OpenAIServer
 from tandem.deployments.openai.structured_output import ToolCallStream, parse_tool_calls
 from tandem.engine.sampling_params import SamplingParams, StructuredOutput
+from tandem.platform.api_keys import parse_keys
 from tandem.platform.object_store import FileObjectStore
-from tandem.platform.tenancy import TenantRegistry, parse_keys
+from tandem.platform.tenancy import TenantRegistry
 from tests.conftest import serve_with_worker
 
 pytestmark = pytest.mark.slow

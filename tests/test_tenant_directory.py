@@ -168,7 +168,8 @@ def test_operator_api_in_process(engine: object, store: FileObjectStore) -> None
     from tandem.deployments.engine_clients import LocalEngineClient
     from tandem.deployments.ingress import create_app
     from tandem.deployments.openai.server import OpenAIServer
-    from tandem.platform.tenancy import TenantRegistry, parse_keys, parse_operator_keys
+    from tandem.platform.api_keys import parse_keys, parse_operator_keys
+    from tandem.platform.tenancy import TenantRegistry
 
     directory = TenantDirectory(store)
     tenants = TenantRegistry(
@@ -219,7 +220,8 @@ def test_tenants_cli_over_the_operator_api(
     from tandem.deployments.engine_clients import LocalEngineClient
     from tandem.deployments.ingress import create_app
     from tandem.deployments.openai.server import OpenAIServer
-    from tandem.platform.tenancy import TenantRegistry, parse_operator_keys
+    from tandem.platform.api_keys import parse_operator_keys
+    from tandem.platform.tenancy import TenantRegistry
 
     from .conftest import serve_app
 
@@ -274,7 +276,8 @@ def test_requests_per_minute_and_max_tokens_limits(engine: object, store: FileOb
     from tandem.deployments.engine_clients import LocalEngineClient
     from tandem.deployments.ingress import create_app
     from tandem.deployments.openai.server import OpenAIServer
-    from tandem.platform.tenancy import TenantRegistry, parse_keys, parse_operator_keys
+    from tandem.platform.api_keys import parse_keys, parse_operator_keys
+    from tandem.platform.tenancy import TenantRegistry
 
     directory = TenantDirectory(store)
     directory.create_tenant(
@@ -344,7 +347,8 @@ def test_batch_tokens_queued_beyond_a_tenants_limit_are_refused(
     from tandem.deployments.engine_clients import LocalEngineClient
     from tandem.deployments.ingress import create_app
     from tandem.deployments.openai.server import OpenAIServer
-    from tandem.platform.tenancy import TenantRegistry, parse_keys
+    from tandem.platform.api_keys import parse_keys
+    from tandem.platform.tenancy import TenantRegistry
 
     directory = TenantDirectory(store)
     directory.create_tenant(parse_tenant_spec({"id": "acme", "limits": {"max_batch_tokens_queued": 100}}))

@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from tandem.deployments.openai.limiter import LocalTenantLimiter
-from tandem.platform.tenancy import RateLimitError, TenantLimits, TenantRegistry, parse_keys
+from tandem.platform.api_keys import parse_keys
+from tandem.platform.tenancy import RateLimitError, TenantLimits, TenantRegistry
 
 
 def registry(**limits: int) -> TenantRegistry:

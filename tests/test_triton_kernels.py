@@ -16,12 +16,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from tandem.kernels.attention import (  # noqa: E402
-    build_attention_metadata,
-    quantize_fp8,
-    reference_attention,
-    write_kv_reference,
-)
+from tandem.kernels.attention import reference_attention, write_kv_reference
+from tandem.kernels.attention_metadata import build_attention_metadata
+from tandem.kernels.fp8 import quantize_fp8
 from tandem.kernels.int4 import (  # noqa: E402
     Int4Linear,
     _choose_kernel,

@@ -24,16 +24,11 @@ from tandem.batch.usage import write_shard_usage
 from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
 from tandem.deployments.openai.server import OpenAIServer
+from tandem.platform.api_keys import bootstrap_key_id, hash_key, parse_keys, parse_operator_keys
 from tandem.platform.errors import InvalidRequestError
 from tandem.platform.object_store import FileObjectStore, ObjectStore, S3ObjectStore, StoredObject
 from tandem.platform.telemetry import get_telemetry
-from tandem.platform.tenancy import (
-    TenantRegistry,
-    bootstrap_key_id,
-    hash_key,
-    parse_keys,
-    parse_operator_keys,
-)
+from tandem.platform.tenancy import TenantRegistry
 from tandem.platform.usage_log import UsageLog
 from tandem.platform.usage_query import parse_usage_query, read_records, usage_page
 from tandem.platform.usage_records import USAGE_PREFIX, UsageRecord, encode_records

@@ -17,10 +17,10 @@ import json
 import logging
 import time
 from collections.abc import Callable, Collection
-from typing import Any
 
 from pydantic import BaseModel, Field
 
+from tandem.batch.paging import check_limit, check_metadata, page, page_ids, record_ids
 from tandem.batch.queue import BatchQueue
 from tandem.batch.records import (
     BatchError,
@@ -168,15 +168,15 @@ class BatchService:
         limit: int = 100,
         order: str = "desc",
     ) -> tuple[list[FileRecord], bool]:
-        limit = self._limit(limit)
+        limit = check_limit(limit, self.limits.max_list_limit)
         records: list[FileRecord] = []
-        for file_id in self._page_ids(self._ids(f"{tenant_prefix(tenant)}files/"), after, order):
+        for file_id in page_ids(record_ids(self.store, f"{tenant_prefix(tenant)}files/"), after, order):
             record = self.get_file(tenant, file_id)  # read only as many records as the page needs
             if purpose is None or record.purpose == purpose:
                 records.append(record)
                 if len(records) > limit:
                     break
-        return self._page(records, limit)
+        return page(records, check_limit(limit, self.limits.max_list_limit))
 
     # -- batches: API side -------------------------------------------------------------------
     def create_batch(
@@ -201,7 +201,7 @@ class BatchService:
             raise InvalidRequestError(
                 f"completion_window must be one of {list(COMPLETION_WINDOWS)}", param="completion_window"
             )
-        _check_metadata(metadata)
+        check_metadata(metadata)
         input_file = self.get_file(tenant, input_file_id)
         if input_file.purpose != "batch":
             raise InvalidRequestError(
@@ -258,7 +258,7 @@ class BatchService:
         return checked
 
     def _all_batches(self, tenant: str) -> list[BatchRecord]:
-        return [self.get_batch(tenant, i) for i in self._ids(f"{tenant_prefix(tenant)}batches/")]
+        return [self.get_batch(tenant, i) for i in record_ids(self.store, f"{tenant_prefix(tenant)}batches/")]
 
     def validate_batch(self, tenant: str, batch_id: str, checked: ValidatedFile | None = None) -> BatchRecord:
         """Validate the input (unless `checked` is its validation already) and write its shards;
@@ -325,9 +325,11 @@ class BatchService:
     def list_batches(
         self, tenant: str, *, after: str | None = None, limit: int = 20
     ) -> tuple[list[BatchRecord], bool]:
-        ids = self._ids(f"{tenant_prefix(tenant)}batches/")
-        page_ids = self._page_ids(ids, after, "desc")[: self._limit(limit) + 1]
-        return self._page([self.get_batch(tenant, i) for i in page_ids], limit)
+        ids = record_ids(self.store, f"{tenant_prefix(tenant)}batches/")
+        ids_of_page = page_ids(ids, after, "desc")[: check_limit(limit, self.limits.max_list_limit) + 1]
+        return page(
+            [self.get_batch(tenant, i) for i in ids_of_page], check_limit(limit, self.limits.max_list_limit)
+        )
 
     def cancel_batch(self, tenant: str, batch_id: str) -> BatchRecord:
         def cancel(r: BatchRecord) -> bool:
@@ -368,40 +370,3 @@ class BatchService:
     def queued_batches(self) -> list[tuple[str, str]]:
         """(tenant, batch_id) of every batch not yet final, oldest first (`BatchQueue`)."""
         return self.queue.batches()
-
-    # -- paging -----------------------------------------------------------------------------
-    def _ids(self, prefix: str) -> list[str]:
-        """Ids of the `<id>.json` records under `prefix`."""
-        return [k.rsplit("/", 1)[1].removesuffix(".json") for k in self.store.list(prefix)]
-
-    def _limit(self, limit: int) -> int:
-        if not 1 <= limit <= self.limits.max_list_limit:
-            raise InvalidRequestError(
-                f"limit must be between 1 and {self.limits.max_list_limit}", param="limit"
-            )
-        return limit
-
-    @staticmethod
-    def _page_ids(ids: list[str], after: str | None, order: str) -> list[str]:
-        if order not in ("asc", "desc"):
-            raise InvalidRequestError("order must be 'asc' or 'desc'", param="order")
-        ordered = sorted(ids, reverse=order == "desc")
-        if after is not None:
-            ordered = [i for i in ordered if (i < after if order == "desc" else i > after)]
-        return ordered
-
-    def _page(self, records: list[Any], limit: int) -> tuple[list[Any], bool]:
-        limit = self._limit(limit)
-        return records[:limit], len(records) > limit
-
-
-def _check_metadata(metadata: dict[str, str] | None) -> None:
-    if metadata is None:
-        return
-    if len(metadata) > 16:
-        raise InvalidRequestError("metadata holds at most 16 pairs", param="metadata")
-    for key, value in metadata.items():
-        if not isinstance(value, str) or len(key) > 64 or len(value) > 512:
-            raise InvalidRequestError(
-                "metadata keys are strings of at most 64 characters, values of at most 512", param="metadata"
-            )

@@ -19,7 +19,7 @@ Store faults: a transient store error never throws finished work away. Lease ren
 checks that fail are retried at the next tick (a lease nobody took meanwhile still renews); a
 commit that fails is retried with backoff, the lease renewed meanwhile, until it lands or the
 batch expires; a shard given up (its lease lost, a line to retry) keeps its finished lines in
-the worker (`_kept`), and the worker's next claim of that shard runs only the others. A shard
+the worker (`shard_runner.ShardRunner`), and the worker's next claim of that shard runs only the others. A shard
 task that fails cancels its lines and releases its lease at once.
 
 When every shard is committed, a worker finishes the batch (`finalizer.py`). Cancel stops new
@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import random
 import socket
 import time
 from collections.abc import Callable
@@ -43,32 +42,20 @@ from typing import Any
 from tandem.batch.finalizer import BatchFinalizer
 from tandem.batch.leases import Lease, LeaseManager
 from tandem.batch.lines import (
-    Backpressure,
     Execute,
-    ExecutedRequest,
     LineWindow,
-    RetryLater,
-    batch_request_id,
-    response_model,
-    shard_counts,
 )
 from tandem.batch.records import (
     BatchRecord,
-    input_shard_key,
     lease_key,
     queue_key,
-    result_shard_key,
 )
 from tandem.batch.service import BatchService
-from tandem.batch.shards import BatchInput, BatchResult, decode_inputs, decode_results, encode_results
-from tandem.batch.usage import write_shard_usage
+from tandem.batch.shard_runner import ShardRunner
 from tandem.platform.errors import NotFoundError, TandemError
-from tandem.platform.object_store import PreconditionFailed
 
 logger = logging.getLogger("tandem.batch")
 
-COMMIT_BACKOFF_S = (0.5, 1.0, 2.0, 4.0)  # then every 4 s until the commit lands or the batch expires
-MAX_KEPT_SHARDS = 64  # shards given up whose finished lines a worker keeps for its next claim
 HINT_TTL_S = 5.0  # a queue length heard longer ago than this is not trusted
 IDLE_LIST_S = 30.0  # an idle worker lists the queue itself at least this often
 
@@ -98,8 +85,6 @@ class BatchWorker:
         self.leases = LeaseManager(self.store, self.worker_id, service.limits.lease_ttl_s)
         self.finalizer = BatchFinalizer(service, self.leases)
         self.poll_interval_s = poll_interval_s
-        self.num_shards_run = 0
-        self.num_duplicate_commits = 0
         self._wake = asyncio.Event()
         # The queue's length as someone who lists it anyway last saw it (the fleet state), and
         # when: an idle worker that hears "empty" does not list the queue itself, except every
@@ -108,12 +93,30 @@ class BatchWorker:
         self._listed_at = float("-inf")
         self._shards: set[asyncio.Future[None]] = set()  # shards in flight, each its own task
         self._shard_leases: dict[asyncio.Future[None], Lease] = {}  # their leases
-        # (tenant, batch id, shard) -> finished lines of a shard given up before its commit
-        self._kept: dict[tuple[str, str, int], dict[int, BatchResult]] = {}
-        self.num_lines_run = 0  # lines this worker sent to an engine (its own, not kept ones)
         self.stopping = False  # `stop()` was called: nothing more is claimed
         limits = service.limits
         self.window = LineWindow(limits.max_shards_in_flight * limits.shard_size)
+        self.shards = ShardRunner(
+            service,
+            self.leases,
+            execute,
+            self.window,
+            self.finalizer,
+            worker_id=self.worker_id,
+            poll_interval_s=poll_interval_s,
+        )
+
+    @property
+    def num_shards_run(self) -> int:
+        return self.shards.num_shards_run
+
+    @property
+    def num_duplicate_commits(self) -> int:
+        return self.shards.num_duplicate_commits
+
+    @property
+    def num_lines_run(self) -> int:
+        return self.shards.num_lines_run
 
     # -- loop ------------------------------------------------------------------------------
     async def run_forever(self) -> None:
@@ -185,7 +188,7 @@ class BatchWorker:
             task.cancel()
         await asyncio.gather(*shards, return_exceptions=True)
         for lease in shards.values():  # after a commit the lease is gone already: a no-op then
-            await self._release(lease)
+            await self.shards.release(lease)
         self._shards.clear()
         self._shard_leases.clear()
         return len(shards)
@@ -259,13 +262,13 @@ class BatchWorker:
         if record.status == "in_progress" and time.time() < record.expires_at:
             if len(self._shards) >= self.service.limits.max_shards_in_flight:
                 return False
-            lease_and_shard = await asyncio.to_thread(self._claim_shard, record)
+            lease_and_shard = await asyncio.to_thread(self.shards.claim, record)
             if lease_and_shard is not None and self.stopping:  # stopped while it claimed
                 await asyncio.to_thread(self.leases.release, lease_and_shard[0])
                 return False
             if lease_and_shard is not None:
                 self.claimed[tenant] = self.claimed.get(tenant, 0.0) + 1.0 / self.weight(tenant)
-                task = asyncio.ensure_future(self._run_shard(record, *lease_and_shard))
+                task = asyncio.ensure_future(self.shards.run(record, *lease_and_shard))
                 self._shards.add(task)
                 self._shard_leases[task] = lease_and_shard[0]
                 return True
@@ -288,237 +291,3 @@ class BatchWorker:
         finally:
             self.leases.release(lease)
         return True
-
-    # -- shards ----------------------------------------------------------------------------
-    def _claim_shard(self, record: BatchRecord) -> tuple[Lease, int] | None:
-        committed = self.finalizer.committed_shards(record)
-        for shard in range(record.num_shards):
-            if shard in committed:
-                continue
-            lease = self.leases.try_claim(lease_key(record.tenant, record.id, f"shard-{shard:05d}"))
-            if lease is None:
-                continue
-            if self.store.exists(result_shard_key(record.tenant, record.id, shard)):
-                self.leases.release(lease)  # committed between our listing and the claim
-                continue
-            return lease, shard
-        return None
-
-    async def _release(self, lease: Lease) -> None:
-        """Give `lease` back (best effort: with the store down it expires on its own)."""
-        try:
-            await asyncio.to_thread(self.leases.release, lease)
-        except Exception as exc:  # noqa: BLE001
-            logger.warning(
-                "lease release failed; it expires", extra={"key": lease.key, "error": str(exc)[:200]}
-            )
-
-    async def _run_shard(self, record: BatchRecord, lease: Lease, shard: int) -> None:
-        """Run a claimed shard and commit it. Cancelled (the worker stops), it commits nothing;
-        `_end_shards` gives its lease back. Failing otherwise, it cancels its lines, keeps the
-        finished ones for this worker's next claim of the shard and releases its lease."""
-        tenant, batch_id = record.tenant, record.id
-        log = {"tenant": tenant, "batch_id": batch_id, "shard": shard, "worker": self.worker_id}
-        kept = self._kept.pop((tenant, batch_id, shard), {})
-        tasks: list[asyncio.Task[BatchResult]] = []
-        try:
-            data = await asyncio.to_thread(self.store.get, input_shard_key(tenant, batch_id, shard))
-            inputs = decode_inputs(data.data)
-            logger.info("shard claimed", extra={**log, "requests": len(inputs), "kept": len(kept)})
-            tasks = [
-                asyncio.ensure_future(self._run_one(record, row)) for row in inputs if row.line not in kept
-            ]
-            stop_reason = await self._supervise(tenant, batch_id, lease, tasks)
-        except BaseException as exc:  # cancelled, or a failure: its lines' requests end with it
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            self._keep(tenant, batch_id, shard, kept, tasks)
-            if not isinstance(exc, asyncio.CancelledError):
-                await self._release(lease)
-            raise
-        if stop_reason == "lease_lost":
-            self._keep(tenant, batch_id, shard, kept, tasks)
-            logger.warning("lease lost; shard left to its new owner", extra=log)
-            return
-        failed = [
-            t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception() is not None
-        ]
-        if failed:  # RetryLater (or a bug): no line's answer is lost or written as an error
-            self._keep(tenant, batch_id, shard, kept, tasks)
-            await self._release(lease)
-            logger.warning(
-                "shard not committed; it runs again",
-                extra={
-                    **log,
-                    "failed": len(failed),
-                    "error": f"{type(failed[0]).__name__}: {failed[0]}"[:300],
-                },
-            )
-            return
-        rows = list(kept.values()) + [t.result() for t in tasks if t.done() and not t.cancelled()]
-        rows.sort(key=lambda r: r.line)
-        if not await self._commit_with_retries(record, shard, rows, lease):
-            self._keep(tenant, batch_id, shard, {}, [], rows)
-            await self._release(lease)
-            return
-        self.num_shards_run += 1
-        logger.info("shard committed", extra={**log, "results": len(rows), "stopped": stop_reason})
-
-    def _keep(
-        self,
-        tenant: str,
-        batch_id: str,
-        shard: int,
-        kept: dict[int, BatchResult],
-        tasks: list[asyncio.Task[BatchResult]],
-        rows: list[BatchResult] | None = None,
-    ) -> None:
-        """Remember a given-up shard's finished lines (`kept`, the tasks that returned, `rows`)."""
-        finished = dict(kept)
-        for task in tasks:
-            if task.done() and not task.cancelled() and task.exception() is None:
-                finished[task.result().line] = task.result()
-        for row in rows or []:
-            finished[row.line] = row
-        if not finished:
-            return
-        self._kept[(tenant, batch_id, shard)] = finished
-        while len(self._kept) > MAX_KEPT_SHARDS:
-            del self._kept[next(iter(self._kept))]
-
-    async def _commit_with_retries(
-        self, record: BatchRecord, shard: int, rows: list[BatchResult], lease: Lease
-    ) -> bool:
-        """Commit, retrying a store failure with backoff (renewing the lease meanwhile) until it
-        lands or the batch expires; False then. A commit is put-if-absent: retrying it, or another
-        worker committing first, never counts a line twice."""
-        attempt = 0
-        while True:
-            try:
-                await asyncio.to_thread(self._commit, record, shard, rows, lease)
-                return True
-            except TandemError as exc:
-                if time.time() >= record.expires_at:
-                    logger.error("shard commit failed until the batch expired", extra={"batch_id": record.id})
-                    return False
-                pause = COMMIT_BACKOFF_S[min(attempt, len(COMMIT_BACKOFF_S) - 1)]
-                attempt += 1
-                logger.warning(
-                    "shard commit failed; retrying",
-                    extra={"batch_id": record.id, "shard": shard, "attempt": attempt, "error": exc.message},
-                )
-                await asyncio.sleep(pause)
-                with contextlib.suppress(Exception):
-                    await asyncio.to_thread(self.leases.renew, lease)
-
-    async def _supervise(
-        self, tenant: str, batch_id: str, lease: Lease, tasks: list[asyncio.Task[BatchResult]]
-    ) -> str | None:
-        """Renew the lease until the tasks finish. Stops early (cancelling the unfinished ones) when
-        the lease is lost or the batch is cancelled or expires; returns why, or None."""
-        renew_every = self.leases.ttl_s / 3
-        check_every = min(renew_every, self.poll_interval_s)  # how fast a cancel takes effect
-        renewed_at = time.monotonic()
-        pending: set[asyncio.Task[BatchResult]] = set(tasks)
-        while pending:
-            _, pending = await asyncio.wait(pending, timeout=check_every)
-            if not pending:
-                break
-            reason: str | None = None
-            try:
-                if time.monotonic() - renewed_at >= renew_every:
-                    if not await asyncio.to_thread(self.leases.renew, lease):
-                        reason = "lease_lost"
-                    renewed_at = time.monotonic()
-                if reason is None:
-                    record = await asyncio.to_thread(self.service.get_batch, tenant, batch_id)
-                    if record.status == "cancelling":
-                        reason = "cancelled"
-                    elif time.time() >= record.expires_at:
-                        reason = "expired"
-            except TandemError as exc:  # the store is down: the lines run on; retried next tick
-                logger.warning(
-                    "shard check failed; retrying", extra={"batch_id": batch_id, "error": exc.message}
-                )
-            if reason is not None:
-                for task in pending:
-                    task.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-                return reason
-        return None
-
-    async def _send(self, record: BatchRecord, row: BatchInput) -> ExecutedRequest:
-        """`execute` within the line window; on backpressure, wait and send again (a cancelled
-        shard cancels the wait)."""
-        while True:
-            await self.window.acquire()
-            answered = False
-            try:
-                done = await self.execute(record.endpoint, row.body, record.tenant)
-                answered = True
-                return done
-            except Backpressure as exc:
-                self.window.shrink(exc.retry_after_s)
-                pause_s = exc.retry_after_s * random.uniform(0.5, 1.5)  # spread the retries out
-            finally:
-                await self.window.release(answered=answered)
-            await asyncio.sleep(pause_s)
-
-    async def _run_one(self, record: BatchRecord, row: BatchInput) -> BatchResult:
-        request_id = batch_request_id(record.id, row.line)
-        started_at = time.time()
-        self.num_lines_run += 1
-        try:
-            done = await self._send(record, row)
-        except (asyncio.CancelledError, RetryLater):
-            raise
-        except Exception:  # an engine failure must not lose the rest of the shard
-            logger.exception(
-                "batch request failed",
-                extra={"batch_id": record.id, "custom_id": row.custom_id, "request_id": request_id},
-            )
-            message = (  # the traceback is in the log under the request id; nothing internal here
-                f"The server had an error while processing this request (request id {request_id}); "
-                "retry it in another batch"
-            )
-            done = ExecutedRequest(500, request_id, None, {"code": "internal_error", "message": message})
-        return BatchResult(
-            line=row.line,
-            custom_id=row.custom_id,
-            request_id=done.request_id,
-            status_code=done.status_code,
-            body=done.body,
-            error=done.error,
-            input_tokens=done.input_tokens,
-            output_tokens=done.output_tokens,
-            model=response_model(done.body, row.body),
-            cached_tokens=done.cached_tokens,
-            started_at=started_at,
-            finished_at=time.time(),
-        )
-
-    def _commit(self, record: BatchRecord, shard: int, rows: list[BatchResult], lease: Lease) -> None:
-        try:
-            self.store.put(
-                result_shard_key(record.tenant, record.id, shard), encode_results(rows), if_none_match=True
-            )
-        except PreconditionFailed:
-            # Another worker committed this shard first (our lease had expired): keep theirs.
-            self.num_duplicate_commits += 1
-            logger.warning(
-                "shard already committed; discarding duplicate", extra={"batch_id": record.id, "shard": shard}
-            )
-            committed = decode_results(self.store.get(result_shard_key(record.tenant, record.id, shard)).data)
-            rows = committed
-        write_shard_usage(self.store, record, shard, rows)  # the committed rows, whoever committed them
-        counts = shard_counts(rows)
-
-        def add(r: BatchRecord) -> bool:
-            if shard in r.shard_counts:
-                return False
-            r.shard_counts[shard] = counts
-            return True
-
-        self.service.update_batch(record.tenant, record.id, add)
-        self.leases.release(lease)

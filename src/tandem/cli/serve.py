@@ -16,9 +16,9 @@ from tandem.cli.serve_config import (
     first_env_api_key,
     serve_config,
 )
+from tandem.platform.api_keys import env_api_keys
 from tandem.platform.config import DEFAULT_MODEL, EngineConfig
 from tandem.platform.errors import InvalidRequestError
-from tandem.platform.tenancy import env_api_keys
 
 
 def add_parser(sub: Any) -> None:

@@ -7,9 +7,9 @@ import argparse
 import os
 from typing import Any
 
+from tandem.platform.api_keys import env_api_keys
 from tandem.platform.config import EngineConfig
 from tandem.platform.errors import InvalidRequestError
-from tandem.platform.tenancy import env_api_keys
 
 # Every Ray worker process of the app (the Serve replicas) writes tandem's logs as structured
 # lines (platform/logs.py); set up when the process starts, not in the classes' constructors, which

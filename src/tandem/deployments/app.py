@@ -30,17 +30,12 @@ from tandem.deployments.replicas import (
     PrefillReplica,
 )
 from tandem.deployments.tenant_leases import TENANT_BUDGET_DEPLOYMENT, LeasedTenantLimiter, TenantBudgetShard
+from tandem.platform.api_keys import env_api_keys, parse_keys, parse_operator_keys
 from tandem.platform.cpu import usable_cpus
 from tandem.platform.local_state import SavedDocument, state_path
 from tandem.platform.store_guard import open_object_store
 from tandem.platform.telemetry import get_telemetry
-from tandem.platform.tenancy import (
-    TenantLimits,
-    TenantRegistry,
-    env_api_keys,
-    parse_keys,
-    parse_operator_keys,
-)
+from tandem.platform.tenancy import TenantLimits, TenantRegistry
 from tandem.platform.tenant_directory import TenantDirectory
 from tandem.platform.usage_log import UsageLog
 

@@ -83,7 +83,7 @@ class LocalEngineClient:
         return dict(self.engine.engine.adapters.info())
 
     async def model_info(self) -> dict[str, Any]:
-        return dict(self.engine.model_info())
+        return dict(self.engine.engine.model_info())
 
     async def token_table(self) -> list[bytes]:
         return list(self.engine.token_table())

@@ -157,10 +157,10 @@ class LLMReplica:
         }
 
     async def lora_info(self) -> dict[str, Any]:
-        return self.engine.lora_info()
+        return self.engine.engine.adapters.info()
 
     async def model_info(self) -> dict[str, Any]:
-        return self.engine.model_info()
+        return self.engine.engine.model_info()
 
     async def token_table(self) -> list[bytes]:
         return self.engine.token_table()

@@ -149,12 +149,9 @@ class AsyncEngine:
             raise RequestFailedError(
                 last.error or "the prefill failed", code=last.error_code or "request_failed"
             )
-        return cast(
-            KVTransfer,
-            await self._call(
-                lambda engine: engine.handover.export_kv(request.request_id, cache_dtype, skip_pages)
-            ),
-        )
+        export = self.engine.handover.export_kv
+        transfer = await self._call(lambda _: export(request.request_id, cache_dtype, skip_pages))
+        return cast(KVTransfer, transfer)
 
     async def generate_from_kv(
         self, request: GenerationRequest, transfer: KVTransfer, stream_interval: int = 1
@@ -256,12 +253,6 @@ class AsyncEngine:
     def stats(self) -> dict[str, Any]:
         """Snapshot taken by the loop thread after the latest step, before its outputs were delivered."""
         return dict(self._stats)
-
-    def lora_info(self) -> dict[str, Any]:
-        return self.engine.adapters.info()
-
-    def model_info(self) -> dict[str, Any]:
-        return self.engine.model_info()
 
     def token_table(self) -> list[bytes]:
         """Each token id's bytes (`Tokenizer.token_bytes_table`), for logprobs' text and bytes."""

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import int4_native
-from tandem.kernels.attention import NATIVE_ATTENTION, native_paged_attention, write_kv
+from tandem.kernels.attention import native_paged_attention, write_kv
+from tandem.kernels.attention_metadata import NATIVE_ATTENTION
 from tandem.kernels.kv_eviction import observation_scores
 
 FP8 = torch.float8_e4m3fn

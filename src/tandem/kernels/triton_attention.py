@@ -18,7 +18,7 @@ torch functions are the references the tests compare against):
   of positions it never reads (a window's released blocks, -1) are never dereferenced.
 - `write_kv_triton`: `k_cache.view(-1, Hk, D)[slot_mapping] = k` (and v); slots < 0 are skipped
   (the padding rows of a captured decode graph). FP8: each (token, head) vector quantised with
-  its own scale exactly as `attention.quantize_fp8` does: the scale `amax / 448` clamped and
+  its own scale exactly as `fp8.quantize_fp8` does: the scale `amax / 448` clamped and
   rounded to float16, the code the e4m3 value nearest `x / scale` (ties to even). The quotient
   is rounded onto the e4m3 grid in float32 before the cast, so the cast itself is exact (Triton's
   interpreter rounds some float32 -> e4m3 casts wrongly).
@@ -36,7 +36,7 @@ import triton.language as tl
 
 from tandem.kernels.triton_support import interpreting, next_power_of_2
 
-# as attention.quantize_fp8 (constexpr: the kernels read them)
+# as fp8.quantize_fp8 (constexpr: the kernels read them)
 FP8_E4M3_MAX = tl.constexpr(448.0)
 _MIN_SCALE = tl.constexpr(2.0**-24)
 _MAX_SCALE = tl.constexpr(65504.0)  # float16's largest finite value
@@ -237,7 +237,7 @@ def _round_to_e4m3_grid(x):
 
 @triton.jit
 def _store_fp8(values, code_ptrs, scale_ptrs, mask, heads_ok):
-    """[Hk, D] values -> e4m3 codes and per-head float16 scales, as `attention.quantize_fp8`."""
+    """[Hk, D] values -> e4m3 codes and per-head float16 scales, as `fp8.quantize_fp8`."""
     x = values.to(tl.float32)
     amax = tl.max(tl.abs(x), 1)
     # div_rn: correctly rounded, as torch divides (a GPU's default float32 `/` may be 2 ulp off)

@@ -8,26 +8,27 @@ Keys come from `TANDEM_API_KEYS` ("key1=tenant1,key2=tenant2") or a keys file wi
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import math
-import os
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.platform.api_keys import (
+    AuthenticationError,
+    bearer_digest,
+    bootstrap_key_id,
+    env_api_keys,
+    hash_key,
+    parse_keys,
+)
 from tandem.platform.errors import TandemError
 from tandem.platform.tenant_directory import Tenant, TenantDirectory
 
 logger = logging.getLogger("tandem.tenancy")
-
-
-class AuthenticationError(TandemError):
-    status_code = 401
-    error_type = "authentication_error"
 
 
 class PermissionDeniedError(TandemError):
@@ -59,55 +60,12 @@ class TenantLimits:
         )
 
 
-def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-def bootstrap_key_id(digest: str) -> str:
-    """The id of a key from `TANDEM_API_KEYS` or the keys file (they have no stored record): a
-    prefix of its digest, which reveals nothing of the secret."""
-    return f"key_boot_{digest[:12]}"
-
-
 @dataclass(frozen=True)
 class Caller:
     """Who sent a request: the tenant and the id of the key it used."""
 
     tenant: str
     api_key_id: str
-
-
-def env_api_keys() -> str:
-    """`$TANDEM_API_KEYS` ("key1=tenant1,key2=tenant2"; "" when unset): the one place it is read."""
-    return os.environ.get("TANDEM_API_KEYS", "")
-
-
-def parse_keys(spec: str) -> dict[str, str]:
-    """ "k1=t1,k2=t2" (or one pair per line) -> {sha256(k): tenant}. Raises on malformed pairs."""
-    hashed: dict[str, str] = {}
-    for raw in spec.replace("\n", ",").split(","):
-        pair = raw.strip()
-        if not pair or pair.startswith("#"):
-            continue
-        key, sep, tenant = pair.partition("=")
-        if not sep or not key.strip() or not tenant.strip():
-            raise ValueError(f"API key entry {pair[:4]}... must look like KEY=TENANT")
-        hashed[hash_key(key.strip())] = tenant.strip()
-    return hashed
-
-
-def _bearer_digest(authorization: str | None, what: str) -> str:
-    """The digest of the key in 'Bearer KEY'; 401 naming `what` when there is none."""
-    if not authorization or not authorization.lower().startswith("bearer "):
-        raise AuthenticationError(
-            f"missing {what}: send 'Authorization: Bearer <{what}>'", code="invalid_api_key"
-        )
-    return hash_key(authorization[7:].strip())
-
-
-def parse_operator_keys(spec: str) -> frozenset[str]:
-    """ "k1,k2" (or one key per line) -> their sha256 digests."""
-    return frozenset(hash_key(k.strip()) for k in spec.replace("\n", ",").split(",") if k.strip())
 
 
 CONCURRENCY_LIMITED = "rate_limit_exceeded"  # the 429's code when a tenant is at its concurrency limit
@@ -282,7 +240,7 @@ class TenantRegistry:
 
     def identify(self, authorization: str | None) -> Caller:
         """'Bearer KEY' -> its tenant and key id, or AuthenticationError (401)."""
-        digest = _bearer_digest(authorization, "API key")
+        digest = bearer_digest(authorization, "API key")
         for known, tenant in self._keys.items():
             if hmac.compare_digest(known, digest):
                 return Caller(tenant, bootstrap_key_id(digest))
@@ -308,7 +266,7 @@ class TenantRegistry:
                 "(or AppConfig.operator_keys)",
                 code="operator_key_required",
             )
-        digest = _bearer_digest(authorization, "operator key")
+        digest = bearer_digest(authorization, "operator key")
         if any(hmac.compare_digest(known, digest) for known in self._operator_keys):
             return
         is_tenant_key = any(hmac.compare_digest(known, digest) for known in self._keys) or (

@@ -35,7 +35,8 @@ from tandem.engine.models.interface import Int4Target, KVLayer, LayerKV, LoRACon
 from tandem.engine.models.mla import MLAAttention, MLAConfig
 from tandem.engine.models.moe_layer import MoEConfig, SparseMoE
 from tandem.engine.models.support import LLAMA_LAYER_TENSORS, layered_tensor_names
-from tandem.kernels.attention import AttentionMetadata, finite_kv, paged_attention, write_kv
+from tandem.kernels.attention import finite_kv, paged_attention, write_kv
+from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.head_attention import HeadAttentionMetadata, head_attention_layer
 from tandem.kernels.rotary import apply_rope, rope_cos_sin, rope_inv_freq
 

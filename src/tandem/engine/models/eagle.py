@@ -31,7 +31,7 @@ from torch import nn
 from tandem.engine.models.decoder import DecoderAttention
 from tandem.engine.models.interface import KVLayer
 from tandem.engine.models.llama import LlamaConfig, LlamaDecoderLayer, rms_norm
-from tandem.kernels.attention import AttentionMetadata
+from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.rotary import apply_rope, rope_cos_sin, rope_inv_freq
 
 ARCHITECTURE = "TandemEagleDraft"

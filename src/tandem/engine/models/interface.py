@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from tandem.kernels.attention import AttentionMetadata
+from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.head_attention import HeadAttentionMetadata
 
 # One layer's cache: (k, v, k_scale, v_scale); the scales are None unless the cache is FP8.

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from tandem.engine.models.interface import KVLayer, LoRAContext
-from tandem.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from tandem.kernels.attention import paged_attention, write_kv
+from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.head_attention import HeadAttentionMetadata
 from tandem.kernels.rotary import apply_rope
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from tandem.engine.models.interface import KVLayer
-from tandem.kernels.attention import AttentionMetadata
+from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.paged_rows import PagedRows, build_paged_rows
 
 logger = logging.getLogger("tandem.engine.runner")

@@ -20,7 +20,7 @@ import torch
 from tandem.engine.models.eagle import EagleDraft
 from tandem.engine.models.interface import CausalLM, KVLayer
 from tandem.engine.sched.step import ScheduledRequest
-from tandem.kernels.attention import AttentionMetadata, build_attention_metadata
+from tandem.kernels.attention_metadata import AttentionMetadata, build_attention_metadata
 from tandem.kernels.sampling import filter_logits
 
 

@@ -16,7 +16,7 @@ from typing import TypeVar
 import torch
 
 from tandem.engine.models.interface import KVLayer
-from tandem.kernels.attention import quantize_fp8
+from tandem.kernels.fp8 import quantize_fp8
 
 
 @dataclass

@@ -33,7 +33,7 @@ from tandem.engine.runner.sampler import Sampler, failed_alone
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sched.step import RunnerResult, RunnerStats, ScheduledRequest, SchedulerOutput
 from tandem.engine.structured.grammar import GrammarCompiler
-from tandem.kernels.attention import build_attention_metadata
+from tandem.kernels.attention_metadata import build_attention_metadata
 from tandem.kernels.kv_eviction import EvictionPolicy
 
 logger = logging.getLogger("tandem.engine.runner")
