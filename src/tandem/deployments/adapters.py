@@ -29,6 +29,7 @@ from urllib.parse import quote, urlparse
 from pydantic import BaseModel
 
 from tandem.batch.records import tenant_prefix
+from tandem.engine.engine import LLMEngine
 from tandem.engine.lora.checkpoint import LoRALimits, LoRAModelShape, check_peft_adapter
 from tandem.platform.errors import ConflictError, InvalidRequestError, NotFoundError
 from tandem.platform.object_store import ObjectNotFound, ObjectStore, S3ObjectStore, S3Settings
@@ -304,11 +305,11 @@ def resolve_source(source: str, allowed: list[str]) -> Path | tuple[str, str]:
     )
 
 
-def load_into_engine(engine: Any, adapters: AdapterStore, lora_id: str) -> None:
-    """Fetch `lora_id` from the store and register it with `engine` (an `LLMEngine`)."""
-    if engine.lora is None:
+def load_into_engine(engine: LLMEngine, adapters: AdapterStore, lora_id: str) -> None:
+    """Fetch `lora_id` from the store and register it with `engine`."""
+    if not engine.adapters.enabled:
         raise InvalidRequestError("this replica serves no LoRA adapters (enable_lora is off)", param="model")
-    if engine.lora.has(lora_id):
+    if engine.adapters.has(lora_id):
         return
     config, weights = adapters.read(lora_id)
     engine.adapters.add_checkpoint(lora_id, config, weights)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from tandem.deployments.adapters import AdapterStore, load_into_engine
 from tandem.deployments.orphans import CallerRef, UsageTag, current_caller
+from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.errors import OverloadedError, ReplicaLostError, ServiceUnavailableError, TandemError
 
@@ -62,7 +63,7 @@ class LocalEngineClient:
     """`EngineClient` over an in-process `AsyncEngine` that loads adapters from the store on first
     use (what a Serve replica does through `@serve.multiplexed`); for tests and single-process use."""
 
-    def __init__(self, engine: Any, adapters: AdapterStore | None = None) -> None:  # engine: AsyncEngine
+    def __init__(self, engine: AsyncEngine, adapters: AdapterStore | None = None) -> None:
         self.engine = engine
         self.adapters = adapters
 

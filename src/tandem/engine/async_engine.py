@@ -133,13 +133,13 @@ class AsyncEngine:
         return cast(GenerationRequest, await self._call(tokenized))
 
     async def cached_prefix_pages(self, request: GenerationRequest) -> int:
-        """`LLMEngine.cached_prefix_pages`: leading prompt pages a sender need not send here."""
+        """`KVHandover.cached_prefix_pages`: leading prompt pages a sender need not send here."""
         return cast(int, await self._call(lambda engine: engine.handover.cached_prefix_pages(request)))
 
     async def prefill(
         self, request: GenerationRequest, cache_dtype: str | None = None, skip_pages: int = 0
     ) -> KVTransfer:
-        """Compute the prompt and first token here and return its KV pages (`LLMEngine.export_kv`,
+        """Compute the prompt and first token here and return its KV pages (`KVHandover.export_kv`,
         from page `skip_pages` on) for a decode engine; this engine's blocks are free when it returns."""
         last: RequestOutput | None = None
         async for output in self._start(self.engine.handover.make_prefill_request(request)):

@@ -8,7 +8,7 @@ that the pages' tokens are its request's prompt, before it allocates anything: a
 stale or mixed-up transfer fails its request with `KVTransferError` and never produces text.
 
 Pages the receiver already holds in its prefix cache are not sent: the receiver says how many
-leading pages it holds (`LLMEngine.cached_prefix_pages`), the sender leaves them out
+leading pages it holds (`KVHandover.cached_prefix_pages`), the sender leaves them out
 (`num_skipped_pages`), and the receiver takes those blocks from its cache when it imports the
 rest; should they have been evicted meanwhile, `KVPrefixEvictedError` asks for a whole transfer.
 

@@ -17,6 +17,13 @@ class EngineAdapters:
     def __init__(self, manager: LoRAManager | None) -> None:
         self.manager = manager
 
+    @property
+    def enabled(self) -> bool:
+        return self.manager is not None
+
+    def has(self, name: str) -> bool:
+        return self.manager is not None and self.manager.has(name)
+
     def check(self, name: str) -> None:
         """Raise unless adapter `name` is loaded (an `InvalidRequestError` when LoRA is off)."""
         if self.manager is None:
