@@ -94,7 +94,7 @@ def shard_counts(rows: list[BatchResult]) -> ShardCounts:
     )
 
 
-def response_model(body: dict[str, Any] | None, request: dict[str, Any]) -> str | None:
+def response_model(body: dict[str, object] | None, request: dict[str, object]) -> str | None:
     """The model a line's response names, else the one its request asked for."""
     model = (body or {}).get("model") or request.get("model")
     return model if isinstance(model, str) else None

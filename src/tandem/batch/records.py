@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any, Literal
+from typing import Literal
 from urllib.parse import quote
 
 from pydantic import BaseModel, Field
@@ -82,7 +82,7 @@ class FileRecord(BaseModel):
     purpose: str
     num_lines: int = 0
 
-    def api(self) -> dict[str, Any]:
+    def api(self) -> dict[str, object]:
         return {
             "id": self.id,
             "object": "file",
@@ -161,7 +161,7 @@ class BatchRecord(BaseModel):
             total.output_tokens += counts.output_tokens
         return total
 
-    def api(self) -> dict[str, Any]:
+    def api(self) -> dict[str, object]:
         totals = self.totals()
         failed = totals.failed
         if self.status == "expired":  # requests that never ran are reported as failed

@@ -61,7 +61,7 @@ class BatchResult:
     def ok(self) -> bool:
         return self.error is None and 200 <= self.status_code < 300
 
-    def output_line(self, batch_request_id: str) -> dict[str, Any]:
+    def output_line(self, batch_request_id: str) -> dict[str, object]:
         """OpenAI's output/error file line."""
         return {
             "id": batch_request_id,
@@ -102,7 +102,7 @@ def decode_inputs(data: bytes) -> list[BatchInput]:
 
 
 def encode_results(rows: list[BatchResult]) -> bytes:
-    def dumps(value: dict[str, Any] | None) -> str | None:
+    def dumps(value: dict[str, object] | None) -> str | None:
         return None if value is None else json.dumps(value, separators=(",", ":"))
 
     table = pa.Table.from_pydict(

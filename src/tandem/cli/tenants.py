@@ -71,7 +71,7 @@ def _limits(pairs: list[str]) -> dict[str, int | None]:
     return limits
 
 
-def request_for(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]:
+def request_for(args: argparse.Namespace) -> tuple[str, str, dict[str, object] | None]:
     """(method, path under the base URL, JSON body) for the parsed command (query in the path)."""
     method, path, body = _request_for(args)
     return method, path if path.startswith("/organization/") else "/admin" + path, body
@@ -89,7 +89,7 @@ def _usage_path(args: argparse.Namespace) -> str:
     return "/organization/usage/completions?" + urlencode(params)
 
 
-def _request_for(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]:
+def _request_for(args: argparse.Namespace) -> tuple[str, str, dict[str, object] | None]:
     tenant = getattr(args, "tenant_id", None)
     command = args.tenants_command
     if command == "usage":

@@ -46,7 +46,7 @@ def adapter_router(
         return server, server.adapters, tenant
 
     @router.post("/v1/adapters", openapi_extra=json_request_body(_SOURCE_BODY))
-    async def create_adapter(request: Request) -> Any:
+    async def create_adapter(request: Request) -> dict[str, object]:
         server, store, tenant = store_and_tenant(request)
         info = await server.lora_info()
         if not info.get("enabled"):
@@ -84,25 +84,25 @@ def adapter_router(
             raise PayloadTooLargeError(
                 f"adapter_model is {len(weights)} bytes; the limit is {limit}", param="adapter_model"
             )
-        shape = LoRAModelShape(**{**info["shape"], "target_modules": tuple(info["shape"]["target_modules"])})
-        record = await run_in_threadpool(
-            store.create, tenant, name, config, weights, shape, info["max_lora_rank"]
-        )
+        fields, max_lora_rank = info["shape"], info["max_lora_rank"]
+        assert isinstance(fields, dict) and isinstance(max_lora_rank, int), "EngineAdapters.info's shape"
+        shape = LoRAModelShape(**{**fields, "target_modules": tuple(fields["target_modules"])})
+        record = await run_in_threadpool(store.create, tenant, name, config, weights, shape, max_lora_rank)
         return record.api()
 
     @router.get("/v1/adapters")
-    async def list_adapters(request: Request) -> Any:
+    async def list_adapters(request: Request) -> dict[str, object]:
         _, store, tenant = store_and_tenant(request)
         records = await run_in_threadpool(store.list, tenant)
         return {"object": "list", "data": [r.api() for r in records]}
 
     @router.get("/v1/adapters/{name}")
-    async def get_adapter(name: str, request: Request) -> Any:
+    async def get_adapter(name: str, request: Request) -> dict[str, object]:
         _, store, tenant = store_and_tenant(request)
         return (await run_in_threadpool(store.get, tenant, name)).api()
 
     @router.delete("/v1/adapters/{name}")
-    async def delete_adapter(name: str, request: Request) -> Any:
+    async def delete_adapter(name: str, request: Request) -> dict[str, object]:
         _, store, tenant = store_and_tenant(request)
         await run_in_threadpool(store.delete, tenant, name)
         return {"id": name, "object": "adapter", "deleted": True}

@@ -23,7 +23,6 @@ import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 from urllib.parse import quote, urlparse
 
 from pydantic import BaseModel
@@ -54,7 +53,7 @@ class AdapterRecord(BaseModel):
     def lora_id(self) -> str:
         return f"{self.tenant}/{self.name}@{self.version}"
 
-    def api(self) -> dict[str, Any]:
+    def api(self) -> dict[str, object]:
         return {
             "id": self.name,
             "object": "adapter",

@@ -32,7 +32,6 @@ A tenant's key naming another project is a 403.
 # Serve pickles the app (string annotations lose their module globals on the way).
 
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
@@ -45,7 +44,7 @@ from tandem.platform.tenant_directory import TenantDirectory, parse_tenant_patch
 
 def admin_router(
     server_of: Callable[[Request], OpenAIServer],
-    json_body: Callable[[Request], Awaitable[dict[str, Any]]],
+    json_body: Callable[[Request], Awaitable[dict[str, object]]],
 ) -> APIRouter:
     router = APIRouter()
 
@@ -57,52 +56,52 @@ def admin_router(
         return server.tenants.directory
 
     @router.post("/v1/admin/tenants")
-    async def create_tenant(request: Request) -> Any:
+    async def create_tenant(request: Request) -> dict[str, object]:
         directory = directory_for(request)
         spec = parse_tenant_spec(await json_body(request))
         return (await run_in_threadpool(directory.create_tenant, spec)).api()
 
     @router.get("/v1/admin/tenants")
-    async def list_tenants(request: Request) -> Any:
+    async def list_tenants(request: Request) -> dict[str, object]:
         directory = directory_for(request)
         tenants = await run_in_threadpool(directory.list_tenants)
         return {"object": "list", "data": [t.api() for t in tenants]}
 
     @router.get("/v1/admin/tenants/{tenant_id}")
-    async def get_tenant(tenant_id: str, request: Request) -> Any:
+    async def get_tenant(tenant_id: str, request: Request) -> dict[str, object]:
         directory = directory_for(request)
         return (await run_in_threadpool(directory.get_tenant, tenant_id)).api()
 
     @router.patch("/v1/admin/tenants/{tenant_id}")
-    async def update_tenant(tenant_id: str, request: Request) -> Any:
+    async def update_tenant(tenant_id: str, request: Request) -> dict[str, object]:
         directory = directory_for(request)
         patch = parse_tenant_patch(await json_body(request))
         return (await run_in_threadpool(directory.update_tenant, tenant_id, patch)).api()
 
     @router.delete("/v1/admin/tenants/{tenant_id}")
-    async def delete_tenant(tenant_id: str, request: Request) -> Any:
+    async def delete_tenant(tenant_id: str, request: Request) -> dict[str, object]:
         directory = directory_for(request)
         await run_in_threadpool(directory.delete_tenant, tenant_id)
         return {"id": tenant_id, "object": "organization.tenant.deleted", "deleted": True}
 
     @router.post("/v1/admin/tenants/{tenant_id}/keys")
-    async def create_key(tenant_id: str, request: Request) -> Any:
+    async def create_key(tenant_id: str, request: Request) -> dict[str, object]:
         directory = directory_for(request)
         return await _create_key(directory, tenant_id, request)
 
     @router.get("/v1/admin/tenants/{tenant_id}/keys")
-    async def list_keys(tenant_id: str, request: Request) -> Any:
+    async def list_keys(tenant_id: str, request: Request) -> dict[str, object]:
         directory = directory_for(request)
         keys = await run_in_threadpool(directory.list_keys, tenant_id)
         return {"object": "list", "data": [k.api() for k in keys]}
 
     @router.delete("/v1/admin/tenants/{tenant_id}/keys/{key_id}")
-    async def revoke_key(tenant_id: str, key_id: str, request: Request) -> Any:
+    async def revoke_key(tenant_id: str, key_id: str, request: Request) -> dict[str, object]:
         directory = directory_for(request)
         await run_in_threadpool(directory.revoke_key, tenant_id, key_id)
         return {"id": key_id, "object": "organization.tenant.api_key.deleted", "deleted": True}
 
-    async def _create_key(directory: TenantDirectory, tenant_id: str, request: Request) -> Any:
+    async def _create_key(directory: TenantDirectory, tenant_id: str, request: Request) -> dict[str, object]:
         body = await json_body(request) if await request.body() else {}
         name, expires_at = body.get("name"), body.get("expires_at")
         unknown = sorted(set(body) - {"name", "expires_at"})
@@ -130,18 +129,18 @@ def admin_router(
         return server.tenants.directory
 
     @router.get("/v1/organization/projects/{project_id}/api_keys")
-    async def list_project_keys(project_id: str, request: Request) -> Any:
+    async def list_project_keys(project_id: str, request: Request) -> dict[str, object]:
         directory = project_directory(request, project_id)
         keys = await run_in_threadpool(directory.list_keys, project_id)
         return {"object": "list", "data": [k.api() for k in keys]}
 
     @router.post("/v1/organization/projects/{project_id}/api_keys")
-    async def create_project_key(project_id: str, request: Request) -> Any:
+    async def create_project_key(project_id: str, request: Request) -> dict[str, object]:
         directory = project_directory(request, project_id)
         return await _create_key(directory, project_id, request)
 
     @router.delete("/v1/organization/projects/{project_id}/api_keys/{key_id}")
-    async def revoke_project_key(project_id: str, key_id: str, request: Request) -> Any:
+    async def revoke_project_key(project_id: str, key_id: str, request: Request) -> dict[str, object]:
         directory = project_directory(request, project_id)
         await run_in_threadpool(directory.revoke_key, project_id, key_id)
         return {"id": key_id, "object": "organization.project.api_key.deleted", "deleted": True}

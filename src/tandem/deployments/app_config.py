@@ -26,7 +26,7 @@ class Placement(BaseModel):
         default_factory=dict, description="Custom Ray resources per replica, e.g. {'tandem_engine': 1}"
     )
 
-    def actor_options(self, num_cpus: float) -> dict[str, Any]:
+    def actor_options(self, num_cpus: float) -> dict[str, object]:
         options: dict[str, Any] = {"num_cpus": num_cpus}
         if self.num_gpus:
             options["num_gpus"] = self.num_gpus
@@ -178,7 +178,7 @@ class AppConfig(BaseModel):
 
     @field_validator("prefill_engine")
     @classmethod
-    def _prefill_engine_fields(cls, overrides: dict[str, Any]) -> dict[str, Any]:
+    def _prefill_engine_fields(cls, overrides: dict[str, object]) -> dict[str, object]:
         """Only `EngineConfig` fields, each valid on its own (checked again over `engine` when
         the prefill replicas are built); the model and its served name are `engine`'s."""
         unknown = sorted(set(overrides) - set(EngineConfig.model_fields))

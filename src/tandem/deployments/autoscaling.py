@@ -59,7 +59,7 @@ class KVOccupancyPolicy:
     def __init__(self, **kwargs: Any) -> None:
         self.targets = ScalingTargets(**kwargs)
 
-    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, object]]:
         metrics = ctx.aggregated_metrics or {}
         kv = [float(v) for v in metrics.get("kv_occupancy", {}).values()]
         waiting = [float(v) for v in metrics.get("num_waiting", {}).values()]
@@ -100,7 +100,7 @@ class BatchQueuePolicy:
     def __init__(self, **kwargs: Any) -> None:
         self.targets = BatchQueueTargets(**kwargs)
 
-    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, object]]:
         metrics = ctx.aggregated_metrics or {}
         reported = [float(v) for v in metrics.get("queued_shards", {}).values()]
         seats = [float(v) for v in metrics.get("workers_for_seats", {}).values()]
@@ -135,7 +135,7 @@ class PrefillQueuePolicy:
     def __init__(self, **kwargs: Any) -> None:
         self.targets = PrefillQueueTargets(**kwargs)
 
-    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, object]]:
         queued = [float(v) for v in (ctx.aggregated_metrics or {}).get("queued_prompt_tokens", {}).values()]
         bounds = PrefillQueueTargets(
             self.targets.target_prompt_tokens_per_replica,

@@ -83,7 +83,9 @@ async def execute_batch_line(
     except ValidationError as exc:
         return ExecutedRequest(400, new_id("req"), validation_error_body(exc.errors()), None)
     assert isinstance(result, dict), "batch requests never stream"
-    counts = result.get("usage") or {}
+    usage = result.get("usage")
+    counts = usage if isinstance(usage, dict) else {}
+    details = counts.get("prompt_tokens_details")
     return ExecutedRequest(
         200,
         str(result["id"]),
@@ -91,5 +93,5 @@ async def execute_batch_line(
         None,
         input_tokens=int(counts.get("prompt_tokens", 0)),
         output_tokens=int(counts.get("completion_tokens", 0)),
-        cached_tokens=int((counts.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+        cached_tokens=int((details.get("cached_tokens") if isinstance(details, dict) else 0) or 0),
     )

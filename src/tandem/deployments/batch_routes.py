@@ -64,7 +64,7 @@ def batch_router(
         return server.batches, tenant
 
     @router.post("/v1/files")
-    async def create_file(request: Request) -> Any:
+    async def create_file(request: Request) -> dict[str, object]:
         service, tenant = service_and_tenant(request)
         reject_declared_oversize(request, service.limits.max_file_bytes, "file")
         form = await request.form(max_part_size=service.limits.max_file_bytes + 1)
@@ -85,7 +85,7 @@ def batch_router(
         return record.api()
 
     @router.get("/v1/files")
-    async def list_files(request: Request) -> Any:
+    async def list_files(request: Request) -> dict[str, object]:
         service, tenant = service_and_tenant(request)
         records, has_more = await run_in_threadpool(
             service.list_files,
@@ -98,7 +98,7 @@ def batch_router(
         return _list(records, has_more)
 
     @router.get("/v1/files/{file_id}")
-    async def get_file(file_id: str, request: Request) -> Any:
+    async def get_file(file_id: str, request: Request) -> dict[str, object]:
         service, tenant = service_and_tenant(request)
         return (await run_in_threadpool(service.get_file, tenant, file_id)).api()
 
@@ -109,13 +109,13 @@ def batch_router(
         return Response(data, media_type="application/octet-stream")
 
     @router.delete("/v1/files/{file_id}")
-    async def delete_file(file_id: str, request: Request) -> Any:
+    async def delete_file(file_id: str, request: Request) -> dict[str, object]:
         service, tenant = service_and_tenant(request)
         await run_in_threadpool(service.delete_file, tenant, file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
     @router.post("/v1/batches", openapi_extra=json_request_body(BatchCreateRequest.model_json_schema()))
-    async def create_batch(request: Request) -> Any:
+    async def create_batch(request: Request) -> dict[str, object]:
         service, tenant = service_and_tenant(request)
         body = await json_body(request)
         for name in ("output_expires_after",):
@@ -126,7 +126,7 @@ def batch_router(
             req = BatchCreateRequest.model_validate(body)
         except ValidationError as exc:
             error = validation_error_body(exc.errors())["error"]
-            raise InvalidRequestError(error["message"], param=error["param"]) from exc
+            raise InvalidRequestError(str(error["message"]), param=error["param"]) from exc
         server, _ = authenticated(request)
         caller = server.tenants.identify(request.headers.get("authorization"))
         record = await run_in_threadpool(
@@ -138,7 +138,7 @@ def batch_router(
         return record.api()
 
     @router.get("/v1/batches")
-    async def list_batches(request: Request) -> Any:
+    async def list_batches(request: Request) -> dict[str, object]:
         service, tenant = service_and_tenant(request)
         records, has_more = await run_in_threadpool(
             service.list_batches,
@@ -149,12 +149,12 @@ def batch_router(
         return _list(records, has_more)
 
     @router.get("/v1/batches/{batch_id}")
-    async def get_batch(batch_id: str, request: Request) -> Any:
+    async def get_batch(batch_id: str, request: Request) -> dict[str, object]:
         service, tenant = service_and_tenant(request)
         return (await run_in_threadpool(service.get_batch, tenant, batch_id)).api()
 
     @router.post("/v1/batches/{batch_id}/cancel")
-    async def cancel_batch(batch_id: str, request: Request) -> Any:
+    async def cancel_batch(batch_id: str, request: Request) -> dict[str, object]:
         service, tenant = service_and_tenant(request)
         return (await run_in_threadpool(service.cancel_batch, tenant, batch_id)).api()
 

@@ -103,7 +103,7 @@ def console_router(
             )
 
     @router.post("/console/session")
-    async def sign_in(request: Request) -> Any:
+    async def sign_in(request: Request) -> Response:
         server = server_of(request)
         from_the_console(request)
         body = await json_body(request)
@@ -119,7 +119,7 @@ def console_router(
         return response
 
     @router.get("/console/session")
-    async def session(request: Request) -> Any:
+    async def session(request: Request) -> Response:
         server = server_of(request)
         key = session_key(request.headers.get("cookie"))
         if key is None:
@@ -131,7 +131,7 @@ def console_router(
         return JSONResponse(_who(server, key), headers=SECURITY_HEADERS)
 
     @router.delete("/console/session")
-    async def sign_out(request: Request) -> Any:
+    async def sign_out(request: Request) -> Response:
         from_the_console(request)
         response = JSONResponse(
             {"object": "console.session.deleted", "deleted": True}, headers=SECURITY_HEADERS
@@ -142,7 +142,7 @@ def console_router(
         return response
 
     @router.get("/console/assets/{name}")
-    async def asset(name: str, request: Request) -> Any:
+    async def asset(name: str, request: Request) -> Response:
         """A built file; its precompressed copy (`<name>.gz`, made by the build) to a browser that
         accepts gzip."""
         if not _ASSET_NAME.fullmatch(name) or name == "index.html" or not (STATIC_DIR / name).is_file():

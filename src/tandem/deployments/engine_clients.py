@@ -35,21 +35,21 @@ class EngineClient(Protocol):
         engine runs it (a replica in another process meters it then: orphans.py)."""
         ...
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, object]:
         """One engine's stats (whichever answers): proves an engine is up."""
         ...
 
-    async def replica_stats(self) -> dict[str, dict[str, Any]]:
+    async def replica_stats(self) -> dict[str, dict[str, object]]:
         """Every engine replica's stats, by replica id."""
         ...
 
-    async def scaling_history(self) -> list[dict[str, Any]]:
+    async def scaling_history(self) -> list[dict[str, object]]:
         """The last hour's autoscaling samples (`FleetState.scaling_history`; [] in one process)."""
         ...
 
     async def lora_info(self) -> dict[str, Any]: ...
 
-    async def model_info(self) -> dict[str, Any]:
+    async def model_info(self) -> dict[str, object]:
         """The served model's precision and generation defaults (`LLMEngine.model_info`)."""
         ...
 
@@ -71,19 +71,19 @@ class LocalEngineClient:
     def model_name(self) -> str:
         return str(self.engine.model_name)
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, object]:
         return dict(self.engine.stats())
 
-    async def replica_stats(self) -> dict[str, dict[str, Any]]:
+    async def replica_stats(self) -> dict[str, dict[str, object]]:
         return {LOCAL_REPLICA_ID: await self.stats()}
 
-    async def scaling_history(self) -> list[dict[str, Any]]:
+    async def scaling_history(self) -> list[dict[str, object]]:
         return []  # one engine in this process: nothing scales
 
-    async def lora_info(self) -> dict[str, Any]:
+    async def lora_info(self) -> dict[str, object]:
         return dict(self.engine.engine.adapters.info())
 
-    async def model_info(self) -> dict[str, Any]:
+    async def model_info(self) -> dict[str, object]:
         return dict(self.engine.engine.model_info())
 
     async def token_table(self) -> list[bytes]:
@@ -138,24 +138,24 @@ class HandleEngineClient:
                 with contextlib.suppress(BaseException):
                     await first
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, object]:
         return cast(dict[str, Any], await self.unary.stats.remote())
 
-    async def replica_stats(self) -> dict[str, dict[str, Any]]:
+    async def replica_stats(self) -> dict[str, dict[str, object]]:
         """From the fleet state, which every replica reports to each routing-stats period."""
         if self.fleet is None:
             raise RuntimeError("this client has no fleet state to read replicas' stats from")
         return cast(dict[str, dict[str, Any]], await self.fleet.snapshot.remote())
 
-    async def scaling_history(self) -> list[dict[str, Any]]:
+    async def scaling_history(self) -> list[dict[str, object]]:
         if self.fleet is None:
             return []
         return cast(list[dict[str, Any]], await self.fleet.scaling_history.remote())
 
-    async def lora_info(self) -> dict[str, Any]:
+    async def lora_info(self) -> dict[str, object]:
         return cast(dict[str, Any], await self.unary.lora_info.remote())
 
-    async def model_info(self) -> dict[str, Any]:
+    async def model_info(self) -> dict[str, object]:
         return cast(dict[str, Any], await self.unary.model_info.remote())
 
     async def token_table(self) -> list[bytes]:

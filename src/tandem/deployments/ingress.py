@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -58,7 +59,7 @@ def error_response(
     return JSONResponse(error_body(message, error_type, param, code), status_code=status, headers=headers)
 
 
-def _reply_response(status: int, body: dict[str, Any], headers: dict[str, str]) -> JSONResponse:
+def _reply_response(status: int, body: Mapping[str, object], headers: dict[str, str]) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -93,11 +94,11 @@ def _authenticated(request: Request) -> tuple[OpenAIServer, str]:
     return server, server.tenants.authenticate(request.headers.get("authorization"))
 
 
-async def json_body(request: Request) -> dict[str, Any]:
+async def json_body(request: Request) -> dict[str, object]:
     return parse_json_object(await request.body())
 
 
-def _openapi_schema(app: FastAPI) -> dict[str, Any]:
+def _openapi_schema(app: FastAPI) -> dict[str, object]:
     """FastAPI's schema of the routes, plus the two completion routes (`CompletionRoutes` answers
     them in front of FastAPI, so FastAPI does not know them) and bearer-key security."""
     if app.openapi_schema is not None:
@@ -186,17 +187,17 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
     app.include_router(console_router(_server, json_body))
 
     @app.get("/v1/models")
-    async def models(request: Request) -> Any:
+    async def models(request: Request) -> dict[str, object]:
         server, tenant = _authenticated(request)
         return await run_in_threadpool(server.models, tenant, await server.model_info())
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, request: Request) -> Any:
+    async def model(model_id: str, request: Request) -> dict[str, object]:
         server, tenant = _authenticated(request)
         return await run_in_threadpool(server.model, tenant, model_id, await server.model_info())
 
     @app.get("/health")
-    async def health(request: Request) -> Any:
+    async def health(request: Request) -> JSONResponse:
         """Ready when an engine replica reports: 503 while every model replica is still loading
         (the fleet state then holds no report) or none answers in time."""
         server = _server(request)
@@ -214,7 +215,7 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
                 503, "no engine replica is ready yet (loading the model); retry shortly", "server_error",
                 code="not_ready",
             )  # fmt: skip
-        return {"status": "ok"}
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:

@@ -48,7 +48,7 @@ def operator_router(server_of: Callable[[Request], OpenAIServer]) -> APIRouter:
         return server
 
     @router.get("/v1/admin/fleet")
-    async def fleet(request: Request) -> Any:
+    async def fleet(request: Request) -> dict[str, object]:
         """Every engine replica's latest stats (as `/metrics` reads them), by replica id, and the
         last hour's autoscaling samples (replicas reporting against the policy's target)."""
         server = operator_server(request)
@@ -62,7 +62,7 @@ def operator_router(server_of: Callable[[Request], OpenAIServer]) -> APIRouter:
         }
 
     @router.get("/v1/admin/load")
-    async def load(request: Request) -> Any:
+    async def load(request: Request) -> dict[str, object]:
         """Per tenant: its requests running and waiting in the engines (the replicas' latest
         reports, summed) and its requests refused by its limits (429) in the last hour, by code."""
         server = operator_server(request)
@@ -74,7 +74,8 @@ def operator_router(server_of: Callable[[Request], OpenAIServer]) -> APIRouter:
             return tenants.setdefault(tenant, {"running": 0, "waiting": 0, "refused_last_hour": {}})
 
         for stats in replicas.values():
-            for tenant, counts in stats.get("requests_by_tenant", {}).items():
+            by_tenant = stats.get("requests_by_tenant")
+            for tenant, counts in (by_tenant if isinstance(by_tenant, dict) else {}).items():
                 entry(tenant)["running"] += counts.get("running", 0)
                 entry(tenant)["waiting"] += counts.get("waiting", 0)
         for tenant, by_code in refusals.items():
@@ -82,7 +83,7 @@ def operator_router(server_of: Callable[[Request], OpenAIServer]) -> APIRouter:
         return {"object": "tenant_load", "num_replicas": len(replicas), "tenants": tenants}
 
     @router.get("/v1/admin/batches")
-    async def batch_queue(request: Request) -> Any:
+    async def batch_queue(request: Request) -> dict[str, object]:
         """Every batch not yet final, oldest first, with its tenant and the output tokens it may
         still generate; and per tenant, its batches, lines left and tokens queued."""
         server = operator_server(request)

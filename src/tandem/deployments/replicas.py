@@ -213,7 +213,9 @@ class PrefillReplica:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """What `PrefillQueuePolicy` scales on."""
-        return {"queued_prompt_tokens": float(self.engine.stats()["queued_prompt_tokens"])}
+        queued = self.engine.stats()["queued_prompt_tokens"]
+        assert isinstance(queued, int | float)
+        return {"queued_prompt_tokens": float(queued)}
 
     def check_health(self) -> None:
         if not self.engine.is_alive():

@@ -83,7 +83,7 @@ class RoutingConfig(BaseModel):
     max_index_entries: int = Field(100_000, ge=1, description="Prefix-index entries kept per router")
     stats_period_s: float = Field(1.0, gt=0.0, description="How often replicas report KV occupancy")
 
-    def serve_options(self) -> dict[str, Any]:
+    def serve_options(self) -> dict[str, object]:
         """The `request_router_config` of the LLM replicas' deployment."""
         return {
             "request_router_class": "tandem.deployments.routing:TandemRouter",

@@ -1,6 +1,6 @@
 """Checks shared by the routes that take multipart uploads (files, adapters)."""
 
-from typing import Any
+from collections.abc import Mapping
 
 from fastapi import Request
 
@@ -18,6 +18,6 @@ def reject_declared_oversize(request: Request, limit: int, param: str) -> None:
         )
 
 
-def json_request_body(schema: dict[str, Any]) -> dict[str, Any]:
+def json_request_body(schema: Mapping[str, object]) -> dict[str, object]:
     """`openapi_extra` declaring a JSON request body (for routes that parse their body themselves)."""
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}

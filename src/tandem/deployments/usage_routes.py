@@ -11,7 +11,6 @@ metered). The query's parameters and the page's shape: `platform/usage_query.py`
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
@@ -26,7 +25,7 @@ def usage_router(server_of: Callable[[Request], OpenAIServer]) -> APIRouter:
     router = APIRouter()
 
     @router.get("/v1/organization/usage/completions")
-    async def usage_completions(request: Request) -> Any:
+    async def usage_completions(request: Request) -> dict[str, object]:
         server = server_of(request)
         authorization = request.headers.get("authorization")
         tenant = (

@@ -250,7 +250,7 @@ class AsyncEngine:
             self._pending_aborts.append(request_id)
             self._cv.notify()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         """Snapshot taken by the loop thread after the latest step, before its outputs were delivered."""
         return dict(self._stats)
 

@@ -24,7 +24,6 @@ from tandem.engine.io.output_processor import OutputProcessor
 from tandem.engine.io.stats import (
     CompressionStats,
     EngineStats,
-    JSONValue,
     KVStats,
     SchedulerStats,
     SpeculationStats,
@@ -158,7 +157,7 @@ class LLMEngine:
         if request.lora_name is not None:
             self.adapters.release(request.lora_name)
 
-    def model_info(self) -> dict[str, Any]:
+    def model_info(self) -> dict[str, object]:
         """What `/v1/models` says of the served model: the precision it runs (and why) and the
         generation defaults that fill a request's unset sampling fields."""
         precision = self.precision
@@ -334,7 +333,7 @@ class LLMEngine:
         request.error, request.error_code = message, code
         return self._finish_one(request_id, RequestStatus.FINISHED_ERROR)  # step() maps choices
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         """The engine's counters and gauges as one flat JSON object (`EngineStats.as_dict`)."""
         return self.typed_stats().as_dict()
 
@@ -342,7 +341,7 @@ class LLMEngine:
         """Each component's statistics, read from the component that owns them."""
         precision = self.precision
         scheduler = self.scheduler
-        loras: list[JSONValue] = list(self.adapters.names())
+        loras = self.adapters.names()
         return EngineStats(
             kv=KVStats.of(self.kv_manager, self.kv_cache_dtype),
             scheduler=SchedulerStats.of(scheduler),

@@ -89,7 +89,7 @@ class LLM:
         ]
         return self._run(requests, None)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         return self.engine.stats()
 
     @staticmethod

@@ -188,7 +188,7 @@ class Telemetry:
 
         return observe
 
-    def set_engine_stats(self, model: str, stats_by_replica: dict[str, dict[str, Any]]) -> None:
+    def set_engine_stats(self, model: str, stats_by_replica: dict[str, dict[str, object]]) -> None:
         """Replace `model`'s engine figures with these replicas' (a replica left out is gone)."""
         with self._lock:
             for key in [k for k in self._engine_stats if k[0] == model]:

@@ -90,7 +90,7 @@ class Tenant:
     weight: float
     created_at: int
 
-    def api(self) -> dict[str, Any]:
+    def api(self) -> dict[str, object]:
         return {
             "id": self.id, "object": "organization.tenant", "limits": self.limits.model_dump(),
             "weight": self.weight, "created_at": self.created_at,
@@ -107,7 +107,7 @@ class ApiKey:
     name: str | None = None
     expires_at: int | None = None
 
-    def api(self) -> dict[str, Any]:
+    def api(self) -> dict[str, object]:
         """The key as listed: never its secret or digest."""
         return {
             "id": self.id, "object": "organization.tenant.api_key", "tenant": self.tenant,

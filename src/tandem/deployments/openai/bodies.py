@@ -35,7 +35,7 @@ class Answer:
         return structured.param if structured is not None else None
 
 
-def final_body(answer: Answer, last: RequestOutput) -> dict[str, Any]:
+def final_body(answer: Answer, last: RequestOutput) -> dict[str, object]:
     """The JSON body of a finished request: one choice per `last.outputs` (every choice's final
     output), usage counting the prompt once."""
     gen, names = answer.gen, answer.names

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
@@ -33,7 +33,7 @@ class Endpoint:
         *,
         timing: ResponseTiming | None = None,
         api_key_id: str | None = None,
-    ) -> dict[str, Any] | AsyncIterator[str]:
+    ) -> dict[str, object] | AsyncIterator[str]:
         """Answer a validated body (`request_model`): a JSON body, or the SSE events to stream."""
         if isinstance(body, ChatCompletionRequest):
             return await server.chat(body, tenant, priority, timing=timing, api_key_id=api_key_id)

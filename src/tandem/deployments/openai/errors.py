@@ -25,16 +25,16 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-def error_body(
-    message: str, error_type: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
+# OpenAI's error shape: {"error": {"message", "type", "param", "code"}}
+ErrorBody = dict[str, dict[str, str | None]]
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> ErrorBody:
     """OpenAI's error shape: the body of an error response, or an error event in a stream."""
-    return ErrorResponse(
-        error=ErrorInfo(message=message, type=error_type, param=param, code=code)
-    ).model_dump()
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def validation_error_body(errors: Sequence[Any]) -> dict[str, Any]:
+def validation_error_body(errors: Sequence[Any]) -> ErrorBody:
     """An `invalid_request_error` naming the first field pydantic refused (`messages.0.content`)."""
     if not errors:
         return error_body("invalid request", "invalid_request_error")
@@ -63,7 +63,7 @@ def _is_field(part: Any) -> bool:
     return not (text == "body" or text in _TYPE_TAGS or "[" in text or text[:1].isupper())
 
 
-def tandem_error_body(exc: TandemError, request_id: str) -> dict[str, Any]:
+def tandem_error_body(exc: TandemError, request_id: str) -> ErrorBody:
     """`exc` in OpenAI's shape; a 5xx also names `request_id` (the id its traceback is logged under)."""
     message = exc.message
     if exc.status_code >= 500 and request_id not in message:
@@ -71,7 +71,7 @@ def tandem_error_body(exc: TandemError, request_id: str) -> dict[str, Any]:
     return error_body(message, exc.error_type, exc.param, exc.code)
 
 
-def internal_error_body(request_id: str) -> dict[str, Any]:
+def internal_error_body(request_id: str) -> ErrorBody:
     """The body for a failure with no `TandemError` behind it: nothing internal, only the request
     id under which the traceback was logged."""
     return error_body(

@@ -6,8 +6,8 @@ chunks, usage and logprobs, and the errors an engine output stands for. No serve
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from tandem.deployments.openai.requests import ChatCompletionRequest, CompletionRequest
 from tandem.deployments.openai.responses import PromptTokensDetails, Usage, chat_chunk, text_completion
@@ -90,7 +90,7 @@ class TokenNames:
 
     def chat_logprobs(
         self, token_ids: list[int], logprobs: list[dict[int, float]] | None, num_top: int
-    ) -> dict[str, Any] | None:
+    ) -> dict[str, object] | None:
         """OpenAI chat shape. Each engine entry holds the chosen token plus the top-n alternatives."""
         if logprobs is None:
             return None
@@ -109,7 +109,7 @@ class TokenNames:
 
     def completion_logprobs(
         self, token_ids: list[int], logprobs: list[dict[int, float]] | None
-    ) -> dict[str, Any] | None:
+    ) -> dict[str, object] | None:
         """OpenAI's legacy completions shape."""
         if logprobs is None:
             return None
@@ -133,7 +133,7 @@ def stream_chunks(
     num_top: int,
     names: TokenNames,
     ended: set[int],
-) -> list[dict[str, Any]]:
+) -> list[dict[str, object]]:
     """The streamed messages for `out`'s new tokens, one per choice it updates (each with its
     `index`): `chat.completion.chunk`s or `text_completion` chunks. `ended` holds the indexes of
     choices whose finish was sent (a choice reported again in the last output is skipped); this
@@ -215,5 +215,5 @@ def num_tokens(out: RequestOutput) -> int:
     return len(out.prompt_token_ids) + sum(len(c.token_ids) for c in out.outputs)
 
 
-def sse_event(payload: dict[str, Any]) -> str:
+def sse_event(payload: Mapping[str, object]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"

@@ -269,7 +269,7 @@ def _param_error(param: str, message: str) -> FieldRuleError:
     return FieldRuleError(message, param=param)
 
 
-def reject_unsupported(body: dict[str, Any]) -> None:
+def reject_unsupported(body: dict[str, object]) -> None:
     for name in UNSUPPORTED_FIELDS:
         if body.get(name) is not None:
             raise InvalidRequestError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -48,9 +49,9 @@ def chat_choice(
     index: int,
     text: str | None,
     finish_reason: str | None,
-    logprobs: dict[str, Any] | None = None,
-    tool_calls: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
+    logprobs: dict[str, object] | None = None,
+    tool_calls: list[dict[str, object]] | None = None,
+) -> dict[str, object]:
     """One choice of a chat completion; `text` is the message content (None with tool calls and
     no text before them)."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -60,8 +61,8 @@ def chat_choice(
 
 
 def chat_completion(
-    *, request_id: str, model: str, choices: list[dict[str, Any]], usage: Usage
-) -> dict[str, Any]:
+    *, request_id: str, model: str, choices: list[dict[str, object]], usage: Usage
+) -> dict[str, object]:
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -77,13 +78,13 @@ def chat_chunk(
     request_id: str,
     model: str,
     created: int,
-    delta: dict[str, Any],
+    delta: Mapping[str, object],
     finish_reason: str | None,
-    logprobs: dict[str, Any] | None = None,
+    logprobs: dict[str, object] | None = None,
     usage: Usage | None = None,
     no_choices: bool = False,
     index: int = 0,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     chunk: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion.chunk",
@@ -106,10 +107,10 @@ def text_completion(
     text: str,
     finish_reason: str | None,
     usage: Usage | None,
-    logprobs: dict[str, Any] | None = None,
+    logprobs: dict[str, object] | None = None,
     no_choices: bool = False,
     index: int = 0,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     body: dict[str, Any] = {
         "id": request_id,
         "object": "text_completion",

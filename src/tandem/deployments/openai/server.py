@@ -160,24 +160,27 @@ class OpenAIServer:
         )
 
     # -- routes ---------------------------------------------------------------------------
-    def models(self, tenant: str, info: dict[str, Any] | None = None) -> dict[str, Any]:
+    def models(self, tenant: str, info: dict[str, object] | None = None) -> dict[str, object]:
         """The base model (with `info`, `model_info`'s precision and generation defaults) and this
         tenant's adapters (as `base:adapter`)."""
+        return ModelList(data=self._cards(tenant, info)).model_dump(exclude_none=True)
+
+    def model(self, tenant: str, model_id: str, info: dict[str, object] | None = None) -> dict[str, object]:
+        """One model card (`GET /v1/models/{model}`): the base model or one of this tenant's
+        adapters; 404 otherwise, including another tenant's adapter."""
+        for card in self._cards(tenant, info):
+            if card.id == model_id:
+                return card.model_dump(exclude_none=True)
+        raise NotFoundError(f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+
+    def _cards(self, tenant: str, info: dict[str, object] | None) -> list[ModelCard]:
         cards = [ModelCard(id=self.model_name, tandem=info)]
         if self.adapters is not None:
             cards += [
                 ModelCard(id=f"{self.model_name}:{a.name}", created=a.created_at, owned_by=tenant)
                 for a in self.adapters.list(tenant)
             ]
-        return ModelList(data=cards).model_dump(exclude_none=True)
-
-    def model(self, tenant: str, model_id: str, info: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One model card (`GET /v1/models/{model}`): the base model or one of this tenant's
-        adapters; 404 otherwise, including another tenant's adapter."""
-        for card in self.models(tenant, info)["data"]:
-            if card["id"] == model_id:
-                return dict(card)
-        raise NotFoundError(f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+        return cards
 
     async def _resolve_model(self, model: str, tenant: str) -> str | None:
         """The engine's LoRA id for `model`, None for the base model; 404 for anything else,
@@ -209,14 +212,14 @@ class OpenAIServer:
         """Token names for logprobs (loaded by `load_token_table` before any request that asks)."""
         return self._token_names or NO_TOKEN_NAMES
 
-    async def model_info(self) -> dict[str, Any]:
+    async def model_info(self) -> dict[str, object]:
         """The served model's precision and generation defaults (asked once, then cached: every
         replica of a served name runs the same)."""
         if self._model_info is None:
             self._model_info = await self.client.model_info()
         return self._model_info
 
-    async def lora_info(self) -> dict[str, Any]:
+    async def lora_info(self) -> dict[str, object]:
         """The engine's LoRA limits and base-model shape (asked once, then cached)."""
         if self._lora_info is None:
             self._lora_info = await self.client.lora_info()
@@ -243,7 +246,7 @@ class OpenAIServer:
         priority: Priority = Priority.INTERACTIVE,
         timing: ResponseTiming | None = None,
         api_key_id: str | None = None,
-    ) -> dict[str, Any] | AsyncIterator[str]:
+    ) -> dict[str, object] | AsyncIterator[str]:
         """`/v1/chat/completions`: a JSON body, or the SSE events to stream."""
         gen = await self._generation_request(req, tenant, priority, "chatcmpl", messages=chat_messages(req))
         return await self._run(
@@ -263,7 +266,7 @@ class OpenAIServer:
         priority: Priority = Priority.INTERACTIVE,
         timing: ResponseTiming | None = None,
         api_key_id: str | None = None,
-    ) -> dict[str, Any] | AsyncIterator[str]:
+    ) -> dict[str, object] | AsyncIterator[str]:
         """`/v1/completions`: a JSON body, or the SSE events to stream."""
         if isinstance(req.prompt, str):
             gen = await self._generation_request(req, tenant, priority, "cmpl", prompt=req.prompt)
@@ -315,7 +318,7 @@ class OpenAIServer:
         timing: ResponseTiming | None = None,
         tool_calls: bool = False,
         api_key_id: str | None = None,
-    ) -> dict[str, Any] | AsyncIterator[str]:
+    ) -> dict[str, object] | AsyncIterator[str]:
         """Start `gen` and await its first output (so errors are HTTP errors); then a JSON body,
         or the SSE events to stream. `timing`, when given, is filled at the first output. With
         `tool_calls` (a chat request with tools), the text is parsed into tool calls.

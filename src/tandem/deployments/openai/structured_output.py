@@ -63,7 +63,7 @@ def response_format_constraint(req: ChatCompletionRequest | CompletionRequest) -
     )
 
 
-def _response_schema(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any] | None:
+def _response_schema(req: ChatCompletionRequest | CompletionRequest) -> dict[str, object] | None:
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
         return None
@@ -119,7 +119,7 @@ def request_constraint(req: ChatCompletionRequest) -> StructuredOutput | None:
     return StructuredOutput("lark", "\n".join(lines), param="tools")
 
 
-def call_schema(tools: list[ToolDefinition]) -> dict[str, Any]:
+def call_schema(tools: list[ToolDefinition]) -> dict[str, object]:
     """One call's JSON: the name of one of `tools` and arguments matching its parameters."""
     options = []
     for tool in tools:
@@ -161,7 +161,7 @@ def tool_prompt(tools: list[ToolDefinition]) -> str:
     )
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, object]]:
     """The conversation for the chat template: plain role/content messages, with earlier tool
     calls and results written in the call format and the tools described in a system message
     (merged into the first system message when there is one)."""
@@ -175,7 +175,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def _plain(message: ChatMessage) -> dict[str, Any]:
+def _plain(message: ChatMessage) -> dict[str, object]:
     if message.role == "tool":
         return {"role": "tool", "content": f"<tool_response>\n{message.text()}\n</tool_response>"}
     if message.tool_calls:
@@ -197,7 +197,7 @@ class ParsedCall:
     name: str
     arguments: str  # the model's JSON text
 
-    def as_openai(self, call_id: str) -> dict[str, Any]:
+    def as_openai(self, call_id: str) -> dict[str, object]:
         return {
             "id": call_id,
             "type": "function",
@@ -298,7 +298,7 @@ class ToolCallStream:
     call_ids: list[str] = field(default_factory=list)
     arguments: str = ""  # the current call's arguments sent so far
 
-    def feed(self, text: str, *, final: bool = False, cut: bool = False) -> list[dict[str, Any]]:
+    def feed(self, text: str, *, final: bool = False, cut: bool = False) -> list[dict[str, object]]:
         """The deltas for `text` (plus anything held back, when `final`). With `cut` (the last
         piece of a generation stopped by max_tokens): a call cut short keeps the arguments sent
         so far (and the last held-back piece, unless it starts the closing marker), and a cut
@@ -313,7 +313,7 @@ class ToolCallStream:
             self._cut(deltas)
         return deltas
 
-    def _cut(self, deltas: list[dict[str, Any]]) -> None:
+    def _cut(self, deltas: list[dict[str, object]]) -> None:
         """Settle what `_step` held back at a cut: arguments of the open call, not markup."""
         if self.state == "args" and self.buffer:
             whole = _cut_arguments(self.arguments + self.buffer)
@@ -322,7 +322,7 @@ class ToolCallStream:
                 deltas.append({"tool_calls": [{"index": self.num_calls, "function": {"arguments": rest}}]})
         self.buffer = ""
 
-    def _step(self, deltas: list[dict[str, Any]], final: bool) -> bool:
+    def _step(self, deltas: list[dict[str, object]], final: bool) -> bool:
         if self.state in ("text", "between"):
             index = self.buffer.find(CALL_OPEN)
             if index >= 0:

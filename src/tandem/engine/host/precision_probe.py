@@ -105,7 +105,7 @@ class ProbeResult:
             words.append(f"INT8 {self.speedup(self.dtype, 'int8', 1):.2f}x {self.dtype} at 1 row")
         return f"{', '.join(words)} (precision probe, {self.source})"
 
-    def as_stats(self) -> dict[str, Any]:
+    def as_stats(self) -> dict[str, object]:
         return {
             "source": self.source, "seconds": round(self.seconds, 3), "key": self.key,
             "dtype": self.dtype, "int4_decode": self.int4_decode, "int8_decode": self.int8_decode,
@@ -138,7 +138,7 @@ def candidates(device: torch.device) -> list[str]:
     return ["float32"] + (["bfloat16"] if onednn_available(device, torch.bfloat16) else [])
 
 
-def probe_key(shapes: Sequence[Shape], num_layers: int, int4: bool) -> tuple[str, dict[str, Any]]:
+def probe_key(shapes: Sequence[Shape], num_layers: int, int4: bool) -> tuple[str, dict[str, object]]:
     """The cache key of a probe on this machine for this model's shapes, and what it is made of."""
     machine = {
         "version": PROBE_VERSION, "cpu": cpu_model_name(), "flags": sorted(cpu_flags()),
@@ -267,7 +267,7 @@ def probe_precision(config: Any, device: torch.device, cache_dir: Path, *, int4:
     return result
 
 
-def _read_cached(path: Path, key: str, machine: dict[str, Any]) -> ProbeResult | None:
+def _read_cached(path: Path, key: str, machine: dict[str, object]) -> ProbeResult | None:
     try:
         cached = json.loads(path.read_text())
         timings = {c: {int(r): float(t) for r, t in rows.items()} for c, rows in cached["timings_ms"].items()}

@@ -72,7 +72,7 @@ class QualityResult:
             f"agreement >= {MIN_TOP1_AGREEMENT}; quality probe, {self.source})"
         )
 
-    def as_stats(self) -> dict[str, Any]:
+    def as_stats(self) -> dict[str, object]:
         return {**asdict(self), "within_bound": self.within_bound}
 
 

@@ -18,8 +18,6 @@ from tandem.engine.sched.scheduler import Scheduler
 from tandem.engine.sched.step import RunnerStats
 from tandem.engine.spec.planner import SpeculationPlanner
 
-JSONValue = str | int | float | bool | None | list["JSONValue"] | dict[str, "JSONValue"]
-
 
 @dataclass(frozen=True)
 class KVStats:
@@ -126,15 +124,15 @@ class EngineStats:
     scheduler: SchedulerStats
     speculation: SpeculationStats
     runner: RunnerStats
-    model: dict[str, JSONValue]
+    model: dict[str, object]
     counters: dict[str, int | float]
     compression: CompressionStats | None = None
-    extra: dict[str, JSONValue] = field(default_factory=dict)
+    extra: dict[str, object] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, JSONValue]:
+    def as_dict(self) -> dict[str, object]:
         """The flat JSON object replicas report (`LLMEngine.stats`)."""
         runner = self.runner
-        out: dict[str, JSONValue] = {
+        out: dict[str, object] = {
             **asdict(self.kv),
             **self.model,
             **self.counters,
@@ -163,7 +161,7 @@ def requests_by_tenant(running: list[Request], waiting: list[Request]) -> dict[s
     return out
 
 
-def moe_stats(expert_tokens: list[int]) -> dict[str, JSONValue]:
+def moe_stats(expert_tokens: list[int]) -> dict[str, object]:
     """A MoE model's tokens per expert (all sparse layers) and the load imbalance: the busiest
     expert's tokens over the mean (1.0 is even). Empty for a dense model."""
     if not expert_tokens:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -61,7 +60,7 @@ class LoRAAdapter:
 
 def parse_peft_adapter(
     name: str,
-    config: dict[str, Any] | bytes,
+    config: dict[str, object] | bytes,
     tensors: bytes,
     shape: LoRAModelShape,
     limits: LoRALimits | None = None,

@@ -212,7 +212,7 @@ class GrammarCompiler:
         )
         return masks
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         with self._lock:
             return {
                 "num_grammars_compiled": self.num_compiled,

@@ -24,7 +24,7 @@ from urllib.parse import unquote
 _MAX_TARGETS = 10_000  # local $ref targets examined (a schema from one request: far below)
 
 
-def finite_value_problem(schema: Any) -> str | None:
+def finite_value_problem(schema: object) -> str | None:
     """Why `schema` admits no finite JSON value, or None when it admits one."""
     try:
         return _problem(schema)
@@ -32,7 +32,7 @@ def finite_value_problem(schema: Any) -> str | None:
         return "the schema is nested too deeply"
 
 
-def _problem(schema: Any) -> str | None:
+def _problem(schema: object) -> str | None:
     targets = _ref_targets(schema)
     satisfiable = dict.fromkeys(targets, False)
     changed = True
@@ -54,7 +54,7 @@ def _problem(schema: Any) -> str | None:
     return "the schema admits no value (a required part of it is `false`, an empty enum, or an empty anyOf)"
 
 
-def _satisfiable(node: Any, satisfiable: dict[str, bool]) -> bool:
+def _satisfiable(node: object, satisfiable: dict[str, bool]) -> bool:
     if isinstance(node, bool):
         return node
     if not isinstance(node, dict):
@@ -83,7 +83,7 @@ def _satisfiable(node: Any, satisfiable: dict[str, bool]) -> bool:
     return any(_kind_satisfiable(kind, node, satisfiable) for kind in kinds)
 
 
-def _kind_satisfiable(kind: Any, node: dict[str, Any], satisfiable: dict[str, bool]) -> bool:
+def _kind_satisfiable(kind: object, node: dict[str, object], satisfiable: dict[str, bool]) -> bool:
     if kind == "object":
         properties = node.get("properties")
         properties = properties if isinstance(properties, dict) else {}
@@ -105,7 +105,7 @@ def _kind_satisfiable(kind: Any, node: dict[str, Any], satisfiable: dict[str, bo
     return True
 
 
-def _ref_targets(schema: Any) -> dict[str, Any]:
+def _ref_targets(schema: object) -> dict[str, object]:
     """Every local `$ref` reachable from the schema (`#`, `#/$defs/A`, ...) -> the node it names
     (unresolvable ones are left out: the grammar library reports them)."""
     targets: dict[str, Any] = {}
@@ -129,7 +129,7 @@ def _ref_targets(schema: Any) -> dict[str, Any]:
     return targets
 
 
-def _resolve(schema: Any, ref: str) -> Any:
+def _resolve(schema: object, ref: str) -> object:
     """The node a local JSON pointer (`#/a/b~1c`) names, or None."""
     node = schema
     path = ref[1:]
