@@ -59,13 +59,13 @@ def inject_adapter(llm: LLM, name: str, scale_b: float, fill_a: float | None = N
     """Register a copy of the valid adapter with B scaled (or A filled), bypassing validation, as a
     bug in a loader or a corrupt cache could."""
     engine = llm.engine
-    assert engine.lora is not None
-    good = engine.lora.adapters["good"]
+    assert engine.adapters.manager is not None
+    good = engine.adapters.manager.adapters["good"]
     weights = {}
     for key, (a, b) in good.weights.items():
         a = a.clone() if fill_a is None else torch.full_like(a, fill_a)
         weights[key] = (a, b * scale_b)
-    engine.lora.add(dataclasses.replace(good, name=name, weights=weights))
+    engine.adapters.manager.add(dataclasses.replace(good, name=name, weights=weights))
 
 
 @pytest.mark.parametrize("fault", ["bad_seed", "nan_adapter", "overflowing_adapter"])
@@ -214,8 +214,8 @@ def test_one_request_that_breaks_the_model_pass_fails_alone(lora_llm: LLM) -> No
     engine stays healthy."""
     engine = lora_llm.engine
     inject_adapter(lora_llm, "misshapen", 1.0)
-    assert engine.lora is not None
-    misshapen = engine.lora.adapters["misshapen"]
+    assert engine.adapters.manager is not None
+    misshapen = engine.adapters.manager.adapters["misshapen"]
     key = next(iter(misshapen.weights))
     a, b = misshapen.weights[key]
     misshapen.weights[key] = (a, b.flatten())  # B no longer fits the slot: loading it raises

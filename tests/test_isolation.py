@@ -415,8 +415,8 @@ def _inject_adapter(platform: Platform, name: str, scale_b: float, fill_a: float
     acme and loaded into the engine as is. Returns the model name to ask for."""
     config, tensors = _adapter_files(platform.peft_folder)
     engine = platform.engine.engine
-    assert engine.lora is not None
-    adapter = parse_peft_adapter(name, config, save_safetensors(tensors), engine.lora.shape)
+    assert engine.adapters.manager is not None
+    adapter = parse_peft_adapter(name, config, save_safetensors(tensors), engine.adapters.manager.shape)
     for key, (a, b) in adapter.weights.items():
         adapter.weights[key] = (a if fill_a is None else torch.full_like(a, fill_a), b * scale_b)
     record = AdapterRecord(
@@ -425,7 +425,7 @@ def _inject_adapter(platform: Platform, name: str, scale_b: float, fill_a: float
     )  # fmt: skip
     platform.adapters.store.put(f"tenants/acme/adapters/{name}.json", record.model_dump_json().encode())
     adapter.name = record.lora_id
-    engine.lora.add(adapter)
+    engine.adapters.manager.add(adapter)
     return f"tiny:{name}"
 
 

@@ -107,7 +107,7 @@ def test_mixed_adapter_batch_matches_peft(
             base_tokens = want_tokens
     for name in ADAPTERS:  # the adapters really change the model
         assert [got[(name, p)].outputs[0].token_ids for p in PROMPTS] != base_tokens, name
-    manager = llm.engine.lora
+    manager = llm.engine.adapters.manager
     assert manager is not None and manager.num_slot_loads >= len(ADAPTERS)
     if max_loras == 2:  # three adapters went through two slots, so one slot was reloaded
         assert len(set(manager.slot_of.values())) <= 2

@@ -23,15 +23,19 @@ import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import quote, urlparse
 
 from pydantic import BaseModel
 
 from tandem.batch.records import tenant_prefix
-from tandem.engine.engine import LLMEngine
 from tandem.engine.lora.checkpoint import LoRALimits, LoRAModelShape, check_peft_adapter
 from tandem.platform.errors import ConflictError, InvalidRequestError, NotFoundError
 from tandem.platform.object_store import ObjectNotFound, ObjectStore, S3ObjectStore, S3Settings
+
+if TYPE_CHECKING:  # the API processes import no torch (the engine's modules do)
+    from tandem.engine.engine import LLMEngine
+
 
 logger = logging.getLogger("tandem.api")
 

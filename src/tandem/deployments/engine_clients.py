@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from tandem.deployments.adapters import AdapterStore, load_into_engine
 from tandem.deployments.orphans import CallerRef, UsageTag, current_caller
-from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.errors import OverloadedError, ReplicaLostError, ServiceUnavailableError, TandemError
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+    from tandem.engine.async_engine import AsyncEngine
 
 
 class EngineClient(Protocol):

@@ -20,17 +20,20 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar
 
 from tandem.engine.engine import LLMEngine
 from tandem.engine.io.tokenizer import Tokenizer
 from tandem.engine.kv.handover import with_token_ids
 from tandem.engine.kv.transfer import KVTransfer
+from tandem.engine.loop_call import LoopCall
 from tandem.engine.protocol import GenerationRequest, RequestOutput, merge_outputs
 from tandem.engine.request import Request, RequestStatus
 from tandem.platform.errors import InvalidRequestError, RequestFailedError, ServiceUnavailableError
 
 logger = logging.getLogger("tandem.engine")
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -49,7 +52,7 @@ class AsyncEngine:
         self._pending_adds: list[tuple[tuple[Request, str | None], _Stream]] = []
         self._pending_aborts: list[str] = []
         # Work on the engine itself (KV hand-over), run by the loop thread between steps.
-        self._pending_calls: list[tuple[Callable[[LLMEngine], Any], asyncio.Future[Any]]] = []
+        self._pending_calls: list[LoopCall[Any]] = []
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
         self._broken = False  # a failure no single request explained: health checks fail from then on
@@ -130,11 +133,11 @@ class AsyncEngine:
             prepared, _ = engine.make_request(request, compress=False)
             return with_token_ids(request, prepared.prompt_token_ids)
 
-        return cast(GenerationRequest, await self._call(tokenized))
+        return await self._call(tokenized)
 
     async def cached_prefix_pages(self, request: GenerationRequest) -> int:
         """`KVHandover.cached_prefix_pages`: leading prompt pages a sender need not send here."""
-        return cast(int, await self._call(lambda engine: engine.handover.cached_prefix_pages(request)))
+        return await self._call(lambda engine: engine.handover.cached_prefix_pages(request))
 
     async def prefill(
         self, request: GenerationRequest, cache_dtype: str | None = None, skip_pages: int = 0
@@ -151,7 +154,7 @@ class AsyncEngine:
             )
         export = self.engine.handover.export_kv
         transfer = await self._call(lambda _: export(request.request_id, cache_dtype, skip_pages))
-        return cast(KVTransfer, transfer)
+        return transfer
 
     async def generate_from_kv(
         self, request: GenerationRequest, transfer: KVTransfer, stream_interval: int = 1
@@ -167,7 +170,7 @@ class AsyncEngine:
             return first
 
         try:
-            first = cast(RequestOutput, await self._call(add))
+            first = await self._call(add)
         except asyncio.CancelledError:  # the add may have happened meanwhile: undo it
             self.abort(request.request_id)
             raise
@@ -197,13 +200,13 @@ class AsyncEngine:
         async for output in self._stream_outputs(request.request_id, stream, 1):
             yield output
 
-    async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+    async def _call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` in the loop thread between steps; its result, or its exception."""
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         with self._cv:
             if self._stopped or self._broken:
                 raise ServiceUnavailableError("this engine is shut down or being replaced; retry the request")
-            self._pending_calls.append((fn, future))
+            self._pending_calls.append(LoopCall(fn, future))
             self._cv.notify()
         return await future
 
@@ -296,14 +299,9 @@ class AsyncEngine:
                 break
         self._fail_all(ServiceUnavailableError("the engine was shut down; retry the request"))
 
-    def _run_calls(self, calls: list[tuple[Callable[[LLMEngine], Any], asyncio.Future[Any]]]) -> None:
-        for fn, future in calls:
-            try:
-                result: Any = fn(self.engine)
-            except Exception as exc:  # the caller's error (a bad transfer): raised in its task
-                future.get_loop().call_soon_threadsafe(_settle, future, None, exc)
-                continue
-            future.get_loop().call_soon_threadsafe(_settle, future, result, None)
+    def _run_calls(self, calls: list[LoopCall[Any]]) -> None:
+        for call in calls:
+            call.run(self.engine)
 
     def _break(self) -> None:
         """Called from an `except` block in the loop thread: a failure that no single request
@@ -314,10 +312,8 @@ class AsyncEngine:
             self._broken = True
             adds, self._pending_adds = self._pending_adds, []
             calls, self._pending_calls = self._pending_calls, []
-        for _, future in calls:
-            future.get_loop().call_soon_threadsafe(
-                _settle, future, None, ServiceUnavailableError("this engine failed; retry the request")
-            )
+        for call in calls:
+            call.fail(ServiceUnavailableError("this engine failed; retry the request"))
         error = RequestFailedError(
             "the engine serving this request failed and is being replaced; retry the request",
             code="engine_failed",
@@ -389,12 +385,3 @@ class AsyncEngine:
                 )
             self._send(request_id, stream, exc)
         self._streams.clear()
-
-
-def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
-    if future.done():  # the caller was cancelled meanwhile
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)

@@ -7,9 +7,9 @@ adapters are refused (`lora_targets` is empty): their targets would be the laten
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from tandem.engine.models.decoder import DecoderConfig, DecoderLM, decoder_tensor_names
+from tandem.engine.models.hf_config import HFConfig
 from tandem.engine.models.interface import LayerKV
 from tandem.engine.models.mla import MLAConfig
 from tandem.engine.models.moe import check_grouped_routing, mtp_layer_tensor, num_mtp_layers, routed_experts
@@ -18,7 +18,7 @@ from tandem.engine.models.support import check_common, decoder_fields, rope_sett
 from tandem.platform.errors import ModelLoadError
 
 
-def _softmax_scale(cfg: dict[str, Any]) -> float:
+def _softmax_scale(cfg: HFConfig) -> float:
     """qk_head_dim ** -0.5, times YaRN's mscale squared when `mscale_all_dim` is set (HF's
     `yarn_apply_mscale`: DeepSeek scales the whole score, the non-rotary dims included)."""
     scale = (int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"])) ** -0.5
@@ -30,7 +30,7 @@ def _softmax_scale(cfg: dict[str, Any]) -> float:
     return scale
 
 
-def check_deepseek_v3(cfg: dict[str, Any]) -> None:
+def check_deepseek_v3(cfg: HFConfig) -> None:
     check_common(cfg, implemented=("attention_bias",))
     for key, allowed in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
         if cfg.get(key) not in (None, allowed):
@@ -47,7 +47,7 @@ def check_deepseek_v3(cfg: dict[str, Any]) -> None:
     check_grouped_routing(cfg)
 
 
-def parse_deepseek_v3(cfg: dict[str, Any]) -> DecoderConfig:
+def parse_deepseek_v3(cfg: HFConfig) -> DecoderConfig:
     rope_dim = int(cfg["qk_rope_head_dim"])
     q_lora = cfg.get("q_lora_rank")
     fields = decoder_fields(cfg, default_eps=1e-6)

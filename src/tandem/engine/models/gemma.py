@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from tandem.engine.models.decoder import DecoderConfig, DecoderLM, decoder_kv_layers, decoder_tensor_names
+from tandem.engine.models.hf_config import HFConfig
 from tandem.engine.models.registry import Architecture, register
 from tandem.engine.models.support import (
     GELU_TANH_ACTIVATIONS,
@@ -25,7 +26,7 @@ from tandem.platform.errors import ModelLoadError
 _IMPLEMENTED = ("attention_bias", "attn_logit_softcapping", "final_logit_softcapping")
 
 
-def _gemma_fields(cfg: dict[str, Any], default_types: list[str]) -> dict[str, Any]:
+def _gemma_fields(cfg: HFConfig, default_types: list[str]) -> dict[str, Any]:
     bias = bool(cfg.get("attention_bias", False))
     hidden = int(cfg["hidden_size"])
     attn_cap, final_cap = cfg.get("attn_logit_softcapping"), cfg.get("final_logit_softcapping")
@@ -45,16 +46,16 @@ def _gemma_fields(cfg: dict[str, Any], default_types: list[str]) -> dict[str, An
     }
 
 
-def check_gemma(cfg: dict[str, Any]) -> None:
+def check_gemma(cfg: HFConfig) -> None:
     # HF's GemmaMLP reads `hidden_act` only: a `hidden_activation` key changes nothing there
     check_common(
-        {**cfg, "hidden_activation": None},
+        HFConfig({**cfg, "hidden_activation": None}),
         implemented=("attention_bias",),
         activations=(*GELU_TANH_ACTIVATIONS, "gelu"),
     )
 
 
-def parse_gemma(cfg: dict[str, Any]) -> DecoderConfig:
+def parse_gemma(cfg: HFConfig) -> DecoderConfig:
     """HF's `GemmaMLP` applies `hidden_act` as named: "gelu" is the exact GeLU."""
     bias = bool(cfg.get("attention_bias", False))
     act = cfg.get("hidden_act") or "gelu_pytorch_tanh"
@@ -72,17 +73,17 @@ def parse_gemma(cfg: dict[str, Any]) -> DecoderConfig:
     )
 
 
-def check_gemma2(cfg: dict[str, Any]) -> None:
+def check_gemma2(cfg: HFConfig) -> None:
     check_common(cfg, implemented=_IMPLEMENTED, activations=GELU_TANH_ACTIVATIONS, sliding_window=True)
 
 
-def parse_gemma2(cfg: dict[str, Any]) -> DecoderConfig:
+def parse_gemma2(cfg: HFConfig) -> DecoderConfig:
     layers = int(cfg["num_hidden_layers"])
     default_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
     return DecoderConfig(**_gemma_fields(cfg, default_types), model_type="gemma2")
 
 
-def check_gemma3(cfg: dict[str, Any]) -> None:
+def check_gemma3(cfg: HFConfig) -> None:
     check_common(cfg, implemented=_IMPLEMENTED, activations=GELU_TANH_ACTIVATIONS, sliding_window=True)
     check_rope(cfg, "sliding_attention")
     if cfg.get("use_bidirectional_attention"):
@@ -93,7 +94,7 @@ def check_gemma3(cfg: dict[str, Any]) -> None:
         )
 
 
-def parse_gemma3(cfg: dict[str, Any]) -> DecoderConfig:
+def parse_gemma3(cfg: HFConfig) -> DecoderConfig:
     layers = int(cfg["num_hidden_layers"])
     pattern = int(cfg.get("sliding_window_pattern", 6))
     default_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]

@@ -85,7 +85,7 @@ class CausalLM(Protocol):
     """
 
     @property
-    def config(self) -> Any: ...  # a `ModelConfig`
+    def config(self) -> ModelConfig: ...
 
     @property
     def embed_tokens(self) -> nn.Embedding: ...

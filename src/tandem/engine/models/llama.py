@@ -20,6 +20,7 @@ from tandem.engine.models.decoder import (
     decoder_tensor_names,
     rms_norm,
 )
+from tandem.engine.models.hf_config import HFConfig
 from tandem.engine.models.interface import LayerKV
 from tandem.engine.models.registry import Architecture, register
 from tandem.engine.models.support import SUPPORTED_MODEL_TYPES, check_config, decoder_fields
@@ -44,7 +45,7 @@ LlamaDecoderLayer = DecoderLayer
 @dataclass
 class LlamaConfig(DecoderConfig):
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
+    def from_hf_dict(cls, cfg: HFConfig) -> LlamaConfig:
         bias = bool(cfg.get("attention_bias", False))
         return cls(
             **decoder_fields(cfg), qkv_bias=bias, o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False))

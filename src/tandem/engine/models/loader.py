@@ -23,7 +23,8 @@ import torch
 from tandem.engine.io.generation_defaults import GenerationDefaults
 from tandem.engine.io.tokenizer import Tokenizer
 from tandem.engine.models.gguf_names import gguf_to_hf_name, unpermute_rope
-from tandem.engine.models.interface import CausalLM
+from tandem.engine.models.hf_config import HFConfig
+from tandem.engine.models.interface import CausalLM, ModelConfig
 from tandem.engine.models.llama import LLAMA, LlamaConfig
 from tandem.engine.models.quantized import DEFAULT_INT4_GROUP_SIZE, apply_int4, apply_int8, read_gguf_int4
 from tandem.engine.models.registry import Architecture, architecture_for
@@ -173,13 +174,13 @@ def gguf_to_hf_folder(path: Path, cache_dir: Path) -> Path:
 
 
 # -- HF folder ------------------------------------------------------------------------------
-def _read_hf_config(folder: Path) -> tuple[Architecture, Any]:
+def _read_hf_config(folder: Path) -> tuple[Architecture, ModelConfig]:
     """The folder's architecture (`registry.architecture_for`) and its parsed, checked config."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"{folder}: config.json not found", param="model")
     try:
-        raw_config = json.loads(config_path.read_text())
+        raw_config = HFConfig(json.loads(config_path.read_text()))
         architecture = architecture_for(raw_config)
         architecture.check_config(raw_config)
         config = architecture.parse_config(raw_config)

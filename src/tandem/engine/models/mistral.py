@@ -4,19 +4,18 @@ layers its `layer_types` name."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from tandem.engine.models.decoder import DecoderConfig, decoder_kv_layers, decoder_tensor_names
+from tandem.engine.models.hf_config import HFConfig
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.models.registry import Architecture, register
 from tandem.engine.models.support import check_common, decoder_fields, layer_windows
 
 
-def check_mistral(cfg: dict[str, Any]) -> None:
+def check_mistral(cfg: HFConfig) -> None:
     check_common(cfg, sliding_window=True)
 
 
-def parse_mistral(cfg: dict[str, Any]) -> DecoderConfig:
+def parse_mistral(cfg: HFConfig) -> DecoderConfig:
     layers = int(cfg["num_hidden_layers"])
     return DecoderConfig(
         **decoder_fields(cfg),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.engine.models.decoder import DecoderConfig, DecoderLM, decoder_kv_layers, decoder_tensor_names
+from tandem.engine.models.hf_config import HFConfig
 from tandem.engine.models.moe_layer import MoEConfig
 from tandem.engine.models.qwen import check_qwen3, parse_qwen3
 from tandem.engine.models.registry import Architecture, register
@@ -20,7 +21,7 @@ from tandem.platform.errors import ModelLoadError
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def _num_experts(cfg: dict[str, Any]) -> int:
+def _num_experts(cfg: HFConfig) -> int:
     value = cfg.get("num_local_experts", cfg.get("num_experts"))
     if not value or int(value) < 1:
         raise ModelLoadError(
@@ -29,7 +30,7 @@ def _num_experts(cfg: dict[str, Any]) -> int:
     return int(value)
 
 
-def _top_k(cfg: dict[str, Any], num_experts: int) -> int:
+def _top_k(cfg: HFConfig, num_experts: int) -> int:
     top_k = int(cfg.get("num_experts_per_tok", 2))
     if not 1 <= top_k <= num_experts:
         raise ModelLoadError(
@@ -39,12 +40,12 @@ def _top_k(cfg: dict[str, Any], num_experts: int) -> int:
     return top_k
 
 
-def check_mixtral(cfg: dict[str, Any]) -> None:
+def check_mixtral(cfg: HFConfig) -> None:
     check_common(cfg, sliding_window=True)
     _top_k(cfg, _num_experts(cfg))
 
 
-def parse_mixtral(cfg: dict[str, Any]) -> DecoderConfig:
+def parse_mixtral(cfg: HFConfig) -> DecoderConfig:
     num_experts = _num_experts(cfg)
     layers = int(cfg["num_hidden_layers"])
     return DecoderConfig(
@@ -62,7 +63,7 @@ def parse_mixtral(cfg: dict[str, Any]) -> DecoderConfig:
     )
 
 
-def _qwen3_moe_sparse_layers(cfg: dict[str, Any]) -> frozenset[int]:
+def _qwen3_moe_sparse_layers(cfg: HFConfig) -> frozenset[int]:
     """HF's rule: a layer has experts unless it is in `mlp_only_layers`, and when (i + 1) is a
     multiple of `decoder_sparse_step`."""
     step = int(cfg.get("decoder_sparse_step", 1))
@@ -72,7 +73,7 @@ def _qwen3_moe_sparse_layers(cfg: dict[str, Any]) -> frozenset[int]:
     )
 
 
-def check_qwen3_moe(cfg: dict[str, Any]) -> None:
+def check_qwen3_moe(cfg: HFConfig) -> None:
     check_qwen3(cfg)
     _top_k(cfg, _num_experts(cfg))
     if cfg.get("shared_expert_intermediate_size"):
@@ -83,7 +84,7 @@ def check_qwen3_moe(cfg: dict[str, Any]) -> None:
         )
 
 
-def parse_qwen3_moe(cfg: dict[str, Any]) -> DecoderConfig:
+def parse_qwen3_moe(cfg: HFConfig) -> DecoderConfig:
     dense = parse_qwen3(cfg)
     num_experts = _num_experts(cfg)
     dense.model_type = "qwen3_moe"
@@ -97,12 +98,12 @@ def parse_qwen3_moe(cfg: dict[str, Any]) -> DecoderConfig:
     return dense
 
 
-def _rope_fraction(cfg: dict[str, Any]) -> float:
+def _rope_fraction(cfg: HFConfig) -> float:
     params = cfg.get("rope_parameters") or {}
     return float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
 
 
-def num_mtp_layers(cfg: dict[str, Any]) -> int:
+def num_mtp_layers(cfg: HFConfig) -> int:
     """How many multi-token-prediction layers the checkpoint carries after the decoder's."""
     return int(cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers")) or 0)
 
@@ -120,10 +121,10 @@ def mtp_layer_tensor(cfg: DecoderConfig, name: str) -> bool:
     )
 
 
-def check_grouped_routing(cfg: dict[str, Any]) -> None:
+def check_grouped_routing(cfg: HFConfig) -> None:
     """DeepSeek-style routing keys (GLM-4.5, DeepSeek-V3): experts, top-k and groups that fit."""
     num_experts = _num_experts(
-        {**cfg, "num_local_experts": cfg.get("n_routed_experts", cfg.get("num_local_experts"))}
+        HFConfig({**cfg, "num_local_experts": cfg.get("n_routed_experts", cfg.get("num_local_experts"))})
     )
     _top_k(cfg, num_experts)
     groups, topk_groups = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
@@ -139,7 +140,7 @@ def check_grouped_routing(cfg: dict[str, Any]) -> None:
         )
 
 
-def routed_experts(cfg: dict[str, Any]) -> MoEConfig:
+def routed_experts(cfg: HFConfig) -> MoEConfig:
     """The sparse layers of GLM-4.5 and DeepSeek-V3: after `first_k_dense_replace` dense ones,
     sigmoid routing with groups, a correction bias and a scale, plus `n_shared_experts`."""
     num_experts = int(cfg.get("n_routed_experts", cfg.get("num_local_experts", 0)))
@@ -159,7 +160,7 @@ def routed_experts(cfg: dict[str, Any]) -> MoEConfig:
     )
 
 
-def check_glm4_moe(cfg: dict[str, Any]) -> None:
+def check_glm4_moe(cfg: HFConfig) -> None:
     check_common(cfg, implemented=("attention_bias", "use_qk_norm"), partial_rotary=True)
     check_grouped_routing(cfg)
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
@@ -171,7 +172,7 @@ def check_glm4_moe(cfg: dict[str, Any]) -> None:
         )
 
 
-def parse_glm4_moe(cfg: dict[str, Any]) -> DecoderConfig:
+def parse_glm4_moe(cfg: HFConfig) -> DecoderConfig:
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
     rotary_dim = int(head_dim * _rope_fraction(cfg))
     return DecoderConfig(
@@ -180,7 +181,7 @@ def parse_glm4_moe(cfg: dict[str, Any]) -> DecoderConfig:
         qkv_bias=bool(cfg.get("attention_bias", False)),
         qk_norm=bool(cfg.get("use_qk_norm", False)),
         rotary_dim=None if rotary_dim == head_dim else rotary_dim,
-        moe=routed_experts({"first_k_dense_replace": 1, **cfg}),
+        moe=routed_experts(HFConfig({"first_k_dense_replace": 1, **cfg})),
         num_mtp_layers=num_mtp_layers(cfg),
     )
 

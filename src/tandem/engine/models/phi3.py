@@ -10,21 +10,20 @@ becomes that, with the scaling's `factor` kept at HF's (its stated context / the
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from tandem.engine.lora.checkpoint import FUSED_CHECKPOINT_TARGETS
 from tandem.engine.models.decoder import DecoderConfig, DecoderLM, decoder_kv_layers
+from tandem.engine.models.hf_config import HFConfig
 from tandem.engine.models.registry import Architecture, register
 from tandem.engine.models.support import check_common, decoder_fields, layer_windows, layered_tensor_names
 
 
-def check_phi3(cfg: dict[str, Any]) -> None:
+def check_phi3(cfg: HFConfig) -> None:
     check_common(cfg, sliding_window=True)
 
 
-def parse_phi3(cfg: dict[str, Any]) -> DecoderConfig:
+def parse_phi3(cfg: HFConfig) -> DecoderConfig:
     fields = decoder_fields(cfg)
     layers = int(cfg["num_hidden_layers"])
     scaling = fields["rope_scaling"]

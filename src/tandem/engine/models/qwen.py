@@ -4,14 +4,13 @@ on the shared decoder. Both may slide a window over the layers from `max_window_
 
 from __future__ import annotations
 
-from typing import Any
-
 from tandem.engine.models.decoder import DecoderConfig, DecoderLM, decoder_kv_layers, decoder_tensor_names
+from tandem.engine.models.hf_config import HFConfig
 from tandem.engine.models.registry import Architecture, register
 from tandem.engine.models.support import check_common, decoder_fields, layer_windows
 
 
-def _windows(cfg: dict[str, Any]) -> list[int | None] | None:
+def _windows(cfg: HFConfig) -> list[int | None] | None:
     if not cfg.get("use_sliding_window", False):
         return None
     layers = int(cfg["num_hidden_layers"])
@@ -21,11 +20,11 @@ def _windows(cfg: dict[str, Any]) -> list[int | None] | None:
     )
 
 
-def check_qwen2(cfg: dict[str, Any]) -> None:
-    check_common({**cfg, "sliding_window": None}, sliding_window=True)
+def check_qwen2(cfg: HFConfig) -> None:
+    check_common(HFConfig({**cfg, "sliding_window": None}), sliding_window=True)
 
 
-def parse_qwen2(cfg: dict[str, Any]) -> DecoderConfig:
+def parse_qwen2(cfg: HFConfig) -> DecoderConfig:
     return DecoderConfig(
         **decoder_fields(cfg, default_eps=1e-6),
         model_type="qwen2",
@@ -34,11 +33,13 @@ def parse_qwen2(cfg: dict[str, Any]) -> DecoderConfig:
     )
 
 
-def check_qwen3(cfg: dict[str, Any]) -> None:
-    check_common({**cfg, "sliding_window": None}, implemented=("attention_bias",), sliding_window=True)
+def check_qwen3(cfg: HFConfig) -> None:
+    check_common(
+        HFConfig({**cfg, "sliding_window": None}), implemented=("attention_bias",), sliding_window=True
+    )
 
 
-def parse_qwen3(cfg: dict[str, Any]) -> DecoderConfig:
+def parse_qwen3(cfg: HFConfig) -> DecoderConfig:
     bias = bool(cfg.get("attention_bias", False))
     return DecoderConfig(
         **decoder_fields(cfg, default_eps=1e-6),

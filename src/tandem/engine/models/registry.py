@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tandem.engine.lora.checkpoint import SUPPORTED_TARGETS
+from tandem.engine.models.hf_config import HFConfig
 from tandem.platform.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -37,8 +38,8 @@ class Architecture:
     name: str
     model_types: tuple[str, ...]  # config.json `model_type` values it computes
     hf_classes: tuple[str, ...]  # config.json `architectures` entries it computes whatever the type
-    check_config: Callable[[dict[str, Any]], None]  # raises ModelLoadError naming a key it cannot compute
-    parse_config: Callable[[dict[str, Any]], ModelConfig]  # from an HF config dict (checked)
+    check_config: Callable[[HFConfig], None]  # raises ModelLoadError naming a key it cannot compute
+    parse_config: Callable[[HFConfig], ModelConfig]  # from an HF config dict (checked)
     model_class: Callable[[Any, int], CausalLM]  # (config, max_positions) -> the module (built on 'meta')
     tensor_names: Callable[[Any, str], set[str]]  # (config, prefix) -> every tensor name it consumes
     kv_layers: Callable[[Any], list[LayerKV]]  # config -> each layer's KV (what the cache is sized by)
@@ -79,7 +80,7 @@ def registered() -> list[Architecture]:
     return list(_ARCHITECTURES.values())
 
 
-def architecture_for(config: dict[str, Any]) -> Architecture:
+def architecture_for(config: HFConfig) -> Architecture:
     """The entry that computes an HF config: by `model_type` (default "llama"), else by a class
     named in `architectures`. Raises `ModelLoadError` when none does."""
     _load_builtins()

@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
 
+from tandem.engine.models.hf_config import HFConfig
 from tandem.platform.errors import ModelLoadError
 
 SUPPORTED_MODEL_TYPES = ("llama",)
@@ -50,7 +51,7 @@ def _refuse(message: str) -> ModelLoadError:
 
 
 def rope_settings(
-    cfg: dict[str, Any], layer_type: str = "full_attention"
+    cfg: HFConfig, layer_type: str = "full_attention"
 ) -> tuple[float | None, dict[str, Any] | None, str]:
     """(rope_theta, the scaling dict or None, which key it came from) from either layout:
     `rope_scaling` + `rope_theta`, or transformers 5's `rope_parameters` (per layer type where it
@@ -75,9 +76,7 @@ def rope_settings(
     return theta, scaling, key
 
 
-def check_rope(
-    cfg: dict[str, Any], layer_type: str = "full_attention", *, partial_rotary: bool = False
-) -> None:
+def check_rope(cfg: HFConfig, layer_type: str = "full_attention", *, partial_rotary: bool = False) -> None:
     """Refuse rope types and parameters the rotary tables do not compute exactly (HF's values);
     a partial rotary factor only where the family implements it (`partial_rotary`)."""
     max_positions = int(cfg.get("max_position_embeddings", 2048))
@@ -104,7 +103,7 @@ def check_rope(
 
 
 def check_common(
-    cfg: dict[str, Any],
+    cfg: HFConfig,
     *,
     implemented: Collection[str] = (),
     activations: Collection[str] = SUPPORTED_ACTIVATIONS,
@@ -141,14 +140,14 @@ def check_common(
     check_rope(cfg, partial_rotary=partial_rotary)
 
 
-def check_config(cfg: dict[str, Any]) -> None:
+def check_config(cfg: HFConfig) -> None:
     """Raise `ModelLoadError` for a config the Llama module would compute inexactly (Llama's
     `attention_bias` and `mlp_bias` are computed; soft-capping, q/k norms, activations other than
     SiLU, partial rotary embeddings and sliding windows are not)."""
     check_common(cfg, implemented=("attention_bias", "mlp_bias"))
 
 
-def decoder_fields(cfg: dict[str, Any], *, default_eps: float = 1e-5) -> dict[str, Any]:
+def decoder_fields(cfg: HFConfig, *, default_eps: float = 1e-5) -> dict[str, Any]:
     """The `DecoderConfig` fields every family reads the same way from an HF config dict."""
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
@@ -172,7 +171,7 @@ def decoder_fields(cfg: dict[str, Any], *, default_eps: float = 1e-5) -> dict[st
     }
 
 
-def layer_windows(cfg: dict[str, Any], default_types: list[str]) -> list[int | None] | None:
+def layer_windows(cfg: HFConfig, default_types: list[str]) -> list[int | None] | None:
     """Each layer's sliding window from `layer_types` ("sliding_attention" / "full_attention"),
     or `default_types` (the family's rule) when the config has none; None when no layer slides."""
     window = cfg.get("sliding_window")
