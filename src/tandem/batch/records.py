@@ -161,6 +161,12 @@ class BatchRecord(BaseModel):
             total.output_tokens += counts.output_tokens
         return total
 
+    def num_lines_left(self) -> int:
+        """Lines neither completed nor failed (none once expired: those count as failed)."""
+        totals = self.totals()
+        failed = self.num_requests - totals.completed if self.status == "expired" else totals.failed
+        return self.num_requests - totals.completed - failed
+
     def api(self) -> dict[str, object]:
         totals = self.totals()
         failed = totals.failed

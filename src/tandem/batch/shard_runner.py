@@ -9,7 +9,6 @@ runs only the others.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -186,8 +185,13 @@ class ShardRunner:
                     extra={"batch_id": record.id, "shard": shard, "attempt": attempt, "error": exc.message},
                 )
                 await asyncio.sleep(pause)
-                with contextlib.suppress(Exception):
+                try:
                     await asyncio.to_thread(self.leases.renew, lease)
+                except Exception as renew_exc:  # noqa: BLE001 - the commit's retry renews again
+                    logger.warning(
+                        "lease renewal failed while a commit retries",
+                        extra={"batch_id": record.id, "shard": shard, "error": str(renew_exc)[:200]},
+                    )
 
     async def _supervise(
         self, tenant: str, batch_id: str, lease: Lease, tasks: list[asyncio.Task[BatchResult]]

@@ -62,78 +62,99 @@ def validate_batch_file(
         return result
     seen_ids: dict[str, int] = {}
     for number, raw in enumerate(text.splitlines(), start=1):
-        if not raw.strip():
-            continue
-        try:
-            line = json.loads(raw)
-        except json.JSONDecodeError:
-            result.error(number, "invalid_json_line", "This line is not parseable as valid JSON.")
-            continue
-        if not isinstance(line, dict):
-            result.error(number, "invalid_request", "Each line must be a JSON object.")
-            continue
-        custom_id = line.get("custom_id")
-        if not isinstance(custom_id, str) or not custom_id:
-            result.error(
-                number,
-                "missing_required_parameter",
-                "custom_id is required (a non-empty string).",
-                "custom_id",
-            )
-            continue
-        if custom_id in seen_ids:
-            result.error(
-                number,
-                "duplicate_custom_id",
-                "The custom_id for this request is a duplicate of another request (line "
-                f"{seen_ids[custom_id]}). The custom_id parameter must be unique for each request in a batch.",
-                "custom_id",
-            )
-            continue
-        seen_ids[custom_id] = number
-        if line.get("method", "POST") != "POST":
-            result.error(number, "invalid_method", "method must be POST.", "method")
-            continue
-        if line.get("url") != endpoint:
-            result.error(
-                number,
-                "invalid_url",
-                f"The URL provided for this request ({line.get('url')!r}) does not match the batch "
-                f"endpoint ({endpoint!r}).",
-                "url",
-            )
-            continue
-        body = line.get("body")
-        if not isinstance(body, dict):
-            result.error(number, "invalid_request", "body must be a JSON object.", "body")
-            continue
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            result.error(
-                number, "missing_required_parameter", "body.model is required (a string).", "body.model"
-            )
-            continue
-        base = model.partition(":")[0]  # `base:adapter` names one of the tenant's LoRA adapters
-        if result.model is None:
-            result.model = base
-        elif base != result.model:
-            result.error(
-                number,
-                "mismatched_model",
-                f"The model must be the same for every request in a batch (adapters of it may differ): "
-                f"this line uses {base!r}, earlier lines {result.model!r}.",
-                "body.model",
-            )
-            continue
-        if base not in served_models:
-            result.error(
-                number,
-                "model_not_found",
-                f"model {base!r} is not served here; available: {sorted(served_models)}",
-                "body.model",
-            )
-            continue
-        result.inputs.append(BatchInput(line=number, custom_id=custom_id, body=body))
+        if raw.strip():
+            _check_line(result, number, raw, endpoint, seen_ids, served_models)
     if not result.inputs and not result.errors:
         result.error(0, "empty_file", "The input file holds no requests.")
     return result
+
+
+def _envelope(
+    result: ValidatedFile, number: int, raw: str, endpoint: str, seen_ids: dict[str, int]
+) -> tuple[str, dict[str, object]] | None:
+    """Line `number`'s custom id and parsed JSON object, its method and URL checked; None when
+    it has a problem (in `result.errors`)."""
+    try:
+        line = json.loads(raw)
+    except json.JSONDecodeError:
+        result.error(number, "invalid_json_line", "This line is not parseable as valid JSON.")
+        return None
+    if not isinstance(line, dict):
+        result.error(number, "invalid_request", "Each line must be a JSON object.")
+        return None
+    custom_id = line.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        result.error(
+            number,
+            "missing_required_parameter",
+            "custom_id is required (a non-empty string).",
+            "custom_id",
+        )
+        return None
+    if custom_id in seen_ids:
+        result.error(
+            number,
+            "duplicate_custom_id",
+            "The custom_id for this request is a duplicate of another request (line "
+            f"{seen_ids[custom_id]}). The custom_id parameter must be unique for each request in a batch.",
+            "custom_id",
+        )
+        return None
+    seen_ids[custom_id] = number
+    if line.get("method", "POST") != "POST":
+        result.error(number, "invalid_method", "method must be POST.", "method")
+        return None
+    if line.get("url") != endpoint:
+        result.error(
+            number,
+            "invalid_url",
+            f"The URL provided for this request ({line.get('url')!r}) does not match the batch "
+            f"endpoint ({endpoint!r}).",
+            "url",
+        )
+        return None
+    return custom_id, line
+
+
+def _check_line(
+    result: ValidatedFile,
+    number: int,
+    raw: str,
+    endpoint: str,
+    seen_ids: dict[str, int],
+    served_models: set[str],
+) -> None:
+    """Check line `number`: its problems go to `result.errors`, a good line to `result.inputs`."""
+    envelope = _envelope(result, number, raw, endpoint, seen_ids)
+    if envelope is None:
+        return
+    custom_id, line = envelope
+    body = line.get("body")
+    if not isinstance(body, dict):
+        result.error(number, "invalid_request", "body must be a JSON object.", "body")
+        return
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        result.error(number, "missing_required_parameter", "body.model is required (a string).", "body.model")
+        return
+    base = model.partition(":")[0]  # `base:adapter` names one of the tenant's LoRA adapters
+    if result.model is None:
+        result.model = base
+    elif base != result.model:
+        result.error(
+            number,
+            "mismatched_model",
+            f"The model must be the same for every request in a batch (adapters of it may differ): "
+            f"this line uses {base!r}, earlier lines {result.model!r}.",
+            "body.model",
+        )
+        return
+    if base not in served_models:
+        result.error(
+            number,
+            "model_not_found",
+            f"model {base!r} is not served here; available: {sorted(served_models)}",
+            "body.model",
+        )
+        return
+    result.inputs.append(BatchInput(line=number, custom_id=custom_id, body=body))

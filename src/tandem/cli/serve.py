@@ -12,11 +12,10 @@ from tandem.cli.banner import banner, dev_tenant_key, model_line
 from tandem.cli.serve_config import (
     RUNTIME_ENV,
     app_config_args,
-    env_operator_keys,
     first_env_api_key,
     serve_config,
 )
-from tandem.platform.api_keys import env_api_keys
+from tandem.platform.api_keys import env_api_keys, env_operator_keys
 from tandem.platform.config import DEFAULT_MODEL, EngineConfig
 from tandem.platform.errors import InvalidRequestError
 
@@ -51,6 +50,57 @@ def add_parser(sub: Any) -> None:
         help="on SIGTERM or Ctrl-C: new requests get 503 and requests in flight get this long to finish "
         "before they end with an error (default 30; a second signal stops at once)",
     )
+    srv.add_argument(
+        "--mode",
+        choices=["colocated", "disaggregated"],
+        default="colocated",
+        help="disaggregated: a prefill replica computes prompts and hands their KV to the LLM replicas",
+    )
+    srv.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the Serve config file (serve deploy / serve run) for this app and exit",
+    )
+    _tenant_flags(srv)
+    _engine_flags(srv)
+    _process_flags(srv)
+    srv.set_defaults(run=run)
+
+
+def _process_flags(srv: argparse.ArgumentParser) -> None:
+    """Streaming, the local Ray's workers, the object store and usage metering."""
+    srv.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="tokens per streamed message (first token and end at once); >1 saves CPU per token",
+    )
+    srv.add_argument(
+        "--worker-niceness",
+        type=int,
+        default=0,
+        help="niceness of the local Ray's workers, the engine's included (Ray's default is 15); "
+        "$RAY_worker_niceness wins; ignored with --address",
+    )
+    srv.add_argument(
+        "--object-store",
+        default=None,
+        help="file:///path or s3://bucket/prefix for files and batches (default: DATA_DIR/objects)",
+    )
+    srv.add_argument(
+        "--usage-commit-interval",
+        type=float,
+        default=None,
+        help="seconds between usage-record writes of an ingress replica at most (default 0.1); "
+        "a response's usage is stored before it is sent",
+    )
+    srv.add_argument(
+        "--no-usage-metering", action="store_true", help="record no usage (the usage API then answers 404)"
+    )
+
+
+def _tenant_flags(srv: argparse.ArgumentParser) -> None:
+    """Per-tenant limits and weights (each also from the environment: `serve_config.tenant_limits`)."""
     srv.add_argument(
         "--max-concurrent-per-tenant",
         type=int,
@@ -90,17 +140,10 @@ def add_parser(sub: Any) -> None:
         help="a tenant's fair-share weight in the engines (default 1 each); repeatable; also "
         "$TANDEM_TENANT_WEIGHTS='a=2,b=1'",
     )
-    srv.add_argument(
-        "--mode",
-        choices=["colocated", "disaggregated"],
-        default="colocated",
-        help="disaggregated: a prefill replica computes prompts and hands their KV to the LLM replicas",
-    )
-    srv.add_argument(
-        "--print-config",
-        action="store_true",
-        help="print the Serve config file (serve deploy / serve run) for this app and exit",
-    )
+
+
+def _engine_flags(srv: argparse.ArgumentParser) -> None:
+    """The engine's context, cache and precision."""
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
     srv.add_argument(
@@ -120,35 +163,6 @@ def add_parser(sub: Any) -> None:
         "--generation-config", choices=["auto", "none"], default=None,
         help="auto (default): unset sampling fields take the checkpoint's generation defaults; none: neutral",
     )  # fmt: skip
-    srv.add_argument(
-        "--stream-interval",
-        type=int,
-        default=1,
-        help="tokens per streamed message (first token and end at once); >1 saves CPU per token",
-    )
-    srv.add_argument(
-        "--worker-niceness",
-        type=int,
-        default=0,
-        help="niceness of the local Ray's workers, the engine's included (Ray's default is 15); "
-        "$RAY_worker_niceness wins; ignored with --address",
-    )
-    srv.add_argument(
-        "--object-store",
-        default=None,
-        help="file:///path or s3://bucket/prefix for files and batches (default: DATA_DIR/objects)",
-    )
-    srv.add_argument(
-        "--usage-commit-interval",
-        type=float,
-        default=None,
-        help="seconds between usage-record writes of an ingress replica at most (default 0.1); "
-        "a response's usage is stored before it is sent",
-    )
-    srv.add_argument(
-        "--no-usage-metering", action="store_true", help="record no usage (the usage API then answers 404)"
-    )
-    srv.set_defaults(run=run)
 
 
 def _free_port(host: str, port: int = 0) -> int:
@@ -174,10 +188,7 @@ def run(args: argparse.Namespace) -> int:
     """Start a local Ray (or join `--address`) and run the application graph on it: Serve's proxy
     on `--port` -> the ingress deployment -> the LLM replicas, and the batch workers."""
     import secrets
-    import signal
-    import threading
 
-    import ray
     from ray import serve
 
     from tandem.deployments.app import build_app
@@ -202,16 +213,7 @@ def run(args: argparse.Namespace) -> int:
         dev_operator_key = "sk-op-dev-" + secrets.token_hex(12)
         app_args["operator_keys"] = dev_operator_key
     app = build_app(app_args)
-    if args.address:
-        ray.init(address=args.address, runtime_env=RUNTIME_ENV)
-    else:
-        os.makedirs(args.data_dir, exist_ok=True)
-        # Ray starts workers, and so the engine, at niceness 15 below its own processes and any
-        # other program; on a node that exists to run the model, the engine should not yield.
-        os.environ.setdefault("RAY_worker_niceness", str(args.worker_niceness))  # noqa: SIM112
-        # A Ray of its own ("local"), even with $RAY_ADDRESS set: the settings above apply only to
-        # processes this command starts; --address joins a cluster.
-        ray.init(address="local", include_dashboard=False, configure_logging=False, runtime_env=RUNTIME_ENV)
+    _start_ray(args)
     ray_ready = time.monotonic()
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, name="tandem", route_prefix="/")
@@ -224,6 +226,33 @@ def run(args: argparse.Namespace) -> int:
     print(banner(served_name, base, dev_key, dev_operator_key, timing), file=sys.stderr, flush=True)
     print(model, file=sys.stderr, flush=True)
 
+    _serve_until_stopped(serve, args.drain_timeout)
+    return 0
+
+
+def _start_ray(args: argparse.Namespace) -> None:
+    """Join `--address`, or start a local Ray of this command's own."""
+    import ray
+
+    if args.address:
+        ray.init(address=args.address, runtime_env=RUNTIME_ENV)
+        return
+    os.makedirs(args.data_dir, exist_ok=True)
+    # Ray starts workers, and so the engine, at niceness 15 below its own processes and any
+    # other program; on a node that exists to run the model, the engine should not yield.
+    os.environ.setdefault("RAY_worker_niceness", str(args.worker_niceness))  # noqa: SIM112
+    # A Ray of its own ("local"), even with $RAY_ADDRESS set: the settings above apply only to
+    # processes this command starts; --address joins a cluster.
+    ray.init(address="local", include_dashboard=False, configure_logging=False, runtime_env=RUNTIME_ENV)
+
+
+def _serve_until_stopped(serve: Any, drain_timeout_s: float) -> None:
+    """Wait for SIGTERM or Ctrl-C, then drain (a second signal: stop at once) and stop Serve and Ray."""
+    import signal
+    import threading
+
+    import ray
+
     def _stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
@@ -232,18 +261,17 @@ def run(args: argparse.Namespace) -> int:
         threading.Event().wait()
     except KeyboardInterrupt:
         print(
-            f"[tandem] stopping: draining requests in flight (up to {args.drain_timeout:g} s)",
+            f"[tandem] stopping: draining requests in flight (up to {drain_timeout_s:g} s)",
             file=sys.stderr,
         )
         try:
-            drain(serve, args.drain_timeout)
+            drain(serve, drain_timeout_s)
         except KeyboardInterrupt:  # a second signal: stop now
             print("[tandem] stopping now", file=sys.stderr)
     finally:
         serve.shutdown()
         ray.shutdown()  # stops the local Ray processes this command started
         print("[tandem] stopped", file=sys.stderr)
-    return 0
 
 
 def drain(serve: Any, timeout_s: float) -> None:

@@ -142,11 +142,6 @@ def serve_config(app_args: dict[str, Any], *, host: str = "0.0.0.0", port: int =
     }
 
 
-def env_operator_keys() -> str:
-    """`$TANDEM_OPERATOR_KEYS`: the operator API's keys ("" when unset)."""
-    return os.environ.get("TANDEM_OPERATOR_KEYS", "")
-
-
 def first_env_api_key() -> str | None:
     """The first key of `$TANDEM_API_KEYS` (what the banner's example request uses), if any."""
     key = env_api_keys().replace("\n", ",").split(",")[0].partition("=")[0].strip()

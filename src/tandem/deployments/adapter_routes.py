@@ -33,6 +33,40 @@ _SOURCE_BODY = {
 }
 
 
+async def _read_adapter_upload(
+    request: Request, json_body: Callable[[Request], Awaitable[dict[str, Any]]], limit: int
+) -> tuple[object, object, bytes | None, bytes | None]:
+    """An adapter upload's name, source and files: a JSON body (`name`, `source`) or a multipart
+    form (`name` and the two files `adapter_config` and `adapter_model`, or `source`)."""
+    if request.headers.get("content-type", "").startswith("application/json"):
+        body = await json_body(request)
+        name, source, config, weights = body.get("name"), body.get("source"), None, None
+    else:
+        form = await request.form(max_part_size=limit + 1)
+        name, source = form.get("name"), form.get("source")
+        config_part, weights_part = form.get("adapter_config"), form.get("adapter_model")
+        config = None if config_part is None or isinstance(config_part, str) else await config_part.read()
+        weights = (
+            None
+            if weights_part is None or isinstance(weights_part, str)
+            else await weights_part.read(limit + 1)
+        )
+    return name, source, config, weights
+
+
+def _engine_shape(info: dict[str, object]) -> tuple[LoRAModelShape, int]:
+    """The base model's shape and the engine's rank limit from `EngineAdapters.info`."""
+    fields, max_lora_rank = info["shape"], info["max_lora_rank"]
+    assert isinstance(fields, dict) and isinstance(max_lora_rank, int), "EngineAdapters.info's shape"
+    return LoRAModelShape(**{**fields, "target_modules": tuple(fields["target_modules"])}), max_lora_rank
+
+
+def _store_and_tenant(server: OpenAIServer, tenant: str) -> tuple[OpenAIServer, AdapterStore, str]:
+    if server.adapters is None:
+        raise NotFoundError("the adapters API is not enabled on this server (no object store)")
+    return server, server.adapters, tenant
+
+
 def adapter_router(
     authenticated: Callable[[Request], tuple[OpenAIServer, str]],
     json_body: Callable[[Request], Awaitable[dict[str, Any]]],
@@ -40,10 +74,7 @@ def adapter_router(
     router = APIRouter()
 
     def store_and_tenant(request: Request) -> tuple[OpenAIServer, AdapterStore, str]:
-        server, tenant = authenticated(request)
-        if server.adapters is None:
-            raise NotFoundError("the adapters API is not enabled on this server (no object store)")
-        return server, server.adapters, tenant
+        return _store_and_tenant(*authenticated(request))
 
     @router.post("/v1/adapters", openapi_extra=json_request_body(_SOURCE_BODY))
     async def create_adapter(request: Request) -> dict[str, object]:
@@ -53,19 +84,7 @@ def adapter_router(
             raise InvalidRequestError("the replicas serve no LoRA adapters (engine enable_lora is off)")
         limit = store.max_adapter_bytes
         reject_declared_oversize(request, limit, "adapter_model")
-        if request.headers.get("content-type", "").startswith("application/json"):
-            body = await json_body(request)
-            name, source, config, weights = body.get("name"), body.get("source"), None, None
-        else:
-            form = await request.form(max_part_size=limit + 1)
-            name, source = form.get("name"), form.get("source")
-            config_part, weights_part = form.get("adapter_config"), form.get("adapter_model")
-            config = None if config_part is None or isinstance(config_part, str) else await config_part.read()
-            weights = (
-                None
-                if weights_part is None or isinstance(weights_part, str)
-                else await weights_part.read(limit + 1)
-            )
+        name, source, config, weights = await _read_adapter_upload(request, json_body, limit)
         if not isinstance(name, str) or not name:
             raise InvalidRequestError("a 'name' field is required", param="name")
         require_unicode(name, "name")
@@ -84,9 +103,7 @@ def adapter_router(
             raise PayloadTooLargeError(
                 f"adapter_model is {len(weights)} bytes; the limit is {limit}", param="adapter_model"
             )
-        fields, max_lora_rank = info["shape"], info["max_lora_rank"]
-        assert isinstance(fields, dict) and isinstance(max_lora_rank, int), "EngineAdapters.info's shape"
-        shape = LoRAModelShape(**{**fields, "target_modules": tuple(fields["target_modules"])})
+        shape, max_lora_rank = _engine_shape(info)
         record = await run_in_threadpool(store.create, tenant, name, config, weights, shape, max_lora_rank)
         return record.api()
 

@@ -84,10 +84,22 @@ def admin_router(
         await run_in_threadpool(directory.delete_tenant, tenant_id)
         return {"id": tenant_id, "object": "organization.tenant.deleted", "deleted": True}
 
+    _tenant_key_routes(router, directory_for, json_body)
+    _project_key_routes(router, server_of, json_body)
+    return router
+
+
+def _tenant_key_routes(
+    router: APIRouter,
+    directory_for: Callable[[Request], TenantDirectory],
+    json_body: Callable[[Request], Awaitable[dict[str, object]]],
+) -> None:
+    """A tenant's API keys, for operators."""
+
     @router.post("/v1/admin/tenants/{tenant_id}/keys")
     async def create_key(tenant_id: str, request: Request) -> dict[str, object]:
         directory = directory_for(request)
-        return await _create_key(directory, tenant_id, request)
+        return await _create_key(directory, tenant_id, request, json_body)
 
     @router.get("/v1/admin/tenants/{tenant_id}/keys")
     async def list_keys(tenant_id: str, request: Request) -> dict[str, object]:
@@ -101,20 +113,13 @@ def admin_router(
         await run_in_threadpool(directory.revoke_key, tenant_id, key_id)
         return {"id": key_id, "object": "organization.tenant.api_key.deleted", "deleted": True}
 
-    async def _create_key(directory: TenantDirectory, tenant_id: str, request: Request) -> dict[str, object]:
-        body = await json_body(request) if await request.body() else {}
-        name, expires_at = body.get("name"), body.get("expires_at")
-        unknown = sorted(set(body) - {"name", "expires_at"})
-        if unknown:
-            raise InvalidRequestError(f"unknown field {unknown[0]!r}", param=unknown[0])
-        if name is not None and not isinstance(name, str):
-            raise InvalidRequestError("name must be a string", param="name")
-        if expires_at is not None and (not isinstance(expires_at, int) or isinstance(expires_at, bool)):
-            raise InvalidRequestError("expires_at must be Unix seconds (an integer)", param="expires_at")
-        key, secret = await run_in_threadpool(
-            lambda: directory.create_key(tenant_id, name=name, expires_at=expires_at)
-        )
-        return {**key.api(), "key": secret}
+
+def _project_key_routes(
+    router: APIRouter,
+    server_of: Callable[[Request], OpenAIServer],
+    json_body: Callable[[Request], Awaitable[dict[str, object]]],
+) -> None:
+    """OpenAI's project API keys: an operator, or the tenant (project) itself."""
 
     def project_directory(request: Request, project_id: str) -> TenantDirectory:
         """The directory, for an operator or for the tenant `project_id` itself (403 for another)."""
@@ -137,7 +142,7 @@ def admin_router(
     @router.post("/v1/organization/projects/{project_id}/api_keys")
     async def create_project_key(project_id: str, request: Request) -> dict[str, object]:
         directory = project_directory(request, project_id)
-        return await _create_key(directory, project_id, request)
+        return await _create_key(directory, project_id, request, json_body)
 
     @router.delete("/v1/organization/projects/{project_id}/api_keys/{key_id}")
     async def revoke_project_key(project_id: str, key_id: str, request: Request) -> dict[str, object]:
@@ -145,4 +150,23 @@ def admin_router(
         await run_in_threadpool(directory.revoke_key, project_id, key_id)
         return {"id": key_id, "object": "organization.project.api_key.deleted", "deleted": True}
 
-    return router
+
+async def _create_key(
+    directory: TenantDirectory,
+    tenant_id: str,
+    request: Request,
+    json_body: Callable[[Request], Awaitable[dict[str, object]]],
+) -> dict[str, object]:
+    body = await json_body(request) if await request.body() else {}
+    name, expires_at = body.get("name"), body.get("expires_at")
+    unknown = sorted(set(body) - {"name", "expires_at"})
+    if unknown:
+        raise InvalidRequestError(f"unknown field {unknown[0]!r}", param=unknown[0])
+    if name is not None and not isinstance(name, str):
+        raise InvalidRequestError("name must be a string", param="name")
+    if expires_at is not None and (not isinstance(expires_at, int) or isinstance(expires_at, bool)):
+        raise InvalidRequestError("expires_at must be Unix seconds (an integer)", param="expires_at")
+    key, secret = await run_in_threadpool(
+        lambda: directory.create_key(tenant_id, name=name, expires_at=expires_at)
+    )
+    return {**key.api(), "key": secret}

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from dataclasses import asdict
 from typing import Any, cast
 
@@ -30,9 +29,10 @@ from tandem.deployments.replicas import (
     PrefillReplica,
 )
 from tandem.deployments.tenant_leases import TENANT_BUDGET_DEPLOYMENT, LeasedTenantLimiter, TenantBudgetShard
-from tandem.platform.api_keys import env_api_keys, parse_keys, parse_operator_keys
+from tandem.platform.api_keys import env_api_keys, env_operator_keys, parse_keys, parse_operator_keys
 from tandem.platform.cpu import usable_cpus
 from tandem.platform.local_state import SavedDocument, state_path
+from tandem.platform.object_store import ObjectStore
 from tandem.platform.store_guard import open_object_store
 from tandem.platform.telemetry import get_telemetry
 from tandem.platform.tenancy import TenantLimits, TenantRegistry
@@ -77,6 +77,38 @@ class OpenAIIngress:
             usage_log.close(timeout_s=10.0)
 
 
+def _tenant_registry(cfg: AppConfig, store: ObjectStore | None) -> TenantRegistry:
+    """Tenants and keys: the bootstrap keys (config, keys file, environment), the operator keys,
+    and with a store the live tenant directory."""
+    spec = cfg.api_keys if cfg.api_keys is not None else env_api_keys()
+    if cfg.keys_file:
+        with open(cfg.keys_file) as f:
+            spec = f.read() + "," + spec
+    operator_spec = cfg.operator_keys if cfg.operator_keys is not None else env_operator_keys()
+    directory = None
+    if store is not None:
+        directory = TenantDirectory(store, saved=SavedDocument(state_path("tenancy", store.url, ".json")))
+        # The keys issued before this replica started work from its first request: read now, or,
+        # with the store down, the copy saved on this machine (the API serves without the store).
+        directory.warm_start()
+    return TenantRegistry(
+        parse_keys(spec),
+        TenantLimits(cfg.max_concurrent_requests_per_tenant, cfg.tokens_per_minute_per_tenant),
+        operator_keys=parse_operator_keys(operator_spec),
+        directory=directory,
+    )
+
+
+def _usage_log(cfg: AppConfig, store: ObjectStore | None) -> UsageLog | None:
+    if store is None or not cfg.meter_usage:
+        return None
+    usage_log = UsageLog(
+        store, commit_interval_s=cfg.usage_commit_interval_s, on_committed=get_telemetry().record_usage
+    )
+    usage_log.start()  # ships what a stopped process of this store left spooled on this machine
+    return usage_log
+
+
 def openai_server(
     cfg: AppConfig,
     client: EngineClient,
@@ -85,26 +117,8 @@ def openai_server(
 ) -> OpenAIServer:
     """The OpenAI routes' server over `client`: tenants and keys (limits kept with the
     `budget_shards` when there are several ingress replicas), files, batches and adapters."""
-    spec = cfg.api_keys if cfg.api_keys is not None else env_api_keys()
-    if cfg.keys_file:
-        with open(cfg.keys_file) as f:
-            spec = f.read() + "," + spec
-    operator_spec = (
-        cfg.operator_keys if cfg.operator_keys is not None else os.environ.get("TANDEM_OPERATOR_KEYS", "")
-    )
     store = open_object_store(cfg.object_store) if cfg.object_store is not None else None
-    directory = None
-    if store is not None:
-        directory = TenantDirectory(store, saved=SavedDocument(state_path("tenancy", store.url, ".json")))
-        # The keys issued before this replica started work from its first request: read now, or,
-        # with the store down, the copy saved on this machine (the API serves without the store).
-        directory.warm_start()
-    tenants = TenantRegistry(
-        parse_keys(spec),
-        TenantLimits(cfg.max_concurrent_requests_per_tenant, cfg.tokens_per_minute_per_tenant),
-        operator_keys=parse_operator_keys(operator_spec),
-        directory=directory,
-    )
+    tenants = _tenant_registry(cfg, store)
     tenants.start_refresh(cfg.tenant_refresh_s)
     batches = adapters = None
     if store is not None:
@@ -127,12 +141,7 @@ def openai_server(
     limiter: TenantLimiter = LocalTenantLimiter(tenants, max_wait_s=cfg.tenant_queue_wait_s)
     if budget_shards:
         limiter = LeasedTenantLimiter(budget_shards, tenants)
-    usage_log = None
-    if store is not None and cfg.meter_usage:
-        usage_log = UsageLog(
-            store, commit_interval_s=cfg.usage_commit_interval_s, on_committed=get_telemetry().record_usage
-        )
-        usage_log.start()  # ships what a stopped process of this store left spooled on this machine
+    usage_log = _usage_log(cfg, store)
     server = OpenAIServer(
         client,
         tenants,
@@ -249,6 +258,28 @@ def batch_worker_options(cfg: AppConfig) -> dict[str, Any]:
     }
 
 
+def _llm_deployment(cfg: AppConfig, fleet: serve.Application) -> serve.Application:
+    """The LLM replicas: one kind, or in `disaggregated` mode decode replicas over prefill ones."""
+    engine_options = replica_engine_options(cfg)
+    if cfg.mode == "disaggregated":
+        prefill_options = {**engine_options, **cfg.prefill_engine, "enable_lora": False}
+        prefill = (
+            serve.deployment(name=PREFILL_DEPLOYMENT)(PrefillReplica)
+            .options(**prefill_replica_options(cfg))
+            .bind(prefill_options)
+        )
+        decode = serve.deployment(name=LLM_DEPLOYMENT)(DecodeReplica).options(**replica_options(cfg))
+        llm = decode.bind(
+            prefill, engine_options, cfg.object_store, cfg.stream_interval, fleet, max_batch_requests(cfg)
+        )
+    else:
+        replica = serve.deployment(name=LLM_DEPLOYMENT)(LLMReplica).options(**replica_options(cfg))
+        llm = replica.bind(
+            engine_options, None, cfg.object_store, cfg.stream_interval, fleet, max_batch_requests(cfg)
+        )
+    return llm
+
+
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     cfg = AppConfig(**(args or {}))
     model_name = cfg.engine.api_model_name
@@ -275,23 +306,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
             directory_poll_s=cfg.tenant_refresh_s,
         )
     )
-    engine_options = replica_engine_options(cfg)
-    if cfg.mode == "disaggregated":
-        prefill_options = {**engine_options, **cfg.prefill_engine, "enable_lora": False}
-        prefill = (
-            serve.deployment(name=PREFILL_DEPLOYMENT)(PrefillReplica)
-            .options(**prefill_replica_options(cfg))
-            .bind(prefill_options)
-        )
-        decode = serve.deployment(name=LLM_DEPLOYMENT)(DecodeReplica).options(**replica_options(cfg))
-        llm = decode.bind(
-            prefill, engine_options, cfg.object_store, cfg.stream_interval, fleet, max_batch_requests(cfg)
-        )
-    else:
-        replica = serve.deployment(name=LLM_DEPLOYMENT)(LLMReplica).options(**replica_options(cfg))
-        llm = replica.bind(
-            engine_options, None, cfg.object_store, cfg.stream_interval, fleet, max_batch_requests(cfg)
-        )
+    llm = _llm_deployment(cfg, fleet)
     shards = None
     if cfg.ingress_num_replicas > 1:  # tenant limits across them: budget shards
         shards = [

@@ -51,6 +51,20 @@ def _int_param(request: Request, name: str, default: int) -> int:
         raise InvalidRequestError(f"{name} must be an integer", param=name) from exc
 
 
+async def _read_upload(request: Request, service: BatchService) -> tuple[str, str, bytes]:
+    """A `/v1/files` upload's file name, purpose and bytes (multipart), within the size limit."""
+    reject_declared_oversize(request, service.limits.max_file_bytes, "file")
+    form = await request.form(max_part_size=service.limits.max_file_bytes + 1)
+    upload, purpose = form.get("file"), form.get("purpose")
+    if upload is None or isinstance(upload, str):
+        raise InvalidRequestError("a multipart field 'file' with the JSONL file is required", param="file")
+    if not isinstance(purpose, str):
+        raise InvalidRequestError("a multipart field 'purpose' is required (use 'batch')", param="purpose")
+    data = await upload.read(service.limits.max_file_bytes + 1)
+    service.check_file_size(len(data))
+    return upload.filename or "upload.jsonl", purpose, data
+
+
 def batch_router(
     authenticated: Callable[[Request], tuple[OpenAIServer, str]],
     json_body: Callable[[Request], Awaitable[dict[str, Any]]],
@@ -66,22 +80,8 @@ def batch_router(
     @router.post("/v1/files")
     async def create_file(request: Request) -> dict[str, object]:
         service, tenant = service_and_tenant(request)
-        reject_declared_oversize(request, service.limits.max_file_bytes, "file")
-        form = await request.form(max_part_size=service.limits.max_file_bytes + 1)
-        upload, purpose = form.get("file"), form.get("purpose")
-        if upload is None or isinstance(upload, str):
-            raise InvalidRequestError(
-                "a multipart field 'file' with the JSONL file is required", param="file"
-            )
-        if not isinstance(purpose, str):
-            raise InvalidRequestError(
-                "a multipart field 'purpose' is required (use 'batch')", param="purpose"
-            )
-        data = await upload.read(service.limits.max_file_bytes + 1)
-        service.check_file_size(len(data))
-        record = await run_in_threadpool(
-            service.create_file, tenant, upload.filename or "upload.jsonl", purpose, data
-        )
+        filename, purpose, data = await _read_upload(request, service)
+        record = await run_in_threadpool(service.create_file, tenant, filename, purpose, data)
         return record.api()
 
     @router.get("/v1/files")
@@ -113,6 +113,18 @@ def batch_router(
         service, tenant = service_and_tenant(request)
         await run_in_threadpool(service.delete_file, tenant, file_id)
         return {"id": file_id, "object": "file", "deleted": True}
+
+    _batch_routes(router, authenticated, service_and_tenant, json_body)
+    return router
+
+
+def _batch_routes(
+    router: APIRouter,
+    authenticated: Callable[[Request], tuple[OpenAIServer, str]],
+    service_and_tenant: Callable[[Request], tuple[BatchService, str]],
+    json_body: Callable[[Request], Awaitable[dict[str, Any]]],
+) -> None:
+    """`/v1/batches`: create (validated like OpenAI's), list, get, cancel."""
 
     @router.post("/v1/batches", openapi_extra=json_request_body(BatchCreateRequest.model_json_schema()))
     async def create_batch(request: Request) -> dict[str, object]:
@@ -157,5 +169,3 @@ def batch_router(
     async def cancel_batch(batch_id: str, request: Request) -> dict[str, object]:
         service, tenant = service_and_tenant(request)
         return (await run_in_threadpool(service.cancel_batch, tenant, batch_id)).api()
-
-    return router

@@ -88,6 +88,28 @@ def _who(server: OpenAIServer, key: str) -> dict[str, Any]:
     }
 
 
+async def _asset(name: str, request: Request) -> Response:
+    """A built file; its precompressed copy (`<name>.gz`, made by the build) to a browser that
+    accepts gzip."""
+    if not _ASSET_NAME.fullmatch(name) or name == "index.html" or not (STATIC_DIR / name).is_file():
+        raise NotFoundError(f"no console asset {name!r}")
+    path, headers = STATIC_DIR / name, {**SECURITY_HEADERS, "Vary": "Accept-Encoding"}
+    media_type = mimetypes.guess_type(name)[0] or "application/octet-stream"
+    compressed = STATIC_DIR / f"{name}.gz"
+    if "gzip" in request.headers.get("accept-encoding", "") and compressed.is_file():
+        path, headers["Content-Encoding"] = compressed, "gzip"
+    return FileResponse(path, media_type=media_type, headers=headers)
+
+
+async def _page(page: str = "") -> Response:
+    if page not in PAGES:
+        raise NotFoundError(f"no console page {page!r}")
+    index = STATIC_DIR / "index.html"
+    if not index.is_file():
+        raise NotFoundError("the console is not built: run `make console`")
+    return FileResponse(index, media_type="text/html; charset=utf-8", headers=SECURITY_HEADERS)
+
+
 def console_router(
     server_of: Callable[[Request], OpenAIServer],
     json_body: Callable[[Request], Awaitable[dict[str, Any]]],
@@ -141,29 +163,9 @@ def console_router(
         )
         return response
 
-    @router.get("/console/assets/{name}")
-    async def asset(name: str, request: Request) -> Response:
-        """A built file; its precompressed copy (`<name>.gz`, made by the build) to a browser that
-        accepts gzip."""
-        if not _ASSET_NAME.fullmatch(name) or name == "index.html" or not (STATIC_DIR / name).is_file():
-            raise NotFoundError(f"no console asset {name!r}")
-        path, headers = STATIC_DIR / name, {**SECURITY_HEADERS, "Vary": "Accept-Encoding"}
-        media_type = mimetypes.guess_type(name)[0] or "application/octet-stream"
-        compressed = STATIC_DIR / f"{name}.gz"
-        if "gzip" in request.headers.get("accept-encoding", "") and compressed.is_file():
-            path, headers["Content-Encoding"] = compressed, "gzip"
-        return FileResponse(path, media_type=media_type, headers=headers)
-
-    async def page(page: str = "") -> Response:
-        if page not in PAGES:
-            raise NotFoundError(f"no console page {page!r}")
-        index = STATIC_DIR / "index.html"
-        if not index.is_file():
-            raise NotFoundError("the console is not built: run `make console`")
-        return FileResponse(index, media_type="text/html; charset=utf-8", headers=SECURITY_HEADERS)
-
-    router.add_api_route("/console", page, methods=["GET"])
-    router.add_api_route("/console/{page}", page, methods=["GET"])
+    router.add_api_route("/console/assets/{name}", _asset, methods=["GET"])
+    router.add_api_route("/console", _page, methods=["GET"])
+    router.add_api_route("/console/{page}", _page, methods=["GET"])
     return router
 
 

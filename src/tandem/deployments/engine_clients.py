@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
     from tandem.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger("tandem.api")
 
 
 class EngineClient(Protocol):
@@ -198,5 +201,9 @@ class HandleEngineClient:
             if response is not None:
                 # Aborts the request on the replica if it is still running. On a response that
                 # failed to be assigned, cancel() re-raises that failure: it must not replace ours.
-                with contextlib.suppress(Exception):
+                try:
                     response.cancel()
+                except Exception as cancel_exc:  # noqa: BLE001 - the request's own outcome stands
+                    logger.debug(
+                        "cancelling a replica response failed", extra={"error": str(cancel_exc)[:200]}
+                    )

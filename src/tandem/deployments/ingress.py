@@ -136,13 +136,9 @@ def _openapi_schema(app: FastAPI) -> dict[str, object]:
     return schema
 
 
-def create_app(server: OpenAIServer | None = None) -> FastAPI:
-    """The OpenAI app. `POST /v1/chat/completions` and `POST /v1/completions` are answered by
-    `CompletionRoutes` in front of FastAPI's routing (they are the hot path); the rest are routes."""
-    app = FastAPI(title="Tandem", version="0.1.0")
-    app.state.server = server
-    app.add_middleware(CompletionRoutes, server_of=server_for_app)
-    app.add_middleware(ConsoleSessionAuth)  # outermost: the console's cookie becomes the key for every route
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape: `TandemError`s as they say, validation errors naming the
+    parameter, Starlette's own 404 / 405, and a bug as a 500 with only a request id."""
 
     @app.exception_handler(TandemError)
     async def _tandem_error(request: Request, exc: TandemError) -> JSONResponse:
@@ -178,6 +174,58 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
         )
         return _reply_response(500, internal_error_body(request_id), {"X-Request-ID": request_id})
 
+
+async def _models(request: Request) -> dict[str, object]:
+    server, tenant = _authenticated(request)
+    return await run_in_threadpool(server.models, tenant, await server.model_info())
+
+
+async def _model(model_id: str, request: Request) -> dict[str, object]:
+    server, tenant = _authenticated(request)
+    return await run_in_threadpool(server.model, tenant, model_id, await server.model_info())
+
+
+async def _health(request: Request) -> JSONResponse:
+    """Ready when an engine replica reports: 503 while every model replica is still loading
+    (the fleet state then holds no report) or none answers in time."""
+    server = _server(request)
+    try:
+        num_reporting = await asyncio.wait_for(server.refresh_engine_stats(), HEALTH_TIMEOUT_S)
+    except Exception as exc:
+        return error_response(
+            503,
+            f"no engine is ready yet ({type(exc).__name__}); retry shortly",
+            "server_error",
+            code="not_ready",
+        )
+    if num_reporting == 0:
+        return error_response(
+            503, "no engine replica is ready yet (loading the model); retry shortly", "server_error",
+            code="not_ready",
+        )  # fmt: skip
+    return JSONResponse({"status": "ok"})
+
+
+async def _metrics(request: Request) -> PlainTextResponse:
+    """Prometheus text, for operators only (its series are labelled by tenant): 401 without a
+    key, 403 with a tenant's key."""
+    from tandem.platform.telemetry import prometheus_text
+
+    server = _server(request)
+    server.tenants.authenticate_operator(request.headers.get("authorization"))
+    await server.refresh_engine_stats()
+    return PlainTextResponse(prometheus_text(), media_type="text/plain; version=0.0.4")
+
+
+def create_app(server: OpenAIServer | None = None) -> FastAPI:
+    """The OpenAI app. `POST /v1/chat/completions` and `POST /v1/completions` are answered by
+    `CompletionRoutes` in front of FastAPI's routing (they are the hot path); the rest are routes."""
+    app = FastAPI(title="Tandem", version="0.1.0")
+    app.state.server = server
+    app.add_middleware(CompletionRoutes, server_of=server_for_app)
+    app.add_middleware(ConsoleSessionAuth)  # outermost: the console's cookie becomes the key for every route
+
+    _add_error_handlers(app)
     app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
     app.include_router(batch_router(_authenticated, json_body))
     app.include_router(adapter_router(_authenticated, json_body))
@@ -186,46 +234,8 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
     app.include_router(usage_router(_server))
     app.include_router(console_router(_server, json_body))
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, object]:
-        server, tenant = _authenticated(request)
-        return await run_in_threadpool(server.models, tenant, await server.model_info())
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, request: Request) -> dict[str, object]:
-        server, tenant = _authenticated(request)
-        return await run_in_threadpool(server.model, tenant, model_id, await server.model_info())
-
-    @app.get("/health")
-    async def health(request: Request) -> JSONResponse:
-        """Ready when an engine replica reports: 503 while every model replica is still loading
-        (the fleet state then holds no report) or none answers in time."""
-        server = _server(request)
-        try:
-            num_reporting = await asyncio.wait_for(server.refresh_engine_stats(), HEALTH_TIMEOUT_S)
-        except Exception as exc:
-            return error_response(
-                503,
-                f"no engine is ready yet ({type(exc).__name__}); retry shortly",
-                "server_error",
-                code="not_ready",
-            )
-        if num_reporting == 0:
-            return error_response(
-                503, "no engine replica is ready yet (loading the model); retry shortly", "server_error",
-                code="not_ready",
-            )  # fmt: skip
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/metrics")
-    async def metrics(request: Request) -> PlainTextResponse:
-        """Prometheus text, for operators only (its series are labelled by tenant): 401 without a
-        key, 403 with a tenant's key."""
-        from tandem.platform.telemetry import prometheus_text
-
-        server = _server(request)
-        server.tenants.authenticate_operator(request.headers.get("authorization"))
-        await server.refresh_engine_stats()
-        return PlainTextResponse(prometheus_text(), media_type="text/plain; version=0.0.4")
-
+    app.add_api_route("/v1/models", _models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", _model, methods=["GET"])
+    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_api_route("/metrics", _metrics, methods=["GET"])
     return app

@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
+from tandem.batch.service import BatchService
 from tandem.deployments.openai.server import OpenAIServer
 from tandem.platform.errors import NotFoundError
 
@@ -36,6 +37,27 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+def _batch_queue(service: BatchService) -> dict[str, object]:
+    """`/v1/admin/batches`' body: the queued batches, oldest first, and per tenant its batches,
+    lines left and output tokens queued."""
+    data: list[dict[str, object]] = []
+    per_tenant: dict[str, dict[str, int]] = {}
+    for tenant, batch_id in service.queued_batches():
+        try:
+            record = service.get_batch(tenant, batch_id)
+        except NotFoundError:
+            continue  # finished and cleaned up since the queue was listed
+        body = record.api()
+        lines_left = record.num_lines_left()
+        queued = record.num_output_tokens_queued
+        data.append({**body, "tenant": tenant, "output_tokens_queued": queued})
+        summary = per_tenant.setdefault(tenant, {"batches": 0, "lines_left": 0, "output_tokens_queued": 0})
+        summary["batches"] += 1
+        summary["lines_left"] += lines_left
+        summary["output_tokens_queued"] += queued
+    return {"object": "list", "data": data, "tenants": per_tenant}
 
 
 def operator_router(server_of: Callable[[Request], OpenAIServer]) -> APIRouter:
@@ -91,30 +113,6 @@ def operator_router(server_of: Callable[[Request], OpenAIServer]) -> APIRouter:
         if service is None:
             raise NotFoundError("the batch API is not enabled on this server (no object store)")
 
-        def read() -> list[tuple[str, Any]]:
-            out = []
-            for tenant, batch_id in service.queued_batches():
-                try:
-                    out.append((tenant, service.get_batch(tenant, batch_id)))
-                except NotFoundError:
-                    continue  # finished and cleaned up since the queue was listed
-            return out
-
-        batches = await run_in_threadpool(read)
-        data: list[dict[str, Any]] = []
-        per_tenant: dict[str, dict[str, int]] = {}
-        for tenant, record in batches:
-            body = record.api()
-            counts = body["request_counts"]
-            lines_left = counts["total"] - counts["completed"] - counts["failed"]
-            queued = record.num_output_tokens_queued
-            data.append({**body, "tenant": tenant, "output_tokens_queued": queued})
-            summary = per_tenant.setdefault(
-                tenant, {"batches": 0, "lines_left": 0, "output_tokens_queued": 0}
-            )
-            summary["batches"] += 1
-            summary["lines_left"] += lines_left
-            summary["output_tokens_queued"] += queued
-        return {"object": "list", "data": data, "tenants": per_tenant}
+        return await run_in_threadpool(_batch_queue, service)
 
     return router

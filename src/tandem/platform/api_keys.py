@@ -29,6 +29,11 @@ def env_api_keys() -> str:
     return os.environ.get("TANDEM_API_KEYS", "")
 
 
+def env_operator_keys() -> str:
+    """`$TANDEM_OPERATOR_KEYS` (operator API keys, comma-separated; "" when unset)."""
+    return os.environ.get("TANDEM_OPERATOR_KEYS", "")
+
+
 def parse_keys(spec: str) -> dict[str, str]:
     """ "k1=t1,k2=t2" (or one pair per line) -> {sha256(k): tenant}. Raises on malformed pairs."""
     hashed: dict[str, str] = {}

@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tandem.batch.service import BatchService
 from tandem.deployments.adapters import AdapterStore
 from tandem.deployments.engine_clients import EngineClient
 from tandem.deployments.openai.bodies import Answer, final_body
+from tandem.deployments.openai.drain import Drain
 from tandem.deployments.openai.limiter import LocalTenantLimiter, TenantLimiter
 from tandem.deployments.openai.mapping import (
     NO_TOKEN_NAMES,
@@ -43,7 +44,7 @@ from tandem.deployments.orphans import UsageTag
 from tandem.deployments.usage_metering import RequestMeter
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Priority
-from tandem.platform.errors import InvalidRequestError, NotFoundError, ShuttingDownError
+from tandem.platform.errors import InvalidRequestError, NotFoundError
 from tandem.platform.telemetry import get_telemetry
 from tandem.platform.tenancy import TenantRegistry
 from tandem.platform.usage_log import UsageLog
@@ -78,46 +79,21 @@ class OpenAIServer:
         self._token_names: TokenNames | None = None  # from the engine's table, once logprobs are asked
         # Graceful stop (`begin_drain`): requests running now, and the drain's end, once set.
         self.in_flight = InFlight()
-        self.draining = False
-        self._drain_deadline: float | None = None  # time.monotonic()
+        self.drain = Drain()
 
     @property
     def num_in_flight(self) -> int:
         """Requests running now (what a drain waits for)."""
         return self.in_flight.count
 
-    # -- graceful stop --------------------------------------------------------------------
+    # -- graceful stop (`drain.Drain`) -----------------------------------------------------
     def begin_drain(self, timeout_s: float) -> None:
-        """Stop admitting (new requests: 503 `shutting_down` with Retry-After) and give requests
-        in flight `timeout_s` seconds to finish; then each still running ends with that error (a
-        stream: an error event, then `[DONE]`) at its next output. Any thread may call it; a
-        later call can only bring the end closer (a second signal: stop sooner)."""
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        if self._drain_deadline is not None and self._drain_deadline <= deadline:
-            return
-        self._drain_deadline = deadline
-        self.draining = True
-        logger.info("draining", extra={"timeout_s": timeout_s, "in_flight": self.num_in_flight})
+        """Stop admitting and end what still runs after `timeout_s` (`Drain.begin`)."""
+        self.drain.begin(timeout_s, self.num_in_flight)
 
-    def _check_admitting(self) -> None:
-        if self.draining:
-            raise ShuttingDownError("the server is shutting down; retry the request on another one shortly")
-
-    async def _next_output(self, outputs: AsyncGenerator[RequestOutput, None]) -> RequestOutput | None:
-        """The engine's next output (None at the end), or, once a drain's time is up,
-        `ShuttingDownError` (the caller's cleanup closes the engine stream, aborting it)."""
-        deadline = self._drain_deadline
-        if deadline is None:
-            return await anext(outputs, None)
-        remaining = deadline - time.monotonic()
-        if remaining > 0:
-            following = asyncio.ensure_future(anext(outputs, None))
-            done, _ = await asyncio.wait({following}, timeout=remaining)
-            if done:
-                return following.result()
-            following.cancel()
-            await asyncio.gather(following, return_exceptions=True)
-        raise ShuttingDownError("the server shut down before this request finished; retry it")
+    @property
+    def draining(self) -> bool:
+        return self.drain.draining
 
     async def refresh_engine_stats(self) -> int:
         """Pull every replica's engine gauges (KV occupancy, queue) into telemetry; called on each
@@ -329,7 +305,7 @@ class OpenAIServer:
         waiting. Its `RequestScope` gives back what it holds once, whatever ends it."""
         if timing is not None:
             timing.request_id = gen.request_id
-        self._check_admitting()
+        self.drain.check_admitting()
         if gen.sampling_params.logprobs is not None:
             await self.load_token_table()
         answer = Answer(gen, self._api_model(gen), self._names(), chat, tool_calls)
@@ -339,7 +315,7 @@ class OpenAIServer:
         try:
             scope.start(self.client.generate(gen, self._usage_tag(scope)))
             assert scope.outputs is not None
-            first = await self._next_output(scope.outputs)  # validation errors surface here
+            first = await self.drain.next_output(scope.outputs)  # validation errors surface here
             if first is None:
                 raise RuntimeError(f"the engine stream of {gen.request_id} ended without an output")
             first_at = time.monotonic()
@@ -359,18 +335,25 @@ class OpenAIServer:
                 answer,
                 scope,
                 first,
-                self._next_output,
+                self.drain.next_output,
                 include_usage=include_usage,
                 on_finished=lambda last: self._record(gen, tenant, last, *times),
             )
             return Events(events, scope)
+        return await self._complete(answer, scope, first, times)
+
+    async def _complete(
+        self, answer: Answer, scope: RequestScope, first: RequestOutput, times: tuple[float, int, float]
+    ) -> dict[str, object]:
+        """Wait for the request to finish; its JSON body, its usage stored first."""
+        assert scope.outputs is not None
         async with scope:
             scope.last = first
-            while (out := await self._next_output(scope.outputs)) is not None:
+            while (out := await self.drain.next_output(scope.outputs)) is not None:
                 scope.last = out
                 scope.see(out)
         last = scope.last
-        self._record(gen, tenant, last, *times)
+        self._record(answer.gen, scope.tenant, last, *times)
         if failed_choice(last):
             scope.end_usage(None, failed=True)
             raise engine_error(last, answer.constraint_param)
