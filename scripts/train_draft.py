@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO / "src"))
 from tandem.engine.models.eagle import EagleConfig, EagleDraft  # noqa: E402
 from tandem.engine.models.llama import rms_norm  # noqa: E402
 from tandem.engine.models.loader import build_model, load_model  # noqa: E402
-from tandem.kernels.attention_metadata import build_attention_metadata
+from tandem.kernels.attention_metadata import build_attention_metadata  # noqa: E402
 from tandem.kernels.rotary import apply_rope  # noqa: E402
 
 DEFAULT_OUT = REPO / "src/tandem/engine/drafts/smollm2-135m-instruct-eagle"

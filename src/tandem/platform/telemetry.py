@@ -33,27 +33,98 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30
 TOKEN_LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)
 
 
+# The engines' stats read at each scrape: (metric, `LLMEngine.stats()` key, description).
+ENGINE_GAUGES = (
+    ("tandem_kv_cache_occupancy", "kv_occupancy", "KV blocks used / total"),
+    ("tandem_num_requests_running", "num_running", "Requests in the running batch"),
+    ("tandem_num_requests_waiting", "num_waiting", "Requests waiting for admission"),
+    ("tandem_loras_loaded", "num_loras_loaded", "LoRA adapters held in the engine's memory"),
+    (
+        "tandem_prefix_cache_hit_rate",
+        "prefix_cache_hit_rate",
+        "Prompt tokens found in the prefix cache / looked up",
+    ),
+    (
+        "tandem_moe_expert_imbalance",
+        "moe_expert_imbalance",
+        "Mixture-of-experts models: the busiest expert's routed tokens over the mean (1 is even)",
+    ),
+)
+ENGINE_COUNTERS = (
+    ("tandem_num_preemptions", "num_preemptions", "Requests preempted (recomputed) so far"),
+    (
+        "tandem_prefix_cache_hit_tokens",
+        "prefix_cache_hits",
+        "Prompt tokens served from the prefix cache",
+    ),
+    (
+        "tandem_kv_integrity_aborts",
+        "num_kv_integrity_aborts",
+        "Requests aborted by the KV-page integrity check",
+    ),
+    (
+        "tandem_failed_requests",
+        "num_failed_requests",
+        "Requests the engine ended alone because they broke their step (their adapter, "
+        "parameters or logits); the others in the step went on",
+    ),
+    ("tandem_engine_steps", "num_steps", "Engine steps that ran the model"),
+    (
+        "tandem_kv_window_released_blocks",
+        "kv_window_released_blocks",
+        "KV blocks given back early because they left every layer's sliding window",
+    ),
+    (
+        "tandem_engine_output_tokens_interactive",
+        "num_output_tokens_interactive",
+        "Tokens the engine generated for real-time requests",
+    ),
+    (
+        "tandem_engine_output_tokens_batch",
+        "num_output_tokens_batch",
+        "Tokens the engine generated for batch requests (batch progress between shard commits)",
+    ),
+    ("tandem_spec_draft_tokens", "num_draft_tokens", "Speculative draft tokens verified"),
+    ("tandem_spec_accepted_tokens", "num_accepted_draft_tokens", "Draft tokens the model accepted"),
+    (
+        "tandem_spec_draft_seconds",
+        "draft_wall_s",
+        "Wall seconds the draft model spent proposing (against tandem_engine_step_wall_seconds: its share)",
+    ),
+    ("tandem_engine_step_wall_seconds", "step_wall_s", "Wall seconds inside engine steps"),
+    (
+        "tandem_engine_step_cpu_seconds",
+        "step_thread_cpu_s",
+        "CPU seconds of the engine thread inside steps (below wall: steps waited for cores)",
+    ),
+)
+
+
+def _latency_views() -> list[View]:
+    """The latency histograms' buckets."""
+    return [
+        View(
+            instrument_name="tandem_time_to_first_token_seconds",
+            aggregation=ExplicitBucketHistogramAggregation(LATENCY_BUCKETS_S),
+        ),
+        View(
+            instrument_name="tandem_e2e_request_latency_seconds",
+            aggregation=ExplicitBucketHistogramAggregation(LATENCY_BUCKETS_S),
+        ),
+        View(
+            instrument_name="tandem_time_per_output_token_seconds",
+            aggregation=ExplicitBucketHistogramAggregation(TOKEN_LATENCY_BUCKETS_S),
+        ),
+    ]
+
+
 class Telemetry:
     def __init__(self, service_name: str = "tandem") -> None:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
 
         resource = Resource.create({"service.name": service_name})
-        views = [
-            View(
-                instrument_name="tandem_time_to_first_token_seconds",
-                aggregation=ExplicitBucketHistogramAggregation(LATENCY_BUCKETS_S),
-            ),
-            View(
-                instrument_name="tandem_e2e_request_latency_seconds",
-                aggregation=ExplicitBucketHistogramAggregation(LATENCY_BUCKETS_S),
-            ),
-            View(
-                instrument_name="tandem_time_per_output_token_seconds",
-                aggregation=ExplicitBucketHistogramAggregation(TOKEN_LATENCY_BUCKETS_S),
-            ),
-        ]
         self.meter_provider = MeterProvider(
-            resource=resource, metric_readers=[PrometheusMetricReader()], views=views
+            resource=resource, metric_readers=[PrometheusMetricReader()], views=_latency_views()
         )
         self.tracer_provider = TracerProvider(resource=resource)
         self._num_span_processors = 0  # spans are built only when something receives them
@@ -94,71 +165,9 @@ class Telemetry:
         }  # a record's field (None: count the record) -> its counter
         self._engine_stats: dict[tuple[str, str], dict[str, Any]] = {}  # (model, replica id) ->
         self._lock = threading.Lock()
-        for name, key, description in (
-            ("tandem_kv_cache_occupancy", "kv_occupancy", "KV blocks used / total"),
-            ("tandem_num_requests_running", "num_running", "Requests in the running batch"),
-            ("tandem_num_requests_waiting", "num_waiting", "Requests waiting for admission"),
-            ("tandem_loras_loaded", "num_loras_loaded", "LoRA adapters held in the engine's memory"),
-            (
-                "tandem_prefix_cache_hit_rate",
-                "prefix_cache_hit_rate",
-                "Prompt tokens found in the prefix cache / looked up",
-            ),
-            (
-                "tandem_moe_expert_imbalance",
-                "moe_expert_imbalance",
-                "Mixture-of-experts models: the busiest expert's routed tokens over the mean (1 is even)",
-            ),
-        ):
+        for name, key, description in ENGINE_GAUGES:
             meter.create_observable_gauge(name, callbacks=[self._observer(key)], description=description)
-        for name, key, description in (
-            ("tandem_num_preemptions", "num_preemptions", "Requests preempted (recomputed) so far"),
-            (
-                "tandem_prefix_cache_hit_tokens",
-                "prefix_cache_hits",
-                "Prompt tokens served from the prefix cache",
-            ),
-            (
-                "tandem_kv_integrity_aborts",
-                "num_kv_integrity_aborts",
-                "Requests aborted by the KV-page integrity check",
-            ),
-            (
-                "tandem_failed_requests",
-                "num_failed_requests",
-                "Requests the engine ended alone because they broke their step (their adapter, "
-                "parameters or logits); the others in the step went on",
-            ),
-            ("tandem_engine_steps", "num_steps", "Engine steps that ran the model"),
-            (
-                "tandem_kv_window_released_blocks",
-                "kv_window_released_blocks",
-                "KV blocks given back early because they left every layer's sliding window",
-            ),
-            (
-                "tandem_engine_output_tokens_interactive",
-                "num_output_tokens_interactive",
-                "Tokens the engine generated for real-time requests",
-            ),
-            (
-                "tandem_engine_output_tokens_batch",
-                "num_output_tokens_batch",
-                "Tokens the engine generated for batch requests (batch progress between shard commits)",
-            ),
-            ("tandem_spec_draft_tokens", "num_draft_tokens", "Speculative draft tokens verified"),
-            ("tandem_spec_accepted_tokens", "num_accepted_draft_tokens", "Draft tokens the model accepted"),
-            (
-                "tandem_spec_draft_seconds",
-                "draft_wall_s",
-                "Wall seconds the draft model spent proposing (against tandem_engine_step_wall_seconds: its share)",
-            ),
-            ("tandem_engine_step_wall_seconds", "step_wall_s", "Wall seconds inside engine steps"),
-            (
-                "tandem_engine_step_cpu_seconds",
-                "step_thread_cpu_s",
-                "CPU seconds of the engine thread inside steps (below wall: steps waited for cores)",
-            ),
-        ):
+        for name, key, description in ENGINE_COUNTERS:
             meter.create_observable_counter(name, callbacks=[self._observer(key)], description=description)
 
     def _maybe_add_otlp(self) -> None:

@@ -70,57 +70,80 @@ def choose_precision(
     """Resolve `dtype` and `weight_dtype` ("auto" or explicit) for a device and CPU (see the
     module docstring). `native_int4`: whether the native INT4 kernel can be used here; `pin`: the
     value of `TANDEM_AUTO_PRECISION`, if set; `probe`: the precision probe's result on this CPU."""
-    reasons: list[str] = []
     if pin not in (None, "", "float32"):
         raise ValueError(f"{PIN_ENV}={pin!r}: the only supported pin is 'float32'")
+    chosen_dtype, dtype_reason = _choose_dtype(device_type, dtype, flags, pin, probe)
+    chosen_weights, weights_reason = _choose_weights(
+        device_type, dtype, weight_dtype, chosen_dtype, native_int4, pin, probe
+    )
+    reasons = [dtype_reason, weights_reason]
+    used = probe if probe is not None and dtype == "auto" and pin is None and device_type == "cpu" else None
+    automatic = pin != "float32" and (dtype == "auto" or weight_dtype == "auto")
+    return PrecisionChoice(chosen_dtype, chosen_weights, "; ".join(reasons), used, automatic)
+
+
+def _choose_dtype(
+    device_type: str, dtype: str, flags: frozenset[str], pin: str | None, probe: ProbeResult | None
+) -> tuple[str, str]:
+    """The compute dtype and why."""
     if dtype != "auto":
         chosen_dtype = dtype
-        reasons.append(f"dtype {dtype} as configured")
+        reason = f"dtype {dtype} as configured"
     elif pin == "float32":
         chosen_dtype = "float32"
-        reasons.append(f"dtype float32 pinned by {PIN_ENV}")
+        reason = f"dtype float32 pinned by {PIN_ENV}"
     elif device_type == "cuda":
         chosen_dtype = "bfloat16"
-        reasons.append("dtype bfloat16 on CUDA")
+        reason = "dtype bfloat16 on CUDA"
     elif probe is not None:
         chosen_dtype = probe.dtype
-        reasons.append(probe.describe())
+        reason = probe.describe()
     elif fast := sorted(flags & FAST_BF16_FLAGS):
         chosen_dtype = "bfloat16"
-        reasons.append(f"dtype bfloat16: the CPU has bfloat16 matrix units ({', '.join(fast)})")
+        reason = f"dtype bfloat16: the CPU has bfloat16 matrix units ({', '.join(fast)})"
     elif "avx512_bf16" in flags:
         chosen_dtype = "float32"
-        reasons.append("dtype float32: AVX512-BF16 without AMX, where bfloat16 GEMMs are slower than float32")
+        reason = "dtype float32: AVX512-BF16 without AMX, where bfloat16 GEMMs are slower than float32"
     else:
         chosen_dtype = "float32"
-        reasons.append("dtype float32: the CPU has no bfloat16 matrix units (AMX-BF16)")
+        reason = "dtype float32: the CPU has no bfloat16 matrix units (AMX-BF16)"
+    return chosen_dtype, reason
 
+
+def _choose_weights(
+    device_type: str,
+    dtype: str,
+    weight_dtype: str,
+    chosen_dtype: str,
+    native_int4: bool,
+    pin: str | None,
+    probe: ProbeResult | None,
+) -> tuple[str, str]:
+    """The weights' format and why."""
     if weight_dtype != "auto":
         chosen_weights = weight_dtype
-        reasons.append(f"weights {weight_dtype} as configured")
+        reason = f"weights {weight_dtype} as configured"
     elif dtype != "auto" or pin == "float32":
         chosen_weights = "dense"
-        reasons.append("dense weights (an explicit or pinned dtype is the whole unquantised model)")
+        reason = "dense weights (an explicit or pinned dtype is the whole unquantised model)"
     elif device_type != "cpu":
         chosen_weights = "dense"
-        reasons.append(f"dense weights on {device_type}")
+        reason = f"dense weights on {device_type}"
     elif probe is not None and native_int4:
         faster = probe.faster_weights()
         chosen_weights = faster[0] if faster else "dense"
-        reasons.append(
+        reason = (
             f"{chosen_weights.upper()} weights (native kernel) for every step: measured fastest at one row, "
             f"ahead of {', '.join([*faster[1:], chosen_dtype])}"
             if faster else f"dense weights: INT4 and INT8 measured slower than {chosen_dtype} at one row"
         )  # fmt: skip
     elif native_int4:
         chosen_weights = "dense"
-        reasons.append("dense weights: no precision probe measured INT4 faster here")
+        reason = "dense weights: no precision probe measured INT4 faster here"
     else:
         chosen_weights = "dense"
-        reasons.append("dense weights: the native INT4 kernel cannot run here")
-    used = probe if probe is not None and dtype == "auto" and pin is None and device_type == "cpu" else None
-    automatic = pin != "float32" and (dtype == "auto" or weight_dtype == "auto")
-    return PrecisionChoice(chosen_dtype, chosen_weights, "; ".join(reasons), used, automatic)
+        reason = "dense weights: the native INT4 kernel cannot run here"
+    return chosen_weights, reason
 
 
 def pinned() -> str | None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 
-from tandem.engine.models.decoder import DecoderConfig, DecoderLM, decoder_tensor_names
+from tandem.engine.models.decoder import DecoderLM
+from tandem.engine.models.decoder_config import DecoderConfig, decoder_tensor_names
 from tandem.engine.models.hf_config import HFConfig
 from tandem.engine.models.interface import LayerKV
 from tandem.engine.models.mla import MLAConfig

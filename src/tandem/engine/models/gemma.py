@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tandem.engine.models.decoder import DecoderConfig, DecoderLM, decoder_kv_layers, decoder_tensor_names
+from tandem.engine.models.decoder import DecoderLM
+from tandem.engine.models.decoder_config import DecoderConfig, decoder_kv_layers, decoder_tensor_names
 from tandem.engine.models.hf_config import HFConfig
 from tandem.engine.models.registry import Architecture, register
 from tandem.engine.models.support import (

@@ -10,16 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.engine.models.decoder import (
-    DecoderAttention,
-    DecoderConfig,
-    DecoderLayer,
-    DecoderLM,
-    DecoderMLP,
-    decoder_kv_layers,
-    decoder_tensor_names,
-    rms_norm,
-)
+from tandem.engine.models.decoder import DecoderAttention, DecoderLayer, DecoderLM, DecoderMLP, rms_norm
+from tandem.engine.models.decoder_config import DecoderConfig, decoder_kv_layers, decoder_tensor_names
 from tandem.engine.models.hf_config import HFConfig
 from tandem.engine.models.interface import LayerKV
 from tandem.engine.models.registry import Architecture, register

@@ -4,7 +4,7 @@ layers its `layer_types` name."""
 
 from __future__ import annotations
 
-from tandem.engine.models.decoder import DecoderConfig, decoder_kv_layers, decoder_tensor_names
+from tandem.engine.models.decoder_config import DecoderConfig, decoder_kv_layers, decoder_tensor_names
 from tandem.engine.models.hf_config import HFConfig
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.models.registry import Architecture, register

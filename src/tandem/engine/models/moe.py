@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.engine.models.decoder import DecoderConfig, DecoderLM, decoder_kv_layers, decoder_tensor_names
+from tandem.engine.models.decoder import DecoderLM
+from tandem.engine.models.decoder_config import DecoderConfig, decoder_kv_layers, decoder_tensor_names
 from tandem.engine.models.hf_config import HFConfig
 from tandem.engine.models.moe_layer import MoEConfig
 from tandem.engine.models.qwen import check_qwen3, parse_qwen3

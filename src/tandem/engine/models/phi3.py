@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from tandem.engine.lora.checkpoint import FUSED_CHECKPOINT_TARGETS
-from tandem.engine.models.decoder import DecoderConfig, DecoderLM, decoder_kv_layers
+from tandem.engine.models.decoder import DecoderLM
+from tandem.engine.models.decoder_config import DecoderConfig, decoder_kv_layers
 from tandem.engine.models.hf_config import HFConfig
 from tandem.engine.models.registry import Architecture, register
 from tandem.engine.models.support import check_common, decoder_fields, layer_windows, layered_tensor_names

@@ -4,7 +4,8 @@ on the shared decoder. Both may slide a window over the layers from `max_window_
 
 from __future__ import annotations
 
-from tandem.engine.models.decoder import DecoderConfig, DecoderLM, decoder_kv_layers, decoder_tensor_names
+from tandem.engine.models.decoder import DecoderLM
+from tandem.engine.models.decoder_config import DecoderConfig, decoder_kv_layers, decoder_tensor_names
 from tandem.engine.models.hf_config import HFConfig
 from tandem.engine.models.registry import Architecture, register
 from tandem.engine.models.support import check_common, decoder_fields, layer_windows

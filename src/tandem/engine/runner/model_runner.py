@@ -22,6 +22,7 @@ from tandem.engine.runner.compressed import HeadPoolForward, allocate_head_pool
 from tandem.engine.runner.constraints import GrammarMasks
 from tandem.engine.runner.decode_graphs import DecodeGraphs, graph_batch_sizes
 from tandem.engine.runner.draft import PagedDraftCache
+from tandem.engine.runner.draft_steps import DraftSteps
 from tandem.engine.runner.forward_path import ForwardPath, RunnerPaths, StepShape, choose_path
 from tandem.engine.runner.kv_tensors import (
     KVCacheSpec,
@@ -100,21 +101,11 @@ class ModelRunner:
             self.native_unavailable_reason = NativeLlama.unsupported_reason(self.decode_model, self.kv_caches)
             self.native = NativeLlama.build(self.decode_model, self.kv_caches, self.block_size)
         self.draft = draft
-        self.draft_wall_s = 0.0  # wall seconds spent proposing with the draft model
+        self.drafting = DraftSteps(draft) if draft is not None else None
         self.vocab_size = model.config.vocab_size
         self.masks = GrammarMasks(grammars)
         self.sampler = Sampler(device, seed, self.masks)
-        self.heads: HeadPoolForward | None = None
-        if num_head_blocks > 0:
-            pool = allocate_head_pool(
-                num_head_blocks, kv_spec.block_size, kv_spec.head_dim, kv_spec.dtype, model.norm.dtype, device
-            )
-            native_heads = None
-            if self.native is not None:  # the native stack over the pool, where it runs shared steps
-                native_heads = NativeLlama.build(
-                    self.decode_model, [pool] * model.config.num_hidden_layers, self.block_size
-                )
-            self.heads = HeadPoolForward(pool, model, native_heads, eviction or EvictionPolicy(), device)
+        self.heads = self._head_pool(num_head_blocks, eviction) if num_head_blocks > 0 else None
         self.graphs: DecodeGraphs | None = None
         if decode_graphs != "off" and graph_max_batch > 0 and decode_model is None and draft is None:
             self.graphs = DecodeGraphs(
@@ -122,6 +113,24 @@ class ModelRunner:
                 graph_batch_sizes(graph_max_batch), device,
             )  # fmt: skip
         self._capture_graphs = decode_graphs == "capture"
+
+    def _head_pool(self, num_head_blocks: int, eviction: EvictionPolicy | None) -> HeadPoolForward:
+        """Compressed requests' head-block pool and its forward (the native stack over it where
+        the native stack runs shared steps)."""
+        pool = allocate_head_pool(
+            num_head_blocks,
+            self.kv_spec.block_size,
+            self.kv_spec.head_dim,
+            self.kv_spec.dtype,
+            self.model.norm.dtype,
+            self.device,
+        )
+        native_heads = None
+        if self.native is not None:  # the native stack over the pool, where it runs shared steps
+            native_heads = NativeLlama.build(
+                self.decode_model, [pool] * self.model.config.num_hidden_layers, self.block_size
+            )
+        return HeadPoolForward(pool, self.model, native_heads, eviction or EvictionPolicy(), self.device)
 
     # -- what the engine reads (`Runner` protocol) -------------------------------------------------
     @property
@@ -133,7 +142,7 @@ class ModelRunner:
             native_decoder=self.native is not None,
             num_native_decoder_steps=self.num_native_steps,
             num_graph_steps=self.graphs.num_replays if self.graphs is not None else 0,
-            draft_wall_s=self.draft_wall_s,
+            draft_wall_s=self.drafting.draft_wall_s if self.drafting is not None else 0.0,
             grammar_mask_s=self.masks.mask_s,
             expert_tokens=routed_tokens(self.model),
         )
@@ -255,7 +264,8 @@ class ModelRunner:
     def _execute_shared(self, items: list[ScheduledRequest]) -> RunnerResult:
         draft_probs: dict[str, torch.Tensor] = {}
         if self.draft is not None and any(item.num_draft_slots for item in items):
-            items, draft_probs = self._propose(items)
+            assert self.drafting is not None
+            items, draft_probs = self.drafting.propose(items, self.sampler.generator_for)
         logits, states = self._forward_shared(items)
         return self._finish(items, logits, states, draft_probs)
 
@@ -323,30 +333,47 @@ class ModelRunner:
             )
             output = self.native.forward(step, rows, return_hidden=hidden, hidden_layers=hidden_layers)
         else:
-            metadata = build_attention_metadata(
-                [item.block_ids for item in items],
-                [len(item.token_ids) for item in items],
-                [item.start_position + len(item.token_ids) for item in items],
-                self.block_size,
-                self.kv_spec.num_kv_heads,
-                self.device,
-                every_row_native=self.batch_invariant,
-            )
-            forward = {
-                ForwardPath.COMPILED: self._decode_forward,
-                ForwardPath.DECODE_MODEL: self.decode_model.forward,
-            }.get(path, self.model.forward)
-            output = forward(
-                torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-                torch.tensor(positions, dtype=torch.int64, device=self.device),
-                self.kv_caches,
-                metadata,
-                rows,
-                lora=lora_step,
-                return_hidden=hidden,
-                hidden_layers=hidden_layers,
+            output = self._torch_forward(
+                path, items, input_ids, positions, rows, lora_step, hidden, hidden_layers
             )
         return output if hidden else (output, None)
+
+    def _torch_forward(
+        self,
+        path: ForwardPath,
+        items: list[ScheduledRequest],
+        input_ids: list[int],
+        positions: list[int],
+        rows: torch.Tensor,
+        lora_step: LoRAStep | None,
+        hidden: bool,
+        hidden_layers: tuple[int, ...],
+    ) -> Any:
+        """The model's own forward (eager, compiled, or the decode model's) over paged attention."""
+        metadata = build_attention_metadata(
+            [item.block_ids for item in items],
+            [len(item.token_ids) for item in items],
+            [item.start_position + len(item.token_ids) for item in items],
+            self.block_size,
+            self.kv_spec.num_kv_heads,
+            self.device,
+            every_row_native=self.batch_invariant,
+        )
+        forward = {
+            ForwardPath.COMPILED: self._decode_forward,
+            ForwardPath.DECODE_MODEL: self.decode_model.forward,
+        }.get(path, self.model.forward)
+        output = forward(
+            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            self.kv_caches,
+            metadata,
+            rows,
+            lora=lora_step,
+            return_hidden=hidden,
+            hidden_layers=hidden_layers,
+        )
+        return output
 
     def _count(self, path: ForwardPath) -> None:
         if path in (ForwardPath.NATIVE, ForwardPath.COMPILED, ForwardPath.DECODE_MODEL):
@@ -375,60 +402,9 @@ class ModelRunner:
         """Sample (and verify drafts) from a forward's logits; tell the draft model what was
         accepted and hand a draft head its states."""
         result = self.sampler.sample(logits, [item for item in items if item.sample], draft_probs)
-        if self.draft is not None:
-            for item in items:
-                tokens = result.sampled_token_ids.get(item.request_id)
-                if item.draft_token_ids and tokens:
-                    self.draft.accepted(
-                        item.request_id, item.start_position, len(item.draft_token_ids), len(tokens) - 1
-                    )
-        if hidden is not None:
-            self._record_states(items, hidden, result)
+        if self.drafting is not None:
+            self.drafting.observe(items, result, hidden)
         return result
-
-    def _record_states(
-        self, items: list[ScheduledRequest], hidden: torch.Tensor, result: RunnerResult
-    ) -> None:
-        """Hand the draft head the target's states [T, hidden] of the positions each request
-        keeps: its own tokens and its accepted drafts (none of a failed request)."""
-        assert self.draft is not None
-        hidden = self.draft.prepare_states(hidden)  # once for the step's rows
-        offset = 0
-        for item in items:
-            num_rows = len(item.token_ids)
-            num_kept = num_rows
-            if item.sample:
-                tokens = result.sampled_token_ids.get(item.request_id)
-                num_kept = num_rows - item.num_draft_tokens + len(tokens) - 1 if tokens else 0
-            if num_kept > 0 and item.request_id not in result.failed:
-                self.draft.record(item.request_id, item.start_position, hidden[offset : offset + num_kept])
-            offset += num_rows
-
-    def _propose(
-        self, items: list[ScheduledRequest]
-    ) -> tuple[list[ScheduledRequest], dict[str, torch.Tensor]]:
-        """The draft model's drafts appended to the items that have draft slots, and the draft
-        distributions of sampled requests (for rejection sampling)."""
-        assert self.draft is not None
-        started = time.perf_counter()
-        proposals = self.draft.propose(
-            [item for item in items if item.num_draft_slots], self.sampler.generator_for
-        )
-        self.draft_wall_s += time.perf_counter() - started
-        filled, draft_probs = [], {}
-        for item in items:
-            if not item.num_draft_slots:
-                filled.append(item)
-                continue
-            tokens, probs = proposals[item.request_id]
-            if probs is not None:
-                draft_probs[item.request_id] = probs
-            filled.append(
-                dataclasses.replace(
-                    item, token_ids=item.token_ids + tokens, draft_token_ids=tokens, num_draft_slots=0
-                )
-            )
-        return filled, draft_probs
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:

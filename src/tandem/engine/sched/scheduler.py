@@ -49,7 +49,13 @@ __all__ = ["RequestUpdate", "RunnerResult", "ScheduledRequest", "Scheduler", "Sc
 class Scheduler:
     """Composes the parts of scheduling, each owning its state: `RequestQueues` (requests, queues,
     held KV, fair shares, KV layouts), `StepBuilder` (running requests' tokens), `Admission`
-    (waiting requests), `StepUpdates` (the runner's results) and the `SpeculationPlanner`."""
+    (waiting requests), `StepUpdates` (the runner's results) and the `SpeculationPlanner`.
+
+    `batch`: how batch requests fill idle capacity (`batch_policy.py`). `kv_hold_ttl_s`: held KV
+    (`Request.hold_kv`) not collected this long is freed at the next `schedule()`.
+    `check_kv_integrity`: `schedule()` leaves out requests holding a block whose generation changed
+    (`SchedulerOutput.stale_request_ids`). `on_finish` is called with every request that finishes,
+    whatever ends it (`finish_request` is the one path)."""
 
     def __init__(
         self,
@@ -70,24 +76,17 @@ class Scheduler:
         check_kv_integrity: bool = False,
         on_finish: Callable[[Request], None] | None = None,
     ) -> None:
-        """`batch`: how batch requests fill idle capacity (`batch_policy.py`). `kv_hold_ttl_s`:
-        held KV (`Request.hold_kv`) not collected this long is freed at the next `schedule()`.
-        `check_kv_integrity`: `schedule()` leaves out requests holding a block whose generation
-        changed (`SchedulerOutput.stale_request_ids`). `on_finish` is called with every request
-        that finishes, whatever ends it (`finish_request` is the one path)."""
         self.kv = kv_manager
         self.kv_hold_ttl_s = kv_hold_ttl_s
         self.check_kv_integrity = check_kv_integrity
         self.on_finish = on_finish
         # Where requests' KV lives (`kv/layout.py`): the shared paged cache, and for compressed
         # requests (`Request.compressed`) the per-head layout (None: the engine runs none).
-        head_layout = (
-            None
-            if head_kv is None
-            else HeadLayout(
+        head_layout = None
+        if head_kv is not None:
+            head_layout = HeadLayout(
                 head_kv, kv_manager, eviction_interval=eviction_interval, eviction_window=eviction_window
             )
-        )
         self.queues = RequestQueues(
             SharedLayout(kv_manager),
             head_layout,
