@@ -7,7 +7,7 @@
 - mean KL(P_base || P_variant) of the next-token distributions over the same positions;
 - the decode path: the text's first `--decode-prompt` tokens as one prompt chunk, then each of the
   next `--decode-tokens` as a one-token decode step, through the runner's own paths as a lone
-  request takes them (`ModelRunner.teacher_forced_logits`: the native INT4 stack, a hybrid
+  request takes them (`teacher_forcing.teacher_forced_logits`: the native INT4 stack, a hybrid
   engine's INT4 copy): perplexity ratio, mean KL and top-1 agreement with the base there, and the
   quality probe's verdict on those figures (its bound, engine/host/quality_probe.py);
 - greedy agreement on 32 prompts x 64 new tokens: the fraction of positions whose token equals the
@@ -34,6 +34,7 @@ import torch
 from common import log, write_result
 from tandem import LLM, SamplingParams
 from tandem.engine.host.quality_probe import MAX_MEAN_KL, MIN_TOP1_AGREEMENT, compare
+from tandem.engine.runner.teacher_forcing import teacher_forced_logits
 from tandem.kernels.attention_metadata import build_attention_metadata
 
 # Every variant is float32 compute (an explicit dtype: `auto` would pick by the CPU), so that each
@@ -135,7 +136,9 @@ def main() -> None:
             : llm.engine.max_positions
         ]  # a tiny model's context may be short
         decode_ids = token_ids[: args.decode_prompt + args.decode_tokens]
-        decode_logits = llm.engine.runner.teacher_forced_logits(decode_ids, args.decode_prompt)[:-1]  # [D, V]
+        decode_logits = teacher_forced_logits(llm.engine.runner, decode_ids, args.decode_prompt)[
+            :-1
+        ]  # [D, V]
         decode_targets = torch.tensor(decode_ids[args.decode_prompt :])
         decode_logprobs = torch.log_softmax(decode_logits, dim=-1)
         decode_nll = -decode_logprobs.gather(1, decode_targets[:, None]).squeeze(1)

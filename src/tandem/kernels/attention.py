@@ -206,13 +206,9 @@ def paged_attention(
     Triton runs) one kernel computes every row from the cache
     (`triton_attention.paged_attention_triton`)."""
     if metadata.paged is not None:
-        from tandem.kernels.triton_attention import paged_attention_triton
-
-        paged = metadata.paged
-        return paged_attention_triton(
-            q, k_cache, v_cache, paged.block_tables, paged.seq_lens, paged.query_start, paged.tile_request,
-            paged.tile_row, paged.block_q, scale, k_scale, v_scale, window, softcap, k, v,
-        )  # fmt: skip
+        return _triton_paged_attention(
+            q, k, v, k_cache, v_cache, metadata, scale, k_scale, v_scale, window, softcap
+        )
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -233,7 +229,7 @@ def paged_attention(
         )  # fmt: skip
         out.index_copy_(0, metadata.native_rows, o_native.to(q.dtype))
     elif metadata.num_decodes:
-        bd, length = metadata.num_decodes, metadata.decode_max_len
+        bd = metadata.num_decodes
         # One query token per request: fold the GQA group into the query-length axis.
         q_dec = q.index_select(0, metadata.decode_rows).view(bd, num_kv_heads, group, head_dim)
         o_dec = _decode_attention(
@@ -246,6 +242,47 @@ def paged_attention(
         )
         out.index_copy_(0, metadata.decode_rows, o_dec.reshape(bd, num_heads, head_dim))
 
+    _attend_prefills(
+        q, k, v, k_rows, v_rows, k_scale_rows, v_scale_rows, metadata, out, scale, window, softcap, native
+    )
+    return out
+
+
+def _triton_paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    metadata: AttentionMetadata, scale: float, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+    window: int | None, softcap: float | None,
+) -> torch.Tensor:  # fmt: skip
+    """Every row from the cache in one Triton kernel (`triton_attention.paged_attention_triton`)."""
+    from tandem.kernels.triton_attention import paged_attention_triton
+
+    paged = metadata.paged
+    assert paged is not None
+    return paged_attention_triton(
+        q, k_cache, v_cache, paged.block_tables, paged.seq_lens, paged.query_start, paged.tile_request,
+        paged.tile_row, paged.block_q, scale, k_scale, v_scale, window, softcap, k, v,
+    )  # fmt: skip
+
+
+def _attend_prefills(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hk, D] this step's keys
+    v: torch.Tensor,
+    k_rows: torch.Tensor,  # [N * bs * Hk, D] the cache's rows
+    v_rows: torch.Tensor,
+    k_scale_rows: torch.Tensor | None,
+    v_scale_rows: torch.Tensor | None,
+    metadata: AttentionMetadata,
+    out: torch.Tensor,  # [T, Hq, D], written at each segment's rows
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    native: bool,
+) -> None:
+    """`paged_attention`'s prompt segments (those the native kernel did not attend): SDPA over
+    this step's keys, or over the gathered context after a cached prefix; soft-capped by hand."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[1]
     for seg in metadata.prefills:
         if native and seg.short:
             continue
@@ -272,7 +309,6 @@ def paged_attention(
         out[seg.query_start : seg.query_end] = (
             o_seg.squeeze(0).transpose(0, 1).reshape(n, num_heads, head_dim)
         )
-    return out
 
 
 def _capped_attention(

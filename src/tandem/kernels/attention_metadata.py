@@ -98,6 +98,62 @@ def _head_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return slots.unsqueeze(-2) * num_kv_heads + heads[:, None]
 
 
+def _decode_keys(
+    decode_tables: list[list[int]], decode_lens: list[int], block_size: int, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode rows' key rows of the [-1, D] cache view ([B * Hk * L]) and their mask
+    [B, 1, 1, L] (L: the longest context; shorter ones padded and masked)."""
+    num_decodes = len(decode_tables)
+    if not num_decodes:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, 1, 1, 0, dtype=torch.bool)
+    max_len = max(decode_lens)
+    offsets = torch.arange(block_size, dtype=torch.int64)
+    table_tensor = _padded_tables(decode_tables, -(-max_len // block_size))
+    decode_slots = (table_tensor[:, :, None] * block_size + offsets).reshape(num_decodes, -1)[:, :max_len]
+    decode_index = _head_rows(decode_slots, num_kv_heads).reshape(-1)
+    lens = torch.tensor(decode_lens, dtype=torch.int64)
+    decode_mask = (torch.arange(max_len)[None, :] < lens[:, None]).view(num_decodes, 1, 1, max_len)
+    return decode_index, decode_mask
+
+
+def _padded_tables(tables: list[list[int]], width: int | None = None) -> torch.Tensor:
+    """Block tables as one [len(tables), width] int64 tensor, zero-padded."""
+    out = torch.zeros(len(tables), width or max(len(t) for t in tables), dtype=torch.int64)
+    for i, table in enumerate(tables):
+        out[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
+    return out
+
+
+def _uses_native(num_native: int, every_row_native: bool, device: torch.device) -> bool:
+    """Whether the native kernel attends the step's rows that it can: on a CPU where the native
+    library loaded, and in a larger step only when every row must be native (else the batched
+    torch path is faster)."""
+    return (
+        num_native > 0
+        and (every_row_native or num_native <= NATIVE_ATTENTION_MAX_ROWS)
+        and device.type == "cpu"
+        and NATIVE_ATTENTION
+        and int4_native.load() is not None
+    )
+
+
+def _prompt_segment(
+    blocks: list[int], row: int, n: int, ctx: int, short: bool, block_size: int, num_kv_heads: int,
+    device: torch.device,
+) -> tuple[PrefillSegment, torch.Tensor]:  # fmt: skip
+    """A request computing `n` > 1 tokens at the end of its `ctx`-token context (rows `row`..):
+    its segment, and the slots its new tokens are written to."""
+    offsets = torch.arange(block_size, dtype=torch.int64)
+    all_slots = (torch.tensor(blocks, dtype=torch.int64)[:, None] * block_size + offsets[None, :]).reshape(
+        -1
+    )[:ctx]
+    kv_index = mask = None
+    if ctx != n:  # cached prefix: query j (position ctx-n+j) sees keys <= its position
+        kv_index = _head_rows(all_slots, num_kv_heads).reshape(-1).to(device)
+        mask = (torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]).to(device)
+    return PrefillSegment(row, row + n, kv_index, mask, short=short, context_len=ctx), all_slots[ctx - n :]
+
+
 def build_attention_metadata(
     block_tables: list[list[int]],
     query_lens: list[int],
@@ -124,16 +180,8 @@ def build_attention_metadata(
     native_tables: list[list[int]] = []
     attends_natively = _attends_always if every_row_native else _attends_natively
     num_native = sum(n for n, ctx in zip(query_lens, context_lens, strict=True) if attends_natively(n, ctx))
-    use_native = (
-        # a larger step: the batched torch path is faster (unless every row must be native)
-        num_native > 0
-        and (every_row_native or num_native <= NATIVE_ATTENTION_MAX_ROWS)
-        and device.type == "cpu"
-        and NATIVE_ATTENTION
-        and int4_native.load() is not None
-    )
+    use_native = _uses_native(num_native, every_row_native, device)
     row = 0
-    offsets = torch.arange(block_size, dtype=torch.int64)
     for table, n, ctx in zip(block_tables, query_lens, context_lens, strict=True):
         num_blocks = -(-ctx // block_size)
         short = use_native and attends_natively(n, ctx)
@@ -148,45 +196,36 @@ def build_attention_metadata(
             last_slot = table[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size
             slot_chunks.append(torch.tensor([last_slot], dtype=torch.int64))
         else:
-            blocks = torch.tensor(table[:num_blocks], dtype=torch.int64)
-            all_slots = (blocks[:, None] * block_size + offsets[None, :]).reshape(-1)[:ctx]
-            slot_chunks.append(all_slots[ctx - n :])
-            kv_index = mask = None
-            if ctx != n:  # cached prefix: query j (position ctx-n+j) sees keys <= its position
-                kv_index = _head_rows(all_slots, num_kv_heads).reshape(-1).to(device)
-                mask = (torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]).to(device)
-            prefills.append(PrefillSegment(row, row + n, kv_index, mask, short=short, context_len=ctx))
+            segment, slots = _prompt_segment(
+                table[:num_blocks], row, n, ctx, short, block_size, num_kv_heads, device
+            )
+            slot_chunks.append(slots)
+            prefills.append(segment)
         row += n
 
-    num_decodes = len(decode_rows)
-    max_len = max(decode_lens, default=0)
-    if num_decodes:
-        max_blocks = -(-max_len // block_size)
-        table_tensor = torch.zeros(num_decodes, max_blocks, dtype=torch.int64)
-        for i, table in enumerate(decode_tables):
-            table_tensor[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
-        decode_slots = (table_tensor[:, :, None] * block_size + offsets).reshape(num_decodes, -1)[:, :max_len]
-        decode_index = _head_rows(decode_slots, num_kv_heads).reshape(-1)
-        lens = torch.tensor(decode_lens, dtype=torch.int64)
-        decode_mask = (torch.arange(max_len)[None, :] < lens[:, None]).view(num_decodes, 1, 1, max_len)
-    else:
-        decode_index = torch.zeros(0, dtype=torch.int64)
-        decode_mask = torch.zeros(0, 1, 1, 0, dtype=torch.bool)
-    native_block_tables = None
-    if native_rows:
-        native_block_tables = torch.zeros(
-            len(native_rows), max(len(t) for t in native_tables), dtype=torch.int64
-        )
-        for i, table in enumerate(native_tables):
-            native_block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
+    return _metadata(
+        slot_chunks, decode_rows, decode_tables, decode_lens, prefills, native_rows, native_positions,
+        native_tables, block_size, num_kv_heads, device,
+    )  # fmt: skip
+
+
+def _metadata(
+    slot_chunks: list[torch.Tensor], decode_rows: list[int], decode_tables: list[list[int]],
+    decode_lens: list[int], prefills: list[PrefillSegment], native_rows: list[int],
+    native_positions: list[int], native_tables: list[list[int]], block_size: int, num_kv_heads: int,
+    device: torch.device,
+) -> AttentionMetadata:  # fmt: skip
+    """The step's rows (`build_attention_metadata`) as tensors on `device`."""
+    decode_index, decode_mask = _decode_keys(decode_tables, decode_lens, block_size, num_kv_heads)
+    native_block_tables = _padded_tables(native_tables) if native_rows else None
     return AttentionMetadata(
         slot_mapping=torch.cat(slot_chunks).to(device),
         decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=device),
         decode_kv_index=decode_index.to(device),
         decode_mask=decode_mask.to(device),
-        decode_max_len=max_len,
+        decode_max_len=max(decode_lens, default=0),
         prefills=prefills,
-        num_decodes=num_decodes,
+        num_decodes=len(decode_rows),
         native_rows=torch.tensor(native_rows, dtype=torch.int64, device=device) if native_rows else None,
         native_positions=torch.tensor(native_positions, dtype=torch.int64, device=device)
         if native_rows

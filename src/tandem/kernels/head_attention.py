@@ -146,83 +146,130 @@ def head_paged_attention(
     counts (not evicted yet: every prompt chunk) shares one [n, L] mask across heads. A request
     whose whole context is this step's rows attends over `k`, `v` as computed when they are given
     (as the shared layout does: an FP8 pool's rounding then starts at the next step)."""
-    num_rows, num_q_heads, head_dim = q.shape
-    num_kv_heads = block_tables.shape[1]
-    group = num_q_heads // num_kv_heads
-    block_size = k_pool.shape[1]
     out = torch.empty_like(q)
     num_requests = len(query_start_loc) - 1
     decoding = [i for i in range(num_requests) if query_start_loc[i + 1] - query_start_loc[i] == 1]
     done: set[int] = set()
     if native is None:
         native = native_decode_available(q.device, k_pool.dtype)
-    if decoding and native:
-        index = torch.tensor(decoding, device=q.device)
+    if decoding and (native or len(decoding) > 1):  # natively, or all of them in one padded call
         rows = torch.tensor([query_start_loc[i] for i in decoding], device=q.device)
-        tables = block_tables.index_select(0, index)  # [b, Hk, M]
-        # (request, KV head) pairs as the rows of a one-KV-head cache: q [b * Hk, G, D].
-        attended = native_paged_attention(
-            q.index_select(0, rows).reshape(len(decoding) * num_kv_heads, group, head_dim),
-            k_pool.unsqueeze(2),  # [N, bs, 1, D]
-            v_pool.unsqueeze(2),
-            tables.reshape(len(decoding) * num_kv_heads, -1),
-            head_lens.index_select(0, index).reshape(-1) - 1,  # each row reads its head's tokens
-            scale,
-            None if k_scale is None else k_scale.unsqueeze(2),  # [N, bs, 1]
-            None if v_scale is None else v_scale.unsqueeze(2),
-        )  # [b * Hk, G, D] float32
-        out.index_copy_(0, rows, attended.view(len(decoding), num_q_heads, head_dim).to(q.dtype))
-        done = set(decoding)
-    elif len(decoding) > 1:  # one row each: all of them in one padded call
         index = torch.tensor(decoding, device=q.device)
-        rows = torch.tensor([query_start_loc[i] for i in decoding], device=q.device)
-        lens = head_lens.index_select(0, index)  # [b, Hk]
-        max_len = int(lens.max())
-        slots = head_slots_of(block_tables.index_select(0, index).flatten(0, 1), block_size)
-        slots = slots[:, :max_len].view(len(decoding), num_kv_heads, max_len)  # [b, Hk, Lmax]
-        keys = gather_head_vectors(k_pool, k_scale, slots, q.dtype)  # [b, Hk, Lmax, D]
-        values = gather_head_vectors(v_pool, v_scale, slots, q.dtype)
-        held = torch.arange(max_len, device=q.device).view(1, 1, 1, -1) < lens.view(
-            *lens.shape, 1, 1
-        )  # [b,Hk,1,L]
-        # Two small matmuls: at one query row CPU SDPA with a mask costs several times more.
-        qg = q.index_select(0, rows).view(len(decoding), num_kv_heads, group, head_dim)  # [b, Hk, G, D]
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [b, Hk, G, Lmax]
-        probs = torch.softmax(scores.masked_fill(~held, float("-inf")), dim=-1).to(q.dtype)
-        attended = torch.matmul(probs, values)  # [b, Hk, G, D]
-        out.index_copy_(0, rows, attended.reshape(len(decoding), num_q_heads, head_dim))
+        decode = _native_decodes if native else _padded_decodes
+        attended = decode(
+            q.index_select(0, rows), head_lens.index_select(0, index), block_tables.index_select(0, index),
+            k_pool, v_pool, k_scale, v_scale, scale,
+        )  # fmt: skip
+        out.index_copy_(0, rows, attended.to(q.dtype))
         done = set(decoding)
     for i in range(num_requests):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         n = end - start
         if n == 0 or i in done:
             continue
-        lens = head_lens[i]  # [Hk]
-        max_len = int(lens.max())
-        if k is not None and v is not None and n == max_len and int(lens.min()) == max_len:
-            keys = k[start:end].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hk, n, D]
-            values = v[start:end].transpose(0, 1).unsqueeze(0).to(q.dtype)
-        else:
-            slots = head_slots_of(block_tables[i], block_size)[:, :max_len]  # [Hk, Lmax]
-            keys = gather_head_vectors(k_pool, k_scale, slots, q.dtype).unsqueeze(0)  # [1, Hk, Lmax, D]
-            values = gather_head_vectors(v_pool, v_scale, slots, q.dtype).unsqueeze(0)
-        key_index = torch.arange(max_len, device=q.device)  # [Lmax]
-        row_offset = torch.arange(n, device=q.device)
-        visible: torch.Tensor | None
-        if n == max_len and int(lens.min()) == max_len:
-            visible = None  # a whole context in one chunk: plain causal
-        elif int(lens.min()) == max_len:
-            visible = key_index.view(1, -1) <= (max_len - n + row_offset).view(-1, 1)  # [n, Lmax]
-        else:
-            last_visible = lens.view(-1, 1) - n + row_offset.view(1, -1)  # [Hk, n]
-            visible = key_index.view(1, 1, -1) <= last_visible.unsqueeze(-1)  # [Hk, n, Lmax]
-            visible = visible.repeat_interleave(group, dim=0).unsqueeze(0)  # [1, Hq, n, Lmax]
-        qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        attended = F.scaled_dot_product_attention(
-            qi, keys, values, attn_mask=visible, is_causal=visible is None, scale=scale, enable_gqa=True
-        )  # [1, Hq, n, D]
-        out[start:end] = attended[0].transpose(0, 1)
+        out[start:end] = _attend_request(
+            q[start:end], head_lens[i], block_tables[i], k_pool, v_pool, k_scale, v_scale,
+            None if k is None else k[start:end], None if v is None else v[start:end], scale,
+        )  # fmt: skip
     return out
+
+
+def _native_decodes(
+    q: torch.Tensor,  # [b, Hq, D] one row per request
+    lens: torch.Tensor,  # [b, Hk]
+    block_tables: torch.Tensor,  # [b, Hk, M]
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:  # [b, Hq, D] float32
+    """Decode rows natively: (request, KV head) pairs as the rows of a one-KV-head cache."""
+    num_decodes, num_q_heads, head_dim = q.shape
+    num_kv_heads = block_tables.shape[1]
+    attended = native_paged_attention(
+        q.reshape(num_decodes * num_kv_heads, num_q_heads // num_kv_heads, head_dim),
+        k_pool.unsqueeze(2),  # [N, bs, 1, D]
+        v_pool.unsqueeze(2),
+        block_tables.reshape(num_decodes * num_kv_heads, -1),
+        lens.reshape(-1) - 1,  # each row reads its head's tokens
+        scale,
+        None if k_scale is None else k_scale.unsqueeze(2),  # [N, bs, 1]
+        None if v_scale is None else v_scale.unsqueeze(2),
+    )  # [b * Hk, G, D] float32
+    return attended.view(num_decodes, num_q_heads, head_dim)
+
+
+def _padded_decodes(
+    q: torch.Tensor,  # [b, Hq, D] one row per request
+    lens: torch.Tensor,  # [b, Hk]
+    block_tables: torch.Tensor,  # [b, Hk, M]
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:  # [b, Hq, D]
+    """Decode rows over their heads' keys, padded to the longest: two small matmuls (at one query
+    row CPU SDPA with a mask costs several times more)."""
+    num_decodes, num_q_heads, head_dim = q.shape
+    num_kv_heads = block_tables.shape[1]
+    group = num_q_heads // num_kv_heads
+    max_len = int(lens.max())
+    slots = head_slots_of(block_tables.flatten(0, 1), k_pool.shape[1])
+    slots = slots[:, :max_len].view(num_decodes, num_kv_heads, max_len)  # [b, Hk, Lmax]
+    keys = gather_head_vectors(k_pool, k_scale, slots, q.dtype)  # [b, Hk, Lmax, D]
+    values = gather_head_vectors(v_pool, v_scale, slots, q.dtype)
+    held = torch.arange(max_len, device=q.device).view(1, 1, 1, -1) < lens.view(
+        *lens.shape, 1, 1
+    )  # [b,Hk,1,L]
+    qg = q.view(num_decodes, num_kv_heads, group, head_dim)  # [b, Hk, G, D]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [b, Hk, G, Lmax]
+    probs = torch.softmax(scores.masked_fill(~held, float("-inf")), dim=-1).to(q.dtype)
+    return torch.matmul(probs, values).reshape(num_decodes, num_q_heads, head_dim)  # [b, Hq, D]
+
+
+def _attend_request(
+    q: torch.Tensor,  # [n, Hq, D] one request's rows
+    lens: torch.Tensor,  # [Hk] tokens each head holds, this step's included
+    block_table: torch.Tensor,  # [Hk, M]
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    k: torch.Tensor | None,  # [n, Hk, D] its keys as computed (None: read the pool)
+    v: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:  # [n, Hq, D]
+    """One request's rows over its heads (`head_paged_attention`): all heads in one SDPA call,
+    one mask shared across heads while they hold equal counts."""
+    n = q.shape[0]
+    group = q.shape[1] // block_table.shape[0]
+    block_size = k_pool.shape[1]
+    max_len = int(lens.max())
+    if k is not None and v is not None and n == max_len and int(lens.min()) == max_len:
+        keys = k.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hk, n, D]
+        values = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
+    else:
+        slots = head_slots_of(block_table, block_size)[:, :max_len]  # [Hk, Lmax]
+        keys = gather_head_vectors(k_pool, k_scale, slots, q.dtype).unsqueeze(0)  # [1, Hk, Lmax, D]
+        values = gather_head_vectors(v_pool, v_scale, slots, q.dtype).unsqueeze(0)
+    key_index = torch.arange(max_len, device=q.device)  # [Lmax]
+    row_offset = torch.arange(n, device=q.device)
+    visible: torch.Tensor | None
+    if n == max_len and int(lens.min()) == max_len:
+        visible = None  # a whole context in one chunk: plain causal
+    elif int(lens.min()) == max_len:
+        visible = key_index.view(1, -1) <= (max_len - n + row_offset).view(-1, 1)  # [n, Lmax]
+    else:
+        last_visible = lens.view(-1, 1) - n + row_offset.view(1, -1)  # [Hk, n]
+        visible = key_index.view(1, 1, -1) <= last_visible.unsqueeze(-1)  # [Hk, n, Lmax]
+        visible = visible.repeat_interleave(group, dim=0).unsqueeze(0)  # [1, Hq, n, Lmax]
+    qi = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    attended = F.scaled_dot_product_attention(
+        qi, keys, values, attn_mask=visible, is_causal=visible is None, scale=scale, enable_gqa=True
+    )  # [1, Hq, n, D]
+    return attended[0].transpose(0, 1)
 
 
 def reference_head_attention(

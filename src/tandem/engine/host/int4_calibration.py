@@ -31,6 +31,7 @@ from tandem.engine.models.loader import LoadedModel, build_model
 from tandem.engine.models.quantized import DEFAULT_INT4_GROUP_SIZE
 from tandem.engine.runner import ModelRunner
 from tandem.engine.runner.kv_tensors import KVCacheSpec
+from tandem.engine.runner.teacher_forcing import teacher_forced_logits
 from tandem.kernels.gptq import gptq_quantize
 from tandem.kernels.int4 import Int4Weight, fit_group_size
 from tandem.platform.cpu import cpu_model_name
@@ -146,7 +147,7 @@ def _compute(
             for start in range(0, len(token_ids), CHUNK_TOKENS):
                 chunk = token_ids[start : start + CHUNK_TOKENS]
                 if len(chunk) > 1:
-                    runner.teacher_forced_logits(chunk, len(chunk))
+                    teacher_forced_logits(runner, chunk, len(chunk))
     finally:
         for hook in hooks:
             hook.remove()

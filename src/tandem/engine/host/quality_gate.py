@@ -29,6 +29,7 @@ from tandem.engine.models.interface import CausalLM
 from tandem.engine.models.loader import LoadedModel
 from tandem.engine.runner import ModelRunner
 from tandem.engine.runner.kv_tensors import KVCacheSpec
+from tandem.engine.runner.teacher_forcing import teacher_forced_logits
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -123,6 +124,6 @@ def _scorer(
             model, spec, num_blocks, device, decode_model=decode_model,
             decode_model_max_batch=config.hybrid_int4_max_batch, native_decoder=config.native_decoder,
         )  # fmt: skip
-        return runner.teacher_forced_logits(token_ids, num_prompt_tokens)
+        return teacher_forced_logits(runner, token_ids, num_prompt_tokens)
 
     return score

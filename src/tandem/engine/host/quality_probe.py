@@ -45,7 +45,7 @@ NUM_DECODE_TOKENS = 128
 CALIBRATION_TEXT = Path(__file__).parent.parent / "data" / "calibration.txt"
 
 # (token_ids, num_prompt_tokens) -> the teacher-forced logits [positions, V] of a runner of one
-# precision (`ModelRunner.teacher_forced_logits`).
+# precision (`runner.teacher_forcing.teacher_forced_logits`).
 Scorer = Callable[[list[int], int], torch.Tensor]
 
 

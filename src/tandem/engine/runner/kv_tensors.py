@@ -18,6 +18,12 @@ import torch
 from tandem.engine.models.interface import KVLayer
 from tandem.kernels.fp8 import quantize_fp8
 
+# What a KV page may be exported as, by name (`kv_transfer.KVTransfer.cache_dtype`).
+PAGE_DTYPES = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}  # fmt: skip
+
 
 @dataclass
 class KVCacheSpec:

@@ -18,6 +18,7 @@ from tandem.engine.lora.manager import LoRAManager, LoRAStep
 from tandem.engine.models.interface import CausalLM
 from tandem.engine.models.moe_layer import routed_tokens
 from tandem.engine.models.native import NativeLlama, NativeStep
+from tandem.engine.runner.compiled_decode import CompiledDecode
 from tandem.engine.runner.compressed import HeadPoolForward, allocate_head_pool
 from tandem.engine.runner.constraints import GrammarMasks
 from tandem.engine.runner.decode_graphs import DecodeGraphs, graph_batch_sizes
@@ -25,13 +26,13 @@ from tandem.engine.runner.draft import PagedDraftCache
 from tandem.engine.runner.draft_steps import DraftSteps
 from tandem.engine.runner.forward_path import ForwardPath, RunnerPaths, StepShape, choose_path
 from tandem.engine.runner.kv_tensors import (
+    PAGE_DTYPES,
     KVCacheSpec,
     allocate_kv_caches,
     export_pages,
     import_pages,
 )
 from tandem.engine.runner.sampler import Sampler, failed_alone
-from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sched.step import RunnerResult, RunnerStats, ScheduledRequest, SchedulerOutput
 from tandem.engine.structured.grammar import GrammarCompiler
 from tandem.kernels.attention_metadata import build_attention_metadata
@@ -39,14 +40,21 @@ from tandem.kernels.kv_eviction import EvictionPolicy
 
 logger = logging.getLogger("tandem.engine.runner")
 
-# What a KV page may be exported as, by name (`kv_transfer.KVTransfer.cache_dtype`).
-PAGE_DTYPES = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-}  # fmt: skip
-
 
 class ModelRunner:
+    """`decode_model` (optional, e.g. an INT4 copy of `model` sharing nothing but the cache)
+    serves decode steps of at most `decode_model_max_batch` requests; `native_decoder` allows
+    the native stack over its INT4 linears, `compile_decode` a compiled graph of it
+    (`forward_path` says which step takes which). `grammars` compiles requests' output
+    constraints (`constraints`). `num_head_blocks` > 0 allocates the head-block pool of
+    compressed requests, and `eviction` decides what their heads keep (`compressed`).
+    `decode_graphs`: "capture" replays decode steps of up to `graph_max_batch` requests from
+    CUDA graphs (`decode_graphs`; captured by `capture_graphs`), "eager" runs the same static
+    buffers without capturing (tests), "off" neither. Graphs need the Triton attention path,
+    one model (no separate decode model) and no draft. `batch_invariant`: every row of the
+    shared layout through one path and row-wise attention (`forward_path`; the model's linears
+    are made row-invariant by `batch_invariance.make_batch_invariant` before)."""
+
     def __init__(
         self,
         model: CausalLM,
@@ -68,25 +76,11 @@ class ModelRunner:
         max_model_len: int = 0,
         batch_invariant: bool = False,
     ) -> None:
-        """`decode_model` (optional, e.g. an INT4 copy of `model` sharing nothing but the cache)
-        serves decode steps of at most `decode_model_max_batch` requests; `native_decoder` allows
-        the native stack over its INT4 linears, `compile_decode` a compiled graph of it
-        (`forward_path` says which step takes which). `grammars` compiles requests' output
-        constraints (`constraints`). `num_head_blocks` > 0 allocates the head-block pool of
-        compressed requests, and `eviction` decides what their heads keep (`compressed`).
-        `decode_graphs`: "capture" replays decode steps of up to `graph_max_batch` requests from
-        CUDA graphs (`decode_graphs`; captured by `capture_graphs`), "eager" runs the same static
-        buffers without capturing (tests), "off" neither. Graphs need the Triton attention path,
-        one model (no separate decode model) and no draft. `batch_invariant`: every row of the
-        shared layout through one path and row-wise attention (`forward_path`; the model's linears
-        are made row-invariant by `batch_invariance.make_batch_invariant` before)."""
         self.model = model
         self.batch_invariant = batch_invariant
         self.decode_model = decode_model or model
         self.decode_model_max_batch = decode_model_max_batch if decode_model is not None else 1 << 30
-        self._decode_forward: Any = (
-            torch.compile(self.decode_model.forward, dynamic=True) if compile_decode else None
-        )
+        self.compiled = CompiledDecode(self.decode_model.forward, device) if compile_decode else None
         self.num_compiled_steps = 0
         self.num_decode_model_steps = 0
         self.num_native_steps = 0
@@ -97,7 +91,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, device)
         self.native: NativeLlama | None = None
         self.native_unavailable_reason = "disabled (native_decoder=False)"
-        if native_decoder and self._decode_forward is None:
+        if native_decoder and self.compiled is None:
             self.native_unavailable_reason = NativeLlama.unsupported_reason(self.decode_model, self.kv_caches)
             self.native = NativeLlama.build(self.decode_model, self.kv_caches, self.block_size)
         self.draft = draft
@@ -152,7 +146,7 @@ class ModelRunner:
         return RunnerPaths(
             native=self.native is not None,
             native_heads=self.heads is not None and self.heads.native_heads is not None,
-            compiled=self._decode_forward is not None,
+            compiled=self.compiled is not None,
             separate_decode_model=self.decode_model is not self.model,
             decode_model_max_batch=self.decode_model_max_batch,
             graph_max_batch=self.graphs.max_batch if self.graphs is not None else 0,
@@ -174,7 +168,7 @@ class ModelRunner:
 
     @property
     def compiles_decode(self) -> bool:
-        return self._decode_forward is not None
+        return self.compiled is not None
 
     # -- KV pages for hand-over (kv_transfer.py) -------------------------------------------------
     def export_pages(self, block_ids: list[int], num_tokens: int, dtype_name: str) -> list[bytes]:
@@ -266,36 +260,10 @@ class ModelRunner:
         if self.draft is not None and any(item.num_draft_slots for item in items):
             assert self.drafting is not None
             items, draft_probs = self.drafting.propose(items, self.sampler.generator_for)
-        logits, states = self._forward_shared(items)
+        logits, states = self.forward_shared(items)
         return self._finish(items, logits, states, draft_probs)
 
-    @torch.inference_mode()
-    def teacher_forced_logits(self, token_ids: list[int], num_prompt_tokens: int) -> torch.Tensor:
-        """[len(token_ids) - num_prompt_tokens + 1, V] float32: the next-token logits after each
-        of `token_ids[num_prompt_tokens - 1:]`, computed as a lone request is: the first
-        `num_prompt_tokens` as one prompt chunk, then each further token as a one-token decode step
-        (through the path `choose_path` picks for it). Writes blocks 0.. of the cache, which hold
-        no request's KV before the engine starts: call it only then (the quality probe does)."""
-        num_blocks = -(-len(token_ids) // self.block_size)
-        if not 0 < num_prompt_tokens <= len(token_ids) or num_blocks > self.kv_caches[0][0].shape[0]:
-            raise ValueError(
-                f"{len(token_ids)} tokens ({num_prompt_tokens} as the prompt) do not fit this runner"
-            )
-        block_ids = list(range(num_blocks))
-        params = SamplingParams(temperature=0.0)
-
-        def step(start: int, end: int) -> torch.Tensor:
-            item = ScheduledRequest(
-                request_id="teacher-forced", token_ids=token_ids[start:end], start_position=start, block_ids=block_ids,
-                sample=True, sampling_params=params, output_token_ids=[], is_new=start == 0,
-            )  # fmt: skip
-            return self._forward_shared([item])[0].float()
-
-        rows = [step(0, num_prompt_tokens)]
-        rows.extend(step(position, position + 1) for position in range(num_prompt_tokens, len(token_ids)))
-        return torch.cat(rows)
-
-    def _forward_shared(self, items: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_shared(self, items: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward of shared-layout rows: the logits of every sampled row (each request's
         last token and its drafts) and, for a draft head, the hidden states."""
         input_ids: list[int] = []
@@ -359,10 +327,12 @@ class ModelRunner:
             self.device,
             every_row_native=self.batch_invariant,
         )
-        forward = {
-            ForwardPath.COMPILED: self._decode_forward,
-            ForwardPath.DECODE_MODEL: self.decode_model.forward,
-        }.get(path, self.model.forward)
+        forward = self.model.forward
+        if path is ForwardPath.COMPILED:
+            assert self.compiled is not None
+            forward = self.compiled.forward
+        elif path is ForwardPath.DECODE_MODEL:
+            forward = self.decode_model.forward
         output = forward(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
@@ -420,38 +390,10 @@ class ModelRunner:
             )
             self.graphs = None
 
-    @torch.inference_mode()
     def warmup_decode(self, batch_sizes: tuple[int, ...] = (1, 2)) -> None:
-        """Compile the decode graph before the first request (batch 1 and batch >= 2 are separate
-        graphs: torch specialises sizes 0 and 1). Writes one dummy token into block 0, which holds
-        no request's KV before the engine starts. On any compile error, decode stays eager."""
-        if self._decode_forward is None:
-            return
-        started = time.perf_counter()
-        try:
-            for batch in batch_sizes:
-                metadata = build_attention_metadata(
-                    [[0, 0]] * batch,
-                    [1] * batch,
-                    [2] * batch,
-                    self.block_size,
-                    self.kv_spec.num_kv_heads,
-                    self.device,
-                )
-                self._decode_forward(
-                    torch.zeros(batch, dtype=torch.int64, device=self.device),
-                    torch.ones(batch, dtype=torch.int64, device=self.device),
-                    self.kv_caches,
-                    metadata,
-                    torch.arange(batch, dtype=torch.int64, device=self.device),
-                    return_hidden=self.draft is not None and self.draft.wants_hidden,
-                    hidden_layers=self.draft.hidden_layers if self.draft is not None else (),
-                )
-        except Exception as exc:  # noqa: BLE001 - any backend failure means: stay eager
-            logger.warning(
-                "decode compilation failed; decode steps run eagerly",
-                extra={"error": f"{type(exc).__name__}: {exc}"[:500]},
-            )
-            self._decode_forward = None
-            return
-        logger.info("decode graph compiled", extra={"seconds": round(time.perf_counter() - started, 1)})
+        """Compile the decode graph before the first request (`CompiledDecode.warm_up`); on any
+        compile error, decode stays eager."""
+        if self.compiled is not None and not self.compiled.warm_up(
+            self.kv_caches, self.kv_spec.num_kv_heads, self.block_size, self.draft, batch_sizes
+        ):
+            self.compiled = None
