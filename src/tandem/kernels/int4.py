@@ -176,28 +176,38 @@ class Int4Linear(nn.Module):
         self.column_zeros: torch.Tensor | None
         for name in ("scales_and_zeros", "param_codes", "superblock_scales", "column_scales", "column_zeros"):
             self.register_buffer(name, None)
-        params = w.int8_params
         if self.kernel == "triton":
-            from tandem.kernels.triton_int4 import pack_int4_columns
+            self._pack_for_triton(w, device)
+        elif self.kernel == "native":
+            self._pack_for_native(w, device)
+        else:
+            self._pack_for_torch(w, device)
 
-            param_dtype = torch.float16 if params is None else torch.float32
-            self.register_buffer("packed", pack_int4_columns(w.q).to(device))
-            self.register_buffer(
-                "column_scales", w.scale.t().contiguous().to(device=device, dtype=param_dtype)
-            )
-            self.register_buffer("column_zeros", w.zero.t().contiguous().to(device=device, dtype=param_dtype))
-            return
-        if self.kernel == "native":  # row-major parameters, [N, ...]
-            self.register_buffer("packed", int4_native.pack_rows(w.q).to(device))
-            if params is None:
-                # float16, as GGUF's Q4_1 stores them: 3 more mantissa bits than bfloat16, the same bytes
-                scales_and_zeros = torch.stack([w.scale, w.zero], dim=-1).to(torch.float16)  # [N, G, 2]
-                self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(device))
-            else:
-                self.register_buffer("param_codes", params.codes.contiguous().to(device))  # [N, G, 2]
-                self.register_buffer("superblock_scales", params.superblock_scales.contiguous().to(device))
-            return
+    def _pack_for_triton(self, w: Int4Weight, device: torch.device) -> None:
+        """Column-major codes and [G, N] parameters (`triton_int4`)."""
+        params = w.int8_params
+        from tandem.kernels.triton_int4 import pack_int4_columns
 
+        param_dtype = torch.float16 if params is None else torch.float32
+        self.register_buffer("packed", pack_int4_columns(w.q).to(device))
+        self.register_buffer("column_scales", w.scale.t().contiguous().to(device=device, dtype=param_dtype))
+        self.register_buffer("column_zeros", w.zero.t().contiguous().to(device=device, dtype=param_dtype))
+
+    def _pack_for_native(self, w: Int4Weight, device: torch.device) -> None:
+        """Row-major codes and parameters, [N, ...] (`int4_native`)."""
+        params = w.int8_params
+        self.register_buffer("packed", int4_native.pack_rows(w.q).to(device))
+        if params is None:
+            # float16, as GGUF's Q4_1 stores them: 3 more mantissa bits than bfloat16, the same bytes
+            scales_and_zeros = torch.stack([w.scale, w.zero], dim=-1).to(torch.float16)  # [N, G, 2]
+            self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(device))
+        else:
+            self.register_buffer("param_codes", params.codes.contiguous().to(device))  # [N, G, 2]
+            self.register_buffer("superblock_scales", params.superblock_scales.contiguous().to(device))
+
+    def _pack_for_torch(self, w: Int4Weight, device: torch.device) -> None:
+        """torch's int4 kernels' packing and [G, N, 2] parameters."""
+        params = w.int8_params
         padded_rows = -self.out_features % 16  # torch's int4 kernels need N % 16 == 0: zero rows pad it
 
         def pad(t: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [N + padded_rows, ...]

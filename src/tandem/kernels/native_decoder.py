@@ -165,56 +165,50 @@ class DecoderWeights:
             raise RuntimeError(f"native decoder unavailable: {reason}")
         self._keep: list[torch.Tensor] = []  # every tensor a pointer refers to
 
-        def ptr(t: torch.Tensor | None) -> int | None:
-            if t is None:
-                return None
-            assert t.device.type == "cpu" and t.is_contiguous(), "native decoder: CPU, contiguous tensors"
-            self._keep.append(t)
-            return t.data_ptr()
-
-        def weight(w: QuantizedTensors) -> _Int4Weight:
-            if w.int8:
-                return _Int4Weight(
-                    ptr(w.packed), ptr(w.params), None, 1, w.rows, 2 * w.packed.shape[1], 32, 2
-                )
-            rows, half = w.packed.shape
-            mode = 0 if w.superblock_scales is None else 1
-            per_block = (
-                1 if w.superblock_scales is None else w.params.shape[1] // w.superblock_scales.shape[1]
-            )
-            return _Int4Weight(
-                ptr(w.packed),
-                ptr(w.params),
-                ptr(w.superblock_scales),
-                per_block,
-                rows,
-                2 * half,
-                w.group_size,
-                mode,
-            )
-
         self.num_layers = len(layers)
         self.hidden = hidden
         self._dims = _Dims(
             len(layers), hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size,
-            _KV_DTYPES[kv_dtype], eps, head_dim**-0.5 if scale is None else scale, ptr(rope_cos.float().contiguous()),
-            ptr(rope_sin.float().contiguous()), ACTIVATIONS[activation],
+            _KV_DTYPES[kv_dtype], eps, head_dim**-0.5 if scale is None else scale, self._ptr(rope_cos.float().contiguous()),
+            self._ptr(rope_sin.float().contiguous()), ACTIVATIONS[activation],
         )  # fmt: skip
         self._layers = (_Layer * len(layers))()
         for index, layer in enumerate(layers):
             k_cache, v_cache, k_scale, v_scale = layer.kv_cache
             self._layers[index] = _Layer(
-                weight(layer.qkv), weight(layer.o), weight(layer.gate_up), weight(layer.down),
-                ptr(layer.input_norm.float().contiguous()), ptr(layer.post_norm.float().contiguous()),
-                ptr(k_cache), ptr(v_cache), ptr(k_scale), ptr(v_scale),
-                *(None if t is None else ptr(t.detach().float().contiguous()) for t in (
+                self._weight(layer.qkv), self._weight(layer.o), self._weight(layer.gate_up), self._weight(layer.down),
+                self._ptr(layer.input_norm.float().contiguous()), self._ptr(layer.post_norm.float().contiguous()),
+                self._ptr(k_cache), self._ptr(v_cache), self._ptr(k_scale), self._ptr(v_scale),
+                *(None if t is None else self._ptr(t.detach().float().contiguous()) for t in (
                     layer.qkv_bias, layer.o_bias, layer.gate_up_bias, layer.down_bias, layer.q_norm, layer.k_norm
                 )),
                 layer.window or 0, layer.softcap or 0.0,
-                *(None if t is None else ptr(t.detach().float().contiguous()) for t in (
+                *(None if t is None else self._ptr(t.detach().float().contiguous()) for t in (
                     layer.post_attn_norm, layer.post_ffn_norm, layer.rope_cos, layer.rope_sin
                 )),
             )  # fmt: skip
+
+    def _ptr(self, t: torch.Tensor | None) -> int | None:
+        """`t`'s address, `t` kept alive as long as this object (the C side holds the pointer)."""
+        if t is None:
+            return None
+        assert t.device.type == "cpu" and t.is_contiguous(), "native decoder: CPU, contiguous tensors"
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def _weight(self, w: QuantizedTensors) -> _Int4Weight:
+        """A quantised linear's C view: INT8 (Q8_0) rows, or INT4 codes with their parameters."""
+        if w.int8:
+            return _Int4Weight(
+                self._ptr(w.packed), self._ptr(w.params), None, 1, w.rows, 2 * w.packed.shape[1], 32, 2
+            )
+        rows, half = w.packed.shape
+        mode = 0 if w.superblock_scales is None else 1
+        per_block = 1 if w.superblock_scales is None else w.params.shape[1] // w.superblock_scales.shape[1]
+        return _Int4Weight(
+            self._ptr(w.packed), self._ptr(w.params), self._ptr(w.superblock_scales), per_block, rows, 2 * half,
+            w.group_size, mode,
+        )  # fmt: skip
 
     def run(
         self,
