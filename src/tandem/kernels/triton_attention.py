@@ -49,6 +49,79 @@ def _e4m3_to_float(codes):
 
 
 @triton.jit
+def _tile_keys(
+    k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, k_new_ptr, v_new_ptr, table, n, n_ok, d, d_ok, kv_head,
+    first_position, query_start, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
+    stride_nt, stride_nh, stride_vnt, stride_vnh,
+    BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FRESH_KEYS: tl.constexpr,
+):  # fmt: skip
+    """The keys and values [BLOCK_N, D] at positions `n` of one KV head: from the paged cache
+    (FP8 codes widened times their scales), or, for a whole prompt computed this step
+    (FRESH_KEYS), as computed (as the torch path does: the cache holds them narrower)."""
+    cached = n_ok
+    if FRESH_KEYS:
+        # per key, not a scalar: Triton's interpreter cannot broadcast a scalar mask in `&`
+        fresh = (n * 0 + first_position) == 0
+        cached = n_ok & (fresh == 0)
+    block = tl.load(table + n // BLOCK_SIZE, mask=cached, other=0)
+    offset = block.to(tl.int64) * stride_kb + (n % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+    kv_mask = cached[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + offset[:, None] + d[None, :], mask=kv_mask, other=0)
+    v = tl.load(v_ptr + offset[:, None] + d[None, :], mask=kv_mask, other=0)
+    if FP8:
+        scale_offset = block.to(tl.int64) * stride_sb + (n % BLOCK_SIZE) * stride_ss + kv_head
+        k_scale = tl.load(k_scale_ptr + scale_offset, mask=cached, other=0.0).to(tl.float32)
+        v_scale = tl.load(v_scale_ptr + scale_offset, mask=cached, other=0.0).to(tl.float32)
+        k = _e4m3_to_float(k) * k_scale[:, None]
+        v = _e4m3_to_float(v) * v_scale[:, None]
+    if FRESH_KEYS:
+        new_row = (query_start + n).to(tl.int64)
+        new_mask = (n_ok & fresh)[:, None] & d_ok[None, :]
+        k_offset = new_row * stride_nt + kv_head * stride_nh
+        v_offset = new_row * stride_vnt + kv_head * stride_vnh
+        k_new = tl.load(k_new_ptr + k_offset[:, None] + d[None, :], mask=new_mask, other=0.0)
+        v_new = tl.load(v_new_ptr + v_offset[:, None] + d[None, :], mask=new_mask, other=0.0)
+        k = tl.where(fresh[:, None], k_new.to(tl.float32), k.to(tl.float32))
+        v = tl.where(fresh[:, None], v_new.to(tl.float32), v.to(tl.float32))
+    return k, v
+
+
+@triton.jit
+def _tile_scores(
+    q, k, n, n_ok, row_ok, position, scale, softcap, window,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_M, BLOCK_N] scaled (and soft-capped) scores of the tile's rows against keys `n`,
+    -inf where a row may not see a key (causal, window)."""
+    scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+    if HAS_SOFTCAP:
+        # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both ends (exp overflows to inf -> 1)
+        scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+    visible = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= position[:, None])
+    if HAS_WINDOW:
+        visible = visible & (n[None, :] > position[:, None] - window)
+    scores = tl.where(visible, scores, float("-inf"))
+    return scores
+
+
+@triton.jit
+def _online_softmax_step(
+    scores, v, running_max, running_sum, acc, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr
+):
+    """Fold one key tile's masked scores [BLOCK_M, BLOCK_N] and values into the running max,
+    sum and weighted values (flash attention's online softmax)."""
+    new_max = tl.maximum(running_max, tl.max(scores, 1))
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows that saw no key yet
+    probs = tl.exp(scores - safe_max[:, None])
+    correction = tl.exp(running_max - safe_max)
+    running_sum = running_sum * correction + tl.sum(probs, 1)
+    acc = acc * correction[:, None] + tl.dot(
+        probs.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
+    )
+    return new_max, running_sum, acc
+
+
+@triton.jit
 def _unified_attention_kernel(
     q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, k_new_ptr, v_new_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr, tile_request_ptr, tile_row_ptr,
@@ -68,9 +141,6 @@ def _unified_attention_kernel(
     query_end = tl.load(query_start_ptr + request + 1)
     seq_len = tl.load(seq_lens_ptr + request)
     first_position = seq_len - (query_end - query_start)  # position of the request's first row
-    # a whole prompt computed this step attends its keys as computed (FRESH_KEYS: the cache
-    # holds them narrower), as the torch path does
-
     m = tl.arange(0, BLOCK_M)  # tile rows: (query row, head of the group)
     row = first_row + m // GROUP
     head = kv_head * GROUP + m % GROUP
@@ -78,18 +148,14 @@ def _unified_attention_kernel(
     position = first_position + (row - query_start)  # [BLOCK_M]
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = d < HEAD_DIM
-    q = tl.load(
-        q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    ).to(DOT_DTYPE)  # [BLOCK_M, D]
-
+    mask = row_ok[:, None] & d_ok[None, :]
+    q_rows = q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_rows, mask=mask, other=0.0).to(DOT_DTYPE)  # [BLOCK_M, D]
     last_row = tl.minimum(first_row + BLOCK_Q, query_end) - 1
     last_key = first_position + (last_row - query_start)  # the tile's largest position
     first_key = 0
     if HAS_WINDOW:
         first_key = tl.maximum(first_position + (first_row - query_start) - window + 1, 0)
-
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
@@ -97,55 +163,21 @@ def _unified_attention_kernel(
     for start in range((first_key // BLOCK_N) * BLOCK_N, last_key + 1, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)  # key positions
         n_ok = (n >= first_key) & (n <= last_key)
-        cached = n_ok
-        if FRESH_KEYS:
-            # per key, not a scalar: Triton's interpreter cannot broadcast a scalar mask in `&`
-            fresh = (n * 0 + first_position) == 0
-            cached = n_ok & (fresh == 0)
-        block = tl.load(table + n // BLOCK_SIZE, mask=cached, other=0)
-        offset = block.to(tl.int64) * stride_kb + (n % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        kv_mask = cached[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + offset[:, None] + d[None, :], mask=kv_mask, other=0)
-        v = tl.load(v_ptr + offset[:, None] + d[None, :], mask=kv_mask, other=0)
-        if FP8:
-            scale_offset = block.to(tl.int64) * stride_sb + (n % BLOCK_SIZE) * stride_ss + kv_head
-            k_scale = tl.load(k_scale_ptr + scale_offset, mask=cached, other=0.0).to(tl.float32)
-            v_scale = tl.load(v_scale_ptr + scale_offset, mask=cached, other=0.0).to(tl.float32)
-            k = _e4m3_to_float(k) * k_scale[:, None]
-            v = _e4m3_to_float(v) * v_scale[:, None]
-        if FRESH_KEYS:
-            new_row = (query_start + n).to(tl.int64)
-            new_mask = (n_ok & fresh)[:, None] & d_ok[None, :]
-            k_offset = new_row * stride_nt + kv_head * stride_nh
-            v_offset = new_row * stride_vnt + kv_head * stride_vnh
-            k_new = tl.load(k_new_ptr + k_offset[:, None] + d[None, :], mask=new_mask, other=0.0)
-            v_new = tl.load(v_new_ptr + v_offset[:, None] + d[None, :], mask=new_mask, other=0.0)
-            k = tl.where(fresh[:, None], k_new.to(tl.float32), k.to(tl.float32))
-            v = tl.where(fresh[:, None], v_new.to(tl.float32), v.to(tl.float32))
-        scores = (
-            tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale
-        )  # [BLOCK_M, BLOCK_N]
-        if HAS_SOFTCAP:
-            # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both ends (exp overflows to inf -> 1)
-            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
-        visible = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= position[:, None])
-        if HAS_WINDOW:
-            visible = visible & (n[None, :] > position[:, None] - window)
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows that saw no key yet
-        probs = tl.exp(scores - safe_max[:, None])
-        correction = tl.exp(running_max - safe_max)
-        running_sum = running_sum * correction + tl.sum(probs, 1)
-        acc = acc * correction[:, None] + tl.dot(
-            probs.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
+        k, v = _tile_keys(
+            k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, k_new_ptr, v_new_ptr, table, n, n_ok, d, d_ok, kv_head,
+            first_position, query_start, stride_kb, stride_ks, stride_kh, stride_sb, stride_ss,
+            stride_nt, stride_nh, stride_vnt, stride_vnh, BLOCK_SIZE, FP8, FRESH_KEYS,
+        )  # fmt: skip
+        scores = _tile_scores(
+            q, k, n, n_ok, row_ok, position, scale, softcap, window,
+            HAS_SOFTCAP, HAS_WINDOW, DOT_DTYPE, DOT_PRECISION,
+        )  # fmt: skip
+        running_max, running_sum, acc = _online_softmax_step(
+            scores, v, running_max, running_sum, acc, DOT_DTYPE, DOT_PRECISION
         )
-        running_max = new_max
     out = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
-    tl.store(
-        out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
-    )  # fmt: skip
+    out_rows = out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def key_tile(device: torch.device) -> int:
