@@ -8,7 +8,7 @@ PYTEST_ARGS ?= --durations=25  # the slowest tests in every run: the CI budget i
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
 APT_INSTALL := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends
 
-.PHONY: install install-test run generate test lint bench console
+.PHONY: install install-test run generate test test-fast lint bench console
 
 # What `make run` needs: the package, CPU torch and the default model.
 install: $(VENV)/.installed
@@ -40,13 +40,21 @@ run: install
 generate: install
 	$(VENV)/bin/tandem generate --prompt "$(PROMPT)"
 
-test: install-test
-	$(VENV)/bin/lint-imports --no-cache
+# The README's test command (and CI's): the lint first (a minute), then every test.
+test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The inner loop: the lint and the tests that start no Ray, no S3 server and no real checkpoint.
+test-fast: lint
+	$(PY) -m pytest -q -x -m "not ray and not s3 and not slow" $(FAST_ARGS)
+
+# Layering contracts, import cycles / module and function length / Any in signatures
+# (scripts/check_structure.py), ruff's lint and format, mypy.
 lint: install-test
 	$(VENV)/bin/lint-imports --no-cache
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(PY) scripts/check_structure.py
+	$(VENV)/bin/ruff check src tests benchmarks scripts infra
+	$(VENV)/bin/ruff format --check src tests benchmarks scripts infra
 	$(VENV)/bin/mypy
 
 # The console's pages, rebuilt from console/ into the package (the build is committed, so that

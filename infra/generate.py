@@ -114,7 +114,9 @@ def serve_yaml(layout: str) -> str:
     return header + _dump(config)
 
 
-def _container(name: str, image: str, resources: dict[str, Any], ports: list[dict[str, Any]]) -> dict[str, Any]:
+def _container(
+    name: str, image: str, resources: dict[str, Any], ports: list[dict[str, Any]]
+) -> dict[str, Any]:
     return {
         "name": name,
         "image": image,
@@ -136,7 +138,9 @@ READINESS = {
 }
 
 
-def _worker_group(name: str, image: str, replicas: int, resources: dict[str, Any], ray_resources: str) -> dict[str, Any]:
+def _worker_group(
+    name: str, image: str, replicas: int, resources: dict[str, Any], ray_resources: str
+) -> dict[str, Any]:
     return {
         "groupName": name,
         "replicas": replicas,
@@ -159,7 +163,9 @@ def rayservice(serve_text: str, image: str) -> dict[str, Any]:
         {"containerPort": 8080, "name": "metrics"},
     ]
     head = _container("ray-head", image, {"cpu": "2", "memory": "8Gi"}, head_ports)
-    service = _worker_group("service", image, 1, {"cpu": "2", "memory": "4Gi"}, '"{\\"tandem_service\\": 100}"')
+    service = _worker_group(
+        "service", image, 1, {"cpu": "2", "memory": "4Gi"}, '"{\\"tandem_service\\": 100}"'
+    )
     service["template"]["spec"]["containers"][0]["readinessProbe"] = READINESS
     return {
         "apiVersion": "ray.io/v1",
@@ -186,7 +192,11 @@ def rayservice(serve_text: str, image: str) -> dict[str, Any]:
                 "workerGroupSpecs": [
                     service,
                     _worker_group(
-                        "engine-cpu", image, 1, {"cpu": "4", "memory": "16Gi"}, f'"{{\\"{ENGINE_NODE_RESOURCE}\\": 1}}"'
+                        "engine-cpu",
+                        image,
+                        1,
+                        {"cpu": "4", "memory": "16Gi"},
+                        f'"{{\\"{ENGINE_NODE_RESOURCE}\\": 1}}"',
                     ),
                 ],
             },
@@ -201,7 +211,11 @@ def overlay_patches(overlay: str) -> list[dict[str, Any]]:
     patches: list[dict[str, Any]] = [
         {"op": "replace", "path": "/spec/serveConfigV2", "value": serve_yaml(layout)},
         {"op": "replace", "path": f"{spec}/headGroupSpec/template/spec/containers/0/image", "value": image},
-        {"op": "replace", "path": f"{spec}/workerGroupSpecs/0/template/spec/containers/0/image", "value": image},
+        {
+            "op": "replace",
+            "path": f"{spec}/workerGroupSpecs/0/template/spec/containers/0/image",
+            "value": image,
+        },
     ]
     if overlay == "prod":
         gpu = {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"}
@@ -213,7 +227,11 @@ def overlay_patches(overlay: str) -> list[dict[str, Any]]:
         patches.append({"op": "replace", "path": f"{spec}/workerGroupSpecs/1", "value": group})
     else:
         patches.append(
-            {"op": "replace", "path": f"{spec}/workerGroupSpecs/1/template/spec/containers/0/image", "value": image}
+            {
+                "op": "replace",
+                "path": f"{spec}/workerGroupSpecs/1/template/spec/containers/0/image",
+                "value": image,
+            }
         )
     return patches
 
@@ -226,7 +244,11 @@ def files() -> dict[Path, str]:
     base = INFRA / "k8s" / "base"
     out[base / "rayservice.yaml"] = note + _dump(rayservice(serve_yaml("colocated"), IMAGE_CPU))
     out[base / "kustomization.yaml"] = note + _dump(
-        {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": ["rayservice.yaml"]}
+        {
+            "apiVersion": "kustomize.config.k8s.io/v1beta1",
+            "kind": "Kustomization",
+            "resources": ["rayservice.yaml"],
+        }
     )
     for overlay in OVERLAYS:
         kustomization = {
@@ -246,7 +268,9 @@ def files() -> dict[Path, str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
     stale = []

@@ -13,12 +13,16 @@ import os
 import sys
 import time
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.deployments.batch_execution import execute_batch_line
 from tandem.deployments.openai.endpoints import ENDPOINTS
 
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
+
+if TYPE_CHECKING:  # the client is imported when a command needs it
+    from openai import OpenAI
+    from openai.types import Batch
 
 
 def add_parser(sub: Any) -> None:
@@ -103,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     return 1
 
 
-def _watch(client: Any, batch_id: str, poll_interval: float) -> Any:
+def _watch(client: OpenAI, batch_id: str, poll_interval: float) -> Batch:
     """Redraw a progress line on stderr until the batch reaches a terminal status."""
     while True:
         batch = client.batches.retrieve(batch_id)
@@ -118,7 +122,7 @@ def _watch(client: Any, batch_id: str, poll_interval: float) -> Any:
         time.sleep(poll_interval)
 
 
-def progress_line(batch: Any, now: float, width: int = 30) -> str:
+def progress_line(batch: Batch, now: float, width: int = 30) -> str:
     """One frame of the progress bar: rows answered of total, status, output tokens/s and an ETA.
 
     Rates are measured from the batch's `in_progress_at` (server clock, epoch seconds) with the
@@ -152,7 +156,7 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
-def _write_in_input_order(client: Any, batch: Any, path: str) -> int:
+def _write_in_input_order(client: OpenAI, batch: Batch, path: str) -> int:
     """Merge the output and error files into `path`, one line per answered request, in the order of
     the input file's `custom_id`s (lines never run, e.g. of a cancelled batch, are left out).
     Returns the number of lines written."""

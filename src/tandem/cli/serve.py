@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import time
+from types import ModuleType
 from typing import Any
 
 from tandem.cli.banner import banner, dev_tenant_key, model_line
@@ -246,7 +247,7 @@ def _start_ray(args: argparse.Namespace) -> None:
     ray.init(address="local", include_dashboard=False, configure_logging=False, runtime_env=RUNTIME_ENV)
 
 
-def _serve_until_stopped(serve: Any, drain_timeout_s: float) -> None:
+def _serve_until_stopped(serve: ModuleType, drain_timeout_s: float) -> None:
     """Wait for SIGTERM or Ctrl-C, then drain (a second signal: stop at once) and stop Serve and Ray."""
     import signal
     import threading
@@ -274,7 +275,7 @@ def _serve_until_stopped(serve: Any, drain_timeout_s: float) -> None:
         print("[tandem] stopped", file=sys.stderr)
 
 
-def drain(serve: Any, timeout_s: float) -> None:
+def drain(serve: ModuleType, timeout_s: float) -> None:
     """The graceful stop: the fleet stops admitting (503 `shutting_down`), batch workers release
     their shards' leases, and this waits until no ingress has a request in flight, for at most
     `timeout_s` (then the ingress ends what is left with an error) plus a moment to send it."""

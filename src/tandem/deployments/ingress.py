@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -74,7 +73,7 @@ def install_server(server: OpenAIServer) -> None:
     _installed_server = server
 
 
-def server_for_app(app: Any) -> OpenAIServer | None:
+def server_for_app(app: object) -> OpenAIServer | None:
     """The server answering for the Starlette `app`. Routes call this module-level function rather
     than reading `_installed_server` themselves: Serve ships the routes (closures) to the replica by
     value, with a copy of the module globals they name taken before any server was installed."""

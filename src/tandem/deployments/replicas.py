@@ -156,10 +156,10 @@ class LLMReplica:
             "num_batch_requests_refused": self.num_batch_requests_refused,
         }
 
-    async def lora_info(self) -> dict[str, Any]:
+    async def lora_info(self) -> dict[str, object]:
         return self.engine.engine.adapters.info()
 
-    async def model_info(self) -> dict[str, Any]:
+    async def model_info(self) -> dict[str, object]:
         return self.engine.engine.model_info()
 
     async def token_table(self) -> list[bytes]:

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from tandem.engine.io.generation_defaults import GenerationDefaults
 from tandem.engine.io.tokenizer import Tokenizer
 from tandem.engine.lora.manager import LoRALimits, LoRAManager, LoRAModelShape
 from tandem.engine.model_weights import build_models, kv_cache_spec
-from tandem.engine.models.interface import CausalLM
+from tandem.engine.models.interface import CausalLM, ModelConfig
 from tandem.engine.models.loader import (
     LoadedModel,
     default_cache_dir,
@@ -43,6 +44,10 @@ from tandem.platform.cpu import cpu_flags, usable_cpus
 from tandem.platform.errors import InvalidRequestError
 
 logger = logging.getLogger("tandem.engine")
+
+
+# Builds the model (and its decode copy) for a precision, its position tables covering `max_positions`.
+BuildModels = Callable[[PrecisionChoice, int], tuple[CausalLM, CausalLM | None]]
 
 
 @dataclasses.dataclass
@@ -179,7 +184,7 @@ def _set_threads(config: EngineConfig, device: torch.device) -> bool:
 
 
 def _choose_precision(
-    config: EngineConfig, loaded: LoadedModel, device: torch.device, build: functools.partial[Any]
+    config: EngineConfig, loaded: LoadedModel, device: torch.device, build: BuildModels
 ) -> PrecisionChoice:
     """`dtype` / `weight_dtype` as configured or measured on this host (`choose_precision`),
     then held to the quality bound on the checkpoint (`hold_to_bound`)."""
@@ -296,7 +301,7 @@ def kv_window(config: EngineConfig, loaded: LoadedModel, has_draft: bool) -> int
 
 
 def _size(
-    config: EngineConfig, cfg: Any, kv_spec: KVCacheSpec, draft: LoadedDraft | None, device: torch.device, dtype: torch.dtype,
+    config: EngineConfig, cfg: ModelConfig, kv_spec: KVCacheSpec, draft: LoadedDraft | None, device: torch.device, dtype: torch.dtype,
     window: int | None = None,
 ) -> _Sizes:  # fmt: skip
     """Blocks of the shared cache (a draft's cache sits beside it, block for block) and of the
@@ -344,7 +349,7 @@ def _size(
     return _Sizes(num_blocks, num_head_blocks, max_model_len, max_positions)
 
 
-def _max_model_len(config: EngineConfig, cfg: Any, capacity: int) -> int:
+def _max_model_len(config: EngineConfig, cfg: ModelConfig, capacity: int) -> int:
     """`config.max_model_len` checked against the model's context and the cache, or the most of both."""
     if config.max_model_len is None:
         return int(min(cfg.max_position_embeddings, capacity))

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem.engine.models.interface import ModelConfig
 from tandem.kernels import int4_native
 from tandem.kernels.int4 import NATIVE_GEMV_MAX_ROWS, Int4Linear, fit_group_size, quantize_int4
 from tandem.kernels.int8 import Int8Linear, quantize_int8
@@ -113,7 +114,7 @@ class ProbeResult:
         }  # fmt: skip
 
 
-def model_gemm_shapes(config: Any) -> tuple[Shape, ...]:
+def model_gemm_shapes(config: ModelConfig) -> tuple[Shape, ...]:
     """(out, in) of one decoder layer's linears as the engine runs them: fused q/k/v, o, fused
     gate/up, down (an MoE layer: one expert's; latent attention: its projections' sizes)."""
     hidden = config.hidden_size
@@ -237,7 +238,9 @@ def cache_path(key: str, cache_dir: Path) -> Path:
     return cache_dir / "precision" / f"probe-{key}.json"
 
 
-def probe_precision(config: Any, device: torch.device, cache_dir: Path, *, int4: bool) -> ProbeResult | None:
+def probe_precision(
+    config: ModelConfig, device: torch.device, cache_dir: Path, *, int4: bool
+) -> ProbeResult | None:
     """The probe's result for this machine and `config`'s shapes: from the cache, else measured
     (and cached). `int4`: whether the native INT4 kernel runs here (then it is timed too).
 

@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -100,7 +99,7 @@ def measure(candidate: str, token_ids: list[int], reference: Scorer, scorer: Sco
     return QualityResult(candidate, mean_kl, top1, expected.shape[0], time.perf_counter() - started)
 
 
-def checkpoint_identity(path: Path) -> list[list[Any]]:
+def checkpoint_identity(path: Path) -> list[list[str | int]]:
     """The checkpoint's files (a GGUF file, or a folder's files) by name, size and mtime."""
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
     return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]

@@ -70,12 +70,12 @@ class GenerationDefaults:
         }
         return cls(**values)
 
-    def to_hf_dict(self) -> dict[str, Any]:
+    def to_hf_dict(self) -> dict[str, object]:
         """As generation_config.json keys (the fields set)."""
         names = {field: key for key, field in _HF_KEYS.items()}
         return {names[name]: value for name, value in self.as_dict().items()}
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         """The fields the checkpoint sets (for `/v1/models`, stats and the start-up log)."""
         return {name: value for name, value in asdict(self).items() if value is not None}
 

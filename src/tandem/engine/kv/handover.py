@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 from tandem.engine.kv.block_manager import FREED_BLOCK, KVCacheManager
 from tandem.engine.kv.transfer import (
@@ -28,6 +28,16 @@ from tandem.engine.sched.scheduler import Scheduler
 from tandem.engine.sched.step import RequestUpdate, Runner
 from tandem.platform.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
 
+
+class CacheShape(Protocol):
+    """What of a model config a KV page's fingerprint names (`models.interface.ModelConfig`)."""
+
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+
+
 MakeRequest = Callable[..., tuple[Request, str | None]]
 
 
@@ -36,7 +46,7 @@ def with_token_ids(gen: GenerationRequest, token_ids: list[int]) -> GenerationRe
     return dataclasses.replace(gen, prompt=None, messages=None, prompt_token_ids=list(token_ids))
 
 
-def kv_fingerprint(model_name: str, model_config: Any) -> str:
+def kv_fingerprint(model_name: str, model_config: CacheShape) -> str:
     """What a receiver's cache must match to take a sender's pages: the model and its cache shape."""
     cfg = model_config
     mla = getattr(cfg, "mla", None)  # a latent cache: one shared vector per token (`models/mla.py`)

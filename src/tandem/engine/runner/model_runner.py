@@ -19,7 +19,7 @@ from tandem.engine.models.interface import CausalLM
 from tandem.engine.models.moe_layer import routed_tokens
 from tandem.engine.models.native import NativeLlama, NativeStep
 from tandem.engine.runner.compiled_decode import CompiledDecode
-from tandem.engine.runner.compressed import HeadPoolForward, allocate_head_pool
+from tandem.engine.runner.compressed import HeadPool, HeadPoolForward, allocate_head_pool
 from tandem.engine.runner.constraints import GrammarMasks
 from tandem.engine.runner.decode_graphs import DecodeGraphs, graph_batch_sizes
 from tandem.engine.runner.draft import PagedDraftCache
@@ -155,7 +155,7 @@ class ModelRunner:
 
     # Views of the head-block pool (tests and the fault hook read them).
     @property
-    def head_pool(self) -> Any:
+    def head_pool(self) -> HeadPool | None:
         return self.heads.pool if self.heads is not None else None
 
     @property
