@@ -531,6 +531,7 @@ def test_unexpected_errors_are_500s_in_openai_shape_with_a_request_id(
     import logging
 
     from tandem.deployments.openai import server as openai_server
+    from tandem.deployments.openai import streaming
 
     def broken_chunk(*args: object, **kwargs: object) -> None:
         raise KeyError("internal detail that must not leak")
@@ -543,7 +544,7 @@ def test_unexpected_errors_are_500s_in_openai_shape_with_a_request_id(
         assert request_id in error["message"] and "ZeroDivision" not in response.text
         assert any(request_id == getattr(r, "request_id", None) and r.exc_info for r in caplog.records)
 
-        monkeypatch.setattr(openai_server, "stream_chunks", broken_chunk)
+        monkeypatch.setattr(streaming, "stream_chunks", broken_chunk)
         events = _sse_events(platform, {**CHAT, "stream": True})
         assert events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
