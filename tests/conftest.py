@@ -381,3 +381,14 @@ def playground_answer(page: Any, model: str, max_tokens: int) -> Any:
     answer = page.locator("pre.answer[data-done='true']")
     answer.wait_for(timeout=60_000)
     return answer
+
+
+# Fixtures that load a real checkpoint: tests using them are `slow` (`make test-fast` leaves them
+# out; `make test`, and so CI, runs them).
+REAL_CHECKPOINT_FIXTURES = frozenset({"default_model_path", "gemma3_folder"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if REAL_CHECKPOINT_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -22,6 +22,8 @@ from schemathesis import GenerationMode
 
 from .test_isolation import HOSTILE, Platform, start_platform
 
+pytestmark = pytest.mark.slow  # hundreds of requests through the live app (make test runs it)
+
 EXAMPLES_PER_MODE = 60
 TIME_BUDGET_S = 240.0
 

@@ -74,6 +74,7 @@ def _check_everywhere(model: str | None, num_checked: int = NUM_CHECKED, **optio
         torch.set_num_threads(torch_threads)
 
 
+@pytest.mark.slow  # the real default model
 def test_default_model_same_bits_alone_in_a_batch_chunked_and_without_speculation(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -81,6 +82,7 @@ def test_default_model_same_bits_alone_in_a_batch_chunked_and_without_speculatio
     _check_everywhere(None)
 
 
+@pytest.mark.slow  # the real default model
 def test_pinned_float32_dense_is_batch_invariant_too() -> None:
     """The test suite's own pin (float32 dense): the oneDNN linears at their measured floors and
     native attention for every row."""

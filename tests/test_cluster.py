@@ -28,6 +28,8 @@ import yaml
 
 from .conftest import free_ports
 
+pytestmark = pytest.mark.ray  # starts a Ray cluster of its own (two `ray start` nodes)
+
 KEY, OPERATOR_KEY = "sk-cluster", "sk-op-cluster"
 RAY = str(Path(sys.executable).parent / "ray")
 SERVE = str(Path(sys.executable).parent / "serve")

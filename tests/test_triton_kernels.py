@@ -28,6 +28,8 @@ from tandem.kernels.int4 import (  # noqa: E402
 )
 from tandem.kernels.triton_support import TRITON_ON_CPU_ENV, uses_triton  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Triton's CPU interpreter and the Hopper compile (make test runs them)
+
 DEVICES = [
     "cpu",
     pytest.param(
