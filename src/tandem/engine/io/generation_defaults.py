@@ -30,7 +30,7 @@ GGUF_SAMPLING_KEYS = {
     "general.sampling.min_p": "min_p", "general.sampling.penalty_repeat": "repetition_penalty",
 }  # fmt: skip
 # The SamplingParams fields a checkpoint's defaults fill when a request leaves them unset
-# (`max_tokens` is resolved with the context instead: `request_validation`).
+# (`max_tokens` is resolved with the context instead: `InputProcessor`).
 DEFAULTABLE = frozenset(_HF_KEYS.values()) - {"max_tokens"}
 
 
