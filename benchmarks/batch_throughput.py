@@ -20,7 +20,6 @@ import io
 import json
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +28,9 @@ from fastapi.testclient import TestClient
 
 from common import log, write_result
 from tandem import LLM, AsyncEngine, SamplingParams
-from tandem.batch.service import BatchLimits, BatchService
-from tandem.batch.worker import BatchWorker
-from tandem.deployments.batch_execution import execute_batch_line
-from tandem.deployments.engine_clients import LocalEngineClient
+from tandem.batch.service import BatchLimits
 from tandem.deployments.ingress import create_app
-from tandem.deployments.openai.endpoints import ENDPOINTS
-from tandem.deployments.openai.server import OpenAIServer
+from tandem.deployments.local import local_platform
 from tandem.platform.api_keys import parse_keys
 from tandem.platform.object_store import FileObjectStore
 from tandem.platform.tenancy import TenantRegistry
@@ -85,19 +80,16 @@ def run_batch(
     shard_size: int,
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="tandem-batch-bench-") as root:
-        service = BatchService(
+        local = local_platform(
+            engine,
             FileObjectStore(root),
-            {model},
-            BatchLimits(shard_size=shard_size, max_shards_in_flight=shards_in_flight),
-            endpoints=ENDPOINTS,
+            TenantRegistry(parse_keys(f"{KEY}=bench")),
+            batch_limits=BatchLimits(shard_size=shard_size, max_shards_in_flight=shards_in_flight),
+            model=model,
+            worker_id="bench",
         )
-        server = OpenAIServer(
-            LocalEngineClient(engine), TenantRegistry(parse_keys(f"{KEY}=bench")), batches=service
-        )
-        worker = BatchWorker(
-            service, partial(execute_batch_line, server), poll_interval_s=0.05, worker_id="bench"
-        )
-        with TestClient(create_app(server)) as http:
+        worker = local.worker
+        with TestClient(create_app(local.server)) as http:
             running = http.portal.start_task_soon(worker.run_forever)
             client = openai.OpenAI(
                 base_url="http://testserver/v1", api_key=KEY, http_client=http, max_retries=0

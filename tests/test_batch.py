@@ -13,7 +13,6 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +28,9 @@ from tandem.batch.service import BatchLimits, BatchService
 from tandem.batch.validation import validate_batch_file
 from tandem.batch.worker import BatchWorker
 from tandem.deployments.batch_execution import execute_batch_line
-from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
+from tandem.deployments.local import local_platform
 from tandem.deployments.openai.endpoints import ENDPOINTS
-from tandem.deployments.openai.server import OpenAIServer
 from tandem.platform.api_keys import parse_keys
 from tandem.platform.object_store import (
     FileObjectStore,
@@ -156,18 +154,13 @@ def make_platform(engine: AsyncEngine) -> Iterator[Callable[..., Platform]]:
     stack: list[Any] = []
 
     def make(store: ObjectStore, *, start_worker: bool = True, **limits: Any) -> Platform:
-        service = BatchService(
-            store,
-            {"tiny"},
-            BatchLimits(**{"shard_size": 4, "lease_ttl_s": 5.0, **limits}),
-            endpoints=ENDPOINTS,
-        )
         tenants = TenantRegistry(parse_keys(f"{KEY_A}=acme,{KEY_B}=globex"))
-        server = OpenAIServer(LocalEngineClient(engine), tenants, batches=service)
-        worker = BatchWorker(
-            service, partial(execute_batch_line, server), poll_interval_s=0.05, worker_id="in-process"
-        )
-        http = TestClient(create_app(server))
+        local = local_platform(
+            engine, store, tenants, batch_limits=BatchLimits(**{"shard_size": 4, "lease_ttl_s": 5.0, **limits}),
+            worker_id="in-process",
+        )  # fmt: skip
+        service, worker = local.batches, local.worker
+        http = TestClient(create_app(local.server))
         http.__enter__()
         stack.append(http)
         if start_worker:

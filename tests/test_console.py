@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +24,10 @@ import openai
 import pytest
 
 from tandem import AsyncEngine
-from tandem.batch.service import BatchLimits, BatchService
-from tandem.batch.worker import BatchWorker
-from tandem.deployments.adapters import AdapterStore
-from tandem.deployments.batch_execution import execute_batch_line
+from tandem.batch.service import BatchLimits
 from tandem.deployments.console_routes import CONTENT_SECURITY_POLICY, SESSION_COOKIE, STATIC_DIR
-from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
-from tandem.deployments.openai.endpoints import ENDPOINTS
-from tandem.deployments.openai.server import OpenAIServer
+from tandem.deployments.local import local_platform
 from tandem.platform.api_keys import parse_operator_keys
 from tandem.platform.object_store import FileObjectStore
 from tandem.platform.tenancy import TenantRegistry
@@ -90,16 +84,12 @@ def platform(engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactory) -> I
     tenants = TenantRegistry(
         {}, operator_keys=parse_operator_keys(OPERATOR_KEY), directory=TenantDirectory(store)
     )
-    adapters = AdapterStore(store, "tiny")
-    batches = BatchService(store, {"tiny"}, BatchLimits(shard_size=2, lease_ttl_s=5.0), endpoints=ENDPOINTS)
     usage_log = UsageLog(store, commit_interval_s=0.05)
-    server = OpenAIServer(
-        LocalEngineClient(engine, adapters), tenants, batches=batches, adapters=adapters, usage_log=usage_log
-    )
-    worker = BatchWorker(
-        batches, partial(execute_batch_line, server), poll_interval_s=0.05, worker_id="console"
-    )
-    with serve_with_worker(create_app(server), worker) as base_url:
+    local = local_platform(
+        engine, store, tenants, batch_limits=BatchLimits(shard_size=2, lease_ttl_s=5.0), adapters=True,
+        usage_log=usage_log, worker_id="console",
+    )  # fmt: skip
+    with serve_with_worker(create_app(local.server), local.worker) as base_url:
         yield Platform(base_url)
     usage_log.close()
 

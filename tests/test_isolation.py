@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +25,10 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from tandem import AsyncEngine
-from tandem.batch.service import BatchLimits, BatchService
-from tandem.batch.worker import BatchWorker
+from tandem.batch.service import BatchLimits
 from tandem.deployments.adapters import AdapterRecord, AdapterStore
-from tandem.deployments.batch_execution import execute_batch_line
-from tandem.deployments.engine_clients import LocalEngineClient
 from tandem.deployments.ingress import create_app
-from tandem.deployments.openai.endpoints import ENDPOINTS
-from tandem.deployments.openai.server import OpenAIServer
+from tandem.deployments.local import local_platform
 from tandem.engine.lora.manager import parse_peft_adapter
 from tandem.platform.api_keys import parse_keys, parse_operator_keys
 from tandem.platform.object_store import FileObjectStore
@@ -77,16 +72,15 @@ def start_platform(root: Path, peft_folder: Path, *, max_positions: int) -> Iter
     )
     store = FileObjectStore(str(root / "objects"))
     adapters = AdapterStore(store, "tiny", source_prefixes=(f"file://{root}/sources/{{tenant}}/",))
-    batches = BatchService(store, {"tiny"}, BatchLimits(shard_size=2, lease_ttl_s=30.0), endpoints=ENDPOINTS)
     tenants = TenantRegistry(
         parse_keys(f"{HOSTILE}=acme,{BYSTANDER}=globex"), operator_keys=parse_operator_keys(OPERATOR)
     )
-    server = OpenAIServer(LocalEngineClient(engine, adapters), tenants, batches=batches, adapters=adapters)
-    worker = BatchWorker(
-        batches, partial(execute_batch_line, server), poll_interval_s=0.05, worker_id="isolation"
-    )
+    local = local_platform(
+        engine, store, tenants, batch_limits=BatchLimits(shard_size=2, lease_ttl_s=30.0), adapters=adapters,
+        worker_id="isolation",
+    )  # fmt: skip
     try:
-        with serve_with_worker(create_app(server), worker) as base_url:
+        with serve_with_worker(create_app(local.server), local.worker) as base_url:
             yield Platform(base_url, engine, adapters, root / "sources", peft_folder)
     finally:
         engine.shutdown()
