@@ -38,8 +38,7 @@ def e4m3_bits_as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     sign-extended to the width, shifted so that its 4 exponent and 3 mantissa bits land on the wide
     type's lowest exponent and highest mantissa bits (bits 20..26 of a float32, 4..10 of a
     bfloat16), then masked to those bits and the sign (the sign-extension fills bit 31/15). Three
-    passes, the last two in place: as cheap as reading a 16-bit cache (the earlier version, seven
-    allocating bit operations through bfloat16, cost 2.5-3x that per gather)."""
+    passes, the last two in place (its cost against a 16-bit cache's gather: docs/performance.md)."""
     if dtype == torch.float32:
         bits = raw.view(torch.int8).to(torch.int32)
         bits.bitwise_left_shift_(20).bitwise_and_(-0x78100000)  # 0x87F00000: sign | exp+mantissa

@@ -8,7 +8,7 @@ stable names `/v1/models`, the console and the autoscaler read).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from tandem.engine.kv.block_manager import KVCacheManager
 from tandem.engine.kv.head_cache import HeadKVCacheManager
@@ -130,14 +130,15 @@ class EngineStats:
     extra: dict[str, object] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
-        """The flat JSON object replicas report (`LLMEngine.stats`)."""
+        """The flat JSON object replicas report (`LLMEngine.stats`, built after every step: the
+        components' fields copied shallowly; their nested dicts are fresh on each call)."""
         runner = self.runner
         out: dict[str, object] = {
-            **asdict(self.kv),
+            **vars(self.kv),
             **self.model,
             **self.counters,
-            **asdict(self.scheduler),
-            **asdict(self.speculation),
+            **vars(self.scheduler),
+            **vars(self.speculation),
             "native_decoder": runner.native_decoder,
             "num_native_decoder_steps": runner.num_native_decoder_steps,
             "num_graph_steps": runner.num_graph_steps,
@@ -146,7 +147,7 @@ class EngineStats:
             **self.extra,
         }
         if self.compression is not None:
-            out.update(asdict(self.compression))
+            out.update(vars(self.compression))
         out.update(moe_stats(runner.expert_tokens))
         return out
 
