@@ -3,6 +3,7 @@ real S3 server (SeaweedFS): two directories over one store stand for two ingress
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 import time
@@ -39,9 +40,11 @@ def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
 
     if request.param == "file":
         return FileObjectStore(str(tmp_path / "store"))
-    return S3ObjectStore(
-        S3_BUCKET, prefix=f"dir-{uuid.uuid4().hex[:8]}", settings=request.getfixturevalue("s3_server")
-    )
+    # These tests check compare-and-swap, not the store's time budget (tests/test_faults.py does):
+    # eight concurrent conditional PUTs on a loaded 2-core CI machine can take longer than the
+    # real-time path's 3 s read timeout, so this store waits longer.
+    settings = dataclasses.replace(request.getfixturevalue("s3_server"), read_timeout_s=30.0)
+    return S3ObjectStore(S3_BUCKET, prefix=f"dir-{uuid.uuid4().hex[:8]}", settings=settings)
 
 
 def test_a_key_issued_on_one_replica_authenticates_on_another_and_revocation_follows(
