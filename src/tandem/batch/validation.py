@@ -29,11 +29,14 @@ class ValidatedFile:
     model: str | None = None
 
     def num_output_tokens_requested(self, default_max_tokens: int) -> int:
-        """The output tokens the lines may ask for: each line's `max_completion_tokens` or
-        `max_tokens` (an integer), else `default_max_tokens`."""
+        """The output tokens the lines may ask for: each line's `max_completion_tokens`,
+        `max_tokens` or (Responses) `max_output_tokens` (an integer), else `default_max_tokens`."""
         total = 0
         for item in self.inputs:
-            asked = item.body.get("max_completion_tokens") or item.body.get("max_tokens")
+            body = item.body
+            asked = (
+                body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
+            )
             total += (
                 asked
                 if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0

@@ -16,7 +16,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from tandem.deployments.batch_execution import execute_batch_line
-from tandem.deployments.openai.endpoints import ENDPOINTS
+from tandem.deployments.openai.endpoints import BATCH_ENDPOINTS
 
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 
@@ -200,7 +200,7 @@ def _worker(args: argparse.Namespace) -> int:
     engine = AsyncEngine.from_options(args.model or DEFAULT_MODEL, **options)
     limits = BatchLimits(lease_ttl_s=args.lease_ttl, shard_size=args.shard_size)
     store = open_object_store(args.object_store)
-    service = BatchService(store, {engine.model_name}, limits, endpoints=ENDPOINTS)
+    service = BatchService(store, {engine.model_name}, limits, endpoints=BATCH_ENDPOINTS)
     adapters = AdapterStore(store, engine.model_name)  # lines may name the owner's adapters
     server = OpenAIServer(LocalEngineClient(engine, adapters), TenantRegistry({}), adapters=adapters)
     worker = BatchWorker(service, partial(execute_batch_line, server))

@@ -18,8 +18,9 @@ from tandem.deployments.batch_worker import BatchWorkerReplica
 from tandem.deployments.engine_clients import EngineClient, HandleEngineClient
 from tandem.deployments.fleet import FLEET_STATE_DEPLOYMENT, FleetState, watch_drain
 from tandem.deployments.ingress import create_app, install_server
-from tandem.deployments.openai.endpoints import ENDPOINTS
+from tandem.deployments.openai.endpoints import BATCH_ENDPOINTS
 from tandem.deployments.openai.limiter import LocalTenantLimiter, TenantLimiter
+from tandem.deployments.openai.response_store import ResponseStore
 from tandem.deployments.openai.server import OpenAIServer
 from tandem.deployments.replicas import (
     LLM_DEPLOYMENT,
@@ -127,7 +128,7 @@ def openai_server(
             {client.model_name},
             cfg.batch,
             default_max_tokens=cfg.max_tokens_default,
-            endpoints=ENDPOINTS,
+            endpoints=BATCH_ENDPOINTS,
         )
         adapters = AdapterStore(
             store,
@@ -150,6 +151,7 @@ def openai_server(
         adapters=adapters,
         limiter=limiter,
         usage_log=usage_log,
+        response_store=ResponseStore(store) if store is not None else None,
     )
     if batch_worker is not None:
 

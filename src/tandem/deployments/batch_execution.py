@@ -53,8 +53,8 @@ async def execute_batch_line(
     seat left for batch work raises `Backpressure` (the worker waits and sends the line again)."""
     try:
         spec = ENDPOINTS.get(endpoint)
-        if spec is None:
-            raise InvalidRequestError(f"endpoint {endpoint!r} is not supported", param="url")
+        if spec is None or not spec.batchable:
+            raise InvalidRequestError(f"endpoint {endpoint!r} is not supported in a batch", param="url")
         reject_unsupported(body)
         if body.get("stream"):
             raise InvalidRequestError("stream is not supported in a batch", param="stream")
@@ -83,15 +83,14 @@ async def execute_batch_line(
     except ValidationError as exc:
         return ExecutedRequest(400, new_id("req"), validation_error_body(exc.errors()), None)
     assert isinstance(result, dict), "batch requests never stream"
-    usage = result.get("usage")
-    counts = usage if isinstance(usage, dict) else {}
-    details = counts.get("prompt_tokens_details")
+    counts = spec.usage(result)
+    request_id = result.get("id")
     return ExecutedRequest(
         200,
-        str(result["id"]),
+        str(request_id) if request_id is not None else new_id("req"),
         result,
         None,
-        input_tokens=int(counts.get("prompt_tokens", 0)),
-        output_tokens=int(counts.get("completion_tokens", 0)),
-        cached_tokens=int((details.get("cached_tokens") if isinstance(details, dict) else 0) or 0),
+        input_tokens=counts.input,
+        output_tokens=counts.output,
+        cached_tokens=counts.cached,
     )

@@ -22,7 +22,7 @@ from tandem.deployments.adapters import AdapterStore
 from tandem.deployments.batch_execution import execute_batch_line
 from tandem.deployments.engine_clients import HandleEngineClient
 from tandem.deployments.fleet import FleetView, watch_drain
-from tandem.deployments.openai.endpoints import ENDPOINTS
+from tandem.deployments.openai.endpoints import BATCH_ENDPOINTS
 from tandem.deployments.openai.server import OpenAIServer
 from tandem.platform.errors import TandemError
 from tandem.platform.local_state import SavedDocument, state_path
@@ -46,7 +46,7 @@ class BatchWorkerReplica:
         tenant_refresh_s: float = 1.0,
     ) -> None:
         store = open_object_store(object_store)
-        service = BatchService(store, {model_name}, BatchLimits(**limits), endpoints=ENDPOINTS)
+        service = BatchService(store, {model_name}, BatchLimits(**limits), endpoints=BATCH_ENDPOINTS)
         # Lines may name the batch owner's adapters ("base:adapter"), resolved in the same store
         # the ingress uploads them to; the LLM replicas load them as for real-time requests.
         # The live tenant directory: each tenant's weight for shard turns, and its limits and

@@ -59,6 +59,11 @@ class EngineClient(Protocol):
 
     async def token_table(self) -> list[bytes]: ...
 
+    async def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        """The number of tokens `request`'s prompt is (its chat template applied), validated as
+        the engine would validate it, without running it."""
+        ...
+
 
 LOCAL_REPLICA_ID = "local"  # the replica label of an in-process engine's figures
 
@@ -92,6 +97,9 @@ class LocalEngineClient:
 
     async def token_table(self) -> list[bytes]:
         return list(self.engine.token_table())
+
+    async def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        return len((await self.engine.with_prompt_token_ids(request)).prompt_token_ids or [])
 
     async def generate(
         self, request: GenerationRequest, usage: UsageTag | None = None
@@ -164,6 +172,12 @@ class HandleEngineClient:
 
     async def token_table(self) -> list[bytes]:
         return cast(list[bytes], await self.unary.token_table.remote())
+
+    async def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        counted = await self.unary.count_prompt_tokens.remote(request)
+        if isinstance(counted, TandemError):  # a client error the replica sent as a value
+            raise counted
+        return int(counted)
 
     async def generate(
         self, request: GenerationRequest, usage: UsageTag | None = None

@@ -39,6 +39,7 @@ from tandem.deployments.openai.routes import (
 )
 from tandem.deployments.openai.server import OpenAIServer
 from tandem.deployments.operator_routes import operator_router
+from tandem.deployments.response_routes import response_router
 from tandem.deployments.usage_routes import usage_router
 from tandem.platform.errors import TandemError
 
@@ -154,13 +155,18 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _reply_response(*reply)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        """Starlette's own answers (no such route: 404, another method: 405) in OpenAI's shape."""
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own answers (no such route: 404 listing the routes served, another method:
+        405) in OpenAI's shape."""
         error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_response(
-            exc.status_code, str(exc.detail), error_type, None, code, dict(exc.headers or {})
-        )
+        message = str(exc.detail)
+        if exc.status_code == 404 and exc.detail == "Not Found":
+            message = (
+                f"{request.method} {request.url.path} is not a route of this server; it serves "
+                + ", ".join(served_routes(request.app))
+            )
+        return error_response(exc.status_code, message, error_type, None, code, dict(exc.headers or {}))
 
     @app.exception_handler(Exception)
     async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
@@ -172,6 +178,19 @@ def _add_error_handlers(app: FastAPI) -> None:
             extra={"path": request.url.path, "method": request.method, "request_id": request_id},
         )
         return _reply_response(500, internal_error_body(request_id), {"X-Request-ID": request_id})
+
+
+def served_routes(app: FastAPI) -> list[str]:
+    """The API's routes as `METHOD /path`, from its OpenAPI document (the endpoint table's and
+    every router's): the `/v1/` routes, `/health` and `/metrics`, for the 404 that lists them."""
+    paths = _openapi_schema(app)["paths"]
+    assert isinstance(paths, dict)
+    return [
+        f"{method.upper()} {path}"
+        for path, operations in paths.items()
+        if path.startswith("/v1/") or path in ("/health", "/metrics")
+        for method in operations
+    ]
 
 
 async def _models(request: Request) -> dict[str, object]:
@@ -231,6 +250,7 @@ def create_app(server: OpenAIServer | None = None) -> FastAPI:
     app.include_router(admin_router(_server, json_body))
     app.include_router(operator_router(_server))
     app.include_router(usage_router(_server))
+    app.include_router(response_router(_authenticated))
     app.include_router(console_router(_server, json_body))
 
     app.add_api_route("/v1/models", _models, methods=["GET"])

@@ -15,7 +15,8 @@ from tandem.batch.worker import BatchWorker
 from tandem.deployments.adapters import AdapterStore
 from tandem.deployments.batch_execution import execute_batch_line
 from tandem.deployments.engine_clients import LocalEngineClient
-from tandem.deployments.openai.endpoints import ENDPOINTS
+from tandem.deployments.openai.endpoints import BATCH_ENDPOINTS
+from tandem.deployments.openai.response_store import ResponseStore
 from tandem.deployments.openai.server import OpenAIServer
 from tandem.platform.object_store import ObjectStore
 from tandem.platform.tenancy import TenantRegistry
@@ -52,13 +53,14 @@ def local_platform(
     worker is not started); `adapters`: an `AdapterStore` (or True for a plain one on `store`) that
     the engine client loads adapters from; `usage_log`: real-time requests metered there."""
     adapter_store = AdapterStore(store, model) if adapters is True else adapters or None
-    batches = BatchService(store, {model}, batch_limits, endpoints=ENDPOINTS)
+    batches = BatchService(store, {model}, batch_limits, endpoints=BATCH_ENDPOINTS)
     server = OpenAIServer(
         LocalEngineClient(engine, adapter_store),
         tenants,
         batches=batches,
         adapters=adapter_store,
         usage_log=usage_log,
+        response_store=ResponseStore(store),
     )
     worker = BatchWorker(
         batches, partial(execute_batch_line, server), poll_interval_s=poll_interval_s, worker_id=worker_id

@@ -165,6 +165,16 @@ class LLMReplica:
     async def token_table(self) -> list[bytes]:
         return self.engine.token_table()
 
+    async def count_prompt_tokens(self, request: GenerationRequest) -> int | TandemError:
+        """The prompt's length in tokens (`EngineClient.count_prompt_tokens`); a client's error
+        is returned as a value, as `generate` sends it."""
+        try:
+            return len((await self.engine.with_prompt_token_ids(request)).prompt_token_ids or [])
+        except TandemError as exc:
+            if exc.status_code >= 500:
+                raise
+            return exc
+
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom autoscaling metrics (Ray Serve calls this on each replica periodically)."""
         return _load_figures(self.engine.stats())

@@ -75,6 +75,7 @@ def final_body(answer: Answer, last: RequestOutput) -> dict[str, object]:
                 text=content,
                 finish_reason=finish_reason,
                 tool_calls=calls,
+                stop_reason=completion.stop_reason,
                 logprobs=names.chat_logprobs(
                     completion.token_ids, completion.logprobs, answer.num_top_logprobs
                 ),
@@ -110,6 +111,7 @@ def tool_call_events(
                     finish_reason=finish_reason,
                     logprobs=logprobs if position == 0 else None,
                     index=completion.index,
+                    stop_reason=completion.stop_reason,
                 )
             )
         )

@@ -154,6 +154,7 @@ def stream_chunks(
                         completion.delta_token_ids, completion.delta_logprobs, num_top
                     ),
                     index=completion.index,
+                    stop_reason=completion.stop_reason,
                 )
             )
             continue

@@ -51,13 +51,21 @@ def chat_choice(
     finish_reason: str | None,
     logprobs: dict[str, object] | None = None,
     tool_calls: list[dict[str, object]] | None = None,
+    stop_reason: str | int | None = None,
 ) -> dict[str, object]:
     """One choice of a chat completion; `text` is the message content (None with tool calls and
-    no text before them)."""
+    no text before them). `stop_reason` (vLLM's extension): the stop string or token id that
+    ended it, null when none did."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if tool_calls:
         message["tool_calls"] = tool_calls
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
 
 
 def chat_completion(
@@ -84,15 +92,24 @@ def chat_chunk(
     usage: Usage | None = None,
     no_choices: bool = False,
     index: int = 0,
+    stop_reason: str | int | None = None,
 ) -> dict[str, object]:
+    """A chat stream's chunk; the chunk that finishes a choice also carries its `stop_reason`
+    (as `chat_choice`)."""
+    choice: dict[str, Any] = {
+        "index": index,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
     chunk: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": []
-        if no_choices
-        else [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+        "choices": [] if no_choices else [choice],
     }
     if usage is not None:
         chunk["usage"] = usage.model_dump()

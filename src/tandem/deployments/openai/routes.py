@@ -128,20 +128,24 @@ class _Disconnected(Exception):
 class _RequestHeaders(NamedTuple):
     """The request headers the routes read, from one pass over them."""
 
-    authorization: str | None
+    authorization: str | None  # or Anthropic's `x-api-key`, as a bearer token
     content_length: int | None
     request_id: bytes | None  # the client's X-Request-ID
 
     @classmethod
     def of(cls, scope: Scope) -> _RequestHeaders:
-        authorization = content_length = request_id = None
+        authorization = api_key = content_length = request_id = None
         for name, value in scope["headers"]:
             if name == b"authorization":
                 authorization = value.decode("latin-1")
+            elif name == b"x-api-key":  # Anthropic's clients send the key here
+                api_key = value.decode("latin-1")
             elif name == b"content-length" and value.isdigit():
                 content_length = int(value)
             elif name == b"x-request-id":
                 request_id = value
+        if authorization is None and api_key is not None:
+            authorization = f"Bearer {api_key}"
         return cls(authorization, content_length, request_id)
 
 
@@ -173,7 +177,8 @@ class CompletionRoutes:
         if scope["method"] != "POST":
             message = f"{scope['method']} is not allowed here: send POST"
             body = error_body(message, "invalid_request_error", None, "method_not_allowed")
-            await self._refuse(scope, send, (405, body, {"Allow": "POST"}), client_request_id, None)
+            reply = (405, endpoint.error_body(405, body), {"Allow": "POST"})
+            await self._refuse(scope, send, reply, client_request_id, None)
             return
         timing = ResponseTiming(started=time.monotonic())
         response_started = False
@@ -199,11 +204,10 @@ class CompletionRoutes:
             return
         except TandemError as exc:  # raised before the response started (a stream reports in-band)
             request_id = timing.request_id or new_id("req")
-            await self._refuse(
-                scope, send, tandem_error_reply(exc, request_id), client_request_id, request_id, tenant
-            )
+            reply = _shaped(endpoint, tandem_error_reply(exc, request_id))
+            await self._refuse(scope, send, reply, client_request_id, request_id, tenant)
         except ValidationError as exc:
-            reply = validation_error_reply(exc.errors())
+            reply = _shaped(endpoint, validation_error_reply(exc.errors()))
             await self._refuse(scope, send, reply, client_request_id, timing.request_id, tenant)
         except Exception:  # a bug: the traceback goes to the log under the request id, not to the client
             request_id = timing.request_id or new_id("req")
@@ -211,7 +215,7 @@ class CompletionRoutes:
                 "request failed", extra={"route": scope["path"], "request_id": request_id, "tenant": tenant}
             )
             if not response_started:
-                reply = (500, internal_error_body(request_id), {})
+                reply = _shaped(endpoint, (500, internal_error_body(request_id), {}))
                 await self._refuse(scope, send, reply, client_request_id, request_id, tenant)
 
     async def _refuse(
@@ -251,6 +255,15 @@ class CompletionRoutes:
         body = parse_json_object(await _read_body(receive))
         reject_unsupported(body)
         return server, caller, body
+
+
+Reply = tuple[int, dict[str, Any], dict[str, str]]
+
+
+def _shaped(endpoint: Endpoint, reply: Reply) -> Reply:
+    """An error reply in the shape `endpoint`'s clients parse (Anthropic's on `/v1/messages`)."""
+    status, body, headers = reply
+    return status, endpoint.error_body(status, body), headers
 
 
 async def _read_body(receive: Receive) -> bytes:

@@ -29,6 +29,7 @@ from tandem.deployments.openai.mapping import (
     sampling_params_from,
 )
 from tandem.deployments.openai.requests import ChatCompletionRequest, CompletionRequest
+from tandem.deployments.openai.response_store import ResponseStore
 from tandem.deployments.openai.responses import (
     ModelCard,
     ModelList,
@@ -63,8 +64,11 @@ class OpenAIServer:
         adapters: AdapterStore | None = None,
         limiter: TenantLimiter | None = None,
         usage_log: UsageLog | None = None,
+        response_store: ResponseStore | None = None,
     ) -> None:
-        """`usage_log`: where real-time requests' usage records go (None: not metered)."""
+        """`usage_log`: where real-time requests' usage records go (None: not metered);
+        `response_store`: where `/v1/responses` keeps responses (None: nothing is stored)."""
+        self.response_store = response_store
         self.client = client
         self.usage_log = usage_log
         self.tenants = tenants
@@ -234,6 +238,14 @@ class OpenAIServer:
             tool_calls=tool_mode(req) is not None,
             api_key_id=api_key_id,
         )
+
+    async def count_prompt_tokens(self, req: ChatCompletionRequest, tenant: str) -> int:
+        """The tokens `req`'s conversation is as the model reads it (tools and template included),
+        without running it."""
+        gen = await self._generation_request(
+            req, tenant, Priority.INTERACTIVE, "cnt", messages=chat_messages(req)
+        )
+        return await self.client.count_prompt_tokens(gen)
 
     async def completions(
         self,
