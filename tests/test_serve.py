@@ -139,6 +139,41 @@ def test_openai_client_through_serve(served: str) -> None:
     check_openai_client(served)
 
 
+def test_responses_and_anthropic_messages_through_serve(served: str) -> None:
+    """`/v1/responses` and Anthropic's `/v1/messages` on Ray Serve with the unchanged clients: the
+    same greedy answer as chat, plain and streamed; a response stored for its tenant only; Anthropic's
+    `count_tokens` counted by a replica (tests/test_responses_api.py covers both protocols in depth)."""
+    import anthropic
+
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key=KEY, max_retries=0)
+    conversation = [{"role": "user", "content": "Hello there"}]
+    chat = client.chat.completions.create(model="tiny", messages=conversation, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+    response = client.responses.create(model="tiny", input="Hello there", max_output_tokens=8, temperature=0)
+    assert response.output_text == chat.choices[0].message.content and response.usage is not None
+    assert chat.usage is not None and response.usage.input_tokens == chat.usage.prompt_tokens
+    with client.responses.stream(
+        model="tiny", input="Hello there", max_output_tokens=8, temperature=0
+    ) as stream:
+        streamed = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+    assert streamed == response.output_text
+    assert client.responses.retrieve(response.id).output_text == response.output_text
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=f"{served}/v1", api_key=OTHER_KEY, max_retries=0).responses.retrieve(
+            response.id
+        )
+    messages = anthropic.Anthropic(base_url=served, api_key=KEY, max_retries=0)
+    message = messages.messages.create(
+        model="tiny", max_tokens=8, messages=conversation, extra_body={"temperature": 0}
+    )  # type: ignore[arg-type]
+    assert message.content[0].text == chat.choices[0].message.content  # type: ignore[union-attr]
+    with messages.messages.stream(
+        model="tiny", max_tokens=8, messages=conversation, extra_body={"temperature": 0}
+    ) as stream:  # type: ignore[arg-type]
+        assert "".join(stream.text_stream) == message.content[0].text  # type: ignore[union-attr]
+    counted = messages.messages.count_tokens(model="tiny", messages=conversation)  # type: ignore[arg-type]
+    assert counted.input_tokens == message.usage.input_tokens == chat.usage.prompt_tokens
+
+
 def test_errors_through_serve(served: str) -> None:
     check_errors(served)
 

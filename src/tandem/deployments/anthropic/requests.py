@@ -79,6 +79,16 @@ class Tool(_Block):
     input_schema: dict[str, Any]
 
 
+class JSONOutputFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    format: JSONOutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # refused when set
+
+
 class ToolChoice(_Strict):
     type: Literal["auto", "any", "tool", "none"]
     name: Name | None = None
@@ -118,6 +128,15 @@ class CountTokensRequest(_Strict):
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: dict[str, Any] | None = None  # only {"type": "disabled"}
+    output_config: OutputConfig | None = None  # `format`: the answer is JSON of that schema
+    # Accepted, changing nothing here: prompt caching is automatic (the prefix cache), and there
+    # is one speed, one region, one workspace.
+    cache_control: dict[str, Any] | None = None
+    speed: Literal["standard", "fast"] | None = None
+    inference_geo: Text | None = None
+    user_profile_id: Text | None = None
+    workspace_id: Text | None = None
+    diagnostics: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -126,6 +145,12 @@ class CountTokensRequest(_Strict):
 
     @model_validator(mode="after")
     def _rules(self) -> CountTokensRequest:
+        if self.output_config is not None and self.output_config.effort is not None:
+            raise FieldRuleError(
+                "output_config.effort is not supported by this server",
+                param="output_config.effort",
+                code="unsupported_parameter",
+            )
         if self.thinking is not None and self.thinking.get("type") != "disabled":
             raise FieldRuleError(
                 "thinking is not supported by this server", param="thinking", code="unsupported_parameter"
@@ -155,6 +180,12 @@ class CountTokensRequest(_Strict):
         for message in self.messages:
             messages += _chat_messages(message)
         body: dict[str, object] = {"model": self.model, "messages": messages}
+        output_format = self.output_config.format if self.output_config is not None else None
+        if output_format is not None:
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": output_format.json_schema},
+            }
         if self.tools:
             body["tools"] = [
                 {
