@@ -139,8 +139,8 @@ def test_openai_client_through_serve(served: str) -> None:
     check_openai_client(served)
 
 
-def test_responses_and_anthropic_messages_through_serve(served: str) -> None:
-    """`/v1/responses` and Anthropic's `/v1/messages` on Ray Serve with the unchanged clients: the
+def test_responses_messages_and_embeddings_through_serve(served: str) -> None:
+    """`/v1/responses`, Anthropic's `/v1/messages` and `/v1/embeddings` on Ray Serve with the unchanged clients: the
     same greedy answer as chat, plain and streamed; a response stored for its tenant only; Anthropic's
     `count_tokens` counted by a replica (tests/test_responses_api.py covers both protocols in depth)."""
     import anthropic
@@ -172,6 +172,20 @@ def test_responses_and_anthropic_messages_through_serve(served: str) -> None:
         assert "".join(stream.text_stream) == message.content[0].text  # type: ignore[union-attr]
     counted = messages.messages.count_tokens(model="tiny", messages=conversation)  # type: ignore[arg-type]
     assert counted.input_tokens == message.usage.input_tokens == chat.usage.prompt_tokens
+    # Embeddings from the decoder (last-token pooling): floats, the SDK's base64, `dimensions`.
+    floats = client.embeddings.create(
+        model="tiny", input=["Hello there", "Paged attention"], encoding_format="float"
+    )
+    decoded = client.embeddings.create(model="tiny", input=["Hello there", "Paged attention"])
+    assert [len(d.embedding) for d in floats.data] == [64, 64] and floats.usage.prompt_tokens > 0
+    assert decoded.data[1].embedding == pytest.approx(floats.data[1].embedding, abs=1e-6)
+    short = client.embeddings.create(
+        model="tiny", input="Hello there", dimensions=16, encoding_format="float"
+    )
+    norm = sum(x * x for x in floats.data[0].embedding[:16]) ** 0.5
+    assert short.data[0].embedding == pytest.approx(
+        [x / norm for x in floats.data[0].embedding[:16]], abs=1e-5
+    )
 
 
 def test_errors_through_serve(served: str) -> None:

@@ -12,6 +12,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from tandem.deployments.adapters import AdapterStore, load_into_engine
+from tandem.deployments.embedding_runs import run_embeddings
 from tandem.deployments.orphans import CallerRef, UsageTag, current_caller
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.platform.errors import OverloadedError, ReplicaLostError, ServiceUnavailableError, TandemError
@@ -59,6 +60,11 @@ class EngineClient(Protocol):
 
     async def token_table(self) -> list[bytes]: ...
 
+    async def embed(self, requests: list[GenerationRequest]) -> list[RequestOutput]:
+        """The final outputs of embedding requests (`GenerationRequest.embed`), in order, run at
+        once on one engine (`embedding_runs.run_embeddings`); a client's error raises."""
+        ...
+
     async def count_prompt_tokens(self, request: GenerationRequest) -> int:
         """The number of tokens `request`'s prompt is (its chat template applied), validated as
         the engine would validate it, without running it."""
@@ -100,6 +106,9 @@ class LocalEngineClient:
 
     async def count_prompt_tokens(self, request: GenerationRequest) -> int:
         return len((await self.engine.with_prompt_token_ids(request)).prompt_token_ids or [])
+
+    async def embed(self, requests: list[GenerationRequest]) -> list[RequestOutput]:
+        return await run_embeddings(self.engine, requests)
 
     async def generate(
         self, request: GenerationRequest, usage: UsageTag | None = None
@@ -172,6 +181,24 @@ class HandleEngineClient:
 
     async def token_table(self) -> list[bytes]:
         return cast(list[bytes], await self.unary.token_table.remote())
+
+    async def embed(self, requests: list[GenerationRequest]) -> list[RequestOutput]:
+        """One call to one replica for all of them (they batch there, in one hop)."""
+        from ray.exceptions import RayActorError
+        from ray.serve.exceptions import BackPressureError
+
+        try:
+            result = await self.unary.embed.remote(requests)
+        except BackPressureError as exc:  # every replica's queue is full: 429, never a hang
+            raise OverloadedError(
+                f"all replicas are busy ({exc.message}); retry shortly",
+                retry_after_s=exc.retry_after_s or 1.0,
+            ) from exc
+        except RayActorError as exc:  # the replica died (Serve replaces it): not the request's fault
+            raise ReplicaLostError() from exc
+        if isinstance(result, TandemError):  # a client error the replica sent as a value
+            raise result
+        return cast(list[RequestOutput], result)
 
     async def count_prompt_tokens(self, request: GenerationRequest) -> int:
         counted = await self.unary.count_prompt_tokens.remote(request)

@@ -25,6 +25,7 @@ from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from tandem.deployments.adapters import AdapterStore, load_into_engine
+from tandem.deployments.embedding_runs import run_embeddings
 from tandem.deployments.orphans import CallerRef, OrphanWatch
 from tandem.engine.kv.transfer import KVPrefixEvictedError, KVTransfer
 from tandem.engine.protocol import GenerationRequest, RequestOutput
@@ -164,6 +165,28 @@ class LLMReplica:
 
     async def token_table(self) -> list[bytes]:
         return self.engine.token_table()
+
+    async def embed(self, requests: list[GenerationRequest]) -> list[RequestOutput] | TandemError:
+        """One embeddings call's inputs (`EngineClient.embed`). A batch call over
+        `max_batch_requests` is refused (`BatchCapacityError`) and counts as one batch request
+        while it runs; a client's error is returned as a value, as `generate` sends it."""
+        is_batch = bool(requests) and requests[0].priority is Priority.BATCH
+        if is_batch:
+            if self.max_batch_requests is not None and self.num_batch_requests >= self.max_batch_requests:
+                self.num_batch_requests_refused += 1
+                return BatchCapacityError(
+                    f"this replica runs {self.num_batch_requests} batch requests, its limit; send it again later"
+                )
+            self.num_batch_requests += 1
+        try:
+            return await run_embeddings(self.engine, requests)
+        except TandemError as exc:
+            if exc.status_code >= 500:
+                raise
+            return exc
+        finally:
+            if is_batch:
+                self.num_batch_requests -= 1
 
     async def count_prompt_tokens(self, request: GenerationRequest) -> int | TandemError:
         """The prompt's length in tokens (`EngineClient.count_prompt_tokens`); a client's error

@@ -11,18 +11,18 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from tandem.engine.draft_setup import LoadedDraft, build_proposer, load_draft
+from tandem.engine.encoder_setup import build_encoder_parts
+from tandem.engine.engine_parts import EngineParts
 from tandem.engine.host.batch_invariance import DISABLED, BatchInvariance, make_batch_invariant
 from tandem.engine.host.precision import PrecisionChoice, choose_precision
 from tandem.engine.host.precision import pinned as pinned_precision
 from tandem.engine.host.precision_probe import probe_precision
 from tandem.engine.host.quality_gate import DTYPES, hold_to_bound, kv_cache_dtype
 from tandem.engine.io.generation_defaults import GenerationDefaults
-from tandem.engine.io.tokenizer import Tokenizer
 from tandem.engine.lora.manager import LoRALimits, LoRAManager, LoRAModelShape
 from tandem.engine.model_weights import build_models, kv_cache_spec
 from tandem.engine.models.interface import CausalLM, ModelConfig
@@ -32,8 +32,8 @@ from tandem.engine.models.loader import (
     load_model,
 )
 from tandem.engine.models.moe_layer import SparseMoE
+from tandem.engine.models.pooling import read_pooling
 from tandem.engine.runner import KVCacheSpec, ModelRunner
-from tandem.engine.sched.step import Runner
 from tandem.engine.structured.grammar import GrammarCompiler
 from tandem.kernels import int4_native
 from tandem.kernels.head_attention import head_pool_dtype, head_slot_bytes
@@ -48,31 +48,6 @@ logger = logging.getLogger("tandem.engine")
 
 # Builds the model (and its decode copy) for a precision, its position tables covering `max_positions`.
 BuildModels = Callable[[PrecisionChoice, int], tuple[CausalLM, CausalLM | None]]
-
-
-@dataclasses.dataclass
-class EngineParts:
-    """What an engine runs on. `build_parts` loads the model and builds them; a test may pass its
-    own (a fake runner, a small tokenizer)."""
-
-    model_name: str
-    model_config: Any  # the model's config (`models.interface.ModelConfig`)
-    tokenizer: Tokenizer
-    eos_token_ids: frozenset[int]
-    runner: Runner
-    num_blocks: int  # KV blocks the runner's cache holds
-    max_model_len: int
-    kv_cache_dtype: str  # what the cache stores, for stats ("float32", "float8_e4m3fn", ...)
-    lora: LoRAManager | None = None
-    precision: PrecisionChoice | None = None  # what dtype / weight_dtype "auto" resolved to, and why
-    grammars: GrammarCompiler | None = None  # output constraints (the runner's); None: refused
-    num_head_blocks: int = 0  # head blocks of the KV compression pool (0: no compressed requests)
-    max_positions: int | None = None  # positions the model's RoPE tables cover (None: max_model_len)
-    kv_window: int | None = None  # blocks before a request's last kv_window positions are given back
-    tuned_threads: int | None = None  # most intra-op threads the engine's `ThreadTuner` may use (None: fixed)
-    batch_invariance: BatchInvariance = DISABLED  # whether rows are computed alike in any batch, and why
-    # what a request's unset sampling fields become (the checkpoint's, with generation_config "auto")
-    generation_defaults: GenerationDefaults = dataclasses.field(default_factory=GenerationDefaults)
 
 
 @dataclasses.dataclass
@@ -124,6 +99,8 @@ def build_parts(config: EngineConfig) -> EngineParts:
     device = resolve_device(config.device)
     tune_threads = _set_threads(config, device)
     loaded = load_model(config.model)
+    if loaded.architecture.encoder:
+        return build_encoder_parts(config, loaded, device)
     cfg = loaded.config
     check_features(config, loaded)
     build = functools.partial(build_models, config, loaded, device=device)
@@ -148,6 +125,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
     eos_token_ids = frozenset(cfg.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
     grammars = GrammarCompiler(loaded.tokenizer, cfg.vocab_size, sorted(eos_token_ids))
     invariance = _batch_invariance(config, precision, device, tune_threads, model, decode_model)
+    pooling = read_pooling(loaded.path if loaded.path.is_dir() else loaded.path.parent, encoder=False)
     runner = ModelRunner(
         model, kv_spec, sizes.num_blocks, device, seed=config.seed, lora=lora, compile_decode=config.compile_decode,
         decode_model=decode_model, decode_model_max_batch=config.hybrid_int4_max_batch, draft=proposer,
@@ -156,6 +134,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         decode_graphs="capture" if uses_decode_graphs(config, device) and graph_capturable(model) else "off",
         graph_max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs), max_model_len=sizes.max_model_len,
         batch_invariant=invariance.holds or (config.batch_invariant and precision.weight_dtype != "hybrid"),
+        pooling=pooling,
     )  # fmt: skip
     runner.warmup_decode()
     runner.capture_graphs()
@@ -168,7 +147,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         kv_cache_dtype=str(kv_dtype).removeprefix("torch."), lora=lora, precision=precision, grammars=grammars,
         num_head_blocks=sizes.num_head_blocks, max_positions=sizes.max_positions, kv_window=window,
         tuned_threads=torch.get_num_threads() if tune_threads else None,
-        generation_defaults=generation_defaults, batch_invariance=invariance,
+        generation_defaults=generation_defaults, batch_invariance=invariance, pooling=pooling,
     )  # fmt: skip
     _log_ready(parts, runner, device, config.block_size)
     return parts

@@ -71,6 +71,8 @@ class LLMEngine:
         self.precision = parts.precision
         self.batch_invariance = parts.batch_invariance
         self.generation_defaults = parts.generation_defaults
+        self.pooling = parts.pooling
+        self.encoder = parts.encoder
         self.grammars: GrammarCompiler | None = parts.grammars
         self.kv_manager, self.head_kv = build_kv_managers(config, parts)
         self.num_kv_integrity_aborts = 0
@@ -120,6 +122,10 @@ class LLMEngine:
             has_compression_pool=self.head_kv is not None,
             check_lora=self.adapters.check,
             compile_grammar=self.grammars.compile if self.grammars is not None else None,
+            whole_prompt_max_tokens=self.config.max_num_batched_tokens
+            if self.pooling.whole_prompt or self.encoder
+            else None,
+            embed_only=self.encoder,
         )
 
     @classmethod
@@ -169,6 +175,10 @@ class LLMEngine:
             "quality": [q.as_stats() for q in precision.quality] if precision else [],
             "generation_defaults": self.generation_defaults.as_dict(),
             "max_model_len": self.max_model_len,
+            # what the model does: an encoder only embeds; a decoder generates and embeds
+            "tasks": ["embed"] if self.encoder else ["generate", "embed"],
+            "pooling": self.pooling.mode,
+            "embedding_dimensions": self.model_config.hidden_size,
         }
 
     def add_request(self, gen: GenerationRequest, *, stream_text: bool = False) -> Request:

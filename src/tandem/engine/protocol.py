@@ -39,6 +39,10 @@ class GenerationRequest:
     # in between, and decodes the text once at the end. The final output's cumulative fields are
     # whole; its deltas cover only what the skipped outputs did not.
     stream: bool = True
+    # An embedding request: the prompt runs through the model once (prefill only; nothing is
+    # generated and its blocks are not published to the prefix cache) and the final output carries
+    # its pooled hidden state (`RequestOutput.embedding`) instead of tokens.
+    embed: bool = False
 
 
 @dataclass
@@ -103,6 +107,9 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None  # set when finish_reason is "error": why, safe to show the client
     error_code: str | None = None  # "kv_integrity", "request_failed", "engine_failed"
+    # An embedding request's pooled hidden state (the model's pooling: `LLMEngine.pooling`),
+    # not normalised, [hidden_size] float32 values; set on its final output
+    embedding: list[float] | None = None
 
     def without_cumulative(self) -> RequestOutput:
         """A copy for streaming between processes: deltas only (the final output keeps all)."""

@@ -50,6 +50,10 @@ class Request:
     tenant_weight: float | None = None  # its tenant's weight when it arrived (None: the configured one)
     lora_name: str | None = None  # the LoRA adapter this request runs with, if any
     hold_kv: bool = False  # keep its blocks when it finishes (prefill for a hand-over)
+    embed: bool = False  # pool the prompt's hidden states instead of generating (`GenerationRequest.embed`)
+    # An encoder's request attends bidirectionally over its whole prompt: it runs in one step, unchunked
+    whole_prompt: bool = False
+    embedding: list[float] | None = None  # the pooled state, once computed
     # Parallel sampling (parallel_sampling.py): the sibling whose full prompt blocks this request
     # shares once they are computed; it waits until then (None: it computes its own prompt).
     fork_of: str | None = None

@@ -19,8 +19,9 @@ from pydantic import BaseModel
 from tandem.deployments.anthropic.api import MessagesAPI
 from tandem.deployments.anthropic.errors import anthropic_error_body
 from tandem.deployments.anthropic.requests import CountTokensRequest, MessagesRequest
+from tandem.deployments.openai.embeddings import EmbeddingsAPI
 from tandem.deployments.openai.mapping import ResponseTiming
-from tandem.deployments.openai.requests import ChatCompletionRequest, CompletionRequest
+from tandem.deployments.openai.requests import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest
 from tandem.deployments.openai.response_api import ResponsesAPI
 from tandem.deployments.openai.response_requests import ResponsesRequest
 from tandem.engine.request import Priority
@@ -114,6 +115,12 @@ ENDPOINTS: dict[str, Endpoint] = {
             "Create a model response (OpenAI's Responses API)",
             lambda server: ResponsesAPI(server).create,
             usage=input_output_usage,
+        ),
+        Endpoint(
+            "/v1/embeddings",
+            EmbeddingsRequest,
+            "Create embeddings",
+            lambda server: EmbeddingsAPI(server).create,
         ),
         Endpoint(
             "/v1/messages",

@@ -275,3 +275,34 @@ def reject_unsupported(body: dict[str, object]) -> None:
             raise InvalidRequestError(
                 f"'{name}' is not supported by this server", param=name, code="unsupported_parameter"
             )
+
+
+# OpenAI's limit: 2048 inputs per embeddings request.
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingsRequest(_Request):
+    """`POST /v1/embeddings`: one text, several, one token array or several."""
+
+    model: Text
+    input: (
+        NonEmptyText
+        | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+        | Annotated[list[Int32], Field(min_length=1)]
+        | Annotated[
+            list[Annotated[list[Int32], Field(min_length=1)]],
+            Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS),
+        ]
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, le=MAX_INT32)
+    user: Text | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        """Each input: a text or a token array."""
+        given = self.input
+        if isinstance(given, str):
+            return [given]
+        if all(isinstance(x, int) for x in given):
+            return [[x for x in given if isinstance(x, int)]]
+        return [x for x in given if isinstance(x, str | list)]

@@ -11,7 +11,8 @@ of a request that did not report usage, then the engine stream (closing it abort
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+import contextlib
+from collections.abc import AsyncGenerator, Iterator
 from types import TracebackType
 
 from tandem.deployments.openai.limiter import TenantLimiter
@@ -28,6 +29,15 @@ class InFlight:
 
     def __init__(self) -> None:
         self.count = 0
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        """One request running while the block runs."""
+        self.count += 1
+        try:
+            yield
+        finally:
+            self.count -= 1
 
 
 class RequestScope:
@@ -51,6 +61,9 @@ class RequestScope:
         self.usage_log = usage_log
         self.outputs: AsyncGenerator[RequestOutput, None] | None = None
         self.last: RequestOutput | None = None  # the latest output counted against the tenant
+        # Tokens to count against the tenant instead of `last`'s (a call that ran several engine
+        # requests: an embeddings call's inputs)
+        self.num_tokens_used: int | None = None
         self._holds_slot = False
         self._closed = False
 
@@ -98,7 +111,10 @@ class RequestScope:
         if self.outputs is not None:
             self.in_flight.count -= 1
         if self._holds_slot:
-            self.limiter.release(self.tenant, num_tokens(self.last) if self.last is not None else 0)
+            used = self.num_tokens_used
+            if used is None:
+                used = num_tokens(self.last) if self.last is not None else 0
+            self.limiter.release(self.tenant, used)
         if exc is not None:
             self.end_usage(exc)
         if self.outputs is not None:

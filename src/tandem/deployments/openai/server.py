@@ -162,7 +162,7 @@ class OpenAIServer:
             ]
         return cards
 
-    async def _resolve_model(self, model: str, tenant: str) -> str | None:
+    async def resolve_model(self, model: str, tenant: str) -> str | None:
         """The engine's LoRA id for `model`, None for the base model; 404 for anything else,
         including another tenant's adapter. Only adapters cost a (threaded) store lookup."""
         if model == self.model_name:
@@ -281,7 +281,7 @@ class OpenAIServer:
     ) -> GenerationRequest:
         """What the engine runs for an OpenAI request: its prompt (`messages`, `prompt` or
         `prompt_token_ids`), sampling, the tenant's defaults and limits, and its adapter."""
-        lora_id = await self._resolve_model(req.model, tenant)
+        lora_id = await self.resolve_model(req.model, tenant)
         params = sampling_params_from(req)
         return GenerationRequest(
             request_id=new_id(id_prefix),
@@ -321,11 +321,11 @@ class OpenAIServer:
         if gen.sampling_params.logprobs is not None:
             await self.load_token_table()
         answer = Answer(gen, self._api_model(gen), self._names(), chat, tool_calls)
-        scope = self._scope(gen, tenant, api_key_id)
+        scope = self.request_scope(gen, tenant, api_key_id)
         await scope.acquire()
         started, started_ns = time.monotonic(), time.time_ns()
         try:
-            scope.start(self.client.generate(gen, self._usage_tag(scope)))
+            scope.start(self.client.generate(gen, self.usage_tag(scope)))
             assert scope.outputs is not None
             first = await self.drain.next_output(scope.outputs)  # validation errors surface here
             if first is None:
@@ -373,7 +373,7 @@ class OpenAIServer:
         await scope.commit_usage(last)
         return body
 
-    def _scope(self, gen: GenerationRequest, tenant: str, api_key_id: str | None) -> RequestScope:
+    def request_scope(self, gen: GenerationRequest, tenant: str, api_key_id: str | None) -> RequestScope:
         """What the request holds: interactive requests a tenant slot and, with a usage log, a
         meter (batch work has its own flow control and metering)."""
         accounted = gen.priority is Priority.INTERACTIVE
@@ -387,7 +387,7 @@ class OpenAIServer:
         )
 
     @staticmethod
-    def _usage_tag(scope: RequestScope) -> UsageTag | None:
+    def usage_tag(scope: RequestScope) -> UsageTag | None:
         meter = scope.meter
         return None if meter is None else UsageTag(meter.api_key_id, meter.model, meter.adapter)
 

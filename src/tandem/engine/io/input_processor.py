@@ -33,11 +33,18 @@ class InputProcessor:
         has_compression_pool: bool,
         check_lora: Callable[[str], None],
         compile_grammar: Callable[[StructuredOutput], object] | None,
+        whole_prompt_max_tokens: int | None = None,
+        embed_only: bool = False,
     ) -> None:
         """`max_model_len` / `compressed_max_len`: the context of a request in the shared cache /
         the compression pool; `kv_compression_rate`: the engine's default; `check_lora` raises
         for an adapter that is not loaded; `compile_grammar` (None: no structured output)
-        compiles an output constraint, raising `InvalidRequestError` for a bad one."""
+        compiles an output constraint, raising `InvalidRequestError` for a bad one.
+        `whole_prompt_max_tokens`: embedding prompts run whole in one step, at most this long (an
+        encoder's, or a pooling that reads every row; None: they are chunked). `embed_only`: the
+        model does not generate (an encoder)."""
+        self.whole_prompt_max_tokens = whole_prompt_max_tokens
+        self.embed_only = embed_only
         self.tokenizer = tokenizer
         self.generation_defaults = generation_defaults
         self.vocab_size = vocab_size
@@ -52,7 +59,14 @@ class InputProcessor:
     def make_request(self, gen: GenerationRequest, *, compress: bool = True) -> tuple[Request, str | None]:
         """Validate and tokenise; raises `InvalidRequestError` before anything is allocated.
         `compress=False`: the shared layout whatever the request or engine asks (KV hand-over)."""
+        if self.embed_only and not gen.embed:
+            raise InvalidRequestError(
+                "this model is an encoder: it embeds text (/v1/embeddings) and does not generate",
+                param="model",
+            )
         token_ids, prompt = self._prompt_token_ids(gen)
+        if gen.embed:
+            return self._embedding_request(gen, token_ids), prompt
         params = self.generation_defaults.apply(gen.sampling_params)
         vocab = self.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
@@ -86,6 +100,31 @@ class InputProcessor:
             kv_compression_rate=rate if compressed else None,
         )
         return request, prompt
+
+    def _embedding_request(self, gen: GenerationRequest, token_ids: list[int]) -> Request:
+        """An embedding request: its prompt within the context (an encoder's: within one step),
+        nothing to generate."""
+        limit = self.max_model_len
+        if self.whole_prompt_max_tokens is not None:
+            limit = min(limit, self.whole_prompt_max_tokens)
+        if len(token_ids) > limit:
+            raise ContextLengthExceededError(
+                f"the input has {len(token_ids)} tokens; this model embeds at most {limit} tokens at once",
+                param="input",
+            )
+        if gen.lora_name is not None:
+            self.check_lora(gen.lora_name)
+        return Request(
+            request_id=gen.request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=SamplingParams(max_tokens=1, temperature=0.0, speculative=False),
+            priority=gen.priority,
+            tenant_id=gen.tenant_id,
+            tenant_weight=gen.tenant_weight,
+            lora_name=gen.lora_name,
+            embed=True,
+            whole_prompt=self.whole_prompt_max_tokens is not None,
+        )
 
     def _prompt_token_ids(self, gen: GenerationRequest) -> tuple[list[int], str | None]:
         """The prompt's token ids (tokenised from text or messages, or checked as given) and its

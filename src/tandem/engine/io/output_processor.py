@@ -166,6 +166,7 @@ class OutputProcessor:
             error_code=(request.error_code or "request_failed")
             if request.status is RequestStatus.FINISHED_ERROR
             else None,
+            embedding=request.embedding if finished else None,
         )
 
     def _hold_back(self, text: str, request: Request) -> str:

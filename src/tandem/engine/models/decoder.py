@@ -272,6 +272,12 @@ class DecoderLM(nn.Module):
         scale = self.config.embedding_scale
         return x if scale is None else x * torch.tensor(scale, dtype=dtype)
 
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
+        """The final norm of the last layer's states: HF's `last_hidden_state` (what an
+        embedding pools)."""
+        cfg = self.config
+        return rms_norm(hidden.to(self.norm.dtype), self.norm, cfg.rms_norm_eps, cfg.norm_offset)
+
     def final_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, hidden] -> [B, vocab] float32
         """The final norm, the LM head and the final soft-capping (Gemma 2)."""
         cfg = self.config

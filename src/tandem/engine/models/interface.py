@@ -110,6 +110,12 @@ class CausalLM(Protocol):
         hidden_layers: tuple[int, ...] = (),
     ) -> Any: ...
 
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] last-layer states (as `forward` returns them) -> the model's final hidden
+        states [N, hidden] (after the final norm, where the architecture has one), which an
+        embedding pools."""
+        ...
+
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy HF-named weights in (fusing what the module fuses); raises `ValueError` naming a
         missing or misshapen tensor."""

@@ -30,6 +30,7 @@ BUILTIN_MODULES = (
     "tandem.engine.models.phi3",
     "tandem.engine.models.moe",
     "tandem.engine.models.deepseek",
+    "tandem.engine.models.bert",
 )
 
 
@@ -50,6 +51,8 @@ class Architecture:
     # that are not in the model's forward pass (GLM-4.5's and DeepSeek-V3's multi-token-prediction
     # layers, for speculation). None: every tensor must be consumed.
     unused_tensors: Callable[[Any, str], bool] | None = None
+    # A bidirectional encoder (BERT): it embeds and does not generate (`encoder_setup.py`)
+    encoder: bool = False
 
     def unused_for(self, config: Any) -> Callable[[str], bool] | None:
         """`unused_tensors` bound to a parsed config (None: every tensor must be consumed)."""

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from tandem.engine.models.interface import CausalLM, KVLayer
 from tandem.engine.models.native import NativeLlama
 from tandem.engine.runner.forward_path import ForwardPath, StepShape
+from tandem.engine.runner.kv_tensors import KVCacheSpec
 from tandem.engine.sched.step import HeadStep, RunnerResult, ScheduledRequest
 from tandem.kernels.head_attention import HeadAttentionMetadata, HeadPool, head_pool_dtype, move_head_slots
 from tandem.kernels.kv_eviction import EvictionPolicy, plan_kept
@@ -87,6 +88,23 @@ class HeadPoolForward:
         # their observed rows gave each head's tokens so far.
         self._observed: dict[str, list[torch.Tensor]] = {}
         self.num_native_steps = 0
+
+    @classmethod
+    def build(
+        cls, num_head_blocks: int, kv_spec: KVCacheSpec, model: CausalLM, decode_model: CausalLM,
+        native: NativeLlama | None, eviction: EvictionPolicy | None, device: torch.device,
+    ) -> HeadPoolForward:  # fmt: skip
+        """A pool of `num_head_blocks` and its forward: the native stack over it too, where the
+        runner's native stack (`native`, over `decode_model`) runs shared steps."""
+        pool = allocate_head_pool(
+            num_head_blocks, kv_spec.block_size, kv_spec.head_dim, kv_spec.dtype, model.norm.dtype, device
+        )
+        native_heads = None
+        if native is not None:
+            native_heads = NativeLlama.build(
+                decode_model, [pool] * model.config.num_hidden_layers, kv_spec.block_size
+            )
+        return cls(pool, model, native_heads, eviction or EvictionPolicy(), device)
 
     def forget(self, request_id: str) -> None:
         self._observed.pop(request_id, None)

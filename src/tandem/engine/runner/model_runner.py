@@ -18,12 +18,14 @@ from tandem.engine.lora.manager import LoRAManager, LoRAStep
 from tandem.engine.models.interface import CausalLM
 from tandem.engine.models.moe_layer import routed_tokens
 from tandem.engine.models.native import NativeLlama, NativeStep
+from tandem.engine.models.pooling import Pooling
 from tandem.engine.runner.compiled_decode import CompiledDecode
-from tandem.engine.runner.compressed import HeadPool, HeadPoolForward, allocate_head_pool
+from tandem.engine.runner.compressed import HeadPool, HeadPoolForward
 from tandem.engine.runner.constraints import GrammarMasks
 from tandem.engine.runner.decode_graphs import DecodeGraphs, graph_batch_sizes
 from tandem.engine.runner.draft import PagedDraftCache
 from tandem.engine.runner.draft_steps import DraftSteps
+from tandem.engine.runner.embedder import Embedder, step_rows
 from tandem.engine.runner.forward_path import ForwardPath, RunnerPaths, StepShape, choose_path
 from tandem.engine.runner.kv_tensors import (
     PAGE_DTYPES,
@@ -53,7 +55,8 @@ class ModelRunner:
     buffers without capturing (tests), "off" neither. Graphs need the Triton attention path,
     one model (no separate decode model) and no draft. `batch_invariant`: every row of the
     shared layout through one path and row-wise attention (`forward_path`; the model's linears
-    are made row-invariant by `batch_invariance.make_batch_invariant` before)."""
+    are made row-invariant by `batch_invariance.make_batch_invariant` before). `pooling`: how an
+    embedding request's hidden states become its embedding (`Embedder`; default: the last token)."""
 
     def __init__(
         self,
@@ -75,6 +78,7 @@ class ModelRunner:
         graph_max_batch: int = 0,
         max_model_len: int = 0,
         batch_invariant: bool = False,
+        pooling: Pooling | None = None,
     ) -> None:
         self.model = model
         self.batch_invariant = batch_invariant
@@ -99,7 +103,13 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.masks = GrammarMasks(grammars)
         self.sampler = Sampler(device, seed, self.masks)
-        self.heads = self._head_pool(num_head_blocks, eviction) if num_head_blocks > 0 else None
+        self.heads = (
+            HeadPoolForward.build(
+                num_head_blocks, kv_spec, self.model, self.decode_model, self.native, eviction, device
+            )
+            if num_head_blocks > 0
+            else None
+        )
         self.graphs: DecodeGraphs | None = None
         if decode_graphs != "off" and graph_max_batch > 0 and decode_model is None and draft is None:
             self.graphs = DecodeGraphs(
@@ -107,24 +117,7 @@ class ModelRunner:
                 graph_batch_sizes(graph_max_batch), device,
             )  # fmt: skip
         self._capture_graphs = decode_graphs == "capture"
-
-    def _head_pool(self, num_head_blocks: int, eviction: EvictionPolicy | None) -> HeadPoolForward:
-        """Compressed requests' head-block pool and its forward (the native stack over it where
-        the native stack runs shared steps)."""
-        pool = allocate_head_pool(
-            num_head_blocks,
-            self.kv_spec.block_size,
-            self.kv_spec.head_dim,
-            self.kv_spec.dtype,
-            self.model.norm.dtype,
-            self.device,
-        )
-        native_heads = None
-        if self.native is not None:  # the native stack over the pool, where it runs shared steps
-            native_heads = NativeLlama.build(
-                self.decode_model, [pool] * self.model.config.num_hidden_layers, self.block_size
-            )
-        return HeadPoolForward(pool, self.model, native_heads, eviction or EvictionPolicy(), self.device)
+        self.embedder = Embedder(model, pooling or Pooling(), device)
 
     # -- what the engine reads (`Runner` protocol) -------------------------------------------------
     @property
@@ -241,6 +234,19 @@ class ModelRunner:
         return result
 
     def _execute(self, items: list[ScheduledRequest]) -> RunnerResult:
+        """Embedding requests' rows in a forward of their own (`Embedder`), the others by layout."""
+        embeds = [item for item in items if item.embed]
+        if not embeds:
+            return self._execute_layouts(items)
+        _, hidden = self._torch_forward(
+            ForwardPath.MODEL, embeds, *self.embedder.rows(embeds), self._lora_step(embeds), True, ()
+        )
+        result = RunnerResult({}, embeddings=self.embedder.pool(embeds, hidden))
+        if len(embeds) < len(items):
+            result.merge(self._execute_layouts([item for item in items if not item.embed]))
+        return result
+
+    def _execute_layouts(self, items: list[ScheduledRequest]) -> RunnerResult:
         """Shared-layout rows in one forward, compressed requests' rows in another."""
         compressed = [item for item in items if item.is_compressed]
         if not compressed:
@@ -266,15 +272,7 @@ class ModelRunner:
     def forward_shared(self, items: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward of shared-layout rows: the logits of every sampled row (each request's
         last token and its drafts) and, for a draft head, the hidden states."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        logits_rows: list[int] = []
-        for item in items:
-            n = len(item.token_ids)
-            input_ids.extend(item.token_ids)
-            positions.extend(range(item.start_position, item.start_position + n))
-            if item.sample:  # the last token's row, and one per draft token before it
-                logits_rows.extend(range(len(input_ids) - 1 - item.num_draft_tokens, len(input_ids)))
+        input_ids, positions, logits_rows = step_rows(items)
         lora_step = self._lora_step(items)
         shape = StepShape(
             num_requests=len(items),

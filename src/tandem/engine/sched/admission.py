@@ -142,8 +142,11 @@ class Admission:
         if request.num_computed_tokens == 0 and not self.queues.shared.holds(request.request_id):
             if not self.may_start(request):  # its leader was preempted in this step
                 return _SKIP
-            self.take_prefix(request)
+            if not request.whole_prompt:  # an encoder's KV of a prefix depends on what follows it
+                self.take_prefix(request)
         num_new = self.builder.chunk(request, cap)
+        if num_new == 0:  # a whole prompt that does not fit what is left of this step
+            return _SKIP
         if not self.queues.allocate(request, request.num_computed_tokens + num_new, admission=True):
             victim = self.lower_priority_victim(request, same_pool=True) or self.queues.fair.seat_victim(
                 request,

@@ -72,6 +72,9 @@ class ScheduledRequest:
     # A compressed request's step in the per-head layout (`kv_layout.HeadLayout`); None for the
     # shared layout. `block_ids` is then empty.
     head: HeadStep | None = None
+    # An embedding request (`Request.embed`): its rows run in the runner's embedding forward and,
+    # at the prompt's end (`sample`), the runner returns the pooled state instead of a token.
+    embed: bool = False
 
     @property
     def is_compressed(self) -> bool:
@@ -121,10 +124,13 @@ class RunnerResult:
     # the head's tokens it keeps, increasing (`HeadKVCacheManager.evict`).
     kept_tokens: dict[str, list[list[int]]] = field(default_factory=dict)
     wall_s: float = 0.0  # the step's wall seconds in the runner (the scheduler's step-cost model)
+    # Per embedding request whose prompt ended this step: its pooled hidden state [hidden] float32
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
     def merge(self, other: RunnerResult) -> None:
         """Add `other`'s requests (a part of the same step, computed separately)."""
         self.sampled_token_ids.update(other.sampled_token_ids)
+        self.embeddings.update(other.embeddings)
         self.logprobs.update(other.logprobs)
         self.failed.update(other.failed)
         self.kept_tokens.update(other.kept_tokens)

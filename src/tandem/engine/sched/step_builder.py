@@ -39,8 +39,11 @@ class StepBuilder:
         return max(1, request.num_tokens - request.num_computed_tokens)
 
     def chunk(self, request: Request, cap: int) -> int:
-        """The request's tokens this step within `cap` (a batch prompt's chunks are capped)."""
+        """The request's tokens this step within `cap` (a batch prompt's chunks are capped); 0
+        for a whole-prompt request (an encoder's) whose prompt does not fit."""
         num_new = min(request.num_tokens - request.num_computed_tokens, cap)
+        if request.whole_prompt and num_new < request.num_tokens - request.num_computed_tokens:
+            return 0
         if request.priority is Priority.BATCH:
             num_new = min(num_new, self.batch.prefill_cap(self.max_num_batched_tokens))
         return num_new
@@ -72,6 +75,7 @@ class StepBuilder:
             draft_token_ids=draft_token_ids,
             num_draft_slots=num_draft_slots,
             prompt_token_ids=request.prompt_token_ids if num_draft_slots or repeats else [],
+            embed=request.embed,
         )
         step.scheduled.append(item)
         self.queues.layout(request).describe(item, request)
@@ -88,6 +92,8 @@ class StepBuilder:
             if request.status is not RequestStatus.RUNNING:  # preempted for an earlier one
                 continue
             num_new = self.chunk(request, cap)
+            if num_new == 0:  # a whole prompt that does not fit this step: it waits
+                continue
             drafts = self.planned_drafts.get(request.request_id, Proposal())
             if drafts and request.num_computed_tokens + num_new == request.num_tokens:
                 drafts = drafts.truncated(max(0, cap - num_new))

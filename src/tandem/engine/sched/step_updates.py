@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from tandem.engine.request import Priority, Request, RequestStatus
 from tandem.engine.sched.queues import RequestQueues
-from tandem.engine.sched.step import RequestUpdate, RunnerResult, SchedulerOutput
+from tandem.engine.sched.step import RequestUpdate, RunnerResult, ScheduledRequest, SchedulerOutput
 from tandem.engine.spec.planner import SpeculationPlanner
 
 
@@ -51,6 +51,11 @@ class StepUpdates:
             self.queues.fair.charge(request, len(item.token_ids) + item.num_draft_slots)
             if item.head is not None and item.head.prefix_src_slots:  # copied into its heads
                 self.queues.shared.free(item.request_id)  # the shared blocks go back
+            if item.embed:
+                embedded = self.pooled(request, item, result)
+                if embedded is not None:
+                    updates.append(embedded)
+                continue
             kept = result.kept_tokens.get(item.request_id)
             if kept is not None and self.queues.head_layout is not None and request.compressed:
                 self.queues.head_layout.apply_eviction(request, item, kept)
@@ -74,6 +79,17 @@ class StepUpdates:
             updates.append(update)
         self.speculation.end_step(num_generated)
         return updates
+
+    def pooled(self, request: Request, item: ScheduledRequest, result: RunnerResult) -> RequestUpdate | None:
+        """An embedding request's step: its prompt chunk is computed (never published to the prefix
+        cache: nothing of it is kept); at the prompt's end it finishes with the pooled state."""
+        request.num_computed_tokens += len(item.token_ids)
+        embedding = result.embeddings.get(item.request_id)
+        if embedding is None:
+            return None
+        request.embedding = embedding
+        self.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+        return RequestUpdate(request=request, new_token_ids=[], new_logprobs=None, finished=True)
 
     def add_handed_over(self, request: Request, first_token_id: int) -> RequestUpdate:
         """Admit a request whose prompt KV another engine computed, its blocks allocated and filled
