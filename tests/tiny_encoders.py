@@ -8,7 +8,23 @@ import json
 import string
 from pathlib import Path
 
-WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world", "paris", "france", "embedding", "model", "text"]
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "hello",
+    "world",
+    "paris",
+    "france",
+    "embedding",
+    "model",
+    "text",
+]
 
 
 def make_tiny_bert(folder: Path, *, pooling: str | None = None, seed: int = 0) -> Path:
