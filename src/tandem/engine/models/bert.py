@@ -145,16 +145,42 @@ class BertLayer(nn.Module):
         self.out_norm = nn.LayerNorm(hidden, eps=cfg.layer_norm_eps)
         self.approximate = _ACTIVATIONS[cfg.hidden_act]
 
-    def forward(self, x: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:  # [T, hidden]
-        """Each request's rows (`bounds`: [start, end) per request) attend to each other."""
+    def forward(self, x: torch.Tensor, segments: Segments) -> torch.Tensor:  # [T, hidden]
+        """Each request's rows attend to each other: one attention over the requests padded to
+        the longest (`Segments`), padding keys masked out."""
         qkv = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim)
-        attended = torch.empty_like(x)
-        for start, end in bounds:
-            q, k, v = (qkv[start:end, i].transpose(0, 1) for i in range(3))  # [H, n, D]
-            out = F.scaled_dot_product_attention(q, k, v)
-            attended[start:end] = out.transpose(0, 1).reshape(end - start, -1)
+        q, k, v = (segments.pad(qkv[:, i]) for i in range(3))  # [B, H, L, D]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=segments.key_mask)
+        attended = segments.unpad(out)
         x = self.attn_norm(x + self.attn_out(attended))
         return self.out_norm(x + self.out(F.gelu(self.intermediate(x), approximate=self.approximate)))
+
+
+class Segments:
+    """A step's requests, each a run of rows starting at position 0, as a padded batch:
+    `pad` lays [T, H, D] rows out as [B, H, L, D] (L: the longest request), `unpad` takes the
+    real rows back in order [T, H * D], and `key_mask` [B, 1, 1, L] hides the padding keys."""
+
+    def __init__(self, positions: torch.Tensor) -> None:  # [T]
+        num_rows = int(positions.shape[0])
+        starts = torch.nonzero(positions == 0).flatten()
+        lengths = torch.diff(starts, append=torch.tensor([num_rows], device=positions.device))
+        self.num_requests, self.longest = int(starts.shape[0]), int(lengths.max())
+        offsets = torch.arange(self.longest, device=positions.device)
+        valid = offsets.unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]
+        self.index = torch.where(valid, starts.unsqueeze(1) + offsets, 0).flatten()  # [B * L] rows
+        self.real_rows = torch.nonzero(valid.flatten()).flatten()  # [T], in row order
+        self.key_mask = valid.view(self.num_requests, 1, 1, self.longest)
+
+    def pad(self, rows: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D]
+        heads, dim = rows.shape[1], rows.shape[2]
+        return (
+            rows.index_select(0, self.index).view(self.num_requests, self.longest, heads, dim).transpose(1, 2)
+        )
+
+    def unpad(self, batch: torch.Tensor) -> torch.Tensor:  # [B, H, L, D] -> [T, H * D]
+        flat = batch.transpose(1, 2).reshape(self.num_requests * self.longest, -1)
+        return flat.index_select(0, self.real_rows)
 
 
 def _take(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -220,10 +246,9 @@ class BertEncoder(nn.Module):
         token_type = self.token_type_embeddings.weight[0]
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + token_type
         x = self.embedding_norm(x.to(dtype))
-        starts = [int(i) for i in torch.nonzero(positions == 0).flatten()] + [int(positions.shape[0])]
-        bounds = list(zip(starts[:-1], starts[1:], strict=True))
+        segments = Segments(positions)
         for layer in self.layers:
-            x = layer(x, bounds)
+            x = layer(x, segments)
         logits = x.new_zeros(logits_indices.shape[0], 0, dtype=torch.float32)
         return (logits, x) if return_hidden else logits
 
