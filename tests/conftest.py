@@ -370,10 +370,12 @@ def console_page(browser: Any, base_url: str, key: str | None, viewport: dict[st
 PLAYGROUND_MESSAGE = "Say hello in one short sentence."  # what the playground's form holds at first
 
 
-def playground_answer(page: Any, model: str, max_tokens: int) -> Any:
-    """Send the console playground's default message to `model` (greedy) from `page`; the answer's
-    element once its stream ended (its text, and `data-chunks`: the content chunks it arrived in)."""
-    page.goto("/console/playground")
+def playground_answer(page: Any, model: str, max_tokens: int, *, goto: bool = True) -> Any:
+    """Send the console playground's default message to `model` (greedy) from `page` (opened
+    first, unless `goto` is False: the caller set the page up); the answer's element once its
+    stream ended (its text, and `data-chunks`: the content chunks it arrived in)."""
+    if goto:
+        page.goto("/console/playground")
     page.get_by_label("Model").select_option(model)
     page.get_by_label("Max tokens").fill(str(max_tokens))
     page.get_by_label("Temperature").fill("0")

@@ -403,6 +403,28 @@ def test_playground_streams_an_answer(open_page: Callable[..., Any], platform: P
     assert _axe(page) == []
 
 
+def test_playground_streams_through_the_responses_api(
+    open_page: Callable[..., Any], platform: Platform
+) -> None:
+    """The playground's "API" choice: the same greedy answer through `/v1/responses`, and Python
+    to copy that streams it with `client.responses.create`."""
+    page = open_page(platform.keys["acme"])
+    page.goto("/console/playground")
+    page.get_by_label("API").select_option("responses")
+    answer = playground_answer(page, "tiny", 12, goto=False)
+    reference = platform.client("acme").responses.create(
+        model="tiny", input=PLAYGROUND_MESSAGE, max_output_tokens=12, temperature=0
+    )
+    assert answer.inner_text() == reference.output_text
+    curl = page.get_by_label("The request as curl").inner_text()
+    assert "/v1/responses" in curl and '"max_output_tokens": 12' in curl
+    python = page.get_by_label("The request in Python").inner_text()
+    env = {**os.environ, "TANDEM_API_KEY": platform.keys["acme"]}
+    ran = subprocess.run([sys.executable, "-c", python], capture_output=True, text=True, env=env, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout == answer.inner_text()
+
+
 def test_usage_page_charts_the_tenants_own_tokens_and_exports_csv(
     open_page: Callable[..., Any], platform: Platform
 ) -> None:

@@ -1,9 +1,33 @@
-// Playground: a streamed chat against the tenant's models and adapters (/v1/models), with
-// response_format and tools, and the same request as curl and Python to copy.
+// Playground: a streamed chat against the tenant's models and adapters (/v1/models), through
+// Chat Completions or the Responses API, with a response format and tools, and the same request
+// as curl and Python to copy.
 import { get, stream } from "../api.js";
 import { alertBox, field, h, hide, replace, showError } from "../dom.js";
 
+const PATHS = { chat: "/v1/chat/completions", responses: "/v1/responses" };
+
+/** The Responses API's body for the form: instructions, input, text.format, flat function tools. */
+function responsesBody(form) {
+  const body = {
+    model: form.model.value,
+    input: form.message.value,
+    stream: true,
+    max_output_tokens: Number(form.max_tokens.value) || 128,
+    temperature: Number(form.temperature.value),
+  };
+  if (form.system.value.trim()) body.instructions = form.system.value;
+  if (form.format.value === "json_object") body.text = { format: { type: "json_object" } };
+  if (form.format.value === "json_schema") {
+    body.text = { format: { type: "json_schema", name: "answer", schema: JSON.parse(form.schema.value || "{}") } };
+  }
+  if (form.tools.value.trim()) {
+    body.tools = JSON.parse(form.tools.value).map((tool) => (tool.function ? { type: "function", ...tool.function } : tool));
+  }
+  return body;
+}
+
 function requestBody(form) {
+  if (form.api.value === "responses") return responsesBody(form);
   const body = {
     model: form.model.value,
     messages: [],
@@ -24,9 +48,9 @@ function requestBody(form) {
   return body;
 }
 
-function curlOf(body) {
+function curlOf(path, body) {
   const json = JSON.stringify(body, null, 2).replaceAll("'", "'\\''");
-  return `curl ${location.origin}/v1/chat/completions \\\n  -H "Authorization: Bearer $TANDEM_API_KEY" \\\n  -H "Content-Type: application/json" \\\n  -d '${json}'`;
+  return `curl ${location.origin}${path} \\\n  -H "Authorization: Bearer $TANDEM_API_KEY" \\\n  -H "Content-Type: application/json" \\\n  -d '${json}'`;
 }
 
 /** A JSON value as a Python literal (JSON strings are valid Python strings). */
@@ -43,6 +67,7 @@ function py(value) {
 }
 
 function pythonOf(body) {
+  if (body.input !== undefined) return pythonOfResponses(body);
   const { model, messages, stream: _stream, ...rest } = body;
   const extra = Object.entries(rest)
     .map(([k, v]) => `    ${k}=${py(v)},`)
@@ -66,9 +91,60 @@ function pythonOf(body) {
     .join("\n");
 }
 
+function pythonOfResponses(body) {
+  const { stream: _stream, ...rest } = body;
+  const args = Object.entries(rest)
+    .map(([k, v]) => `    ${k}=${py(v)},`)
+    .join("\n");
+  return [
+    "import os",
+    "from openai import OpenAI",
+    "",
+    `client = OpenAI(base_url="${location.origin}/v1", api_key=os.environ["TANDEM_API_KEY"])`,
+    "stream = client.responses.create(",
+    args,
+    "    stream=True,",
+    ")",
+    "for event in stream:",
+    '    if event.type == "response.output_text.delta":',
+    '        print(event.delta, end="", flush=True)',
+  ].join("\n");
+}
+
+/** What one streamed message adds to the answer: its text, and tool calls by position. */
+function chatUpdate(chunk) {
+  const delta = chunk.choices && chunk.choices[0] ? chunk.choices[0].delta || {} : {};
+  return {
+    text: delta.content || "",
+    calls: (delta.tool_calls || []).map((call) => ({
+      index: call.index,
+      name: (call.function && call.function.name) || "",
+      arguments: (call.function && call.function.arguments) || "",
+    })),
+  };
+}
+
+function responsesUpdate(event) {
+  if (event.type === "response.failed") throw new Error((event.response.error || {}).message || "the response failed");
+  if (event.type === "response.output_text.delta") return { text: event.delta, calls: [] };
+  if (event.type === "response.output_item.added" && event.item.type === "function_call") {
+    return { text: "", calls: [{ index: event.output_index, name: event.item.name, arguments: "" }] };
+  }
+  if (event.type === "response.function_call_arguments.delta") {
+    return { text: "", calls: [{ index: event.output_index, name: "", arguments: event.delta }] };
+  }
+  return { text: "", calls: [] };
+}
+
 export function render(main) {
   const box = alertBox();
   const model = h("select", { name: "model", required: true });
+  const api = h(
+    "select",
+    { name: "api" },
+    h("option", { value: "chat" }, "Chat Completions (/v1/chat/completions)"),
+    h("option", { value: "responses" }, "Responses (/v1/responses)"),
+  );
   const system = h("textarea", { name: "system", rows: 2 });
   const message = h("textarea", { name: "message", rows: 3, required: true }, "Say hello in one short sentence.");
   const format = h(
@@ -100,6 +176,7 @@ export function render(main) {
     "form",
     { class: "card", "aria-label": "Chat request" },
     field("Model", model, 'Your adapters are listed as "<base>:<adapter>".'),
+    field("API", api),
     field("System message", system),
     field("Message", message),
     h(
@@ -119,7 +196,7 @@ export function render(main) {
   function showCode() {
     try {
       const body = requestBody(form);
-      replace(curl, curlOf(body));
+      replace(curl, curlOf(PATHS[form.api.value], body));
       replace(python, pythonOf(body));
     } catch {
       // half-typed JSON: the code panes keep the last valid request
@@ -151,21 +228,28 @@ export function render(main) {
     send.disabled = true;
     stop.disabled = false;
     try {
+      const update = form.api.value === "responses" ? responsesUpdate : chatUpdate;
       await stream(
-        "/v1/chat/completions",
+        PATHS[form.api.value],
         body,
-        (chunk) => {
-          const delta = chunk.choices && chunk.choices[0] ? chunk.choices[0].delta || {} : {};
-          if (delta.content) {
-            answer.append(delta.content);
+        (message) => {
+          const { text, calls: added } = update(message);
+          if (text) {
+            answer.append(text);
             answer.dataset.chunks = String(Number(answer.dataset.chunks) + 1);
           }
-          for (const call of delta.tool_calls || []) {
+          for (const call of added) {
             const slot = (calls[call.index] ||= { name: "", arguments: "" });
-            if (call.function && call.function.name) slot.name += call.function.name;
-            if (call.function && call.function.arguments) slot.arguments += call.function.arguments;
+            slot.name += call.name;
+            slot.arguments += call.arguments;
             toolCalls.hidden = false;
-            replace(toolCalls, calls.map((c) => `${c.name}(${c.arguments})`).join("\n"));
+            replace(
+              toolCalls,
+              calls
+                .filter(Boolean)
+                .map((c) => `${c.name}(${c.arguments})`)
+                .join("\n"),
+            );
           }
         },
         controller.signal,
