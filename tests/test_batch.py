@@ -275,8 +275,11 @@ def test_batch_listing_errors_and_tenant_isolation(
     with pytest.raises(openai.APIStatusError) as too_many:
         _upload(a, [_line(f"l{i}") for i in range(60)])
     assert too_many.value.status_code == 413
-    with pytest.raises(openai.BadRequestError):
-        a.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")  # type: ignore[arg-type]
+    with pytest.raises(
+        openai.BadRequestError
+    ) as bad_endpoint:  # not served here (Anthropic's has its own batches)
+        a.batches.create(input_file_id=file_id, endpoint="/v1/messages", completion_window="24h")  # type: ignore[arg-type]
+    assert bad_endpoint.value.param == "endpoint" and "/v1/embeddings" in bad_endpoint.value.message
     # A file with invalid lines makes a failed batch that lists them.
     bad = _upload(a, [_line("x"), "not json", _line("x")])
     failed = a.batches.create(input_file_id=bad, endpoint=CHAT, completion_window="24h")
