@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from tandem.deployments.adapters import AdapterStore, load_into_engine
@@ -119,6 +119,24 @@ class LocalEngineClient:
             yield output
 
 
+@contextlib.contextmanager
+def replica_errors() -> Iterator[None]:
+    """Serve's failures as the API's: every replica's queue full (`BackPressureError`) is a 429,
+    never a hang; a replica that died (`RayActorError`; Serve replaces it) a 503, not the
+    request's fault."""
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import BackPressureError
+
+    try:
+        yield
+    except BackPressureError as exc:
+        raise OverloadedError(
+            f"all replicas are busy ({exc.message}); retry shortly", retry_after_s=exc.retry_after_s or 1.0
+        ) from exc
+    except RayActorError as exc:
+        raise ReplicaLostError() from exc
+
+
 class HandleEngineClient:
     """`EngineClient` over a Serve deployment handle to `LLMReplica` (streaming)."""
 
@@ -184,18 +202,8 @@ class HandleEngineClient:
 
     async def embed(self, requests: list[GenerationRequest]) -> list[RequestOutput]:
         """One call to one replica for all of them (they batch there, in one hop)."""
-        from ray.exceptions import RayActorError
-        from ray.serve.exceptions import BackPressureError
-
-        try:
+        with replica_errors():
             result = await self.unary.embed.remote(requests)
-        except BackPressureError as exc:  # every replica's queue is full: 429, never a hang
-            raise OverloadedError(
-                f"all replicas are busy ({exc.message}); retry shortly",
-                retry_after_s=exc.retry_after_s or 1.0,
-            ) from exc
-        except RayActorError as exc:  # the replica died (Serve replaces it): not the request's fault
-            raise ReplicaLostError() from exc
         if isinstance(result, TandemError):  # a client error the replica sent as a value
             raise result
         return cast(list[RequestOutput], result)
@@ -206,38 +214,33 @@ class HandleEngineClient:
             raise counted
         return int(counted)
 
+    def _start(self, request: GenerationRequest, usage: UsageTag | None) -> DeploymentResponseGenerator:
+        """Send `request` to a replica (one that holds its adapter, where any does), with this
+        process as its caller (`orphans.py`) and `usage` to meter it as should this process die."""
+        handle = self.handle
+        if request.lora_name is not None:  # route to replicas that already hold the adapter
+            handle = handle.options(multiplexed_model_id=request.lora_name)
+        if not self._caller_known:  # this process as a caller, looked up once
+            self._caller, self._caller_known = current_caller(None), True
+        caller = self._caller
+        if caller is not None and usage is not None:
+            caller = CallerRef(caller.actor_name, caller.namespace, usage)
+        return cast("DeploymentResponseGenerator", handle.generate.remote(request, caller))
+
     async def generate(
         self, request: GenerationRequest, usage: UsageTag | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
-        from ray.exceptions import RayActorError
-        from ray.serve.exceptions import BackPressureError
-
         response: DeploymentResponseGenerator | None = None
         try:
-            # Inside a replica, `.remote()` itself may raise BackPressureError; outside, iterating does.
-            handle = self.handle
-            if request.lora_name is not None:  # route to replicas that already hold the adapter
-                handle = handle.options(multiplexed_model_id=request.lora_name)
-            if not self._caller_known:  # this process as a caller, looked up once
-                self._caller, self._caller_known = current_caller(None), True
-            caller = self._caller
-            if caller is not None and usage is not None:
-                caller = CallerRef(caller.actor_name, caller.namespace, usage)
-            response = cast("DeploymentResponseGenerator", handle.generate.remote(request, caller))
-            outputs = aiter(response)
-            first: RequestOutput | TandemError = await self._first_output(outputs)
-            if isinstance(first, TandemError):  # a client error the replica sent as a value
-                raise first
-            yield first
-            async for output in outputs:
-                yield output
-        except BackPressureError as exc:  # every replica's queue is full: 429, never a hang
-            raise OverloadedError(
-                f"all replicas are busy ({exc.message}); retry shortly",
-                retry_after_s=exc.retry_after_s or 1.0,
-            ) from exc
-        except RayActorError as exc:  # the replica died (Serve replaces it): not the request's fault
-            raise ReplicaLostError() from exc
+            with replica_errors():  # inside a replica `.remote()` itself may raise BackPressureError
+                response = self._start(request, usage)
+                outputs = aiter(response)
+                first: RequestOutput | TandemError = await self._first_output(outputs)
+                if isinstance(first, TandemError):  # a client error the replica sent as a value
+                    raise first
+                yield first
+                async for output in outputs:
+                    yield output
         finally:
             if response is not None:
                 # Aborts the request on the replica if it is still running. On a response that
