@@ -42,7 +42,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray.serve.request_router import (
-    LocalityMixin,
     PendingRequest,
     ReplicaID,
     ReplicaResult,
@@ -222,7 +221,7 @@ def place(loads: Sequence[ReplicaLoad], key: str | None, config: RoutingConfig) 
     ).replica_id
 
 
-class TandemRouter(LocalityMixin, RequestRouter):
+class TandemRouter(RequestRouter):
     """Serve request router of the LLM replicas (`request_router_class`); the policy is
     `rank_replicas`, the state a `PrefixIndex` and the adapters this router placed."""
 
@@ -264,13 +263,6 @@ class TandemRouter(LocalityMixin, RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        if pending_request is not None:
-            # Serve tries the chosen replicas again at once, with no backoff, until the request is
-            # marked for backoff; the locality mixin marks it once its same-node try is spent.
-            # Without it, requests that every replica refused (full, or a queue-length probe that
-            # timed out) kept the router thread spinning, starving the probes that would let them
-            # through: a livelock, seen with two embedding inputs routed at the same moment.
-            self.apply_locality_routing(pending_request)
         request = _generation_request(pending_request)
         if request is None:  # not a generate call (stats, lora_info...): any replica
             return [candidate_replicas]
