@@ -145,7 +145,9 @@ class Admission:
             if not request.whole_prompt:  # an encoder's KV of a prefix depends on what follows it
                 self.take_prefix(request)
         num_new = self.builder.chunk(request, cap)
-        if num_new == 0:  # a whole prompt that does not fit what is left of this step
+        if (
+            num_new == 0 and request.whole_prompt
+        ):  # a whole prompt that does not fit what is left of this step
             return _SKIP
         if not self.queues.allocate(request, request.num_computed_tokens + num_new, admission=True):
             victim = self.lower_priority_victim(request, same_pool=True) or self.queues.fair.seat_victim(

@@ -41,9 +41,10 @@ class StepBuilder:
     def chunk(self, request: Request, cap: int) -> int:
         """The request's tokens this step within `cap` (a batch prompt's chunks are capped); 0
         for a whole-prompt request (an encoder's) whose prompt does not fit."""
-        num_new = min(request.num_tokens - request.num_computed_tokens, cap)
-        if request.whole_prompt and num_new < request.num_tokens - request.num_computed_tokens:
-            return 0
+        remaining = request.num_tokens - request.num_computed_tokens
+        if request.whole_prompt:  # all of it or nothing (never cut to a batch chunk)
+            return remaining if remaining <= cap else 0
+        num_new = min(remaining, cap)
         if request.priority is Priority.BATCH:
             num_new = min(num_new, self.batch.prefill_cap(self.max_num_batched_tokens))
         return num_new
@@ -92,7 +93,7 @@ class StepBuilder:
             if request.status is not RequestStatus.RUNNING:  # preempted for an earlier one
                 continue
             num_new = self.chunk(request, cap)
-            if num_new == 0:  # a whole prompt that does not fit this step: it waits
+            if num_new == 0 and request.whole_prompt:  # a whole prompt that does not fit this step: it waits
                 continue
             drafts = self.planned_drafts.get(request.request_id, Proposal())
             if drafts and request.num_computed_tokens + num_new == request.num_tokens:
