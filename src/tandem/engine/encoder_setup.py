@@ -40,7 +40,7 @@ def build_encoder_parts(config: EngineConfig, loaded: LoadedModel, device: torch
     precision = PrecisionChoice(
         dtype_name,
         "dense",
-        reason=f"an encoder: {dtype_name} dense weights (no quantisation is measured for encoders)",
+        reason=f"an encoder: {dtype_name} dense weights (the quality gate judges generation, so encoders keep their weights)",
     )
     max_len = min(cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings)
     kv_spec = kv_cache_spec(loaded, config.block_size, torch.float32)
