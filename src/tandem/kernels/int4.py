@@ -72,6 +72,27 @@ class Int8GroupParams:
         return self.codes.numel() + 2 * self.superblock_scales.numel()
 
 
+@dataclass(frozen=True)
+class BlockParams:
+    """GGUF's 4-bit parameters as stored (`engine/models/gguf_blocks.FourBit`): per group of 32,
+    w = q * scale - offset, scale = code_s * D and offset = code_o * M, (D, M) float16 per block of
+    `groups_per_block` groups. Invariant: `expand()` is exact, and the native kernel (mode 3)
+    dequantises to the gguf package's values bit for bit."""
+
+    codes: torch.Tensor  # [N, G, 2] int8: (scale code, offset code)
+    block_scales: torch.Tensor  # [N, G // groups_per_block, 2] float16: (D, M)
+    groups_per_block: int
+
+    def expand(self) -> tuple[torch.Tensor, torch.Tensor]:  # -> (scale, offset), each [N, G] float32
+        blocks = self.block_scales.float().repeat_interleave(self.groups_per_block, dim=1)
+        codes = self.codes.float()
+        return codes[..., 0] * blocks[..., 0], codes[..., 1] * blocks[..., 1]
+
+    @property
+    def num_bytes(self) -> int:
+        return self.codes.numel() + 2 * self.block_scales.numel()
+
+
 @dataclass
 class Int4Weight:
     q: torch.Tensor  # [N, K] uint8 in 0..15
@@ -79,11 +100,21 @@ class Int4Weight:
     zero: torch.Tensor  # [N, K // group_size] float32
     group_size: int
     int8_params: Int8GroupParams | None = None  # set by double_quantize_int4
+    # GGUF's parameters as stored (`from_block_params`); `scale` / `zero` then approximate them
+    # for the torch and Triton kernels (zero = 8 * scale - offset, rounded once)
+    block_params: BlockParams | None = None
+
+    @classmethod
+    def from_block_params(cls, q: torch.Tensor, params: BlockParams) -> Int4Weight:
+        scale, offset = params.expand()
+        return cls(q, scale, 8 * scale - offset, 32, block_params=params)
 
     @property
     def num_bytes(self) -> int:
         """Stored size: packed nibbles plus the group parameters (a bfloat16 scale and zero per
         group, or their int8 codes and super-block scales)."""
+        if self.block_params is not None:
+            return self.q.numel() // 2 + self.block_params.num_bytes
         params = self.int8_params.num_bytes if self.int8_params is not None else 2 * 2 * self.scale.numel()
         return self.q.numel() // 2 + params
 
@@ -111,6 +142,10 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:  # weigh
 
 def dequantize_int4(w: Int4Weight) -> torch.Tensor:  # -> [N, K] float32
     out_features, in_features = w.q.shape
+    if w.block_params is not None:  # q * scale - offset, as stored (exact but for the final add)
+        scale, offset = w.block_params.expand()
+        runs = w.q.reshape(out_features, -1, 32).float()
+        return (scale.unsqueeze(-1) * runs - offset.unsqueeze(-1)).reshape(out_features, in_features)
     groups = w.q.reshape(out_features, in_features // w.group_size, w.group_size).float() - 8
     return (groups * w.scale.unsqueeze(-1) + w.zero.unsqueeze(-1)).reshape(out_features, in_features)
 
@@ -197,7 +232,10 @@ class Int4Linear(nn.Module):
         """Row-major codes and parameters, [N, ...] (`int4_native`)."""
         params = w.int8_params
         self.register_buffer("packed", int4_native.pack_rows(w.q).to(device))
-        if params is None:
+        if w.block_params is not None:  # mode 3: the int8 codes and float16 block scales as stored
+            self.register_buffer("param_codes", w.block_params.codes.contiguous().to(device))
+            self.register_buffer("superblock_scales", w.block_params.block_scales.contiguous().to(device))
+        elif params is None:
             # float16, as GGUF's Q4_1 stores them: 3 more mantissa bits than bfloat16, the same bytes
             scales_and_zeros = torch.stack([w.scale, w.zero], dim=-1).to(torch.float16)  # [N, G, 2]
             self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(device))

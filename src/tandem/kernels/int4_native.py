@@ -46,6 +46,7 @@ SOURCE = CSRC / "decoder_cpu.c"  # includes int4_cpu.c: one library with both
 SOURCES = (CSRC / "int4_cpu.c", SOURCE)  # what the build's cache key covers
 MODE_F16_PARAMS = 0  # params: float16 [N, G, 2] (scale, zero)
 MODE_INT8_PARAMS = 1  # params: int8 codes [N, G, 2], with bfloat16 super-block scales [N, S, 2]
+MODE_BLOCK_PARAMS = 3  # GGUF 4-bit as stored: int8 codes [N, G, 2], float16 block scales [N, S, 2]
 
 
 def _cache_dir() -> Path:
@@ -172,8 +173,9 @@ def _mode(params: torch.Tensor, superblock_scales: torch.Tensor | None) -> tuple
     if superblock_scales is None:
         assert params.dtype == torch.float16, "without super-block scales, params are float16 (scale, zero)"
         return MODE_F16_PARAMS, 1
-    assert params.dtype == torch.int8 and superblock_scales.dtype == torch.bfloat16
-    return MODE_INT8_PARAMS, params.shape[1] // superblock_scales.shape[1]
+    assert params.dtype == torch.int8 and superblock_scales.dtype in (torch.bfloat16, torch.float16)
+    mode = MODE_BLOCK_PARAMS if superblock_scales.dtype == torch.float16 else MODE_INT8_PARAMS
+    return mode, params.shape[1] // superblock_scales.shape[1]
 
 
 def int4_mm(

@@ -203,7 +203,7 @@ class DecoderWeights:
                 self._ptr(w.packed), self._ptr(w.params), None, 1, w.rows, 2 * w.packed.shape[1], 32, 2
             )
         rows, half = w.packed.shape
-        mode = 0 if w.superblock_scales is None else 1
+        mode = 0 if w.superblock_scales is None else 3 if w.superblock_scales.dtype == torch.float16 else 1
         per_block = 1 if w.superblock_scales is None else w.params.shape[1] // w.superblock_scales.shape[1]
         return _Int4Weight(
             self._ptr(w.packed), self._ptr(w.params), self._ptr(w.superblock_scales), per_block, rows, 2 * half,

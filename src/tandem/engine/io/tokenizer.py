@@ -22,13 +22,11 @@ from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import processors
 
+from tandem.engine.io.gguf_tokenizer import add_bos_default, bytes_to_unicode, gguf_backend
 from tandem.platform.errors import InvalidRequestError, ModelLoadError
-
-# GGUF token types (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
-_GGUF_SPECIAL_TYPES = (3, 4)
 
 
 class Tokenizer:
@@ -71,7 +69,7 @@ class Tokenizer:
         if self._token_bytes is None:
             decoder = json.loads(self.backend.to_str()).get("decoder")
             byte_level = '"ByteLevel"' in json.dumps(decoder)
-            unicode_to_byte = {char: byte for byte, char in _bytes_to_unicode().items()}
+            unicode_to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
             table = []
             for token_id in range(self.vocab_size):
                 piece = self.backend.id_to_token(token_id) or ""
@@ -137,34 +135,16 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_fields(cls, fields: dict[str, Any]) -> Tokenizer:
-        model_kind = fields.get("tokenizer.ggml.model")
-        if model_kind != "gpt2":
-            raise ModelLoadError(
-                f"GGUF tokenizer model {model_kind!r} unsupported (only byte-level BPE 'gpt2')"
-            )
+        """The file's tokenizer (`gguf_tokenizer.py`), its BOS / EOS added as its flags say."""
+        backend = gguf_backend(fields)
         tokens: list[str] = fields["tokenizer.ggml.tokens"]
-        token_types: list[int] = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        pre = fields.get("tokenizer.ggml.pre", "default")
-        if pre in ("smollm", "starcoder", "refact", "codeshell"):  # llama.cpp: digits split one by one
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level]
-            )
-        else:
-            backend.pre_tokenizer = byte_level
-        backend.decoder = decoders.ByteLevel()
-        specials = [tokens[i] for i, t in enumerate(token_types) if t in _GGUF_SPECIAL_TYPES]
-        backend.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
         bos_id = fields.get("tokenizer.ggml.bos_token_id")
         eos_id = fields.get("tokenizer.ggml.eos_token_id")
         bos = tokens[bos_id] if bos_id is not None else None
         eos = tokens[eos_id] if eos_id is not None else None
         _set_special_tokens(
             backend,
-            bos if fields.get("tokenizer.ggml.add_bos_token") else None,
+            bos if add_bos_default(fields) else None,
             eos if fields.get("tokenizer.ggml.add_eos_token") else None,
         )
         return cls(
@@ -190,23 +170,6 @@ def _set_special_tokens(backend: HFTokenizer, bos: str | None, eos: str | None) 
 
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map that byte-level BPE vocabularies are written in."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    chars = list(printable)
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return {byte: chr(char) for byte, char in zip(printable, chars, strict=True)}
 
 
 def _token_str(value: Any) -> str | None:

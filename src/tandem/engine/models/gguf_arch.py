@@ -1,0 +1,216 @@
+"""What a GGUF file's architecture means in HF terms: its metadata as an HF `config.json` dict,
+its tensor names as the HF checkpoint names the registered architecture consumes, and the value
+transforms llama.cpp's converter applied (undone here).
+
+Contract: `GGUFModel.hf_config()` is the config an HF folder of the same weights would carry (the
+loader parses it with the registered architecture, exactly as a folder's); `hf_name(gguf_name)`
+is the checkpoint name of a file tensor (None: the architecture does not consume it, and the
+loader refuses the file by that name); `to_hf(hf_name, array)` undoes the converter's layout and
+value changes on a dequantised [rows, cols] array. Tensor names come from the `gguf` package's own
+`TensorNameMap` (llama.cpp's table), never from a table of ours.
+
+Converter transforms undone: Llama's q/k rows permuted for llama.cpp's interleaved RoPE
+(`unpermute_rope`); Gemma's `(1 + w)` RMSNorm weights stored as `1 + w`. Settings llama.cpp hard-
+codes per architecture rather than writing to the file (Gemma 3's five-in-six sliding layers and
+10k local RoPE base; the attention scale of Gemma 2 and 3) are stated here as llama.cpp's
+`llama-model.cpp` states them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tandem.engine.models.gguf_names import unpermute_rope
+from tandem.platform.errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class GGUFFamily:
+    gguf_arch: str  # general.architecture
+    model_type: str  # the HF model_type it becomes
+    hf_class: str
+    extra_config: Callable[[GGUFMeta], dict[str, Any]]  # family keys of the HF config
+    permute_qk: bool = False  # llama.cpp permuted q/k rows (Llama)
+    norms_plus_one: bool = False  # llama.cpp stored RMSNorm weights as 1 + w (Gemma)
+
+
+class GGUFMeta:
+    """The file's metadata under its architecture's prefix (`arch.key`), plus its tensor names."""
+
+    def __init__(self, arch: str, fields: dict[str, Any], tensor_names: set[str]) -> None:
+        self.arch = arch
+        self.fields = fields
+        self.tensor_names = tensor_names
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(f"{self.arch}.{key}", default)
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ModelLoadError(f"GGUF key {self.arch}.{key} missing", param="model")
+        return value
+
+    @property
+    def head_dim(self) -> int:
+        heads = int(self.require("attention.head_count"))
+        key_length = self.get("attention.key_length") or self.get("rope.dimension_count")
+        return int(key_length or int(self.require("embedding_length")) // heads)
+
+
+def _rope_scaling(meta: GGUFMeta) -> dict[str, Any] | None:
+    kind = meta.get("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind != "linear":
+        raise ModelLoadError(
+            f"GGUF key {meta.arch}.rope.scaling.type={kind!r} is not supported (none, linear)", param="model"
+        )
+    return {"rope_type": "linear", "factor": float(meta.require("rope.scaling.factor"))}
+
+
+def _llama(meta: GGUFMeta) -> dict[str, Any]:
+    return {"hidden_act": "silu", "rope_scaling": _rope_scaling(meta), "attention_bias": False}
+
+
+def _qwen2(meta: GGUFMeta) -> dict[str, Any]:
+    return {"hidden_act": "silu", "use_sliding_window": False, "rope_scaling": _rope_scaling(meta)}
+
+
+def _qwen3(meta: GGUFMeta) -> dict[str, Any]:
+    bias = "blk.0.attn_q.bias" in meta.tensor_names
+    return {**_qwen2(meta), "attention_bias": bias}
+
+
+def _phi3(meta: GGUFMeta) -> dict[str, Any]:
+    window = meta.get("attention.sliding_window")
+    return {"hidden_act": "silu", "rope_scaling": _rope_scaling(meta), "sliding_window": window}
+
+
+def _gemma_scalar(meta: GGUFMeta, layers_27b: int) -> float:
+    """llama.cpp's attention scale for Gemma 2 / 3: 1/sqrt(head_dim), except the 27B models
+    (known by their layer count), which use 1/sqrt(hidden / heads)."""
+    if int(meta.require("block_count")) == layers_27b:
+        return int(meta.require("embedding_length")) / int(meta.require("attention.head_count"))
+    return float(meta.head_dim)
+
+
+def _gemma(meta: GGUFMeta) -> dict[str, Any]:
+    return {"hidden_act": "gelu_pytorch_tanh"}  # llama.cpp's GeLU is the tanh approximation
+
+
+def _gemma2(meta: GGUFMeta) -> dict[str, Any]:
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attn_logit_softcapping": meta.get("attn_logit_softcapping"),
+        "final_logit_softcapping": meta.get("final_logit_softcapping"),
+        "sliding_window": meta.get("attention.sliding_window"),
+        "query_pre_attn_scalar": _gemma_scalar(meta, layers_27b=46),
+    }
+
+
+def _gemma3(meta: GGUFMeta) -> dict[str, Any]:
+    layers = int(meta.require("block_count"))
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": meta.get("attention.sliding_window"),
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": _rope_scaling(meta),
+        "query_pre_attn_scalar": _gemma_scalar(meta, layers_27b=62),
+        "final_logit_softcapping": meta.get("final_logit_softcapping"),
+        "attn_logit_softcapping": meta.get("attn_logit_softcapping"),
+    }
+
+
+FAMILIES = {
+    family.gguf_arch: family
+    for family in (
+        GGUFFamily("llama", "llama", "LlamaForCausalLM", _llama, permute_qk=True),
+        GGUFFamily("qwen2", "qwen2", "Qwen2ForCausalLM", _qwen2),
+        GGUFFamily("qwen3", "qwen3", "Qwen3ForCausalLM", _qwen3),
+        GGUFFamily("phi3", "phi3", "Phi3ForCausalLM", _phi3),
+        GGUFFamily("gemma", "gemma", "GemmaForCausalLM", _gemma, norms_plus_one=True),
+        GGUFFamily("gemma2", "gemma2", "Gemma2ForCausalLM", _gemma2, norms_plus_one=True),
+        GGUFFamily("gemma3", "gemma3_text", "Gemma3ForCausalLM", _gemma3, norms_plus_one=True),
+    )
+}
+
+
+class GGUFModel:
+    """One GGUF file's architecture: config, names and transforms (see the module docstring)."""
+
+    def __init__(self, fields: dict[str, Any], tensor_names: set[str], source: str) -> None:
+        arch = fields.get("general.architecture")
+        if arch not in FAMILIES:
+            raise ModelLoadError(
+                f"{source}: GGUF architecture {arch!r} unsupported (supported: {', '.join(FAMILIES)})",
+                param="model",
+            )
+        self.family = FAMILIES[arch]
+        self.meta = GGUFMeta(str(arch), fields, tensor_names)
+        self.source = source
+        self._names: dict[str, str] | None = None
+
+    def hf_config(self, eos_token_ids: list[int]) -> dict[str, Any]:
+        meta, family = self.meta, self.family
+        vocab = meta.get("vocab_size") or len(meta.fields["tokenizer.ggml.tokens"])
+        heads = int(meta.require("attention.head_count"))
+        eos: int | list[int] = eos_token_ids[0] if len(eos_token_ids) == 1 else list(eos_token_ids)
+        config = {
+            "architectures": [family.hf_class],
+            "model_type": family.model_type,
+            "vocab_size": int(vocab),
+            "hidden_size": int(meta.require("embedding_length")),
+            "intermediate_size": int(meta.require("feed_forward_length")),
+            "num_hidden_layers": int(meta.require("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(meta.get("attention.head_count_kv", heads)),
+            "head_dim": meta.head_dim,
+            "rms_norm_eps": float(meta.get("attention.layer_norm_rms_epsilon", 1e-5)),
+            "rope_theta": float(meta.get("rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(meta.get("context_length", 2048)),
+            "tie_word_embeddings": "output.weight" not in meta.tensor_names,
+            "bos_token_id": meta.fields.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": eos,
+            "torch_dtype": "float32",
+        }
+        extra = {key: value for key, value in family.extra_config(meta).items() if value is not None}
+        return {**config, **extra}
+
+    def bind(self, expected_hf_names: set[str]) -> None:
+        """Map the file's tensor names onto `expected_hf_names` (the architecture's checkpoint
+        names for the parsed config) through the `gguf` package's tensor-name table."""
+        import gguf
+
+        arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == self.meta.arch)
+        table = gguf.get_tensor_name_map(arch, int(self.meta.require("block_count")))
+        names: dict[str, str] = {}
+        for hf_name in expected_hf_names:
+            found = table.get_type_and_name(hf_name, try_suffixes=(".weight", ".bias"))
+            if found is not None:
+                names[found[1]] = hf_name
+        self._names = names
+
+    def hf_name(self, gguf_name: str) -> str | None:
+        assert self._names is not None, "bind() first"
+        return self._names.get(gguf_name)
+
+    def to_hf(self, hf_name: str, array: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+        """`array` ([rows, cols] or [n], float32, dequantised) as the HF checkpoint holds it."""
+        if self.family.permute_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
+            return unpermute_rope(array, heads)
+        if self.family.norms_plus_one and hf_name.endswith("norm.weight"):
+            return array - np.float32(1.0)
+        return array
+
+    def permuted_heads(self, hf_name: str, config: dict[str, Any]) -> int | None:
+        """How many heads llama.cpp permuted this tensor's rows over (None: not permuted)."""
+        if self.family.permute_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            return int(config["num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"])
+        return None

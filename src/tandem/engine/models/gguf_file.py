@@ -1,0 +1,141 @@
+"""One GGUF file opened as a checkpoint: its tokenizer, its HF config parsed by the registered
+architecture, and every tensor under the HF name that architecture consumes.
+
+Contract: opening checks everything without reading a tensor (cheap enough for `tandem serve`'s
+pre-flight): the architecture (`gguf_arch.FAMILIES`, else refused by name), the config (the
+architecture's own checks), every tensor's name (one the architecture does not consume is refused
+by name, e.g. `rope_freqs`, which carries scaling the metadata does not state) and type
+(`gguf_blocks.SUPPORTED_TYPES`, else refused naming the tensor and its type). `dequantized(t)`
+is the tensor as float32 in the HF checkpoint's layout and values: the `gguf` package's own
+`dequantize` of its bytes, then the converter's transforms undone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tandem.engine.io.generation_defaults import GenerationDefaults
+from tandem.engine.io.tokenizer import Tokenizer
+from tandem.engine.models.gguf_arch import GGUFModel
+from tandem.engine.models.gguf_blocks import SUPPORTED_TYPES, type_name
+from tandem.engine.models.hf_config import HFConfig
+from tandem.engine.models.registry import Architecture, architecture_for
+from tandem.engine.models.support import check_tensor_names
+from tandem.platform.errors import ModelLoadError
+
+# llama.cpp's end-of-generation tokens by text (`llama-vocab.cpp`): a file states one EOS id, but
+# chat turns end with these, which llama.cpp stops on too.
+END_OF_GENERATION_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<EOT>",
+    "<|end_of_text|>",
+    "<｜end▁of▁sentence｜>",
+)
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str  # the file's name
+    hf_name: str
+    type_name: str  # "Q4_K", "F32", ...
+    shape: tuple[int, ...]  # numpy's order: (rows, cols) for a matrix, (n,) for a vector
+    raw: Any  # the reader's lazy array of the stored bytes / values
+
+    @property
+    def num_elements(self) -> int:
+        return int(np.prod(self.shape))
+
+
+class GGUFFile:
+    """An opened, checked GGUF checkpoint (see the module docstring)."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf
+
+        self.path = path
+        try:
+            self._reader = gguf.GGUFReader(str(path))
+        except Exception as exc:  # the reader raises ValueError/struct.error/IndexError on junk
+            raise ModelLoadError(f"{path}: corrupt or unsupported GGUF file ({exc})", param="model") from exc
+        self.fields: dict[str, Any] = {key: field.contents() for key, field in self._reader.fields.items()}
+        names = {t.name for t in self._reader.tensors}
+        self.model = GGUFModel(self.fields, names, str(path))
+        self.tokenizer = Tokenizer.from_gguf_fields(self.fields)
+        self.eos_token_ids = self._end_of_generation_ids()
+        self.hf_config = self.model.hf_config(self.eos_token_ids)
+        try:
+            raw = HFConfig(self.hf_config)
+            self.architecture: Architecture = architecture_for(raw)
+            self.architecture.check_config(raw)
+            self.config = self.architecture.parse_config(raw)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ModelLoadError(f"{path}: GGUF metadata: {exc}", param="model") from exc
+        self.model.bind(self.architecture.tensor_names(self.config, "model."))
+        self.tensors = self._check_tensors()
+
+    def _end_of_generation_ids(self) -> list[int]:
+        ids = list(self.tokenizer.eos_token_ids)
+        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            if self.fields.get(key) is not None and int(self.fields[key]) not in ids:
+                ids.append(int(self.fields[key]))
+        for text in END_OF_GENERATION_TEXTS:
+            token_id = self.tokenizer.backend.token_to_id(text)
+            if token_id is not None and token_id not in ids:
+                ids.append(token_id)
+        return ids
+
+    def _check_tensors(self) -> list[GGUFTensor]:
+        tensors, unknown = [], []
+        for tensor in self._reader.tensors:
+            hf_name = self.model.hf_name(tensor.name)
+            kind = type_name(tensor.tensor_type)
+            if kind not in SUPPORTED_TYPES:
+                raise ModelLoadError(
+                    f"{self.path}: tensor {tensor.name} is {kind}, which is not supported "
+                    f"(supported: {', '.join(SUPPORTED_TYPES)})",
+                    param="model",
+                )
+            if hf_name is None:
+                unknown.append(tensor.name)
+                continue
+            shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+            tensors.append(GGUFTensor(tensor.name, hf_name, kind, shape, tensor.data))
+        check_tensor_names(
+            [t.hf_name for t in tensors] + unknown,
+            lambda prefix: self.architecture.tensor_names(self.config, prefix),
+            source=str(self.path),
+        )
+        return tensors
+
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        return GenerationDefaults.from_gguf_fields(self.fields)
+
+    def quant_types(self) -> list[str]:
+        """The stored types of its tensors, most weights first ("Q4_K", "Q5_0", ..., "F32")."""
+        sizes: dict[str, int] = {}
+        for tensor in self.tensors:
+            sizes[tensor.type_name] = sizes.get(tensor.type_name, 0) + tensor.num_elements
+        return sorted(sizes, key=lambda kind: -sizes[kind])
+
+    def dequantized(self, tensor: GGUFTensor) -> np.ndarray:
+        """Float32 in `tensor.shape`, as the HF checkpoint holds it."""
+        import gguf
+
+        kind = gguf.GGMLQuantizationType[tensor.type_name]
+        array = gguf.quants.dequantize(np.asarray(tensor.raw).view(np.ndarray), kind)
+        array = np.asarray(array, dtype=np.float32).reshape(tensor.shape)
+        return np.ascontiguousarray(self.model.to_hf(tensor.hf_name, array, self.hf_config), dtype=np.float32)
+
+    def dequantized_weights(self) -> Iterator[tuple[str, np.ndarray]]:
+        for tensor in self.tensors:
+            yield tensor.hf_name, self.dequantized(tensor)
