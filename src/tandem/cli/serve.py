@@ -152,7 +152,7 @@ def _engine_flags(srv: argparse.ArgumentParser) -> None:
         help="compute dtype (default auto: measured fastest here, held to the quality bound)",
     )  # fmt: skip
     srv.add_argument(
-        "--weight-dtype", choices=["auto", "dense", "int4", "int8", "hybrid"], default=None,
+        "--weight-dtype", choices=["auto", "dense", "int4", "int8", "hybrid", "gguf"], default=None,
         help="weights (default auto: INT4, else INT8, only where measured faster and within the quality bound)",
     )  # fmt: skip
     srv.add_argument(

@@ -178,6 +178,7 @@ def _choose_precision(
         flags=cpu_flags(),
         native_int4=native_int4,
         pin=pinned_precision(),
+        stored_quant_types=loaded.stored_quant_types,
         probe=probe_precision(loaded.config, device, default_cache_dir(), int4=native_int4)
         if probing
         else None,

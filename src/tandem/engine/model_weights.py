@@ -56,7 +56,9 @@ def build_models(
     model = build(
         # inductor cannot lower oneDNN's prepacked (opaque) weights; it plans its own GEMMs
         pack_weights=hybrid or not config.compile_decode,
-        weight_dtype=precision.weight_dtype if precision.weight_dtype in ("int4", "int8") else "dense",
+        weight_dtype=precision.weight_dtype
+        if precision.weight_dtype in ("int4", "int8", "gguf")
+        else "dense",
     )
     decode_model = build(weight_dtype="int4") if hybrid else None
     if decode_model is not None and isinstance(decode_model.lm_head, Int8HeadLinear):

@@ -84,12 +84,14 @@ class EngineConfig(BaseModel):
         "False: choose by CPU flags.",
     )
     device: str = Field("auto", description="'cpu', 'cuda', 'cuda:N' or 'auto'.")
-    weight_dtype: Literal["auto", "dense", "int4", "int8", "hybrid"] = Field(
+    weight_dtype: Literal["auto", "dense", "int4", "int8", "hybrid", "gguf"] = Field(
         "auto",
-        description="'int4': group-wise INT4 linears (two values per byte; the default model's Q4_1 "
-        "weights load as they are, float weights are quantised by int4_method); 'int8': Q8_0 linears "
-        "(int8 codes, a float16 scale per 32 inputs); 'dense': the compute dtype; 'auto': one precision "
-        "for every step, 'int4' on a CPU where the precision probe measured INT4 faster than the compute "
+        description="'int4': group-wise INT4 linears (two values per byte; a GGUF's Q4_0 / Q4_1 / Q4_K "
+        "blocks load as stored, float weights are quantised by int4_method); 'int8': Q8_0 linears "
+        "(int8 codes, a float16 scale per 32 inputs); 'gguf': a quantised GGUF's linears as the file "
+        "stores them (4-bit blocks as INT4 exactly, Q8_0 / Q5_0 as INT8 exactly, Q5_1 / Q5_K / Q6_K "
+        "rounded once to Q8_0); 'dense': the compute dtype; 'auto': one precision for every step, "
+        "'gguf' for a GGUF file whose linears are quantised (CPU, native kernel), else 'int4' on a CPU where the precision probe measured INT4 faster than the compute "
         "dtype at one row (a lone request's decode step) and the quality probe measured it within its "
         "bound on this checkpoint, else 'int8' where the same holds for INT8, else "
         "'dense'; 'hybrid' (never chosen by 'auto'): both copies, INT4 for decode steps of at most "

@@ -40,7 +40,7 @@ PIN_ENV = "TANDEM_AUTO_PRECISION"
 @dataclass(frozen=True)
 class PrecisionChoice:
     dtype: str  # compute dtype: "float32" | "bfloat16" | "float16"
-    weight_dtype: str  # "dense" | "int4" | "int8" | "hybrid"
+    weight_dtype: str  # "dense" | "int4" | "int8" | "hybrid" | "gguf"
     reason: str  # why, in words, for the log and stats()
     probe: ProbeResult | None = None  # what the precision probe measured, where it chose
     automatic: bool = False  # dtype or weight_dtype came from "auto" (a quality probe may overrule it)
@@ -66,6 +66,7 @@ def choose_precision(
     native_int4: bool,
     pin: str | None = None,
     probe: ProbeResult | None = None,
+    stored_quant_types: tuple[str, ...] = (),
 ) -> PrecisionChoice:
     """Resolve `dtype` and `weight_dtype` ("auto" or explicit) for a device and CPU (see the
     module docstring). `native_int4`: whether the native INT4 kernel can be used here; `pin`: the
@@ -73,9 +74,20 @@ def choose_precision(
     if pin not in (None, "", "float32"):
         raise ValueError(f"{PIN_ENV}={pin!r}: the only supported pin is 'float32'")
     chosen_dtype, dtype_reason = _choose_dtype(device_type, dtype, flags, pin, probe)
-    chosen_weights, weights_reason = _choose_weights(
-        device_type, dtype, weight_dtype, chosen_dtype, native_int4, pin, probe
-    )
+    if (
+        weight_dtype == "auto"
+        and stored_quant_types
+        and device_type == "cpu"
+        and native_int4
+        and dtype == "auto"
+        and pin is None
+    ):
+        chosen_weights = "gguf"
+        weights_reason = f"weights as the GGUF file stores them ({', '.join(stored_quant_types)})"
+    else:
+        chosen_weights, weights_reason = _choose_weights(
+            device_type, dtype, weight_dtype, chosen_dtype, native_int4, pin, probe
+        )
     reasons = [dtype_reason, weights_reason]
     used = probe if probe is not None and dtype == "auto" and pin is None and device_type == "cpu" else None
     automatic = pin != "float32" and (dtype == "auto" or weight_dtype == "auto")

@@ -29,9 +29,7 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+_QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _SPLITS = {
     "llama3": _LLAMA3_SPLIT,
     "llama-v3": _LLAMA3_SPLIT,
@@ -136,7 +134,9 @@ def _sentencepiece(fields: dict[str, Any], tokens: list[str], arch: str) -> HFTo
         )
         steps.append(decoders.Strip(content=" ", left=1))
     else:
-        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="\u2581", prepend_scheme="first", split=False
+        )
         steps.append(decoders.Strip(content=" ", left=1))
     backend.decoder = decoders.Sequence(steps)
     return backend
@@ -152,7 +152,9 @@ def _add_file_tokens(backend: HFTokenizer, fields: dict[str, Any], *, byte_level
         control = [t for t, k in zip(tokens, types, strict=False) if k == _CONTROL]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     user = [
-        t for t, k in zip(tokens, types, strict=False) if k == _USER_DEFINED and backend.token_to_id(t) is not None
+        t
+        for t, k in zip(tokens, types, strict=False)
+        if k == _USER_DEFINED and backend.token_to_id(t) is not None
     ]
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
 

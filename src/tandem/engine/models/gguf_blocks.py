@@ -27,7 +27,16 @@ FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 INT8_TYPES = ("Q8_0", "Q5_0")  # int8 runs as stored
 FLOAT_TYPES = ("F32", "F16", "BF16")
 RUN = 32
-_TYPE_SIZE = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+_TYPE_SIZE = {
+    "Q8_0": 34,
+    "Q4_0": 18,
+    "Q4_1": 20,
+    "Q5_0": 22,
+    "Q5_1": 24,
+    "Q4_K": 144,
+    "Q5_K": 176,
+    "Q6_K": 210,
+}
 _BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 
 
@@ -137,7 +146,9 @@ def read_int8(raw: np.ndarray, kind: str, rows: int, cols: int) -> Int8Runs:
     else:
         q = _nibbles(b[:, 6:22]) | (_high_bits(b[:, 2:6]) << 4)
         codes = q.astype(np.int8) - np.int8(16)
-    return Int8Runs(np.ascontiguousarray(codes.reshape(rows, cols)), np.ascontiguousarray(d.reshape(rows, -1)))
+    return Int8Runs(
+        np.ascontiguousarray(codes.reshape(rows, cols)), np.ascontiguousarray(d.reshape(rows, -1))
+    )
 
 
 def _q5_1(b: np.ndarray) -> np.ndarray:

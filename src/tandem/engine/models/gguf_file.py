@@ -12,6 +12,7 @@ is the tensor as float32 in the HF checkpoint's layout and values: the `gguf` pa
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +70,6 @@ class GGUFFile:
         self.fields: dict[str, Any] = {key: field.contents() for key, field in self._reader.fields.items()}
         names = {t.name for t in self._reader.tensors}
         self.model = GGUFModel(self.fields, names, str(path))
-        self.tokenizer = Tokenizer.from_gguf_fields(self.fields)
         self.eos_token_ids = self._end_of_generation_ids()
         self.hf_config = self.model.hf_config(self.eos_token_ids)
         try:
@@ -82,16 +82,19 @@ class GGUFFile:
         self.model.bind(self.architecture.tensor_names(self.config, "model."))
         self.tensors = self._check_tensors()
 
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """Built on first use (recovering a SentencePiece file's merges takes seconds)."""
+        return Tokenizer.from_gguf_fields(self.fields)
+
     def _end_of_generation_ids(self) -> list[int]:
-        ids = list(self.tokenizer.eos_token_ids)
-        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-            if self.fields.get(key) is not None and int(self.fields[key]) not in ids:
-                ids.append(int(self.fields[key]))
-        for text in END_OF_GENERATION_TEXTS:
-            token_id = self.tokenizer.backend.token_to_id(text)
-            if token_id is not None and token_id not in ids:
-                ids.append(token_id)
-        return ids
+        """The file's EOS, EOT and EOM ids, then the tokens llama.cpp also ends a turn on."""
+        keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        ids = [int(self.fields[key]) for key in keys if self.fields.get(key) is not None]
+        tokens: list[str] = self.fields["tokenizer.ggml.tokens"]
+        texts = set(END_OF_GENERATION_TEXTS)
+        ids += [index for index, token in enumerate(tokens) if token in texts]
+        return list(dict.fromkeys(ids))
 
     def _check_tensors(self) -> list[GGUFTensor]:
         tensors, unknown = [], []
@@ -121,7 +124,7 @@ class GGUFFile:
         return GenerationDefaults.from_gguf_fields(self.fields)
 
     def quant_types(self) -> list[str]:
-        """The stored types of its tensors, most weights first ("Q4_K", "Q5_0", ..., "F32")."""
+        """The stored types of its tensors, most weights first ("Q8_0", "Q5_0", ..., "F32")."""
         sizes: dict[str, int] = {}
         for tensor in self.tensors:
             sizes[tensor.type_name] = sizes.get(tensor.type_name, 0) + tensor.num_elements

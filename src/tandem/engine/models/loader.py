@@ -17,16 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from tandem.engine.io.generation_defaults import GenerationDefaults
 from tandem.engine.io.tokenizer import Tokenizer
+from tandem.engine.models.gguf_blocks import FLOAT_TYPES
 from tandem.engine.models.gguf_file import GGUFFile
+from tandem.engine.models.gguf_stored import apply_stored, read_stored, stored_int4
 from tandem.engine.models.hf_config import HFConfig
 from tandem.engine.models.interface import CausalLM, ModelConfig
 from tandem.engine.models.llama import LLAMA
-from tandem.engine.models.quantized import DEFAULT_INT4_GROUP_SIZE, apply_int4, apply_int8, read_gguf_int4
+from tandem.engine.models.quantized import DEFAULT_INT4_GROUP_SIZE, apply_int4, apply_int8
 from tandem.engine.models.registry import Architecture, architecture_for
 from tandem.engine.models.support import (
     check_tensor_names,
@@ -57,6 +58,12 @@ class LoadedModel:
     generation_defaults: GenerationDefaults = field(
         default_factory=GenerationDefaults
     )  # the checkpoint's own
+    quant_types: list[str] = field(default_factory=list)  # a GGUF file's stored types, most weights first
+
+    @property
+    def stored_quant_types(self) -> tuple[str, ...]:
+        """The quantised ones among `quant_types` (empty for float weights and HF folders)."""
+        return tuple(kind for kind in self.quant_types if kind not in FLOAT_TYPES)
 
 
 def resolve_model_path(model: str) -> Path:
@@ -100,9 +107,11 @@ def load_model(model: str, *, cache_dir: Path | None = None) -> LoadedModel:
     path = _checkpoint_path(model)
     if path.is_dir():
         return _load_hf_folder(model, path)
-    folder = gguf_to_hf_folder(path, cache_dir or default_cache_dir())
+    gguf_file = GGUFFile(path)
+    folder = gguf_to_hf_folder(path, cache_dir or default_cache_dir(), gguf_file)
     loaded = _load_hf_folder(model, folder)
     loaded.path = path
+    loaded.quant_types = gguf_file.quant_types()
     return loaded
 
 
@@ -126,7 +135,7 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
 
 
-def gguf_to_hf_folder(path: Path, cache_dir: Path) -> Path:
+def gguf_to_hf_folder(path: Path, cache_dir: Path, gguf_file: GGUFFile | None = None) -> Path:
     """Dequantise a GGUF file into an HF folder (config.json, model.safetensors, tokenizer files).
 
     Keyed by file name, size and mtime; written to a temporary folder and renamed into place,
@@ -140,7 +149,7 @@ def gguf_to_hf_folder(path: Path, cache_dir: Path) -> Path:
         return folder
     from safetensors.torch import save_file
 
-    gguf_file = GGUFFile(path)
+    gguf_file = gguf_file or GGUFFile(path)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
     try:
@@ -156,7 +165,9 @@ def gguf_to_hf_folder(path: Path, cache_dir: Path) -> Path:
         tok = gguf_file.tokenizer
         (tmp / "tokenizer.json").write_text(tok.backend.to_str())
         (tmp / "tokenizer_config.json").write_text(
-            json.dumps({"chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token})
+            json.dumps(
+                {"chat_template": tok.chat_template, "bos_token": tok.bos_token, "eos_token": tok.eos_token}
+            )
         )
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=1))
         defaults = gguf_file.generation_defaults
@@ -254,9 +265,13 @@ def build_model(
         model.init_rope()  # after the dtype cast: the cos/sin tables stay float32
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{loaded.path}: rope scaling: {exc}", param="model") from exc
-    if weight_dtype == "int4":
+    if weight_dtype == "gguf":
+        if loaded.path.suffix != ".gguf":
+            raise ModelLoadError("weight_dtype 'gguf' needs a .gguf model file", param="weight_dtype")
+        apply_stored(model, read_stored(loaded.path), loaded.weights, device, int4_kernel)
+    elif weight_dtype == "int4":
         use_native = loaded.path.suffix == ".gguf" and int4_group_size is None
-        native = read_gguf_int4(loaded.path, loaded.config) if use_native and int4_weights is None else {}
+        native = stored_int4(read_stored(loaded.path)) if use_native and int4_weights is None else {}
         group_size = int4_group_size or DEFAULT_INT4_GROUP_SIZE
         apply_int4(
             model, native, group_size, device, double_quant=int4_double_quant, kernel=int4_kernel,

@@ -1,17 +1,13 @@
-"""Quantised linears of a loaded model: INT4 (`apply_int4`: a Q4_1 GGUF's own codes, calibrated
+"""Quantised linears of a loaded model: INT4 (`apply_int4`: a GGUF's own 4-bit blocks, calibrated
 weights, or round-to-nearest) and INT8 (`apply_int8`, Q8_0), each with the INT8 LM head."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import torch
 
-from tandem.engine.models.gguf_names import gguf_to_hf_name, unpermute_rope
 from tandem.engine.models.interface import CausalLM
-from tandem.engine.models.llama import LlamaConfig
 from tandem.kernels.int4 import (
+    BlockParams,
     Int4Kernel,
     Int4Linear,
     Int4Weight,
@@ -38,46 +34,26 @@ def apply_int8(model: CausalLM, device: torch.device) -> None:
     model.embed_tokens.to(torch.bfloat16)
 
 
-def read_gguf_int4(path: Path, config: LlamaConfig) -> dict[str, Int4Weight]:
-    """The Q4_1 tensors of a GGUF file as INT4 weights (HF names), without dequantising: a Q4_1
-    block is fp16 d, fp16 m and 16 bytes of nibbles (low nibbles = elements 0-15, high = 16-31),
-    w = d * q + m, which is `Int4Weight` with group 32 and zero = m + 8d."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    out: dict[str, Int4Weight] = {}
-    for tensor in reader.tensors:
-        hf_name = gguf_to_hf_name(tensor.name)
-        if tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1 or hf_name is None:
-            continue
-        rows = int(tensor.shape[1]) if len(tensor.shape) > 1 else 1
-        cols = int(tensor.shape[0])
-        raw = np.asarray(tensor.data).view(np.uint8).reshape(rows, cols // 32, 20)
-        d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        nibbles = raw[..., 4:20]
-        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, cols)
-        scale, zero = d, m + 8 * d
-        if hf_name.endswith("q_proj.weight") or hf_name.endswith("k_proj.weight"):
-            heads = config.num_attention_heads if "q_proj" in hf_name else config.num_key_value_heads
-            q, scale, zero = (unpermute_rope(a, heads) for a in (q, scale, zero))
-        out[hf_name] = Int4Weight(
-            torch.from_numpy(np.ascontiguousarray(q)),
-            torch.from_numpy(np.ascontiguousarray(scale)),
-            torch.from_numpy(np.ascontiguousarray(zero)),
-            32,
-        )
-    return out
-
-
 def _concat_int4(parts: list[Int4Weight]) -> Int4Weight | None:
-    if any(p.group_size != parts[0].group_size for p in parts):
+    """Row-concatenated parts, or None where their layouts differ (then the target is quantised)."""
+    first = parts[0]
+    if any(p.group_size != first.group_size for p in parts):
         return None
+    blocks = [p.block_params for p in parts]
+    if any(b is not None for b in blocks):
+        if any(b is None or b.groups_per_block != blocks[0].groups_per_block for b in blocks):  # type: ignore[union-attr]
+            return None
+        params = BlockParams(
+            torch.cat([b.codes for b in blocks if b is not None]),
+            torch.cat([b.block_scales for b in blocks if b is not None]),
+            first.block_params.groups_per_block,  # type: ignore[union-attr]
+        )
+        return Int4Weight.from_block_params(torch.cat([p.q for p in parts]), params)
     return Int4Weight(
         torch.cat([p.q for p in parts]),
         torch.cat([p.scale for p in parts]),
         torch.cat([p.zero for p in parts]),
-        parts[0].group_size,
+        first.group_size,
     )
 
 
