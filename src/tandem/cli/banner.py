@@ -39,8 +39,9 @@ def model_line(base: str, served_name: str, key: str | None) -> str:
     except (httpx.HTTPError, KeyError, ValueError) as exc:
         return f"[tandem] model {served_name}: precision not known ({type(exc).__name__})"
     defaults = ", ".join(f"{k}={v}" for k, v in info["generation_defaults"].items()) or "none (temperature 1)"
+    stored = f" (file: {', '.join(info['quant_types'])})" if info.get("quant_types") else ""
     return (
-        f"[tandem] model {served_name}: {info['dtype']} compute, {info['weight_dtype']} weights, KV "
+        f"[tandem] model {served_name}: {info['dtype']} compute, {info['weight_dtype']} weights{stored}, KV "
         f"{info['kv_cache_dtype']}; generation defaults: {defaults}\n[tandem] why: {info['precision_reason']}"
     )
 

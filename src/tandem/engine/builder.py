@@ -148,6 +148,7 @@ def build_parts(config: EngineConfig) -> EngineParts:
         num_head_blocks=sizes.num_head_blocks, max_positions=sizes.max_positions, kv_window=window,
         tuned_threads=torch.get_num_threads() if tune_threads else None,
         generation_defaults=generation_defaults, batch_invariance=invariance, pooling=pooling,
+        quant_types=loaded.quant_types,
     )  # fmt: skip
     _log_ready(parts, runner, device, config.block_size)
     return parts
@@ -233,6 +234,7 @@ def _log_ready(parts: EngineParts, runner: ModelRunner, device: torch.device, bl
         extra={
             "model": parts.model_name, "device": str(device), "dtype": precision.dtype,
             "weight_dtype": precision.weight_dtype, "precision_reason": precision.reason,
+            "quant_types": parts.quant_types,
             "native_decoder": runner.native is not None,
             "native_decoder_unavailable": runner.native_unavailable_reason if runner.native is None else "",
             "kernels": "triton" if uses_triton(device) else "torch/native",

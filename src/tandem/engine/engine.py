@@ -71,6 +71,7 @@ class LLMEngine:
         self.precision = parts.precision
         self.batch_invariance = parts.batch_invariance
         self.generation_defaults = parts.generation_defaults
+        self.quant_types = parts.quant_types
         self.pooling = parts.pooling
         self.encoder = parts.encoder
         self.grammars: GrammarCompiler | None = parts.grammars
@@ -171,6 +172,7 @@ class LLMEngine:
             "dtype": precision.dtype if precision else None,
             "weight_dtype": precision.weight_dtype if precision else None,
             "kv_cache_dtype": self.kv_cache_dtype,
+            "quant_types": self.quant_types,  # a GGUF file's stored types, most weights first
             "precision_reason": precision.reason if precision else "",
             "quality": [q.as_stats() for q in precision.quality] if precision else [],
             "generation_defaults": self.generation_defaults.as_dict(),

@@ -40,3 +40,4 @@ class EngineParts:
     generation_defaults: GenerationDefaults = dataclasses.field(default_factory=GenerationDefaults)
     pooling: Pooling = dataclasses.field(default_factory=Pooling)  # how an embedding pools (`models.pooling`)
     encoder: bool = False  # a bidirectional encoder: it embeds and does not generate
+    quant_types: list[str] = dataclasses.field(default_factory=list)  # a GGUF file's stored types

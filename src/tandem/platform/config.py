@@ -318,10 +318,12 @@ class EngineConfig(BaseModel):
 
     @property
     def api_model_name(self) -> str:
-        """The model id clients send: `served_model_name`, else the bundled name or path's last part."""
+        """The model id clients send: `served_model_name`, else the bundled name or the path's last
+        part (a .gguf file's stem, as Ollama and llama.cpp's server name it)."""
         import os.path
 
-        return self.served_model_name or os.path.basename(os.path.normpath(self.model))
+        name = os.path.basename(os.path.normpath(self.model))
+        return self.served_model_name or (name.removesuffix(".gguf") if name.endswith(".gguf") else name)
 
     @model_validator(mode="after")
     def _apply_role(self) -> EngineConfig:

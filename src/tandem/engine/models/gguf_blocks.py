@@ -12,8 +12,9 @@ rounding.
   their exact values (`requantize_to_q8`: a second rounding, at 8 bits).
 
 Contract: `dequantize(raw, type_name, shape)` and each reader's `dequantize()` equal the `gguf`
-package's `dequantize` of the same bytes bit for bit (the same float32 operations in the same
-order: each product here is exact, so at most the final add rounds, as there).
+package's `dequantize` of the same bytes: equal floats, and the same bits but for the sign of a
+zero (Q4_0's code 8 under a negative scale: -0.0 there, +0.0 here). Each product here is exact,
+so at most the final add rounds, as there.
 """
 
 from __future__ import annotations

@@ -1,0 +1,160 @@
+"""Tiny random checkpoints of each family written to GGUF with the `gguf` package's own writer,
+as llama.cpp's converter writes them: tensor names from `gguf`'s table, Llama's q/k rows permuted
+for interleaved RoPE, Gemma's RMSNorm weights stored as 1 + w, the linears quantised by
+`gguf.quants.quantize` to the family's type. The HF model returned holds the dequantised values:
+it is the reference (HF float32 on the dequantised weights)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# family -> (GGUF architecture, transformers config, causal-LM class, overrides, the linears' type)
+GGUF_FAMILIES: dict[str, tuple[str, str, str, dict[str, Any], str]] = {
+    "llama": ("llama", "LlamaConfig", "LlamaForCausalLM", {}, "Q4_0"),
+    "qwen2": ("qwen2", "Qwen2Config", "Qwen2ForCausalLM", {}, "Q5_1"),
+    "qwen3": ("qwen3", "Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}, "Q8_0"),
+    "phi3": ("phi3", "Phi3Config", "Phi3ForCausalLM", {"sliding_window": None}, "Q4_1"),
+    "gemma": (
+        "gemma",
+        "GemmaConfig",
+        "GemmaForCausalLM",
+        {"head_dim": 16, "hidden_act": "gelu_pytorch_tanh"},  # llama.cpp ties Gemma's head
+        "Q5_0",
+    ),
+    "gemma2": (
+        "gemma2",
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 16,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 5.0,  # llama.cpp ties Gemma 2's head
+        },
+        "F16",
+    ),  # fmt: skip
+    "gemma3": (
+        "gemma3",
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 16,
+            "tie_word_embeddings": False,
+            "num_hidden_layers": 6,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        },
+        "BF16",
+    ),  # fmt: skip
+}
+COMMON = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
+
+
+def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert-time q/k permutation (HF rotate_half -> interleaved)."""
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def write_family_gguf(family: str, tokenizer_files: Path, path: Path, seed: int = 0) -> Any:
+    """Write `family`'s tiny random model to `path`; returns the HF model on the dequantised weights."""
+    import gguf
+    import transformers
+
+    arch, config_name, model_name, overrides, linear_type = GGUF_FAMILIES[family]
+    vocab = json.loads((tokenizer_files / "tokenizer.json").read_text())["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    config = getattr(transformers, config_name)(
+        vocab_size=len(tokens), bos_token_id=vocab["<|endoftext|>"], eos_token_id=vocab["<|im_end|>"],
+        pad_token_id=None, **{**COMMON, **overrides},
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).float().eval()
+    qtype = gguf.GGMLQuantizationType[linear_type]
+    writer = gguf.GGUFWriter(str(path), arch)
+    _write_metadata(writer, config, arch, tokenizer_files, tokens)
+    table = gguf.get_tensor_name_map(
+        next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), config.num_hidden_layers
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            gemma_norm = name.endswith("norm.weight") and "gemma" in family
+            if name.endswith("norm.weight"):  # Gemma's (1 + w): w near 0
+                param.normal_(0.0 if gemma_norm else 1.0, 0.2)
+            else:
+                param.normal_(0.0, 0.2 if name.endswith(".bias") else 0.12)
+            array = param.detach().numpy().astype(np.float32)
+            linear = array.ndim == 2 and "embed_tokens" not in name
+            if linear:  # the reference holds what the file holds
+                stored = gguf.quants.quantize(array, qtype)
+                array = gguf.quants.dequantize(stored, qtype).reshape(array.shape).astype(np.float32)
+                param.copy_(torch.from_numpy(array))
+            out = array
+            if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+                out = _permute(array, heads)
+            if gemma_norm:
+                out = array + np.float32(1.0)
+            gguf_name = table.get_name(name, try_suffixes=(".weight", ".bias"))
+            assert gguf_name is not None, name
+            if linear:
+                writer.add_tensor(gguf_name, gguf.quants.quantize(out, qtype), raw_dtype=qtype)
+            else:
+                writer.add_tensor(gguf_name, np.ascontiguousarray(out))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model
+
+
+def _write_metadata(writer: Any, config: Any, arch: str, tokenizer_files: Path, tokens: list[str]) -> None:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("full_attention", rope).get("rope_theta", 10000.0)
+    writer.add_rope_freq_base(float(theta))
+    if arch in ("gemma2", "gemma3"):
+        writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    tokenizer = json.loads((tokenizer_files / "tokenizer.json").read_text())
+    specials = {t["content"] for t in tokenizer["added_tokens"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in specials else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    writer.add_add_bos_token(False)

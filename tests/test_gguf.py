@@ -1,0 +1,131 @@
+"""GGUF files as people download them (issue 62): every quant type read as stored, bit for bit
+the `gguf` package's `dequantize`; the native INT4 kernel on 4-bit blocks as stored; each
+family's tiny random checkpoint written by `gguf.GGUFWriter` answering HF float32's greedy tokens;
+Google's Gemma 3 270M Q4_K_M file tokenised as transformers tokenises it, read to the same
+weights transformers dequantises, and refused types named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.engine.models import gguf_blocks
+from tandem.platform.errors import ModelLoadError
+
+from .conftest import make_tiny_model
+from .gguf_files import GGUF_FAMILIES, write_family_gguf
+from .test_hf_parity import hf_greedy
+
+PROMPTS = ["Once upon a time, in a land far away", "The capital of France is", "def fibonacci(n):"]
+NEW_TOKENS = 12
+
+
+def _random_blocks(kind: str, num_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes in `kind`'s block layout, its float16 fields finite random values."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(num_blocks, size), dtype=np.uint8)
+    halves = rng.normal(0, 0.05, size=(num_blocks, 2)).astype(np.float16).view(np.uint8)
+    offsets = {"Q6_K": [208], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q4_1": [0, 2], "Q5_1": [0, 2]}.get(kind, [0])
+    for i, offset in enumerate(offsets):
+        raw[:, offset : offset + 2] = halves[:, 2 * i : 2 * i + 2]
+    return raw.reshape(-1)
+
+
+@pytest.mark.parametrize("kind", [t for t in gguf_blocks.SUPPORTED_TYPES if t not in gguf_blocks.FLOAT_TYPES])
+def test_every_quant_type_reads_bit_for_bit_as_gguf_dequantizes(kind: str) -> None:
+    import gguf
+
+    rng = np.random.default_rng(0)
+    raw = _random_blocks(kind, 64, rng)
+    qtype = gguf.GGMLQuantizationType[kind]
+    want = gguf.quants.dequantize(raw, qtype)
+    got = gguf_blocks.dequantize(raw, kind, want.shape)
+    assert got.dtype == np.float32
+    # equal as floats; to the bit except a zero's sign (Q4_0's code 8 times a negative d: gguf
+    # writes -0.0, q * d - 8 * d is +0.0)
+    assert np.array_equal(got, want)
+    assert np.array_equal(got.view(np.uint32)[got != 0], want.view(np.uint32)[want != 0])
+
+
+def test_float_types_read_as_stored() -> None:
+    import gguf
+
+    values = np.random.default_rng(1).normal(size=(4, 64)).astype(np.float32)
+    for kind in gguf_blocks.FLOAT_TYPES:
+        qtype = gguf.GGMLQuantizationType[kind]
+        stored = values if kind == "F32" else gguf.quants.quantize(values, qtype)
+        want = gguf.quants.dequantize(stored, qtype)
+        assert np.array_equal(gguf_blocks.dequantize(stored, kind, (4, 64)), want)
+
+
+@pytest.mark.parametrize("kind", gguf_blocks.FOUR_BIT_TYPES)
+def test_native_int4_dequantises_4bit_blocks_exactly(kind: str) -> None:
+    """Mode 3 of the native kernel: its dequantised weight is gguf's to the bit, and its matmul
+    is the reference's within the activations' int16 rounding."""
+    import gguf
+
+    from tandem.engine.models.gguf_stored import four_bit_weight
+    from tandem.kernels import int4_native
+    from tandem.kernels.int4 import Int4Linear, dequantize_int4
+
+    if int4_native.load() is None:
+        pytest.skip(int4_native.unavailable_reason())
+    rows, cols = 48, 512
+    raw = _random_blocks(
+        kind,
+        rows * cols // gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0],
+        np.random.default_rng(2),
+    )
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(rows, cols)
+    weight = four_bit_weight([gguf_blocks.read_four_bit(raw, kind, rows, cols)])
+    assert np.array_equal(dequantize_int4(weight).numpy(), want)
+    linear = Int4Linear(weight, torch.device("cpu"), "native")
+    native = int4_native.int4_dequantize(linear.packed, linear.param_codes, linear.superblock_scales, 32)
+    assert np.array_equal(native.numpy(), want)
+    x = torch.randn(5, cols)
+    reference = x @ torch.from_numpy(want).T
+    assert ((linear(x) - reference).norm() / reference.norm()).item() < 1e-4
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("gguf-tokenizer"), num_layers=1)
+
+
+@pytest.mark.parametrize("family", list(GGUF_FAMILIES))
+def test_family_gguf_answers_hf_float32_greedy(
+    family: str, tokenizer_files: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / f"tiny-{family}.gguf"
+    hf = write_family_gguf(family, tokenizer_files, path)
+    llm = LLM(str(path), dtype="float32", speculative=None, kv_cache_memory=1 << 20)
+    assert llm.engine.served_model_name == f"tiny-{family}"
+    assert llm.engine.model_info()["quant_types"][0] == GGUF_FAMILIES[family][4]
+    prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    want = [hf_greedy(hf, ids, NEW_TOKENS, None) for ids in prompt_ids]
+    outs = llm.generate(prompt_ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_unsupported_architectures_and_types_are_refused_by_name(tmp_path: Path) -> None:
+    import gguf
+
+    from tandem.engine.models.loader import check_model
+
+    odd = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(str(odd), "mamba")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="GGUF architecture 'mamba' unsupported"):
+        check_model(str(odd))
