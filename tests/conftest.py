@@ -152,6 +152,14 @@ def gemma3_folder() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_gguf(gemma3_folder: Path) -> Path:
+    """The Gemma 3 270M Q4_K_M file itself (assembled and checked by its package)."""
+    import real_checkpoints
+
+    return real_checkpoints.gemma3_gguf()
+
+
+@pytest.fixture(scope="session")
 def default_llm():  # type: ignore[no-untyped-def]
     from tandem import LLM
 

@@ -142,6 +142,57 @@ def test_gemma3_served_with_defaults_and_in_float32(
         server.stop()
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+def test_gemma3_gguf_served_as_downloaded(
+    gemma3_gguf: Path, hf_gemma: tuple[Any, Any], tmp_path: Path
+) -> None:
+    """The Q4_K_M file itself through `tandem serve` (issue 62): its card lists the stored types;
+    at float32 compute, completions' greedy text is HF float32's on the folder transformers
+    dequantises from the same file, with transformers' GGUF tokenizer's prompt token counts."""
+    name = gemma3_gguf.stem
+    server = ServeProcess(
+        tmp_path, "--dtype", "float32", "--weight-dtype", "dense", "--kv-cache-memory", str(64 << 20),
+        model=str(gemma3_gguf), served_name=name,
+    )  # fmt: skip
+    try:
+        server.wait_for(r"serving .* at http://")
+        base_url = f"http://127.0.0.1:{server.port}"
+        info = _card(base_url, name)
+        assert info["quant_types"] == ["Q8_0", "Q5_0", "Q4_K", "Q6_K", "F32"]  # most weights first
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        tokenizer = hf_gemma[1]
+        for prompt in COMPLETION_PROMPTS:
+            want, num_prompt_tokens = _hf_greedy(hf_gemma, tokenizer(prompt)["input_ids"])
+            reply = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+            assert reply.choices[0].text == want, prompt
+            assert reply.usage is not None and reply.usage.prompt_tokens == num_prompt_tokens
+    finally:
+        server.stop()
+
+
+def test_gemma3_gguf_tokenizer_is_transformers(gemma3_gguf: Path) -> None:
+    """Token ids from the file's own metadata equal transformers' GGUF tokenizer's."""
+    from transformers import AutoTokenizer
+
+    from tandem.engine.models.gguf_file import GGUFFile
+
+    ours = GGUFFile(gemma3_gguf).tokenizer
+    theirs = AutoTokenizer.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name)
+    texts = [
+        *COMPLETION_PROMPTS,
+        *CHAT_PROMPTS,
+        "  two  spaces\n\n\tand tabs",
+        "naïve café 日本語 🙂",
+        "x<end_of_turn>y",
+    ]
+    for text in texts:
+        assert ours.encode(text) == theirs(text)["input_ids"], text
+        assert ours.decode(ours.encode(text)) == theirs.decode(
+            theirs(text)["input_ids"], skip_special_tokens=True
+        )
+
+
 def _agreement(hf_model: Any, prompt_ids: list[int], output_ids: list[int]) -> tuple[int, int]:
     """(positions where `output_ids` is HF float32's argmax after the same prefix, positions)."""
     ids = torch.tensor([prompt_ids + output_ids])
