@@ -15,7 +15,8 @@ whole. Any other tokenizer model is refused by name.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -41,11 +42,11 @@ _SPLITS = {
 _GEMMA_ARCHES = ("gemma", "gemma2", "gemma3")
 
 
-def gguf_backend(fields: dict[str, Any]) -> HFTokenizer:
+def gguf_backend(fields: Mapping[str, object]) -> HFTokenizer:
     """The file's tokenizer, without a post-processor (the caller adds BOS / EOS as the file's
     `add_bos_token` / `add_eos_token` say)."""
     kind = fields.get("tokenizer.ggml.model")
-    tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
+    tokens = list(cast(list[str], fields["tokenizer.ggml.tokens"]))
     arch = fields.get("general.architecture")
     if kind == "gpt2":
         backend = _byte_level(fields, tokens)
@@ -60,16 +61,16 @@ def gguf_backend(fields: dict[str, Any]) -> HFTokenizer:
     return backend
 
 
-def add_bos_default(fields: dict[str, Any]) -> bool:
+def add_bos_default(fields: Mapping[str, object]) -> bool:
     """Whether a plain encode adds BOS: the file's flag; a SentencePiece file without one does
     (llama.cpp's and transformers' default)."""
     flag = fields.get("tokenizer.ggml.add_bos_token")
     return bool(flag) if flag is not None else fields.get("tokenizer.ggml.model") == "llama"
 
 
-def _byte_level(fields: dict[str, Any], tokens: list[str]) -> HFTokenizer:
+def _byte_level(fields: Mapping[str, object], tokens: list[str]) -> HFTokenizer:
     vocab = {token: index for index, token in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+    merges = [_pair(m) for m in cast(list[str], fields["tokenizer.ggml.merges"])]
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     pre = fields.get("tokenizer.ggml.pre", "default")
     if pre in _SPLITS:
@@ -92,6 +93,11 @@ def _byte_level(fields: dict[str, Any], tokens: list[str]) -> HFTokenizer:
     return backend
 
 
+def _pair(merge: str) -> tuple[str, str]:
+    left, _, right = merge.partition(" ")
+    return left, right
+
+
 def recovered_merges(tokens: list[str], rank: dict[str, float]) -> list[tuple[str, str]]:
     """Every (left, right) split of a token into two vocabulary tokens, best first: by the
     token's `rank` (higher first), then the longer left and right pieces; splits of one token by
@@ -110,17 +116,17 @@ def recovered_merges(tokens: list[str], rank: dict[str, float]) -> list[tuple[st
     return [(left, right) for left, right, _ in found]
 
 
-def _sentencepiece(fields: dict[str, Any], tokens: list[str], arch: str) -> HFTokenizer:
+def _sentencepiece(fields: Mapping[str, object], tokens: list[str], arch: str) -> HFTokenizer:
     gemma = arch in _GEMMA_ARCHES
     if gemma:
         tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
         rank: dict[str, float] = {token: -index for index, token in enumerate(tokens)}
     else:
-        rank = dict(zip(tokens, fields["tokenizer.ggml.scores"], strict=True))
+        rank = dict(zip(tokens, cast(list[float], fields["tokenizer.ggml.scores"]), strict=True))
     vocab = {token: index for index, token in enumerate(tokens)}
     merges = recovered_merges(tokens, rank)
     unk_id = fields.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[unk_id] if gemma and unk_id is not None else None
+    unk = tokens[cast(int, unk_id)] if gemma and unk_id is not None else None
     backend = HFTokenizer(
         models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, unk_token=unk)
     )
@@ -142,9 +148,9 @@ def _sentencepiece(fields: dict[str, Any], tokens: list[str], arch: str) -> HFTo
     return backend
 
 
-def _add_file_tokens(backend: HFTokenizer, fields: dict[str, Any], *, byte_level: bool) -> None:
-    tokens: list[str] = fields["tokenizer.ggml.tokens"]
-    types: list[int] = fields.get("tokenizer.ggml.token_type") or []
+def _add_file_tokens(backend: HFTokenizer, fields: Mapping[str, object], *, byte_level: bool) -> None:
+    tokens = cast(list[str], fields["tokenizer.ggml.tokens"])
+    types = cast(list[int], fields.get("tokenizer.ggml.token_type") or [])
     if byte_level:  # a "control" token outside the byte alphabet is a converter mislabel
         alphabet = set(bytes_to_unicode().values())
         control = [t for t, k in zip(tokens, types, strict=False) if k == _CONTROL and set(t) <= alphabet]

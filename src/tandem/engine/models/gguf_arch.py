@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -33,7 +32,7 @@ class GGUFFamily:
     gguf_arch: str  # general.architecture
     model_type: str  # the HF model_type it becomes
     hf_class: str
-    extra_config: Callable[[GGUFMeta], dict[str, Any]]  # family keys of the HF config
+    extra_config: Callable[[GGUFMeta], dict[str, object]]  # family keys of the HF config
     permute_qk: bool = False  # llama.cpp permuted q/k rows (Llama)
     norms_plus_one: bool = False  # llama.cpp stored RMSNorm weights as 1 + w (Gemma)
 
@@ -41,28 +40,34 @@ class GGUFFamily:
 class GGUFMeta:
     """The file's metadata under its architecture's prefix (`arch.key`), plus its tensor names."""
 
-    def __init__(self, arch: str, fields: dict[str, Any], tensor_names: set[str]) -> None:
+    def __init__(self, arch: str, fields: dict[str, object], tensor_names: set[str]) -> None:
         self.arch = arch
         self.fields = fields
         self.tensor_names = tensor_names
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: object = None) -> object:
         return self.fields.get(f"{self.arch}.{key}", default)
 
-    def require(self, key: str) -> Any:
-        value = self.get(key)
+    def number(self, key: str, default: float | None = None) -> float | None:
+        """A numeric key's value (None: absent and no default)."""
+        value = self.get(key, default)
+        return None if value is None else float(value)  # type: ignore[arg-type]
+
+    def integer(self, key: str, default: int | None = None) -> int:
+        """A required integer key (`default` where absent; refused by name when neither)."""
+        value = self.get(key, default)
         if value is None:
             raise ModelLoadError(f"GGUF key {self.arch}.{key} missing", param="model")
-        return value
+        return int(value)  # type: ignore[call-overload]
 
     @property
     def head_dim(self) -> int:
-        heads = int(self.require("attention.head_count"))
-        key_length = self.get("attention.key_length") or self.get("rope.dimension_count")
-        return int(key_length or int(self.require("embedding_length")) // heads)
+        heads = self.integer("attention.head_count")
+        key_length = self.integer("attention.key_length", 0) or self.integer("rope.dimension_count", 0)
+        return key_length or self.integer("embedding_length") // heads
 
 
-def _rope_scaling(meta: GGUFMeta) -> dict[str, Any] | None:
+def _rope_scaling(meta: GGUFMeta) -> dict[str, object] | None:
     kind = meta.get("rope.scaling.type")
     if kind in (None, "none"):
         return None
@@ -70,23 +75,23 @@ def _rope_scaling(meta: GGUFMeta) -> dict[str, Any] | None:
         raise ModelLoadError(
             f"GGUF key {meta.arch}.rope.scaling.type={kind!r} is not supported (none, linear)", param="model"
         )
-    return {"rope_type": "linear", "factor": float(meta.require("rope.scaling.factor"))}
+    return {"rope_type": "linear", "factor": meta.number("rope.scaling.factor", 1.0)}
 
 
-def _llama(meta: GGUFMeta) -> dict[str, Any]:
+def _llama(meta: GGUFMeta) -> dict[str, object]:
     return {"hidden_act": "silu", "rope_scaling": _rope_scaling(meta), "attention_bias": False}
 
 
-def _qwen2(meta: GGUFMeta) -> dict[str, Any]:
+def _qwen2(meta: GGUFMeta) -> dict[str, object]:
     return {"hidden_act": "silu", "use_sliding_window": False, "rope_scaling": _rope_scaling(meta)}
 
 
-def _qwen3(meta: GGUFMeta) -> dict[str, Any]:
+def _qwen3(meta: GGUFMeta) -> dict[str, object]:
     bias = "blk.0.attn_q.bias" in meta.tensor_names
     return {**_qwen2(meta), "attention_bias": bias}
 
 
-def _phi3(meta: GGUFMeta) -> dict[str, Any]:
+def _phi3(meta: GGUFMeta) -> dict[str, object]:
     window = meta.get("attention.sliding_window")
     return {"hidden_act": "silu", "rope_scaling": _rope_scaling(meta), "sliding_window": window}
 
@@ -94,16 +99,16 @@ def _phi3(meta: GGUFMeta) -> dict[str, Any]:
 def _gemma_scalar(meta: GGUFMeta, layers_27b: int) -> float:
     """llama.cpp's attention scale for Gemma 2 / 3: 1/sqrt(head_dim), except the 27B models
     (known by their layer count), which use 1/sqrt(hidden / heads)."""
-    if int(meta.require("block_count")) == layers_27b:
-        return int(meta.require("embedding_length")) / int(meta.require("attention.head_count"))
+    if meta.integer("block_count") == layers_27b:
+        return meta.integer("embedding_length") / meta.integer("attention.head_count")
     return float(meta.head_dim)
 
 
-def _gemma(meta: GGUFMeta) -> dict[str, Any]:
+def _gemma(meta: GGUFMeta) -> dict[str, object]:
     return {"hidden_act": "gelu_pytorch_tanh"}  # llama.cpp's GeLU is the tanh approximation
 
 
-def _gemma2(meta: GGUFMeta) -> dict[str, Any]:
+def _gemma2(meta: GGUFMeta) -> dict[str, object]:
     return {
         "hidden_activation": "gelu_pytorch_tanh",
         "attn_logit_softcapping": meta.get("attn_logit_softcapping"),
@@ -113,8 +118,8 @@ def _gemma2(meta: GGUFMeta) -> dict[str, Any]:
     }
 
 
-def _gemma3(meta: GGUFMeta) -> dict[str, Any]:
-    layers = int(meta.require("block_count"))
+def _gemma3(meta: GGUFMeta) -> dict[str, object]:
+    layers = meta.integer("block_count")
     return {
         "hidden_activation": "gelu_pytorch_tanh",
         "sliding_window": meta.get("attention.sliding_window"),
@@ -144,7 +149,7 @@ FAMILIES = {
 class GGUFModel:
     """One GGUF file's architecture: config, names and transforms (see the module docstring)."""
 
-    def __init__(self, fields: dict[str, Any], tensor_names: set[str], source: str) -> None:
+    def __init__(self, fields: dict[str, object], tensor_names: set[str], source: str) -> None:
         arch = fields.get("general.architecture")
         if arch not in FAMILIES:
             raise ModelLoadError(
@@ -156,24 +161,25 @@ class GGUFModel:
         self.source = source
         self._names: dict[str, str] | None = None
 
-    def hf_config(self, eos_token_ids: list[int]) -> dict[str, Any]:
+    def hf_config(self, eos_token_ids: list[int]) -> dict[str, object]:
         meta, family = self.meta, self.family
-        vocab = meta.get("vocab_size") or len(meta.fields["tokenizer.ggml.tokens"])
-        heads = int(meta.require("attention.head_count"))
+        tokens = meta.fields["tokenizer.ggml.tokens"]
+        vocab = meta.integer("vocab_size", 0) or len(tokens)  # type: ignore[arg-type]
+        heads = meta.integer("attention.head_count")
         eos: int | list[int] = eos_token_ids[0] if len(eos_token_ids) == 1 else list(eos_token_ids)
         config = {
             "architectures": [family.hf_class],
             "model_type": family.model_type,
-            "vocab_size": int(vocab),
-            "hidden_size": int(meta.require("embedding_length")),
-            "intermediate_size": int(meta.require("feed_forward_length")),
-            "num_hidden_layers": int(meta.require("block_count")),
+            "vocab_size": vocab,
+            "hidden_size": meta.integer("embedding_length"),
+            "intermediate_size": meta.integer("feed_forward_length"),
+            "num_hidden_layers": meta.integer("block_count"),
             "num_attention_heads": heads,
-            "num_key_value_heads": int(meta.get("attention.head_count_kv", heads)),
+            "num_key_value_heads": meta.integer("attention.head_count_kv", heads),
             "head_dim": meta.head_dim,
-            "rms_norm_eps": float(meta.get("attention.layer_norm_rms_epsilon", 1e-5)),
-            "rope_theta": float(meta.get("rope.freq_base", 10000.0)),
-            "max_position_embeddings": int(meta.get("context_length", 2048)),
+            "rms_norm_eps": meta.number("attention.layer_norm_rms_epsilon", 1e-5),
+            "rope_theta": meta.number("rope.freq_base", 10000.0),
+            "max_position_embeddings": meta.integer("context_length", 2048),
             "tie_word_embeddings": "output.weight" not in meta.tensor_names,
             "bos_token_id": meta.fields.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": eos,
@@ -188,7 +194,7 @@ class GGUFModel:
         import gguf
 
         arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == self.meta.arch)
-        table = gguf.get_tensor_name_map(arch, int(self.meta.require("block_count")))
+        table = gguf.get_tensor_name_map(arch, self.meta.integer("block_count"))
         names: dict[str, str] = {}
         for hf_name in expected_hf_names:
             found = table.get_type_and_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -200,17 +206,18 @@ class GGUFModel:
         assert self._names is not None, "bind() first"
         return self._names.get(gguf_name)
 
-    def to_hf(self, hf_name: str, array: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+    def to_hf(self, hf_name: str, array: np.ndarray) -> np.ndarray:
         """`array` ([rows, cols] or [n], float32, dequantised) as the HF checkpoint holds it."""
-        if self.family.permute_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
+        heads = self.permuted_heads(hf_name)
+        if heads is not None:
             return unpermute_rope(array, heads)
         if self.family.norms_plus_one and hf_name.endswith("norm.weight"):
             return array - np.float32(1.0)
         return array
 
-    def permuted_heads(self, hf_name: str, config: dict[str, Any]) -> int | None:
+    def permuted_heads(self, hf_name: str) -> int | None:
         """How many heads llama.cpp permuted this tensor's rows over (None: not permuted)."""
-        if self.family.permute_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            return int(config["num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"])
-        return None
+        if not (self.family.permute_qk and hf_name.endswith(("q_proj.weight", "k_proj.weight"))):
+            return None
+        heads = self.meta.integer("attention.head_count")
+        return heads if "q_proj" in hf_name else self.meta.integer("attention.head_count_kv", heads)

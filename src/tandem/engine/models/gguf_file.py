@@ -137,7 +137,7 @@ class GGUFFile:
         kind = gguf.GGMLQuantizationType[tensor.type_name]
         array = gguf.quants.dequantize(np.asarray(tensor.raw).view(np.ndarray), kind)
         array = np.asarray(array, dtype=np.float32).reshape(tensor.shape)
-        return np.array(self.model.to_hf(tensor.hf_name, array, self.hf_config), dtype=np.float32, order="C")
+        return np.array(self.model.to_hf(tensor.hf_name, array), dtype=np.float32, order="C")
 
     def dequantized_weights(self) -> Iterator[tuple[str, np.ndarray]]:
         for tensor in self.tensors:

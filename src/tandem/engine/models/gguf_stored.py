@@ -46,7 +46,7 @@ def read_stored(path: Path) -> dict[str, Stored]:
             continue
         rows, cols = tensor.shape
         raw = np.asarray(tensor.raw)
-        heads = file.model.permuted_heads(tensor.hf_name, file.hf_config)
+        heads = file.model.permuted_heads(tensor.hf_name)
         if tensor.type_name in FOUR_BIT_TYPES:
             block = read_four_bit(raw, tensor.type_name, rows, cols)
             if heads is not None:
