@@ -7,6 +7,7 @@ it is the reference (HF float32 on the dequantised weights)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,19 @@ GGUF_FAMILIES: dict[str, tuple[str, str, str, dict[str, Any], str]] = {
     "llama": ("llama", "LlamaConfig", "LlamaForCausalLM", {}, "Q4_0"),
     "qwen2": ("qwen2", "Qwen2Config", "Qwen2ForCausalLM", {}, "Q5_1"),
     "qwen3": ("qwen3", "Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}, "Q8_0"),
+    "qwen3moe": (
+        "qwen3moe",
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+        },
+        "Q4_0",
+    ),
     "phi3": ("phi3", "Phi3Config", "Phi3ForCausalLM", {"sliding_window": None}, "Q4_1"),
     "gemma": (
         "gemma",
@@ -77,9 +91,11 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_family_gguf(family: str, tokenizer_files: Path, path: Path, seed: int = 0) -> Any:
-    """Write `family`'s tiny random model to `path`; returns the HF model on the dequantised weights."""
+    """Write `family`'s tiny random model to `path`; returns the HF model on the dequantised weights
+    (saved by transformers, so per-expert checkpoint names, which llama.cpp stacks per layer)."""
     import gguf
     import transformers
+    from safetensors.numpy import load_file, save_file
 
     arch, config_name, model_name, overrides, linear_type = GGUF_FAMILIES[family]
     vocab = json.loads((tokenizer_files / "tokenizer.json").read_text())["model"]["vocab"]
@@ -90,42 +106,61 @@ def write_family_gguf(family: str, tokenizer_files: Path, path: Path, seed: int 
     )  # fmt: skip
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).float().eval()
-    qtype = gguf.GGMLQuantizationType[linear_type]
-    writer = gguf.GGUFWriter(str(path), arch)
-    _write_metadata(writer, config, arch, tokenizer_files, tokens)
-    table = gguf.get_tensor_name_map(
-        next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), config.num_hidden_layers
-    )
     with torch.no_grad():
         for name, param in model.named_parameters():
-            gemma_norm = name.endswith("norm.weight") and "gemma" in family
             if name.endswith("norm.weight"):  # Gemma's (1 + w): w near 0
-                param.normal_(0.0 if gemma_norm else 1.0, 0.2)
+                param.normal_(0.0 if "gemma" in family else 1.0, 0.2)
             else:
                 param.normal_(0.0, 0.2 if name.endswith(".bias") else 0.12)
-            array = param.detach().numpy().astype(np.float32)
-            linear = array.ndim == 2 and "embed_tokens" not in name
-            if linear:  # the reference holds what the file holds
-                stored = gguf.quants.quantize(array, qtype)
-                array = gguf.quants.dequantize(stored, qtype).reshape(array.shape).astype(np.float32)
-                param.copy_(torch.from_numpy(array))
-            out = array
-            if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-                heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
-                out = _permute(array, heads)
-            if gemma_norm:
-                out = array + np.float32(1.0)
-            gguf_name = table.get_name(name, try_suffixes=(".weight", ".bias"))
-            assert gguf_name is not None, name
-            if linear:
-                writer.add_tensor(gguf_name, gguf.quants.quantize(out, qtype), raw_dtype=qtype)
-            else:
-                writer.add_tensor(gguf_name, np.ascontiguousarray(out))
+    folder = path.with_suffix(".hf")
+    model.save_pretrained(str(folder), safe_serialization=True)
+    state = load_file(str(folder / "model.safetensors"))
+    qtype = gguf.GGMLQuantizationType[linear_type]
+    for name, array in state.items():  # the reference holds what the file holds
+        if array.ndim == 2 and "embed_tokens" not in name and not name.endswith("mlp.gate.weight"):
+            state[name] = gguf.quants.dequantize(gguf.quants.quantize(array, qtype), qtype).reshape(
+                array.shape
+            )
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    writer = gguf.GGUFWriter(str(path), arch)
+    _write_metadata(writer, config, arch, tokenizer_files, tokens)
+    arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    table = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
+    for gguf_name, array, quantised in _gguf_tensors(state, config, family, table):
+        if quantised:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(array, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return model
+    return getattr(transformers, model_name).from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def _gguf_tensors(
+    state: dict[str, np.ndarray], config: Any, family: str, table: Any
+) -> list[tuple[str, np.ndarray, bool]]:
+    """(GGUF name, values as llama.cpp stores them, quantised?) for every tensor; experts stacked."""
+    out, experts = [], {}
+    for name, array in sorted(state.items()):
+        match = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)\.weight", name)
+        if match:
+            experts.setdefault(f"{match[1]}.{match[3]}", {})[int(match[2])] = array
+            continue
+        quantised = array.ndim == 2 and "embed_tokens" not in name and not name.endswith("mlp.gate.weight")
+        if family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            array = _permute(array, heads)
+        if name.endswith("norm.weight") and "gemma" in family:
+            array = array + np.float32(1.0)
+        gguf_name = table.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        out.append((gguf_name, array, quantised))
+    for merged, by_index in experts.items():
+        stacked = np.stack([by_index[i] for i in sorted(by_index)])
+        out.append((table.get_name(merged + ".weight", try_suffixes=(".weight",)), stacked, True))
+    return out
 
 
 def _write_metadata(writer: Any, config: Any, arch: str, tokenizer_files: Path, tokens: list[str]) -> None:
@@ -144,6 +179,10 @@ def _write_metadata(writer: Any, config: Any, arch: str, tokenizer_files: Path, 
     writer.add_rope_freq_base(float(theta))
     if arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(config.sliding_window)
+    if arch == "qwen3moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)

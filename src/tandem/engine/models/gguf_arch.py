@@ -18,6 +18,7 @@ codes per architecture rather than writing to the file (Gemma 3's five-in-six sl
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ import numpy as np
 
 from tandem.engine.models.gguf_names import unpermute_rope
 from tandem.platform.errors import ModelLoadError
+
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")  # HF's per-expert checkpoint names
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,19 @@ def _qwen3(meta: GGUFMeta) -> dict[str, object]:
     return {**_qwen2(meta), "attention_bias": bias}
 
 
+def _qwen3moe(meta: GGUFMeta) -> dict[str, object]:
+    """llama.cpp's Qwen3-MoE: every layer sparse, the top-k weights renormalised."""
+    return {
+        **_qwen3(meta),
+        "num_experts": meta.integer("expert_count"),
+        "num_experts_per_tok": meta.integer("expert_used_count"),
+        "moe_intermediate_size": meta.integer("expert_feed_forward_length"),
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
 def _phi3(meta: GGUFMeta) -> dict[str, object]:
     window = meta.get("attention.sliding_window")
     return {"hidden_act": "silu", "rope_scaling": _rope_scaling(meta), "sliding_window": window}
@@ -138,6 +154,7 @@ FAMILIES = {
         GGUFFamily("llama", "llama", "LlamaForCausalLM", _llama, permute_qk=True),
         GGUFFamily("qwen2", "qwen2", "Qwen2ForCausalLM", _qwen2),
         GGUFFamily("qwen3", "qwen3", "Qwen3ForCausalLM", _qwen3),
+        GGUFFamily("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", _qwen3moe),
         GGUFFamily("phi3", "phi3", "Phi3ForCausalLM", _phi3),
         GGUFFamily("gemma", "gemma", "GemmaForCausalLM", _gemma, norms_plus_one=True),
         GGUFFamily("gemma2", "gemma2", "Gemma2ForCausalLM", _gemma2, norms_plus_one=True),
@@ -160,6 +177,7 @@ class GGUFModel:
         self.meta = GGUFMeta(str(arch), fields, tensor_names)
         self.source = source
         self._names: dict[str, str] | None = None
+        self._experts: dict[str, list[str]] = {}
 
     def hf_config(self, eos_token_ids: list[int]) -> dict[str, object]:
         meta, family = self.meta, self.family
@@ -172,7 +190,9 @@ class GGUFModel:
             "model_type": family.model_type,
             "vocab_size": vocab,
             "hidden_size": meta.integer("embedding_length"),
-            "intermediate_size": meta.integer("feed_forward_length"),
+            "intermediate_size": meta.integer(
+                "feed_forward_length", meta.integer("expert_feed_forward_length", 0)
+            ),
             "num_hidden_layers": meta.integer("block_count"),
             "num_attention_heads": heads,
             "num_key_value_heads": meta.integer("attention.head_count_kv", heads),
@@ -196,15 +216,25 @@ class GGUFModel:
         arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == self.meta.arch)
         table = gguf.get_tensor_name_map(arch, self.meta.integer("block_count"))
         names: dict[str, str] = {}
+        experts: dict[str, dict[int, str]] = {}
         for hf_name in expected_hf_names:
-            found = table.get_type_and_name(hf_name, try_suffixes=(".weight", ".bias"))
-            if found is not None:
+            expert = _EXPERT.fullmatch(hf_name)
+            merged = f"{expert[1]}.{expert[3]}.weight" if expert else hf_name  # llama.cpp stacks experts
+            found = table.get_type_and_name(merged, try_suffixes=(".weight", ".bias"))
+            if found is not None and expert:
+                experts.setdefault(found[1], {})[int(expert[2])] = hf_name
+            elif found is not None:
                 names[found[1]] = hf_name
         self._names = names
+        self._experts = {name: [by_index[i] for i in sorted(by_index)] for name, by_index in experts.items()}
 
     def hf_name(self, gguf_name: str) -> str | None:
         assert self._names is not None, "bind() first"
         return self._names.get(gguf_name)
+
+    def expert_names(self, gguf_name: str) -> list[str] | None:
+        """A stacked expert tensor's per-expert HF names, in expert order (None: not one)."""
+        return self._experts.get(gguf_name)
 
     def to_hf(self, hf_name: str, array: np.ndarray) -> np.ndarray:
         """`array` ([rows, cols] or [n], float32, dequantised) as the HF checkpoint holds it."""

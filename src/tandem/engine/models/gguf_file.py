@@ -107,10 +107,18 @@ class GGUFFile:
                     f"(supported: {', '.join(SUPPORTED_TYPES)})",
                     param="model",
                 )
+            shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+            experts = self.model.expert_names(tensor.name)
+            if experts is not None and len(shape) == 3 and shape[0] == len(experts):
+                # [experts, rows, cols]: each expert's rows are contiguous blocks of the stored bytes
+                tensors += [
+                    GGUFTensor(tensor.name, name, kind, shape[1:], tensor.data[index])
+                    for index, name in enumerate(experts)
+                ]
+                continue
             if hf_name is None:
                 unknown.append(tensor.name)
                 continue
-            shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
             tensors.append(GGUFTensor(tensor.name, hf_name, kind, shape, tensor.data))
         check_tensor_names(
             [t.hf_name for t in tensors] + unknown,
