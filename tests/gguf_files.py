@@ -17,6 +17,13 @@ import torch
 # family -> (GGUF architecture, transformers config, causal-LM class, overrides, the linears' type)
 GGUF_FAMILIES: dict[str, tuple[str, str, str, dict[str, Any], str]] = {
     "llama": ("llama", "LlamaConfig", "LlamaForCausalLM", {}, "Q4_0"),
+    "mixtral": (
+        "llama",
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+        "Q5_0",
+    ),
     "qwen2": ("qwen2", "Qwen2Config", "Qwen2ForCausalLM", {}, "Q5_1"),
     "qwen3": ("qwen3", "Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}, "Q8_0"),
     "qwen3moe": (
@@ -71,6 +78,7 @@ GGUF_FAMILIES: dict[str, tuple[str, str, str, dict[str, Any], str]] = {
         "BF16",
     ),  # fmt: skip
 }
+ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")  # kept float32, as llama.cpp keeps them
 COMMON = {
     "hidden_size": 64,
     "intermediate_size": 96,
@@ -117,7 +125,7 @@ def write_family_gguf(family: str, tokenizer_files: Path, path: Path, seed: int 
     state = load_file(str(folder / "model.safetensors"))
     qtype = gguf.GGMLQuantizationType[linear_type]
     for name, array in state.items():  # the reference holds what the file holds
-        if array.ndim == 2 and "embed_tokens" not in name and not name.endswith("mlp.gate.weight"):
+        if array.ndim == 2 and "embed_tokens" not in name and not name.endswith(ROUTERS):
             state[name] = gguf.quants.dequantize(gguf.quants.quantize(array, qtype), qtype).reshape(
                 array.shape
             )
@@ -148,8 +156,8 @@ def _gguf_tensors(
         if match:
             experts.setdefault(f"{match[1]}.{match[3]}", {})[int(match[2])] = array
             continue
-        quantised = array.ndim == 2 and "embed_tokens" not in name and not name.endswith("mlp.gate.weight")
-        if family == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        quantised = array.ndim == 2 and "embed_tokens" not in name and not name.endswith(ROUTERS)
+        if family in ("llama", "mixtral") and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             array = _permute(array, heads)
         if name.endswith("norm.weight") and "gemma" in family:
@@ -179,6 +187,9 @@ def _write_metadata(writer: Any, config: Any, arch: str, tokenizer_files: Path, 
     writer.add_rope_freq_base(float(theta))
     if arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(config.sliding_window)
+    if arch == "llama" and hasattr(config, "num_local_experts"):
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
     if arch == "qwen3moe":
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)

@@ -148,6 +148,16 @@ def _gemma3(meta: GGUFMeta) -> dict[str, object]:
     }
 
 
+def _mixtral(meta: GGUFMeta) -> dict[str, object]:
+    return {
+        **_llama(meta),
+        "num_local_experts": meta.integer("expert_count"),
+        "num_experts_per_tok": meta.integer("expert_used_count"),
+        "sliding_window": None,
+    }
+
+
+MIXTRAL = GGUFFamily("llama", "mixtral", "MixtralForCausalLM", _mixtral, permute_qk=True)
 FAMILIES = {
     family.gguf_arch: family
     for family in (
@@ -174,6 +184,8 @@ class GGUFModel:
                 param="model",
             )
         self.family = FAMILIES[arch]
+        if arch == "llama" and fields.get("llama.expert_count"):  # a Mixtral file is a llama with experts
+            self.family = MIXTRAL
         self.meta = GGUFMeta(str(arch), fields, tensor_names)
         self.source = source
         self._names: dict[str, str] | None = None
