@@ -62,6 +62,9 @@ VARIANTS = {
         "weight_dtype": "int8",
     },  # Q8_0 linears, the fallback where INT4 loses answers
     "int4_dq": {"dtype": "float32", "weight_dtype": "int4", "int4_double_quant": True},
+    # a GGUF's linears as the file stores them (4-bit blocks exact INT4, Q8_0 / Q5_0 exact INT8,
+    # Q5_1 / Q5_K / Q6_K rounded once to Q8_0): the default for a quantised GGUF
+    "gguf": {"dtype": "float32", "weight_dtype": "gguf"},
     "int4_kv_fp8": {"dtype": "float32", "weight_dtype": "int4", "kv_cache_dtype": "fp8_e4m3"},
     "bf16": {"dtype": "bfloat16"},
     "hybrid_fp32": {"dtype": "float32", "weight_dtype": "hybrid"},  # INT4 decode steps, float32 rest

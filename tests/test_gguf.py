@@ -6,6 +6,7 @@ weights transformers dequantises, and refused types named."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -129,3 +130,31 @@ def test_unsupported_architectures_and_types_are_refused_by_name(tmp_path: Path)
     writer.close()
     with pytest.raises(ModelLoadError, match="GGUF architecture 'mamba' unsupported"):
         check_model(str(odd))
+
+
+def test_a_type_not_read_is_refused_naming_the_tensor(tokenizer_files: Path, tmp_path: Path) -> None:
+    """An IQ4_NL tensor (an importance-matrix type) in an otherwise readable llama file."""
+    import gguf
+    import transformers
+
+    from tandem.engine.models.loader import check_model
+
+    from .gguf_files import COMMON, _write_metadata
+
+    vocab = json.loads((tokenizer_files / "tokenizer.json").read_text())["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    config = transformers.LlamaConfig(vocab_size=len(tokens), bos_token_id=0, eos_token_id=1, **COMMON)
+    path = tmp_path / "iq.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    _write_metadata(writer, config, "llama", tokenizer_files, tokens)
+    qtype = gguf.GGMLQuantizationType.IQ4_NL
+    raw = np.zeros((64, 64 // 32 * gguf.GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    writer.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(
+        ModelLoadError, match=r"tensor blk\.0\.attn_q\.weight is IQ4_NL, which is not supported"
+    ):
+        check_model(str(path))

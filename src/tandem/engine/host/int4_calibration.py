@@ -46,10 +46,10 @@ MAX_TOKENS = 4096
 
 def int4_source(method: str, group_size: int | None, loaded: LoadedModel) -> str:
     """Where a checkpoint's INT4 weights come from, in words (part of the quality probe's cache
-    key and verdict): the file's own Q4_1 codes (a GGUF without an explicit group size), else the
-    quantiser and its group size."""
+    key and verdict): the file's own 4-bit blocks (a GGUF without an explicit group size; its other
+    linears round-to-nearest), else the quantiser and its group size."""
     if loaded.path.suffix == ".gguf" and group_size is None:
-        return "the file's Q4_1 codes"
+        return f"the file's 4-bit blocks as stored, others round-to-nearest, group {DEFAULT_INT4_GROUP_SIZE}"
     return (
         f"{'GPTQ' if method == 'gptq' else 'round-to-nearest'}, group {group_size or DEFAULT_INT4_GROUP_SIZE}"
     )
