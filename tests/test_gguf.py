@@ -158,3 +158,46 @@ def test_a_type_not_read_is_refused_naming_the_tensor(tokenizer_files: Path, tmp
         ModelLoadError, match=r"tensor blk\.0\.attn_q\.weight is IQ4_NL, which is not supported"
     ):
         check_model(str(path))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "qwen3moe", "qwen2"])
+def test_stored_weights_serve_the_files_values(
+    family: str, tokenizer_files: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`weight_dtype="gguf"`: each decoder linear, experts included, holds exactly the file's
+    values where the kernels store its type (4-bit blocks as INT4, Q8_0 / Q5_0 as INT8); Q5_1 is
+    one Q8_0 rounding away from them; and the engine answers."""
+    from tandem.engine.models.loader import load_model
+    from tandem.kernels import int4_native
+    from tandem.kernels.int4 import Int4Linear
+    from tandem.kernels.int8 import Int8Linear, dequantize_int8
+
+    if int4_native.load() is None:
+        pytest.skip(int4_native.unavailable_reason())
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / f"tiny-{family}.gguf"
+    write_family_gguf(family, tokenizer_files, path)
+    weights = load_model(str(path)).weights  # the file's values, dequantised by gguf
+    stored = LLM(str(path), dtype="float32", weight_dtype="gguf", speculative=None, kv_cache_memory=1 << 20)
+    assert stored.stats()["weight_dtype"] == "gguf"
+    targets = stored.engine.runner.model.int4_targets()
+    assert targets
+    for target in targets:
+        want = torch.cat([weights[f"{name}.weight"] for name in target.source_names])
+        linear = getattr(target.parent, target.attr)
+        if family in ("llama", "qwen3moe"):  # Q4_0
+            assert isinstance(linear, Int4Linear) and linear.superblock_scales.dtype == torch.float16
+            got = int4_native.int4_dequantize(linear.packed, linear.param_codes, linear.superblock_scales, 32)
+            assert torch.equal(got, want)
+        else:
+            assert isinstance(linear, Int8Linear)
+            got = dequantize_int8(linear.int8_weight)
+            if family == "gemma":  # Q5_0: as stored
+                assert torch.equal(got, want)
+            else:  # Q5_1: rounded once to Q8_0
+                step = want.abs().reshape(want.shape[0], -1, 32).amax(-1, keepdim=True) / 127
+                assert ((got - want).abs().reshape_as(step.expand(-1, -1, 32)) <= step / 2 + 1e-6).all()
+    out = stored.generate(
+        ["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    )
+    assert len(out[0].outputs[0].token_ids) == 8

@@ -149,7 +149,8 @@ def test_gemma3_gguf_served_as_downloaded(
 ) -> None:
     """The Q4_K_M file itself through `tandem serve` (issue 62): its card lists the stored types;
     at float32 compute, completions' greedy text is HF float32's on the folder transformers
-    dequantises from the same file, with transformers' GGUF tokenizer's prompt token counts."""
+    dequantises from the same file, with transformers' GGUF tokenizer's prompt token counts; chat
+    too (the file has no template: Gemma's, which Google publishes, as the folder has)."""
     name = gemma3_gguf.stem
     server = ServeProcess(
         tmp_path, "--dtype", "float32", "--weight-dtype", "dense", "--kv-cache-memory", str(64 << 20),
@@ -167,6 +168,16 @@ def test_gemma3_gguf_served_as_downloaded(
             reply = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
             assert reply.choices[0].text == want, prompt
             assert reply.usage is not None and reply.usage.prompt_tokens == num_prompt_tokens
+        for content in CHAT_PROMPTS[:4]:
+            want, num_prompt_tokens = _hf_greedy(hf_gemma, _chat_ids(tokenizer, content))
+            chat = client.chat.completions.create(
+                model=name,
+                messages=[{"role": "user", "content": content}],
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+            )
+            assert chat.choices[0].message.content == want, content
+            assert chat.usage is not None and chat.usage.prompt_tokens == num_prompt_tokens
     finally:
         server.stop()
 

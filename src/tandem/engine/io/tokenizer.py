@@ -25,6 +25,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
+from tandem.engine.io.chat_templates import FAMILY_CHAT_TEMPLATES
 from tandem.engine.io.gguf_tokenizer import add_bos_default, bytes_to_unicode, gguf_backend
 from tandem.platform.errors import InvalidRequestError, ModelLoadError
 
@@ -147,9 +148,12 @@ class Tokenizer:
             bos if add_bos_default(fields) else None,
             eos if fields.get("tokenizer.ggml.add_eos_token") else None,
         )
+        template = fields.get("tokenizer.chat_template") or FAMILY_CHAT_TEMPLATES.get(
+            str(fields.get("general.architecture"))
+        )
         return cls(
             backend,
-            chat_template=fields.get("tokenizer.chat_template"),
+            chat_template=template,
             bos_token=bos,
             eos_token=eos,
             eos_token_ids=[eos_id] if eos_id is not None else [],

@@ -44,7 +44,7 @@ BUNDLED_MODELS = {
 }
 
 
-GGUF_CONVERSION_VERSION = 2  # bump when a GGUF's converted folder changes
+GGUF_CONVERSION_VERSION = 3  # bump when a GGUF's converted folder changes
 
 
 @dataclass
