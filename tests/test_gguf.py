@@ -201,3 +201,101 @@ def test_stored_weights_serve_the_files_values(
         ["The capital of France is"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     )
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gemma3"])
+def test_sentencepiece_files_tokenise_as_transformers_does(arch: str, tmp_path: Path) -> None:
+    """A SentencePiece (`llama`) vocabulary with byte fallback and no merges in the file: ids and
+    decoded text equal transformers' GGUF tokenizer's (Llama's Metaspace, Phi-3's normaliser,
+    Gemma's spaces and file-order merges)."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from tandem.engine.io.tokenizer import Tokenizer
+
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    words = [
+        "▁",
+        "e",
+        "t",
+        "a",
+        "o",
+        "h",
+        "n",
+        "s",
+        "r",
+        "i",
+        "l",
+        "d",
+        "c",
+        "u",
+        "w",
+        "T",
+        ".",
+        ",",
+        "th",
+        "he",
+        "▁t",
+        "▁th",
+        "▁the",
+        "in",
+        "er",
+        "an",
+        "▁a",
+        "re",
+        "on",
+        "▁s",
+        "ll",
+        "▁w",
+        "or",
+        "ed",
+        "▁The",
+        "at",
+    ]
+    words += [
+        "en",
+        "▁c",
+        "ou",
+        "is",
+        "▁h",
+        "▁d",
+        "▁l",
+        "lo",
+        "▁lo",
+        "hel",
+        "hell",
+        "hello",
+        "▁hello",
+        "▁hel",
+        "  ",
+    ]
+    tokens = pieces + words
+    path = tmp_path / f"{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(pieces) + [-float(i) for i in range(len(words))])
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(words))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    fields = {key: field.contents() for key, field in gguf.GGUFReader(str(path)).fields.items()}
+    ours = Tokenizer.from_gguf_fields(fields)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in [
+        "hello there",
+        "The cat sat.",
+        "  the  the",
+        "héllo wörld 🙂",
+        "the\nthe",
+        "Tea, or the tea",
+        "x",
+    ]:
+        ids = theirs(text)["input_ids"]
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
