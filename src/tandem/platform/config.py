@@ -62,11 +62,14 @@ class EngineConfig(BaseModel):
 
     model: str = Field(
         DEFAULT_MODEL,
-        description="Model name of a bundled model, an HF folder of a supported family, or a llama .gguf file "
-        "(byte-level BPE tokenizer; other GGUF architectures are refused by name).",
+        description="Model name of a bundled model, an HF folder of a supported family, or a .gguf file "
+        "(llama, mixtral-style llama, qwen2, qwen3, qwen3moe, phi3, gemma, gemma2, gemma3; other GGUF "
+        "architectures and quant types are refused by name).",
     )
     served_model_name: str | None = Field(
-        None, description="Model id in the API; defaults to the bundled name or the path's last part."
+        None,
+        description="Model id in the API; defaults to the bundled name or the path's last part (a .gguf "
+        "file's stem).",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",

@@ -14,7 +14,8 @@
  *           block scales float16 [N, G / groups_per_superblock, 2] = (D, M); here
  *           w = q * scale - offset with scale = code_s * D and offset = code_o * M (exact float32
  *           products), as BlockParams.expand(); dequantised, q * scale - offset rounds once, as
- *           the gguf package's dequantize does.
+ *           the gguf package's dequantize does. The matmul runs the nibble-plane kernel on each
+ *           row's (scale, -offset) pairs expanded to float32 (plane_kernel_f32).
  *
  * Arithmetic: each run of 32 activations is scaled to int16 (scale = max|x| / 32767, round to
  * nearest: relative error under 2^-16 of the run's largest value, finer than bfloat16), the
@@ -55,7 +56,25 @@ static inline void row_params(int mode, const void *params, const uint16_t *supe
     if (mode == 3) {
         const int8_t *c = (const int8_t *)params + n * num_groups * 2;
         const uint16_t *s = superblock_scales + n * (num_groups / groups_per_superblock) * 2;
-        for (int64_t g = 0; g < num_groups; g++) {
+        const __m256 negate_odd = _mm256_castsi256_ps(
+            _mm256_set_epi32((int)0x80000000, 0, (int)0x80000000, 0, (int)0x80000000, 0, (int)0x80000000, 0));
+        int64_t g = 0;
+        if (groups_per_superblock == 1 || groups_per_superblock % 4 == 0) {
+            /* 4 groups a step: int8 codes (s, o) times float16 (D, M), odd lanes negated */
+            for (; g + 4 <= num_groups; g += 4) {
+                __m256 codes = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 2 * g))));
+                __m256 blocks;
+                if (groups_per_superblock == 1) {
+                    blocks = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 2 * g)));
+                } else {
+                    const uint16_t *b = s + 2 * (g / groups_per_superblock);
+                    const float d = _cvtsh_ss(b[0]), m = _cvtsh_ss(b[1]);
+                    blocks = _mm256_setr_ps(d, m, d, m, d, m, d, m);
+                }
+                _mm256_storeu_ps(out + 2 * g, _mm256_xor_ps(_mm256_mul_ps(codes, blocks), negate_odd));
+            }
+        }
+        for (; g < num_groups; g++) {
             const uint16_t *block = s + 2 * (g / groups_per_superblock);
             out[2 * g] = (float)c[2 * g] * _cvtsh_ss(block[0]);
             out[2 * g + 1] = -((float)c[2 * g + 1] * _cvtsh_ss(block[1]));
@@ -115,8 +134,8 @@ static inline float hsum(__m256 v) {
                 zero = _cvtsh_ss(p16[2 * g + 1]);                                                  \
             } else {                                                                               \
                 if (left_in_block == 0) {                                                          \
-                    block_scale = MODE == 3 ? _cvtsh_ss(block[0]) : bf16_to_float(block[0]);       \
-                    block_zero = MODE == 3 ? _cvtsh_ss(block[1]) : bf16_to_float(block[1]);        \
+                    block_scale = bf16_to_float(block[0]);                                         \
+                    block_zero = bf16_to_float(block[1]);                                          \
                     block += 2;                                                                    \
                     left_in_block = groups_per_superblock;                                         \
                 }                                                                                  \
@@ -124,7 +143,7 @@ static inline float hsum(__m256 v) {
                 scale = (float)p8[2 * g] * block_scale;                                            \
                 zero = (float)p8[2 * g + 1] * block_zero;                                          \
             }                                                                                      \
-            const float offset = MODE == 3 ? -zero : zero - 8.0f * scale;                           \
+            const float offset = zero - 8.0f * scale;                                              \
             for (int m = 0; m < MB; m++) bias[m] += offset * xsum[m * num_groups + g];             \
             for (int64_t end = r + runs_per_group; r < end; r++) {                                 \
                 __m128i bytes = _mm_loadu_si128((const __m128i *)(w + 16 * r));                    \
@@ -177,10 +196,6 @@ ROW_KERNEL(1, 1, 256)
 ROW_KERNEL(1, 2, 256)
 ROW_KERNEL(1, 3, 256)
 ROW_KERNEL(1, 4, 256)
-ROW_KERNEL(3, 1, 32)
-ROW_KERNEL(3, 2, 32)
-ROW_KERNEL(3, 3, 32)
-ROW_KERNEL(3, 4, 32)
 
 /* -- mode 0 (float16 parameters): the nibble-plane kernel -------------------------------------
  * A run's 16 bytes read as 8 little-endian 16-bit words: word j holds q[2j] in bits 0-3, q[16+2j]
@@ -234,6 +249,11 @@ static inline void group_scales(const uint16_t *pairs, int64_t G, float *out) {
     for (; g < G; g++) out[g] = _cvtsh_ss(pairs[2 * g]);
 }
 
+/* The even floats of row n's (scale, bias) pairs (mode 3's row_params). */
+static inline void group_scales_f32(const float *pairs, int64_t G, float *out) {
+    for (int64_t g = 0; g < G; g++) out[g] = pairs[2 * g];
+}
+
 static inline __m256i planes_dot256(__m256i w, const int16_t *x) {
     const __m256i low = _mm256_set1_epi16(0x000F);
     __m256i p0 = _mm256_and_si256(w, low), p2 = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
@@ -279,13 +299,19 @@ static inline __m512i planes_dot512(__m512i w, const int16_t *x) {
 /* y[m * ldy] for m < MB, weight row n (mode 0): xp [MB, K] plane layout, xscale [MB, runs],
  * xpair [MB, 2G] = (-8 xsum_g, xsum_g), so that the bias sum_g (zero_g - 8 scale_g) xsum_g is
  * one dot product with the row's (scale, zero) pairs. */
-#define PLANE_KERNEL(MB)                                                                           \
-    static inline void plane_kernel_##MB(const uint8_t *w, const uint16_t *pairs, const int16_t *xp,  \
+#define PLANE_KERNEL(MB) PLANE_KERNEL_T(MB, , uint16_t, group_scales, LOAD8_HALF, AT_HALF)
+#define PLANE_KERNEL_F32(MB) PLANE_KERNEL_T(MB, _f32, float, group_scales_f32, LOAD8_FLOAT, AT_FLOAT)
+#define LOAD8_HALF(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define AT_HALF(p, j) _cvtsh_ss((p)[j])
+#define LOAD8_FLOAT(p) _mm256_loadu_ps(p)
+#define AT_FLOAT(p, j) ((p)[j])
+#define PLANE_KERNEL_T(MB, SUFFIX, PT, SCALES, LOAD8, AT)                                              \
+    static inline void plane_kernel##SUFFIX##_##MB(const uint8_t *w, const PT *pairs, const int16_t *xp, \
                                          const float *xscale, const float *xpair, int64_t K,        \
                                          int64_t group_size, float *y, int64_t ldy) {               \
         const int64_t runs = K / 32, G = K / group_size, runs_per_group = group_size / 32;        \
         float scales[G], run_scales[MB][runs];                                                     \
-        group_scales(pairs, G, scales);                                                            \
+        SCALES(pairs, G, scales);                                                                  \
         for (int m = 0; m < MB; m++) {                                                             \
             if (runs_per_group == 1) {                                                             \
                 int64_t r = 0;                                                                     \
@@ -307,14 +333,14 @@ static inline __m512i planes_dot512(__m512i w, const int16_t *x) {
         }                                                                                          \
         int64_t i = 0;                                                                             \
         for (; i + 8 <= 2 * G; i += 8) {                                                           \
-            __m256 sz = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pairs + i)));            \
+            __m256 sz = LOAD8(pairs + i);                                                          \
             for (int m = 0; m < MB; m++)                                                           \
                 bias[m] = _mm256_fmadd_ps(sz, _mm256_loadu_ps(xpair + m * 2 * G + i), bias[m]);     \
         }                                                                                          \
         float tail[MB];                                                                            \
         for (int m = 0; m < MB; m++) {                                                             \
             tail[m] = 0.0f;                                                                        \
-            for (int64_t j = i; j < 2 * G; j++) tail[m] += _cvtsh_ss(pairs[j]) * xpair[m * 2 * G + j]; \
+            for (int64_t j = i; j < 2 * G; j++) tail[m] += AT(pairs, j) * xpair[m * 2 * G + j];     \
         }                                                                                          \
         PLANE_KERNEL_WIDE(MB)                                                                      \
         int64_t r = 0;                                                                             \
@@ -373,6 +399,11 @@ PLANE_KERNEL(1)
 PLANE_KERNEL(2)
 PLANE_KERNEL(3)
 PLANE_KERNEL(4)
+/* mode 3: per row, float32 (scale, bias coefficient) pairs from row_params, with xpair = (0, xsum) */
+PLANE_KERNEL_F32(1)
+PLANE_KERNEL_F32(2)
+PLANE_KERNEL_F32(3)
+PLANE_KERNEL_F32(4)
 
 /* Activations as the kernels read them: each run of 32 of x [M, K] scaled to int16 (its largest
  * |x| to 32767, rounded to nearest) into xq [M, K], the run's step (largest / 32767) into
@@ -416,7 +447,7 @@ int tandem_int4_mm(const float *x, const uint8_t *packed, int mode, const void *
         return -1;
     }
     round_activations(x, M, K, group_size, xq, xscale, xsum);
-    if (mode == 0) {
+    if (mode == 0 || mode == 3) {
         int16_t *xp = malloc(sizeof(int16_t) * M * K);
         float *xpair = malloc(sizeof(float) * M * 2 * num_groups);
         if (!xp || !xpair) {
@@ -426,7 +457,7 @@ int tandem_int4_mm(const float *x, const uint8_t *packed, int mode, const void *
         for (int64_t m = 0; m < M; m++) {
             pack_planes(xq + m * K, K, xp + m * K);
             for (int64_t g = 0; g < num_groups; g++) {
-                xpair[m * 2 * num_groups + 2 * g] = -8.0f * xsum[m * num_groups + g];
+                xpair[m * 2 * num_groups + 2 * g] = mode == 3 ? 0.0f : -8.0f * xsum[m * num_groups + g];
                 xpair[m * 2 * num_groups + 2 * g + 1] = xsum[m * num_groups + g];
             }
         }
@@ -434,8 +465,14 @@ int tandem_int4_mm(const float *x, const uint8_t *packed, int mode, const void *
         for (int64_t n = 0; n < N; n++) {
             const uint8_t *w = packed + n * (K / 2);
             const uint16_t *pairs = (const uint16_t *)params + n * 2 * num_groups;
+            float row[mode == 3 ? 2 * num_groups : 1];
+            if (mode == 3) row_params(3, params, superblock_scales, groups_per_superblock, n, num_groups, row);
             int64_t m = 0;
-#define PCALL(MB) plane_kernel_##MB(w, pairs, xp + m * K, xscale + m * runs, xpair + m * 2 * num_groups, K, group_size, y + m * N + n, N)
+#define PCALL(MB)                                                                                  \
+    (mode == 3 ? plane_kernel_f32_##MB(w, row, xp + m * K, xscale + m * runs, xpair + m * 2 * num_groups, K, \
+                                       group_size, y + m * N + n, N)                                 \
+               : plane_kernel_##MB(w, pairs, xp + m * K, xscale + m * runs, xpair + m * 2 * num_groups, K, \
+                                   group_size, y + m * N + n, N))
             for (; m + 4 <= M; m += 4) PCALL(4);
             switch (M - m) {
                 case 3: PCALL(3); break;
@@ -453,7 +490,7 @@ int tandem_int4_mm(const float *x, const uint8_t *packed, int mode, const void *
         const uint8_t *w = packed + n * (K / 2);
         int64_t m = 0;
 #define CALL(MB, GS)                                                                               \
-    (mode == 3 ? row_kernel_3_##MB##_32 : mode ? row_kernel_1_##MB##_##GS : row_kernel_0_##MB##_##GS)( \
+    (mode ? row_kernel_1_##MB##_##GS : row_kernel_0_##MB##_##GS)(                                  \
         w, params, superblock_scales, groups_per_superblock, n, xq + m * K, xscale + m * runs,    \
         xsum + m * num_groups, K, y + m * N + n, N)
 #define ROWS(GS)                                                                                   \
