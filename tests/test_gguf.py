@@ -68,8 +68,9 @@ def test_float_types_read_as_stored() -> None:
 
 @pytest.mark.parametrize("kind", gguf_blocks.FOUR_BIT_TYPES)
 def test_native_int4_dequantises_4bit_blocks_exactly(kind: str) -> None:
-    """Mode 3 of the native kernel: its dequantised weight is gguf's to the bit, and its matmul
-    is the reference's within the activations' int16 rounding."""
+    """Mode 3 of the native kernel: its dequantised weight is gguf's to the bit, its matmul the
+    reference's within the activations' int16 rounding, and a row's result the same bits at any
+    call size."""
     import gguf
 
     from tandem.engine.models.gguf_stored import four_bit_weight
@@ -93,6 +94,11 @@ def test_native_int4_dequantises_4bit_blocks_exactly(kind: str) -> None:
     x = torch.randn(5, cols)
     reference = x @ torch.from_numpy(want).T
     assert ((linear(x) - reference).norm() / reference.norm()).item() < 1e-4
+    linear.compute_every_row_natively()  # a row's bits whatever the call's size (batch invariance)
+    many = torch.randn(11, cols)
+    together = linear(many)
+    assert all(torch.equal(linear(many[i : i + 1]), together[i : i + 1]) for i in range(11))
+    assert torch.equal(linear(many[3:8]), together[3:8])
 
 
 @pytest.fixture(scope="module")

@@ -340,7 +340,9 @@ static inline __m512i planes_dot512(__m512i w, const int16_t *x) {
         float tail[MB];                                                                            \
         for (int m = 0; m < MB; m++) {                                                             \
             tail[m] = 0.0f;                                                                        \
-            for (int64_t j = i; j < 2 * G; j++) tail[m] += AT(pairs, j) * xpair[m * 2 * G + j];     \
+            /* fmaf: one rounding whatever the instantiation (a `+= *` may or may not be       \
+             * contracted, differently per MB: a row's bits would depend on the call's size) */  \
+            for (int64_t j = i; j < 2 * G; j++) tail[m] = fmaf(AT(pairs, j), xpair[m * 2 * G + j], tail[m]); \
         }                                                                                          \
         PLANE_KERNEL_WIDE(MB)                                                                      \
         int64_t r = 0;                                                                             \
