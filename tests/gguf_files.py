@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .model_families import COMMON  # the same tiny shapes as the HF-folder family tests
+
 # family -> (GGUF architecture, transformers config, causal-LM class, overrides, the linears' type)
 GGUF_FAMILIES: dict[str, tuple[str, str, str, dict[str, Any], str]] = {
     "llama": ("llama", "LlamaConfig", "LlamaForCausalLM", {}, "Q4_0"),
@@ -79,14 +81,6 @@ GGUF_FAMILIES: dict[str, tuple[str, str, str, dict[str, Any], str]] = {
     ),  # fmt: skip
 }
 ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")  # kept float32, as llama.cpp keeps them
-COMMON = {
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
-}
 
 
 def _permute(weight: np.ndarray, heads: int) -> np.ndarray:

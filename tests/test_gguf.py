@@ -145,7 +145,8 @@ def test_a_type_not_read_is_refused_naming_the_tensor(tokenizer_files: Path, tmp
 
     from tandem.engine.models.loader import check_model
 
-    from .gguf_files import COMMON, _write_metadata
+    from .gguf_files import _write_metadata
+    from .model_families import COMMON
 
     vocab = json.loads((tokenizer_files / "tokenizer.json").read_text())["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.__getitem__)
