@@ -124,13 +124,13 @@ class EngineConfig(BaseModel):
         None,
         ge=32,
         le=256,
-        description="INT4 group size along the input dim. Unset: a Q4_1 GGUF's tensors load as they "
-        "are (group 32) and other weights are quantised with groups of 32 (measured best of 32, 64, 128). Set: every linear is "
+        description="INT4 group size along the input dim. Unset: a GGUF's Q4_0 / Q4_1 / Q4_K tensors load "
+        "as they are (group 32) and other weights are quantised with groups of 32 (measured best of 32, 64, 128). Set: every linear is "
         "quantised at this size (from the dequantised file for a GGUF: fewer bytes, a second rounding).",
     )
     int4_method: Literal["gptq", "rtn"] = Field(
         "gptq",
-        description="How INT4 weights are made from float weights (a Q4_1 GGUF's own codes load as "
+        description="How INT4 weights are made from float weights (a GGUF's own 4-bit blocks load as "
         "they are): 'gptq' quantises each linear with GPTQ's error feedback on the bundled calibration "
         "text, once per checkpoint and machine (cached under TANDEM_CACHE_DIR/int4); 'rtn' rounds each "
         "group to nearest (faster to load, much worse on some checkpoints: docs/performance.md).",
