@@ -26,7 +26,7 @@ PROMPTS = [
 ]
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new: int, eos: int | None) -> list[int]:  # type: ignore[no-untyped-def]
+def hf_greedy(model, prompt_ids: list[int], max_new: int, eos: int | list[int] | None) -> list[int]:  # type: ignore[no-untyped-def]
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt_ids]),
@@ -34,7 +34,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new: int, eos: int | None) -> li
             max_new_tokens=max_new,
             do_sample=False,
             eos_token_id=eos,
-            pad_token_id=eos,
+            pad_token_id=eos[0] if isinstance(eos, list) else eos,
         )
     return out[0, len(prompt_ids) :].tolist()
 
@@ -72,7 +72,7 @@ def our_prefill_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
 
 
 def check_parity(llm: LLM, hf_model, prompts: list[str], max_new: int) -> None:  # type: ignore[no-untyped-def]
-    eos = sorted(llm.engine.eos_token_ids)[0]
+    eos = sorted(llm.engine.eos_token_ids)  # every id that ends a reply (a GGUF's end-of-turn tokens too)
     prompt_ids = [llm.tokenizer.encode(p) for p in prompts]
     expected = [hf_greedy(hf_model, ids, max_new, eos) for ids in prompt_ids]
     params = SamplingParams(max_tokens=max_new, temperature=0.0, logprobs=5)

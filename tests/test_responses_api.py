@@ -463,6 +463,19 @@ def test_anthropic_errors_and_auth(server: Server) -> None:
         headers={"x-api-key": KEY},
     )
     assert raw.status_code == 400 and raw.json()["error"]["message"].startswith("max_tokens")
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):  # wrong shapes: 400, never a 500
+        for shaped in ({"tools": 1.5}, {"messages": "Hi"}, {"messages": [{"role": "user", "content": 3}]}):
+            odd = httpx.post(
+                f"{server.base_url}{path}",
+                json={
+                    "model": MODEL,
+                    "max_tokens": 5,
+                    "messages": [{"role": "user", "content": "Hi"}],
+                    **shaped,
+                },
+                headers={"x-api-key": KEY},
+            )
+            assert odd.status_code == 400 and odd.json()["type"] == "error", (path, shaped, odd.text)
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "Hi"}])
 

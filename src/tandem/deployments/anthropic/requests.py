@@ -100,7 +100,8 @@ def _refuse_unsupported_blocks(data: object) -> object:
     error would."""
     if not isinstance(data, dict):
         return data
-    for position, message in enumerate(data.get("messages") or []):
+    messages, tools = data.get("messages"), data.get("tools")  # other shapes: the schema's own error
+    for position, message in enumerate(messages if isinstance(messages, list) else []):
         content = message.get("content") if isinstance(message, dict) else None
         for index, block in enumerate(content if isinstance(content, list) else []):
             kind = block.get("type") if isinstance(block, dict) else None
@@ -110,7 +111,7 @@ def _refuse_unsupported_blocks(data: object) -> object:
                     param=f"messages.{position}.content.{index}.type",
                     code="unsupported_parameter",
                 )
-    for position, tool in enumerate(data.get("tools") or []):
+    for position, tool in enumerate(tools if isinstance(tools, list) else []):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind not in (None, "custom"):
             raise FieldRuleError(
