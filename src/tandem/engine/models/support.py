@@ -214,11 +214,6 @@ def layered_tensor_names(num_layers: int, per_layer: Iterable[str], *, prefix: s
     return names
 
 
-def expected_tensor_names(num_layers: int, *, prefix: str = "model.") -> set[str]:
-    """Every tensor name a plain Llama checkpoint has (what GGUF tensor names map to)."""
-    return layered_tensor_names(num_layers, LLAMA_LAYER_TENSORS, prefix=prefix)
-
-
 def tensor_prefix(names: Iterable[str]) -> str:
     """ "model." when the checkpoint's decoder tensors carry it (HF's usual layout), else ""."""
     return "model." if any(n.startswith("model.") for n in names) else ""
