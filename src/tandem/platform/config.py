@@ -125,7 +125,7 @@ class EngineConfig(BaseModel):
         ge=32,
         le=256,
         description="INT4 group size along the input dim. Unset: a GGUF's Q4_0 / Q4_1 / Q4_K tensors load "
-        "as they are (group 32) and other weights are quantised with groups of 32 (measured best of 32, 64, 128). Set: every linear is "
+        "as they are (group 32) and other weights are quantised with groups of 32 (the best group size measured: docs/performance.md). Set: every linear is "
         "quantised at this size (from the dequantised file for a GGUF: fewer bytes, a second rounding).",
     )
     int4_method: Literal["gptq", "rtn"] = Field(

@@ -6,8 +6,10 @@ pre-flight): the architecture (`gguf_arch.FAMILIES`, else refused by name), the 
 architecture's own checks), every tensor's name (one the architecture does not consume is refused
 by name, e.g. `rope_freqs`, which carries scaling the metadata does not state) and type
 (`gguf_blocks.SUPPORTED_TYPES`, else refused naming the tensor and its type). `dequantized(t)`
-is the tensor as float32 in the HF checkpoint's layout and values: the `gguf` package's own
-`dequantize` of its bytes, then the converter's transforms undone.
+is the tensor as float32 in the HF checkpoint's layout and values: its bytes decoded
+(`gguf_blocks`, equal to the `gguf` package's `dequantize`), then the converter's transforms undone.
+`open_gguf` keeps the last few opened files (keyed by path, size and mtime): loading, building
+each precision's model and the pre-flight check read a file's metadata once.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 from tandem.engine.io.generation_defaults import GenerationDefaults
 from tandem.engine.io.tokenizer import Tokenizer
 from tandem.engine.models.gguf_arch import GGUFModel
-from tandem.engine.models.gguf_blocks import SUPPORTED_TYPES, type_name
+from tandem.engine.models.gguf_blocks import SUPPORTED_TYPES, dequantize, type_name
 from tandem.engine.models.hf_config import HFConfig
 from tandem.engine.models.registry import Architecture, architecture_for
 from tandem.engine.models.support import check_tensor_names
@@ -84,7 +86,7 @@ class GGUFFile:
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
-        """Built on first use (recovering a SentencePiece file's merges takes seconds)."""
+        """Built on first use (recovering a SentencePiece file's merges is costly: not done for a pre-flight check)."""
         return Tokenizer.from_gguf_fields(self.fields)
 
     def _end_of_generation_ids(self) -> list[int]:
@@ -139,14 +141,22 @@ class GGUFFile:
         return sorted(sizes, key=lambda kind: -sizes[kind])
 
     def dequantized(self, tensor: GGUFTensor) -> np.ndarray:
-        """Float32 in `tensor.shape`, as the HF checkpoint holds it."""
-        import gguf
-
-        kind = gguf.GGMLQuantizationType[tensor.type_name]
-        array = gguf.quants.dequantize(np.asarray(tensor.raw).view(np.ndarray), kind)
-        array = np.asarray(array, dtype=np.float32).reshape(tensor.shape)
+        """Float32 in `tensor.shape`, as the HF checkpoint holds it (`gguf_blocks.dequantize`:
+        the gguf package's values)."""
+        array = dequantize(np.asarray(tensor.raw), tensor.type_name, tensor.shape)
         return np.array(self.model.to_hf(tensor.hf_name, array), dtype=np.float32, order="C")
 
     def dequantized_weights(self) -> Iterator[tuple[str, np.ndarray]]:
         for tensor in self.tensors:
             yield tensor.hf_name, self.dequantized(tensor)
+
+
+@functools.lru_cache(maxsize=4)
+def _open(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(Path(path))
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """`GGUFFile(path)`, shared while the file is unchanged (see the module docstring)."""
+    stat = path.stat()
+    return _open(str(path.resolve()), stat.st_size, stat.st_mtime_ns)

@@ -27,7 +27,7 @@ from tandem.engine.models.gguf_blocks import (
     read_four_bit,
     read_int8,
 )
-from tandem.engine.models.gguf_file import GGUFFile
+from tandem.engine.models.gguf_file import open_gguf
 from tandem.engine.models.gguf_names import unpermute_rope
 from tandem.engine.models.interface import CausalLM
 from tandem.kernels.int4 import BlockParams, Int4Kernel, Int4Linear, Int4Weight
@@ -39,7 +39,7 @@ Stored = FourBit | Int8Runs | str  # str: any other type, by name ("Q6_K", "F16"
 def read_stored(path: Path) -> dict[str, Stored]:
     """HF name -> the file's tensor: 4-bit and int8-run types decoded as stored (rows in the HF
     layout: llama.cpp's q/k row permutation undone on codes and parameters alike), others by name."""
-    file = GGUFFile(path)
+    file = open_gguf(path)
     out: dict[str, Stored] = {}
     for tensor in file.tensors:
         if len(tensor.shape) != 2:

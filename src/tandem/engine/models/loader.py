@@ -22,7 +22,7 @@ import torch
 from tandem.engine.io.generation_defaults import GenerationDefaults
 from tandem.engine.io.tokenizer import Tokenizer
 from tandem.engine.models.gguf_blocks import FLOAT_TYPES
-from tandem.engine.models.gguf_file import GGUFFile
+from tandem.engine.models.gguf_file import GGUFFile, open_gguf
 from tandem.engine.models.gguf_stored import apply_stored, read_stored, stored_int4
 from tandem.engine.models.hf_config import HFConfig
 from tandem.engine.models.interface import CausalLM, ModelConfig
@@ -107,7 +107,7 @@ def load_model(model: str, *, cache_dir: Path | None = None) -> LoadedModel:
     path = _checkpoint_path(model)
     if path.is_dir():
         return _load_hf_folder(model, path)
-    gguf_file = GGUFFile(path)
+    gguf_file = open_gguf(path)
     folder = gguf_to_hf_folder(path, cache_dir or default_cache_dir(), gguf_file)
     loaded = _load_hf_folder(model, folder)
     loaded.path = path
@@ -149,7 +149,7 @@ def gguf_to_hf_folder(path: Path, cache_dir: Path, gguf_file: GGUFFile | None = 
         return folder
     from safetensors.torch import save_file
 
-    gguf_file = gguf_file or GGUFFile(path)
+    gguf_file = gguf_file or open_gguf(path)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
     try:
@@ -233,7 +233,7 @@ def _load_hf_folder(name: str, folder: Path) -> LoadedModel:
 
 # -- GGUF -----------------------------------------------------------------------------------
 def _gguf_tensor_names(path: Path) -> None:
-    GGUFFile(path)  # opening checks the architecture, config, tensor names and types
+    open_gguf(path)  # opening checks the architecture, config, tensor names and types
 
 
 def build_model(
