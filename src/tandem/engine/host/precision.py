@@ -70,24 +70,14 @@ def choose_precision(
 ) -> PrecisionChoice:
     """Resolve `dtype` and `weight_dtype` ("auto" or explicit) for a device and CPU (see the
     module docstring). `native_int4`: whether the native INT4 kernel can be used here; `pin`: the
-    value of `TANDEM_AUTO_PRECISION`, if set; `probe`: the precision probe's result on this CPU."""
+    value of `TANDEM_AUTO_PRECISION`, if set; `probe`: the precision probe's result on this CPU;
+    `stored_quant_types`: a GGUF file's quantised types (its weights as stored win `auto`)."""
     if pin not in (None, "", "float32"):
         raise ValueError(f"{PIN_ENV}={pin!r}: the only supported pin is 'float32'")
     chosen_dtype, dtype_reason = _choose_dtype(device_type, dtype, flags, pin, probe)
-    if (
-        weight_dtype == "auto"
-        and stored_quant_types
-        and device_type == "cpu"
-        and native_int4
-        and dtype == "auto"
-        and pin is None
-    ):
-        chosen_weights = "gguf"
-        weights_reason = f"weights as the GGUF file stores them ({', '.join(stored_quant_types)})"
-    else:
-        chosen_weights, weights_reason = _choose_weights(
-            device_type, dtype, weight_dtype, chosen_dtype, native_int4, pin, probe
-        )
+    chosen_weights, weights_reason = _choose_weights(
+        device_type, dtype, weight_dtype, chosen_dtype, native_int4, pin, probe, stored_quant_types
+    )
     reasons = [dtype_reason, weights_reason]
     used = probe if probe is not None and dtype == "auto" and pin is None and device_type == "cpu" else None
     automatic = pin != "float32" and (dtype == "auto" or weight_dtype == "auto")
@@ -130,6 +120,7 @@ def _choose_weights(
     native_int4: bool,
     pin: str | None,
     probe: ProbeResult | None,
+    stored_quant_types: tuple[str, ...] = (),
 ) -> tuple[str, str]:
     """The weights' format and why."""
     if weight_dtype != "auto":
@@ -141,6 +132,9 @@ def _choose_weights(
     elif device_type != "cpu":
         chosen_weights = "dense"
         reason = f"dense weights on {device_type}"
+    elif stored_quant_types and native_int4:
+        chosen_weights = "gguf"
+        reason = f"weights as the GGUF file stores them ({', '.join(stored_quant_types)})"
     elif probe is not None and native_int4:
         faster = probe.faster_weights()
         chosen_weights = faster[0] if faster else "dense"
