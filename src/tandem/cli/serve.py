@@ -148,6 +148,20 @@ def _engine_flags(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
     srv.add_argument(
+        "--max-num-seqs", type=int, default=None, help="most requests in one engine step (default 64)"
+    )
+    srv.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of one engine step (default 1024)",
+    )
+    srv.add_argument(
+        "--null-model-step-ms", type=float, default=None, metavar="MS",
+        help="benchmarks only: run no model, each engine step waits MS milliseconds and emits fixed tokens "
+        "(benchmarks/platform_overhead.py)",
+    )  # fmt: skip
+    srv.add_argument(
         "--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
         help="compute dtype (default auto: measured fastest here, held to the quality bound)",
     )  # fmt: skip

@@ -99,7 +99,10 @@ def app_config_args(args: argparse.Namespace) -> dict[str, Any]:
         engine["max_model_len"] = args.max_model_len
     if args.kv_cache_memory:
         engine["kv_cache_memory"] = args.kv_cache_memory
-    for option in ("dtype", "weight_dtype", "generation_config", "batch_invariant"):
+    for option in (
+        "dtype", "weight_dtype", "generation_config", "batch_invariant",
+        "max_num_seqs", "max_num_batched_tokens", "null_model_step_ms",
+    ):  # fmt: skip
         if getattr(args, option) is not None:
             engine[option] = getattr(args, option)
     return {

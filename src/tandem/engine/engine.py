@@ -30,6 +30,7 @@ from tandem.engine.io.stats import (
 )
 from tandem.engine.kv.handover import KVHandover, kv_fingerprint
 from tandem.engine.lora.adapters import EngineAdapters
+from tandem.engine.null_setup import build_null_parts
 from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import GRAMMAR_FAILED
@@ -131,7 +132,10 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
-        """Load `config.model` and build the engine's parts (`builder.build_parts`)."""
+        """Load `config.model` and build the engine's parts (`builder.build_parts`; with
+        `null_model_step_ms`, `null_setup.build_null_parts`: no model runs)."""
+        if config.null_model_step_ms is not None:
+            return cls(config, build_null_parts(config))
         return cls(config, build_parts(config))
 
     @classmethod

@@ -312,6 +312,13 @@ class EngineConfig(BaseModel):
         "one, whichever its measured step times say is faster (one wins when other processes share "
         "the cores); off: always all",
     )
+    null_model_step_ms: float | None = Field(
+        None,
+        ge=0.0,
+        description="Benchmarks only: run no model. Each step waits this many milliseconds with the GIL free "
+        "(a device's step) and samples a fixed cycle of ordinary tokens; only the model's config and "
+        "tokenizer are loaded (`benchmarks/platform_overhead.py`).",
+    )
     num_threads: int | None = Field(
         None,
         ge=1,

@@ -1,0 +1,336 @@
+"""What the platform costs per token, measured with a null model (`EngineConfig.null_model_step_ms`:
+no model runs; each step waits a given time with the GIL free, as a host waits on a device, and
+samples a fixed cycle of ordinary tokens; the default model's config and tokenizer).
+
+Phases (`--phase`, default all):
+- `core`: `LLMEngine.step()` in this thread at each `--requests` value (all added at once, prompts
+  of `--prompt-len` distinct random tokens, `--new-tokens` each, EOS ignored, streamed text):
+  ms per step for prefill steps, for the middle half of the decode steps, and the whole run; the
+  growth from the first to the last `--requests` value.
+- `async`: the same through `AsyncEngine.generate` (one asyncio consumer per request), with a
+  runner step of 0 and of `--step-ms`: decode steps per second against the ideal 1000 / step-ms.
+- `serve`: `tandem serve` (its own local Ray) with a null-model replica, `--streams` concurrent
+  streamed completions through the `openai`-shaped HTTP API (httpx): streamed tok/s, inter-token
+  gap p50 / p99, and CPU microseconds per streamed token of each process of the server (replica,
+  ingress, proxy, the rest of Ray), read from /proc before and after the wave. The load generator's
+  own CPU is reported apart.
+
+    python benchmarks/platform_overhead.py                                   # -> benchmarks/results/
+    python benchmarks/platform_overhead.py --phase core --requests 32 256 1024
+    python benchmarks/platform_overhead.py --phase serve --streams 64 256 --step-ms 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from common import cpu, free_port, log, percentile, start_server, stop_server, write_result
+from tandem.engine.async_engine import AsyncEngine
+from tandem.engine.engine import LLMEngine
+from tandem.engine.protocol import GenerationRequest
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sched.step import RunnerResult, SchedulerOutput
+from tandem.platform.config import EngineConfig
+
+KEY = "sk-bench"
+
+
+def null_engine(num_requests: int, step_ms: float, prompt_len: int, new_tokens: int) -> LLMEngine:
+    config = EngineConfig(
+        null_model_step_ms=step_ms,
+        max_num_seqs=num_requests,
+        max_num_batched_tokens=max(2048, num_requests),
+        max_model_len=prompt_len + new_tokens + 16,
+    )
+    return LLMEngine.from_config(config)
+
+
+def prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab_size - 100) for _ in range(length)] for _ in range(num)]
+
+
+class StepLog:
+    """Wraps the engine's runner: each step's shape (decode: one token per request, all sampling)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.is_decode: list[bool] = []
+        inner = engine.runner.execute
+
+        def execute(sched: SchedulerOutput) -> RunnerResult:
+            self.is_decode.append(
+                sched.num_scheduled_tokens == len(sched.scheduled) and all(s.sample for s in sched.scheduled)
+            )
+            return inner(sched)
+
+        engine.runner.execute = execute  # type: ignore[method-assign]
+
+
+def step_figures(walls: list[float], is_decode: list[bool]) -> dict[str, Any]:
+    decode = [w for w, d in zip(walls, is_decode, strict=True) if d]
+    prefill = [w for w, d in zip(walls, is_decode, strict=True) if not d]
+    middle = decode[len(decode) // 4 : max(len(decode) // 4 + 1, 3 * len(decode) // 4)]
+    return {
+        "num_steps": len(walls),
+        "num_prefill_steps": len(prefill),
+        "ms_per_prefill_step": 1000 * statistics.mean(prefill) if prefill else None,
+        "ms_per_decode_step": 1000 * statistics.mean(middle) if middle else None,
+        "ms_per_decode_step_p90": 1000 * percentile(middle, 0.9) if middle else None,
+        "ms_per_step_whole_run": 1000 * statistics.mean(walls),
+    }
+
+
+def run_core(num_requests: int, prompt_len: int, new_tokens: int) -> dict[str, Any]:
+    engine = null_engine(num_requests, 0.0, prompt_len, new_tokens)
+    steps = StepLog(engine)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts(num_requests, prompt_len, engine.model_config.vocab_size)):
+        engine.add_request(
+            GenerationRequest(f"r{i}", prompt_token_ids=prompt, sampling_params=params), stream_text=True
+        )
+    walls: list[float] = []
+    num_tokens = 0
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        walls.append(time.perf_counter() - t0)
+        num_tokens += sum(len(o.outputs[0].delta_token_ids) for o in outputs)
+    wall = time.perf_counter() - started
+    assert num_tokens == num_requests * new_tokens, (num_tokens, num_requests * new_tokens)
+    return {
+        "requests": num_requests,
+        "generated_tokens": num_tokens,
+        "tokens_per_s": num_tokens / wall,
+        **step_figures(walls, steps.is_decode),
+    }
+
+
+async def _consume(engine: AsyncEngine, request: GenerationRequest) -> int:
+    count = 0
+    async for out in engine.generate(request):
+        count += len(out.outputs[0].delta_token_ids)
+    return count
+
+
+def run_async(num_requests: int, step_ms: float, prompt_len: int, new_tokens: int) -> dict[str, Any]:
+    engine = null_engine(num_requests, step_ms, prompt_len, new_tokens)
+    steps = StepLog(engine)
+    walls: list[float] = []
+    inner_step = engine.step
+
+    def timed_step() -> list[Any]:
+        t0 = time.perf_counter()
+        outputs = inner_step()
+        walls.append(time.perf_counter() - t0)
+        return outputs
+
+    engine.step = timed_step  # type: ignore[method-assign]
+    served = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    requests = [
+        GenerationRequest(f"a{i}", prompt_token_ids=prompt, sampling_params=params)
+        for i, prompt in enumerate(prompts(num_requests, prompt_len, engine.model_config.vocab_size))
+    ]
+
+    async def wave() -> tuple[int, float]:
+        started = time.perf_counter()
+        counts = await asyncio.gather(*(_consume(served, r) for r in requests))
+        return sum(counts), time.perf_counter() - started
+
+    num_tokens, wall = asyncio.run(wave())
+    served.shutdown()
+    figures = step_figures(walls, steps.is_decode)
+    # Decode steps per second as the loop ran them: each step's own time plus the loop's work between steps.
+    decode_ms = figures["ms_per_decode_step"]
+    result = {
+        "requests": num_requests,
+        "step_ms": step_ms,
+        "generated_tokens": num_tokens,
+        "tokens_per_s": num_tokens / wall,
+        **figures,
+    }
+    if step_ms > 0 and decode_ms:
+        result["decode_steps_per_s_over_ideal"] = step_ms / decode_ms
+        # The whole loop: decode tokens per request per second against one per step_ms.
+        result["tokens_per_s_over_ideal"] = (num_tokens / wall) / (num_requests * 1000 / step_ms)
+    return result
+
+
+# -- serve ------------------------------------------------------------------------------------------
+def process_cpu(root_pid: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of `root_pid` and every process below it, with a role for each."""
+    import psutil
+
+    found: dict[int, tuple[str, float]] = {}
+    try:
+        root = psutil.Process(root_pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return found
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+            found[proc.pid] = (role(" ".join(proc.cmdline())), times.user + times.system)
+        except psutil.Error:
+            continue
+    return found
+
+
+def role(cmdline: str) -> str:
+    if "ProxyActor" in cmdline:
+        return "proxy"
+    if "ServeReplica" in cmdline and ("LLM" in cmdline or "Engine" in cmdline):
+        return "replica"
+    if "ServeReplica" in cmdline and "Ingress" in cmdline:
+        return "ingress"
+    if "ServeReplica" in cmdline:
+        return "other_replicas"
+    if "tandem.cli" in cmdline:
+        return "cli"
+    return "ray"
+
+
+async def stream_one(client: Any, base: str, prompt: list[int], new_tokens: int) -> tuple[int, list[float]]:
+    body = {
+        "model": "smollm2-135m-instruct",
+        "prompt": prompt,
+        "max_tokens": new_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    count, gaps, last = 0, [], None
+    async with client.stream(
+        "POST", f"{base}/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+    ) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+                count += 1
+    return count, gaps
+
+
+def serve_wave(base: str, server_pid: int, streams: int, prompt_len: int, new_tokens: int) -> dict[str, Any]:
+    import httpx
+
+    batch = prompts(streams, prompt_len, 49152, seed=streams)
+
+    async def wave() -> tuple[list[tuple[int, list[float]]], float]:
+        limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            started = time.perf_counter()
+            results = await asyncio.gather(*(stream_one(client, base, p, new_tokens) for p in batch))
+            return list(results), time.perf_counter() - started
+
+    before = process_cpu(server_pid)
+    client_before = time.process_time()
+    results, wall = asyncio.run(wave())
+    client_cpu = time.process_time() - client_before
+    after = process_cpu(server_pid)
+    num_chunks = sum(c for c, _ in results)
+    gaps = [g for _, gs in results for g in gs]
+    by_role: dict[str, float] = {}
+    for pid, (name, seconds) in after.items():
+        by_role[name] = by_role.get(name, 0.0) + seconds - before.get(pid, (name, 0.0))[1]
+    per_token = {name: 1e6 * seconds / max(1, num_chunks) for name, seconds in sorted(by_role.items())}
+    return {
+        "streams": streams,
+        "streamed_chunks": num_chunks,
+        "tokens_per_s": num_chunks / wall,
+        "inter_token_gap_p50_ms": 1000 * percentile(gaps, 0.5) if gaps else None,
+        "inter_token_gap_p99_ms": 1000 * percentile(gaps, 0.99) if gaps else None,
+        "cpu_us_per_token": per_token,
+        "cpu_us_per_token_server": sum(per_token.values()),
+        "cpu_us_per_token_client": 1e6 * client_cpu / max(1, num_chunks),
+    }
+
+
+def run_serve(streams: list[int], step_ms: float, prompt_len: int, new_tokens: int) -> list[dict[str, Any]]:
+    most = max(streams)
+    with tempfile.TemporaryDirectory(prefix="tandem-overhead-") as data_dir:
+        args = (
+            "--null-model-step-ms", str(step_ms), "--max-num-seqs", str(most),
+            "--max-num-batched-tokens", str(max(2048, most)), "--max-concurrent-per-tenant", "0",
+            "--max-model-len", str(prompt_len + new_tokens + 16), "--no-usage-metering",
+        )  # fmt: skip
+        server, base = start_server(data_dir, free_port(), {"TANDEM_API_KEYS": f"{KEY}=bench"}, args)
+        try:
+            serve_wave(base, server.pid, 8, prompt_len, 8)  # warm up every hop
+            rows = []
+            for n in streams:
+                row = serve_wave(base, server.pid, n, prompt_len, new_tokens)
+                row["step_ms"] = step_ms
+                log(json.dumps(row))
+                rows.append(row)
+            return rows
+        finally:
+            stop_server(server)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--phase", choices=["core", "async", "serve"], nargs="+", default=["core", "async", "serve"]
+    )
+    parser.add_argument("--requests", type=int, nargs="+", default=[32, 256, 1024])
+    parser.add_argument("--async-requests", type=int, nargs="+", default=[256])
+    parser.add_argument("--streams", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--step-ms", type=float, default=10.0)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=192)
+    parser.add_argument("--serve-new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--output", type=Path, default=Path(__file__).parent / "results" / "platform_overhead.json"
+    )
+    args = parser.parse_args()
+    result: dict[str, Any] = {
+        "benchmark": "platform_overhead",
+        "cpu": cpu(),
+        "args": vars(args) | {"output": str(args.output)},
+    }
+    if "core" in args.phase:
+        rows = []
+        for n in args.requests:
+            rows.append(run_core(n, args.prompt_len, args.new_tokens))
+            log(json.dumps(rows[-1]))
+        first, last = rows[0], rows[-1]
+        result["core"] = rows
+        if first["ms_per_decode_step"] and last["ms_per_decode_step"]:
+            result["core_decode_growth"] = {
+                "from": first["requests"],
+                "to": last["requests"],
+                "requests_ratio": last["requests"] / first["requests"],
+                "time_ratio": last["ms_per_decode_step"] / first["ms_per_decode_step"],
+            }
+    if "async" in args.phase:
+        rows = []
+        for n in args.async_requests:
+            for step_ms in (0.0, args.step_ms):
+                rows.append(run_async(n, step_ms, args.prompt_len, args.new_tokens))
+                log(json.dumps(rows[-1]))
+        result["async"] = rows
+    if "serve" in args.phase:
+        result["serve"] = run_serve(args.streams, args.step_ms, args.prompt_len, args.serve_new_tokens)
+    write_result(args.output, result)
+
+
+if __name__ == "__main__":
+    main()
