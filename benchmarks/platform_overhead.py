@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import statistics
@@ -41,6 +42,7 @@ from tandem.engine.sched.step import RunnerResult, SchedulerOutput
 from tandem.platform.config import EngineConfig
 
 KEY = "sk-bench"
+REPLICA_GC = {"on": True}  # --gc replica: the collector as a Serve replica sets it (`replicas.settle_heap`)
 
 
 def null_engine(num_requests: int, step_ms: float, prompt_len: int, new_tokens: int) -> LLMEngine:
@@ -50,7 +52,12 @@ def null_engine(num_requests: int, step_ms: float, prompt_len: int, new_tokens: 
         max_num_batched_tokens=max(2048, num_requests),
         max_model_len=prompt_len + new_tokens + 16,
     )
-    return LLMEngine.from_config(config)
+    engine = LLMEngine.from_config(config)
+    if REPLICA_GC["on"]:  # what `settle_heap` does in a replica's process once its engine is loaded
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(10_000, *gc.get_threshold()[1:])
+    return engine
 
 
 def prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -300,7 +307,13 @@ def main() -> None:
     parser.add_argument(
         "--output", type=Path, default=Path(__file__).parent / "results" / "platform_overhead.json"
     )
+    parser.add_argument(
+        "--gc", choices=["replica", "default"], default="replica",
+        help="replica (default): freeze the heap after loading and collect young objects every 10,000 "
+        "allocations, as a Serve replica does; default: CPython's collector as it is",
+    )  # fmt: skip
     args = parser.parse_args()
+    REPLICA_GC["on"] = args.gc == "replica"
     result: dict[str, Any] = {
         "benchmark": "platform_overhead",
         "cpu": cpu(),

@@ -15,11 +15,13 @@ knob SGLang calls `--stream-interval`.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, cast
 
+import ray
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
@@ -55,6 +57,24 @@ class _LoadedAdapter:
         self.engine.engine.adapters.remove(self.lora_id)
 
 
+# The young generation's threshold in a replica (CPython's default is 700 allocations): an engine
+# step allocates thousands of short-lived objects, and each collection also walks the survivors.
+REPLICA_GC_THRESHOLD = 10_000
+
+
+def settle_heap() -> None:
+    """In a Serve replica's process, once its engine is loaded: move every object alive now (the
+    model, the tokenizer, Ray's and the libraries' own) out of the cyclic collector's reach
+    (`gc.freeze`) and collect young objects less often, so that the engine's steps do not pay
+    for walking them (docs/performance.md, issue 63). Nothing happens outside an actor (a test that
+    builds a replica in its own process keeps its collector as it is)."""
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(REPLICA_GC_THRESHOLD, *gc.get_threshold()[1:])
+
+
 class LLMReplica:
     def __init__(
         self,
@@ -80,6 +100,7 @@ class LLMReplica:
             from tandem.engine.async_engine import AsyncEngine
 
             self.engine = AsyncEngine.from_options(**(engine_options or {}))
+        settle_heap()
         self.adapters = (
             AdapterStore(open_object_store(object_store), self.engine.model_name) if object_store else None
         )
@@ -234,6 +255,7 @@ class PrefillReplica:
         from tandem.engine.async_engine import AsyncEngine
 
         self.engine = AsyncEngine.from_options(**{"role": "prefill", **(engine_options or {})})
+        settle_heap()
 
     async def prefill(
         self, request: GenerationRequest, cache_dtype: str | None = None, skip_pages: int = 0

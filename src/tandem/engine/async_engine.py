@@ -35,6 +35,8 @@ logger = logging.getLogger("tandem.engine")
 
 T = TypeVar("T")
 
+STATS_INTERVAL_S = 0.05  # most seconds between stats snapshots while requests run
+
 
 @dataclass
 class _Stream:
@@ -57,6 +59,7 @@ class AsyncEngine:
         self._stopped = False
         self._broken = False  # a failure no single request explained: health checks fail from then on
         self._stats: dict[str, Any] = engine.stats()
+        self._stats_time = time.monotonic()
         self._thread = threading.current_thread()
         if start:
             self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
@@ -254,7 +257,8 @@ class AsyncEngine:
             self._cv.notify()
 
     def stats(self) -> dict[str, object]:
-        """Snapshot taken by the loop thread after the latest step, before its outputs were delivered."""
+        """Snapshot taken by the loop thread before a step's outputs were delivered: after the latest
+        step that ended a request or left the engine idle, and at most `STATS_INTERVAL_S` old."""
         return dict(self._stats)
 
     def token_table(self) -> list[bytes]:
@@ -355,8 +359,17 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
         # step() raises only for failures no single request explains
         outputs = engine.step() if engine.has_unfinished_requests() else []
-        self._stats = engine.stats()  # before delivering: whoever sees an output sees its step
+        self._refresh_stats(outputs)  # before delivering
         self._deliver(outputs)
+
+    def _refresh_stats(self, outputs: list[RequestOutput]) -> None:
+        """A new stats snapshot after a step that ended a request or left the engine idle (whoever
+        sees a final output sees its step), else every `STATS_INTERVAL_S` (it costs a step's worth)."""
+        now, engine = time.monotonic(), self.engine
+        ended = not engine.has_unfinished_requests() or any(output.finished for output in outputs)
+        if ended or now - self._stats_time >= STATS_INTERVAL_S:
+            self._stats = engine.stats()
+            self._stats_time = now
 
     def _send(self, request_id: str, stream: _Stream, item: RequestOutput | BaseException) -> None:
         """Hand `item` to the consumer's event loop. A consumer whose loop is gone (closed without

@@ -283,7 +283,9 @@ class KVCacheManager:
         reserve = self.num_watermark_blocks if admission else 0
         if num_new + reserve > self.pool.num_free_blocks:
             return False
-        table = self.tables.setdefault(request_id, BlockTable([], []))
+        table = self.tables.get(request_id)
+        if table is None:
+            table = self.tables[request_id] = BlockTable([], [])
         if num_new:
             new_ids = self.pool.allocate(num_new)
             table.block_ids.extend(new_ids)

@@ -16,6 +16,8 @@ from tandem.engine.sched.queues import RequestQueues
 from tandem.engine.sched.step import ScheduledRequest
 from tandem.engine.spec.planner import Proposal
 
+NO_PROPOSAL = Proposal()  # frozen: one shared instance for the requests without drafts
+
 
 @dataclass
 class StepInProgress:
@@ -95,11 +97,11 @@ class StepBuilder:
             num_new = self.chunk(request, cap)
             if num_new == 0 and request.whole_prompt:  # a whole prompt that does not fit this step: it waits
                 continue
-            drafts = self.planned_drafts.get(request.request_id, Proposal())
+            drafts = self.planned_drafts.get(request.request_id, NO_PROPOSAL)
             if drafts and request.num_computed_tokens + num_new == request.num_tokens:
                 drafts = drafts.truncated(max(0, cap - num_new))
             else:
-                drafts = Proposal()
+                drafts = NO_PROPOSAL
             while not self.queues.allocate(request, request.num_computed_tokens + num_new + len(drafts)):
                 victim = self.queues.victim_in_pool(request)
                 # The victim may already hold a share of this step: it gives it back (to the cap
