@@ -66,19 +66,28 @@ def prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[
 
 
 class StepLog:
-    """Wraps the engine's runner: each step's shape (decode: one token per request, all sampling)."""
+    """Wraps the engine's runner: when each step reached it and its shape (decode: one token per
+    request, all sampling). A step's time is from its start to the next one's: what the device
+    would see, whether the engine schedules steps in series or ahead (`step_pipeline.py`)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.is_decode: list[bool] = []
+        self.started: list[float] = []
         inner = engine.runner.execute
 
         def execute(sched: SchedulerOutput) -> RunnerResult:
+            self.started.append(time.perf_counter())
             self.is_decode.append(
                 sched.num_scheduled_tokens == len(sched.scheduled) and all(s.sample for s in sched.scheduled)
             )
             return inner(sched)
 
         engine.runner.execute = execute  # type: ignore[method-assign]
+
+    def figures(self, end: float) -> dict[str, Any]:
+        """Step figures from the starts, the last step ending at `end`."""
+        walls = [b - a for a, b in zip(self.started, [*self.started[1:], end], strict=True)]
+        return step_figures(walls, self.is_decode)
 
 
 def step_figures(walls: list[float], is_decode: list[bool]) -> dict[str, Any]:
@@ -103,21 +112,18 @@ def run_core(num_requests: int, prompt_len: int, new_tokens: int) -> dict[str, A
         engine.add_request(
             GenerationRequest(f"r{i}", prompt_token_ids=prompt, sampling_params=params), stream_text=True
         )
-    walls: list[float] = []
     num_tokens = 0
     started = time.perf_counter()
     while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
         outputs = engine.step()
-        walls.append(time.perf_counter() - t0)
         num_tokens += sum(len(o.outputs[0].delta_token_ids) for o in outputs)
-    wall = time.perf_counter() - started
+    ended = time.perf_counter()
     assert num_tokens == num_requests * new_tokens, (num_tokens, num_requests * new_tokens)
     return {
         "requests": num_requests,
         "generated_tokens": num_tokens,
-        "tokens_per_s": num_tokens / wall,
-        **step_figures(walls, steps.is_decode),
+        "tokens_per_s": num_tokens / (ended - started),
+        **steps.figures(ended),
     }
 
 
@@ -131,16 +137,6 @@ async def _consume(engine: AsyncEngine, request: GenerationRequest) -> int:
 def run_async(num_requests: int, step_ms: float, prompt_len: int, new_tokens: int) -> dict[str, Any]:
     engine = null_engine(num_requests, step_ms, prompt_len, new_tokens)
     steps = StepLog(engine)
-    walls: list[float] = []
-    inner_step = engine.step
-
-    def timed_step() -> list[Any]:
-        t0 = time.perf_counter()
-        outputs = inner_step()
-        walls.append(time.perf_counter() - t0)
-        return outputs
-
-    engine.step = timed_step  # type: ignore[method-assign]
     served = AsyncEngine(engine)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     requests = [
@@ -154,13 +150,17 @@ def run_async(num_requests: int, step_ms: float, prompt_len: int, new_tokens: in
         return sum(counts), time.perf_counter() - started
 
     num_tokens, wall = asyncio.run(wave())
+    figures = steps.figures(time.perf_counter())
     served.shutdown()
-    figures = step_figures(walls, steps.is_decode)
-    # Decode steps per second as the loop ran them: each step's own time plus the loop's work between steps.
     decode_ms = figures["ms_per_decode_step"]
     result = {
         "requests": num_requests,
         "step_ms": step_ms,
+        "scheduled_ahead": engine.pipeline is not None,
+        # the engine thread's wait for the device per step: near 0, the engine is the bottleneck
+        "engine_wait_ms_per_step": 1000 * engine.pipeline.wait_s / max(1, engine.pipeline.num_steps)
+        if engine.pipeline is not None
+        else None,
         "generated_tokens": num_tokens,
         "tokens_per_s": num_tokens / wall,
         **figures,

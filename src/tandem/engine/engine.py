@@ -1,7 +1,6 @@
-"""`LLMEngine`: validate and add requests, then `step()` = schedule -> execute -> update -> outputs.
-
-Single-threaded; `AsyncEngine` (async_engine.py) drives it from a background thread. Building an
-engine from a config is `builder.py`; the prefill/decode hand-over is `handover.py`; the runner is
+"""`LLMEngine`: validate and add requests, then `step()` = schedule -> execute -> update -> outputs
+(or, with a device runner, the next step scheduled while this one runs: `step_pipeline.py`).
+`AsyncEngine` drives it from a background thread; the hand-over is `handover.py`; the runner is
 seen only through the `Runner` protocol (`step.py`). A request finishes through one path,
 `Scheduler.finish_request` (stop token, length, stop string, abort, error, KV integrity), which
 calls `_on_finish` (its adapter is given back); the output processor makes its last output.
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 
 from tandem.engine.builder import EngineParts, build_parts, eviction_policy
-from tandem.engine.engine_setup import build_kv_managers, build_scheduler
+from tandem.engine.engine_setup import build_kv_managers, build_scheduler, schedules_ahead
 from tandem.engine.host.thread_tuner import ThreadTuner
 from tandem.engine.io.input_processor import InputProcessor
 from tandem.engine.io.output_processor import OutputProcessor
@@ -36,6 +35,7 @@ from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import GRAMMAR_FAILED
 from tandem.engine.sched.parallel_sampling import ChoiceFamilies, choice_requests, merge_by_id
 from tandem.engine.sched.step import RequestUpdate, RunnerResult, SchedulerOutput
+from tandem.engine.step_pipeline import StepPipeline
 from tandem.engine.structured.grammar import GrammarCompiler
 from tandem.platform.config import EngineConfig
 from tandem.platform.errors import InvalidRequestError
@@ -95,8 +95,13 @@ class LLMEngine:
             has_draft=self.runner.has_draft,
             eviction_window=eviction_policy(config).window,
             on_finish=self._on_finish,
+            schedule_ahead=(ahead := schedules_ahead(config, self.runner, self.head_kv is not None)),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.pipeline = StepPipeline(
+            self.scheduler, self.runner, end_stale=self._end_stale, fail_requests=self._fail_requests,
+            outputs=self.outputs, mark_scheduled=self.output_processor.mark_scheduled,
+        ) if ahead else None  # fmt: skip
         self.families = ChoiceFamilies()  # requests with n > 1 choices, by parent id
         self.input_processor = self._input_processor()
         # The prefill/decode hand-over of this engine's KV (`kv/handover.py`).
@@ -134,9 +139,8 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Load `config.model` and build the engine's parts (`builder.build_parts`; with
         `null_model_step_ms`, `null_setup.build_null_parts`: no model runs)."""
-        if config.null_model_step_ms is not None:
-            return cls(config, build_null_parts(config))
-        return cls(config, build_parts(config))
+        null = config.null_model_step_ms is not None
+        return cls(config, build_null_parts(config) if null else build_parts(config))
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> LLMEngine:
@@ -258,7 +262,10 @@ class LLMEngine:
 
     # -- the loop -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One step: schedule, execute, update, outputs (choices mapped to their parents)."""
+        """One step: schedule, execute, update, outputs (choices mapped to their parents); with a
+        `pipeline`, the next step is scheduled while the device runs this one (`step_pipeline.py`)."""
+        if self.pipeline is not None:
+            return self._to_parents(self.pipeline.step())
         scheduled = self.scheduler.schedule()
         ended = self._end_stale(scheduled.stale_request_ids)
         if not scheduled.is_empty:
@@ -306,9 +313,8 @@ class LLMEngine:
 
     def _fail_requests(self, result: RunnerResult, num_scheduled: int) -> list[RequestOutput]:
         """End the requests the runner could not compute, before their step's results are applied
-        (so none of their tokens is kept). Non-finite logits and sampling errors are always the
-        request's own. A model pass that raised for every request alone is not: with several
-        requests, or `MAX_CONSECUTIVE_FAILED_STEPS` steps in a row, the runner itself is broken
+        (none of their tokens is kept). A model pass that raised for every request alone is the
+        runner's fault with several requests or `MAX_CONSECUTIVE_FAILED_STEPS` steps in a row
         (`EngineBrokenError`: the caller fails every request in flight and reports unhealthy)."""
         if result.forward_failed:
             self.num_consecutive_failed_steps += 1
@@ -380,7 +386,8 @@ class LLMEngine:
             counters={
                 "num_kv_integrity_aborts": self.num_kv_integrity_aborts,
                 "num_failed_requests": self.num_failed_requests,
-                "num_steps": self.num_steps,
+                "num_steps": self.num_steps + (self.pipeline.num_steps if self.pipeline else 0),
+                "num_steps_scheduled_ahead": self.pipeline.num_steps_ahead if self.pipeline else 0,
                 "step_wall_s": self.step_wall_s,
                 "step_thread_cpu_s": self.step_thread_cpu_s,
             },

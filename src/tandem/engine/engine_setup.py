@@ -12,6 +12,7 @@ from tandem.engine.request import Request
 from tandem.engine.sched.batch_policy import BatchPolicy
 from tandem.engine.sched.fair_share import FairShare
 from tandem.engine.sched.scheduler import Scheduler
+from tandem.engine.sched.step import Runner
 from tandem.engine.spec.drafts import SpeculationSettings
 from tandem.platform.config import EngineConfig
 
@@ -49,11 +50,13 @@ def build_scheduler(
     has_draft: bool,
     eviction_window: int,
     on_finish: Callable[[Request], None],
+    schedule_ahead: bool = False,
 ) -> Scheduler:
     """`max_model_len`: the longest context of any request (compressed requests may be longer
     than the shared cache holds: the engine checks each request's context when it is made; this
     is only the backstop). `eviction_window`: the positions whose queries score a compressed
-    request's keys (`kernels.kv_eviction.EvictionPolicy.window`)."""
+    request's keys (`kernels.kv_eviction.EvictionPolicy.window`). `schedule_ahead`: steps are
+    scheduled while the previous one runs (`step_pipeline.py`), which plans no drafts."""
     return Scheduler(
         kv_manager,
         max_num_seqs=config.max_num_seqs,
@@ -69,7 +72,7 @@ def build_scheduler(
         ),
         max_loras=config.max_loras if config.enable_lora else 0,
         share_prefix_cache_across_tenants=config.share_prefix_cache_across_tenants,
-        speculation=speculation_settings(config, has_draft=has_draft),
+        speculation=None if schedule_ahead else speculation_settings(config, has_draft=has_draft),
         head_kv=head_kv,
         eviction_interval=config.kv_compression_interval,
         eviction_window=eviction_window,
@@ -93,3 +96,11 @@ def speculation_settings(config: EngineConfig, *, has_draft: bool) -> Speculatio
         prompt_lookup_min=spec.prompt_lookup_min,
         prompt_lookup_max=spec.prompt_lookup_max,
     )
+
+
+def schedules_ahead(config: EngineConfig, runner: Runner, has_head_pool: bool) -> bool:
+    """Whether the engine schedules each step while the previous one runs (`step_pipeline.py`):
+    `async_scheduling` on, a runner whose steps may run on a device thread (`overlappable`), no
+    draft model and no KV compression pool (drafts and evictions need the previous step's results)."""
+    overlappable = bool(getattr(runner, "overlappable", False))
+    return config.async_scheduling and overlappable and not runner.has_draft and not has_head_pool

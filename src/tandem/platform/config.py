@@ -312,6 +312,12 @@ class EngineConfig(BaseModel):
         "one, whichever its measured step times say is faster (one wins when other processes share "
         "the cores); off: always all",
     )
+    async_scheduling: bool = Field(
+        True,
+        description="Schedule each step while the device runs the previous one, where the runner's steps "
+        "run on a device thread (the null model's; not yet the CUDA runner's); such an engine plans "
+        "no speculative drafts.",
+    )
     null_model_step_ms: float | None = Field(
         None,
         ge=0.0,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from tandem.engine.io.tokenizer import Tokenizer
 from tandem.engine.protocol import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.engine.request import Request, RequestStatus
+from tandem.engine.sched.in_flight import without_placeholder
 from tandem.engine.sched.step import RequestUpdate
 
 
@@ -91,7 +92,7 @@ class OutputProcessor:
 
     def _decode(self, state: _RequestState, finished: bool) -> str:
         """The output's text: one full decode when finished, else the incremental one."""
-        token_ids = state.request.output_token_ids
+        token_ids = without_placeholder(state.request.output_token_ids)  # a step in flight: not yet known
         if finished:
             return self.tokenizer.decode(token_ids)
         if state.read_offset < len(token_ids):
@@ -129,7 +130,7 @@ class OutputProcessor:
             full = state.text  # happen with hold-back; kept as a guard)
         delta_text = full[len(state.text) :]
         state.text = full
-        token_ids = list(request.output_token_ids)
+        token_ids = list(without_placeholder(request.output_token_ids))
         delta_ids = token_ids[state.num_emitted_tokens :]
         delta_logprobs = None
         if state.logprobs is not None:

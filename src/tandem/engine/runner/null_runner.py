@@ -26,18 +26,28 @@ class NullRunner:
     def has_draft(self) -> bool:
         return False
 
+    @property
+    def overlappable(self) -> bool:
+        """Its steps may run on a thread of their own, reading only their `SchedulerOutput`: the
+        engine schedules the next step meanwhile (`step_pipeline.py`)."""
+        return True
+
     def execute(self, sched: SchedulerOutput) -> RunnerResult:
-        """The step's tokens: a request's k-th output token is `token_ids[k % len(token_ids)]`."""
-        if self.step_s > 0:
-            time.sleep(self.step_s)
+        """The step's tokens: the token at position p of a request (prompt included) is
+        `token_ids[p % len(token_ids)]` (a function of the position only: the same whatever the
+        batch, and whether or not the engine schedules ahead); drafts are never accepted."""
         self.num_steps += 1
         cycle = self.token_ids
         num = len(cycle)
         sampled = {
-            item.request_id: [cycle[len(item.output_token_ids) % num]]
+            item.request_id: [
+                cycle[(item.start_position + len(item.token_ids) - len(item.draft_token_ids)) % num]
+            ]
             for item in sched.scheduled
             if item.sample
         }
+        if self.step_s > 0:  # the result is ready: the wait is all the device's
+            time.sleep(self.step_s)
         return RunnerResult(sampled)
 
     def stats(self) -> RunnerStats:

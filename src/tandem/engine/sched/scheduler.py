@@ -256,10 +256,34 @@ class Scheduler:
         cap = self.builder.schedule_running(self.fair.order(decoding, self.builder.num_uncomputed), step, cap)
         self.admission.admit_waiting(queue, step, cap)
 
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the running one's results are in
+        (`in_flight.py`): it cannot preempt (the free blocks cover every running request's share of
+        a full step), and no running request is compressed (its eviction needs the results) or
+        embeds (its pooled state is its result)."""
+        if any(r.compressed or r.embed for r in self.running):
+            return False
+        bound = self.max_num_batched_tokens // self.kv.block_size + 1 + len(self.running)
+        return self.kv.pool.num_free_blocks >= bound
+
     # -- applying the runner's result -------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, result: RunnerResult) -> list[RequestUpdate]:
         """Apply a step's results (`StepUpdates.update_from_output`)."""
         return self.updates.update_from_output(output, result)
+
+    def apply_filled(
+        self,
+        output: SchedulerOutput,
+        result: RunnerResult,
+        computed_before: dict[str, int],
+        ending: dict[str, RequestStatus | None],
+    ) -> list[RequestUpdate]:
+        """Finish applying a step whose tokens are in place (`StepUpdates.apply_filled`)."""
+        return self.updates.apply_filled(output, result, computed_before, ending)
+
+    def stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        """Whether `token_id`, the newest of the request's output, ends it (`StepUpdates.check_stop`)."""
+        return self.updates.check_stop(request, token_id)
 
     def add_handed_over(self, request: Request, first_token_id: int) -> RequestUpdate:
         """Admit a request whose prompt KV another engine computed, with its first token

@@ -80,6 +80,41 @@ class StepUpdates:
         self.speculation.end_step(num_generated)
         return updates
 
+    def apply_filled(
+        self,
+        output: SchedulerOutput,
+        result: RunnerResult,
+        computed_before: dict[str, int],
+        ending: dict[str, RequestStatus | None],
+    ) -> list[RequestUpdate]:
+        """The rest of `update_from_output` for a step whose tokens are in place already and whose
+        requests' computed counts have moved on (`in_flight.InFlightStep.fill`; no drafts, no
+        compressed or embedding requests): fair shares, the prefix cache, the window, and the
+        requests whose token stopped them (`ending`) finish. Returns the same updates."""
+        num_rows = sum(1 for s in output.scheduled if s.sample)
+        self.speculation.step_cost.observe(output.num_scheduled_tokens, num_rows, result.wall_s)
+        updates: list[RequestUpdate] = []
+        for item in output.scheduled:
+            request = self.queues.requests.get(item.request_id)
+            if request is None:  # finished meanwhile (abort, a stop string, a failure)
+                continue
+            self.queues.fair.charge(request, len(item.token_ids))
+            self.maybe_cache(request, computed_before[item.request_id])
+            token_ids = result.sampled_token_ids.get(item.request_id) if item.sample else None
+            if not token_ids:
+                self.release_outside_window(request)
+                continue
+            status = ending.get(item.request_id)
+            self.num_output_tokens_total[request.priority] += 1
+            if status is not None:
+                self.finish(request.request_id, status)
+            else:
+                self.release_outside_window(request)
+            logprobs = result.logprobs.get(item.request_id)
+            new_logprobs = logprobs[:1] if logprobs is not None else None
+            updates.append(RequestUpdate(request, token_ids[:1], new_logprobs, finished=status is not None))
+        return updates
+
     def pooled(self, request: Request, item: ScheduledRequest, result: RunnerResult) -> RequestUpdate | None:
         """An embedding request's step: its prompt chunk is computed (never published to the prefix
         cache: nothing of it is kept); at the prompt's end it finishes with the pooled state."""

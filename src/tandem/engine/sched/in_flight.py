@@ -1,0 +1,105 @@
+"""A step in flight (no torch): what lets the engine schedule step N+1 while step N runs.
+
+When step N is handed to the device, its requests advance as if its results were in: each
+request's computed count moves past the step's tokens and each sampling request gets one
+`PLACEHOLDER_TOKEN` at the end of its output (`InFlightStep.begin`). The scheduler then builds
+step N+1 from that state. When step N's results arrive, the tokens go where the placeholders are
+(`fill`), which says who ends there (a stop token, the length, a failure); step N+1 loses those
+requests and takes the real tokens (`rebase`) and goes to the device; only then is the rest of
+step N's bookkeeping done (`StepUpdates.apply_filled`: fair shares, the prefix cache, finishing).
+The state a request reaches this way is the serial engine's, token for token.
+
+Only a step that cannot preempt is scheduled ahead (`Scheduler.can_schedule_ahead`). While steps
+are in flight a request's output ends with at most one placeholder, the newest token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.sched.step import RunnerResult, SchedulerOutput
+
+PLACEHOLDER_TOKEN = -1  # an output token whose value the device has not returned yet
+
+
+def without_placeholder(token_ids: list[int]) -> list[int]:
+    """`token_ids` (a request's output) without a trailing placeholder: the tokens known now."""
+    if token_ids and token_ids[-1] == PLACEHOLDER_TOKEN:
+        return token_ids[:-1]
+    return token_ids
+
+
+@dataclass
+class InFlightStep:
+    """A step handed to the device whose results are not applied yet."""
+
+    scheduled: SchedulerOutput
+    computed_before: dict[str, int]  # request id -> its computed count before the step
+    placeholder_index: dict[str, int]  # sampling request id -> where its placeholder is in its output
+
+    @classmethod
+    def begin(cls, scheduled: SchedulerOutput, requests: dict[str, Request]) -> InFlightStep:
+        """Advance the step's requests as if its results were in (one placeholder per sampling
+        request; a step scheduled ahead carries no drafts)."""
+        computed_before, placeholder_index = {}, {}
+        for item in scheduled.scheduled:
+            request = requests.get(item.request_id)
+            if request is None:
+                continue
+            assert not item.draft_token_ids and not item.num_draft_slots, (
+                "a step scheduled ahead has no drafts"
+            )
+            computed_before[item.request_id] = request.num_computed_tokens
+            request.num_computed_tokens += len(item.token_ids)
+            if item.sample:
+                placeholder_index[item.request_id] = len(request.output_token_ids)
+                request.output_token_ids.append(PLACEHOLDER_TOKEN)
+        return cls(scheduled, computed_before, placeholder_index)
+
+    def fill(
+        self,
+        result: RunnerResult,
+        requests: dict[str, Request],
+        stop_status: Callable[[Request, int], RequestStatus | None],
+    ) -> dict[str, RequestStatus | None]:
+        """Put the device's tokens where the placeholders are, for the requests still running (a
+        request a stop string or an abort ended meanwhile keeps its placeholder: its output is
+        final). Returns the requests that end here: those whose token stops them (`stop_status`,
+        read before the next step is begun) and those the device failed (None)."""
+        ending: dict[str, RequestStatus | None] = dict.fromkeys(result.failed)
+        for request_id, index in self.placeholder_index.items():
+            request = requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING or request_id in ending:
+                continue
+            token_ids = result.sampled_token_ids.get(request_id)
+            if not token_ids:
+                ending[request_id] = None
+                continue
+            request.output_token_ids[index] = token_ids[0]
+            status = stop_status(request, token_ids[0])
+            if status is not None:
+                ending[request_id] = status
+        return ending
+
+
+def rebase(
+    ahead: SchedulerOutput, requests: dict[str, Request], ending: dict[str, RequestStatus | None]
+) -> SchedulerOutput:
+    """The step scheduled ahead, once the one before it is filled (`InFlightStep.fill`): without
+    the requests that end there or finished meanwhile (their blocks are freed when they end), and
+    with every request's tokens read again (real ones where it was scheduled with a placeholder)."""
+    kept = []
+    for item in ahead.scheduled:
+        request = requests.get(item.request_id)
+        if request is None or request.status.is_finished or item.request_id in ending:
+            continue
+        start = item.start_position
+        item.token_ids = request.token_ids_slice(start, start + len(item.token_ids))
+        kept.append(item)
+    if len(kept) == len(ahead.scheduled):
+        return ahead
+    num_tokens = sum(len(item.token_ids) for item in kept)
+    return dataclasses.replace(ahead, scheduled=kept, num_scheduled_tokens=num_tokens)

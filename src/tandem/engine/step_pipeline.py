@@ -1,0 +1,112 @@
+"""`StepPipeline`: the engine's steps with the next one scheduled while the device runs the current.
+
+A runner whose steps run on a device (`overlappable`: its `execute` may run on a thread of its own
+and reads only its `SchedulerOutput`) gets its steps from a single device thread. While step N runs
+there, the engine thread schedules step N+1 from the state step N leaves (`sched/in_flight.py`:
+one placeholder token per sampling request), then waits for step N's results, puts its tokens in
+place and drops from step N+1 the requests they end, hands step N+1 to the device, and only then
+does the rest of step N's bookkeeping and turns it into outputs (detokenisation, stop strings,
+`RequestOutput`s) while step N+1 runs. So only filling tokens in is serial with the device. A
+request that a stop string ends is in the step already running: its token there is dropped (as
+vLLM's asynchronous scheduling does). When the next step could preempt
+(`Scheduler.can_schedule_ahead`) the running step's results are applied first.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from tandem.engine.protocol import RequestOutput
+from tandem.engine.request import RequestStatus
+from tandem.engine.sched.in_flight import InFlightStep, rebase
+from tandem.engine.sched.scheduler import Scheduler
+from tandem.engine.sched.step import RequestUpdate, Runner, RunnerResult, SchedulerOutput
+
+
+class StepPipeline:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: Runner,
+        *,
+        end_stale: Callable[[list[str]], list[RequestOutput]],
+        fail_requests: Callable[[RunnerResult, int], list[RequestOutput]],
+        outputs: Callable[[list[RequestUpdate]], list[RequestOutput]],
+        mark_scheduled: Callable[[list[str], float], None],
+    ) -> None:
+        """The callables are the engine's: end stale requests (KV integrity), end the requests a
+        result failed, make outputs from updates, note first-scheduled times."""
+        self.scheduler = scheduler
+        self.runner = runner
+        self.end_stale = end_stale
+        self.fail_requests = fail_requests
+        self.outputs = outputs
+        self.mark_scheduled = mark_scheduled
+        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-device")
+        self._in_flight: tuple[InFlightStep, Future[RunnerResult]] | None = None
+        self.num_steps = 0  # steps whose results were applied
+        self.num_steps_ahead = 0  # of which the next step was scheduled while they ran
+        self.wait_s = 0.0  # the engine thread's seconds waiting for the device
+
+    @property
+    def has_step_in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule the next step (ahead of the running one's results where it cannot preempt),
+        fill the running one's tokens in, start the next one, then finish applying the results
+        and return their outputs."""
+        if self._in_flight is not None and not self.scheduler.can_schedule_ahead():
+            scheduled = None  # the next step is scheduled from the applied results (next call)
+            ended: list[RequestOutput] = []
+        else:
+            scheduled = self.scheduler.schedule()
+            ended = self.end_stale(scheduled.stale_request_ids)
+        previous, self._in_flight = self._in_flight, None
+        filled: tuple[InFlightStep, RunnerResult, dict[str, RequestStatus | None]] | None = None
+        if previous is not None:
+            filled = self._fill(*previous)
+            if scheduled is not None:
+                self.num_steps_ahead += 1
+                scheduled = rebase(scheduled, self.scheduler.requests, filled[2])
+        if scheduled is not None and not scheduled.is_empty:
+            self._submit(scheduled)
+        if filled is None:
+            return ended
+        in_flight, result, ending = filled
+        ended += self.fail_requests(result, len(in_flight.scheduled.scheduled))
+        updates = self.scheduler.apply_filled(in_flight.scheduled, result, in_flight.computed_before, ending)
+        self.num_steps += 1
+        return ended + self.outputs(updates)
+
+    def _submit(self, scheduled: SchedulerOutput) -> None:
+        self.mark_scheduled([s.request_id for s in scheduled.scheduled if s.is_new], time.monotonic())
+        in_flight = InFlightStep.begin(scheduled, self.scheduler.requests)
+        started = threading.Event()
+
+        def run() -> RunnerResult:
+            started.set()
+            return self.runner.execute(scheduled)
+
+        self._in_flight = (in_flight, self._device.submit(run))
+        # Wait (GIL free) until the device thread runs: else it could wait for the GIL as long as
+        # this thread's outputs and scheduling keep it (up to the interpreter's switch interval).
+        started.wait()
+
+    def _fill(
+        self, in_flight: InFlightStep, future: Future[RunnerResult]
+    ) -> tuple[InFlightStep, RunnerResult, dict[str, RequestStatus | None]]:
+        """Wait for a step's results and put its tokens in place; who ends there."""
+        started = time.perf_counter()
+        try:
+            result = future.result()
+        finally:
+            self.wait_s += time.perf_counter() - started
+        ending = in_flight.fill(result, self.scheduler.requests, self.scheduler.stop_status)
+        return in_flight, result, ending
+
+    def shutdown(self) -> None:
+        self._device.shutdown(wait=False, cancel_futures=True)
