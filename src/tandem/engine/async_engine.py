@@ -19,15 +19,15 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tandem.engine.engine import LLMEngine
+from tandem.engine.io.output_stream import OutputStream, put_all
 from tandem.engine.io.tokenizer import Tokenizer
 from tandem.engine.kv.handover import with_token_ids
 from tandem.engine.kv.transfer import KVTransfer
 from tandem.engine.loop_call import LoopCall
-from tandem.engine.protocol import GenerationRequest, RequestOutput, merge_outputs
+from tandem.engine.protocol import GenerationRequest, RequestOutput
 from tandem.engine.request import Request, RequestStatus
 from tandem.platform.errors import InvalidRequestError, RequestFailedError, ServiceUnavailableError
 
@@ -38,24 +38,17 @@ T = TypeVar("T")
 STATS_INTERVAL_S = 0.05  # most seconds between stats snapshots while requests run
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
-    stream: bool = True  # False: first output and final output only (`GenerationRequest.stream`)
-
-
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, start: bool = True) -> None:
         """Serve `engine` from a new loop thread (`start=False`: the caller's thread runs `_loop`
         itself, as `from_options` does)."""
         self.engine = engine
         self._cv = threading.Condition()
-        self._pending_adds: list[tuple[tuple[Request, str | None], _Stream]] = []
+        self._pending_adds: list[tuple[tuple[Request, str | None], OutputStream]] = []
         self._pending_aborts: list[str] = []
         # Work on the engine itself (KV hand-over), run by the loop thread between steps.
         self._pending_calls: list[LoopCall[Any]] = []
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._stopped = False
         self._broken = False  # a failure no single request explained: health checks fail from then on
         self._stats: dict[str, Any] = engine.stats()
@@ -112,7 +105,7 @@ class AsyncEngine:
             await asyncio.to_thread(grammars.compile, spec)
         # Validate and tokenise in the caller's thread: bad input raises here, before anything is queued.
         prepared = self.engine.make_request(request)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request.stream)
+        stream = OutputStream.here(request.stream)
         with self._cv:
             if self._stopped or self._broken:
                 raise ServiceUnavailableError("this engine is shut down or being replaced; retry the request")
@@ -124,7 +117,7 @@ class AsyncEngine:
                 )
             self._pending_adds.append((prepared, stream))
             self._cv.notify()
-        async for output in self._stream_outputs(request.request_id, stream, stream_interval):
+        async for output in self._outputs(request.request_id, stream, stream_interval):
             yield output
 
     async def with_prompt_token_ids(self, request: GenerationRequest) -> GenerationRequest:
@@ -164,7 +157,7 @@ class AsyncEngine:
     ) -> AsyncGenerator[RequestOutput, None]:
         """`generate` for a request whose prompt KV another engine computed (`prefill`): the
         transfer is verified and imported (a bad one raises here), then decoding streams on."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = OutputStream.here()
 
         def add(engine: LLMEngine) -> RequestOutput:
             first = engine.handover.add_request_with_kv(request, transfer, stream_text=True)
@@ -182,10 +175,8 @@ class AsyncEngine:
             yield first
             if first.finished:
                 return
-            streaming = True  # from here `_stream_outputs` aborts the request if we are left
-            async for output in self._stream_outputs(
-                request.request_id, stream, stream_interval, num_yielded=1
-            ):
+            streaming = True  # from here `_outputs` aborts the request if we are left
+            async for output in self._outputs(request.request_id, stream, stream_interval, num_yielded=1):
                 yield output
         finally:
             if not streaming and not first.finished:
@@ -194,13 +185,13 @@ class AsyncEngine:
     async def _start(self, prepared: tuple[Request, str | None]) -> AsyncGenerator[RequestOutput, None]:
         """Queue a prepared request and stream its outputs (one per step)."""
         request = prepared[0]
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = OutputStream.here()
         with self._cv:
             if self._stopped or self._broken:
                 raise ServiceUnavailableError("this engine is shut down or being replaced; retry the request")
             self._pending_adds.append((prepared, stream))
             self._cv.notify()
-        async for output in self._stream_outputs(request.request_id, stream, 1):
+        async for output in self._outputs(request.request_id, stream, 1):
             yield output
 
     async def _call(self, fn: Callable[[LLMEngine], T]) -> T:
@@ -213,43 +204,11 @@ class AsyncEngine:
             self._cv.notify()
         return await future
 
-    async def _stream_outputs(
-        self, request_id: str, stream: _Stream, stream_interval: int, num_yielded: int = 0
+    def _outputs(
+        self, request_id: str, stream: OutputStream, stream_interval: int, num_yielded: int = 0
     ) -> AsyncGenerator[RequestOutput, None]:
-        """The consumer side of a stream: coalesce, hold back to `stream_interval`, and abort the
-        request when the consumer leaves early."""
-        finished = False
-        pending: RequestOutput | BaseException | None = None
-        held: RequestOutput | None = None  # not yielded yet: fewer than stream_interval new tokens
-        try:
-            while True:
-                item = pending if pending is not None else await stream.queue.get()
-                pending = None
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                if held is not None:
-                    merge_outputs(held, item)
-                    held = None
-                # Coalesce updates that queued up while the consumer was busy into one.
-                while not item.finished and not stream.queue.empty():
-                    following = stream.queue.get_nowait()
-                    if isinstance(following, BaseException):
-                        pending = following
-                        break
-                    merge_outputs(item, following)
-                    item = following
-                finished = item.finished
-                if not finished and num_yielded and item.num_new_tokens() < stream_interval:
-                    held = item
-                    continue
-                yield item
-                num_yielded += 1
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
+        """The stream's outputs (`OutputStream.outputs`); leaving early aborts the request."""
+        return stream.outputs(stream_interval, lambda: self.abort(request_id), num_yielded)
 
     def abort(self, request_id: str) -> None:
         with self._cv:
@@ -345,7 +304,9 @@ class AsyncEngine:
             if len(self._pending_adds) == num_pending:  # quiet (or only an abort arrived)
                 return
 
-    def _iterate(self, adds: list[tuple[tuple[Request, str | None], _Stream]], aborts: list[str]) -> None:
+    def _iterate(
+        self, adds: list[tuple[tuple[Request, str | None], OutputStream]], aborts: list[str]
+    ) -> None:
         """Apply queued adds and aborts, then run one step and deliver its outputs."""
         engine = self.engine
         for (request, prompt), stream in adds:
@@ -371,7 +332,7 @@ class AsyncEngine:
             self._stats = engine.stats()
             self._stats_time = now
 
-    def _send(self, request_id: str, stream: _Stream, item: RequestOutput | BaseException) -> None:
+    def _send(self, request_id: str, stream: OutputStream, item: RequestOutput | BaseException) -> None:
         """Hand `item` to the consumer's event loop. A consumer whose loop is gone (closed without
         leaving its stream) is treated like a disconnect: its request is aborted."""
         try:
@@ -381,12 +342,22 @@ class AsyncEngine:
             self.engine.abort_request(request_id)  # nothing when it has finished
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their consumers: one hand-over per event loop (a wake-up of that
+        loop per step, not per request)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, RequestOutput]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if output.finished:
                 self._streams.pop(output.request_id, None)
             if stream is not None:
-                self._send(output.request_id, stream, output)
+                batches.setdefault(stream.loop, []).append((stream, output))
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(put_all, batch)
+            except RuntimeError:  # "Event loop is closed": its consumers are gone, as on a disconnect
+                for _, output in batch:
+                    self._streams.pop(output.request_id, None)
+                    self.engine.abort_request(output.request_id)
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):

@@ -1,10 +1,10 @@
 """Turns per-step token updates into `RequestOutput`s: detokenisation, stop strings, deltas.
 
-While a request streams text, it is decoded incrementally (as vLLM does): each step decodes only
-a window from the last settled token, `decode(ids[prefix:])` minus `decode(ids[prefix:read])`, so
-tokenizers that drop a leading space or merge across tokens give the same text as decoding the
-whole output, and a long answer costs linear, not quadratic, time. Text waits while the window
-ends in U+FFFD (an incomplete UTF-8 sequence). The final text is one decode of the whole output.
+While a request streams text, it is decoded incrementally (`Tokenizer.incremental_decoder`: each
+new token decodes a window from the last settled token, as vLLM does, in the tokenizer library),
+so tokenizers that drop a leading space or merge across tokens give the same text as decoding the
+whole output, and a long answer costs linear, not quadratic, time. Text waits while it ends in an
+incomplete UTF-8 sequence. The final text is one decode of the whole output.
 While a request runs, anything that could still become a stop string is held back. A request
 added `final_only` gets two outputs: its first token and its end.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from tandem.engine.io.tokenizer import Tokenizer
+from tandem.engine.io.tokenizer import IncrementalDecoder, Tokenizer
 from tandem.engine.protocol import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sched.in_flight import without_placeholder
@@ -32,11 +32,8 @@ class _RequestState:
     text: str = ""  # text emitted so far
     num_emitted_tokens: int = 0
     decoded_text: str | None = None  # latest decode of the output, cut at a stop string
-    # Incremental decoding: text settled so far, and the window [prefix_offset, read_offset) of
-    # output tokens that precedes the undecoded ones (decoded again only as context).
-    settled_text: str = ""
-    prefix_offset: int = 0
-    read_offset: int = 0
+    settled_text: str = ""  # text the incremental decoder settled so far
+    decoder: IncrementalDecoder | None = None  # made when the output's text is first decoded
 
 
 class OutputProcessor:
@@ -95,12 +92,10 @@ class OutputProcessor:
         token_ids = without_placeholder(state.request.output_token_ids)  # a step in flight: not yet known
         if finished:
             return self.tokenizer.decode(token_ids)
-        if state.read_offset < len(token_ids):
-            prefix_text = self.tokenizer.decode(token_ids[state.prefix_offset : state.read_offset])
-            window_text = self.tokenizer.decode(token_ids[state.prefix_offset :])
-            if len(window_text) > len(prefix_text) and not window_text.endswith("\ufffd"):
-                state.settled_text += window_text[len(prefix_text) :]
-                state.prefix_offset, state.read_offset = state.read_offset, len(token_ids)
+        if state.decoder is None:
+            state.decoder = self.tokenizer.incremental_decoder()
+        if state.decoder.num_tokens < len(token_ids):
+            state.settled_text += state.decoder.extend(token_ids[state.decoder.num_tokens :])
         return state.settled_text
 
     def _apply_stop_strings(self, state: _RequestState, finished: bool) -> bool:

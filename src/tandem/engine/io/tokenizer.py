@@ -24,6 +24,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
+from tokenizers.decoders import DecodeStream
 
 from tandem.engine.io.chat_templates import FAMILY_CHAT_TEMPLATES
 from tandem.engine.io.gguf_tokenizer import add_bos_default, bytes_to_unicode, gguf_backend
@@ -61,6 +62,10 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def incremental_decoder(self) -> IncrementalDecoder:
+        """A decoder that takes one output's tokens as they come (`IncrementalDecoder`)."""
+        return IncrementalDecoder(self.backend)
 
     def token_bytes_table(self) -> list[bytes]:
         """Each token id's raw bytes (OpenAI's logprobs `bytes`; a token can be part of a UTF-8
@@ -158,6 +163,24 @@ class Tokenizer:
             eos_token=eos,
             eos_token_ids=[eos_id] if eos_id is not None else [],
         )
+
+
+class IncrementalDecoder:
+    """One output's text, token by token (the `tokenizers` library's `DecodeStream`: it decodes a
+    window from the last settled token, as `decode(ids)` minus the window's prefix, and waits
+    while the text ends in an incomplete UTF-8 sequence). The text so far is what `decode` of the
+    tokens fed gives, less any incomplete character at its end; special tokens are skipped."""
+
+    def __init__(self, backend: HFTokenizer) -> None:
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self.num_tokens = 0  # tokens fed so far
+
+    def extend(self, token_ids: list[int]) -> str:
+        """Feed new tokens; returns the text they settle (may be empty)."""
+        chunks = [self._stream.step(self._backend, token_id) for token_id in token_ids]
+        self.num_tokens += len(token_ids)
+        return "".join(chunk for chunk in chunks if chunk)
 
 
 def _set_special_tokens(backend: HFTokenizer, bos: str | None, eos: str | None) -> None:

@@ -341,11 +341,15 @@ class KVCacheManager:
         if total == 0:
             return []
         pool_generations = self.pool.generations
-        current = np.fromiter(
-            (pool_generations[b] if b != FREED_BLOCK else 0 for t in tables if t for b in t.block_ids),
-            np.int64,
-            total,
-        )
+        if self.sliding_window is None:  # no FREED_BLOCK entries: a C-level walk, no Python frame per block
+            block_ids = chain.from_iterable(t.block_ids for t in tables if t)
+            current = np.fromiter(map(pool_generations.__getitem__, block_ids), np.int64, total)
+        else:
+            current = np.fromiter(
+                (pool_generations[b] if b != FREED_BLOCK else 0 for t in tables if t for b in t.block_ids),
+                np.int64,
+                total,
+            )
         expected = np.fromiter(chain.from_iterable(t.generations for t in tables if t), np.int64, total)
         mismatch = current != expected
         if not mismatch.any():
