@@ -152,15 +152,14 @@ def run_async(num_requests: int, step_ms: float, prompt_len: int, new_tokens: in
     num_tokens, wall = asyncio.run(wave())
     figures = steps.figures(time.perf_counter())
     served.shutdown()
+    pipeline = getattr(engine, "pipeline", None)  # None: an engine that schedules in series
     decode_ms = figures["ms_per_decode_step"]
     result = {
         "requests": num_requests,
         "step_ms": step_ms,
-        "scheduled_ahead": engine.pipeline is not None,
+        "scheduled_ahead": pipeline is not None,
         # the engine thread's wait for the device per step: near 0, the engine is the bottleneck
-        "engine_wait_ms_per_step": 1000 * engine.pipeline.wait_s / max(1, engine.pipeline.num_steps)
-        if engine.pipeline is not None
-        else None,
+        "engine_wait_ms_per_step": 1000 * pipeline.wait_s / max(1, pipeline.num_steps) if pipeline else None,
         "generated_tokens": num_tokens,
         "tokens_per_s": num_tokens / wall,
         **figures,

@@ -32,11 +32,14 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self.name.startswith("FINISHED")
+        return self in FINISHED_STATUSES
 
     @property
     def finish_reason(self) -> str | None:
         return self.value if self.is_finished else None
+
+
+FINISHED_STATUSES = frozenset(s for s in RequestStatus if s.name.startswith("FINISHED"))
 
 
 @dataclass

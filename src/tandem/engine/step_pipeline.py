@@ -83,7 +83,7 @@ class StepPipeline:
         return ended + self.outputs(updates)
 
     def _submit(self, scheduled: SchedulerOutput) -> None:
-        self.mark_scheduled([s.request_id for s in scheduled.scheduled if s.is_new], time.monotonic())
+        now = time.monotonic()
         in_flight = InFlightStep.begin(scheduled, self.scheduler.requests)
         started = threading.Event()
 
@@ -95,6 +95,7 @@ class StepPipeline:
         # Wait (GIL free) until the device thread runs: else it could wait for the GIL as long as
         # this thread's outputs and scheduling keep it (up to the interpreter's switch interval).
         started.wait()
+        self.mark_scheduled([s.request_id for s in scheduled.scheduled if s.is_new], now)
 
     def _fill(
         self, in_flight: InFlightStep, future: Future[RunnerResult]
@@ -105,7 +106,7 @@ class StepPipeline:
             result = future.result()
         finally:
             self.wait_s += time.perf_counter() - started
-        ending = in_flight.fill(result, self.scheduler.requests, self.scheduler.stop_status)
+        ending = in_flight.fill(result, self.scheduler.updates.check_stop)  # who stops at their token
         return in_flight, result, ending
 
     def shutdown(self) -> None:

@@ -36,6 +36,7 @@ class NullRunner:
         """The step's tokens: the token at position p of a request (prompt included) is
         `token_ids[p % len(token_ids)]` (a function of the position only: the same whatever the
         batch, and whether or not the engine schedules ahead); drafts are never accepted."""
+        deadline = time.perf_counter() + self.step_s  # the step takes step_s, its own work included
         self.num_steps += 1
         cycle = self.token_ids
         num = len(cycle)
@@ -46,8 +47,8 @@ class NullRunner:
             for item in sched.scheduled
             if item.sample
         }
-        if self.step_s > 0:  # the result is ready: the wait is all the device's
-            time.sleep(self.step_s)
+        if self.step_s > 0:  # the result is ready: the rest of the step is the device's
+            time.sleep(max(0.0, deadline - time.perf_counter()))
         return RunnerResult(sampled)
 
     def stats(self) -> RunnerStats:

@@ -38,13 +38,13 @@ class InFlightStep:
 
     scheduled: SchedulerOutput
     computed_before: dict[str, int]  # request id -> its computed count before the step
-    placeholder_index: dict[str, int]  # sampling request id -> where its placeholder is in its output
+    placeholders: list[tuple[Request, int]]  # each sampling request, and where its placeholder is
 
     @classmethod
     def begin(cls, scheduled: SchedulerOutput, requests: dict[str, Request]) -> InFlightStep:
         """Advance the step's requests as if its results were in (one placeholder per sampling
         request; a step scheduled ahead carries no drafts)."""
-        computed_before, placeholder_index = {}, {}
+        computed_before, placeholders = {}, []
         for item in scheduled.scheduled:
             request = requests.get(item.request_id)
             if request is None:
@@ -55,33 +55,31 @@ class InFlightStep:
             computed_before[item.request_id] = request.num_computed_tokens
             request.num_computed_tokens += len(item.token_ids)
             if item.sample:
-                placeholder_index[item.request_id] = len(request.output_token_ids)
+                placeholders.append((request, len(request.output_token_ids)))
                 request.output_token_ids.append(PLACEHOLDER_TOKEN)
-        return cls(scheduled, computed_before, placeholder_index)
+        return cls(scheduled, computed_before, placeholders)
 
     def fill(
-        self,
-        result: RunnerResult,
-        requests: dict[str, Request],
-        stop_status: Callable[[Request, int], RequestStatus | None],
+        self, result: RunnerResult, stop_status: Callable[[Request, int], RequestStatus | None]
     ) -> dict[str, RequestStatus | None]:
         """Put the device's tokens where the placeholders are, for the requests still running (a
         request a stop string or an abort ended meanwhile keeps its placeholder: its output is
         final). Returns the requests that end here: those whose token stops them (`stop_status`,
         read before the next step is begun) and those the device failed (None)."""
         ending: dict[str, RequestStatus | None] = dict.fromkeys(result.failed)
-        for request_id, index in self.placeholder_index.items():
-            request = requests.get(request_id)
-            if request is None or request.status is not RequestStatus.RUNNING or request_id in ending:
+        sampled = result.sampled_token_ids
+        running = RequestStatus.RUNNING
+        for request, index in self.placeholders:
+            if request.status is not running or (ending and request.request_id in ending):
                 continue
-            token_ids = result.sampled_token_ids.get(request_id)
+            token_ids = sampled.get(request.request_id)
             if not token_ids:
-                ending[request_id] = None
+                ending[request.request_id] = None
                 continue
             request.output_token_ids[index] = token_ids[0]
             status = stop_status(request, token_ids[0])
             if status is not None:
-                ending[request_id] = status
+                ending[request.request_id] = status
         return ending
 
 
@@ -90,14 +88,17 @@ def rebase(
 ) -> SchedulerOutput:
     """The step scheduled ahead, once the one before it is filled (`InFlightStep.fill`): without
     the requests that end there or finished meanwhile (their blocks are freed when they end), and
-    with every request's tokens read again (real ones where it was scheduled with a placeholder)."""
+    with the real token where a request was scheduled with a placeholder (its last token)."""
     kept = []
+    running = RequestStatus.RUNNING  # everything a step schedules runs; the others ended meanwhile
     for item in ahead.scheduled:
         request = requests.get(item.request_id)
-        if request is None or request.status.is_finished or item.request_id in ending:
+        if request is None or request.status is not running or (ending and item.request_id in ending):
             continue
-        start = item.start_position
-        item.token_ids = request.token_ids_slice(start, start + len(item.token_ids))
+        token_ids = item.token_ids
+        if token_ids and token_ids[-1] == PLACEHOLDER_TOKEN:  # only the newest token can be one
+            position = item.start_position + len(token_ids) - 1
+            token_ids[-1] = request.output_token_ids[position - request.num_prompt_tokens]
         kept.append(item)
     if len(kept) == len(ahead.scheduled):
         return ahead

@@ -281,10 +281,6 @@ class Scheduler:
         """Finish applying a step whose tokens are in place (`StepUpdates.apply_filled`)."""
         return self.updates.apply_filled(output, result, computed_before, ending)
 
-    def stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
-        """Whether `token_id`, the newest of the request's output, ends it (`StepUpdates.check_stop`)."""
-        return self.updates.check_stop(request, token_id)
-
     def add_handed_over(self, request: Request, first_token_id: int) -> RequestUpdate:
         """Admit a request whose prompt KV another engine computed, with its first token
         (`StepUpdates.add_handed_over`)."""

@@ -184,9 +184,13 @@ class StepUpdates:
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
+        num_output_tokens = len(request.output_token_ids)
         max_tokens = (
             params.max_tokens if params.max_tokens is not None else self.max_model_len
         )  # None: the context
-        if request.num_output_tokens >= max_tokens or request.num_tokens >= self.max_model_len:
+        if (
+            num_output_tokens >= max_tokens
+            or request.num_prompt_tokens + num_output_tokens >= self.max_model_len
+        ):
             return RequestStatus.FINISHED_LENGTH
         return None
