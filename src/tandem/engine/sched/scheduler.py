@@ -271,16 +271,6 @@ class Scheduler:
         """Apply a step's results (`StepUpdates.update_from_output`)."""
         return self.updates.update_from_output(output, result)
 
-    def apply_filled(
-        self,
-        output: SchedulerOutput,
-        result: RunnerResult,
-        computed_before: dict[str, int],
-        ending: dict[str, RequestStatus | None],
-    ) -> list[RequestUpdate]:
-        """Finish applying a step whose tokens are in place (`StepUpdates.apply_filled`)."""
-        return self.updates.apply_filled(output, result, computed_before, ending)
-
     def add_handed_over(self, request: Request, first_token_id: int) -> RequestUpdate:
         """Admit a request whose prompt KV another engine computed, with its first token
         (`StepUpdates.add_handed_over`)."""
