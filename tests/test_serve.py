@@ -828,3 +828,34 @@ def test_a_sliding_window_model_through_disaggregated_serve(
         assert decode_stats["kv_window_released_blocks"] > 0, decode_stats
     finally:
         serve.delete("tandem-window")
+
+
+def test_a_null_model_replica_schedules_ahead_through_serve(
+    served: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The null model on Ray Serve (what `benchmarks/platform_overhead.py` measures): a replica whose
+    engine schedules each step while the last one runs streams, to concurrent openai clients, the
+    text its non-streamed answer has; the replica's engine counts steps scheduled ahead."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ray import serve
+
+    deploy(tmp_path_factory, "tandem-null", "/null", engine={"null_model_step_ms": 5.0})
+    try:
+        client = openai.OpenAI(base_url=f"{served}/null/v1", api_key=KEY, max_retries=0)
+        kwargs = dict(model="tiny", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+
+        def streamed(i: int) -> str:
+            chunks = client.completions.create(prompt=f"request {i}", stream=True, **kwargs)
+            return "".join(c.choices[0].text for c in chunks if c.choices)
+
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(streamed, range(8)))
+        for i, text in enumerate(texts):
+            whole = client.completions.create(prompt=f"request {i}", **kwargs)
+            assert text == whole.choices[0].text and whole.usage.completion_tokens == 24
+            assert len(text.split()) >= 12  # ordinary words from the null model's cycle
+        stats = serve.get_deployment_handle("LLMReplica", app_name="tandem-null").stats.remote().result()
+        assert stats["num_steps_scheduled_ahead"] > 0 and stats["kv_blocks_used"] == 0
+    finally:
+        serve.delete("tandem-null")
