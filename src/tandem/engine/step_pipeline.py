@@ -51,10 +51,6 @@ class StepPipeline:
         self.num_steps_ahead = 0  # of which the next step was scheduled while they ran
         self.wait_s = 0.0  # the engine thread's seconds waiting for the device
 
-    @property
-    def has_step_in_flight(self) -> bool:
-        return self._in_flight is not None
-
     def step(self) -> list[RequestOutput]:
         """Schedule the next step (ahead of the running one's results where it cannot preempt),
         fill the running one's tokens in, start the next one, then finish applying the results
@@ -110,6 +106,3 @@ class StepPipeline:
             self.wait_s += time.perf_counter() - started
         ending = in_flight.fill(result, self.scheduler.updates.check_stop)  # who stops at their token
         return in_flight, result, ending
-
-    def shutdown(self) -> None:
-        self._device.shutdown(wait=False, cancel_futures=True)
