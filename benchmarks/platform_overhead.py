@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import random
 import statistics
@@ -54,9 +53,9 @@ def null_engine(num_requests: int, step_ms: float, prompt_len: int, new_tokens: 
     )
     engine = LLMEngine.from_config(config)
     if REPLICA_GC["on"]:  # what `settle_heap` does in a replica's process once its engine is loaded
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(10_000, *gc.get_threshold()[1:])
+        from tandem.deployments.replicas import freeze_loaded_heap  # here: an older tree has none
+
+        freeze_loaded_heap()
     return engine
 
 

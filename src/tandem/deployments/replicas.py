@@ -68,8 +68,13 @@ def settle_heap() -> None:
     (`gc.freeze`) and collect young objects less often, so that the engine's steps do not pay
     for walking them (docs/performance.md, issue 63). Nothing happens outside an actor (a test that
     builds a replica in its own process keeps its collector as it is)."""
-    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
-        return
+    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        freeze_loaded_heap()
+
+
+def freeze_loaded_heap() -> None:
+    """`settle_heap`'s work, in any process (benchmarks/platform_overhead.py measures an engine as a
+    replica runs it)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(REPLICA_GC_THRESHOLD, *gc.get_threshold()[1:])

@@ -325,7 +325,7 @@ class AsyncEngine:
 
     def _refresh_stats(self, outputs: list[RequestOutput]) -> None:
         """A new stats snapshot after a step that ended a request or left the engine idle (whoever
-        sees a final output sees its step), else every `STATS_INTERVAL_S` (it costs a step's worth)."""
+        sees a final output sees its step), else every `STATS_INTERVAL_S` (its cost: docs/performance.md)."""
         now, engine = time.monotonic(), self.engine
         ended = not engine.has_unfinished_requests() or any(output.finished for output in outputs)
         if ended or now - self._stats_time >= STATS_INTERVAL_S:

@@ -5,7 +5,7 @@ are bookkeeping only: nothing is stored in them)."""
 from __future__ import annotations
 
 from tandem.engine.engine_parts import EngineParts
-from tandem.engine.models.loader import load_model
+from tandem.engine.models.loader import load_config_and_tokenizer
 from tandem.engine.runner.null_runner import NullRunner
 from tandem.platform.config import EngineConfig
 
@@ -26,9 +26,7 @@ def null_token_ids(vocab: dict[str, int], special_ids: set[int], num: int = 64) 
 
 
 def build_null_parts(config: EngineConfig) -> EngineParts:
-    loaded = load_model(config.model)
-    cfg = loaded.config
-    tokenizer = loaded.tokenizer
+    cfg, tokenizer = load_config_and_tokenizer(config.model)
     eos_token_ids = frozenset(cfg.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
     vocab = tokenizer.backend.get_vocab(with_added_tokens=False)
     special = set(eos_token_ids) | {cfg.bos_token_id or -1}
@@ -37,7 +35,7 @@ def build_null_parts(config: EngineConfig) -> EngineParts:
     num_blocks = config.max_num_seqs * -(-max_model_len // config.block_size)
     step_s = (config.null_model_step_ms or 0.0) / 1000
     return EngineParts(
-        model_name=loaded.name,
+        model_name=config.model,
         model_config=cfg,
         tokenizer=tokenizer,
         eos_token_ids=eos_token_ids,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from tandem.engine.io.tokenizer import IncrementalDecoder, Tokenizer
 from tandem.engine.protocol import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.sched.in_flight import without_placeholder
+from tandem.engine.sched.in_flight import num_known
 from tandem.engine.sched.step import RequestUpdate
 
 
@@ -89,13 +89,14 @@ class OutputProcessor:
 
     def _decode(self, state: _RequestState, finished: bool) -> str:
         """The output's text: one full decode when finished, else the incremental one."""
-        token_ids = without_placeholder(state.request.output_token_ids)  # a step in flight: not yet known
+        token_ids = state.request.output_token_ids
+        num_tokens = num_known(token_ids)  # a step in flight: its placeholder is not a token yet
         if finished:
-            return self.tokenizer.decode(token_ids)
+            return self.tokenizer.decode(token_ids[:num_tokens])
         if state.decoder is None:
             state.decoder = self.tokenizer.incremental_decoder()
-        if state.decoder.num_tokens < len(token_ids):
-            state.settled_text += state.decoder.extend(token_ids[state.decoder.num_tokens :])
+        if state.decoder.num_tokens < num_tokens:
+            state.settled_text += state.decoder.extend(token_ids[state.decoder.num_tokens : num_tokens])
         return state.settled_text
 
     def _apply_stop_strings(self, state: _RequestState, finished: bool) -> bool:
@@ -125,7 +126,7 @@ class OutputProcessor:
             full = state.text  # happen with hold-back; kept as a guard)
         delta_text = full[len(state.text) :]
         state.text = full
-        token_ids = list(without_placeholder(request.output_token_ids))
+        token_ids = request.output_token_ids[: num_known(request.output_token_ids)]  # a copy
         delta_ids = token_ids[state.num_emitted_tokens :]
         delta_logprobs = None
         if state.logprobs is not None:

@@ -115,6 +115,17 @@ def load_model(model: str, *, cache_dir: Path | None = None) -> LoadedModel:
     return loaded
 
 
+def load_config_and_tokenizer(model: str, *, cache_dir: Path | None = None) -> tuple[ModelConfig, Tokenizer]:
+    """`model`'s parsed config and tokenizer, without its weights (the null model's:
+    `engine/null_setup.py`). A GGUF file is read from its HF-format folder, as `load_model` does."""
+    path = _checkpoint_path(model)
+    folder = (
+        path if path.is_dir() else gguf_to_hf_folder(path, cache_dir or default_cache_dir(), open_gguf(path))
+    )
+    _, config = _read_hf_config(folder)
+    return config, Tokenizer.from_hf_folder(folder, config.eos_token_ids)
+
+
 def check_model(model: str) -> None:
     """Refuse a model the engine would not compute exactly, without loading its weights: its
     config keys and its tensor names (`models/support.py`). Raises `ModelLoadError`; cheap enough

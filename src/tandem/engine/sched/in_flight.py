@@ -25,11 +25,9 @@ from tandem.engine.sched.step import RunnerResult, SchedulerOutput
 PLACEHOLDER_TOKEN = -1  # an output token whose value the device has not returned yet
 
 
-def without_placeholder(token_ids: list[int]) -> list[int]:
-    """`token_ids` (a request's output) without a trailing placeholder: the tokens known now."""
-    if token_ids and token_ids[-1] == PLACEHOLDER_TOKEN:
-        return token_ids[:-1]
-    return token_ids
+def num_known(token_ids: list[int]) -> int:
+    """How many of `token_ids` (a request's output) are known now: all but a trailing placeholder."""
+    return len(token_ids) - 1 if token_ids and token_ids[-1] == PLACEHOLDER_TOKEN else len(token_ids)
 
 
 @dataclass
