@@ -490,5 +490,6 @@ def test_parse_with_an_output_format(server: Server) -> None:
         max_tokens=60,
         messages=[{"role": "user", "content": "Name a city in Japan."}],
         output_format=City,
+        extra_body=GREEDY,
     )
     assert isinstance(parsed.parsed_output, City) and parsed.parsed_output.name
