@@ -16,6 +16,24 @@ import torch
 
 from .model_families import COMMON  # the same tiny shapes as the HF-folder family tests
 
+DEEPSEEK_V3 = {
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "n_shared_experts": 1,
+    "n_group": 4,
+    "topk_group": 2,
+    "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "rope_interleave": True,
+}
 # family -> (GGUF architecture, transformers config, causal-LM class, overrides, the linears' type)
 GGUF_FAMILIES: dict[str, tuple[str, str, str, dict[str, Any], str]] = {
     "llama": ("llama", "LlamaConfig", "LlamaForCausalLM", {}, "Q4_0"),
@@ -79,6 +97,31 @@ GGUF_FAMILIES: dict[str, tuple[str, str, str, dict[str, Any], str]] = {
         },
         "BF16",
     ),  # fmt: skip
+    "glm4moe": (
+        "glm4moe",
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        {
+            "head_dim": 16,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "n_group": 1,  # llama.cpp's converter writes no groups for GLM-4.5 (its files have one)
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+            "first_k_dense_replace": 1,
+            "norm_topk_prob": True,
+            "attention_bias": True,
+            "use_qk_norm": True,
+            "num_nextn_predict_layers": 1,  # written as one more block, which the loader skips
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        },
+        "Q8_0",
+    ),  # fmt: skip
+    "deepseek2": ("deepseek2", "DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK_V3, "Q8_0"),
+    # a file from before llama.cpp split kv_b for absorbed MLA (no `*_mla` head-size keys)
+    "deepseek2-whole-kv-b": ("deepseek2", "DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK_V3, "Q4_0"),
 }
 ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")  # kept float32, as llama.cpp keeps them
 
@@ -114,6 +157,9 @@ def write_family_gguf(family: str, tokenizer_files: Path, path: Path, seed: int 
                 param.normal_(0.0 if "gemma" in family else 1.0, 0.2)
             else:
                 param.normal_(0.0, 0.2 if name.endswith(".bias") else 0.12)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # the router's bias (a buffer): not zeros
+                buffer.normal_(0.0, 0.5)
     folder = path.with_suffix(".hf")
     model.save_pretrained(str(folder), safe_serialization=True)
     state = load_file(str(folder / "model.safetensors"))
@@ -125,9 +171,9 @@ def write_family_gguf(family: str, tokenizer_files: Path, path: Path, seed: int 
             )
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     writer = gguf.GGUFWriter(str(path), arch)
-    _write_metadata(writer, config, arch, tokenizer_files, tokens)
+    _write_metadata(writer, config, family, tokenizer_files, tokens)
     arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
-    table = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
+    table = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers + _num_mtp(config))
     for gguf_name, array, quantised in _gguf_tensors(state, config, family, table):
         if quantised:
             writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
@@ -156,26 +202,62 @@ def _gguf_tensors(
             array = _permute(array, heads)
         if name.endswith("norm.weight") and "gemma" in family:
             array = array + np.float32(1.0)
-        gguf_name = table.get_name(name, try_suffixes=(".weight", ".bias"))
+        if family == "deepseek2" and name.endswith("kv_b_proj.weight"):  # split for absorbed MLA
+            out += _split_kv_b(name, array, config)
+            continue
+        lookup = name.replace("e_score_correction_bias", "e_score_correction.bias")  # as llama.cpp renames it
+        gguf_name = table.get_name(lookup, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         out.append((gguf_name, array, quantised))
     for merged, by_index in experts.items():
         stacked = np.stack([by_index[i] for i in sorted(by_index)])
         out.append((table.get_name(merged + ".weight", try_suffixes=(".weight",)), stacked, True))
+    for index in range(config.num_hidden_layers, config.num_hidden_layers + _num_mtp(config)):
+        rng = np.random.default_rng(index)  # a NextN block as GLM-4.5's files carry one
+        hidden = config.hidden_size
+        shapes = {
+            "attn_norm.weight": (hidden,),
+            "attn_q.weight": (hidden, hidden),
+            "nextn.eh_proj.weight": (hidden, 2 * hidden),
+        }
+        for name, shape in shapes.items():
+            out.append(
+                (f"blk.{index}.{name}", rng.standard_normal(shape).astype(np.float32), len(shape) == 2)
+            )
     return out
 
 
-def _write_metadata(writer: Any, config: Any, arch: str, tokenizer_files: Path, tokens: list[str]) -> None:
+def _split_kv_b(name: str, kv_b: np.ndarray, config: Any) -> list[tuple[str, np.ndarray, bool]]:
+    """llama.cpp's DeepSeek converter: kv_b [heads * (nope + v), kv_lora] as attn_k_b
+    [heads, kv_lora, nope] (transposed) and attn_v_b [heads, v, kv_lora], kept float."""
+    layer = name.split(".")[2]
+    nope, v = config.qk_nope_head_dim, config.v_head_dim
+    per_head = kv_b.reshape(config.num_attention_heads, nope + v, kv_b.shape[-1])
+    k_b = np.ascontiguousarray(per_head[:, :nope].transpose(0, 2, 1))
+    v_b = np.ascontiguousarray(per_head[:, nope:])
+    return [(f"blk.{layer}.attn_k_b.weight", k_b, False), (f"blk.{layer}.attn_v_b.weight", v_b, False)]
+
+
+def _num_mtp(config: Any) -> int:
+    """The NextN blocks llama.cpp's converter writes: GLM-4.5's (it skips DeepSeek's)."""
+    return int(config.num_nextn_predict_layers or 0) if config.model_type == "glm4_moe" else 0
+
+
+def _write_metadata(writer: Any, config: Any, family: str, tokenizer_files: Path, tokens: list[str]) -> None:
+    import gguf
+
+    arch = GGUF_FAMILIES[family][0]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
+    writer.add_block_count(config.num_hidden_layers + _num_mtp(config))
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_head_count_kv(1 if arch == "deepseek2" else config.num_key_value_heads)  # MLA as MQA
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if arch != "deepseek2":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     rope = getattr(config, "rope_parameters", None) or {}
     theta = rope.get("full_attention", rope).get("rope_theta", 10000.0)
     writer.add_rope_freq_base(float(theta))
@@ -188,6 +270,20 @@ def _write_metadata(writer: Any, config: Any, arch: str, tokenizer_files: Path, 
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "glm4moe":  # as llama.cpp's `Glm4MoeModel` writes them
+        rope = config.rope_parameters
+        writer.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
+        writer.add_expert_count(config.n_routed_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_count(config.n_shared_experts)
+        writer.add_leading_dense_block_count(config.first_k_dense_replace)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(config.routed_scaling_factor)
+        writer.add_expert_weights_norm(config.norm_topk_prob)
+        writer.add_nextn_predict_layers(config.num_nextn_predict_layers)
+    if arch == "deepseek2":  # as llama.cpp's `DeepseekV2Model` writes it
+        _write_deepseek2(writer, config, split_kv_b=family == "deepseek2")
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
@@ -202,3 +298,35 @@ def _write_metadata(writer: Any, config: Any, arch: str, tokenizer_files: Path, 
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
     writer.add_add_bos_token(False)
+
+
+def _write_deepseek2(writer: Any, config: Any, *, split_kv_b: bool) -> None:
+    import gguf
+
+    rope, nope, v, kv_lora = (
+        config.qk_rope_head_dim,
+        config.qk_nope_head_dim,
+        config.v_head_dim,
+        config.kv_lora_rank,
+    )
+    writer.add_q_lora_rank(config.q_lora_rank)
+    writer.add_kv_lora_rank(kv_lora)
+    if split_kv_b:  # MLA as MQA over the latent, the head sizes under `*_mla`
+        writer.add_key_length(kv_lora + rope)
+        writer.add_value_length(kv_lora)
+        writer.add_key_length_mla(nope + rope)
+        writer.add_value_length_mla(v)
+    else:
+        writer.add_key_length(nope + rope)
+        writer.add_value_length(v)
+    writer.add_rope_dimension_count(rope)
+    writer.add_expert_count(config.n_routed_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_shared_count(config.n_shared_experts)
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    writer.add_expert_weights_norm(config.norm_topk_prob)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_group_count(config.n_group)
+    writer.add_expert_group_used_count(config.topk_group)

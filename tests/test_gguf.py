@@ -138,6 +138,30 @@ def test_unsupported_architectures_and_types_are_refused_by_name(tmp_path: Path)
         check_model(str(odd))
 
 
+def test_deepseek_v2_softmax_routing_is_refused_naming_the_key() -> None:
+    """A `deepseek2` file without `expert_gating_func` is DeepSeek-V2's (llama.cpp reads it as
+    softmax routing), which no architecture here implements: refused by the key, not misread."""
+    from tandem.engine.models.gguf_arch import GGUFModel
+
+    fields: dict[str, object] = {
+        "general.architecture": "deepseek2",
+        "tokenizer.ggml.tokens": ["a", "b"],
+        **{f"deepseek2.{key}": 4 for key in ("embedding_length", "block_count", "attention.head_count")},
+        **{f"deepseek2.{key}": 8 for key in ("feed_forward_length", "rope.dimension_count")},
+        **{f"deepseek2.attention.{key}": 16 for key in ("kv_lora_rank", "key_length", "value_length")},
+        **{
+            f"deepseek2.{key}": 2
+            for key in ("expert_count", "expert_used_count", "expert_feed_forward_length")
+        },
+    }
+    model = GGUFModel(fields, {"token_embd.weight"}, "v2.gguf")
+    with pytest.raises(ModelLoadError, match="expert_gating_func=1 is not supported"):
+        model.hf_config([1])
+    model = GGUFModel({**fields, "deepseek2.expert_gating_func": 2}, {"token_embd.weight"}, "v3.gguf")
+    config = model.hf_config([1])
+    assert (config["qk_nope_head_dim"], config["v_head_dim"], config["num_key_value_heads"]) == (8, 16, 4)
+
+
 def test_a_type_not_read_is_refused_naming_the_tensor(tokenizer_files: Path, tmp_path: Path) -> None:
     """An IQ4_NL tensor (an importance-matrix type) in an otherwise readable llama file."""
     import gguf

@@ -10,7 +10,9 @@ value changes on a dequantised [rows, cols] array. Tensor names come from the `g
 `TensorNameMap` (llama.cpp's table), never from a table of ours.
 
 Converter transforms undone: Llama's q/k rows permuted for llama.cpp's interleaved RoPE
-(`unpermute_rope`); Gemma's `(1 + w)` RMSNorm weights stored as `1 + w`. Settings llama.cpp hard-
+(`unpermute_rope`); Gemma's `(1 + w)` RMSNorm weights stored as `1 + w`; the router correction
+bias's name (`e_score_correction.bias`); DeepSeek's `kv_b_proj` split in two for absorbed MLA
+(joined by `gguf_file.MergedKVB`); GLM-4.5's NextN blocks counted in `block_count` (`skipped`). Settings llama.cpp hard-
 codes per architecture rather than writing to the file (Gemma 3's five-in-six sliding layers and
 10k local RoPE base; the attention scale of Gemma 2 and 3) are stated here as llama.cpp's
 `llama-model.cpp` states them.
@@ -38,6 +40,7 @@ class GGUFFamily:
     extra_config: Callable[[GGUFMeta], dict[str, object]]  # family keys of the HF config
     permute_qk: bool = False  # llama.cpp permuted q/k rows (Llama)
     norms_plus_one: bool = False  # llama.cpp stored RMSNorm weights as 1 + w (Gemma)
+    mtp_layers: bool = False  # the last `nextn_predict_layers` blocks predict further tokens (skipped)
 
 
 class GGUFMeta:
@@ -71,14 +74,25 @@ class GGUFMeta:
 
 
 def _rope_scaling(meta: GGUFMeta) -> dict[str, object] | None:
+    """The file's RoPE scaling as HF's `rope_scaling` (none, linear, YaRN; DeepSeek's YaRN mscale
+    is `_deepseek2`'s)."""
     kind = meta.get("rope.scaling.type")
     if kind in (None, "none"):
         return None
-    if kind != "linear":
-        raise ModelLoadError(
-            f"GGUF key {meta.arch}.rope.scaling.type={kind!r} is not supported (none, linear)", param="model"
-        )
-    return {"rope_type": "linear", "factor": meta.number("rope.scaling.factor", 1.0)}
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": meta.number("rope.scaling.factor", 1.0)}
+    if kind == "yarn":
+        return {
+            "rope_type": "yarn",
+            "factor": meta.number("rope.scaling.factor", 1.0),
+            "original_max_position_embeddings": meta.integer("rope.scaling.original_context_length"),
+            "beta_fast": meta.number("rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": meta.number("rope.scaling.yarn_beta_slow", 1.0),
+        }
+    raise ModelLoadError(
+        f"GGUF key {meta.arch}.rope.scaling.type={kind!r} is not supported (none, linear, yarn)",
+        param="model",
+    )
 
 
 def _llama(meta: GGUFMeta) -> dict[str, object]:
@@ -148,6 +162,83 @@ def _gemma3(meta: GGUFMeta) -> dict[str, object]:
     }
 
 
+def _glm4moe(meta: GGUFMeta) -> dict[str, object]:
+    """llama.cpp's GLM-4.5 (`Glm4MoeModel`): NeoX RoPE over the head's first `rope.dimension_count`
+    dims (q/k rows not permuted), DeepSeek-V3-style routing (`_sigmoid_routing`; the correction
+    bias is `exp_probs_b`); the block count includes the `nextn_predict_layers` multi-token-
+    prediction layers (`GGUFModel.skipped`)."""
+    heads = meta.integer("attention.head_count")
+    head_dim = meta.integer("attention.key_length", 0) or meta.integer("embedding_length") // heads
+    return {
+        **_sigmoid_routing(meta, missing=2),
+        "hidden_act": "silu",
+        "head_dim": head_dim,
+        "partial_rotary_factor": meta.integer("rope.dimension_count", head_dim) / head_dim,
+        "rope_scaling": _rope_scaling(meta),
+        "attention_bias": "blk.0.attn_q.bias" in meta.tensor_names,
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in meta.tensor_names,
+    }
+
+
+def _sigmoid_routing(meta: GGUFMeta, *, missing: int) -> dict[str, object]:
+    """DeepSeek-V3-style routing keys (GLM-4.5, DeepSeek-V3): sigmoid scores (`missing`: the
+    gating llama.cpp assumes where the key is absent), groups, a scale, shared experts after
+    `leading_dense_block_count` dense layers, and the multi-token-prediction block count."""
+    gating = meta.get("expert_gating_func", missing)
+    if gating != 2:  # gguf.ExpertGatingFuncType.SIGMOID (1: softmax, DeepSeek-V2's)
+        raise ModelLoadError(
+            f"GGUF key {meta.arch}.expert_gating_func={gating} is not supported (2: sigmoid; "
+            "softmax routing, DeepSeek-V2's, is not implemented)",
+            param="model",
+        )
+    num_mtp = meta.integer("nextn_predict_layers", 0)
+    return {
+        "num_hidden_layers": meta.integer("block_count") - num_mtp,
+        "num_nextn_predict_layers": num_mtp,
+        "n_routed_experts": meta.integer("expert_count"),
+        "num_experts_per_tok": meta.integer("expert_used_count"),
+        "moe_intermediate_size": meta.integer("expert_feed_forward_length"),
+        "n_shared_experts": meta.integer("expert_shared_count", 0),
+        "first_k_dense_replace": meta.integer("leading_dense_block_count", 0),
+        "routed_scaling_factor": meta.number("expert_weights_scale", 1.0),
+        "norm_topk_prob": bool(meta.get("expert_weights_norm", False)),  # llama.cpp's default
+        "n_group": meta.integer("expert_group_count", 1),
+        "topk_group": meta.integer("expert_group_used_count", 1),
+    }
+
+
+def _deepseek2(meta: GGUFMeta) -> dict[str, object]:
+    """llama.cpp's DeepSeek-V3 / R1 / Kimi K2 (`DeepseekV2Model`): multi-head latent attention
+    written as MQA (`head_count_kv` 1, `key_length` the latent plus the rotary dims); the head
+    sizes are the `*_mla` keys (older files: `key_length` / `value_length` themselves). RoPE is
+    interleaved (q/k rows not permuted). YaRN's mscale is `yarn_log_multiplier / 0.1`."""
+    heads = meta.integer("attention.head_count")
+    rope_dim = meta.integer("rope.dimension_count")
+    kv_lora = meta.integer("attention.kv_lora_rank")
+    mla_keys = meta.get("attention.key_length_mla") is not None
+    qk_dim = meta.integer("attention.key_length_mla" if mla_keys else "attention.key_length")
+    v_dim = meta.integer("attention.value_length_mla" if mla_keys else "attention.value_length")
+    q_lora = meta.get("attention.q_lora_rank")
+    scaling = _rope_scaling(meta)
+    log_mul = meta.number("rope.scaling.yarn_log_multiplier")
+    if scaling is not None and scaling["rope_type"] == "yarn" and log_mul:
+        scaling = {**scaling, "mscale": log_mul / 0.1, "mscale_all_dim": log_mul / 0.1}
+    return {
+        **_sigmoid_routing(meta, missing=1),  # llama.cpp reads a file without the key as DeepSeek-V2's
+        "hidden_act": "silu",
+        "num_key_value_heads": heads,  # HF's MLA config: one key/value head per query head
+        "head_dim": rope_dim,
+        "q_lora_rank": None if q_lora is None else int(q_lora),  # type: ignore[call-overload]
+        "kv_lora_rank": kv_lora,
+        "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": qk_dim - rope_dim,
+        "v_head_dim": v_dim,
+        "rope_interleave": True,
+        "rope_scaling": scaling,
+        "attention_bias": False,
+    }
+
+
 def _mixtral(meta: GGUFMeta) -> dict[str, object]:
     return {
         **_llama(meta),
@@ -169,6 +260,8 @@ FAMILIES = {
         GGUFFamily("gemma", "gemma", "GemmaForCausalLM", _gemma, norms_plus_one=True),
         GGUFFamily("gemma2", "gemma2", "Gemma2ForCausalLM", _gemma2, norms_plus_one=True),
         GGUFFamily("gemma3", "gemma3_text", "Gemma3ForCausalLM", _gemma3, norms_plus_one=True),
+        GGUFFamily("glm4moe", "glm4_moe", "Glm4MoeForCausalLM", _glm4moe, mtp_layers=True),
+        GGUFFamily("deepseek2", "deepseek_v3", "DeepseekV3ForCausalLM", _deepseek2, mtp_layers=True),
     )
 }
 
@@ -232,6 +325,8 @@ class GGUFModel:
         for hf_name in expected_hf_names:
             expert = _EXPERT.fullmatch(hf_name)
             merged = f"{expert[1]}.{expert[3]}.weight" if expert else hf_name  # llama.cpp stacks experts
+            # llama.cpp's converter renames the router's correction bias to a `.bias` suffix
+            merged = merged.replace("e_score_correction_bias", "e_score_correction.bias")
             found = table.get_type_and_name(merged, try_suffixes=(".weight", ".bias"))
             if found is not None and expert:
                 experts.setdefault(found[1], {})[int(expert[2])] = hf_name
@@ -239,6 +334,14 @@ class GGUFModel:
                 names[found[1]] = hf_name
         self._names = names
         self._experts = {name: [by_index[i] for i in sorted(by_index)] for name, by_index in experts.items()}
+
+    def skipped(self, gguf_name: str) -> bool:
+        """A tensor of a multi-token-prediction block (GLM-4.5's NextN layers, numbered after the
+        decoder's): outside the forward pass, never read, as an HF folder's are not."""
+        if not self.family.mtp_layers or not gguf_name.startswith("blk."):
+            return False
+        num_mtp = self.meta.integer("nextn_predict_layers", 0)
+        return int(gguf_name.split(".")[1]) >= self.meta.integer("block_count") - num_mtp
 
     def hf_name(self, gguf_name: str) -> str | None:
         assert self._names is not None, "bind() first"

@@ -45,6 +45,9 @@ END_OF_GENERATION_TEXTS = (
 )
 
 
+_KV_B_HALVES = ("attn_k_b.weight", "attn_v_b.weight")
+
+
 @dataclass(frozen=True)
 class GGUFTensor:
     name: str  # the file's name
@@ -56,6 +59,28 @@ class GGUFTensor:
     @property
     def num_elements(self) -> int:
         return int(np.prod(self.shape))
+
+
+@dataclass(frozen=True)
+class MergedKVB:
+    """DeepSeek's `kv_b_proj` from the halves llama.cpp's converter splits it into for absorbed
+    MLA: `attn_k_b` [heads, kv_lora, nope] (transposed) and `attn_v_b` [heads, v, kv_lora];
+    HF's rows are per head the nope rows then the v rows. Decoded when read (`np.asarray`), so
+    opening the file still reads no tensor."""
+
+    k_b: GGUFTensor
+    v_b: GGUFTensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        heads, kv_lora, nope = self.k_b.shape
+        return heads * (nope + self.v_b.shape[1]), kv_lora
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        k_b = dequantize(np.asarray(self.k_b.raw), self.k_b.type_name, self.k_b.shape)
+        v_b = dequantize(np.asarray(self.v_b.raw), self.v_b.type_name, self.v_b.shape)
+        merged = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(self.shape)
+        return np.ascontiguousarray(merged, dtype=np.float32)
 
 
 class GGUFFile:
@@ -100,7 +125,10 @@ class GGUFFile:
 
     def _check_tensors(self) -> list[GGUFTensor]:
         tensors, unknown = [], []
+        halves: dict[str, GGUFTensor] = {}  # DeepSeek's split kv_b (`MergedKVB`), by file name
         for tensor in self._reader.tensors:
+            if self.model.skipped(tensor.name):
+                continue
             hf_name = self.model.hf_name(tensor.name)
             kind = type_name(tensor.tensor_type)
             if kind not in SUPPORTED_TYPES:
@@ -118,16 +146,38 @@ class GGUFFile:
                     for index, name in enumerate(experts)
                 ]
                 continue
+            if hf_name is None and tensor.name.endswith(_KV_B_HALVES):
+                halves[tensor.name] = GGUFTensor(tensor.name, "", kind, shape, tensor.data)
+                continue
             if hf_name is None:
                 unknown.append(tensor.name)
                 continue
             tensors.append(GGUFTensor(tensor.name, hf_name, kind, shape, tensor.data))
+        tensors += self._merged_kv_b(halves, unknown)
         check_tensor_names(
             [t.hf_name for t in tensors] + unknown,
             lambda prefix: self.architecture.tensor_names(self.config, prefix),
             source=str(self.path),
         )
         return tensors
+
+    def _merged_kv_b(self, halves: dict[str, GGUFTensor], unknown: list[str]) -> list[GGUFTensor]:
+        """Each layer's `attn_k_b` + `attn_v_b` as the `kv_b_proj` the architecture consumes (a
+        half without its pair, or where no `kv_b_proj` is consumed, is refused as unknown)."""
+        merged = []
+        for name, k_b in halves.items():
+            if not name.endswith(_KV_B_HALVES[0]):
+                continue
+            prefix = name[: -len(_KV_B_HALVES[0])]
+            v_b = halves.get(prefix + _KV_B_HALVES[1])
+            hf_name = self.model.hf_name(prefix + "attn_kv_b.weight")
+            if v_b is None or hf_name is None or len(k_b.shape) != 3 or len(v_b.shape) != 3:
+                continue
+            whole = MergedKVB(k_b, v_b)
+            merged.append(GGUFTensor(prefix + "attn_kv_b.weight", hf_name, "F32", whole.shape, whole))
+        used = {t.name[: -len("attn_kv_b.weight")] for t in merged}
+        unknown += [name for name in halves if name[: name.rindex(".attn_") + 1] not in used]
+        return merged
 
     @property
     def generation_defaults(self) -> GenerationDefaults:
