@@ -191,7 +191,7 @@ def test_a_type_not_read_is_refused_naming_the_tensor(tokenizer_files: Path, tmp
         check_model(str(path))
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma", "qwen3moe", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "gemma", "qwen3moe", "qwen2", "glm4moe", "deepseek2-whole-kv-b"])
 def test_stored_weights_serve_the_files_values(
     family: str, tokenizer_files: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -216,14 +216,15 @@ def test_stored_weights_serve_the_files_values(
     for target in targets:
         want = torch.cat([weights[f"{name}.weight"] for name in target.source_names])
         linear = getattr(target.parent, target.attr)
-        if family in ("llama", "qwen3moe"):  # Q4_0
+        kind = GGUF_FAMILIES[family][4]
+        if kind == "Q4_0":
             assert isinstance(linear, Int4Linear) and linear.superblock_scales.dtype == torch.float16
             got = int4_native.int4_dequantize(linear.packed, linear.param_codes, linear.superblock_scales, 32)
             assert torch.equal(got, want)
         else:
             assert isinstance(linear, Int8Linear)
             got = dequantize_int8(linear.int8_weight)
-            if family == "gemma":  # Q5_0: as stored
+            if kind in ("Q5_0", "Q8_0"):  # as stored
                 assert torch.equal(got, want)
             else:  # Q5_1: rounded once to Q8_0
                 step = want.abs().reshape(want.shape[0], -1, 32).amax(-1, keepdim=True) / 127
