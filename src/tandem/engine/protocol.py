@@ -71,7 +71,7 @@ class RequestMetrics:
         return out
 
 
-@dataclass
+@dataclass(slots=True)  # one per request per step
 class CompletionOutput:
     index: int
     text: str  # cumulative (empty until the end when the request does not stream text)
@@ -97,7 +97,7 @@ def merge_deltas(earlier: CompletionOutput, later: CompletionOutput) -> Completi
     return later
 
 
-@dataclass
+@dataclass(slots=True)  # one per request per step
 class RequestOutput:
     request_id: str
     prompt: str | None

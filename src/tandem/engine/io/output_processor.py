@@ -122,33 +122,35 @@ class OutputProcessor:
         full = state.decoded_text if state.decoded_text is not None else state.text
         if not finished:
             full = self._hold_back(full, request)
-        if not full.startswith(state.text):  # a stop string cut into already-emitted text (cannot
-            full = state.text  # happen with hold-back; kept as a guard)
-        delta_text = full[len(state.text) :]
-        state.text = full
-        token_ids = request.output_token_ids[: num_known(request.output_token_ids)]  # a copy
-        delta_ids = token_ids[state.num_emitted_tokens :]
-        delta_logprobs = None
-        if state.logprobs is not None:
-            delta_logprobs = state.logprobs[state.num_emitted_tokens :]
-        state.num_emitted_tokens = len(token_ids)
-        finish_reason = request.status.finish_reason if finished else None
-        state.metrics.num_cached_tokens = request.num_cached_tokens
-        state.metrics.num_accepted_draft_tokens = request.num_accepted_draft_tokens
+        emitted = state.text
+        if not full.startswith(emitted):  # a stop string cut into already-emitted text (cannot
+            full = emitted  # happen with hold-back; kept as a guard)
+        output_ids = request.output_token_ids
+        token_ids = output_ids[: num_known(output_ids)]  # a copy
+        num_emitted = state.num_emitted_tokens
+        logprobs = state.logprobs
+        state.text, state.num_emitted_tokens = full, len(token_ids)
+        metrics = state.metrics
+        metrics.num_cached_tokens = request.num_cached_tokens
+        metrics.num_accepted_draft_tokens = request.num_accepted_draft_tokens
+        error = error_code = None
         if finished:
-            state.metrics.finished_time = now
-            state.metrics.num_preemptions = request.num_preemptions
+            metrics.finished_time = now
+            metrics.num_preemptions = request.num_preemptions
             self.states.pop(request.request_id, None)
+            if request.status is RequestStatus.FINISHED_ERROR:
+                error = request.error or "request failed"
+                error_code = request.error_code or "request_failed"
         completion = CompletionOutput(
             index=0,
             text=full,
             token_ids=token_ids,
-            finish_reason=finish_reason,
+            finish_reason=request.status.finish_reason if finished else None,
             stop_reason=request.stop_reason if finished else None,
-            logprobs=list(state.logprobs) if state.logprobs is not None else None,
-            delta_text=delta_text,
-            delta_token_ids=delta_ids,
-            delta_logprobs=delta_logprobs,
+            logprobs=list(logprobs) if logprobs is not None else None,
+            delta_text=full[len(emitted) :],
+            delta_token_ids=token_ids[num_emitted:],
+            delta_logprobs=logprobs[num_emitted:] if logprobs is not None else None,
         )
         return RequestOutput(
             request_id=request.request_id,
@@ -156,13 +158,9 @@ class OutputProcessor:
             prompt_token_ids=request.prompt_token_ids,
             outputs=[completion],
             finished=finished,
-            metrics=state.metrics,
-            error=(request.error or "request failed")
-            if request.status is RequestStatus.FINISHED_ERROR
-            else None,
-            error_code=(request.error_code or "request_failed")
-            if request.status is RequestStatus.FINISHED_ERROR
-            else None,
+            metrics=metrics,
+            error=error,
+            error_code=error_code,
             embedding=request.embedding if finished else None,
         )
 

@@ -178,8 +178,10 @@ class IncrementalDecoder:
 
     def extend(self, token_ids: list[int]) -> str:
         """Feed new tokens; returns the text they settle (may be empty)."""
-        chunks = [self._stream.step(self._backend, token_id) for token_id in token_ids]
         self.num_tokens += len(token_ids)
+        if len(token_ids) == 1:  # a decode step's one token
+            return self._stream.step(self._backend, token_ids[0]) or ""
+        chunks = [self._stream.step(self._backend, token_id) for token_id in token_ids]
         return "".join(chunk for chunk in chunks if chunk)
 
 

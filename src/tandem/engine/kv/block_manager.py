@@ -136,6 +136,9 @@ class BlockTable:
 
     block_ids: list[int]
     generations: list[int]
+    # Its leading blocks already published to the prefix cache (or taken from it): a block is
+    # published once, when it fills (`KVCacheManager.cache_full_blocks`).
+    num_published: int = 0
 
 
 class KVCacheManager:
@@ -173,6 +176,11 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> BlockTable:
         return self.tables[request_id]
 
+    def covers(self, request_id: str, num_total_tokens: int) -> bool:
+        """Whether the request's table holds `num_total_tokens` tokens already (no block needed)."""
+        table = self.tables.get(request_id)
+        return table is not None and len(table.block_ids) * self.block_size >= num_total_tokens
+
     def num_new_blocks_needed(self, request_id: str, num_total_tokens: int) -> int:
         table = self.tables.get(request_id)
         have = len(table.block_ids) if table is not None else 0
@@ -181,12 +189,18 @@ class KVCacheManager:
     def _hashes(self, request_id: str, tokens: TokenSlice, num_full_blocks: int, salt: object) -> list[int]:
         """Hashes of the first `num_full_blocks` blocks (parent hash, block tokens, salt), kept
         per request so each block is hashed once. `tokens(start, end)` gives token ids."""
+        return self._extend_hashes(request_id, tokens, num_full_blocks, salt)[:num_full_blocks]
+
+    def _extend_hashes(
+        self, request_id: str, tokens: TokenSlice, num_full_blocks: int, salt: object
+    ) -> list[int]:
+        """The request's kept hash list, extended to at least `num_full_blocks` (not a copy)."""
         hashes = self._block_hashes.setdefault(request_id, [])
         bs = self.block_size
         for index in range(len(hashes), num_full_blocks):
             parent = hashes[index - 1] if index else None
             hashes.append(hash((parent, tuple(tokens(index * bs, (index + 1) * bs)), salt)))
-        return hashes[:num_full_blocks]
+        return hashes
 
     def _usable_prefix(self, hashes: list[int], whole: bool = False) -> list[int]:
         """The block ids of the longest prefix a request with these leading block hashes can skip
@@ -228,7 +242,7 @@ class KVCacheManager:
             if block_id != FREED_BLOCK:
                 self.pool.touch(block_id)
         generations = [self.pool.generations[b] if b != FREED_BLOCK else 0 for b in hits]
-        self.tables[request_id] = BlockTable(hits, generations)
+        self.tables[request_id] = BlockTable(hits, generations, num_published=len(hits))
         return len(hits) * self.block_size
 
     def fork(self, request_id: str, parent_id: str, num_blocks: int) -> int:
@@ -242,7 +256,11 @@ class KVCacheManager:
         for block_id in shared:
             if block_id != FREED_BLOCK:
                 self.pool.touch(block_id)
-        self.tables[request_id] = BlockTable(list(shared), list(parent.generations[:num_blocks]))
+        self.tables[request_id] = BlockTable(
+            list(shared),
+            list(parent.generations[:num_blocks]),
+            num_published=min(num_blocks, parent.num_published),
+        )
         return num_blocks * self.block_size
 
     def num_cached_prefix_blocks(self, num_tokens: int, tokens: TokenSlice, salt: object) -> int:
@@ -261,18 +279,24 @@ class KVCacheManager:
     def cache_full_blocks(
         self, request_id: str, tokens: TokenSlice, num_computed_tokens: int, salt: object
     ) -> None:
-        """Publish the request's blocks that are now full of computed tokens to the prefix cache."""
+        """Publish the request's blocks that are now full of computed tokens to the prefix cache:
+        those past the ones published before (`BlockTable.num_published`), so a step costs what it
+        filled, not the table. A block whose contents another block holds cached stays uncached
+        (`BlockPool.cache`)."""
         if not self.enable_prefix_caching:
             return
         table = self.tables.get(request_id)
         if table is None:
             return
         num_full = min(num_computed_tokens // self.block_size, len(table.block_ids))
-        for block_id, block_hash in zip(
-            table.block_ids, self._hashes(request_id, tokens, num_full, salt), strict=False
-        ):
+        if num_full <= table.num_published:
+            return
+        hashes = self._extend_hashes(request_id, tokens, num_full, salt)
+        for index in range(table.num_published, num_full):
+            block_id = table.block_ids[index]
             if block_id != FREED_BLOCK:
-                self.pool.cache(block_id, block_hash)
+                self.pool.cache(block_id, hashes[index])
+        table.num_published = num_full
 
     def allocate_slots(self, request_id: str, num_total_tokens: int, *, admission: bool = False) -> bool:
         """Grow the request's table to hold `num_total_tokens` tokens. False if blocks are short.

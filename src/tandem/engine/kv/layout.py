@@ -69,12 +69,21 @@ class SharedLayout:
     def describe(self, item: ScheduledRequest, request: Request) -> None:
         item.block_ids = self.kv.runner_block_ids(request.request_id)
 
+    def covers(self, request_id: str, num_total_tokens: int) -> bool:
+        """Whether the request's blocks hold `num_total_tokens` tokens already."""
+        return self.kv.covers(request_id, num_total_tokens)
+
     def stale_requests(self, request_ids: list[str]) -> list[str]:
         return self.kv.stale_requests(request_ids)
 
     @property
     def block_size(self) -> int:
         return self.kv.block_size
+
+    @property
+    def windowed(self) -> bool:
+        """Whether blocks outside a sliding window are released (`release_outside_window`)."""
+        return self.kv.sliding_window is not None
 
     def holds(self, request_id: str) -> bool:
         """Whether the request holds a block table here."""

@@ -136,6 +136,16 @@ class RequestQueues:
         if self.head_layout is not None:
             self.head_layout.free(request_id)
 
+    def decode_ready(self, request: Request) -> bool:
+        """Whether the request decodes (only its last token is uncomputed) in the shared layout,
+        whose blocks already hold that token (scheduling it allocates nothing)."""
+        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+        return (
+            request.num_computed_tokens + 1 == num_tokens
+            and not request.compressed
+            and self.shared.covers(request.request_id, num_tokens)
+        )
+
     def allocate(self, request: Request, num_total_tokens: int, admission: bool = False) -> bool:
         """Room for the request's first `num_total_tokens` tokens in its layout (all-or-nothing)."""
         return self.layout(request).allocate(request, num_total_tokens, admission=admission)

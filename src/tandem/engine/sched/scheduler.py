@@ -188,7 +188,11 @@ class Scheduler:
         batch_cap = self.batch.step_cap(interactive_active)  # None: the budget
         self.builder.planned_drafts = self.speculation.plan(self.running, batch_cap)
         for priority in Priority:
-            if priority is Priority.BATCH and self._computes_interactive_prompt(step):
+            if (
+                priority is Priority.BATCH
+                and step.may_hold_interactive_prompt
+                and self._computes_interactive_prompt(step)
+            ):
                 batch_cap = self.batch.cap_beside_prompt(batch_cap)
             throttled = priority is Priority.BATCH and batch_cap is not None
             cap = min(step.budget, batch_cap or 0) if throttled else step.budget
@@ -235,9 +239,12 @@ class Scheduler:
         another tenant's newly arrived one instead of going first. With `prompts_wait` (throttled
         batch tokens) running prompts' chunks come before admissions (the few tokens go to work
         already started: decodes first, so a step of decodes only stays small and fast)."""
-        running = [r for r in self.running if r.priority is priority]
-        decoding = [r for r in running if r.num_computed_tokens >= r.num_tokens - 1]
-        prompting = [r for r in running if r.num_computed_tokens < r.num_tokens - 1]
+        decoding: list[Request] = []
+        prompting: list[Request] = []
+        for r in self.running:
+            if r.priority is priority:
+                is_decoding = r.num_computed_tokens >= len(r.prompt_token_ids) + len(r.output_token_ids) - 1
+                (decoding if is_decoding else prompting).append(r)
         waiting = [r for r in self.waiting if r.priority is priority and self.admission.may_start(r)]
         if prompts_wait:
             cap = self.builder.schedule_running(

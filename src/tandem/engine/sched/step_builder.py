@@ -27,6 +27,8 @@ class StepInProgress:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     scheduled_ids: set[str] = field(default_factory=set)
     preempted: list[str] = field(default_factory=list)
+    # an interactive request's prompt chunk was handed out (it may have been taken back since)
+    may_hold_interactive_prompt: bool = False
 
 
 class StepBuilder:
@@ -81,18 +83,49 @@ class StepBuilder:
             embed=request.embed,
         )
         step.scheduled.append(item)
+        if request.priority is Priority.INTERACTIVE and start < request.num_tokens - 1:
+            step.may_hold_interactive_prompt = True
         self.queues.layout(request).describe(item, request)
         step.scheduled_ids.add(request.request_id)
         step.budget -= num_new + (len(drafts) if drafts is not None else 0)
+
+    def schedule_decode(self, request: Request, step: StepInProgress) -> None:
+        """`schedule_one` of one token for a decoding request without drafts whose blocks hold
+        that token already (`RequestQueues.decode_ready`: most requests of most steps): the same
+        item, without the general path's chunking, draft and allocation checks."""
+        start = request.num_computed_tokens
+        params = request.sampling_params
+        item = ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.token_ids_slice(start, start + 1),
+            start_position=start,
+            block_ids=[],
+            sample=True,
+            sampling_params=params,
+            output_token_ids=request.output_token_ids,
+            is_new=self.queues.mark_seen(request.request_id),
+            lora_name=request.lora_name,
+            prompt_token_ids=request.prompt_token_ids if params.repetition_penalty != 1.0 else [],
+            embed=request.embed,
+        )
+        self.queues.shared.describe(item, request)
+        step.scheduled.append(item)
+        step.scheduled_ids.add(request.request_id)
+        step.budget -= 1
 
     def schedule_running(self, candidates: list[Request], step: StepInProgress, cap: int) -> int:
         """Schedule these running requests, in this order, within `cap` tokens; when blocks run
         out, preempt (`victim_in_pool`: lowest priority, tenant most over its share, latest
         arrival). Returns what is left of `cap`."""
+        planned, running = self.planned_drafts, RequestStatus.RUNNING
         for request in candidates:
             if cap <= 0:
                 break
-            if request.status is not RequestStatus.RUNNING:  # preempted for an earlier one
+            if request.status is not running:  # preempted for an earlier one
+                continue
+            if request.request_id not in planned and self.queues.decode_ready(request):
+                self.schedule_decode(request, step)
+                cap -= 1
                 continue
             num_new = self.chunk(request, cap)
             if num_new == 0 and request.whole_prompt:  # a whole prompt that does not fit this step: it waits

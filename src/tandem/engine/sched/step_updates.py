@@ -94,23 +94,26 @@ class StepUpdates:
         num_rows = sum(1 for s in output.scheduled if s.sample)
         self.speculation.step_cost.observe(output.num_scheduled_tokens, num_rows, result.wall_s)
         updates: list[RequestUpdate] = []
+        requests, sampled, all_logprobs = self.queues.requests, result.sampled_token_ids, result.logprobs
+        windowed = self.queues.shared.windowed  # else releasing outside the window is a no-op
         for item in output.scheduled:
-            request = self.queues.requests.get(item.request_id)
+            request = requests.get(item.request_id)
             if request is None:  # finished meanwhile (abort, a stop string, a failure)
                 continue
             self.queues.fair.charge(request, len(item.token_ids))
             self.maybe_cache(request, computed_before[item.request_id])
-            token_ids = result.sampled_token_ids.get(item.request_id) if item.sample else None
+            token_ids = sampled.get(item.request_id) if item.sample else None
             if not token_ids:
-                self.release_outside_window(request)
+                if windowed:
+                    self.release_outside_window(request)
                 continue
             status = ending.get(item.request_id)
             self.num_output_tokens_total[request.priority] += 1
             if status is not None:
                 self.finish(request.request_id, status)
-            else:
+            elif windowed:
                 self.release_outside_window(request)
-            logprobs = result.logprobs.get(item.request_id)
+            logprobs = all_logprobs.get(item.request_id) if all_logprobs else None
             new_logprobs = logprobs[:1] if logprobs is not None else None
             updates.append(RequestUpdate(request, token_ids[:1], new_logprobs, finished=status is not None))
         return updates
