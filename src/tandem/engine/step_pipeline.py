@@ -45,7 +45,9 @@ class StepPipeline:
         self.fail_requests = fail_requests
         self.outputs = outputs
         self.mark_scheduled = mark_scheduled
-        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-device")
+        # a runner with per-thread device state (CUDA's current device) binds the device thread to it
+        bind = getattr(runner, "bind_thread", None)
+        self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-device", initializer=bind)
         self._in_flight: tuple[InFlightStep, Future[RunnerResult]] | None = None
         self.num_steps = 0  # steps whose results were applied
         self.num_steps_ahead = 0  # of which the next step was scheduled while they ran

@@ -315,8 +315,8 @@ class EngineConfig(BaseModel):
     async_scheduling: bool = Field(
         True,
         description="Schedule each step while the device runs the previous one, where the runner's steps "
-        "run on a device thread (the null model's; not yet the CUDA runner's); such an engine plans "
-        "no speculative drafts.",
+        "run on a device thread (the CUDA runner's and the null model's; not on a CPU, whose cores the "
+        "model and the engine share); such an engine plans no speculative drafts.",
     )
     null_model_step_ms: float | None = Field(
         None,

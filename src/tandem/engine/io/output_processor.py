@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from tandem.engine.io.tokenizer import IncrementalDecoder, Tokenizer
 from tandem.engine.protocol import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.sched.in_flight import num_known
-from tandem.engine.sched.step import RequestUpdate
+from tandem.engine.sched.step import RequestUpdate, num_known
 
 
 @dataclass

@@ -40,7 +40,8 @@ class GrammarMasks:
         matcher = self._matchers.get(item.request_id)
         if matcher is None:
             matcher = self.grammars.matcher(spec)
-            if item.output_token_ids and not matcher.accept(list(item.output_token_ids)):
+            output_ids = item.known_output_token_ids
+            if output_ids and not matcher.accept(list(output_ids)):
                 raise RuntimeError(f"the grammar refused the request's earlier tokens ({matcher.error})")
             self._matchers[item.request_id] = matcher
         return matcher

@@ -85,12 +85,11 @@ class ModelRunner:
         self.decode_model = decode_model or model
         self.decode_model_max_batch = decode_model_max_batch if decode_model is not None else 1 << 30
         self.compiled = CompiledDecode(self.decode_model.forward, device) if compile_decode else None
-        self.num_compiled_steps = 0
-        self.num_decode_model_steps = 0
-        self.num_native_steps = 0
+        self.num_compiled_steps = self.num_decode_model_steps = self.num_native_steps = 0
         self.lora = lora
         self.kv_spec = kv_spec
         self.device = device
+        self.overlappable = device.type == "cuda"  # steps on a device thread (`step_pipeline.py`)
         self.block_size = kv_spec.block_size
         self.kv_caches = allocate_kv_caches(kv_spec, num_blocks, device)
         self.native: NativeLlama | None = None
@@ -123,6 +122,11 @@ class ModelRunner:
     @property
     def has_draft(self) -> bool:
         return self.draft is not None
+
+    def bind_thread(self) -> None:
+        """Make the calling thread's current CUDA device the runner's (a device thread's start)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     def stats(self) -> RunnerStats:
         return RunnerStats(
@@ -165,8 +169,7 @@ class ModelRunner:
 
     # -- KV pages for hand-over (kv_transfer.py) -------------------------------------------------
     def export_pages(self, block_ids: list[int], num_tokens: int, dtype_name: str) -> list[bytes]:
-        """The KV of the first `num_tokens` tokens in `block_ids`, a page per block, in `dtype_name`
-        (this cache's own, or "float8_e4m3fn")."""
+        """The KV of the first `num_tokens` tokens in `block_ids`, a page per block, in `dtype_name`."""
         return export_pages(self.kv_caches, self.block_size, block_ids, num_tokens, PAGE_DTYPES[dtype_name])
 
     def import_pages(self, block_ids: list[int], pages: list[tuple[int, bytes]]) -> None:
@@ -174,10 +177,8 @@ class ModelRunner:
         import_pages(self.kv_caches, self.kv_spec, block_ids, pages)
 
     def imported_prompt(self, request_id: str, first_position: int, num_tokens: int) -> None:
-        """A request whose prompt KV another engine computed (positions first_position..num_tokens-1
-        imported; those before come from this cache's prefix blocks): there are no target states
-        for them, so a draft head catches up on them from zero states (never on the shared
-        prefix blocks, whose head KV their filler wrote)."""
+        """A request whose prompt KV (first_position..num_tokens-1) another engine computed: no target
+        states exist for it, so a draft head catches up on it from zero states."""
         if self.draft is not None and self.draft.wants_hidden and num_tokens > first_position:
             width = self.model.config.hidden_size * max(1, len(self.draft.hidden_layers))
             zeros = torch.zeros(num_tokens - first_position, width, device=self.device)

@@ -225,8 +225,9 @@ class Sampler:
             return logits
         counts = torch.zeros_like(logits)  # [B, V]
         for row, item in enumerate(items):
-            if item.output_token_ids and item.sampling_params.has_penalties:
-                ids = torch.tensor(item.output_token_ids, dtype=torch.int64, device=logits.device)
+            output_ids = item.known_output_token_ids
+            if output_ids and item.sampling_params.has_penalties:
+                ids = torch.tensor(output_ids, dtype=torch.int64, device=logits.device)
                 counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
         logits = apply_penalties(
             logits,

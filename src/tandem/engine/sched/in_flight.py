@@ -20,14 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.sched.step import RunnerResult, SchedulerOutput
-
-PLACEHOLDER_TOKEN = -1  # an output token whose value the device has not returned yet
-
-
-def num_known(token_ids: list[int]) -> int:
-    """How many of `token_ids` (a request's output) are known now: all but a trailing placeholder."""
-    return len(token_ids) - 1 if token_ids and token_ids[-1] == PLACEHOLDER_TOKEN else len(token_ids)
+from tandem.engine.sched.step import PLACEHOLDER_TOKEN, RunnerResult, SchedulerOutput
 
 
 @dataclass

@@ -19,6 +19,13 @@ from typing import Protocol
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 
+PLACEHOLDER_TOKEN = -1  # an output token whose value the device has not returned yet (`in_flight.py`)
+
+
+def num_known(token_ids: list[int]) -> int:
+    """How many of `token_ids` (a request's output) are known now: all but a trailing placeholder."""
+    return len(token_ids) - 1 if token_ids and token_ids[-1] == PLACEHOLDER_TOKEN else len(token_ids)
+
 
 @dataclass
 class HeadStep:
@@ -79,6 +86,13 @@ class ScheduledRequest:
     @property
     def is_compressed(self) -> bool:
         return self.head is not None
+
+    @property
+    def known_output_token_ids(self) -> list[int]:
+        """`output_token_ids` as the serial engine would hand them over: without the trailing
+        placeholder a step scheduled ahead leaves for this step's own token (a copy then)."""
+        ids = self.output_token_ids
+        return ids[:-1] if ids and ids[-1] == PLACEHOLDER_TOKEN else ids
 
     @property
     def num_draft_tokens(self) -> int:
