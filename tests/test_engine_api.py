@@ -255,6 +255,37 @@ def test_a_request_that_does_not_stream_gets_its_first_and_final_outputs_only(
     asyncio.run(scenario())
 
 
+def test_a_deltas_only_request_streams_what_is_new_and_ends_whole(tiny_llm: LLM) -> None:
+    """`GenerationRequest.cumulative=False` (the serving path): running outputs carry only their
+    deltas (no copy of the output so far each step); their concatenation and the final output,
+    which carries everything, equal the cumulative request's answer: tokens, text, logprobs."""
+    engine = tiny_llm.engine
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2, ignore_eos=True)
+    for request_id, cumulative in (("whole", True), ("deltas", False)):
+        engine.add_request(
+            GenerationRequest(request_id, prompt=PROMPTS[1], sampling_params=params, cumulative=cumulative),
+            stream_text=True,
+        )
+    running: dict[str, list] = {"whole": [], "deltas": []}  # type: ignore[type-arg]
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            (completion,) = out.outputs
+            if out.finished:
+                finals[out.request_id] = completion
+            else:
+                running[out.request_id].append(completion)
+    assert len(running["deltas"]) > 3
+    assert all(c.text == "" and c.token_ids == [] and c.logprobs is None for c in running["deltas"])
+    assert running["whole"][-1].token_ids and running["whole"][-1].text  # the default: cumulative
+    whole, deltas = finals["whole"], finals["deltas"]
+    assert (deltas.token_ids, deltas.text, deltas.logprobs) == (whole.token_ids, whole.text, whole.logprobs)
+    streamed = [*running["deltas"], deltas]
+    assert sum((c.delta_token_ids for c in streamed), []) == whole.token_ids
+    assert "".join(c.delta_text for c in streamed) == whole.text
+    assert sum((c.delta_logprobs or [] for c in streamed), []) == whole.logprobs
+
+
 def test_async_engine_survives_a_consumer_whose_event_loop_closed(tiny_model_dir: Path) -> None:
     """A caller's event loop closes while its request still runs (a test client torn down, a
     worker killed mid-request): the engine aborts that request and keeps serving others."""

@@ -105,7 +105,7 @@ class AsyncEngine:
             await asyncio.to_thread(grammars.compile, spec)
         # Validate and tokenise in the caller's thread: bad input raises here, before anything is queued.
         prepared = self.engine.make_request(request)
-        stream = OutputStream.here(request.stream)
+        stream = OutputStream.here(request.stream, request.cumulative)
         with self._cv:
             if self._stopped or self._broken:
                 raise ServiceUnavailableError("this engine is shut down or being replaced; retry the request")
@@ -311,7 +311,13 @@ class AsyncEngine:
         engine = self.engine
         for (request, prompt), stream in adds:
             try:
-                engine.add_prepared(request, prompt, stream_text=stream.stream, final_only=not stream.stream)
+                engine.add_prepared(
+                    request,
+                    prompt,
+                    stream_text=stream.stream,
+                    final_only=not stream.stream,
+                    cumulative=stream.cumulative,
+                )
                 self._streams[request.request_id] = stream
             except Exception as exc:  # validated already; a race (duplicate id) lands here
                 self._send(request.request_id, stream, exc)

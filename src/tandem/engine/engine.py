@@ -20,13 +20,7 @@ from tandem.engine.engine_setup import build_kv_managers, build_scheduler, sched
 from tandem.engine.host.thread_tuner import ThreadTuner
 from tandem.engine.io.input_processor import InputProcessor
 from tandem.engine.io.output_processor import OutputProcessor
-from tandem.engine.io.stats import (
-    CompressionStats,
-    EngineStats,
-    KVStats,
-    SchedulerStats,
-    SpeculationStats,
-)
+from tandem.engine.io.stats import CompressionStats, EngineStats, KVStats, SchedulerStats, SpeculationStats
 from tandem.engine.kv.handover import KVHandover, kv_fingerprint
 from tandem.engine.lora.adapters import EngineAdapters
 from tandem.engine.null_setup import build_null_parts
@@ -193,14 +187,18 @@ class LLMEngine:
 
     def add_request(self, gen: GenerationRequest, *, stream_text: bool = False) -> Request:
         request, prompt = self.make_request(gen)
-        return self.add_prepared(request, prompt, stream_text=stream_text, final_only=not gen.stream)
+        final_only, cumulative = not gen.stream, gen.cumulative
+        return self.add_prepared(
+            request, prompt, stream_text=stream_text, final_only=final_only, cumulative=cumulative
+        )
 
     def add_prepared(
-        self, request: Request, prompt: str | None, *, stream_text: bool = False, final_only: bool = False
-    ) -> Request:
+        self, request: Request, prompt: str | None, *, stream_text: bool = False, final_only: bool = False,
+        cumulative: bool = True,
+    ) -> Request:  # fmt: skip
         """Queue a request built by `make_request` (validated and tokenised once, by the caller).
         `stream_text`: decode text at every step; `final_only`: `step()` returns only the request's
-        first output and its last (`GenerationRequest.stream`)."""
+        first output and its last (not `GenerationRequest.stream`); `cumulative`: its namesake's."""
         if request.request_id in self.scheduler.requests or request.request_id in self.families:
             raise InvalidRequestError(
                 f"request id {request.request_id!r} is already running", param="request_id"
@@ -212,7 +210,7 @@ class LLMEngine:
             if child.lora_name is not None:
                 self.adapters.acquire(child.lora_name)  # raises when it was removed meanwhile
             self.scheduler.add_request(child)
-            self.output_processor.add(child, prompt, stream_text, final_only)
+            self.output_processor.add(child, prompt, stream_text, final_only, cumulative)
         if len(children) > 1:
             self.families.add(request.request_id, [c.request_id for c in children])
         return request

@@ -39,6 +39,10 @@ class GenerationRequest:
     # in between, and decodes the text once at the end. The final output's cumulative fields are
     # whole; its deltas cover only what the skipped outputs did not.
     stream: bool = True
+    # False (a consumer that forwards deltas: the serving path): a running output carries only what
+    # is new (`delta_*`; `text`, `token_ids` and `logprobs` empty), the final one all of it; no
+    # step copies the output so far. True: each output also carries it all, as vLLM's default.
+    cumulative: bool = True
     # An embedding request: the prompt runs through the model once (prefill only; nothing is
     # generated and its blocks are not published to the prefix cache) and the final output carries
     # its pooled hidden state (`RequestOutput.embedding`) instead of tokens.

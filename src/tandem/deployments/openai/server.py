@@ -292,6 +292,7 @@ class OpenAIServer:
             priority=priority,
             lora_name=lora_id,
             stream=bool(req.stream),
+            cumulative=False,  # the routes read deltas, and the final output whole
             **prompt,
         )
 

@@ -26,6 +26,7 @@ class _RequestState:
     prompt: str | None
     stream_text: bool
     final_only: bool  # outputs only for the first token and the end (`GenerationRequest.stream=False`)
+    cumulative: bool  # running outputs carry the output so far too (`GenerationRequest.cumulative`)
     metrics: RequestMetrics
     logprobs: list[dict[int, float]] | None
     text: str = ""  # text emitted so far
@@ -40,13 +41,21 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, _RequestState] = {}
 
-    def add(self, request: Request, prompt: str | None, stream_text: bool, final_only: bool = False) -> None:
+    def add(
+        self,
+        request: Request,
+        prompt: str | None,
+        stream_text: bool,
+        final_only: bool = False,
+        cumulative: bool = True,
+    ) -> None:
         params = request.sampling_params
         self.states[request.request_id] = _RequestState(
             request=request,
             prompt=prompt,
             stream_text=stream_text or bool(params.stop),
             final_only=final_only,
+            cumulative=cumulative,
             metrics=RequestMetrics(arrival_time=request.arrival_time),
             logprobs=[] if params.logprobs is not None else None,
         )
@@ -125,10 +134,12 @@ class OutputProcessor:
         if not full.startswith(emitted):  # a stop string cut into already-emitted text (cannot
             full = emitted  # happen with hold-back; kept as a guard)
         output_ids = request.output_token_ids
-        token_ids = output_ids[: num_known(output_ids)]  # a copy
-        num_emitted = state.num_emitted_tokens
+        num_emitted, num_tokens = state.num_emitted_tokens, num_known(output_ids)
+        delta_ids = output_ids[num_emitted:num_tokens]
         logprobs = state.logprobs
-        state.text, state.num_emitted_tokens = full, len(token_ids)
+        delta_logprobs = logprobs[num_emitted:] if logprobs is not None else None
+        whole = finished or state.cumulative  # else no copy of the output so far
+        state.text, state.num_emitted_tokens = full, num_tokens
         metrics = state.metrics
         metrics.num_cached_tokens = request.num_cached_tokens
         metrics.num_accepted_draft_tokens = request.num_accepted_draft_tokens
@@ -142,14 +153,14 @@ class OutputProcessor:
                 error_code = request.error_code or "request_failed"
         completion = CompletionOutput(
             index=0,
-            text=full,
-            token_ids=token_ids,
+            text=full if whole else "",
+            token_ids=output_ids[:num_tokens] if whole else [],
             finish_reason=request.status.finish_reason if finished else None,
             stop_reason=request.stop_reason if finished else None,
-            logprobs=list(logprobs) if logprobs is not None else None,
+            logprobs=list(logprobs) if logprobs is not None and whole else None,
             delta_text=full[len(emitted) :],
-            delta_token_ids=token_ids[num_emitted:],
-            delta_logprobs=logprobs[num_emitted:] if logprobs is not None else None,
+            delta_token_ids=delta_ids,
+            delta_logprobs=delta_logprobs,
         )
         return RequestOutput(
             request_id=request.request_id,

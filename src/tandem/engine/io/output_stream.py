@@ -17,11 +17,12 @@ class OutputStream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
     stream: bool = True  # False: first output and final output only (`GenerationRequest.stream`)
+    cumulative: bool = True  # False: running outputs carry only deltas (`GenerationRequest.cumulative`)
 
     @classmethod
-    def here(cls, stream: bool = True) -> OutputStream:
+    def here(cls, stream: bool = True, cumulative: bool = True) -> OutputStream:
         """A stream consumed on the running event loop."""
-        return cls(asyncio.get_running_loop(), asyncio.Queue(), stream)
+        return cls(asyncio.get_running_loop(), asyncio.Queue(), stream, cumulative)
 
     async def outputs(
         self, stream_interval: int, on_leave: Callable[[], None], num_yielded: int = 0
