@@ -4,8 +4,8 @@ samples a fixed cycle of ordinary tokens; the default model's config and tokeniz
 
 Phases (`--phase`, default all):
 - `core`: `LLMEngine.step()` in this thread at each `--requests` value (all added at once, prompts
-  of `--prompt-len` distinct random tokens, `--new-tokens` each, EOS ignored, streamed text):
-  ms per step for prefill steps, for the middle half of the decode steps, and the whole run; the
+  of `--prompt-len` distinct random tokens, `--new-tokens` each, EOS ignored, streamed text, running
+  outputs with only their deltas, as the serving routes ask for them): ms per step for prefill steps, for the middle half of the decode steps, and the whole run; the
   growth from the first to the last `--requests` value.
 - `async`: the same through `AsyncEngine.generate` (one asyncio consumer per request), with a
   runner step of 0 and of `--step-ms`: decode steps per second against the ideal 1000 / step-ms.
@@ -41,6 +41,9 @@ from tandem.engine.sched.step import RunnerResult, SchedulerOutput
 from tandem.platform.config import EngineConfig
 
 KEY = "sk-bench"
+# Outputs as the serving routes ask for them: deltas while running (`GenerationRequest.cumulative`;
+# an older tree, measured for comparison, has no such field and always sends the output so far)
+SERVING_OUTPUTS = {"cumulative": False} if "cumulative" in GenerationRequest.__dataclass_fields__ else {}
 REPLICA_GC = {"on": True}  # --gc replica: the collector as a Serve replica sets it (`replicas.settle_heap`)
 
 
@@ -109,7 +112,8 @@ def run_core(num_requests: int, prompt_len: int, new_tokens: int) -> dict[str, A
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts(num_requests, prompt_len, engine.model_config.vocab_size)):
         engine.add_request(
-            GenerationRequest(f"r{i}", prompt_token_ids=prompt, sampling_params=params), stream_text=True
+            GenerationRequest(f"r{i}", prompt_token_ids=prompt, sampling_params=params, **SERVING_OUTPUTS),
+            stream_text=True,
         )
     num_tokens = 0
     started = time.perf_counter()
@@ -139,7 +143,7 @@ def run_async(num_requests: int, step_ms: float, prompt_len: int, new_tokens: in
     served = AsyncEngine(engine)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     requests = [
-        GenerationRequest(f"a{i}", prompt_token_ids=prompt, sampling_params=params)
+        GenerationRequest(f"a{i}", prompt_token_ids=prompt, sampling_params=params, **SERVING_OUTPUTS)
         for i, prompt in enumerate(prompts(num_requests, prompt_len, engine.model_config.vocab_size))
     ]
 

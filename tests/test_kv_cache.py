@@ -7,7 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tandem.engine.kv.block_manager import BlockPool, KVCacheManager, NoFreeBlocksError
+from tandem.engine.kv.block_manager import KVCacheManager
+from tandem.engine.kv.block_pool import BlockPool, NoFreeBlocksError
 
 
 def test_allocate_takes_oldest_free_first_and_free_appends_in_reverse() -> None:

@@ -174,7 +174,7 @@ def test_sliding_window_memory_is_bounded(
     each step the request holds exactly its table less the blocks wholly before position
     `computed - W + 1`, so never more than W / 4 + 2 blocks, and its tokens are HF's. A model
     with a global layer (Gemma 2) keeps every block (one table serves all its layers)."""
-    from tandem.engine.kv.block_manager import FREED_BLOCK
+    from tandem.engine.kv.block_pool import FREED_BLOCK
     from tandem.engine.protocol import GenerationRequest
 
     folder = checkpoint(family, tokenizer_files, tmp_path_factory)
@@ -333,7 +333,7 @@ def test_a_prefix_hit_needs_only_the_blocks_inside_the_window(
     reuses) its early blocks as it goes, so the start of its prompt is no longer cached when the
     same prompt comes again. The second request still skips all but its last tokens: it takes the
     cached blocks inside the window of its first computed position, and its tokens are HF's."""
-    from tandem.engine.kv.block_manager import FREED_BLOCK
+    from tandem.engine.kv.block_pool import FREED_BLOCK
     from tandem.engine.protocol import GenerationRequest
 
     folder = checkpoint("mistral", tokenizer_files, tmp_path_factory)

@@ -25,109 +25,17 @@ Invariants (checked by `check_integrity()`):
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
 
+from tandem.engine.kv.block_pool import FREED_BLOCK, BlockPool, NoFreeBlocksError
+
+__all__ = ["FREED_BLOCK", "BlockPool", "BlockTable", "KVCacheManager", "NoFreeBlocksError"]
+
 TokenSlice = Callable[[int, int], list[int]]  # (start, end) -> token ids [start, end) of a request
-# A block-table entry whose block left the sliding window and went back to the pool (generation 0).
-FREED_BLOCK = -1
-
-
-class NoFreeBlocksError(RuntimeError):
-    pass
-
-
-class BlockPool:
-    """Fixed set of physical blocks with ref counts, a free list in eviction order and tags.
-
-    The free list is ordered oldest-freed first; `allocate` takes from its head, so a block that
-    was freed recently is reused last (what a prefix cache wants to keep around longest).
-    """
-
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self.ref_counts = [0] * num_blocks
-        self.generations = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # block hash -> block id
-        self.num_evictions = 0
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
-
-    def allocate(self, num_blocks: int) -> list[int]:
-        """Hand out `num_blocks` free blocks (ref count 1, generation bumped) or raise."""
-        if num_blocks > len(self._free):
-            raise NoFreeBlocksError(f"asked for {num_blocks} blocks, {len(self._free)} free")
-        block_ids = []
-        for _ in range(num_blocks):
-            block_id, _ = self._free.popitem(last=False)
-            old_hash = self.block_hash[block_id]
-            if old_hash is not None:  # evict its cached contents
-                self.block_hash[block_id] = None
-                if self.cached.get(old_hash) == block_id:
-                    del self.cached[old_hash]
-                self.num_evictions += 1
-            self.ref_counts[block_id] = 1
-            self.generations[block_id] += 1
-            block_ids.append(block_id)
-        return block_ids
-
-    def touch(self, block_id: int) -> None:
-        """Take one more reference to a cached block (a prefix-cache hit); a free one leaves the
-        free list without changing its generation."""
-        if self.ref_counts[block_id] == 0:
-            del self._free[block_id]
-        self.ref_counts[block_id] += 1
-
-    def cache(self, block_id: int, block_hash: int) -> None:
-        """Record that `block_id` (full, in use) holds the contents named by `block_hash`."""
-        if block_hash in self.cached or self.block_hash[block_id] is not None:
-            return  # the same contents are cached in another block already, or this one is
-        self.block_hash[block_id] = block_hash
-        self.cached[block_hash] = block_id
-
-    def reset_prefix_cache(self) -> None:
-        for block_hash, block_id in list(self.cached.items()):
-            self.block_hash[block_id] = None
-            del self.cached[block_hash]
-
-    def free(self, block_ids: list[int]) -> None:
-        """Drop one reference to each block; blocks reaching zero go to the free list's tail.
-
-        Blocks are released in reverse so a request's tail blocks are evicted before its head.
-        """
-        for block_id in reversed(block_ids):
-            if block_id == FREED_BLOCK:
-                continue
-            ref = self.ref_counts[block_id]
-            if ref <= 0:
-                raise RuntimeError(f"double free of block {block_id}")
-            self.ref_counts[block_id] = ref - 1
-            if ref == 1:
-                self._free[block_id] = None
-
-    def check_integrity(self) -> None:
-        free = self._free
-        assert len(free) + sum(1 for r in self.ref_counts if r > 0) == self.num_blocks, "block leak"
-        for block_id, ref in enumerate(self.ref_counts):
-            assert ref >= 0, f"negative ref count on block {block_id}"
-            assert (ref == 0) == (block_id in free), f"block {block_id}: ref {ref} vs free list"
-        for block_hash, block_id in self.cached.items():
-            assert self.block_hash[block_id] == block_hash, f"cache map and block {block_id} disagree"
-        assert sum(h is not None for h in self.block_hash) == len(self.cached), "stray block hash"
 
 
 @dataclass
@@ -163,6 +71,10 @@ class KVCacheManager:
         self.num_watermark_blocks = int(watermark * num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self._block_hashes: dict[str, list[int]] = {}  # request -> hashes of its full blocks so far
+        # KV integrity, kept up to date from what changed: block -> the requests whose tables hold
+        # it, and the requests holding a block handed out again since they got it
+        self._holders: dict[int, set[str]] = {}
+        self._stale: set[str] = set()
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of which found cached
 
@@ -243,6 +155,7 @@ class KVCacheManager:
                 self.pool.touch(block_id)
         generations = [self.pool.generations[b] if b != FREED_BLOCK else 0 for b in hits]
         self.tables[request_id] = BlockTable(hits, generations, num_published=len(hits))
+        self._hold(request_id, hits)
         return len(hits) * self.block_size
 
     def fork(self, request_id: str, parent_id: str, num_blocks: int) -> int:
@@ -261,6 +174,7 @@ class KVCacheManager:
             list(parent.generations[:num_blocks]),
             num_published=min(num_blocks, parent.num_published),
         )
+        self._hold(request_id, shared)
         return num_blocks * self.block_size
 
     def num_cached_prefix_blocks(self, num_tokens: int, tokens: TokenSlice, salt: object) -> int:
@@ -314,6 +228,7 @@ class KVCacheManager:
             new_ids = self.pool.allocate(num_new)
             table.block_ids.extend(new_ids)
             table.generations.extend(self.pool.generations[b] for b in new_ids)
+            self._hold(request_id, new_ids)
         return True
 
     def release_outside_window(self, request_id: str, num_computed_tokens: int) -> int:
@@ -332,6 +247,7 @@ class KVCacheManager:
                 released.append(table.block_ids[index])
                 table.block_ids[index] = FREED_BLOCK
                 table.generations[index] = 0
+        self._let_go(request_id, released)
         self.pool.free(released)
         self.num_window_released += len(released)
         return len(released)
@@ -352,13 +268,43 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         table = self.tables.pop(request_id, None)
         self._block_hashes.pop(request_id, None)
+        self._stale.discard(request_id)
         if table is not None:
+            self._let_go(request_id, table.block_ids)
             self.pool.free(table.block_ids)
 
+    def _hold(self, request_id: str, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            if block_id != FREED_BLOCK:
+                self._holders.setdefault(block_id, set()).add(request_id)
+
+    def _let_go(self, request_id: str, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            holders = self._holders.get(block_id)
+            if holders is not None:
+                holders.discard(request_id)
+                if not holders:
+                    del self._holders[block_id]
+
     def stale_requests(self, request_ids: list[str]) -> list[str]:
-        """Of `request_ids`, those holding a block whose generation changed since they got it:
-        one vectorised comparison over all their (block, generation) pairs. Costs O(their blocks),
-        not O(the pool): it runs every step, and a GPU's pool holds 10^5 blocks or more."""
+        """Of `request_ids`, those holding a block whose generation changed since they got it.
+        Kept from what changed: the blocks whose generation was written since the last call
+        (`Generations.take_written`: handed out again, or tampered with) are compared with their
+        holders' tables; a request found stale stays so until its blocks are freed. A step costs
+        what was allocated in it, not the tables' length (it runs every step)."""
+        generations = self.pool.generations
+        for block_id in generations.take_written():
+            for request_id in self._holders.get(block_id, ()):
+                table = self.tables[request_id]
+                if table.generations[table.block_ids.index(block_id)] != generations[block_id]:
+                    self._stale.add(request_id)
+        if not self._stale:
+            return []
+        return [r for r in request_ids if r in self._stale]
+
+    def scan_stale_requests(self, request_ids: list[str]) -> list[str]:
+        """`stale_requests` by reading every (block, generation) pair of the requests' tables (one
+        vectorised comparison): the reference `check_integrity` holds the kept answer to."""
         tables = [self.tables.get(r) for r in request_ids]
         lengths = [len(t.block_ids) if t is not None else 0 for t in tables]
         total = sum(lengths)
@@ -394,5 +340,12 @@ class KVCacheManager:
                 if block_id != FREED_BLOCK:
                     refs[block_id] += 1
         assert refs == self.pool.ref_counts, "ref counts differ from block-table references"
-        stale = self.stale_requests(list(self.tables))
+        holders: dict[int, set[str]] = {}
+        for request_id, table in self.tables.items():
+            for block_id in table.block_ids:
+                if block_id != FREED_BLOCK:
+                    holders.setdefault(block_id, set()).add(request_id)
+        assert holders == self._holders, "block holders differ from the block tables"
+        stale = self.scan_stale_requests(list(self.tables))
+        assert stale == self.stale_requests(list(self.tables)), "kept stale requests differ from a scan"
         assert not stale, f"{stale} hold reassigned blocks"

@@ -13,7 +13,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Protocol
 
-from tandem.engine.kv.block_manager import FREED_BLOCK, KVCacheManager
+from tandem.engine.kv.block_manager import KVCacheManager
+from tandem.engine.kv.block_pool import FREED_BLOCK
 from tandem.engine.kv.transfer import (
     KVPage,
     KVPrefixEvictedError,

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tandem.engine.kv.block_manager import BlockPool, NoFreeBlocksError
+from tandem.engine.kv.block_pool import BlockPool, NoFreeBlocksError
 
 
 @dataclass

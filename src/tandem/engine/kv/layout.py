@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from tandem.engine.kv.block_manager import BlockPool, KVCacheManager
+from tandem.engine.kv.block_manager import KVCacheManager
+from tandem.engine.kv.block_pool import BlockPool
 from tandem.engine.kv.head_cache import HeadKVCacheManager
 from tandem.engine.request import Request
 from tandem.engine.sched.step import HeadStep, ScheduledRequest

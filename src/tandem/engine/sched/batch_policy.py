@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tandem.engine.kv.block_manager import BlockPool
+from tandem.engine.kv.block_pool import BlockPool
 
 
 @dataclass
