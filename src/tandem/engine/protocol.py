@@ -116,8 +116,13 @@ class RequestOutput:
     embedding: list[float] | None = None
 
     def without_cumulative(self) -> RequestOutput:
-        """A copy for streaming between processes: deltas only (the final output keeps all)."""
-        if self.finished:
+        """A copy for streaming between processes: deltas only (the final output keeps all);
+        itself when it carries nothing else already (`GenerationRequest.cumulative=False`)."""
+        if self.finished or all(
+            not c.token_ids and not c.text and c.logprobs is None
+            for c in self.outputs
+            if c.finish_reason is None
+        ):
             return self
         slim = [
             CompletionOutput(
