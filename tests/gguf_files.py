@@ -14,26 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .model_families import COMMON  # the same tiny shapes as the HF-folder family tests
+from .model_families import COMMON, MOE_FAMILIES  # the same tiny shapes as the HF-folder family tests
 
-DEEPSEEK_V3 = {
-    "num_key_value_heads": 4,
-    "q_lora_rank": 32,
-    "kv_lora_rank": 32,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 16,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "n_shared_experts": 1,
-    "n_group": 4,
-    "topk_group": 2,
-    "routed_scaling_factor": 2.5,
-    "first_k_dense_replace": 1,
-    "norm_topk_prob": True,
-    "rope_interleave": True,
-}
+DEEPSEEK_V3 = MOE_FAMILIES["deepseek_v3"][2]  # the HF-folder family tests' tiny DeepSeek-V3
 # family -> (GGUF architecture, transformers config, causal-LM class, overrides, the linears' type)
 GGUF_FAMILIES: dict[str, tuple[str, str, str, dict[str, Any], str]] = {
     "llama": ("llama", "LlamaConfig", "LlamaForCausalLM", {}, "Q4_0"),
@@ -244,7 +227,6 @@ def _num_mtp(config: Any) -> int:
 
 
 def _write_metadata(writer: Any, config: Any, family: str, tokenizer_files: Path, tokens: list[str]) -> None:
-    import gguf
 
     arch = GGUF_FAMILIES[family][0]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -273,14 +255,7 @@ def _write_metadata(writer: Any, config: Any, family: str, tokenizer_files: Path
     if arch == "glm4moe":  # as llama.cpp's `Glm4MoeModel` writes them
         rope = config.rope_parameters
         writer.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
-        writer.add_expert_count(config.n_routed_experts)
-        writer.add_expert_used_count(config.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-        writer.add_expert_shared_count(config.n_shared_experts)
-        writer.add_leading_dense_block_count(config.first_k_dense_replace)
-        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-        writer.add_expert_weights_scale(config.routed_scaling_factor)
-        writer.add_expert_weights_norm(config.norm_topk_prob)
+        _write_sigmoid_routing(writer, config)
         writer.add_nextn_predict_layers(config.num_nextn_predict_layers)
     if arch == "deepseek2":  # as llama.cpp's `DeepseekV2Model` writes it
         _write_deepseek2(writer, config, split_kv_b=family == "deepseek2")
@@ -301,8 +276,6 @@ def _write_metadata(writer: Any, config: Any, family: str, tokenizer_files: Path
 
 
 def _write_deepseek2(writer: Any, config: Any, *, split_kv_b: bool) -> None:
-    import gguf
-
     rope, nope, v, kv_lora = (
         config.qk_rope_head_dim,
         config.qk_nope_head_dim,
@@ -320,13 +293,20 @@ def _write_deepseek2(writer: Any, config: Any, *, split_kv_b: bool) -> None:
         writer.add_key_length(nope + rope)
         writer.add_value_length(v)
     writer.add_rope_dimension_count(rope)
+    _write_sigmoid_routing(writer, config)
+    writer.add_expert_group_count(config.n_group)
+    writer.add_expert_group_used_count(config.topk_group)
+
+
+def _write_sigmoid_routing(writer: Any, config: Any) -> None:
+    """GLM-4.5's and DeepSeek-V3's routing keys, as llama.cpp's converters write them."""
+    import gguf
+
     writer.add_expert_count(config.n_routed_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_expert_shared_count(config.n_shared_experts)
     writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     writer.add_expert_weights_scale(config.routed_scaling_factor)
     writer.add_expert_weights_norm(config.norm_topk_prob)
-    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    writer.add_expert_group_count(config.n_group)
-    writer.add_expert_group_used_count(config.topk_group)
