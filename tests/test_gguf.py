@@ -157,9 +157,19 @@ def test_deepseek_v2_softmax_routing_is_refused_naming_the_key() -> None:
     model = GGUFModel(fields, {"token_embd.weight"}, "v2.gguf")
     with pytest.raises(ModelLoadError, match="expert_gating_func=1 is not supported"):
         model.hf_config([1])
-    model = GGUFModel({**fields, "deepseek2.expert_gating_func": 2}, {"token_embd.weight"}, "v3.gguf")
-    config = model.hf_config([1])
+    yarn = {
+        "deepseek2.rope.scaling.type": "yarn",
+        "deepseek2.rope.scaling.factor": 40.0,
+        "deepseek2.rope.scaling.original_context_length": 4096,
+        "deepseek2.rope.scaling.yarn_log_multiplier": 0.1,  # llama.cpp's 0.1 * mscale_all_dim
+    }
+    fields = {**fields, **yarn, "deepseek2.expert_gating_func": 2}
+    config = GGUFModel(fields, {"token_embd.weight"}, "v3.gguf").hf_config([1])
     assert (config["qk_nope_head_dim"], config["v_head_dim"], config["num_key_value_heads"]) == (8, 16, 4)
+    assert config["rope_scaling"] == {
+        "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+    }  # fmt: skip
 
 
 def test_a_type_not_read_is_refused_naming_the_tensor(tokenizer_files: Path, tmp_path: Path) -> None:
