@@ -178,7 +178,8 @@ class ModelRunner:
 
     def imported_prompt(self, request_id: str, first_position: int, num_tokens: int) -> None:
         """A request whose prompt KV (first_position..num_tokens-1) another engine computed: no target
-        states exist for it, so a draft head catches up on it from zero states."""
+        states exist for it, so a draft head catches up on it from zero states (never on the shared
+        prefix blocks before it, whose head KV their filler wrote)."""
         if self.draft is not None and self.draft.wants_hidden and num_tokens > first_position:
             width = self.model.config.hidden_size * max(1, len(self.draft.hidden_layers))
             zeros = torch.zeros(num_tokens - first_position, width, device=self.device)

@@ -139,7 +139,7 @@ class RequestQueues:
     def decode_ready(self, request: Request) -> bool:
         """Whether the request decodes (only its last token is uncomputed) in the shared layout,
         whose blocks already hold that token (scheduling it allocates nothing)."""
-        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+        num_tokens = request.num_tokens
         return (
             request.num_computed_tokens + 1 == num_tokens
             and not request.compressed

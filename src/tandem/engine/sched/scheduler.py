@@ -243,8 +243,7 @@ class Scheduler:
         prompting: list[Request] = []
         for r in self.running:
             if r.priority is priority:
-                is_decoding = r.num_computed_tokens >= len(r.prompt_token_ids) + len(r.output_token_ids) - 1
-                (decoding if is_decoding else prompting).append(r)
+                (decoding if r.num_computed_tokens >= r.num_tokens - 1 else prompting).append(r)
         waiting = [r for r in self.waiting if r.priority is priority and self.admission.may_start(r)]
         if prompts_wait:
             cap = self.builder.schedule_running(

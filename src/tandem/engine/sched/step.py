@@ -92,7 +92,8 @@ class ScheduledRequest:
         """`output_token_ids` as the serial engine would hand them over: without the trailing
         placeholder a step scheduled ahead leaves for this step's own token (a copy then)."""
         ids = self.output_token_ids
-        return ids[:-1] if ids and ids[-1] == PLACEHOLDER_TOKEN else ids
+        num_tokens = num_known(ids)
+        return ids if num_tokens == len(ids) else ids[:num_tokens]
 
     @property
     def num_draft_tokens(self) -> int:
