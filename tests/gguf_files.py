@@ -103,6 +103,14 @@ GGUF_FAMILIES: dict[str, tuple[str, str, str, dict[str, Any], str]] = {
         "Q8_0",
     ),  # fmt: skip
     "deepseek2": ("deepseek2", "DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK_V3, "Q8_0"),
+    # a converter that wrote the halves and kept the whole kv_b too
+    "deepseek2-kv-b-and-halves": (
+        "deepseek2",
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        DEEPSEEK_V3,
+        "Q8_0",
+    ),
     # a file from before llama.cpp split kv_b for absorbed MLA (no `*_mla` head-size keys)
     "deepseek2-whole-kv-b": ("deepseek2", "DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK_V3, "Q4_0"),
 }
@@ -185,7 +193,9 @@ def _gguf_tensors(
             array = _permute(array, heads)
         if name.endswith("norm.weight") and "gemma" in family:
             array = array + np.float32(1.0)
-        if family == "deepseek2" and name.endswith("kv_b_proj.weight"):  # split for absorbed MLA
+        if family == "deepseek2-kv-b-and-halves" and name.endswith("kv_b_proj.weight"):
+            out += _split_kv_b(name, array, config)  # and the whole one below
+        elif family == "deepseek2" and name.endswith("kv_b_proj.weight"):  # split for absorbed MLA
             out += _split_kv_b(name, array, config)
             continue
         lookup = name.replace("e_score_correction_bias", "e_score_correction.bias")  # as llama.cpp renames it
@@ -258,7 +268,7 @@ def _write_metadata(writer: Any, config: Any, family: str, tokenizer_files: Path
         _write_sigmoid_routing(writer, config)
         writer.add_nextn_predict_layers(config.num_nextn_predict_layers)
     if arch == "deepseek2":  # as llama.cpp's `DeepseekV2Model` writes it
-        _write_deepseek2(writer, config, split_kv_b=family == "deepseek2")
+        _write_deepseek2(writer, config, split_kv_b=family != "deepseek2-whole-kv-b")
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)

@@ -15,6 +15,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.engine.models import gguf_blocks
+from tandem.engine.models.gguf_file import open_gguf
 from tandem.platform.errors import ModelLoadError
 
 from .conftest import make_tiny_model
@@ -113,6 +114,8 @@ def test_family_gguf_answers_hf_float32_greedy(
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / f"tiny-{family}.gguf"
     hf = write_family_gguf(family, tokenizer_files, path)
+    hf_names = [t.hf_name for t in open_gguf(path).tensors]
+    assert len(hf_names) == len(set(hf_names))  # one file tensor per checkpoint tensor
     llm = LLM(str(path), dtype="float32", speculative=None, kv_cache_memory=1 << 20)
     assert llm.engine.served_model_name == f"tiny-{family}"
     assert llm.engine.model_info()["quant_types"][0] == GGUF_FAMILIES[family][4]

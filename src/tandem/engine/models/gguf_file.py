@@ -163,12 +163,17 @@ class GGUFFile:
 
     def _merged_kv_b(self, halves: dict[str, GGUFTensor], unknown: list[str]) -> list[GGUFTensor]:
         """Each layer's `attn_k_b` + `attn_v_b` as the `kv_b_proj` the architecture consumes (a
-        half without its pair, or where no `kv_b_proj` is consumed, is refused as unknown)."""
+        half without its pair, or where no `kv_b_proj` is consumed, is refused as unknown). Files
+        that carry the whole `attn_kv_b` too (some converters kept it) are read from it."""
         merged = []
-        for name, k_b in halves.items():
+        for name, k_b in list(halves.items()):
             if not name.endswith(_KV_B_HALVES[0]):
                 continue
             prefix = name[: -len(_KV_B_HALVES[0])]
+            if prefix + "attn_kv_b.weight" in self.model.meta.tensor_names:  # the halves repeat it
+                halves.pop(name)
+                halves.pop(prefix + _KV_B_HALVES[1], None)
+                continue
             v_b = halves.get(prefix + _KV_B_HALVES[1])
             hf_name = self.model.hf_name(prefix + "attn_kv_b.weight")
             if v_b is None or hf_name is None or len(k_b.shape) != 3 or len(v_b.shape) != 3:
