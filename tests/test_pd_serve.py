@@ -224,7 +224,10 @@ def test_both_pools_scale_up_under_load_and_back_down(
                     failures.append(exc)
                     return
 
-        threads = [threading.Thread(target=generate_long) for _ in range(4)]
+        # Six long answers: their KV stays well over the target while each also waits its turn on
+        # the busy prefill pool (four barely did once decoding got faster: it spent less of each
+        # answer's time holding KV)
+        threads = [threading.Thread(target=generate_long) for _ in range(6)]
         threads += [threading.Thread(target=prefill_long) for _ in range(4)]
         for thread in threads:
             thread.start()
