@@ -18,7 +18,7 @@ from tandem.kernels.int4 import (
 from tandem.kernels.int8 import Int8HeadLinear, Int8Linear, quantize_int8
 
 # For weights without native INT4 tensors: the best of 32, 64 and 128 on Gemma 3 270M
-# (docs/performance.md, the INT4 group-size comparison).
+# (docs/performance.md: the issue-59 section, its INT4 variants g32 / g64 / g128).
 DEFAULT_INT4_GROUP_SIZE = 32
 
 
