@@ -4,6 +4,7 @@ unquantised engine."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -463,3 +464,64 @@ def test_int8_kernel_gives_the_same_bits_built_for_avx2(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(11)
     w, x = torch.randn(40, 320, generator=g), torch.randn(9, 320, generator=g)
     assert torch.equal(torch.load(out), Int8Linear(quantize_int8(w), torch.device("cpu"))(x))
+
+
+@pytest.fixture
+def amx() -> Iterator[None]:
+    """The AMX paths on for the test (skipped where the CPU, the build or Linux lacks them), and
+    on again after it whatever it did."""
+    if not int4_native.use_amx(True):
+        pytest.skip("needs AMX-INT8 (csrc/amx_cpu.c): this CPU, its build or Linux lacks it")
+    yield
+    int4_native.use_amx(True)
+
+
+def test_int8_kernel_on_amx_gives_the_vector_kernels_bits(amx: None) -> None:
+    """`tandem_q8_mm`'s AMX path (8 rows and more) computes each run's integer dot product on the
+    tile unit from the int16 activations' high and low bytes: the same integers, so the same bits
+    as the vector kernel at every call size, the padding of partial 16-row tiles and 16-output
+    blocks included (the choice may depend on the call's size without breaking batch invariance)."""
+    from tandem.kernels.int8 import interleave_outputs, quantize_int8
+
+    g = torch.Generator().manual_seed(5)
+    for rows, cols in ((40, 320), (1000, 640)):
+        codes_il, scales_il = interleave_outputs(quantize_int8(torch.randn(rows, cols, generator=g)))
+        for num_tokens in (1, 8, 9, 16, 33, 130):
+            x = torch.randn(num_tokens, cols, generator=g) * 4
+            x[0, :32] = 0.0  # a run of zeros (step 0) and a run with one value far above the rest
+            x[-1, 32:64] = torch.linspace(-1e-3, 1e-3, 32)
+            x[-1, 40] = 300.0
+            assert int4_native.use_amx(False) is False
+            vector = q8_mm(x, codes_il, scales_il, rows)
+            assert int4_native.use_amx(True) is True
+            assert torch.equal(q8_mm(x, codes_il, scales_il, rows), vector), (rows, num_tokens)
+
+
+def test_gguf_blocks_on_amx_keep_each_rows_bits_at_any_call_size(amx: None) -> None:
+    """GGUF 4-bit blocks as stored (mode 3) on an AMX CPU: tiles from 8 rows of a 16-row block,
+    AVX512-VNNI below, one float32 order per (row, output): a row alone, in a call of 37 or in
+    other splits has the same bits (batch invariance), and the result is the dequantised weight's
+    product to int16-activation rounding (as the vector kernel's, which it matches to ~1e-6)."""
+    g = torch.Generator().manual_seed(9)
+    rows, cols = 50, 512  # 4 output blocks, the last one partial
+    packed = int4_native.pack_rows(torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8))
+    codes = torch.randint(-63, 64, (rows, cols // 32, 2), generator=g, dtype=torch.int8)
+    block_scales = (torch.rand(rows, cols // 256, 2, generator=g) * 0.02).to(torch.float16)  # Q4_K-like
+    x = torch.randn(37, cols, generator=g)
+    whole = int4_native.int4_mm(x, packed, codes, block_scales, 32)
+    alone = torch.cat(
+        [int4_native.int4_mm(x[i : i + 1].contiguous(), packed, codes, block_scales, 32) for i in range(37)]
+    )
+    assert torch.equal(alone, whole)
+    for split in (3, 7, 8, 16, 21):
+        parts = [x[:split].contiguous(), x[split:].contiguous()]
+        assert torch.equal(
+            torch.cat([int4_native.int4_mm(p, packed, codes, block_scales, 32) for p in parts]), whole
+        )
+    weight = int4_native.int4_dequantize(packed, codes, block_scales, 32).double()
+    exact = x.double() @ weight.T
+    assert (whole.double() - exact).abs().max() <= 1e-4 * exact.abs().max()
+    assert int4_native.use_amx(False) is False
+    vector = int4_native.int4_mm(x, packed, codes, block_scales, 32)
+    assert (whole - vector).abs().max() <= 1e-5 * vector.abs().max()
+    assert not torch.equal(whole, vector)  # its own order: the AMX path really ran

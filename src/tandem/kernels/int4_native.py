@@ -17,6 +17,13 @@ torch's kernel. The library needs `libgomp.so.1`; torch's CPU build bundles a li
 soname and loads it first, so the dynamic loader binds both to one OpenMP runtime and one thread
 pool (a torch linked to another OpenMP would mean two pools on the same cores).
 
+AMX (`csrc/amx_cpu.c`): built where the build target has AMX-INT8 and used where Linux grants the
+tile state; `TANDEM_NATIVE_AMX=0` or `use_amx(False)` turns it off. Q8_0 calls of 8 rows or more take
+the tile unit with the vector kernel's exact bits. GGUF 4-bit blocks as stored (mode 3) then take
+an arithmetic of their own at every call size (tiles from 8 rows, AVX512-VNNI below, the same
+bits): a row's result still never depends on its call, but differs in its last bits from the
+vector kernel's, so a machine with AMX and one without agree only to float32 rounding on these.
+
 `int4_mm` / `int4_dequantize` call the library directly (eager); `torch.ops.tandem.int4_mm` /
 `torch.ops.tandem.int4_dequantize` are the same functions registered as custom ops, so that
 `torch.compile` keeps them as opaque calls inside one graph. Inputs: CPU tensors, contiguous.
@@ -43,7 +50,7 @@ GROUP_SIZES = (32, 64, 128, 256)  # what the kernel is specialised for
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "decoder_cpu.c"  # includes int4_cpu.c: one library with both
-SOURCES = (CSRC / "int4_cpu.c", SOURCE)  # what the build's cache key covers
+SOURCES = (CSRC / "int4_cpu.c", CSRC / "amx_cpu.c", SOURCE)  # what the build's cache key covers
 MODE_F16_PARAMS = 0  # params: float16 [N, G, 2] (scale, zero)
 MODE_INT8_PARAMS = 1  # params: int8 codes [N, G, 2], with bfloat16 super-block scales [N, S, 2]
 MODE_BLOCK_PARAMS = 3  # GGUF 4-bit as stored: int8 codes [N, G, 2], float16 block scales [N, S, 2]
@@ -117,6 +124,10 @@ def load() -> ctypes.CDLL | None:
     lib.tandem_decoder_layers_heads.restype = i32
     lib.tandem_q8_mm.argtypes = [p, p, p, i64, i64, i64, p, i32]
     lib.tandem_q8_mm.restype = i32
+    lib.tandem_set_amx.argtypes = [i32]
+    lib.tandem_set_amx.restype = i32
+    if os.environ.get("TANDEM_NATIVE_AMX", "1") == "0":
+        lib.tandem_set_amx(0)
     f32 = ctypes.c_float
     lib.tandem_paged_attention.argtypes = [
         p,
@@ -162,6 +173,13 @@ def _library() -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError("native INT4 kernel unavailable: " + unavailable_reason())
     return lib
+
+
+def use_amx(enabled: bool) -> bool:
+    """Turn the AMX paths on or off in this process (module docstring); returns whether they run
+    now: False where the library, the CPU or Linux lacks them, whatever `enabled`."""
+    lib = load()
+    return bool(lib.tandem_set_amx(int(enabled))) if lib is not None else False
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

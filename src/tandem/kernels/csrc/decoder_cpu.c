@@ -407,6 +407,9 @@ int tandem_decoder_layers_heads(const TandemDecoderDims *d, const TandemLayer *l
  * Work per 16 outputs, 4 rows and input pair: one widened load of the codes and 4 multiply-adds
  * (vpdpwssd where the CPU has AVX512-VNNI). Returns 0, -1 when scratch cannot be allocated. */
 #define Q8_ROWS 4
+/* Fewest rows for which tandem_q8_mm takes the AMX path (same bits; below it the vector kernel's
+ * 4-row blocks waste less than a 16-row tile would). */
+#define Q8_AMX_MIN_ROWS 8
 
 static void q8_block_rows(const int8_t *wb, const float *sb, const int32_t *xpairs, const float *xscale,
                           int64_t mb, int64_t K, int64_t runs, float out[Q8_ROWS][16]) {
@@ -474,6 +477,11 @@ int tandem_q8_mm(const float *x, const int8_t *codes_il, const float *scales_il,
         return -1;
     }
     round_activations(x, M, K, 32, xq, xscale, NULL);
+    if (M >= Q8_AMX_MIN_ROWS && amx_usable()) {
+        const int status = amx_q8_mm(xq, xscale, codes_il, scales_il, M, N, K, y, num_threads);
+        free(xq); free(xscale);
+        return status;
+    }
     const int32_t *xpairs = (const int32_t *)xq; /* row m's pair p: xq[m, 2p] | xq[m, 2p + 1] << 16 */
 #pragma omp parallel for schedule(static) collapse(2) num_threads(num_threads)
     for (int64_t b = 0; b < blocks; b++) {

@@ -432,6 +432,8 @@ static void round_activations(const float *x, int64_t M, int64_t K, int64_t grou
     }
 }
 
+#include "amx_cpu.c"
+
 /* y[M, N] = x[M, K] @ dequantised(W)[N, K]^T, float32, contiguous. K % group_size == 0 and
  * group_size is 32, 64, 128 or 256. Returns 0; -1 when scratch memory cannot be allocated; -2 for
  * any other group size. */
@@ -449,6 +451,12 @@ int tandem_int4_mm(const float *x, const uint8_t *packed, int mode, const void *
         return -1;
     }
     round_activations(x, M, K, group_size, xq, xscale, xsum);
+    if (mode == 3 && amx_usable()) {
+        const int status = amx_int4_mm(xq, xscale, xsum, packed, params, superblock_scales, groups_per_superblock,
+                                       M, N, K, y, num_threads);
+        free(xq); free(xscale); free(xsum);
+        return status;
+    }
     if (mode == 0 || mode == 3) {
         int16_t *xp = malloc(sizeof(int16_t) * M * K);
         float *xpair = malloc(sizeof(float) * M * 2 * num_groups);

@@ -1,0 +1,343 @@
+/* Intel AMX (tile matrix multiply, int8) paths of the native matmuls, for CPUs with AMX-INT8
+ * (Sapphire Rapids and later). Included by decoder_cpu.c; compiled only where the build target has
+ * AMX (-march=native on such a CPU), and used only when Linux grants this process the tile data
+ * state (arch_prctl ARCH_REQ_XCOMP_PERM) and `tandem_set_amx` has not turned it off.
+ *
+ * Same arithmetic, other instructions: each run of 32 int16 activations (round_activations) is
+ * split exactly into a signed high byte and an unsigned low byte (x = 256 * hi + lo); the tile
+ * unit gives the integer dot products of both with the int8 codes (TDPBSSD, TDPBUSD: exact int32),
+ * and 256 * hi_dot + lo_dot is the run's exact integer dot product, the integer the AVX-512 and
+ * AVX2 kernels compute with vpmaddwd. Everything after it (the float32 scaling and its order) is
+ * the callers' own, so an AMX call returns the bits of the vector kernel it replaces: the choice
+ * between them may depend on the call's size without a row's result depending on it (batch
+ * invariance holds).
+ *
+ * Tiles (one configuration per thread, loaded inside each parallel region and released at its end):
+ *   tmm0, tmm1  C: 16 rows x 16 int32 (the high and the low byte's dot products)
+ *   tmm2, tmm3  A: 16 activation rows x 32 bytes (one run; high bytes signed, low bytes unsigned)
+ *   tmm4        B: 8 rows x 64 bytes, one run of 16 outputs' codes in the tile unit's 4-byte
+ *               groups: B[j][4n + i] = code[n][4j + i] */
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define TANDEM_HAVE_AMX 1
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define TANDEM_ARCH_REQ_XCOMP_PERM 0x1023
+#define TANDEM_XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TandemTileConfig;
+
+static int amx_state = -1; /* -1 not asked yet, 0 unavailable or turned off, 1 granted */
+
+/* Whether the AMX paths may run in this process (asks Linux once). */
+static int amx_usable(void) {
+    if (amx_state < 0) amx_state = syscall(SYS_arch_prctl, TANDEM_ARCH_REQ_XCOMP_PERM, TANDEM_XFEATURE_XTILEDATA) == 0;
+    return amx_state;
+}
+
+/* The tiles' shapes (file comment). A constant object: a configuration built on the stack can lose
+ * its stores to the optimiser, which does not see ldtilecfg read them. */
+static const TandemTileConfig amx_config = {
+    .palette_id = 1,
+    .colsb = {64, 64, 32, 32, 64, 64, 64, 64},
+    .rows = {16, 16, 16, 16, 8, 8, 16, 16},
+};
+
+static void amx_configure(void) { _tile_loadconfig(&amx_config); }
+
+/* xq [M, K] int16 -> hi, lo [Mp, K] bytes (Mp = M rounded up to 16; padding rows zero). */
+static void amx_split_activations(const int16_t *xq, int64_t M, int64_t K, int64_t Mp, int8_t *hi, uint8_t *lo) {
+    for (int64_t i = 0; i < M * K; i++) {
+        hi[i] = (int8_t)(xq[i] >> 8);
+        lo[i] = (uint8_t)(xq[i] & 0xFF);
+    }
+    memset(hi + M * K, 0, (size_t)((Mp - M) * K));
+    memset(lo + M * K, 0, (size_t)((Mp - M) * K));
+}
+
+/* B tiles of every run of one block of 16 outputs (tandem_q8_mm's output-interleaved codes) into
+ * tiles [runs][8][64]: row j of run r from pairs 16r + 2j and 16r + 2j + 1 (64 contiguous bytes:
+ * the 16 outputs' 2-byte pairs, twice), output n's words n and 16 + n side by side. */
+static void amx_q8_b_tiles(const int8_t *wb, int64_t runs, int8_t *tiles) {
+    const __m512i spread = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                            22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t i = 0; i < 8 * runs; i++)
+        _mm512_storeu_si512(tiles + 64 * i, _mm512_permutexvar_epi16(spread, _mm512_loadu_si512(wb + 64 * i)));
+}
+
+/* 16 activation rows from m0 (mb of them real) and NB (1 or 2) blocks of 16 outputs, every run in
+ * order, with tandem_q8_mm's arithmetic: acc = fma((float)d_r, ws * xs, acc), d_r = 256 * hi + lo
+ * dot. Two blocks share the A tiles; the dot products go through two memory buffers in turn so
+ * that the tile unit's next run does not wait for this run's float32 work. */
+#define AMX_Q8_BLOCK(NB)                                                                                \
+    static void amx_q8_block_##NB(const int8_t *tiles, int64_t tiles_stride, const float *sb,          \
+                                  int64_t sb_stride, const int8_t *hi, const uint8_t *lo,               \
+                                  const float *xscale, int64_t mb, int64_t K, int64_t runs,             \
+                                  float out[NB][16][16]) {                                              \
+        __m512 acc[NB][16];                                                                             \
+        for (int b = 0; b < NB; b++)                                                                    \
+            for (int m = 0; m < 16; m++) acc[b][m] = _mm512_setzero_ps();                               \
+        int32_t dots[2][2 * NB][16][16];                                                                \
+        for (int64_t r = 0; r < runs; r++) {                                                            \
+            int32_t(*d)[16][16] = dots[r & 1];                                                          \
+            _tile_loadd(2, hi + 32 * r, K);                                                             \
+            _tile_loadd(3, lo + 32 * r, K);                                                             \
+            _tile_loadd(4, tiles + 512 * r, 64);                                                        \
+            _tile_zero(0);                                                                              \
+            _tile_zero(1);                                                                              \
+            _tile_dpbssd(0, 2, 4);                                                                      \
+            _tile_dpbusd(1, 3, 4);                                                                      \
+            if (NB == 2) {                                                                              \
+                _tile_loadd(5, tiles + tiles_stride + 512 * r, 64);                                     \
+                _tile_zero(6);                                                                          \
+                _tile_zero(7);                                                                          \
+                _tile_dpbssd(6, 2, 5);                                                                  \
+                _tile_dpbusd(7, 3, 5);                                                                  \
+                _tile_stored(6, d[2], 64);                                                              \
+                _tile_stored(7, d[3], 64);                                                              \
+            }                                                                                           \
+            _tile_stored(0, d[0], 64);                                                                  \
+            _tile_stored(1, d[1], 64);                                                                  \
+            for (int b = 0; b < NB; b++) {                                                              \
+                const __m512 ws = _mm512_loadu_ps(sb + b * sb_stride + 16 * r);                         \
+                for (int64_t m = 0; m < mb; m++) {                                                      \
+                    const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(d[2 * b][m]), 8), \
+                                                         _mm512_loadu_si512(d[2 * b + 1][m]));         \
+                    acc[b][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),                                \
+                                                _mm512_mul_ps(ws, _mm512_set1_ps(xscale[m * runs + r])), acc[b][m]); \
+                }                                                                                       \
+            }                                                                                           \
+        }                                                                                               \
+        for (int b = 0; b < NB; b++)                                                                    \
+            for (int64_t m = 0; m < mb; m++) _mm512_storeu_ps(out[b][m], acc[b][m]);                   \
+    }
+AMX_Q8_BLOCK(1)
+AMX_Q8_BLOCK(2)
+
+/* tandem_q8_mm's AMX path (same inputs and result); xq, xscale as round_activations gives them.
+ * Returns 0, -1 when scratch cannot be allocated. */
+static int amx_q8_mm(const int16_t *xq, const float *xscale, const int8_t *codes_il, const float *scales_il,
+                     int64_t M, int64_t N, int64_t K, float *y, int num_threads) {
+    const int64_t runs = K / 32, blocks = (N + 15) / 16, Mp = (M + 15) / 16 * 16;
+    int8_t *hi = malloc((size_t)(Mp * K));
+    uint8_t *lo = malloc((size_t)(Mp * K));
+    int8_t *tiles = malloc((size_t)(num_threads * K * 32));
+    if (!hi || !lo || !tiles) {
+        free(hi); free(lo); free(tiles);
+        return -1;
+    }
+    amx_split_activations(xq, M, K, Mp, hi, lo);
+#pragma omp parallel num_threads(num_threads)
+    {
+        amx_configure();
+        int8_t *own = tiles + omp_get_thread_num() * K * 32;
+#pragma omp for schedule(static)
+        for (int64_t pair = 0; pair < (blocks + 1) / 2; pair++) {
+            const int64_t b = 2 * pair, nb = blocks - b < 2 ? 1 : 2;
+            for (int64_t i = 0; i < nb; i++) amx_q8_b_tiles(codes_il + (b + i) * K * 16, runs, own + i * K * 16);
+            for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
+                float out[2][16][16];
+                const int64_t mb = M - m0 < 16 ? M - m0 : 16;
+                if (nb == 2)
+                    amx_q8_block_2(own, K * 16, scales_il + b * runs * 16, runs * 16, hi + m0 * K, lo + m0 * K,
+                                   xscale + m0 * runs, mb, K, runs, out);
+                else
+                    amx_q8_block_1(own, K * 16, scales_il + b * runs * 16, runs * 16, hi + m0 * K, lo + m0 * K,
+                                   xscale + m0 * runs, mb, K, runs, (float(*)[16][16])out);
+                for (int64_t i = 0; i < nb; i++) {
+                    const int64_t width = N - 16 * (b + i) < 16 ? N - 16 * (b + i) : 16;
+                    for (int64_t m = 0; m < mb; m++)
+                        memcpy(y + (m0 + m) * N + 16 * (b + i), out[i][m], sizeof(float) * width);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(hi); free(lo); free(tiles);
+    return 0;
+}
+/* -- GGUF 4-bit blocks as stored (tandem_int4_mm mode 3, group size 32) ----------------------------
+ * On a CPU where this path runs it serves every call of mode 3, one row or many, since its float32
+ * order is its own: for each output (m, n), d_r the exact integer dot product of run r with the
+ * codes (0..15),
+ *   acc  = fma((float)d_r, scale[n, r] * xscale[m, r], acc)     for r = 0, 1, ... in order
+ *   bias = fma(-offset[n, r], xsum[m, r], bias)                 for r = 0, 1, ... in order
+ *   y    = acc + bias
+ * with (scale, -offset) as row_params gives them (w = q * scale - offset). Per (m, n), so the same
+ * whatever M or the rows around m (batch invariance). */
+
+/* B tiles [runs][8][64] of 16 weight rows from n0 (rows past N: zero codes) from the row-chunked
+ * nibbles (row n, run r: 16 bytes, byte i = q[i] | q[16 + i] << 4): with dword j of a row's run
+ * gathered across the 16 rows, its low nibbles are B row j and its high nibbles B row j + 4. */
+static void amx_int4_b_tiles(const uint8_t *packed, int64_t n0, int64_t N, int64_t K, int64_t runs, uint8_t *tiles) {
+    const int64_t row_bytes = K / 2;
+    const __m512i offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32((int)row_bytes));
+    const __mmask16 present = N - n0 >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const uint8_t *base = packed + n0 * row_bytes;
+    for (int64_t r = 0; r < runs; r++) {
+        uint8_t *tile = tiles + 512 * r;
+        for (int j = 0; j < 4; j++) {
+            const __m512i dwords =
+                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, offsets, base + 16 * r + 4 * j, 1);
+            _mm512_storeu_si512(tile + 64 * j, _mm512_and_si512(dwords, nibble));
+            _mm512_storeu_si512(tile + 64 * (j + 4), _mm512_and_si512(_mm512_srli_epi32(dwords, 4), nibble));
+        }
+    }
+}
+
+/* The (scale, -offset) pairs of 16 weight rows from n0 (row_params; rows past N: zero), as
+ * scales [runs][16] and offsets [runs][16]. */
+static void amx_int4_params(const void *params, const uint16_t *superblock_scales, int64_t groups_per_superblock,
+                            int64_t n0, int64_t N, int64_t runs, float *row, float *scales, float *offsets) {
+    for (int64_t i = 0; i < 16; i++) {
+        if (n0 + i < N) row_params(3, params, superblock_scales, groups_per_superblock, n0 + i, runs, row);
+        for (int64_t r = 0; r < runs; r++) {
+            scales[16 * r + i] = n0 + i < N ? row[2 * r] : 0.0f;
+            offsets[16 * r + i] = n0 + i < N ? row[2 * r + 1] : 0.0f;
+        }
+    }
+}
+
+/* 16 activation rows (mb real) and one block of 16 outputs: the arithmetic above. */
+static void amx_int4_block(const uint8_t *tiles, const float *scales, const float *offsets, const int8_t *hi,
+                           const uint8_t *lo, const float *xscale, const float *xsum, int64_t mb, int64_t K,
+                           int64_t runs, float out[16][16]) {
+    __m512 acc[16], bias[16];
+    for (int m = 0; m < 16; m++) acc[m] = bias[m] = _mm512_setzero_ps();
+    int32_t dots[2][2][16][16];
+    for (int64_t r = 0; r < runs; r++) {
+        int32_t(*d)[16][16] = dots[r & 1];
+        _tile_loadd(2, hi + 32 * r, K);
+        _tile_loadd(3, lo + 32 * r, K);
+        _tile_loadd(4, tiles + 512 * r, 64);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_dpbsud(0, 2, 4);
+        _tile_dpbuud(1, 3, 4);
+        _tile_stored(0, d[0], 64);
+        _tile_stored(1, d[1], 64);
+        const __m512 ws = _mm512_loadu_ps(scales + 16 * r), wo = _mm512_loadu_ps(offsets + 16 * r);
+        for (int64_t m = 0; m < mb; m++) {
+            const __m512i dot =
+                _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(d[0][m]), 8), _mm512_loadu_si512(d[1][m]));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, _mm512_set1_ps(xscale[m * runs + r])),
+                                     acc[m]);
+            bias[m] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xsum[m * runs + r]), bias[m]);
+        }
+    }
+    for (int64_t m = 0; m < mb; m++) _mm512_storeu_ps(out[m], _mm512_add_ps(acc[m], bias[m]));
+}
+
+/* The same arithmetic for a few rows with AVX512-VNNI (every AMX CPU has it), where a 16-row tile
+ * would be mostly padding: B row j of run r holds each output's 4 codes of k = 4j..4j+3, so
+ * vpdpbusd of it with a broadcast of 4 activation bytes gives 16 outputs' partial dot products.
+ * Low bytes are unsigned and vpdpbusd's second operand signed: lo - 128 goes in (lo ^ 0x80) and
+ * 128 * (the run's code sum, qsum) comes back; d_r = 256 * hi_dot + lo_dot is the same integer as
+ * the tile unit's, and the float32 steps are amx_int4_block's, so the bits are the same too. */
+static void vnni_int4_rows(const uint8_t *tiles, const int32_t *qsum, const float *scales, const float *offsets,
+                           const int8_t *hi, const uint8_t *lo, const float *xscale, const float *xsum, int64_t mb,
+                           int64_t K, int64_t runs, float out[16][16]) {
+    const __m512i flip = _mm512_set1_epi32((int)0x80808080);
+    for (int64_t m = 0; m < mb; m++) {
+        __m512 acc = _mm512_setzero_ps(), bias = _mm512_setzero_ps();
+        const int32_t *h = (const int32_t *)(hi + m * K), *l = (const int32_t *)(lo + m * K);
+        for (int64_t r = 0; r < runs; r++) {
+            __m512i dot_hi = _mm512_setzero_si512(), dot_lo = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++) {
+                const __m512i b = _mm512_loadu_si512(tiles + 512 * r + 64 * j);
+                dot_hi = _mm512_dpbusd_epi32(dot_hi, b, _mm512_set1_epi32(h[8 * r + j]));
+                dot_lo = _mm512_dpbusd_epi32(dot_lo, b, _mm512_xor_si512(_mm512_set1_epi32(l[8 * r + j]), flip));
+            }
+            const __m512i q = _mm512_loadu_si512(qsum + 16 * r);
+            const __m512i dot = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(dot_hi, 8), dot_lo),
+                                                 _mm512_slli_epi32(q, 7));
+            const __m512 ws = _mm512_loadu_ps(scales + 16 * r), wo = _mm512_loadu_ps(offsets + 16 * r);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, _mm512_set1_ps(xscale[m * runs + r])), acc);
+            bias = _mm512_fmadd_ps(wo, _mm512_set1_ps(xsum[m * runs + r]), bias);
+        }
+        _mm512_storeu_ps(out[m], _mm512_add_ps(acc, bias));
+    }
+}
+
+/* qsum [runs][16]: each output's sum of its run's codes (vnni_int4_rows). */
+static void vnni_code_sums(const uint8_t *tiles, int64_t runs, int32_t *qsum) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t r = 0; r < runs; r++) {
+        __m512i total = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) total = _mm512_dpbusd_epi32(total, _mm512_loadu_si512(tiles + 512 * r + 64 * j), ones);
+        _mm512_storeu_si512(qsum + 16 * r, total);
+    }
+}
+
+/* Fewest rows of a 16-row block that go through the tile unit (fewer: vnni_int4_rows). */
+#define AMX_INT4_MIN_ROWS 8
+
+/* tandem_int4_mm's mode 3 on AMX: y [M, N] (the arithmetic above); xq, xscale, xsum as
+ * round_activations gives them with group size 32. Returns 0, -1 when scratch cannot be allocated. */
+static int amx_int4_mm(const int16_t *xq, const float *xscale, const float *xsum, const uint8_t *packed,
+                       const void *params, const uint16_t *superblock_scales, int64_t groups_per_superblock,
+                       int64_t M, int64_t N, int64_t K, float *y, int num_threads) {
+    const int64_t runs = K / 32, blocks = (N + 15) / 16, Mp = (M + 15) / 16 * 16;
+    const int64_t per_thread = 16 * K + 2 * runs + 3 * 16 * runs; /* 4-byte words: B tiles, row, params, qsum */
+    int8_t *hi = malloc((size_t)(Mp * K));
+    uint8_t *lo = malloc((size_t)(Mp * K));
+    float *scratch = malloc(sizeof(float) * (size_t)(num_threads * per_thread));
+    if (!hi || !lo || !scratch) {
+        free(hi); free(lo); free(scratch);
+        return -1;
+    }
+    amx_split_activations(xq, M, K, Mp, hi, lo);
+#pragma omp parallel num_threads(num_threads)
+    {
+        amx_configure();
+        float *own = scratch + omp_get_thread_num() * per_thread;
+        uint8_t *tiles = (uint8_t *)own;
+        float *row = own + 16 * K, *scales = row + 2 * runs, *offsets = scales + 16 * runs;
+        int32_t *qsum = (int32_t *)(offsets + 16 * runs);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            amx_int4_b_tiles(packed, 16 * b, N, K, runs, tiles);
+            amx_int4_params(params, superblock_scales, groups_per_superblock, 16 * b, N, runs, row, scales, offsets);
+            if (M % 16 < AMX_INT4_MIN_ROWS) vnni_code_sums(tiles, runs, qsum);
+            const int64_t width = N - 16 * b < 16 ? N - 16 * b : 16;
+            for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
+                float out[16][16];
+                const int64_t mb = M - m0 < 16 ? M - m0 : 16;
+                if (mb < AMX_INT4_MIN_ROWS)
+                    vnni_int4_rows(tiles, qsum, scales, offsets, hi + m0 * K, lo + m0 * K, xscale + m0 * runs,
+                                   xsum + m0 * runs, mb, K, runs, out);
+                else
+                    amx_int4_block(tiles, scales, offsets, hi + m0 * K, lo + m0 * K, xscale + m0 * runs,
+                                   xsum + m0 * runs, mb, K, runs, out);
+                for (int64_t m = 0; m < mb; m++) memcpy(y + (m0 + m) * N + 16 * b, out[m], sizeof(float) * width);
+            }
+        }
+        _tile_release();
+    }
+    free(hi); free(lo); free(scratch);
+    return 0;
+}
+#else
+#define TANDEM_HAVE_AMX 0
+static int amx_usable(void) { return 0; }
+static int amx_state = 0;
+#endif
+
+/* Turn the AMX paths off (0) or back on where the CPU and Linux allow them (1); returns whether
+ * they are used now. For tests that compare them with the vector kernels, and TANDEM_NATIVE_AMX=0. */
+int tandem_set_amx(int enabled) {
+    if (!TANDEM_HAVE_AMX) return 0;
+    if (!enabled) {
+        amx_state = 0;
+        return 0;
+    }
+    amx_state = -1;
+    return amx_usable();
+}
