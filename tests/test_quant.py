@@ -498,30 +498,33 @@ def test_int8_kernel_on_amx_gives_the_vector_kernels_bits(amx: None) -> None:
 
 
 def test_gguf_blocks_on_amx_keep_each_rows_bits_at_any_call_size(amx: None) -> None:
-    """GGUF 4-bit blocks as stored (mode 3) on an AMX CPU: tiles from 8 rows of a 16-row block,
+    """GGUF 4-bit blocks as stored (mode 3) on an AMX CPU: tiles from 12 rows of a 16-row block,
     AVX512-VNNI below, one float32 order per (row, output): a row alone, in a call of 37 or in
     other splits has the same bits (batch invariance), and the result is the dequantised weight's
     product to int16-activation rounding (as the vector kernel's, which it matches to ~1e-6)."""
     g = torch.Generator().manual_seed(9)
-    rows, cols = 50, 512  # 4 output blocks, the last one partial
-    packed = int4_native.pack_rows(torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8))
-    codes = torch.randint(-63, 64, (rows, cols // 32, 2), generator=g, dtype=torch.int8)
-    block_scales = (torch.rand(rows, cols // 256, 2, generator=g) * 0.02).to(torch.float16)  # Q4_K-like
-    x = torch.randn(37, cols, generator=g)
-    whole = int4_native.int4_mm(x, packed, codes, block_scales, 32)
-    alone = torch.cat(
-        [int4_native.int4_mm(x[i : i + 1].contiguous(), packed, codes, block_scales, 32) for i in range(37)]
-    )
-    assert torch.equal(alone, whole)
-    for split in (3, 7, 8, 16, 21):
-        parts = [x[:split].contiguous(), x[split:].contiguous()]
-        assert torch.equal(
-            torch.cat([int4_native.int4_mm(p, packed, codes, block_scales, 32) for p in parts]), whole
-        )
-    weight = int4_native.int4_dequantize(packed, codes, block_scales, 32).double()
-    exact = x.double() @ weight.T
-    assert (whole.double() - exact).abs().max() <= 1e-4 * exact.abs().max()
-    assert int4_native.use_amx(False) is False
-    vector = int4_native.int4_mm(x, packed, codes, block_scales, 32)
-    assert (whole - vector).abs().max() <= 1e-5 * vector.abs().max()
-    assert not torch.equal(whole, vector)  # its own order: the AMX path really ran
+    for rows, cols in ((50, 512), (20, 32)):  # 4 output blocks, the last one partial; one run a row
+        packed = int4_native.pack_rows(torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8))
+        codes = torch.randint(-63, 64, (rows, cols // 32, 2), generator=g, dtype=torch.int8)
+        superblocks = max(1, cols // 256)  # Q4_K-like: 8 runs a super-block
+        block_scales = (torch.rand(rows, superblocks, 2, generator=g) * 0.02).to(torch.float16)
+        x = torch.randn(37, cols, generator=g)
+
+        def mm(
+            rows_of_x: torch.Tensor, packed: torch.Tensor = packed, codes: torch.Tensor = codes,
+            block_scales: torch.Tensor = block_scales,
+        ) -> torch.Tensor:  # fmt: skip
+            return int4_native.int4_mm(rows_of_x.contiguous(), packed, codes, block_scales, 32)
+
+        whole = mm(x)
+        assert torch.equal(torch.cat([mm(x[i : i + 1]) for i in range(37)]), whole)
+        for split in (3, 7, 12, 16, 21):
+            assert torch.equal(torch.cat([mm(x[:split]), mm(x[split:])]), whole), (cols, split)
+        weight = int4_native.int4_dequantize(packed, codes, block_scales, 32).double()
+        exact = x.double() @ weight.T
+        assert (whole.double() - exact).abs().max() <= 1e-4 * exact.abs().max()
+        assert int4_native.use_amx(False) is False
+        vector = mm(x)
+        assert int4_native.use_amx(True) is True
+        assert (whole - vector).abs().max() <= 1e-5 * vector.abs().max()
+        assert not torch.equal(whole, vector)  # its own order: the AMX path really ran

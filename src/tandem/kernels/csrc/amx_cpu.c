@@ -51,11 +51,14 @@ static const TandemTileConfig amx_config = {
 static void amx_configure(void) { _tile_loadconfig(&amx_config); }
 
 /* xq [M, K] int16 -> hi, lo [Mp, K] bytes (Mp = M rounded up to 16; padding rows zero). */
-static void amx_split_activations(const int16_t *xq, int64_t M, int64_t K, int64_t Mp, int8_t *hi, uint8_t *lo) {
-    for (int64_t i = 0; i < M * K; i++) {
-        hi[i] = (int8_t)(xq[i] >> 8);
-        lo[i] = (uint8_t)(xq[i] & 0xFF);
-    }
+static void amx_split_activations(const int16_t *xq, int64_t M, int64_t K, int64_t Mp, int8_t *hi, uint8_t *lo,
+                                  int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 16384)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = m * K; i < (m + 1) * K; i++) {
+            hi[i] = (int8_t)(xq[i] >> 8);
+            lo[i] = (uint8_t)(xq[i] & 0xFF);
+        }
     memset(hi + M * K, 0, (size_t)((Mp - M) * K));
     memset(lo + M * K, 0, (size_t)((Mp - M) * K));
 }
@@ -131,7 +134,7 @@ static int amx_q8_mm(const int16_t *xq, const float *xscale, const int8_t *codes
         free(hi); free(lo); free(tiles);
         return -1;
     }
-    amx_split_activations(xq, M, K, Mp, hi, lo);
+    amx_split_activations(xq, M, K, Mp, hi, lo, num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
         amx_configure();
@@ -192,26 +195,57 @@ static void amx_int4_b_tiles(const uint8_t *packed, int64_t n0, int64_t N, int64
     }
 }
 
-/* The (scale, -offset) pairs of 16 weight rows from n0 (row_params; rows past N: zero), as
- * scales [runs][16] and offsets [runs][16]. */
+/* The (scale, -offset) pairs of 16 weight rows from n0 as row_params gives them (rows past N:
+ * zero), as scales [runs][16] and offsets [runs][16]: per run, each row's int8 codes (s, o) and its
+ * super-block's float16 (D, M) gathered across the 16 rows, scale = s * D and -offset = -(o * M)
+ * (exact float32 products, as row_params). A row's codes are 2 bytes: the last run's are read as the
+ * upper half of the dword before them, so no read passes the row's end. */
 static void amx_int4_params(const void *params, const uint16_t *superblock_scales, int64_t groups_per_superblock,
-                            int64_t n0, int64_t N, int64_t runs, float *row, float *scales, float *offsets) {
-    for (int64_t i = 0; i < 16; i++) {
-        if (n0 + i < N) row_params(3, params, superblock_scales, groups_per_superblock, n0 + i, runs, row);
-        for (int64_t r = 0; r < runs; r++) {
-            scales[16 * r + i] = n0 + i < N ? row[2 * r] : 0.0f;
-            offsets[16 * r + i] = n0 + i < N ? row[2 * r + 1] : 0.0f;
+                            int64_t n0, int64_t N, int64_t runs, float *scales, float *offsets) {
+    const int64_t superblocks = runs / groups_per_superblock;
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i code_rows = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)(2 * runs)));
+    const __m512i block_rows = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)(4 * superblocks)));
+    const __mmask16 present = N - n0 >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+    const int8_t *codes = (const int8_t *)params + n0 * 2 * runs;
+    const uint8_t *blocks = (const uint8_t *)(superblock_scales + n0 * 2 * superblocks);
+    const __m512i zero = _mm512_setzero_si512();
+    if (runs == 1) { /* K = 32: a row's codes are its only 2 bytes */
+        for (int64_t i = 0; i < 16; i++) {
+            float pair[2] = {0.0f, 0.0f};
+            if (n0 + i < N) row_params(3, params, superblock_scales, groups_per_superblock, n0 + i, 1, pair);
+            scales[i] = pair[0];
+            offsets[i] = pair[1];
         }
+        return;
+    }
+    for (int64_t r = 0; r < runs; r++) {
+        const int last = r == runs - 1 && r > 0; /* read the dword ending at the row's last byte */
+        __m512i c = _mm512_mask_i32gather_epi32(zero, present, code_rows, codes + 2 * r - 2 * last, 1);
+        if (last) c = _mm512_srli_epi32(c, 16);
+        const __m512i b = _mm512_mask_i32gather_epi32(zero, present, block_rows,
+                                                      blocks + 4 * (r / groups_per_superblock), 1);
+        const __m512 code_s = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(c, 24), 24));
+        const __m512 code_o = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(c, 16), 24));
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(b));
+        const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
+        _mm512_storeu_ps(scales + 16 * r, _mm512_mul_ps(code_s, d));
+        _mm512_storeu_ps(offsets + 16 * r, _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(code_o, m)));
     }
 }
 
-/* 16 activation rows (mb real) and one block of 16 outputs: the arithmetic above. */
-static void amx_int4_block(const uint8_t *tiles, const float *scales, const float *offsets, const int8_t *hi,
-                           const uint8_t *lo, const float *xscale, const float *xsum, int64_t mb, int64_t K,
-                           int64_t runs, float out[16][16]) {
-    __m512 acc[16], bias[16];
-    for (int m = 0; m < 16; m++) acc[m] = bias[m] = _mm512_setzero_ps();
-    int32_t dots[2][2][16][16];
+/* 16 activation rows (mb real) and nb (1 or 2) blocks of 16 outputs (block i: B tiles at
+ * tiles + i * tiles_stride, parameters at scales / offsets + i * params_stride): the arithmetic
+ * above. Two blocks share the A tiles; the dot products alternate between two buffers so that the
+ * tile unit's next run need not wait for this run's float32 work. */
+static void amx_int4_block(int nb, const uint8_t *tiles, int64_t tiles_stride, const float *scales,
+                           const float *offsets, int64_t params_stride, const int8_t *hi, const uint8_t *lo,
+                           const float *xscale, const float *xsum, int64_t mb, int64_t K, int64_t runs,
+                           float out[2][16][16]) {
+    __m512 acc[2][16], bias[2][16];
+    for (int b = 0; b < 2; b++)
+        for (int m = 0; m < 16; m++) acc[b][m] = bias[b][m] = _mm512_setzero_ps();
+    int32_t dots[2][4][16][16];
     for (int64_t r = 0; r < runs; r++) {
         int32_t(*d)[16][16] = dots[r & 1];
         _tile_loadd(2, hi + 32 * r, K);
@@ -221,12 +255,71 @@ static void amx_int4_block(const uint8_t *tiles, const float *scales, const floa
         _tile_zero(1);
         _tile_dpbsud(0, 2, 4);
         _tile_dpbuud(1, 3, 4);
+        if (nb == 2) {
+            _tile_loadd(5, tiles + tiles_stride + 512 * r, 64);
+            _tile_zero(6);
+            _tile_zero(7);
+            _tile_dpbsud(6, 2, 5);
+            _tile_dpbuud(7, 3, 5);
+            _tile_stored(6, d[2], 64);
+            _tile_stored(7, d[3], 64);
+        }
         _tile_stored(0, d[0], 64);
         _tile_stored(1, d[1], 64);
+        for (int b = 0; b < nb; b++) {
+            const __m512 ws = _mm512_loadu_ps(scales + b * params_stride + 16 * r);
+            const __m512 wo = _mm512_loadu_ps(offsets + b * params_stride + 16 * r);
+            for (int64_t m = 0; m < mb; m++) {
+                const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(d[2 * b][m]), 8),
+                                                     _mm512_loadu_si512(d[2 * b + 1][m]));
+                acc[b][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                            _mm512_mul_ps(ws, _mm512_set1_ps(xscale[m * runs + r])), acc[b][m]);
+                bias[b][m] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xsum[m * runs + r]), bias[b][m]);
+            }
+        }
+    }
+    for (int b = 0; b < nb; b++)
+        for (int64_t m = 0; m < mb; m++) _mm512_storeu_ps(out[b][m], _mm512_add_ps(acc[b][m], bias[b][m]));
+}
+
+/* Fewest rows of a 16-row block that go through the tile unit (fewer: vnni_int4_rows). */
+#define AMX_INT4_MIN_ROWS 12
+
+/* The same arithmetic for a few rows with AVX512-VNNI (every AMX CPU has it), where a 16-row tile
+ * would be mostly padding. The B rows of amx_int4_b_tiles are gathered into registers (row j of
+ * run r holds each output's 4 codes of k = 4j..4j+3) and each feeds every row: vpdpbusd of it with
+ * 4 broadcast high bytes (codes unsigned, bytes signed), and of 4 broadcast low bytes with it
+ * (bytes unsigned, codes 0..15 as signed), give 16 outputs' exact partial dot products; d_r =
+ * 256 * hi_dot + lo_dot is the tile unit's integer and the float32 steps are amx_int4_block's, so
+ * the bits are the same too. mb < AMX_INT4_MIN_ROWS. */
+static void vnni_int4_rows(const uint8_t *packed, int64_t n0, int64_t N, const float *scales, const float *offsets,
+                           const int8_t *hi, const uint8_t *lo, const float *xscale, const float *xsum, int64_t mb,
+                           int64_t K, int64_t runs, float out[16][16]) {
+    const int64_t row_bytes = K / 2;
+    const __m512i offsets_n = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                 _mm512_set1_epi32((int)row_bytes));
+    const __mmask16 present = N - n0 >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const uint8_t *base = packed + n0 * row_bytes;
+    __m512 acc[AMX_INT4_MIN_ROWS - 1], bias[AMX_INT4_MIN_ROWS - 1];
+    for (int64_t m = 0; m < mb; m++) acc[m] = bias[m] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < runs; r++) {
+        __m512i b[8];
+        for (int j = 0; j < 4; j++) {
+            const __m512i dwords =
+                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, offsets_n, base + 16 * r + 4 * j, 1);
+            b[j] = _mm512_and_si512(dwords, nibble);
+            b[j + 4] = _mm512_and_si512(_mm512_srli_epi32(dwords, 4), nibble);
+        }
         const __m512 ws = _mm512_loadu_ps(scales + 16 * r), wo = _mm512_loadu_ps(offsets + 16 * r);
         for (int64_t m = 0; m < mb; m++) {
-            const __m512i dot =
-                _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(d[0][m]), 8), _mm512_loadu_si512(d[1][m]));
+            const int32_t *h = (const int32_t *)(hi + m * K) + 8 * r, *l = (const int32_t *)(lo + m * K) + 8 * r;
+            __m512i dot_hi = _mm512_setzero_si512(), dot_lo = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++) {
+                dot_hi = _mm512_dpbusd_epi32(dot_hi, b[j], _mm512_set1_epi32(h[j]));
+                dot_lo = _mm512_dpbusd_epi32(dot_lo, _mm512_set1_epi32(l[j]), b[j]);
+            }
+            const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(dot_hi, 8), dot_lo);
             acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, _mm512_set1_ps(xscale[m * runs + r])),
                                      acc[m]);
             bias[m] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xsum[m * runs + r]), bias[m]);
@@ -235,57 +328,14 @@ static void amx_int4_block(const uint8_t *tiles, const float *scales, const floa
     for (int64_t m = 0; m < mb; m++) _mm512_storeu_ps(out[m], _mm512_add_ps(acc[m], bias[m]));
 }
 
-/* The same arithmetic for a few rows with AVX512-VNNI (every AMX CPU has it), where a 16-row tile
- * would be mostly padding: B row j of run r holds each output's 4 codes of k = 4j..4j+3, so
- * vpdpbusd of it with a broadcast of 4 activation bytes gives 16 outputs' partial dot products.
- * Low bytes are unsigned and vpdpbusd's second operand signed: lo - 128 goes in (lo ^ 0x80) and
- * 128 * (the run's code sum, qsum) comes back; d_r = 256 * hi_dot + lo_dot is the same integer as
- * the tile unit's, and the float32 steps are amx_int4_block's, so the bits are the same too. */
-static void vnni_int4_rows(const uint8_t *tiles, const int32_t *qsum, const float *scales, const float *offsets,
-                           const int8_t *hi, const uint8_t *lo, const float *xscale, const float *xsum, int64_t mb,
-                           int64_t K, int64_t runs, float out[16][16]) {
-    const __m512i flip = _mm512_set1_epi32((int)0x80808080);
-    for (int64_t m = 0; m < mb; m++) {
-        __m512 acc = _mm512_setzero_ps(), bias = _mm512_setzero_ps();
-        const int32_t *h = (const int32_t *)(hi + m * K), *l = (const int32_t *)(lo + m * K);
-        for (int64_t r = 0; r < runs; r++) {
-            __m512i dot_hi = _mm512_setzero_si512(), dot_lo = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j++) {
-                const __m512i b = _mm512_loadu_si512(tiles + 512 * r + 64 * j);
-                dot_hi = _mm512_dpbusd_epi32(dot_hi, b, _mm512_set1_epi32(h[8 * r + j]));
-                dot_lo = _mm512_dpbusd_epi32(dot_lo, b, _mm512_xor_si512(_mm512_set1_epi32(l[8 * r + j]), flip));
-            }
-            const __m512i q = _mm512_loadu_si512(qsum + 16 * r);
-            const __m512i dot = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(dot_hi, 8), dot_lo),
-                                                 _mm512_slli_epi32(q, 7));
-            const __m512 ws = _mm512_loadu_ps(scales + 16 * r), wo = _mm512_loadu_ps(offsets + 16 * r);
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, _mm512_set1_ps(xscale[m * runs + r])), acc);
-            bias = _mm512_fmadd_ps(wo, _mm512_set1_ps(xsum[m * runs + r]), bias);
-        }
-        _mm512_storeu_ps(out[m], _mm512_add_ps(acc, bias));
-    }
-}
-
-/* qsum [runs][16]: each output's sum of its run's codes (vnni_int4_rows). */
-static void vnni_code_sums(const uint8_t *tiles, int64_t runs, int32_t *qsum) {
-    const __m512i ones = _mm512_set1_epi8(1);
-    for (int64_t r = 0; r < runs; r++) {
-        __m512i total = _mm512_setzero_si512();
-        for (int j = 0; j < 8; j++) total = _mm512_dpbusd_epi32(total, _mm512_loadu_si512(tiles + 512 * r + 64 * j), ones);
-        _mm512_storeu_si512(qsum + 16 * r, total);
-    }
-}
-
-/* Fewest rows of a 16-row block that go through the tile unit (fewer: vnni_int4_rows). */
-#define AMX_INT4_MIN_ROWS 8
-
 /* tandem_int4_mm's mode 3 on AMX: y [M, N] (the arithmetic above); xq, xscale, xsum as
  * round_activations gives them with group size 32. Returns 0, -1 when scratch cannot be allocated. */
 static int amx_int4_mm(const int16_t *xq, const float *xscale, const float *xsum, const uint8_t *packed,
                        const void *params, const uint16_t *superblock_scales, int64_t groups_per_superblock,
                        int64_t M, int64_t N, int64_t K, float *y, int num_threads) {
     const int64_t runs = K / 32, blocks = (N + 15) / 16, Mp = (M + 15) / 16 * 16;
-    const int64_t per_thread = 16 * K + 2 * runs + 3 * 16 * runs; /* 4-byte words: B tiles, row, params, qsum */
+    /* 4-byte words a thread holds for each of its two blocks: B tiles and params */
+    const int64_t per_block = 4 * K + 2 * 16 * runs, per_thread = 2 * per_block;
     int8_t *hi = malloc((size_t)(Mp * K));
     uint8_t *lo = malloc((size_t)(Mp * K));
     float *scratch = malloc(sizeof(float) * (size_t)(num_threads * per_thread));
@@ -293,30 +343,43 @@ static int amx_int4_mm(const int16_t *xq, const float *xscale, const float *xsum
         free(hi); free(lo); free(scratch);
         return -1;
     }
-    amx_split_activations(xq, M, K, Mp, hi, lo);
+    amx_split_activations(xq, M, K, Mp, hi, lo, num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
         amx_configure();
         float *own = scratch + omp_get_thread_num() * per_thread;
-        uint8_t *tiles = (uint8_t *)own;
-        float *row = own + 16 * K, *scales = row + 2 * runs, *offsets = scales + 16 * runs;
-        int32_t *qsum = (int32_t *)(offsets + 16 * runs);
+        const uint8_t *tiles = (const uint8_t *)own;
+        const float *scales = own + 4 * K, *offsets = scales + 16 * runs;
+        /* Decode-sized calls (every row through VNNI) take one block at a time, whose B tiles stay
+         * in L1; larger ones pairs of blocks (amx_int4_block). */
+        const int64_t step = M < AMX_INT4_MIN_ROWS ? 1 : 2;
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
-            amx_int4_b_tiles(packed, 16 * b, N, K, runs, tiles);
-            amx_int4_params(params, superblock_scales, groups_per_superblock, 16 * b, N, runs, row, scales, offsets);
-            if (M % 16 < AMX_INT4_MIN_ROWS) vnni_code_sums(tiles, runs, qsum);
-            const int64_t width = N - 16 * b < 16 ? N - 16 * b : 16;
+        for (int64_t group = 0; group < (blocks + step - 1) / step; group++) {
+            const int64_t b = step * group, nb = blocks - b < step ? blocks - b : step;
+            for (int64_t i = 0; i < nb; i++) {
+                float *block = own + i * per_block, *block_scales = block + 4 * K;
+                if (M >= AMX_INT4_MIN_ROWS) amx_int4_b_tiles(packed, 16 * (b + i), N, K, runs, (uint8_t *)block);
+                amx_int4_params(params, superblock_scales, groups_per_superblock, 16 * (b + i), N, runs, block_scales,
+                                block_scales + 16 * runs);
+            }
             for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
-                float out[16][16];
+                float out[2][16][16];
                 const int64_t mb = M - m0 < 16 ? M - m0 : 16;
-                if (mb < AMX_INT4_MIN_ROWS)
-                    vnni_int4_rows(tiles, qsum, scales, offsets, hi + m0 * K, lo + m0 * K, xscale + m0 * runs,
-                                   xsum + m0 * runs, mb, K, runs, out);
-                else
-                    amx_int4_block(tiles, scales, offsets, hi + m0 * K, lo + m0 * K, xscale + m0 * runs,
-                                   xsum + m0 * runs, mb, K, runs, out);
-                for (int64_t m = 0; m < mb; m++) memcpy(y + (m0 + m) * N + 16 * b, out[m], sizeof(float) * width);
+                if (mb < AMX_INT4_MIN_ROWS) {
+                    for (int64_t i = 0; i < nb; i++) {
+                        const float *block_scales = own + i * per_block + 4 * K;
+                        vnni_int4_rows(packed, 16 * (b + i), N, block_scales, block_scales + 16 * runs, hi + m0 * K,
+                                       lo + m0 * K, xscale + m0 * runs, xsum + m0 * runs, mb, K, runs, out[i]);
+                    }
+                } else {
+                    amx_int4_block((int)nb, tiles, 4 * per_block, scales, offsets, per_block, hi + m0 * K,
+                                   lo + m0 * K, xscale + m0 * runs, xsum + m0 * runs, mb, K, runs, out);
+                }
+                for (int64_t i = 0; i < nb; i++) {
+                    const int64_t width = N - 16 * (b + i) < 16 ? N - 16 * (b + i) : 16;
+                    for (int64_t m = 0; m < mb; m++)
+                        memcpy(y + (m0 + m) * N + 16 * (b + i), out[i][m], sizeof(float) * width);
+                }
             }
         }
         _tile_release();

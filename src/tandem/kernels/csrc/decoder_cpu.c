@@ -183,22 +183,22 @@ static void write_vector(const TandemDecoderDims *d, void *cache, uint16_t *scal
     }
 }
 
-/* The cache's row (slot, head) as float32 values times its scale (1 unless e4m3). */
-static inline float read_vector(const TandemDecoderDims *d, const void *cache, const uint16_t *scales,
-                                int64_t row, float *out) {
+/* The cache's row (slot, head) as float32 values times *scale (1 unless e4m3): a float32 cache's
+ * row itself, else the row widened into scratch [D]. */
+static inline const float *read_vector(const TandemDecoderDims *d, const void *cache, const uint16_t *scales,
+                                       int64_t row, float *scratch, float *scale) {
     const int64_t D = d->head_dim;
-    if (d->kv_dtype == 0) {
-        memcpy(out, (const float *)cache + row * D, sizeof(float) * D);
-        return 1.0f;
-    }
+    *scale = 1.0f;
+    if (d->kv_dtype == 0) return (const float *)cache + row * D;
     if (d->kv_dtype == 1) {
         const uint16_t *in = (const uint16_t *)cache + row * D;
-        for (int64_t i = 0; i < D; i++) out[i] = bf16_to_float(in[i]);
-        return 1.0f;
+        for (int64_t i = 0; i < D; i++) scratch[i] = bf16_to_float(in[i]);
+        return scratch;
     }
     const uint8_t *in = (const uint8_t *)cache + row * D;
-    for (int64_t i = 0; i < D; i++) out[i] = e4m3_values[in[i]];
-    return _cvtsh_ss(scales[row]);
+    for (int64_t i = 0; i < D; i++) scratch[i] = e4m3_values[in[i]];
+    *scale = _cvtsh_ss(scales[row]);
+    return scratch;
 }
 
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -249,9 +249,11 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
                 for (int64_t g = 0; g < group; g++) largest[g] = -INFINITY, total[g] = 0.0f;
                 for (int64_t j = first; j < length; j++) {
                     const int64_t row = (table[j / bs] * bs + j % bs) * row_heads + head;
-                    const float s = read_vector(d, layer->k_cache, layer->k_scale, row, vec) * d->scale;
+                    float s;
+                    const float *key = read_vector(d, layer->k_cache, layer->k_scale, row, vec, &s);
+                    s *= d->scale;
                     for (int64_t g = 0; g < group; g++) {
-                        float score = dot(q + g * D, vec, D) * s;
+                        float score = dot(q + g * D, key, D) * s;
                         if (cap > 0.0f) score = cap * tanhf(score / cap);
                         scores[g * length + j] = score;
                         largest[g] = fmaxf(largest[g], score);
@@ -267,12 +269,13 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
                 for (int64_t i = 0; i < group * D; i++) acc[i] = 0.0f;
                 for (int64_t j = first; j < length; j++) {
                     const int64_t row = (table[j / bs] * bs + j % bs) * row_heads + head;
-                    const float s = read_vector(d, layer->v_cache, layer->v_scale, row, vec);
+                    float s;
+                    const float *value = read_vector(d, layer->v_cache, layer->v_scale, row, vec, &s);
                     for (int64_t g = 0; g < group; g++) {
                         const float p = scores[g * length + j] / total[g] * s;
                         float *a = acc + g * D;
 #pragma omp simd
-                        for (int64_t i = 0; i < D; i++) a[i] += p * vec[i];
+                        for (int64_t i = 0; i < D; i++) a[i] += p * value[i];
                     }
                 }
                 memcpy(out + t * Hq * D + kv_head * group * D, acc, sizeof(float) * group * D);
@@ -476,7 +479,7 @@ int tandem_q8_mm(const float *x, const int8_t *codes_il, const float *scales_il,
         free(xq); free(xscale);
         return -1;
     }
-    round_activations(x, M, K, 32, xq, xscale, NULL);
+    round_activations(x, M, K, 32, xq, xscale, NULL, num_threads);
     if (M >= Q8_AMX_MIN_ROWS && amx_usable()) {
         const int status = amx_q8_mm(xq, xscale, codes_il, scales_il, M, N, K, y, num_threads);
         free(xq); free(xscale);

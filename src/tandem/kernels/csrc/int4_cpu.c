@@ -408,26 +408,41 @@ PLANE_KERNEL_F32(3)
 PLANE_KERNEL_F32(4)
 
 /* Activations as the kernels read them: each run of 32 of x [M, K] scaled to int16 (its largest
- * |x| to 32767, rounded to nearest) into xq [M, K], the run's step (largest / 32767) into
- * xscale [M, K / 32] and, when xsum is not NULL, the float32 sums of x per group of group_size
- * into xsum [M, K / group_size]. */
+ * |x| to 32767, rounded to nearest, ties to even) into xq [M, K], the run's step (largest / 32767)
+ * into xscale [M, K / 32] and, when xsum is not NULL, the float32 sums of x per group of
+ * group_size (each run's values added in order, runs in order) into xsum [M, K / group_size].
+ * Rows are independent: threads split them. */
 static void round_activations(const float *x, int64_t M, int64_t K, int64_t group_size, int16_t *xq,
-                              float *xscale, float *xsum) {
+                              float *xscale, float *xsum, int num_threads) {
     const int64_t runs = K / 32, num_groups = K / group_size;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 16384)
     for (int64_t m = 0; m < M; m++) {
         if (xsum)
             for (int64_t g = 0; g < num_groups; g++) xsum[m * num_groups + g] = 0.0f;
         for (int64_t r = 0; r < runs; r++) {
             const float *xr = x + m * K + 32 * r;
-            float largest = 0.0f, total = 0.0f;
-            for (int i = 0; i < 32; i++) {
-                largest = fmaxf(largest, fabsf(xr[i]));
-                total += xr[i];
-            }
+            int16_t *out = xq + m * K + 32 * r;
+#if defined(__AVX512F__)
+            const __m512 sign = _mm512_set1_ps(-0.0f);
+            const __m512 a = _mm512_loadu_ps(xr), b = _mm512_loadu_ps(xr + 16);
+            const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+            const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 32767.0f / largest : 0.0f);
+            /* rounded as lrintf rounds (the current mode: to nearest, ties to even) */
+            _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inverse))));
+            _mm256_storeu_si256((__m256i *)(out + 16),
+                                _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(b, inverse))));
+#else
+            float largest = 0.0f;
+            for (int i = 0; i < 32; i++) largest = fmaxf(largest, fabsf(xr[i]));
             const float inverse = largest > 0.0f ? 32767.0f / largest : 0.0f;
-            for (int i = 0; i < 32; i++) xq[m * K + 32 * r + i] = (int16_t)lrintf(xr[i] * inverse);
+            for (int i = 0; i < 32; i++) out[i] = (int16_t)lrintf(xr[i] * inverse);
+#endif
             xscale[m * runs + r] = largest / 32767.0f;
-            if (xsum) xsum[m * num_groups + (32 * r) / group_size] += total;
+            if (xsum) {
+                float total = 0.0f;
+                for (int i = 0; i < 32; i++) total += xr[i];
+                xsum[m * num_groups + (32 * r) / group_size] += total;
+            }
         }
     }
 }
@@ -450,7 +465,7 @@ int tandem_int4_mm(const float *x, const uint8_t *packed, int mode, const void *
         free(xq); free(xscale); free(xsum);
         return -1;
     }
-    round_activations(x, M, K, group_size, xq, xscale, xsum);
+    round_activations(x, M, K, group_size, xq, xscale, xsum, num_threads);
     if (mode == 3 && amx_usable()) {
         const int status = amx_int4_mm(xq, xscale, xsum, packed, params, superblock_scales, groups_per_superblock,
                                        M, N, K, y, num_threads);
