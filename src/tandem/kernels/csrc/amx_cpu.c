@@ -50,6 +50,11 @@ static const TandemTileConfig amx_config = {
 
 static void amx_configure(void) { _tile_loadconfig(&amx_config); }
 
+/* dst[0..width) = row[0..width), width <= 16 */
+static inline void amx_store_row(float *dst, const float row[16], int64_t width) {
+    _mm512_mask_storeu_ps(dst, (__mmask16)((1u << width) - 1), _mm512_loadu_ps(row));
+}
+
 /* xq [M, K] int16 -> hi, lo [Mp, K] bytes (Mp = M rounded up to 16; padding rows zero). */
 static void amx_split_activations(const int16_t *xq, int64_t M, int64_t K, int64_t Mp, int8_t *hi, uint8_t *lo,
                                   int num_threads) {
@@ -155,7 +160,7 @@ static int amx_q8_mm(const int16_t *xq, const float *xscale, const int8_t *codes
                 for (int64_t i = 0; i < nb; i++) {
                     const int64_t width = N - 16 * (b + i) < 16 ? N - 16 * (b + i) : 16;
                     for (int64_t m = 0; m < mb; m++)
-                        memcpy(y + (m0 + m) * N + 16 * (b + i), out[i][m], sizeof(float) * width);
+                        amx_store_row(y + (m0 + m) * N + 16 * (b + i), out[i][m], width);
                 }
             }
         }
@@ -238,6 +243,28 @@ static void amx_int4_params(const void *params, const uint16_t *superblock_scale
  * tiles + i * tiles_stride, parameters at scales / offsets + i * params_stride): the arithmetic
  * above. Two blocks share the A tiles; the dot products alternate between two buffers so that the
  * tile unit's next run need not wait for this run's float32 work. */
+static inline void amx_int4_tile_run(int nb, const uint8_t *tiles, int64_t tiles_stride, const int8_t *hi,
+                                     const uint8_t *lo, int64_t K, int64_t r, int32_t d[4][16][16]) {
+    _tile_loadd(2, hi + 32 * r, K);
+    _tile_loadd(3, lo + 32 * r, K);
+    _tile_loadd(4, tiles + 512 * r, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_dpbsud(0, 2, 4);
+    _tile_dpbuud(1, 3, 4);
+    if (nb == 2) {
+        _tile_loadd(5, tiles + tiles_stride + 512 * r, 64);
+        _tile_zero(6);
+        _tile_zero(7);
+        _tile_dpbsud(6, 2, 5);
+        _tile_dpbuud(7, 3, 5);
+        _tile_stored(6, d[2], 64);
+        _tile_stored(7, d[3], 64);
+    }
+    _tile_stored(0, d[0], 64);
+    _tile_stored(1, d[1], 64);
+}
+
 static void amx_int4_block(int nb, const uint8_t *tiles, int64_t tiles_stride, const float *scales,
                            const float *offsets, int64_t params_stride, const int8_t *hi, const uint8_t *lo,
                            const float *xscale, const float *xsum, int64_t mb, int64_t K, int64_t runs,
@@ -246,26 +273,12 @@ static void amx_int4_block(int nb, const uint8_t *tiles, int64_t tiles_stride, c
     for (int b = 0; b < 2; b++)
         for (int m = 0; m < 16; m++) acc[b][m] = bias[b][m] = _mm512_setzero_ps();
     int32_t dots[2][4][16][16];
+    amx_int4_tile_run(nb, tiles, tiles_stride, hi, lo, K, 0, dots[0]);
     for (int64_t r = 0; r < runs; r++) {
+        /* the tile unit's run r + 1 is issued before run r's float32 work, which then finds its
+         * dot products stored */
+        if (r + 1 < runs) amx_int4_tile_run(nb, tiles, tiles_stride, hi, lo, K, r + 1, dots[(r + 1) & 1]);
         int32_t(*d)[16][16] = dots[r & 1];
-        _tile_loadd(2, hi + 32 * r, K);
-        _tile_loadd(3, lo + 32 * r, K);
-        _tile_loadd(4, tiles + 512 * r, 64);
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_dpbsud(0, 2, 4);
-        _tile_dpbuud(1, 3, 4);
-        if (nb == 2) {
-            _tile_loadd(5, tiles + tiles_stride + 512 * r, 64);
-            _tile_zero(6);
-            _tile_zero(7);
-            _tile_dpbsud(6, 2, 5);
-            _tile_dpbuud(7, 3, 5);
-            _tile_stored(6, d[2], 64);
-            _tile_stored(7, d[3], 64);
-        }
-        _tile_stored(0, d[0], 64);
-        _tile_stored(1, d[1], 64);
         for (int b = 0; b < nb; b++) {
             const __m512 ws = _mm512_loadu_ps(scales + b * params_stride + 16 * r);
             const __m512 wo = _mm512_loadu_ps(offsets + b * params_stride + 16 * r);
@@ -378,7 +391,7 @@ static int amx_int4_mm(const int16_t *xq, const float *xscale, const float *xsum
                 for (int64_t i = 0; i < nb; i++) {
                     const int64_t width = N - 16 * (b + i) < 16 ? N - 16 * (b + i) : 16;
                     for (int64_t m = 0; m < mb; m++)
-                        memcpy(y + (m0 + m) * N + 16 * (b + i), out[i][m], sizeof(float) * width);
+                        amx_store_row(y + (m0 + m) * N + 16 * (b + i), out[i][m], width);
                 }
             }
         }

@@ -117,7 +117,87 @@ static inline uint8_t float_to_e4m3(float v) {
     return (uint8_t)code | sign;
 }
 
+/* -- element-wise functions, 16 lanes at a time where the build has AVX-512 ---------------------
+ * exp by Cephes' expf reduction and polynomial (within 2 ulp of the exact value over the range
+ * used here), so a value's result depends on nothing but the value; the activations and the
+ * softmax use it, with masked tails so that every element takes the same arithmetic. */
+#if defined(__AVX512F__)
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.72283f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1); }
+#endif
+
+/* out[i] = act(gate[i]) * up[i], i < I: activation 0 SiLU, 1 GeLU (tanh approximation), 2 GeLU. */
+static void gated_activation(int64_t activation, const float *gate, const float *up, int64_t I, float *out) {
+#if defined(__AVX512F__)
+    if (activation != 2) {
+        const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
+        for (int64_t i = 0; i < I; i += 16) {
+            const __mmask16 k = tail_mask(I - i);
+            const __m512 g = _mm512_maskz_loadu_ps(k, gate + i), u = _mm512_maskz_loadu_ps(k, up + i);
+            __m512 a;
+            if (activation == 0) { /* g / (1 + exp(-g)) */
+                a = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            } else { /* 0.5 g (1 + tanh(z)), tanh(z) = 1 - 2 / (1 + exp(2z)) */
+                const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+                const __m512 z = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                               _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), cube, g));
+                const __m512 e = exp512(_mm512_add_ps(z, z));
+                const __m512 tanh_z = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(one, e)));
+                a = _mm512_mul_ps(_mm512_mul_ps(half, g), _mm512_add_ps(one, tanh_z));
+            }
+            _mm512_mask_storeu_ps(out + i, k, _mm512_mul_ps(a, u));
+        }
+        return;
+    }
+#endif
+    if (activation == 0)
+        for (int64_t i = 0; i < I; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    else if (activation == 1)
+        for (int64_t i = 0; i < I; i++) {
+            const float g = gate[i];
+            out[i] = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * up[i];
+        }
+    else
+        for (int64_t i = 0; i < I; i++) out[i] = 0.5f * gate[i] * (1.0f + erff(gate[i] * 0.7071067811865476f)) * up[i];
+}
+
+/* s[j] = exp(s[j] - largest) for j < n, and their sum (added in order) */
+static inline float softmax_exps(float *s, int64_t n, float largest) {
+#if defined(__AVX512F__)
+    const __m512 shift = _mm512_set1_ps(largest);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 k = tail_mask(n - j);
+        _mm512_mask_storeu_ps(s + j, k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), shift)));
+    }
+#else
+    for (int64_t j = 0; j < n; j++) s[j] = expf(s[j] - largest);
+#endif
+    float total = 0.0f;
+    for (int64_t j = 0; j < n; j++) total += s[j];
+    return total;
+}
+
 /* -- the pieces of a layer ------------------------------------------------------------------- */
+
+/* Fewest token rows for which the element-wise parts of a layer (norms, RoPE and the KV writes,
+ * the MLP's activation, residual adds) are split across threads; each row's arithmetic is the same
+ * either way. */
+#define PARALLEL_MIN_ROWS 8
 
 static void rms_norm_rows(const float *x, const float *weight, float eps, int64_t T, int64_t H, float *out) {
     for (int64_t t = 0; t < T; t++) {
@@ -127,6 +207,20 @@ static void rms_norm_rows(const float *x, const float *weight, float eps, int64_
         const float inverse = 1.0f / sqrtf(total / (float)H + eps);
         for (int64_t i = 0; i < H; i++) out[t * H + i] = weight[i] * (xr[i] * inverse);
     }
+}
+
+/* rms_norm_rows with the rows split across threads (from PARALLEL_MIN_ROWS rows). */
+static void rms_norm_rows_threaded(const float *x, const float *weight, float eps, int64_t T, int64_t H, float *out,
+                                   int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= PARALLEL_MIN_ROWS)
+    for (int64_t t = 0; t < T; t++) rms_norm_rows(x + t * H, weight, eps, 1, H, out + t * H);
+}
+
+/* x[T * H] += y[T * H], split across threads (from PARALLEL_MIN_ROWS rows). */
+static void add_rows(float *x, const float *y, int64_t T, int64_t H, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= PARALLEL_MIN_ROWS)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = t * H; i < (t + 1) * H; i++) x[i] += y[i];
 }
 
 /* y[T, N] += bias[N] per row; nothing when bias is NULL. */
@@ -208,6 +302,47 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return total;
 }
 
+#if defined(__AVX512F__)
+/* r[i] = the sum of v[i]'s 16 lanes (a transposing tree: each lane adds only its own vector's
+ * partial sums, in an order that depends on nothing else). */
+static inline __m512 sum_lanes16(const __m512 v[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* lanes 0-7: v[2i]'s halves added; 8-15: v[2i+1]'s */
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+    /* the tree leaves vector i in lane (i % 4) * 4 + i / 4 */
+    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), r);
+}
+
+/* Scores of up to 16 keys (keys[i], n of them; scale[i] each) against `group` query heads
+ * q [group, D] (D % 16 == 0) into scores[g * stride + i]: per key, the 16-lane products
+ * q[d..d+15] * k[d..d+15] summed over d in order, the lanes added by sum_lanes16, times its scale.
+ * A key's score depends on nothing but its query and itself. */
+static inline void key_block_scores(const float *q, int64_t group, int64_t D, const float *const keys[16],
+                                    const float scale[16], int64_t n, float *scores, int64_t stride) {
+    for (int64_t g = 0; g < group; g++) {
+        const float *qg = q + g * D;
+        __m512 parts[16];
+        for (int64_t i = 0; i < 16; i++) {
+            const float *k = keys[i < n ? i : 0];
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(k));
+            for (int64_t e = 16; e < D; e += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + e), _mm512_loadu_ps(k + e), acc);
+            parts[i] = acc;
+        }
+        float out[16];
+        _mm512_storeu_ps(out, _mm512_mul_ps(sum_lanes16(parts), _mm512_loadu_ps(scale)));
+        for (int64_t i = 0; i < n; i++) scores[g * stride + i] = out[i];
+    }
+}
+#endif
+
 /* out[T, Hq * D] = softmax(q K^T * scale) V per (row, query head), keys 0..positions[t] of the
  * row's request (only the last layer->window of them when it is set; scores soft-capped when
  * layer->softcap is set) (block_tables row row_tables[t], or t when row_tables is NULL). q rows are
@@ -230,6 +365,7 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
     {
         float *scores = malloc(sizeof(float) * (size_t)(max_len * group));
         float *acc = malloc(sizeof(float) * (size_t)(group * D));
+        float *key_rows = malloc(sizeof(float) * (size_t)(16 * D)); /* widened keys (not float32 caches) */
         float vec[D];
 #pragma omp for schedule(dynamic, 1) collapse(2)
         for (int64_t t = 0; t < T; t++) {
@@ -247,6 +383,27 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
                 const float cap = layer->softcap;
                 float largest[group], total[group];
                 for (int64_t g = 0; g < group; g++) largest[g] = -INFINITY, total[g] = 0.0f;
+#if defined(__AVX512F__)
+                if (D % 16 == 0) { /* 16 keys at a time (key_block_scores) */
+                    for (int64_t j0 = first; j0 < length; j0 += 16) {
+                        const int64_t n = length - j0 < 16 ? length - j0 : 16;
+                        const float *keys[16];
+                        float key_scale[16] = {0.0f};
+                        for (int64_t i = 0; i < n; i++) {
+                            const int64_t j = j0 + i, row = (table[j / bs] * bs + j % bs) * row_heads + head;
+                            keys[i] = read_vector(d, layer->k_cache, layer->k_scale, row, key_rows + i * D, &key_scale[i]);
+                            key_scale[i] *= d->scale;
+                        }
+                        key_block_scores(q, group, D, keys, key_scale, n, scores + j0, length);
+                    }
+                    for (int64_t g = 0; g < group; g++)
+                        for (int64_t j = first; j < length; j++) {
+                            float score = scores[g * length + j];
+                            if (cap > 0.0f) score = scores[g * length + j] = cap * tanhf(score / cap);
+                            largest[g] = fmaxf(largest[g], score);
+                        }
+                } else
+#endif
                 for (int64_t j = first; j < length; j++) {
                     const int64_t row = (table[j / bs] * bs + j % bs) * row_heads + head;
                     float s;
@@ -260,11 +417,7 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
                     }
                 }
                 for (int64_t g = 0; g < group; g++) {
-                    float *sg = scores + g * length;
-                    for (int64_t j = first; j < length; j++) {
-                        sg[j] = expf(sg[j] - largest[g]);
-                        total[g] += sg[j];
-                    }
+                    total[g] = softmax_exps(scores + g * length + first, length - first, largest[g]);
                 }
                 for (int64_t i = 0; i < group * D; i++) acc[i] = 0.0f;
                 for (int64_t j = first; j < length; j++) {
@@ -283,6 +436,7 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
         }
         free(scores);
         free(acc);
+        free(key_rows);
     }
 }
 
@@ -325,9 +479,10 @@ static int decoder_layers(const TandemDecoderDims *d, const TandemLayer *layers,
     int status = (normed && qkv && attn && proj) ? 0 : -1;
     for (int64_t l = 0, next_capture = 0; status == 0 && l < d->num_layers; l++) {
         const TandemLayer *layer = layers + l;
-        rms_norm_rows(x, layer->input_norm, d->eps, T, H, normed);
+        rms_norm_rows_threaded(x, layer->input_norm, d->eps, T, H, normed, num_threads);
         if ((status = linear(&layer->qkv, normed, T, qkv, num_threads)) != 0) break;
         add_bias(qkv, layer->qkv_bias, T, width);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= PARALLEL_MIN_ROWS)
         for (int64_t t = 0; t < T; t++) {
             const float *cos_table = layer->rope_cos ? layer->rope_cos : d->rope_cos;
             const float *sin_table = layer->rope_sin ? layer->rope_sin : d->rope_sin;
@@ -349,28 +504,18 @@ static int decoder_layers(const TandemDecoderDims *d, const TandemLayer *layers,
                   paging, l);
         if ((status = linear(&layer->o, attn, T, proj, num_threads)) != 0) break;
         add_bias(proj, layer->o_bias, T, H);
-        if (layer->post_attn_norm) rms_norm_rows(proj, layer->post_attn_norm, d->eps, T, H, proj);
-        for (int64_t i = 0; i < T * H; i++) x[i] += proj[i];
-        rms_norm_rows(x, layer->post_norm, d->eps, T, H, normed);
+        if (layer->post_attn_norm) rms_norm_rows_threaded(proj, layer->post_attn_norm, d->eps, T, H, proj, num_threads);
+        add_rows(x, proj, T, H, num_threads);
+        rms_norm_rows_threaded(x, layer->post_norm, d->eps, T, H, normed, num_threads);
         if ((status = linear(&layer->gate_up, normed, T, proj, num_threads)) != 0) break;
         add_bias(proj, layer->gate_up_bias, T, 2 * I);
-        for (int64_t t = 0; t < T; t++) {
-            const float *gate = proj + t * 2 * I, *up = gate + I;
-            float *out = normed + t * I;
-            if (d->activation == 0)
-                for (int64_t i = 0; i < I; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-            else if (d->activation == 1)
-                for (int64_t i = 0; i < I; i++) {
-                    const float g = gate[i];
-                    out[i] = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * up[i];
-                }
-            else
-                for (int64_t i = 0; i < I; i++) out[i] = 0.5f * gate[i] * (1.0f + erff(gate[i] * 0.7071067811865476f)) * up[i];
-        }
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= PARALLEL_MIN_ROWS)
+        for (int64_t t = 0; t < T; t++)
+            gated_activation(d->activation, proj + t * 2 * I, proj + t * 2 * I + I, I, normed + t * I);
         if ((status = linear(&layer->down, normed, T, proj, num_threads)) != 0) break;
         add_bias(proj, layer->down_bias, T, H);
-        if (layer->post_ffn_norm) rms_norm_rows(proj, layer->post_ffn_norm, d->eps, T, H, proj);
-        for (int64_t i = 0; i < T * H; i++) x[i] += proj[i];
+        if (layer->post_ffn_norm) rms_norm_rows_threaded(proj, layer->post_ffn_norm, d->eps, T, H, proj, num_threads);
+        add_rows(x, proj, T, H, num_threads);
         if (next_capture < num_capture && capture_layers[next_capture] == l) {
             for (int64_t t = 0; t < T; t++)
                 memcpy(captured + (t * num_capture + next_capture) * H, x + t * H, sizeof(float) * H);
