@@ -419,6 +419,25 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
                 for (int64_t g = 0; g < group; g++) {
                     total[g] = softmax_exps(scores + g * length + first, length - first, largest[g]);
                 }
+                float *o = out + t * Hq * D + kv_head * group * D;
+#if defined(__AVX512F__)
+                if (D % 16 == 0 && D <= 256 && d->kv_dtype == 0) { /* each head's sum in registers */
+                    const float *values = (const float *)layer->v_cache;
+                    for (int64_t g = 0; g < group; g++) {
+                        const float inverse = 1.0f / total[g];
+                        __m512 sum[16];
+                        for (int64_t e = 0; e < D / 16; e++) sum[e] = _mm512_setzero_ps();
+                        for (int64_t j = first; j < length; j++) {
+                            const float *value = values + ((table[j / bs] * bs + j % bs) * row_heads + head) * D;
+                            const __m512 p = _mm512_set1_ps(scores[g * length + j] * inverse);
+                            for (int64_t e = 0; e < D / 16; e++)
+                                sum[e] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * e), sum[e]);
+                        }
+                        for (int64_t e = 0; e < D / 16; e++) _mm512_storeu_ps(o + g * D + 16 * e, sum[e]);
+                    }
+                    continue;
+                }
+#endif
                 for (int64_t i = 0; i < group * D; i++) acc[i] = 0.0f;
                 for (int64_t j = first; j < length; j++) {
                     const int64_t row = (table[j / bs] * bs + j % bs) * row_heads + head;
@@ -431,7 +450,7 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
                         for (int64_t i = 0; i < D; i++) a[i] += p * value[i];
                     }
                 }
-                memcpy(out + t * Hq * D + kv_head * group * D, acc, sizeof(float) * group * D);
+                memcpy(o, acc, sizeof(float) * group * D);
             }
         }
         free(scores);
