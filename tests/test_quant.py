@@ -477,10 +477,11 @@ def amx() -> Iterator[None]:
 
 
 def test_int8_kernel_on_amx_gives_the_vector_kernels_bits(amx: None) -> None:
-    """`tandem_q8_mm`'s AMX path (8 rows and more) computes each run's integer dot product on the
+    """`tandem_q8_mm`'s AMX path (each whole 16-row tile) computes each run's integer dot product on the
     tile unit from the int16 activations' high and low bytes: the same integers, so the same bits
-    as the vector kernel at every call size, the padding of partial 16-row tiles and 16-output
-    blocks included (the choice may depend on the call's size without breaking batch invariance)."""
+    as the vector kernel at every call size, with the rows past the last whole tile on the vector
+    kernel and partial 16-output blocks (the choice may depend on the call's size without breaking
+    batch invariance)."""
     from tandem.kernels.int8 import interleave_outputs, quantize_int8
 
     g = torch.Generator().manual_seed(5)

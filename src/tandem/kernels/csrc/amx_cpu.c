@@ -78,54 +78,70 @@ static void amx_q8_b_tiles(const int8_t *wb, int64_t runs, int8_t *tiles) {
         _mm512_storeu_si512(tiles + 64 * i, _mm512_permutexvar_epi16(spread, _mm512_loadu_si512(wb + 64 * i)));
 }
 
-/* 16 activation rows from m0 (mb of them real) and NB (1 or 2) blocks of 16 outputs, every run in
- * order, with tandem_q8_mm's arithmetic: acc = fma((float)d_r, ws * xs, acc), d_r = 256 * hi + lo
- * dot. Two blocks share the A tiles; the dot products go through two memory buffers in turn so
- * that the tile unit's next run does not wait for this run's float32 work. */
-#define AMX_Q8_BLOCK(NB)                                                                                \
-    static void amx_q8_block_##NB(const int8_t *tiles, int64_t tiles_stride, const float *sb,          \
-                                  int64_t sb_stride, const int8_t *hi, const uint8_t *lo,               \
-                                  const float *xscale, int64_t mb, int64_t K, int64_t runs,             \
-                                  float out[NB][16][16]) {                                              \
-        __m512 acc[NB][16];                                                                             \
-        for (int b = 0; b < NB; b++)                                                                    \
-            for (int m = 0; m < 16; m++) acc[b][m] = _mm512_setzero_ps();                               \
-        int32_t dots[2][2 * NB][16][16];                                                                \
-        for (int64_t r = 0; r < runs; r++) {                                                            \
-            int32_t(*d)[16][16] = dots[r & 1];                                                          \
-            _tile_loadd(2, hi + 32 * r, K);                                                             \
-            _tile_loadd(3, lo + 32 * r, K);                                                             \
-            _tile_loadd(4, tiles + 512 * r, 64);                                                        \
-            _tile_zero(0);                                                                              \
-            _tile_zero(1);                                                                              \
-            _tile_dpbssd(0, 2, 4);                                                                      \
-            _tile_dpbusd(1, 3, 4);                                                                      \
-            if (NB == 2) {                                                                              \
-                _tile_loadd(5, tiles + tiles_stride + 512 * r, 64);                                     \
-                _tile_zero(6);                                                                          \
-                _tile_zero(7);                                                                          \
-                _tile_dpbssd(6, 2, 5);                                                                  \
-                _tile_dpbusd(7, 3, 5);                                                                  \
-                _tile_stored(6, d[2], 64);                                                              \
-                _tile_stored(7, d[3], 64);                                                              \
-            }                                                                                           \
-            _tile_stored(0, d[0], 64);                                                                  \
-            _tile_stored(1, d[1], 64);                                                                  \
-            for (int b = 0; b < NB; b++) {                                                              \
-                const __m512 ws = _mm512_loadu_ps(sb + b * sb_stride + 16 * r);                         \
-                for (int64_t m = 0; m < mb; m++) {                                                      \
-                    const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(d[2 * b][m]), 8), \
-                                                         _mm512_loadu_si512(d[2 * b + 1][m]));         \
-                    acc[b][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),                                \
-                                                _mm512_mul_ps(ws, _mm512_set1_ps(xscale[m * runs + r])), acc[b][m]); \
-                }                                                                                       \
-            }                                                                                           \
-        }                                                                                               \
-        for (int b = 0; b < NB; b++)                                                                    \
-            for (int64_t m = 0; m < mb; m++) _mm512_storeu_ps(out[b][m], acc[b][m]);                   \
+/* The tile unit's work for run r of 16 activation rows and nb (1 or 2) blocks of 16 outputs: the
+ * high and low bytes' dot products with each block's B tiles, stored to d[2 * block + (0 hi, 1 lo)].
+ * signed_codes: Q8_0's codes are signed (TDPBSSD / TDPBUSD), GGUF 4-bit codes unsigned (TDPBSUD /
+ * TDPBUUD). */
+static inline void amx_tile_run(int signed_codes, int nb, const int8_t *tiles, int64_t tiles_stride,
+                                const int8_t *hi, const uint8_t *lo, int64_t K, int64_t r, int32_t d[4][16][16]) {
+    _tile_loadd(2, hi + 32 * r, K);
+    _tile_loadd(3, lo + 32 * r, K);
+    _tile_loadd(4, tiles + 512 * r, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    if (signed_codes) {
+        _tile_dpbssd(0, 2, 4);
+        _tile_dpbusd(1, 3, 4);
+    } else {
+        _tile_dpbsud(0, 2, 4);
+        _tile_dpbuud(1, 3, 4);
     }
-AMX_Q8_BLOCK(1)
-AMX_Q8_BLOCK(2)
+    if (nb == 2) {
+        _tile_loadd(5, tiles + tiles_stride + 512 * r, 64);
+        _tile_zero(6);
+        _tile_zero(7);
+        if (signed_codes) {
+            _tile_dpbssd(6, 2, 5);
+            _tile_dpbusd(7, 3, 5);
+        } else {
+            _tile_dpbsud(6, 2, 5);
+            _tile_dpbuud(7, 3, 5);
+        }
+        _tile_stored(6, d[2], 64);
+        _tile_stored(7, d[3], 64);
+    }
+    _tile_stored(0, d[0], 64);
+    _tile_stored(1, d[1], 64);
+}
+
+/* 16 activation rows from m0 (mb of them real) and nb (1 or 2) blocks of 16 outputs, every run in
+ * order, with tandem_q8_mm's arithmetic: acc = fma((float)d_r, ws * xs, acc), d_r = 256 * hi + lo
+ * dot. Two blocks share the A tiles; the tile unit's run r + 1 is issued before run r's float32
+ * work, into the other of two buffers. */
+static void amx_q8_block(int nb, const int8_t *tiles, int64_t tiles_stride, const float *sb, int64_t sb_stride,
+                         const int8_t *hi, const uint8_t *lo, const float *xscale, int64_t mb, int64_t K,
+                         int64_t runs, float out[2][16][16]) {
+    __m512 acc[2][16];
+    for (int b = 0; b < 2; b++)
+        for (int m = 0; m < 16; m++) acc[b][m] = _mm512_setzero_ps();
+    int32_t dots[2][4][16][16];
+    amx_tile_run(1, nb, tiles, tiles_stride, hi, lo, K, 0, dots[0]);
+    for (int64_t r = 0; r < runs; r++) {
+        if (r + 1 < runs) amx_tile_run(1, nb, tiles, tiles_stride, hi, lo, K, r + 1, dots[(r + 1) & 1]);
+        int32_t(*d)[16][16] = dots[r & 1];
+        for (int b = 0; b < nb; b++) {
+            const __m512 ws = _mm512_loadu_ps(sb + b * sb_stride + 16 * r);
+            for (int64_t m = 0; m < mb; m++) {
+                const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(d[2 * b][m]), 8),
+                                                     _mm512_loadu_si512(d[2 * b + 1][m]));
+                acc[b][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                            _mm512_mul_ps(ws, _mm512_set1_ps(xscale[m * runs + r])), acc[b][m]);
+            }
+        }
+    }
+    for (int b = 0; b < nb; b++)
+        for (int64_t m = 0; m < mb; m++) _mm512_storeu_ps(out[b][m], acc[b][m]);
+}
 
 /* tandem_q8_mm's AMX path (same inputs and result); xq, xscale as round_activations gives them.
  * Returns 0, -1 when scratch cannot be allocated. */
@@ -151,12 +167,8 @@ static int amx_q8_mm(const int16_t *xq, const float *xscale, const int8_t *codes
             for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
                 float out[2][16][16];
                 const int64_t mb = M - m0 < 16 ? M - m0 : 16;
-                if (nb == 2)
-                    amx_q8_block_2(own, K * 16, scales_il + b * runs * 16, runs * 16, hi + m0 * K, lo + m0 * K,
-                                   xscale + m0 * runs, mb, K, runs, out);
-                else
-                    amx_q8_block_1(own, K * 16, scales_il + b * runs * 16, runs * 16, hi + m0 * K, lo + m0 * K,
-                                   xscale + m0 * runs, mb, K, runs, (float(*)[16][16])out);
+                amx_q8_block((int)nb, own, K * 16, scales_il + b * runs * 16, runs * 16, hi + m0 * K, lo + m0 * K,
+                             xscale + m0 * runs, mb, K, runs, out);
                 for (int64_t i = 0; i < nb; i++) {
                     const int64_t width = N - 16 * (b + i) < 16 ? N - 16 * (b + i) : 16;
                     for (int64_t m = 0; m < mb; m++)
@@ -243,28 +255,6 @@ static void amx_int4_params(const void *params, const uint16_t *superblock_scale
  * tiles + i * tiles_stride, parameters at scales / offsets + i * params_stride): the arithmetic
  * above. Two blocks share the A tiles; the dot products alternate between two buffers so that the
  * tile unit's next run need not wait for this run's float32 work. */
-static inline void amx_int4_tile_run(int nb, const uint8_t *tiles, int64_t tiles_stride, const int8_t *hi,
-                                     const uint8_t *lo, int64_t K, int64_t r, int32_t d[4][16][16]) {
-    _tile_loadd(2, hi + 32 * r, K);
-    _tile_loadd(3, lo + 32 * r, K);
-    _tile_loadd(4, tiles + 512 * r, 64);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_dpbsud(0, 2, 4);
-    _tile_dpbuud(1, 3, 4);
-    if (nb == 2) {
-        _tile_loadd(5, tiles + tiles_stride + 512 * r, 64);
-        _tile_zero(6);
-        _tile_zero(7);
-        _tile_dpbsud(6, 2, 5);
-        _tile_dpbuud(7, 3, 5);
-        _tile_stored(6, d[2], 64);
-        _tile_stored(7, d[3], 64);
-    }
-    _tile_stored(0, d[0], 64);
-    _tile_stored(1, d[1], 64);
-}
-
 static void amx_int4_block(int nb, const uint8_t *tiles, int64_t tiles_stride, const float *scales,
                            const float *offsets, int64_t params_stride, const int8_t *hi, const uint8_t *lo,
                            const float *xscale, const float *xsum, int64_t mb, int64_t K, int64_t runs,
@@ -273,11 +263,11 @@ static void amx_int4_block(int nb, const uint8_t *tiles, int64_t tiles_stride, c
     for (int b = 0; b < 2; b++)
         for (int m = 0; m < 16; m++) acc[b][m] = bias[b][m] = _mm512_setzero_ps();
     int32_t dots[2][4][16][16];
-    amx_int4_tile_run(nb, tiles, tiles_stride, hi, lo, K, 0, dots[0]);
+    amx_tile_run(0, nb, (const int8_t *)tiles, tiles_stride, hi, lo, K, 0, dots[0]);
     for (int64_t r = 0; r < runs; r++) {
         /* the tile unit's run r + 1 is issued before run r's float32 work, which then finds its
          * dot products stored */
-        if (r + 1 < runs) amx_int4_tile_run(nb, tiles, tiles_stride, hi, lo, K, r + 1, dots[(r + 1) & 1]);
+        if (r + 1 < runs) amx_tile_run(0, nb, (const int8_t *)tiles, tiles_stride, hi, lo, K, r + 1, dots[(r + 1) & 1]);
         int32_t(*d)[16][16] = dots[r & 1];
         for (int b = 0; b < nb; b++) {
             const __m512 ws = _mm512_loadu_ps(scales + b * params_stride + 16 * r);

@@ -574,9 +574,6 @@ int tandem_decoder_layers_heads(const TandemDecoderDims *d, const TandemLayer *l
  * Work per 16 outputs, 4 rows and input pair: one widened load of the codes and 4 multiply-adds
  * (vpdpwssd where the CPU has AVX512-VNNI). Returns 0, -1 when scratch cannot be allocated. */
 #define Q8_ROWS 4
-/* Fewest rows for which tandem_q8_mm takes the AMX path (same bits; below it the vector kernel's
- * 4-row blocks waste less than a 16-row tile would). */
-#define Q8_AMX_MIN_ROWS 8
 
 static void q8_block_rows(const int8_t *wb, const float *sb, const int32_t *xpairs, const float *xscale,
                           int64_t mb, int64_t K, int64_t runs, float out[Q8_ROWS][16]) {
@@ -634,25 +631,15 @@ static void q8_block_rows(const int8_t *wb, const float *sb, const int32_t *xpai
 #endif
 }
 
-int tandem_q8_mm(const float *x, const int8_t *codes_il, const float *scales_il, int64_t M, int64_t N, int64_t K,
-                 float *y, int num_threads) {
+/* Rows [m_begin, M) of tandem_q8_mm with the vector kernel (xq, xscale as round_activations gives
+ * them for all M rows). */
+static void q8_vector_rows(const int16_t *xq, const float *xscale, const int8_t *codes_il, const float *scales_il,
+                           int64_t m_begin, int64_t M, int64_t N, int64_t K, float *y, int num_threads) {
     const int64_t runs = K / 32, blocks = (N + 15) / 16;
-    int16_t *xq = malloc(sizeof(int16_t) * M * K);
-    float *xscale = malloc(sizeof(float) * M * runs);
-    if (!xq || !xscale) {
-        free(xq); free(xscale);
-        return -1;
-    }
-    round_activations(x, M, K, 32, xq, xscale, NULL, num_threads);
-    if (M >= Q8_AMX_MIN_ROWS && amx_usable()) {
-        const int status = amx_q8_mm(xq, xscale, codes_il, scales_il, M, N, K, y, num_threads);
-        free(xq); free(xscale);
-        return status;
-    }
     const int32_t *xpairs = (const int32_t *)xq; /* row m's pair p: xq[m, 2p] | xq[m, 2p + 1] << 16 */
 #pragma omp parallel for schedule(static) collapse(2) num_threads(num_threads)
     for (int64_t b = 0; b < blocks; b++) {
-        for (int64_t m0 = 0; m0 < M; m0 += Q8_ROWS) {
+        for (int64_t m0 = m_begin; m0 < M; m0 += Q8_ROWS) {
             float out[Q8_ROWS][16];
             const int64_t mb = M - m0 < Q8_ROWS ? M - m0 : Q8_ROWS;
             q8_block_rows(codes_il + b * K * 16, scales_il + b * runs * 16, xpairs + m0 * (K / 2), xscale + m0 * runs,
@@ -661,6 +648,24 @@ int tandem_q8_mm(const float *x, const int8_t *codes_il, const float *scales_il,
             for (int64_t m = 0; m < mb; m++) memcpy(y + (m0 + m) * N + 16 * b, out[m], sizeof(float) * width);
         }
     }
+}
+
+int tandem_q8_mm(const float *x, const int8_t *codes_il, const float *scales_il, int64_t M, int64_t N, int64_t K,
+                 float *y, int num_threads) {
+    const int64_t runs = K / 32;
+    int16_t *xq = malloc(sizeof(int16_t) * M * K);
+    float *xscale = malloc(sizeof(float) * M * runs);
+    if (!xq || !xscale) {
+        free(xq); free(xscale);
+        return -1;
+    }
+    round_activations(x, M, K, 32, xq, xscale, NULL, num_threads);
+    /* whole 16-row tiles on the tile unit where it runs, the rest with the vector kernel: the same
+     * bits either way */
+    const int64_t tiled = amx_usable() ? M / 16 * 16 : 0;
+    int status = 0;
+    if (tiled > 0) status = amx_q8_mm(xq, xscale, codes_il, scales_il, tiled, N, K, y, num_threads);
+    if (status == 0 && tiled < M) q8_vector_rows(xq, xscale, codes_il, scales_il, tiled, M, N, K, y, num_threads);
     free(xq); free(xscale);
-    return 0;
+    return status;
 }
