@@ -1,22 +1,25 @@
 /* Intel AMX (tile matrix multiply, int8) paths of the native matmuls, for CPUs with AMX-INT8
- * (Sapphire Rapids and later). Included by decoder_cpu.c; compiled only where the build target has
+ * (Sapphire Rapids and later). Included by int4_cpu.c; compiled only where the build target has
  * AMX (-march=native on such a CPU), and used only when Linux grants this process the tile data
- * state (arch_prctl ARCH_REQ_XCOMP_PERM) and `tandem_set_amx` has not turned it off.
+ * state (arch_prctl ARCH_REQ_XCOMP_PERM, inherited by forked children) and `tandem_set_amx` has
+ * not turned it off.
  *
- * Same arithmetic, other instructions: each run of 32 int16 activations (round_activations) is
- * split exactly into a signed high byte and an unsigned low byte (x = 256 * hi + lo); the tile
- * unit gives the integer dot products of both with the int8 codes (TDPBSSD, TDPBUSD: exact int32),
- * and 256 * hi_dot + lo_dot is the run's exact integer dot product, the integer the AVX-512 and
- * AVX2 kernels compute with vpmaddwd. Everything after it (the float32 scaling and its order) is
- * the callers' own, so an AMX call returns the bits of the vector kernel it replaces: the choice
- * between them may depend on the call's size without a row's result depending on it (batch
- * invariance holds).
+ * Exact integers from the tile unit: each run of 32 int16 activations (round_activations) is split
+ * exactly into a signed high byte and an unsigned low byte (x = 256 * hi + lo); the tile unit
+ * gives the integer dot products of both with the codes (exact int32), and 256 * hi_dot + lo_dot
+ * is the run's exact integer dot product, the integer the vector kernels compute with vpmaddwd.
+ * - Q8_0 (tandem_q8_mm): the float32 scaling after it is the vector kernel's, so an AMX call
+ *   returns the vector kernel's bits and the choice between them may depend on the call's size.
+ * - GGUF 4-bit blocks as stored (tandem_int4_mm mode 3): an arithmetic of their own (below),
+ *   on the tile unit from 12 rows of a 16-row block and with AVX512-VNNI below, the same bits.
+ * Either way a row's result never depends on the rows around it (batch invariance holds).
  *
  * Tiles (one configuration per thread, loaded inside each parallel region and released at its end):
- *   tmm0, tmm1  C: 16 rows x 16 int32 (the high and the low byte's dot products)
+ *   tmm0, tmm1  C: 16 rows x 16 int32 (the high and the low byte's dot products), first block
  *   tmm2, tmm3  A: 16 activation rows x 32 bytes (one run; high bytes signed, low bytes unsigned)
- *   tmm4        B: 8 rows x 64 bytes, one run of 16 outputs' codes in the tile unit's 4-byte
- *               groups: B[j][4n + i] = code[n][4j + i] */
+ *   tmm4, tmm5  B: 8 rows x 64 bytes, one run of 16 outputs' codes in the tile unit's 4-byte
+ *               groups, B[j][4n + i] = code[n][4j + i], for the first and the second block
+ *   tmm6, tmm7  C of the second block of 16 outputs */
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #define TANDEM_HAVE_AMX 1
 #include <omp.h>

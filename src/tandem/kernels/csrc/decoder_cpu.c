@@ -120,13 +120,17 @@ static inline uint8_t float_to_e4m3(float v) {
 /* -- element-wise functions, 16 lanes at a time where the build has AVX-512 ---------------------
  * exp by Cephes' expf reduction and polynomial (within 2 ulp of the exact value over the range
  * used here), so a value's result depends on nothing but the value; the activations and the
- * softmax use it, with masked tails so that every element takes the same arithmetic. */
+ * softmax use it, with masked tails so that every element takes the same arithmetic. Special
+ * values as expf gives them: NaN stays NaN (a poisoned row must stay visible: the engine fails
+ * requests whose logits are not finite), +inf and values past float32's range give +inf, and
+ * those below about -104 give 0. */
 #if defined(__AVX512F__)
 static inline __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.72283f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    /* max / min return their second operand when one is NaN: NaN lanes stay NaN */
+    const __m512 clamped = _mm512_min_ps(_mm512_set1_ps(88.72283f), _mm512_max_ps(_mm512_set1_ps(-87.33654f), x));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), clamped);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
     __m512 p = _mm512_set1_ps(1.9875691500e-4f);
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
@@ -135,7 +139,11 @@ static inline __m512 exp512(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
+    __m512 result = _mm512_scalef_ps(p, n);
+    result = _mm512_mask_mov_ps(result, _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283f), _CMP_GT_OQ),
+                                _mm512_set1_ps(INFINITY));
+    return _mm512_mask_mov_ps(result, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-103.97208f), _CMP_LT_OQ),
+                              _mm512_setzero_ps());
 }
 
 static inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1); }

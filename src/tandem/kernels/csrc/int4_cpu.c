@@ -15,7 +15,8 @@
  *           w = q * scale - offset with scale = code_s * D and offset = code_o * M (exact float32
  *           products), as BlockParams.expand(); dequantised, q * scale - offset rounds once, as
  *           the gguf package's dequantize does. The matmul runs the nibble-plane kernel on each
- *           row's (scale, -offset) pairs expanded to float32 (plane_kernel_f32).
+ *           row's (scale, -offset) pairs expanded to float32 (plane_kernel_f32); on a CPU whose
+ *           AMX path runs (amx_cpu.c), every call takes that file's own arithmetic instead.
  *
  * Arithmetic: each run of 32 activations is scaled to int16 (scale = max|x| / 32767, round to
  * nearest: relative error under 2^-16 of the run's largest value, finer than bfloat16), the
@@ -425,7 +426,11 @@ static void round_activations(const float *x, int64_t M, int64_t K, int64_t grou
 #if defined(__AVX512F__)
             const __m512 sign = _mm512_set1_ps(-0.0f);
             const __m512 a = _mm512_loadu_ps(xr), b = _mm512_loadu_ps(xr + 16);
-            const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+            /* NaNs left out of the largest, as fmaxf leaves them out; they round to 0 as lrintf's
+             * integer does, cast to int16 */
+            const __m512 abs_a = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, a, _CMP_ORD_Q), _mm512_andnot_ps(sign, a));
+            const __m512 abs_b = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(b, b, _CMP_ORD_Q), _mm512_andnot_ps(sign, b));
+            const float largest = _mm512_reduce_max_ps(_mm512_max_ps(abs_a, abs_b));
             const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 32767.0f / largest : 0.0f);
             /* rounded as lrintf rounds (the current mode: to nearest, ties to even) */
             _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inverse))));
