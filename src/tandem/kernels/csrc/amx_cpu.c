@@ -58,6 +58,15 @@ static inline void amx_store_row(float *dst, const float row[16], int64_t width)
     _mm512_mask_storeu_ps(dst, (__mmask16)((1u << width) - 1), _mm512_loadu_ps(row));
 }
 
+/* Rows 0..mb-1 of nb (1 or 2) blocks of 16 outputs from block b into y [., N] (row stride N; the
+ * last block may be partial). */
+static inline void amx_store_blocks(float out[2][16][16], int64_t nb, int64_t mb, float *y, int64_t N, int64_t b) {
+    for (int64_t i = 0; i < nb; i++) {
+        const int64_t width = N - 16 * (b + i) < 16 ? N - 16 * (b + i) : 16;
+        for (int64_t m = 0; m < mb; m++) amx_store_row(y + m * N + 16 * (b + i), out[i][m], width);
+    }
+}
+
 /* xq [M, K] int16 -> hi, lo [Mp, K] bytes (Mp = M rounded up to 16; padding rows zero). */
 static void amx_split_activations(const int16_t *xq, int64_t M, int64_t K, int64_t Mp, int8_t *hi, uint8_t *lo,
                                   int num_threads) {
@@ -172,11 +181,7 @@ static int amx_q8_mm(const int16_t *xq, const float *xscale, const int8_t *codes
                 const int64_t mb = M - m0 < 16 ? M - m0 : 16;
                 amx_q8_block((int)nb, own, K * 16, scales_il + b * runs * 16, runs * 16, hi + m0 * K, lo + m0 * K,
                              xscale + m0 * runs, mb, K, runs, out);
-                for (int64_t i = 0; i < nb; i++) {
-                    const int64_t width = N - 16 * (b + i) < 16 ? N - 16 * (b + i) : 16;
-                    for (int64_t m = 0; m < mb; m++)
-                        amx_store_row(y + (m0 + m) * N + 16 * (b + i), out[i][m], width);
-                }
+                amx_store_blocks(out, nb, mb, y + m0 * N, N, b);
             }
         }
         _tile_release();
@@ -381,11 +386,7 @@ static int amx_int4_mm(const int16_t *xq, const float *xscale, const float *xsum
                     amx_int4_block((int)nb, tiles, 4 * per_block, scales, offsets, per_block, hi + m0 * K,
                                    lo + m0 * K, xscale + m0 * runs, xsum + m0 * runs, mb, K, runs, out);
                 }
-                for (int64_t i = 0; i < nb; i++) {
-                    const int64_t width = N - 16 * (b + i) < 16 ? N - 16 * (b + i) : 16;
-                    for (int64_t m = 0; m < mb; m++)
-                        amx_store_row(y + (m0 + m) * N + 16 * (b + i), out[i][m], width);
-                }
+                amx_store_blocks(out, nb, mb, y + m0 * N, N, b);
             }
         }
         _tile_release();
