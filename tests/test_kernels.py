@@ -12,6 +12,7 @@ from tandem.kernels.sampling import (
     apply_token_bitmask_,
     apply_token_bitmask_reference,
     filter_logits,
+    greedy_tokens,
     sample_rows,
 )
 
@@ -97,6 +98,33 @@ def test_penalties_follow_openai_formula() -> None:
     counts = torch.tensor([[0.0, 1.0, 3.0, 0.0]])
     out = apply_penalties(logits, counts, presence=torch.tensor([0.5]), frequency=torch.tensor([0.25]))
     torch.testing.assert_close(out, torch.tensor([[0.0, -0.75, -1.25, 0.0]]))
+
+
+@pytest.mark.parametrize(("num_rows", "vocab"), [(1, 5), (3, 17), (1, 40_000), (2, 262_144), (40, 49_152)])
+def test_greedy_tokens_answer_as_torch_argmax(num_rows: int, vocab: int) -> None:
+    """The native argmax (rows split across threads) gives torch.argmax's index on random rows,
+    ties (the first largest), NaNs (the first NaN), rows of -inf (0) and +inf, and strided rows."""
+    from tandem.kernels import int4_native
+
+    if int4_native.load() is None:
+        pytest.skip("the native library does not run here")
+    g = torch.Generator().manual_seed(vocab)
+    cases = [
+        torch.randn(num_rows, vocab, generator=g),
+        torch.randint(-2, 3, (num_rows, vocab), generator=g).float(),  # many ties
+        torch.full((num_rows, vocab), float("-inf")),
+        torch.full((num_rows, vocab), float("inf")),
+        torch.randn(num_rows, 2 * vocab, generator=g)[:, ::2],  # not contiguous
+    ]
+    nans = torch.randn(num_rows, vocab, generator=g)
+    nans[torch.rand(num_rows, vocab, generator=g) < 0.001] = float("nan")
+    nans[0, vocab - 1] = float("nan")
+    cases.append(nans)
+    late = torch.full((num_rows, vocab), -1.0)
+    late[:, vocab - 1] = 2.0  # the largest value in the last element: the tail after the vector part
+    cases.append(late)
+    for logits in cases:
+        assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
 
 
 def test_seeded_sampling_is_reproducible_and_follows_the_distribution() -> None:

@@ -50,7 +50,12 @@ GROUP_SIZES = (32, 64, 128, 256)  # what the kernel is specialised for
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "decoder_cpu.c"  # includes int4_cpu.c: one library with both
-SOURCES = (CSRC / "int4_cpu.c", CSRC / "amx_cpu.c", SOURCE)  # what the build's cache key covers
+SOURCES = (
+    CSRC / "int4_cpu.c",
+    CSRC / "amx_cpu.c",
+    CSRC / "argmax_cpu.c",
+    SOURCE,
+)  # what the build's cache key covers
 MODE_F16_PARAMS = 0  # params: float16 [N, G, 2] (scale, zero)
 MODE_INT8_PARAMS = 1  # params: int8 codes [N, G, 2], with bfloat16 super-block scales [N, S, 2]
 MODE_BLOCK_PARAMS = 3  # GGUF 4-bit as stored: int8 codes [N, G, 2], float16 block scales [N, S, 2]
@@ -124,6 +129,8 @@ def load() -> ctypes.CDLL | None:
     lib.tandem_decoder_layers_heads.restype = i32
     lib.tandem_q8_mm.argtypes = [p, p, p, i64, i64, i64, p, i32]
     lib.tandem_q8_mm.restype = i32
+    lib.tandem_argmax_rows.argtypes = [p, i64, i64, p, i32]
+    lib.tandem_argmax_rows.restype = i32
     lib.tandem_set_amx.argtypes = [i32]
     lib.tandem_set_amx.restype = i32
     if os.environ.get("TANDEM_NATIVE_AMX", "1") == "0":

@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tandem.kernels import int4_native
+
 
 def apply_penalties(
     logits: torch.Tensor,  # [B, V]
@@ -81,6 +83,22 @@ def filter_logits(
     remove[:, 0] = False  # always keep the most likely token
     sorted_logits = sorted_logits.masked_fill(remove, neg_inf)
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
+    """`logits.argmax(dim=-1)`, the same answers (the first largest value; a row's first NaN where
+    it has one), read on every thread by the native library where it runs (CPU, float32): torch's
+    reads a step's logits on one thread."""
+    lib = int4_native.load() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if lib is None or logits.dim() != 2 or logits.shape[1] == 0:
+        return logits.argmax(dim=-1)
+    rows = logits.contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    if lib.tandem_argmax_rows(
+        rows.data_ptr(), rows.shape[0], rows.shape[1], out.data_ptr(), torch.get_num_threads()
+    ):
+        raise MemoryError(f"native argmax could not allocate scratch for {rows.shape[0]} rows")
+    return out
 
 
 def sample_rows(

@@ -18,6 +18,7 @@ from tandem.kernels.sampling import (
     apply_penalties,
     apply_repetition_penalty,
     filter_logits,
+    greedy_tokens,
     sample_rows,
     top_logprobs,
     verify_drafts,
@@ -144,7 +145,7 @@ class Sampler:
         raw_logits = logits
         logits, drafts, draft_probs = self.masks.constrain_drafts(logits, item, draft_probs)
         if params.greedy:
-            targets = logits.argmax(dim=-1).tolist()  # [k + 1]
+            targets = greedy_tokens(logits).tolist()  # [k + 1]
             num_accepted = 0
             while num_accepted < len(drafts) and drafts[num_accepted] == targets[num_accepted]:
                 num_accepted += 1
@@ -177,7 +178,7 @@ class Sampler:
         raw_logits = logits
         logits = self._penalised(self.masks.constrain_rows(logits, items), items)
         params = [item.sampling_params for item in items]
-        chosen = logits.argmax(dim=-1)  # [B]
+        chosen = greedy_tokens(logits)  # [B]
         random_rows = [row for row, p in enumerate(params) if not p.greedy]
         if random_rows:
             rows = torch.tensor(random_rows, dtype=torch.int64, device=logits.device)

@@ -14,12 +14,16 @@
  *   on the tile unit from 12 rows of a 16-row block and with AVX512-VNNI below, the same bits.
  * Either way a row's result never depends on the rows around it (batch invariance holds).
  *
- * Tiles (one configuration per thread, loaded inside each parallel region and released at its end):
- *   tmm0, tmm1  C: 16 rows x 16 int32 (the high and the low byte's dot products), first block
+ * Tiles (one configuration per thread, loaded inside each parallel region and released at its end),
+ * for one block of 16 outputs at a time:
+ *   tmm0, tmm1  C: 16 rows x 16 int32, the high and the low byte's dot products of an even run
  *   tmm2, tmm3  A: 16 activation rows x 32 bytes (one run; high bytes signed, low bytes unsigned)
- *   tmm4, tmm5  B: 8 rows x 64 bytes, one run of 16 outputs' codes in the tile unit's 4-byte
- *               groups, B[j][4n + i] = code[n][4j + i], for the first and the second block
- *   tmm6, tmm7  C of the second block of 16 outputs */
+ *   tmm4        B: 8 rows x 64 bytes, one run of 16 outputs' codes in the tile unit's 4-byte
+ *               groups, B[j][4n + i] = code[n][4j + i]
+ *   tmm6, tmm7  C of an odd run: the tile unit computes run r + 1 while run r's C tiles are stored
+ *               and scaled (two blocks sharing the A tiles, with one C pair each, were slower:
+ *               each run's stores then waited for the next run's products)
+ *   tmm5        unused */
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #define TANDEM_HAVE_AMX 1
 #include <omp.h>
@@ -58,13 +62,11 @@ static inline void amx_store_row(float *dst, const float row[16], int64_t width)
     _mm512_mask_storeu_ps(dst, (__mmask16)((1u << width) - 1), _mm512_loadu_ps(row));
 }
 
-/* Rows 0..mb-1 of nb (1 or 2) blocks of 16 outputs from block b into y [., N] (row stride N; the
- * last block may be partial). */
-static inline void amx_store_blocks(float out[2][16][16], int64_t nb, int64_t mb, float *y, int64_t N, int64_t b) {
-    for (int64_t i = 0; i < nb; i++) {
-        const int64_t width = N - 16 * (b + i) < 16 ? N - 16 * (b + i) : 16;
-        for (int64_t m = 0; m < mb; m++) amx_store_row(y + m * N + 16 * (b + i), out[i][m], width);
-    }
+/* Rows 0..mb-1 of block b's 16 outputs into y [., N] (row stride N; the last block may be
+ * partial). */
+static inline void amx_store_block(float out[16][16], int64_t mb, float *y, int64_t N, int64_t b) {
+    const int64_t width = N - 16 * b < 16 ? N - 16 * b : 16;
+    for (int64_t m = 0; m < mb; m++) amx_store_row(y + m * N + 16 * b, out[m], width);
 }
 
 /* xq [M, K] int16 -> hi, lo [Mp, K] bytes (Mp = M rounded up to 16; padding rows zero). */
@@ -90,69 +92,79 @@ static void amx_q8_b_tiles(const int8_t *wb, int64_t runs, int8_t *tiles) {
         _mm512_storeu_si512(tiles + 64 * i, _mm512_permutexvar_epi16(spread, _mm512_loadu_si512(wb + 64 * i)));
 }
 
-/* The tile unit's work for run r of 16 activation rows and nb (1 or 2) blocks of 16 outputs: the
- * high and low bytes' dot products with each block's B tiles, stored to d[2 * block + (0 hi, 1 lo)].
- * signed_codes: Q8_0's codes are signed (TDPBSSD / TDPBUSD), GGUF 4-bit codes unsigned (TDPBSUD /
- * TDPBUUD). */
-static inline void amx_tile_run(int signed_codes, int nb, const int8_t *tiles, int64_t tiles_stride,
-                                const int8_t *hi, const uint8_t *lo, int64_t K, int64_t r, int32_t d[4][16][16]) {
+/* Run r of 16 activation rows and one block of 16 outputs: the high and low bytes' dot products
+ * with the block's B tiles, into tmm0 / tmm1 (r even) or tmm6 / tmm7 (r odd), so that the tile unit
+ * works on run r + 1 while run r's are stored and scaled. signed_codes: Q8_0's codes are signed
+ * (TDPBSSD / TDPBUSD), GGUF 4-bit codes unsigned (TDPBSUD / TDPBUUD). */
+static inline void amx_issue_run(int signed_codes, int odd, const int8_t *tiles, const int8_t *hi,
+                                 const uint8_t *lo, int64_t K, int64_t r) {
     _tile_loadd(2, hi + 32 * r, K);
     _tile_loadd(3, lo + 32 * r, K);
     _tile_loadd(4, tiles + 512 * r, 64);
-    _tile_zero(0);
-    _tile_zero(1);
-    if (signed_codes) {
-        _tile_dpbssd(0, 2, 4);
-        _tile_dpbusd(1, 3, 4);
-    } else {
-        _tile_dpbsud(0, 2, 4);
-        _tile_dpbuud(1, 3, 4);
-    }
-    if (nb == 2) {
-        _tile_loadd(5, tiles + tiles_stride + 512 * r, 64);
+    if (odd) {
         _tile_zero(6);
         _tile_zero(7);
         if (signed_codes) {
-            _tile_dpbssd(6, 2, 5);
-            _tile_dpbusd(7, 3, 5);
+            _tile_dpbssd(6, 2, 4);
+            _tile_dpbusd(7, 3, 4);
         } else {
-            _tile_dpbsud(6, 2, 5);
-            _tile_dpbuud(7, 3, 5);
+            _tile_dpbsud(6, 2, 4);
+            _tile_dpbuud(7, 3, 4);
         }
-        _tile_stored(6, d[2], 64);
-        _tile_stored(7, d[3], 64);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (signed_codes) {
+            _tile_dpbssd(0, 2, 4);
+            _tile_dpbusd(1, 3, 4);
+        } else {
+            _tile_dpbsud(0, 2, 4);
+            _tile_dpbuud(1, 3, 4);
+        }
     }
-    _tile_stored(0, d[0], 64);
-    _tile_stored(1, d[1], 64);
 }
 
-/* 16 activation rows from m0 (mb of them real) and nb (1 or 2) blocks of 16 outputs, every run in
- * order, with tandem_q8_mm's arithmetic: acc = fma((float)d_r, ws * xs, acc), d_r = 256 * hi + lo
- * dot. Two blocks share the A tiles; the tile unit's run r + 1 is issued before run r's float32
- * work, into the other of two buffers. */
-static void amx_q8_block(int nb, const int8_t *tiles, int64_t tiles_stride, const float *sb, int64_t sb_stride,
-                         const int8_t *hi, const uint8_t *lo, const float *xscale, int64_t mb, int64_t K,
-                         int64_t runs, float out[2][16][16]) {
-    __m512 acc[2][16];
-    for (int b = 0; b < 2; b++)
-        for (int m = 0; m < 16; m++) acc[b][m] = _mm512_setzero_ps();
-    int32_t dots[2][4][16][16];
-    amx_tile_run(1, nb, tiles, tiles_stride, hi, lo, K, 0, dots[0]);
+/* amx_issue_run's dot products of run r into d[0] (high) and d[1] (low): run r + 1's are issued
+ * first. */
+static inline void amx_store_run(int odd, int32_t d[2][16][16]) {
+    if (odd) {
+        _tile_stored(6, d[0], 64);
+        _tile_stored(7, d[1], 64);
+    } else {
+        _tile_stored(0, d[0], 64);
+        _tile_stored(1, d[1], 64);
+    }
+}
+
+/* 16 activation rows from m0 (mb of them real) and one block of 16 outputs, every run in order,
+ * with tandem_q8_mm's arithmetic: acc = fma((float)d_r, ws * xs, acc), d_r = 256 * hi + lo dot.
+ * Inlined twice: with mb = 16 known, the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void amx_q8_block_rows(const int8_t *tiles, const float *sb,
+                                                                    const int8_t *hi, const uint8_t *lo,
+                                                                    const float *xscale, int64_t mb, int64_t K,
+                                                                    int64_t runs, float out[16][16]) {
+    __m512 acc[16];
+    for (int m = 0; m < 16; m++) acc[m] = _mm512_setzero_ps();
+    int32_t d[2][16][16];
+    amx_issue_run(1, 0, tiles, hi, lo, K, 0);
     for (int64_t r = 0; r < runs; r++) {
-        if (r + 1 < runs) amx_tile_run(1, nb, tiles, tiles_stride, hi, lo, K, r + 1, dots[(r + 1) & 1]);
-        int32_t(*d)[16][16] = dots[r & 1];
-        for (int b = 0; b < nb; b++) {
-            const __m512 ws = _mm512_loadu_ps(sb + b * sb_stride + 16 * r);
-            for (int64_t m = 0; m < mb; m++) {
-                const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(d[2 * b][m]), 8),
-                                                     _mm512_loadu_si512(d[2 * b + 1][m]));
-                acc[b][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                            _mm512_mul_ps(ws, _mm512_set1_ps(xscale[m * runs + r])), acc[b][m]);
-            }
+        if (r + 1 < runs) amx_issue_run(1, (int)((r + 1) & 1), tiles, hi, lo, K, r + 1);
+        amx_store_run((int)(r & 1), d);
+        const __m512 ws = _mm512_loadu_ps(sb + 16 * r);
+        for (int64_t m = 0; m < mb; m++) {
+            const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(d[0][m]), 8),
+                                                 _mm512_loadu_si512(d[1][m]));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                     _mm512_mul_ps(ws, _mm512_set1_ps(xscale[m * runs + r])), acc[m]);
         }
     }
-    for (int b = 0; b < nb; b++)
-        for (int64_t m = 0; m < mb; m++) _mm512_storeu_ps(out[b][m], acc[b][m]);
+    for (int64_t m = 0; m < mb; m++) _mm512_storeu_ps(out[m], acc[m]);
+}
+
+static void amx_q8_block(const int8_t *tiles, const float *sb, const int8_t *hi, const uint8_t *lo,
+                         const float *xscale, int64_t mb, int64_t K, int64_t runs, float out[16][16]) {
+    if (mb == 16) amx_q8_block_rows(tiles, sb, hi, lo, xscale, 16, K, runs, out);
+    else amx_q8_block_rows(tiles, sb, hi, lo, xscale, mb, K, runs, out);
 }
 
 /* tandem_q8_mm's AMX path (same inputs and result); xq, xscale as round_activations gives them.
@@ -162,7 +174,7 @@ static int amx_q8_mm(const int16_t *xq, const float *xscale, const int8_t *codes
     const int64_t runs = K / 32, blocks = (N + 15) / 16, Mp = (M + 15) / 16 * 16;
     int8_t *hi = malloc((size_t)(Mp * K));
     uint8_t *lo = malloc((size_t)(Mp * K));
-    int8_t *tiles = malloc((size_t)(num_threads * K * 32));
+    int8_t *tiles = malloc((size_t)(num_threads * K * 16));
     if (!hi || !lo || !tiles) {
         free(hi); free(lo); free(tiles);
         return -1;
@@ -171,17 +183,16 @@ static int amx_q8_mm(const int16_t *xq, const float *xscale, const int8_t *codes
 #pragma omp parallel num_threads(num_threads)
     {
         amx_configure();
-        int8_t *own = tiles + omp_get_thread_num() * K * 32;
+        int8_t *own = tiles + omp_get_thread_num() * K * 16;
 #pragma omp for schedule(static)
-        for (int64_t pair = 0; pair < (blocks + 1) / 2; pair++) {
-            const int64_t b = 2 * pair, nb = blocks - b < 2 ? 1 : 2;
-            for (int64_t i = 0; i < nb; i++) amx_q8_b_tiles(codes_il + (b + i) * K * 16, runs, own + i * K * 16);
+        for (int64_t b = 0; b < blocks; b++) {
+            amx_q8_b_tiles(codes_il + b * K * 16, runs, own);
             for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
-                float out[2][16][16];
+                float out[16][16];
                 const int64_t mb = M - m0 < 16 ? M - m0 : 16;
-                amx_q8_block((int)nb, own, K * 16, scales_il + b * runs * 16, runs * 16, hi + m0 * K, lo + m0 * K,
-                             xscale + m0 * runs, mb, K, runs, out);
-                amx_store_blocks(out, nb, mb, y + m0 * N, N, b);
+                amx_q8_block(own, scales_il + b * runs * 16, hi + m0 * K, lo + m0 * K, xscale + m0 * runs, mb, K,
+                             runs, out);
+                amx_store_block(out, mb, y + m0 * N, N, b);
             }
         }
         _tile_release();
@@ -259,38 +270,41 @@ static void amx_int4_params(const void *params, const uint16_t *superblock_scale
     }
 }
 
-/* 16 activation rows (mb real) and nb (1 or 2) blocks of 16 outputs (block i: B tiles at
- * tiles + i * tiles_stride, parameters at scales / offsets + i * params_stride): the arithmetic
- * above. Two blocks share the A tiles; the dot products alternate between two buffers so that the
- * tile unit's next run need not wait for this run's float32 work. */
-static void amx_int4_block(int nb, const uint8_t *tiles, int64_t tiles_stride, const float *scales,
-                           const float *offsets, int64_t params_stride, const int8_t *hi, const uint8_t *lo,
-                           const float *xscale, const float *xsum, int64_t mb, int64_t K, int64_t runs,
-                           float out[2][16][16]) {
-    __m512 acc[2][16], bias[2][16];
-    for (int b = 0; b < 2; b++)
-        for (int m = 0; m < 16; m++) acc[b][m] = bias[b][m] = _mm512_setzero_ps();
-    int32_t dots[2][4][16][16];
-    amx_tile_run(0, nb, (const int8_t *)tiles, tiles_stride, hi, lo, K, 0, dots[0]);
+/* 16 activation rows (mb real) and one block of 16 outputs (its B tiles, scales [runs][16] and
+ * offsets [runs][16]): the arithmetic above, the bias first (no tile work), then the dot products.
+ * Inlined twice: with mb = 16 known, the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void amx_int4_block_rows(
+    const uint8_t *tiles, const float *scales, const float *offsets, const int8_t *hi, const uint8_t *lo,
+    const float *xscale, const float *xsum, int64_t mb, int64_t K, int64_t runs, float out[16][16]) {
+    __m512 acc[16];
+    for (int m = 0; m < 16; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t r = 0; r < runs; r++) {
-        /* the tile unit's run r + 1 is issued before run r's float32 work, which then finds its
-         * dot products stored */
-        if (r + 1 < runs) amx_tile_run(0, nb, (const int8_t *)tiles, tiles_stride, hi, lo, K, r + 1, dots[(r + 1) & 1]);
-        int32_t(*d)[16][16] = dots[r & 1];
-        for (int b = 0; b < nb; b++) {
-            const __m512 ws = _mm512_loadu_ps(scales + b * params_stride + 16 * r);
-            const __m512 wo = _mm512_loadu_ps(offsets + b * params_stride + 16 * r);
-            for (int64_t m = 0; m < mb; m++) {
-                const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(d[2 * b][m]), 8),
-                                                     _mm512_loadu_si512(d[2 * b + 1][m]));
-                acc[b][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                            _mm512_mul_ps(ws, _mm512_set1_ps(xscale[m * runs + r])), acc[b][m]);
-                bias[b][m] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xsum[m * runs + r]), bias[b][m]);
-            }
+        const __m512 wo = _mm512_loadu_ps(offsets + 16 * r);
+        for (int64_t m = 0; m < mb; m++) acc[m] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xsum[m * runs + r]), acc[m]);
+    }
+    for (int64_t m = 0; m < mb; m++) _mm512_storeu_ps(out[m], acc[m]);
+    for (int m = 0; m < 16; m++) acc[m] = _mm512_setzero_ps();
+    int32_t d[2][16][16];
+    amx_issue_run(0, 0, (const int8_t *)tiles, hi, lo, K, 0);
+    for (int64_t r = 0; r < runs; r++) {
+        if (r + 1 < runs) amx_issue_run(0, (int)((r + 1) & 1), (const int8_t *)tiles, hi, lo, K, r + 1);
+        amx_store_run((int)(r & 1), d);
+        const __m512 ws = _mm512_loadu_ps(scales + 16 * r);
+        for (int64_t m = 0; m < mb; m++) {
+            const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(d[0][m]), 8),
+                                                 _mm512_loadu_si512(d[1][m]));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                     _mm512_mul_ps(ws, _mm512_set1_ps(xscale[m * runs + r])), acc[m]);
         }
     }
-    for (int b = 0; b < nb; b++)
-        for (int64_t m = 0; m < mb; m++) _mm512_storeu_ps(out[b][m], _mm512_add_ps(acc[b][m], bias[b][m]));
+    for (int64_t m = 0; m < mb; m++) _mm512_storeu_ps(out[m], _mm512_add_ps(acc[m], _mm512_loadu_ps(out[m])));
+}
+
+static void amx_int4_block(const uint8_t *tiles, const float *scales, const float *offsets, const int8_t *hi,
+                           const uint8_t *lo, const float *xscale, const float *xsum, int64_t mb, int64_t K,
+                           int64_t runs, float out[16][16]) {
+    if (mb == 16) amx_int4_block_rows(tiles, scales, offsets, hi, lo, xscale, xsum, 16, K, runs, out);
+    else amx_int4_block_rows(tiles, scales, offsets, hi, lo, xscale, xsum, mb, K, runs, out);
 }
 
 /* Fewest rows of a 16-row block that go through the tile unit (fewer: vnni_int4_rows). */
@@ -345,8 +359,8 @@ static int amx_int4_mm(const int16_t *xq, const float *xscale, const float *xsum
                        const void *params, const uint16_t *superblock_scales, int64_t groups_per_superblock,
                        int64_t M, int64_t N, int64_t K, float *y, int num_threads) {
     const int64_t runs = K / 32, blocks = (N + 15) / 16, Mp = (M + 15) / 16 * 16;
-    /* 4-byte words a thread holds for each of its two blocks: B tiles and params */
-    const int64_t per_block = 4 * K + 2 * 16 * runs, per_thread = 2 * per_block;
+    /* 4-byte words a thread holds for its block of 16 outputs: B tiles and params */
+    const int64_t per_thread = 4 * K + 2 * 16 * runs;
     int8_t *hi = malloc((size_t)(Mp * K));
     uint8_t *lo = malloc((size_t)(Mp * K));
     float *scratch = malloc(sizeof(float) * (size_t)(num_threads * per_thread));
@@ -360,33 +374,21 @@ static int amx_int4_mm(const int16_t *xq, const float *xscale, const float *xsum
         amx_configure();
         float *own = scratch + omp_get_thread_num() * per_thread;
         const uint8_t *tiles = (const uint8_t *)own;
-        const float *scales = own + 4 * K, *offsets = scales + 16 * runs;
-        /* Decode-sized calls (every row through VNNI) take one block at a time, whose B tiles stay
-         * in L1; larger ones pairs of blocks (amx_int4_block). */
-        const int64_t step = M < AMX_INT4_MIN_ROWS ? 1 : 2;
+        float *scales = own + 4 * K, *offsets = scales + 16 * runs;
 #pragma omp for schedule(static)
-        for (int64_t group = 0; group < (blocks + step - 1) / step; group++) {
-            const int64_t b = step * group, nb = blocks - b < step ? blocks - b : step;
-            for (int64_t i = 0; i < nb; i++) {
-                float *block = own + i * per_block, *block_scales = block + 4 * K;
-                if (M >= AMX_INT4_MIN_ROWS) amx_int4_b_tiles(packed, 16 * (b + i), N, K, runs, (uint8_t *)block);
-                amx_int4_params(params, superblock_scales, groups_per_superblock, 16 * (b + i), N, runs, block_scales,
-                                block_scales + 16 * runs);
-            }
+        for (int64_t b = 0; b < blocks; b++) {
+            if (M >= AMX_INT4_MIN_ROWS) amx_int4_b_tiles(packed, 16 * b, N, K, runs, (uint8_t *)own);
+            amx_int4_params(params, superblock_scales, groups_per_superblock, 16 * b, N, runs, scales, offsets);
             for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
-                float out[2][16][16];
+                float out[16][16];
                 const int64_t mb = M - m0 < 16 ? M - m0 : 16;
-                if (mb < AMX_INT4_MIN_ROWS) {
-                    for (int64_t i = 0; i < nb; i++) {
-                        const float *block_scales = own + i * per_block + 4 * K;
-                        vnni_int4_rows(packed, 16 * (b + i), N, block_scales, block_scales + 16 * runs, hi + m0 * K,
-                                       lo + m0 * K, xscale + m0 * runs, xsum + m0 * runs, mb, K, runs, out[i]);
-                    }
-                } else {
-                    amx_int4_block((int)nb, tiles, 4 * per_block, scales, offsets, per_block, hi + m0 * K,
-                                   lo + m0 * K, xscale + m0 * runs, xsum + m0 * runs, mb, K, runs, out);
-                }
-                amx_store_blocks(out, nb, mb, y + m0 * N, N, b);
+                if (mb < AMX_INT4_MIN_ROWS)
+                    vnni_int4_rows(packed, 16 * b, N, scales, offsets, hi + m0 * K, lo + m0 * K, xscale + m0 * runs,
+                                   xsum + m0 * runs, mb, K, runs, out);
+                else
+                    amx_int4_block(tiles, scales, offsets, hi + m0 * K, lo + m0 * K, xscale + m0 * runs,
+                                   xsum + m0 * runs, mb, K, runs, out);
+                amx_store_block(out, mb, y + m0 * N, N, b);
             }
         }
         _tile_release();
