@@ -12,6 +12,7 @@ from tandem.kernels.sampling import (
     apply_token_bitmask_,
     apply_token_bitmask_reference,
     filter_logits,
+    finite_rows,
     greedy_tokens,
     sample_rows,
 )
@@ -125,6 +126,21 @@ def test_greedy_tokens_answer_as_torch_argmax(num_rows: int, vocab: int) -> None
     cases.append(late)
     for logits in cases:
         assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+
+
+def test_finite_rows_flag_what_a_sum_flags() -> None:
+    """A row with a NaN, an infinity or a sum past float32's range is not finite; others are."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(8, 262_144, generator=g)
+    logits[1, 7] = float("nan")
+    logits[2, 262_143] = float("inf")  # the last element
+    logits[3, 100_000] = float("-inf")
+    logits[4, :] = 3e33  # every value finite, the sum not
+    logits[5, :5] = float("nan")  # fewer values than a vector: the tail
+    expected = torch.isfinite(logits.sum(dim=-1)).tolist()
+    assert expected == [True, False, False, False, False, False, True, True]
+    assert finite_rows(logits) == expected
+    assert finite_rows(logits[:, :13]) == torch.isfinite(logits[:, :13].sum(dim=-1)).tolist()
 
 
 def test_seeded_sampling_is_reproducible_and_follows_the_distribution() -> None:

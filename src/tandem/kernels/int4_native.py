@@ -53,7 +53,7 @@ SOURCE = CSRC / "decoder_cpu.c"  # includes int4_cpu.c: one library with both
 SOURCES = (
     CSRC / "int4_cpu.c",
     CSRC / "amx_cpu.c",
-    CSRC / "argmax_cpu.c",
+    CSRC / "logits_cpu.c",
     SOURCE,
 )  # what the build's cache key covers
 MODE_F16_PARAMS = 0  # params: float16 [N, G, 2] (scale, zero)
@@ -131,6 +131,8 @@ def load() -> ctypes.CDLL | None:
     lib.tandem_q8_mm.restype = i32
     lib.tandem_argmax_rows.argtypes = [p, i64, i64, p, i32]
     lib.tandem_argmax_rows.restype = i32
+    lib.tandem_finite_rows.argtypes = [p, i64, i64, p, i32]
+    lib.tandem_finite_rows.restype = None
     lib.tandem_set_amx.argtypes = [i32]
     lib.tandem_set_amx.restype = i32
     if os.environ.get("TANDEM_NATIVE_AMX", "1") == "0":

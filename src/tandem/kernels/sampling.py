@@ -101,6 +101,21 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
     return out
 
 
+def finite_rows(logits: torch.Tensor) -> list[bool]:  # [R, V] -> R flags
+    """Whether each row's sum is finite (False where the row holds a NaN or an infinity, or its sum
+    overflows): `torch.isfinite(logits.sum(dim=-1)).tolist()` up to the order of the sum, read on
+    every thread by the native library where it runs (CPU, float32)."""
+    lib = int4_native.load() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if lib is None or logits.dim() != 2:
+        return torch.isfinite(logits.sum(dim=-1)).tolist()
+    rows = logits.contiguous()
+    flags = torch.empty(rows.shape[0], dtype=torch.uint8)
+    lib.tandem_finite_rows(
+        rows.data_ptr(), rows.shape[0], rows.shape[1], flags.data_ptr(), torch.get_num_threads()
+    )
+    return [bool(flag) for flag in flags.tolist()]
+
+
 def sample_rows(
     probs: torch.Tensor,  # [B, V]
     generators: list[torch.Generator | None],  # per row; None uses the default generator

@@ -18,6 +18,7 @@ from tandem.kernels.sampling import (
     apply_penalties,
     apply_repetition_penalty,
     filter_logits,
+    finite_rows,
     greedy_tokens,
     sample_rows,
     top_logprobs,
@@ -84,13 +85,13 @@ class Sampler:
             return RunnerResult({})
         # A row with a NaN or an infinity sums to one (so does one whose sum overflows: logits
         # near 1e34, as broken); one reduction instead of isfinite() over every logit.
-        finite_rows = torch.isfinite(logits.sum(dim=-1)).tolist()  # [R]
+        row_is_finite = finite_rows(logits)  # [R]
         starts, failed = [], {}
         row = 0
         for item in items:
             starts.append(row)
             span = 1 + item.num_draft_tokens
-            if not all(finite_rows[row : row + span]):
+            if not all(row_is_finite[row : row + span]):
                 failed[item.request_id] = NON_FINITE_LOGITS
             row += span
         if failed:

@@ -27,7 +27,7 @@
  * one decode row each; TandemHeadPaging), as head_attention.head_paged_attention attends.
  */
 #include "int4_cpu.c"
-#include "argmax_cpu.c"
+#include "logits_cpu.c"
 
 typedef struct {
     const uint8_t *packed;             /* [N, K/2] pack_rows layout */

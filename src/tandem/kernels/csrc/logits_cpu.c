@@ -1,10 +1,13 @@
-/* Greedy sampling's argmax over a batch of logit rows (tandem/kernels/sampling.py, greedy_tokens),
- * on every thread: torch.argmax(dim=-1) reads a step's [rows, vocabulary] logits on one thread
- * (at a 262k-token vocabulary and 32 rows, about an eighth of a decode step). Included by
- * decoder_cpu.c.
+/* The sampler's passes over a step's logits [rows, vocabulary] (tandem/kernels/sampling.py), on
+ * every thread: torch reads them on one (at a 262k-token vocabulary and 32 rows, its argmax was
+ * about an eighth of a decode step). Included by decoder_cpu.c.
  *
- * Contract, torch.argmax's: each row's answer is the first index of its largest value, or of its
- * first NaN where it has one (NaN counts as the largest); a row of -inf answers 0. */
+ * tandem_argmax_rows, torch.argmax(dim=-1)'s contract: each row's answer is the first index of its
+ * largest value, or of its first NaN where it has one (NaN counts as the largest); a row of -inf
+ * answers 0.
+ * tandem_finite_rows: whether each row's float32 sum is finite (false where the row holds a NaN or
+ * an infinity, or its sum overflows), as torch.isfinite(x.sum(dim=-1)) answers up to the order of
+ * the sum. */
 #include <math.h>
 
 /* Smallest span a thread takes within one row (fewer rows than threads) */
@@ -89,4 +92,27 @@ int tandem_argmax_rows(const float *x, int64_t M, int64_t N, int64_t *out, int n
     }
     free(parts);
     return 0;
+}
+
+/* x [M, N] float32 -> finite [M] (1 or 0), the contract above: 16 partial sums per row, then their
+ * total (a NaN or an infinity propagates; a partial sum that overflows counts as an overflow
+ * whatever the rest: logits that large are broken in any order). */
+void tandem_finite_rows(const float *x, int64_t M, int64_t N, uint8_t *finite, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * N >= 2 * ARGMAX_MIN_SPAN)
+    for (int64_t row = 0; row < M; row++) {
+        const float *r = x + row * N;
+        __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 16 <= N; i += 16) {
+            sum0 = _mm256_add_ps(sum0, _mm256_loadu_ps(r + i));
+            sum1 = _mm256_add_ps(sum1, _mm256_loadu_ps(r + i + 8));
+        }
+        float parts[16], total = 0.0f;
+        _mm256_storeu_ps(parts, sum0);
+        _mm256_storeu_ps(parts + 8, sum1);
+        int ok = 1;
+        for (int lane = 0; lane < 16; lane++) ok &= isfinite(parts[lane]) != 0, total += parts[lane];
+        for (; i < N; i++) total += r[i];
+        finite[row] = (uint8_t)(ok && isfinite(total));
+    }
 }
