@@ -477,17 +477,18 @@ def amx() -> Iterator[None]:
 
 
 def test_int8_kernel_on_amx_gives_the_vector_kernels_bits(amx: None) -> None:
-    """`tandem_q8_mm`'s AMX path (each whole 16-row tile) computes each run's integer dot product on the
-    tile unit from the int16 activations' high and low bytes: the same integers, so the same bits
-    as the vector kernel at every call size, with the rows past the last whole tile on the vector
-    kernel and partial 16-output blocks (the choice may depend on the call's size without breaking
-    batch invariance)."""
+    """`tandem_q8_mm`'s AMX path computes each run's integer dot product on the tile unit from the
+    int16 activations' high and low bytes: the same integers, so the same bits as the vector kernel
+    at every call size, whatever rows go to which (whole 16-row tiles, a padded last tile from 6
+    rows, or from 1 where the weight passes 4 MB, the rest on the vector kernel) and with partial
+    16-output blocks (the choice may depend on the call's size without breaking batch
+    invariance)."""
     from tandem.kernels.int8 import interleave_outputs, quantize_int8
 
     g = torch.Generator().manual_seed(5)
-    for rows, cols in ((40, 320), (1000, 640)):
+    for rows, cols in ((40, 320), (1000, 640), (7000, 640)):  # the last one past 4 MB of codes
         codes_il, scales_il = interleave_outputs(quantize_int8(torch.randn(rows, cols, generator=g)))
-        for num_tokens in (1, 8, 9, 16, 33, 130):
+        for num_tokens in (1, 3, 4, 5, 8, 9, 16, 17, 22, 33, 130):
             x = torch.randn(num_tokens, cols, generator=g) * 4
             x[0, :32] = 0.0  # a run of zeros (step 0) and a run with one value far above the rest
             x[-1, 32:64] = torch.linspace(-1e-3, 1e-3, 32)

@@ -167,6 +167,21 @@ static void amx_q8_block(const int8_t *tiles, const float *sb, const int8_t *hi,
     else amx_q8_block_rows(tiles, sb, hi, lo, xscale, mb, K, runs, out);
 }
 
+/* How many of a call's M rows go through the tile unit (the first ones; the rest through the
+ * vector kernel, whose bits are the same): whole 16-row blocks, and a last partial block from
+ * AMX_Q8_MIN_ROWS rows (a padded tile costs more than the vector kernel's few rows), or from one
+ * row where the weight is larger than AMX_Q8_ONE_PASS_BYTES (the vector kernel's second pass would
+ * read it from memory again), in calls of at least AMX_Q8_MIN_CALL_ROWS. Measured on Gemma 3's
+ * shapes, docs/performance.md. */
+#define AMX_Q8_MIN_ROWS 6
+#define AMX_Q8_MIN_CALL_ROWS 4
+#define AMX_Q8_ONE_PASS_BYTES ((int64_t)4 << 20)
+static int64_t amx_q8_tiled_rows(int64_t M, int64_t N, int64_t K) {
+    if (M < AMX_Q8_MIN_CALL_ROWS) return 0;
+    const int64_t rest = M % 16, min_rest = N * K > AMX_Q8_ONE_PASS_BYTES ? 1 : AMX_Q8_MIN_ROWS;
+    return rest >= min_rest ? M : M - rest;
+}
+
 /* tandem_q8_mm's AMX path (same inputs and result); xq, xscale as round_activations gives them.
  * Returns 0, -1 when scratch cannot be allocated. */
 static int amx_q8_mm(const int16_t *xq, const float *xscale, const int8_t *codes_il, const float *scales_il,
@@ -400,6 +415,23 @@ static int amx_int4_mm(const int16_t *xq, const float *xscale, const float *xsum
 #define TANDEM_HAVE_AMX 0
 static int amx_usable(void) { return 0; }
 static int amx_state = 0;
+/* Never called where amx_usable() is 0: declared so that every build sees the same calls. */
+static int64_t amx_q8_tiled_rows(int64_t M, int64_t N, int64_t K) {
+    (void)M, (void)N, (void)K;
+    return 0;
+}
+static int amx_q8_mm(const int16_t *xq, const float *xscale, const int8_t *codes_il, const float *scales_il,
+                     int64_t M, int64_t N, int64_t K, float *y, int num_threads) {
+    (void)xq, (void)xscale, (void)codes_il, (void)scales_il, (void)M, (void)N, (void)K, (void)y, (void)num_threads;
+    return -2;
+}
+static int amx_int4_mm(const int16_t *xq, const float *xscale, const float *xsum, const uint8_t *packed,
+                       const void *params, const uint16_t *superblock_scales, int64_t groups_per_superblock,
+                       int64_t M, int64_t N, int64_t K, float *y, int num_threads) {
+    (void)xq, (void)xscale, (void)xsum, (void)packed, (void)params, (void)superblock_scales;
+    (void)groups_per_superblock, (void)M, (void)N, (void)K, (void)y, (void)num_threads;
+    return -2;
+}
 #endif
 
 /* Turn the AMX paths off (0) or back on where the CPU and Linux allow them (1); returns whether

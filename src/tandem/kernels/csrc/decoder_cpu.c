@@ -669,9 +669,8 @@ int tandem_q8_mm(const float *x, const int8_t *codes_il, const float *scales_il,
         return -1;
     }
     round_activations(x, M, K, 32, xq, xscale, NULL, num_threads);
-    /* whole 16-row tiles on the tile unit where it runs, the rest with the vector kernel: the same
-     * bits either way */
-    const int64_t tiled = amx_usable() ? M / 16 * 16 : 0;
+    /* on the tile unit where it runs, the rest with the vector kernel: the same bits either way */
+    const int64_t tiled = amx_usable() ? amx_q8_tiled_rows(M, N, K) : 0;
     int status = 0;
     if (tiled > 0) status = amx_q8_mm(xq, xscale, codes_il, scales_il, tiled, N, K, y, num_threads);
     if (status == 0 && tiled < M) q8_vector_rows(xq, xscale, codes_il, scales_il, tiled, M, N, K, y, num_threads);
