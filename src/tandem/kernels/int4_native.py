@@ -118,6 +118,14 @@ def load() -> ctypes.CDLL | None:
         _unavailable.append(str(error))
         log.warning("native INT4 kernel unavailable, using torch's int4 kernel: %s", error)
         return None
+    _declare(lib)
+    if os.environ.get("TANDEM_NATIVE_AMX", "1") == "0":
+        lib.tandem_set_amx(0)
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """The exported functions' C signatures, for ctypes."""
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.tandem_int4_mm.argtypes = [p, p, i32, p, p, i64, i64, i64, i64, i64, p, i32]
     lib.tandem_int4_mm.restype = i32
@@ -135,8 +143,6 @@ def load() -> ctypes.CDLL | None:
     lib.tandem_finite_rows.restype = None
     lib.tandem_set_amx.argtypes = [i32]
     lib.tandem_set_amx.restype = i32
-    if os.environ.get("TANDEM_NATIVE_AMX", "1") == "0":
-        lib.tandem_set_amx(0)
     f32 = ctypes.c_float
     lib.tandem_paged_attention.argtypes = [
         p,
@@ -160,7 +166,6 @@ def load() -> ctypes.CDLL | None:
         i32,
     ]
     lib.tandem_paged_attention.restype = None
-    return lib
 
 
 def pack_rows(q: torch.Tensor) -> torch.Tensor:
