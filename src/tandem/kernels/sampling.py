@@ -6,6 +6,8 @@ All functions take a batch of rows `logits: [B, V]` (float32) and per-row parame
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
@@ -85,12 +87,19 @@ def filter_logits(
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
+def _native_for(logits: torch.Tensor) -> ctypes.CDLL | None:
+    """The native library where it can read these logits (2-D float32 on the CPU), else None."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2:
+        return None
+    return int4_native.load()
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
     """`logits.argmax(dim=-1)`, the same answers (the first largest value; a row's first NaN where
     it has one), read on every thread by the native library where it runs (CPU, float32): torch's
     reads a step's logits on one thread."""
-    lib = int4_native.load() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
-    if lib is None or logits.dim() != 2 or logits.shape[1] == 0:
+    lib = _native_for(logits)
+    if lib is None or logits.shape[1] == 0:
         return logits.argmax(dim=-1)
     rows = logits.contiguous()
     out = torch.empty(rows.shape[0], dtype=torch.int64)
@@ -105,8 +114,8 @@ def finite_rows(logits: torch.Tensor) -> list[bool]:  # [R, V] -> R flags
     """Whether each row's sum is finite (False where the row holds a NaN or an infinity, or its sum
     overflows): `torch.isfinite(logits.sum(dim=-1)).tolist()` up to the order of the sum, read on
     every thread by the native library where it runs (CPU, float32)."""
-    lib = int4_native.load() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
-    if lib is None or logits.dim() != 2:
+    lib = _native_for(logits)
+    if lib is None:
         return torch.isfinite(logits.sum(dim=-1)).tolist()
     rows = logits.contiguous()
     flags = torch.empty(rows.shape[0], dtype=torch.uint8)

@@ -92,6 +92,21 @@ static void amx_q8_b_tiles(const int8_t *wb, int64_t runs, int8_t *tiles) {
         _mm512_storeu_si512(tiles + 64 * i, _mm512_permutexvar_epi16(spread, _mm512_loadu_si512(wb + 64 * i)));
 }
 
+/* The high and low bytes' products of A (tmm2 / tmm3) with B (tmm4) into the C pair (C_HI, C_LO),
+ * zeroed first. Tile numbers are immediates: a macro, so each pair is written once. */
+#define AMX_RUN_PRODUCTS(SIGNED_CODES, C_HI, C_LO) \
+    do {                                          \
+        _tile_zero(C_HI);                         \
+        _tile_zero(C_LO);                         \
+        if (SIGNED_CODES) {                       \
+            _tile_dpbssd(C_HI, 2, 4);             \
+            _tile_dpbusd(C_LO, 3, 4);             \
+        } else {                                  \
+            _tile_dpbsud(C_HI, 2, 4);             \
+            _tile_dpbuud(C_LO, 3, 4);             \
+        }                                         \
+    } while (0)
+
 /* Run r of 16 activation rows and one block of 16 outputs: the high and low bytes' dot products
  * with the block's B tiles, into tmm0 / tmm1 (r even) or tmm6 / tmm7 (r odd), so that the tile unit
  * works on run r + 1 while run r's are stored and scaled. signed_codes: Q8_0's codes are signed
@@ -101,27 +116,10 @@ static inline void amx_issue_run(int signed_codes, int odd, const int8_t *tiles,
     _tile_loadd(2, hi + 32 * r, K);
     _tile_loadd(3, lo + 32 * r, K);
     _tile_loadd(4, tiles + 512 * r, 64);
-    if (odd) {
-        _tile_zero(6);
-        _tile_zero(7);
-        if (signed_codes) {
-            _tile_dpbssd(6, 2, 4);
-            _tile_dpbusd(7, 3, 4);
-        } else {
-            _tile_dpbsud(6, 2, 4);
-            _tile_dpbuud(7, 3, 4);
-        }
-    } else {
-        _tile_zero(0);
-        _tile_zero(1);
-        if (signed_codes) {
-            _tile_dpbssd(0, 2, 4);
-            _tile_dpbusd(1, 3, 4);
-        } else {
-            _tile_dpbsud(0, 2, 4);
-            _tile_dpbuud(1, 3, 4);
-        }
-    }
+    if (odd)
+        AMX_RUN_PRODUCTS(signed_codes, 6, 7);
+    else
+        AMX_RUN_PRODUCTS(signed_codes, 0, 1);
 }
 
 /* amx_issue_run's dot products of run r into d[0] (high) and d[1] (low): run r + 1's are issued
