@@ -18,9 +18,9 @@ soname and loads it first, so the dynamic loader binds both to one OpenMP runtim
 pool (a torch linked to another OpenMP would mean two pools on the same cores).
 
 AMX (`csrc/amx_cpu.c`): built where the build target has AMX-INT8 and used where Linux grants the
-tile state; `TANDEM_NATIVE_AMX=0` or `use_amx(False)` turns it off. Q8_0 calls put each whole
-16-row tile of rows on the tile unit with the vector kernel's exact bits (the rest of the rows go
-to the vector kernel). GGUF 4-bit blocks as stored (mode 3) then take an arithmetic of their own at
+tile state; `TANDEM_NATIVE_AMX=0` or `use_amx(False)` turns it off. Q8_0 calls of 4 rows or more
+put their whole 16-row tiles, and a padded last one from 6 rows (from 1 where the weight passes
+4 MB), on the tile unit with the vector kernel's exact bits; other rows go to the vector kernel. GGUF 4-bit blocks as stored (mode 3) then take an arithmetic of their own at
 every call size (tiles from 12 rows, AVX512-VNNI below, the same bits): a row's result still never depends on its call, but differs in its last bits from the
 vector kernel's, so a machine with AMX and one without agree only to float32 rounding on these.
 
