@@ -500,10 +500,11 @@ def test_int8_kernel_on_amx_gives_the_vector_kernels_bits(amx: None) -> None:
 
 
 def test_gguf_blocks_on_amx_keep_each_rows_bits_at_any_call_size(amx: None) -> None:
-    """GGUF 4-bit blocks as stored (mode 3) on an AMX CPU: tiles from 12 rows of a 16-row block,
-    AVX512-VNNI below, one float32 order per (row, output): a row alone, in a call of 37 or in
-    other splits has the same bits (batch invariance), and the result is the dequantised weight's
-    product to int16-activation rounding (as the vector kernel's, which it matches to ~1e-6)."""
+    """GGUF 4-bit blocks as stored (mode 3) on an AMX CPU: tiles for 16-row blocks from 12 real
+    rows, AVX512-VNNI below, one float32 order per (row, output): a row alone, in a call of 37 or in
+    other splits has the same bits (batch invariance), equal to the product of the dequantised weight
+    to int16-activation rounding; with AMX turned off (vpdpbusd only, as on a CPU without AMX) the
+    bits are the same, and the tile unit really ran when on."""
     g = torch.Generator().manual_seed(9)
     for rows, cols in ((50, 512), (20, 32)):  # 4 output blocks, the last one partial; one run a row
         packed = int4_native.pack_rows(torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8))
@@ -518,7 +519,9 @@ def test_gguf_blocks_on_amx_keep_each_rows_bits_at_any_call_size(amx: None) -> N
         ) -> torch.Tensor:  # fmt: skip
             return int4_native.int4_mm(rows_of_x.contiguous(), packed, codes, block_scales, 32)
 
+        tile_calls = int4_native.amx_tile_calls()
         whole = mm(x)
+        assert int4_native.amx_tile_calls() == tile_calls + 1
         assert torch.equal(torch.cat([mm(x[i : i + 1]) for i in range(37)]), whole)
         for split in (3, 7, 12, 16, 21):
             assert torch.equal(torch.cat([mm(x[:split]), mm(x[split:])]), whole), (cols, split)
@@ -526,7 +529,50 @@ def test_gguf_blocks_on_amx_keep_each_rows_bits_at_any_call_size(amx: None) -> N
         exact = x.double() @ weight.T
         assert (whole.double() - exact).abs().max() <= 1e-4 * exact.abs().max()
         assert int4_native.use_amx(False) is False
-        vector = mm(x)
+        assert torch.equal(mm(x), whole)
         assert int4_native.use_amx(True) is True
-        assert (whole - vector).abs().max() <= 1e-5 * vector.abs().max()
-        assert not torch.equal(whole, vector)  # its own order: the AMX path really ran
+
+
+_GGUF_BLOCKS_SCRIPT = """
+import sys, torch
+from tandem.kernels import int4_native
+g = torch.Generator().manual_seed(13)
+packed = int4_native.pack_rows(torch.randint(0, 16, (40, 768), generator=g, dtype=torch.uint8))
+codes = torch.randint(-63, 64, (40, 24, 2), generator=g, dtype=torch.int8)
+block_scales = (torch.rand(40, 3, 2, generator=g) * 0.02).to(torch.float16)
+x = torch.randn(21, 768, generator=g)
+mm = lambda rows: int4_native.int4_mm(rows.contiguous(), packed, codes, block_scales, 32)
+whole = mm(x)
+alone = torch.cat([mm(x[i : i + 1]) for i in range(21)])
+exact = x.double() @ int4_native.int4_dequantize(packed, codes, block_scales, 32).double().T
+torch.save({"whole": whole, "alone": alone, "exact": exact}, sys.argv[1])
+"""
+
+
+def test_gguf_blocks_give_one_cpus_bits_on_another(tmp_path: Path) -> None:
+    """Mode 3's arithmetic is per (row, output), not per unit: a build for a CPU with AVX512-VNNI
+    and no AMX (`TANDEM_NATIVE_MARCH=icelake-server`, as AMD Zen 4 runs it) gives this machine's
+    bits; an AVX2-only build (`haswell`: the nibble-plane kernel, another float32 order) agrees to
+    float32 rounding. Each is batch invariant and within int16-activation rounding of the exact
+    product."""
+    import subprocess
+    import sys
+
+    from tandem.platform.cpu import cpu_flags
+
+    if int4_native.load() is None or not {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags():
+        pytest.skip("runs builds for AVX512-VNNI and AVX2 on a CPU with both")
+    results = {}
+    for march in ("native", "icelake-server", "haswell"):
+        out = tmp_path / f"{march}.pt"
+        env = {**os.environ, "TANDEM_NATIVE_MARCH": march, "TANDEM_CACHE_DIR": str(tmp_path / "cache")}
+        subprocess.run([sys.executable, "-c", _GGUF_BLOCKS_SCRIPT, str(out)], env=env, check=True, timeout=300)
+        results[march] = torch.load(out)
+    for got in results.values():
+        assert torch.equal(got["whole"], got["alone"])
+        exact = got["exact"]
+        assert (got["whole"].double() - exact).abs().max() <= 1e-4 * exact.abs().max()
+    assert torch.equal(results["icelake-server"]["whole"], results["native"]["whole"])
+    plane, blocks = results["haswell"]["whole"], results["native"]["whole"]
+    assert (plane - blocks).abs().max() <= 1e-5 * blocks.abs().max()
+    assert not torch.equal(plane, blocks)  # another order: the AVX2 kernel really ran

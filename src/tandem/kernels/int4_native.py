@@ -17,12 +17,18 @@ torch's kernel. The library needs `libgomp.so.1`; torch's CPU build bundles a li
 soname and loads it first, so the dynamic loader binds both to one OpenMP runtime and one thread
 pool (a torch linked to another OpenMP would mean two pools on the same cores).
 
+GGUF 4-bit blocks as stored (mode 3): where the build target has AVX512-VNNI (Ice Lake and later
+Xeons, AMD Zen 4 and later), every call takes `csrc/vnni_cpu.c`'s arithmetic (16 outputs in a
+register's lanes, exact integer dot products with vpdpbusd, each weight block's codes regrouped once
+a call and read by every row), on the AMX tile unit for 16-row blocks from 12 real rows where it
+runs: the same bits on every such CPU, AMX or not. Builds without AVX512-VNNI (AVX2 only) run the
+nibble-plane kernel, whose float32 order differs: such a machine agrees with the others to float32
+rounding. Each is batch invariant (a row's result never depends on its call).
+
 AMX (`csrc/amx_cpu.c`): built where the build target has AMX-INT8 and used where Linux grants the
 tile state; `TANDEM_NATIVE_AMX=0` or `use_amx(False)` turns it off. Q8_0 calls of 4 rows or more
 put their whole 16-row tiles, and a padded last one from 6 rows (from 1 where the weight passes
-4 MB), on the tile unit with the vector kernel's exact bits; other rows go to the vector kernel. GGUF 4-bit blocks as stored (mode 3) then take an arithmetic of their own at
-every call size (tiles from 12 rows, AVX512-VNNI below, the same bits): a row's result still never depends on its call, but differs in its last bits from the
-vector kernel's, so a machine with AMX and one without agree only to float32 rounding on these.
+4 MB), on the tile unit with the vector kernel's exact bits; other rows go to the vector kernel.
 
 `int4_mm` / `int4_dequantize` call the library directly (eager); `torch.ops.tandem.int4_mm` /
 `torch.ops.tandem.int4_dequantize` are the same functions registered as custom ops, so that
@@ -52,6 +58,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "decoder_cpu.c"  # includes int4_cpu.c: one library with both
 SOURCES = (
     CSRC / "int4_cpu.c",
+    CSRC / "vnni_cpu.c",
     CSRC / "amx_cpu.c",
     CSRC / "logits_cpu.c",
     SOURCE,
@@ -143,6 +150,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tandem_finite_rows.restype = None
     lib.tandem_set_amx.argtypes = [i32]
     lib.tandem_set_amx.restype = i32
+    lib.tandem_amx_tile_calls.argtypes = []
+    lib.tandem_amx_tile_calls.restype = i64
     f32 = ctypes.c_float
     lib.tandem_paged_attention.argtypes = [
         p,
@@ -194,6 +203,13 @@ def use_amx(enabled: bool) -> bool:
     now: False where the library, the CPU or Linux lacks them, whatever `enabled`."""
     lib = load()
     return bool(lib.tandem_set_amx(int(enabled))) if lib is not None else False
+
+
+def amx_tile_calls() -> int:
+    """How many matmul calls have put rows on the AMX tile unit in this process (0 without the
+    library or AMX): for tests that must know the tile path ran, where its bits equal another's."""
+    lib = load()
+    return int(lib.tandem_amx_tile_calls()) if lib is not None else 0
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -1,5 +1,5 @@
 /* Intel AMX (tile matrix multiply, int8) paths of the native matmuls, for CPUs with AMX-INT8
- * (Sapphire Rapids and later). Included by int4_cpu.c; compiled only where the build target has
+ * (Sapphire Rapids and later). Included by vnni_cpu.c; compiled only where the build target has
  * AMX (-march=native on such a CPU), and used only when Linux grants this process the tile data
  * state (arch_prctl ARCH_REQ_XCOMP_PERM, inherited by forked children) and `tandem_set_amx` has
  * not turned it off.
@@ -10,8 +10,8 @@
  * is the run's exact integer dot product, the integer the vector kernels compute with vpmaddwd.
  * - Q8_0 (tandem_q8_mm): the float32 scaling after it is the vector kernel's, so an AMX call
  *   returns the vector kernel's bits and the choice between them may depend on the call's size.
- * - GGUF 4-bit blocks as stored (tandem_int4_mm mode 3): an arithmetic of their own (below),
- *   on the tile unit from 12 rows of a 16-row block and with AVX512-VNNI below, the same bits.
+ * - GGUF 4-bit blocks as stored (tandem_int4_mm mode 3): vnni_cpu.c's arithmetic, here for 16-row
+ *   blocks from AMX_INT4_MIN_ROWS real rows (that file's vpdpbusd rows below: the same bits).
  * Either way a row's result never depends on the rows around it (batch invariance holds).
  *
  * Tiles (one configuration per thread, loaded inside each parallel region and released at its end),
@@ -24,9 +24,15 @@
  *               and scaled (two blocks sharing the A tiles, with one C pair each, were slower:
  *               each run's stores then waited for the next run's products)
  *   tmm5        unused */
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+
+/* Fewest real rows of a 16-row block that go through the tile unit in a 4-bit call (fewer:
+ * vnni_int4_rows). */
+#define AMX_INT4_MIN_ROWS 12
+
+static int64_t amx_tile_calls = 0; /* calls that put rows on the tile unit (tandem_amx_tile_calls) */
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && TANDEM_HAVE_VNNI_INT4
 #define TANDEM_HAVE_AMX 1
-#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -56,31 +62,7 @@ static const TandemTileConfig amx_config = {
 };
 
 static void amx_configure(void) { _tile_loadconfig(&amx_config); }
-
-/* dst[0..width) = row[0..width), width <= 16 */
-static inline void amx_store_row(float *dst, const float row[16], int64_t width) {
-    _mm512_mask_storeu_ps(dst, (__mmask16)((1u << width) - 1), _mm512_loadu_ps(row));
-}
-
-/* Rows 0..mb-1 of block b's 16 outputs into y [., N] (row stride N; the last block may be
- * partial). */
-static inline void amx_store_block(float out[16][16], int64_t mb, float *y, int64_t N, int64_t b) {
-    const int64_t width = N - 16 * b < 16 ? N - 16 * b : 16;
-    for (int64_t m = 0; m < mb; m++) amx_store_row(y + m * N + 16 * b, out[m], width);
-}
-
-/* xq [M, K] int16 -> hi, lo [Mp, K] bytes (Mp = M rounded up to 16; padding rows zero). */
-static void amx_split_activations(const int16_t *xq, int64_t M, int64_t K, int64_t Mp, int8_t *hi, uint8_t *lo,
-                                  int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 16384)
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t i = m * K; i < (m + 1) * K; i++) {
-            hi[i] = (int8_t)(xq[i] >> 8);
-            lo[i] = (uint8_t)(xq[i] & 0xFF);
-        }
-    memset(hi + M * K, 0, (size_t)((Mp - M) * K));
-    memset(lo + M * K, 0, (size_t)((Mp - M) * K));
-}
+static void amx_release(void) { _tile_release(); }
 
 /* B tiles of every run of one block of 16 outputs (tandem_q8_mm's output-interleaved codes) into
  * tiles [runs][8][64]: row j of run r from pairs 16r + 2j and 16r + 2j + 1 (64 contiguous bytes:
@@ -192,7 +174,8 @@ static int amx_q8_mm(const int16_t *xq, const float *xscale, const int8_t *codes
         free(hi); free(lo); free(tiles);
         return -1;
     }
-    amx_split_activations(xq, M, K, Mp, hi, lo, num_threads);
+    split_activations(xq, M, K, Mp, hi, lo, num_threads);
+    amx_tile_calls++;
 #pragma omp parallel num_threads(num_threads)
     {
         amx_configure();
@@ -205,86 +188,18 @@ static int amx_q8_mm(const int16_t *xq, const float *xscale, const int8_t *codes
                 const int64_t mb = M - m0 < 16 ? M - m0 : 16;
                 amx_q8_block(own, scales_il + b * runs * 16, hi + m0 * K, lo + m0 * K, xscale + m0 * runs, mb, K,
                              runs, out);
-                amx_store_block(out, mb, y + m0 * N, N, b);
+                store_block16(out, mb, y + m0 * N, N, b);
             }
         }
-        _tile_release();
+        amx_release();
     }
     free(hi); free(lo); free(tiles);
     return 0;
 }
-/* -- GGUF 4-bit blocks as stored (tandem_int4_mm mode 3, group size 32) ----------------------------
- * On a CPU where this path runs it serves every call of mode 3, one row or many, since its float32
- * order is its own: for each output (m, n), d_r the exact integer dot product of run r with the
- * codes (0..15),
- *   acc  = fma((float)d_r, scale[n, r] * xscale[m, r], acc)     for r = 0, 1, ... in order
- *   bias = fma(-offset[n, r], xsum[m, r], bias)                 for r = 0, 1, ... in order
- *   y    = acc + bias
- * with (scale, -offset) as row_params gives them (w = q * scale - offset). Per (m, n), so the same
- * whatever M or the rows around m (batch invariance). */
-
-/* B tiles [runs][8][64] of 16 weight rows from n0 (rows past N: zero codes) from the row-chunked
- * nibbles (row n, run r: 16 bytes, byte i = q[i] | q[16 + i] << 4): with dword j of a row's run
- * gathered across the 16 rows, its low nibbles are B row j and its high nibbles B row j + 4. */
-static void amx_int4_b_tiles(const uint8_t *packed, int64_t n0, int64_t N, int64_t K, int64_t runs, uint8_t *tiles) {
-    const int64_t row_bytes = K / 2;
-    const __m512i offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                               _mm512_set1_epi32((int)row_bytes));
-    const __mmask16 present = N - n0 >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    const uint8_t *base = packed + n0 * row_bytes;
-    for (int64_t r = 0; r < runs; r++) {
-        uint8_t *tile = tiles + 512 * r;
-        for (int j = 0; j < 4; j++) {
-            const __m512i dwords =
-                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, offsets, base + 16 * r + 4 * j, 1);
-            _mm512_storeu_si512(tile + 64 * j, _mm512_and_si512(dwords, nibble));
-            _mm512_storeu_si512(tile + 64 * (j + 4), _mm512_and_si512(_mm512_srli_epi32(dwords, 4), nibble));
-        }
-    }
-}
-
-/* The (scale, -offset) pairs of 16 weight rows from n0 as row_params gives them (rows past N:
- * zero), as scales [runs][16] and offsets [runs][16]: per run, each row's int8 codes (s, o) and its
- * super-block's float16 (D, M) gathered across the 16 rows, scale = s * D and -offset = -(o * M)
- * (exact float32 products, as row_params). A row's codes are 2 bytes: the last run's are read as the
- * upper half of the dword before them, so no read passes the row's end. */
-static void amx_int4_params(const void *params, const uint16_t *superblock_scales, int64_t groups_per_superblock,
-                            int64_t n0, int64_t N, int64_t runs, float *scales, float *offsets) {
-    const int64_t superblocks = runs / groups_per_superblock;
-    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i code_rows = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)(2 * runs)));
-    const __m512i block_rows = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)(4 * superblocks)));
-    const __mmask16 present = N - n0 >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
-    const int8_t *codes = (const int8_t *)params + n0 * 2 * runs;
-    const uint8_t *blocks = (const uint8_t *)(superblock_scales + n0 * 2 * superblocks);
-    const __m512i zero = _mm512_setzero_si512();
-    if (runs == 1) { /* K = 32: a row's codes are its only 2 bytes */
-        for (int64_t i = 0; i < 16; i++) {
-            float pair[2] = {0.0f, 0.0f};
-            if (n0 + i < N) row_params(3, params, superblock_scales, groups_per_superblock, n0 + i, 1, pair);
-            scales[i] = pair[0];
-            offsets[i] = pair[1];
-        }
-        return;
-    }
-    for (int64_t r = 0; r < runs; r++) {
-        const int last = r == runs - 1 && r > 0; /* read the dword ending at the row's last byte */
-        __m512i c = _mm512_mask_i32gather_epi32(zero, present, code_rows, codes + 2 * r - 2 * last, 1);
-        if (last) c = _mm512_srli_epi32(c, 16);
-        const __m512i b = _mm512_mask_i32gather_epi32(zero, present, block_rows,
-                                                      blocks + 4 * (r / groups_per_superblock), 1);
-        const __m512 code_s = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(c, 24), 24));
-        const __m512 code_o = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(c, 16), 24));
-        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(b));
-        const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
-        _mm512_storeu_ps(scales + 16 * r, _mm512_mul_ps(code_s, d));
-        _mm512_storeu_ps(offsets + 16 * r, _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(code_o, m)));
-    }
-}
+/* -- GGUF 4-bit blocks as stored (tandem_int4_mm mode 3): vnni_cpu.c's arithmetic on the tiles -- */
 
 /* 16 activation rows (mb real) and one block of 16 outputs (its B tiles, scales [runs][16] and
- * offsets [runs][16]): the arithmetic above, the bias first (no tile work), then the dot products.
+ * offsets [runs][16]): vnni_cpu.c's arithmetic, the bias first (no tile work), then the dot products.
  * Inlined twice: with mb = 16 known, the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void amx_int4_block_rows(
     const uint8_t *tiles, const float *scales, const float *offsets, const int8_t *hi, const uint8_t *lo,
@@ -320,95 +235,6 @@ static void amx_int4_block(const uint8_t *tiles, const float *scales, const floa
     else amx_int4_block_rows(tiles, scales, offsets, hi, lo, xscale, xsum, mb, K, runs, out);
 }
 
-/* Fewest rows of a 16-row block that go through the tile unit (fewer: vnni_int4_rows). */
-#define AMX_INT4_MIN_ROWS 12
-
-/* The same arithmetic for a few rows with AVX512-VNNI (every AMX CPU has it), where a 16-row tile
- * would be mostly padding. The B rows of amx_int4_b_tiles are gathered into registers (row j of
- * run r holds each output's 4 codes of k = 4j..4j+3) and each feeds every row: vpdpbusd of it with
- * 4 broadcast high bytes (codes unsigned, bytes signed), and of 4 broadcast low bytes with it
- * (bytes unsigned, codes 0..15 as signed), give 16 outputs' exact partial dot products; d_r =
- * 256 * hi_dot + lo_dot is the tile unit's integer and the float32 steps are amx_int4_block's, so
- * the bits are the same too. mb < AMX_INT4_MIN_ROWS. */
-static void vnni_int4_rows(const uint8_t *packed, int64_t n0, int64_t N, const float *scales, const float *offsets,
-                           const int8_t *hi, const uint8_t *lo, const float *xscale, const float *xsum, int64_t mb,
-                           int64_t K, int64_t runs, float out[16][16]) {
-    const int64_t row_bytes = K / 2;
-    const __m512i offsets_n = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                 _mm512_set1_epi32((int)row_bytes));
-    const __mmask16 present = N - n0 >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    const uint8_t *base = packed + n0 * row_bytes;
-    __m512 acc[AMX_INT4_MIN_ROWS - 1], bias[AMX_INT4_MIN_ROWS - 1];
-    for (int64_t m = 0; m < mb; m++) acc[m] = bias[m] = _mm512_setzero_ps();
-    for (int64_t r = 0; r < runs; r++) {
-        __m512i b[8];
-        for (int j = 0; j < 4; j++) {
-            const __m512i dwords =
-                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, offsets_n, base + 16 * r + 4 * j, 1);
-            b[j] = _mm512_and_si512(dwords, nibble);
-            b[j + 4] = _mm512_and_si512(_mm512_srli_epi32(dwords, 4), nibble);
-        }
-        const __m512 ws = _mm512_loadu_ps(scales + 16 * r), wo = _mm512_loadu_ps(offsets + 16 * r);
-        for (int64_t m = 0; m < mb; m++) {
-            const int32_t *h = (const int32_t *)(hi + m * K) + 8 * r, *l = (const int32_t *)(lo + m * K) + 8 * r;
-            __m512i dot_hi = _mm512_setzero_si512(), dot_lo = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j++) {
-                dot_hi = _mm512_dpbusd_epi32(dot_hi, b[j], _mm512_set1_epi32(h[j]));
-                dot_lo = _mm512_dpbusd_epi32(dot_lo, _mm512_set1_epi32(l[j]), b[j]);
-            }
-            const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(dot_hi, 8), dot_lo);
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, _mm512_set1_ps(xscale[m * runs + r])),
-                                     acc[m]);
-            bias[m] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xsum[m * runs + r]), bias[m]);
-        }
-    }
-    for (int64_t m = 0; m < mb; m++) _mm512_storeu_ps(out[m], _mm512_add_ps(acc[m], bias[m]));
-}
-
-/* tandem_int4_mm's mode 3 on AMX: y [M, N] (the arithmetic above); xq, xscale, xsum as
- * round_activations gives them with group size 32. Returns 0, -1 when scratch cannot be allocated. */
-static int amx_int4_mm(const int16_t *xq, const float *xscale, const float *xsum, const uint8_t *packed,
-                       const void *params, const uint16_t *superblock_scales, int64_t groups_per_superblock,
-                       int64_t M, int64_t N, int64_t K, float *y, int num_threads) {
-    const int64_t runs = K / 32, blocks = (N + 15) / 16, Mp = (M + 15) / 16 * 16;
-    /* 4-byte words a thread holds for its block of 16 outputs: B tiles and params */
-    const int64_t per_thread = 4 * K + 2 * 16 * runs;
-    int8_t *hi = malloc((size_t)(Mp * K));
-    uint8_t *lo = malloc((size_t)(Mp * K));
-    float *scratch = malloc(sizeof(float) * (size_t)(num_threads * per_thread));
-    if (!hi || !lo || !scratch) {
-        free(hi); free(lo); free(scratch);
-        return -1;
-    }
-    amx_split_activations(xq, M, K, Mp, hi, lo, num_threads);
-#pragma omp parallel num_threads(num_threads)
-    {
-        amx_configure();
-        float *own = scratch + omp_get_thread_num() * per_thread;
-        const uint8_t *tiles = (const uint8_t *)own;
-        float *scales = own + 4 * K, *offsets = scales + 16 * runs;
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
-            if (M >= AMX_INT4_MIN_ROWS) amx_int4_b_tiles(packed, 16 * b, N, K, runs, (uint8_t *)own);
-            amx_int4_params(params, superblock_scales, groups_per_superblock, 16 * b, N, runs, scales, offsets);
-            for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
-                float out[16][16];
-                const int64_t mb = M - m0 < 16 ? M - m0 : 16;
-                if (mb < AMX_INT4_MIN_ROWS)
-                    vnni_int4_rows(packed, 16 * b, N, scales, offsets, hi + m0 * K, lo + m0 * K, xscale + m0 * runs,
-                                   xsum + m0 * runs, mb, K, runs, out);
-                else
-                    amx_int4_block(tiles, scales, offsets, hi + m0 * K, lo + m0 * K, xscale + m0 * runs,
-                                   xsum + m0 * runs, mb, K, runs, out);
-                amx_store_block(out, mb, y + m0 * N, N, b);
-            }
-        }
-        _tile_release();
-    }
-    free(hi); free(lo); free(scratch);
-    return 0;
-}
 #else
 #define TANDEM_HAVE_AMX 0
 static int amx_usable(void) { return 0; }
@@ -423,13 +249,16 @@ static int amx_q8_mm(const int16_t *xq, const float *xscale, const int8_t *codes
     (void)xq, (void)xscale, (void)codes_il, (void)scales_il, (void)M, (void)N, (void)K, (void)y, (void)num_threads;
     return -2;
 }
-static int amx_int4_mm(const int16_t *xq, const float *xscale, const float *xsum, const uint8_t *packed,
-                       const void *params, const uint16_t *superblock_scales, int64_t groups_per_superblock,
-                       int64_t M, int64_t N, int64_t K, float *y, int num_threads) {
-    (void)xq, (void)xscale, (void)xsum, (void)packed, (void)params, (void)superblock_scales;
-    (void)groups_per_superblock, (void)M, (void)N, (void)K, (void)y, (void)num_threads;
-    return -2;
+#if TANDEM_HAVE_VNNI_INT4 /* gguf_blocks_mm calls these only where amx_usable() */
+static void amx_configure(void) {}
+static void amx_release(void) {}
+static void amx_int4_block(const uint8_t *tiles, const float *scales, const float *offsets, const int8_t *hi,
+                           const uint8_t *lo, const float *xscale, const float *xsum, int64_t mb, int64_t K,
+                           int64_t runs, float out[16][16]) {
+    (void)tiles, (void)scales, (void)offsets, (void)hi, (void)lo, (void)xscale, (void)xsum, (void)mb, (void)K;
+    (void)runs, (void)out;
 }
+#endif
 #endif
 
 /* Turn the AMX paths off (0) or back on where the CPU and Linux allow them (1); returns whether
@@ -443,3 +272,6 @@ int tandem_set_amx(int enabled) {
     amx_state = -1;
     return amx_usable();
 }
+
+/* How many calls have put rows on the tile unit in this process (tests: that the AMX path ran). */
+int64_t tandem_amx_tile_calls(void) { return amx_tile_calls; }

@@ -14,9 +14,10 @@
  *           block scales float16 [N, G / groups_per_superblock, 2] = (D, M); here
  *           w = q * scale - offset with scale = code_s * D and offset = code_o * M (exact float32
  *           products), as BlockParams.expand(); dequantised, q * scale - offset rounds once, as
- *           the gguf package's dequantize does. The matmul runs the nibble-plane kernel on each
- *           row's (scale, -offset) pairs expanded to float32 (plane_kernel_f32); on a CPU whose
- *           AMX path runs (amx_cpu.c), every call takes that file's own arithmetic instead.
+ *           the gguf package's dequantize does. Where the build has AVX512-VNNI, every call takes
+ *           vnni_cpu.c's arithmetic (on the tile unit where AMX runs); elsewhere (AVX2 only) the
+ *           nibble-plane kernel on each row's (scale, -offset) pairs expanded to float32
+ *           (plane_kernel_f32).
  *
  * Arithmetic: each run of 32 activations is scaled to int16 (scale = max|x| / 32767, round to
  * nearest: relative error under 2^-16 of the run's largest value, finer than bfloat16), the
@@ -452,7 +453,7 @@ static void round_activations(const float *x, int64_t M, int64_t K, int64_t grou
     }
 }
 
-#include "amx_cpu.c"
+#include "vnni_cpu.c" /* and amx_cpu.c */
 
 /* y[M, N] = x[M, K] @ dequantised(W)[N, K]^T, float32, contiguous. K % group_size == 0 and
  * group_size is 32, 64, 128 or 256. Returns 0; -1 when scratch memory cannot be allocated; -2 for
@@ -471,8 +472,8 @@ int tandem_int4_mm(const float *x, const uint8_t *packed, int mode, const void *
         return -1;
     }
     round_activations(x, M, K, group_size, xq, xscale, xsum, num_threads);
-    if (mode == 3 && amx_usable()) {
-        const int status = amx_int4_mm(xq, xscale, xsum, packed, params, superblock_scales, groups_per_superblock,
+    if (mode == 3 && TANDEM_HAVE_VNNI_INT4) {
+        const int status = gguf_blocks_mm(xq, xscale, xsum, packed, params, superblock_scales, groups_per_superblock,
                                        M, N, K, y, num_threads);
         free(xq); free(xscale); free(xsum);
         return status;

@@ -1,0 +1,222 @@
+/* GGUF 4-bit blocks as stored (tandem_int4_mm mode 3, group size 32) with AVX512-VNNI, on the tile
+ * unit (amx_cpu.c, included below) where it runs: one arithmetic for every CPU with AVX512-VNNI
+ * (Ice Lake and later Xeons, AMD Zen 4 and later), with AMX or without, at every call size.
+ * Included by int4_cpu.c; CPUs without AVX512-VNNI run that file's nibble-plane kernel instead.
+ *
+ * The arithmetic, for each output (m, n), d_r the exact integer dot product of run r of the int16
+ * activations (round_activations) with the codes (0..15):
+ *   acc  = fma((float)d_r, scale[n, r] * xscale[m, r], acc)     for r = 0, 1, ... in order
+ *   bias = fma(-offset[n, r], xsum[m, r], bias)                 for r = 0, 1, ... in order
+ *   y    = acc + bias
+ * with (scale, -offset) as row_params gives them (w = q * scale - offset). Per (m, n), so the same
+ * whatever M, the rows around m or the unit that computed d_r (batch invariance; an AMX machine and
+ * one with AVX512-VNNI only give the same bits).
+ *
+ * Exact integers: each int16 activation splits into a signed high byte and an unsigned low byte
+ * (x = 256 * hi + lo), and d_r = 256 * hi_dot + lo_dot. The codes of 16 outputs sit in "B rows" of
+ * 64 bytes (the tile unit's B layout): B row j of run r holds each output's 4 codes of k = 4j..4j+3,
+ * so vpdpbusd of a B row with 4 broadcast high bytes (codes unsigned, bytes signed), and of 4
+ * broadcast low bytes with it (bytes unsigned, codes 0..15 as signed), gives 16 outputs' partial
+ * dot products in the lanes: no horizontal sums, and each B row, read once per block of 16 outputs,
+ * feeds every activation row. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define TANDEM_HAVE_VNNI_INT4 1
+#include <omp.h>
+
+/* dst[0..width) = row[0..width), width <= 16 */
+static inline void store_row16(float *dst, const float row[16], int64_t width) {
+    _mm512_mask_storeu_ps(dst, (__mmask16)((1u << width) - 1), _mm512_loadu_ps(row));
+}
+
+/* Rows 0..mb-1 of block b's 16 outputs into y [., N] (row stride N; the last block may be
+ * partial). */
+static inline void store_block16(float out[16][16], int64_t mb, float *y, int64_t N, int64_t b) {
+    const int64_t width = N - 16 * b < 16 ? N - 16 * b : 16;
+    for (int64_t m = 0; m < mb; m++) store_row16(y + m * N + 16 * b, out[m], width);
+}
+
+/* xq [M, K] int16 -> hi, lo [Mp, K] bytes (Mp >= M: padding rows zero). */
+static void split_activations(const int16_t *xq, int64_t M, int64_t K, int64_t Mp, int8_t *hi, uint8_t *lo,
+                              int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 16384)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = m * K; i < (m + 1) * K; i++) {
+            hi[i] = (int8_t)(xq[i] >> 8);
+            lo[i] = (uint8_t)(xq[i] & 0xFF);
+        }
+    memset(hi + M * K, 0, (size_t)((Mp - M) * K));
+    memset(lo + M * K, 0, (size_t)((Mp - M) * K));
+}
+
+/* B rows [runs][8][64] of 16 weight rows from n0 (rows past N: zero codes) from the row-chunked
+ * nibbles (row n, run r: 16 bytes, byte i = q[i] | q[16 + i] << 4): with dword j of a row's run
+ * gathered across the 16 rows, its low nibbles are B row j and its high nibbles B row j + 4. */
+static void int4_b_rows(const uint8_t *packed, int64_t n0, int64_t N, int64_t K, int64_t runs, uint8_t *tiles) {
+    const int64_t row_bytes = K / 2;
+    const __m512i offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32((int)row_bytes));
+    const __mmask16 present = N - n0 >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const uint8_t *base = packed + n0 * row_bytes;
+    for (int64_t r = 0; r < runs; r++) {
+        uint8_t *tile = tiles + 512 * r;
+        for (int j = 0; j < 4; j++) {
+            const __m512i dwords =
+                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, offsets, base + 16 * r + 4 * j, 1);
+            _mm512_storeu_si512(tile + 64 * j, _mm512_and_si512(dwords, nibble));
+            _mm512_storeu_si512(tile + 64 * (j + 4), _mm512_and_si512(_mm512_srli_epi32(dwords, 4), nibble));
+        }
+    }
+}
+
+/* The (scale, -offset) pairs of 16 weight rows from n0 as row_params gives them (rows past N:
+ * zero), as scales [runs][16] and offsets [runs][16]: per run, each row's int8 codes (s, o) and its
+ * super-block's float16 (D, M) gathered across the 16 rows, scale = s * D and -offset = -(o * M)
+ * (exact float32 products, as row_params). A row's codes are 2 bytes: the last run's are read as the
+ * upper half of the dword before them, so no read passes the row's end. */
+static void int4_block_params(const void *params, const uint16_t *superblock_scales, int64_t groups_per_superblock,
+                              int64_t n0, int64_t N, int64_t runs, float *scales, float *offsets) {
+    const int64_t superblocks = runs / groups_per_superblock;
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i code_rows = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)(2 * runs)));
+    const __m512i block_rows = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)(4 * superblocks)));
+    const __mmask16 present = N - n0 >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+    const int8_t *codes = (const int8_t *)params + n0 * 2 * runs;
+    const uint8_t *blocks = (const uint8_t *)(superblock_scales + n0 * 2 * superblocks);
+    const __m512i zero = _mm512_setzero_si512();
+    if (runs == 1) { /* K = 32: a row's codes are its only 2 bytes */
+        for (int64_t i = 0; i < 16; i++) {
+            float pair[2] = {0.0f, 0.0f};
+            if (n0 + i < N) row_params(3, params, superblock_scales, groups_per_superblock, n0 + i, 1, pair);
+            scales[i] = pair[0];
+            offsets[i] = pair[1];
+        }
+        return;
+    }
+    for (int64_t r = 0; r < runs; r++) {
+        const int last = r == runs - 1 && r > 0; /* read the dword ending at the row's last byte */
+        __m512i c = _mm512_mask_i32gather_epi32(zero, present, code_rows, codes + 2 * r - 2 * last, 1);
+        if (last) c = _mm512_srli_epi32(c, 16);
+        const __m512i b = _mm512_mask_i32gather_epi32(zero, present, block_rows,
+                                                      blocks + 4 * (r / groups_per_superblock), 1);
+        const __m512 code_s = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(c, 24), 24));
+        const __m512 code_o = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(c, 16), 24));
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(b));
+        const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
+        _mm512_storeu_ps(scales + 16 * r, _mm512_mul_ps(code_s, d));
+        _mm512_storeu_ps(offsets + 16 * r, _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(code_o, m)));
+    }
+}
+
+/* MB (at most 4) activation rows and one block of 16 outputs (its B rows, scales and offsets) into
+ * out[0..MB): the file's arithmetic with vpdpbusd. Each B row is loaded once per run and feeds the
+ * MB rows, whose dot products are independent chains (the latency of one row's chain of 8 is hidden
+ * behind the others'). Inlined with MB known, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void vnni_int4_row_group(
+    const uint8_t *tiles, const float *scales, const float *offsets, const int8_t *hi, const uint8_t *lo,
+    const float *xscale, const float *xsum, int MB, int64_t K, int64_t runs, float out[][16]) {
+    __m512 acc[4], bias[4];
+    for (int m = 0; m < MB; m++) acc[m] = bias[m] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < runs; r++) {
+        __m512i b[8];
+        for (int j = 0; j < 8; j++) b[j] = _mm512_loadu_si512(tiles + 512 * r + 64 * j);
+        const __m512 ws = _mm512_loadu_ps(scales + 16 * r), wo = _mm512_loadu_ps(offsets + 16 * r);
+        for (int m = 0; m < MB; m++) {
+            const int32_t *h = (const int32_t *)(hi + m * K) + 8 * r, *l = (const int32_t *)(lo + m * K) + 8 * r;
+            __m512i dot_hi = _mm512_setzero_si512(), dot_lo = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++) {
+                dot_hi = _mm512_dpbusd_epi32(dot_hi, b[j], _mm512_set1_epi32(h[j]));
+                dot_lo = _mm512_dpbusd_epi32(dot_lo, _mm512_set1_epi32(l[j]), b[j]);
+            }
+            const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(dot_hi, 8), dot_lo);
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, _mm512_set1_ps(xscale[m * runs + r])),
+                                     acc[m]);
+            bias[m] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xsum[m * runs + r]), bias[m]);
+        }
+    }
+    for (int m = 0; m < MB; m++) _mm512_storeu_ps(out[m], _mm512_add_ps(acc[m], bias[m]));
+}
+
+/* mb (at most 16) activation rows and one block of 16 outputs into out[0..mb), 4 rows at a time. */
+static void vnni_int4_rows(const uint8_t *tiles, const float *scales, const float *offsets, const int8_t *hi,
+                           const uint8_t *lo, const float *xscale, const float *xsum, int64_t mb, int64_t K,
+                           int64_t runs, float out[16][16]) {
+    int64_t m = 0;
+#define VNNI_GROUP(MB)                                                                                          \
+    vnni_int4_row_group(tiles, scales, offsets, hi + m * K, lo + m * K, xscale + m * runs, xsum + m * runs, MB, K, \
+                        runs, out + m)
+    for (; m + 4 <= mb; m += 4) VNNI_GROUP(4);
+    switch (mb - m) {
+        case 3: VNNI_GROUP(3); break;
+        case 2: VNNI_GROUP(2); break;
+        case 1: VNNI_GROUP(1); break;
+        default: break;
+    }
+#undef VNNI_GROUP
+}
+#else
+#define TANDEM_HAVE_VNNI_INT4 0
+#endif
+
+#include "amx_cpu.c"
+
+#if TANDEM_HAVE_VNNI_INT4
+/* tandem_int4_mm's mode 3 with this file's arithmetic: y [M, N]; xq, xscale, xsum as
+ * round_activations gives them with group size 32. Blocks of 16 outputs split over the threads; a
+ * block's B rows and parameters are built once and serve every row: 16-row blocks from
+ * AMX_INT4_MIN_ROWS real rows on the tile unit where it runs, the others with vpdpbusd. Returns 0,
+ * -1 when scratch cannot be allocated. */
+static int gguf_blocks_mm(const int16_t *xq, const float *xscale, const float *xsum, const uint8_t *packed,
+                          const void *params, const uint16_t *superblock_scales, int64_t groups_per_superblock,
+                          int64_t M, int64_t N, int64_t K, float *y, int num_threads) {
+    const int64_t runs = K / 32, blocks = (N + 15) / 16;
+    const int tiles_on = TANDEM_HAVE_AMX && M >= AMX_INT4_MIN_ROWS && amx_usable();
+    const int64_t Mp = tiles_on ? (M + 15) / 16 * 16 : M; /* the tile unit reads whole 16-row blocks */
+    /* 4-byte words a thread holds for its block of 16 outputs: B rows and params */
+    const int64_t per_thread = 4 * K + 2 * 16 * runs;
+    int8_t *hi = malloc((size_t)(Mp * K));
+    uint8_t *lo = malloc((size_t)(Mp * K));
+    float *scratch = malloc(sizeof(float) * (size_t)(num_threads * per_thread));
+    if (!hi || !lo || !scratch) {
+        free(hi); free(lo); free(scratch);
+        return -1;
+    }
+    split_activations(xq, M, K, Mp, hi, lo, num_threads);
+    if (tiles_on) amx_tile_calls++;
+#pragma omp parallel num_threads(num_threads)
+    {
+        if (tiles_on) amx_configure();
+        float *own = scratch + omp_get_thread_num() * per_thread;
+        const uint8_t *tiles = (const uint8_t *)own;
+        float *scales = own + 4 * K, *offsets = scales + 16 * runs;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            int4_b_rows(packed, 16 * b, N, K, runs, (uint8_t *)own);
+            int4_block_params(params, superblock_scales, groups_per_superblock, 16 * b, N, runs, scales, offsets);
+            for (int64_t m0 = 0; m0 < M; m0 += 16) {
+                float out[16][16];
+                const int64_t mb = M - m0 < 16 ? M - m0 : 16;
+                if (tiles_on && mb >= AMX_INT4_MIN_ROWS)
+                    amx_int4_block(tiles, scales, offsets, hi + m0 * K, lo + m0 * K, xscale + m0 * runs,
+                                   xsum + m0 * runs, mb, K, runs, out);
+                else
+                    vnni_int4_rows(tiles, scales, offsets, hi + m0 * K, lo + m0 * K, xscale + m0 * runs,
+                                   xsum + m0 * runs, mb, K, runs, out);
+                store_block16(out, mb, y + m0 * N, N, b);
+            }
+        }
+        if (tiles_on) amx_release();
+    }
+    free(hi); free(lo); free(scratch);
+    return 0;
+}
+#else
+/* Never called where TANDEM_HAVE_VNNI_INT4 is 0: declared so that every build sees the same calls. */
+static int gguf_blocks_mm(const int16_t *xq, const float *xscale, const float *xsum, const uint8_t *packed,
+                          const void *params, const uint16_t *superblock_scales, int64_t groups_per_superblock,
+                          int64_t M, int64_t N, int64_t K, float *y, int num_threads) {
+    (void)xq, (void)xscale, (void)xsum, (void)packed, (void)params, (void)superblock_scales;
+    (void)groups_per_superblock, (void)M, (void)N, (void)K, (void)y, (void)num_threads;
+    return -2;
+}
+#endif
