@@ -566,7 +566,9 @@ def test_gguf_blocks_give_one_cpus_bits_on_another(tmp_path: Path) -> None:
     for march in ("native", "icelake-server", "haswell"):
         out = tmp_path / f"{march}.pt"
         env = {**os.environ, "TANDEM_NATIVE_MARCH": march, "TANDEM_CACHE_DIR": str(tmp_path / "cache")}
-        subprocess.run([sys.executable, "-c", _GGUF_BLOCKS_SCRIPT, str(out)], env=env, check=True, timeout=300)
+        subprocess.run(
+            [sys.executable, "-c", _GGUF_BLOCKS_SCRIPT, str(out)], env=env, check=True, timeout=300
+        )
         results[march] = torch.load(out)
     for got in results.values():
         assert torch.equal(got["whole"], got["alone"])
