@@ -580,37 +580,73 @@ int tandem_decoder_layers_heads(const TandemDecoderDims *d, const TandemLayer *l
  * That arithmetic is per (m, n): the same whatever M, the rows around m, the thread count or the
  * instruction set (AVX-512 holds 16 outputs per register, AVX2 two halves of 8), so a row's
  * result never depends on its call (batch invariance) and one kernel serves decode and prefill.
- * Work per 16 outputs, 4 rows and input pair: one widened load of the codes and 4 multiply-adds
- * (vpdpwssd where the CPU has AVX512-VNNI). Returns 0, -1 when scratch cannot be allocated. */
-#define Q8_ROWS 4
-
-static void q8_block_rows(const int8_t *wb, const float *sb, const int32_t *xpairs, const float *xscale,
-                          int64_t mb, int64_t K, int64_t runs, float out[Q8_ROWS][16]) {
-    const int64_t pairs = K / 2;
+ * Work per 16 outputs, Q8_ROWS rows and input pair: one widened load of the codes and Q8_ROWS
+ * multiply-adds (vpdpwssd where the CPU has AVX512-VNNI). 8 rows with AVX-512's 32 registers, 4 with
+ * AVX2's 16 (measured, docs/performance.md). Returns 0, -1 when scratch cannot be allocated. */
 #if defined(__AVX512BW__) && defined(__AVX512F__)
-    __m512 acc[Q8_ROWS];
-    for (int64_t m = 0; m < Q8_ROWS; m++) acc[m] = _mm512_setzero_ps();
-    for (int64_t r = 0; r < runs; r++) {
-        __m512i d[Q8_ROWS];
-        for (int64_t m = 0; m < Q8_ROWS; m++) d[m] = _mm512_setzero_si512();
-        for (int64_t p = 16 * r; p < 16 * r + 16; p++) {
-            const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wb + 32 * p)));
-            for (int64_t m = 0; m < mb; m++) {
-                const __m512i xv = _mm512_set1_epi32(xpairs[m * pairs + p]);
-#if defined(__AVX512VNNI__)
-                d[m] = _mm512_dpwssd_epi32(d[m], wv, xv);
+#define Q8_ROWS 8
 #else
-                d[m] = _mm512_add_epi32(d[m], _mm512_madd_epi16(wv, xv));
+#define Q8_ROWS 4
 #endif
+
+#if defined(__AVX512BW__) && defined(__AVX512F__)
+/* MB rows (a constant where inlined: the accumulators then stay in registers and no row count is
+ * tested per input pair). Each run's integer dot products are summed in PARTS partial sums (pair
+ * p into part p % PARTS), enough independent multiply-add chains to hide their latency with few
+ * rows; integers, so d_r is exact and the same whatever the split. */
+static inline __attribute__((always_inline)) void q8_block_rows512(const int8_t *wb, const float *sb,
+                                                                   const int32_t *xpairs, const float *xscale,
+                                                                   const int MB, int64_t K, int64_t runs,
+                                                                   float out[Q8_ROWS][16]) {
+    enum { MAX_PARTS = 4 };
+    const int parts = MB <= 2 ? 4 : MB <= 4 ? 2 : 1;
+    const int64_t pairs = K / 2;
+    __m512 acc[Q8_ROWS];
+    for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < runs; r++) {
+        __m512i d[MAX_PARTS][Q8_ROWS];
+        for (int j = 0; j < parts; j++)
+            for (int m = 0; m < MB; m++) d[j][m] = _mm512_setzero_si512();
+        for (int64_t p = 16 * r; p < 16 * r + 16; p += parts) {
+            for (int j = 0; j < parts; j++) {
+                const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wb + 32 * (p + j))));
+                for (int m = 0; m < MB; m++) {
+                    const __m512i xv = _mm512_set1_epi32(xpairs[m * pairs + p + j]);
+#if defined(__AVX512VNNI__)
+                    d[j][m] = _mm512_dpwssd_epi32(d[j][m], wv, xv);
+#else
+                    d[j][m] = _mm512_add_epi32(d[j][m], _mm512_madd_epi16(wv, xv));
+#endif
+                }
             }
         }
         const __m512 ws = _mm512_loadu_ps(sb + 16 * r);
-        for (int64_t m = 0; m < mb; m++)
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[m]), _mm512_mul_ps(ws, _mm512_set1_ps(xscale[m * runs + r])),
+        for (int m = 0; m < MB; m++) {
+            __m512i dot = d[0][m];
+            for (int j = 1; j < parts; j++) dot = _mm512_add_epi32(dot, d[j][m]);
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, _mm512_set1_ps(xscale[m * runs + r])),
                                      acc[m]);
+        }
     }
-    for (int64_t m = 0; m < mb; m++) _mm512_storeu_ps(out[m], acc[m]);
+    for (int m = 0; m < MB; m++) _mm512_storeu_ps(out[m], acc[m]);
+}
+#endif
+
+static void q8_block_rows(const int8_t *wb, const float *sb, const int32_t *xpairs, const float *xscale,
+                          int64_t mb, int64_t K, int64_t runs, float out[Q8_ROWS][16]) {
+#if defined(__AVX512BW__) && defined(__AVX512F__)
+    switch (mb) {
+        case 8: q8_block_rows512(wb, sb, xpairs, xscale, 8, K, runs, out); break;
+        case 7: q8_block_rows512(wb, sb, xpairs, xscale, 7, K, runs, out); break;
+        case 6: q8_block_rows512(wb, sb, xpairs, xscale, 6, K, runs, out); break;
+        case 5: q8_block_rows512(wb, sb, xpairs, xscale, 5, K, runs, out); break;
+        case 4: q8_block_rows512(wb, sb, xpairs, xscale, 4, K, runs, out); break;
+        case 3: q8_block_rows512(wb, sb, xpairs, xscale, 3, K, runs, out); break;
+        case 2: q8_block_rows512(wb, sb, xpairs, xscale, 2, K, runs, out); break;
+        default: q8_block_rows512(wb, sb, xpairs, xscale, 1, K, runs, out); break;
+    }
 #else
+    const int64_t pairs = K / 2;
     __m256 lo[Q8_ROWS], hi[Q8_ROWS];
     for (int64_t m = 0; m < Q8_ROWS; m++) lo[m] = hi[m] = _mm256_setzero_ps();
     for (int64_t r = 0; r < runs; r++) {
