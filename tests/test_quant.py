@@ -503,8 +503,8 @@ def test_gguf_blocks_on_amx_keep_each_rows_bits_at_any_call_size(amx: None) -> N
     """GGUF 4-bit blocks as stored (mode 3) on an AMX CPU: tiles for 16-row blocks from 12 real
     rows, AVX512-VNNI below, one float32 order per (row, output): a row alone, in a call of 37 or in
     other splits has the same bits (batch invariance), equal to the product of the dequantised weight
-    to int16-activation rounding; with AMX turned off (vpdpbusd only, as on a CPU without AMX) the
-    bits are the same, and the tile unit really ran when on."""
+    to int16-activation rounding; with AMX turned off (vpdpbusd only, as on a CPU without AMX) every
+    call size gives the same bits, and the tile unit really ran when on."""
     g = torch.Generator().manual_seed(9)
     for rows, cols in ((50, 512), (20, 32)):  # 4 output blocks, the last one partial; one run a row
         packed = int4_native.pack_rows(torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8))
@@ -530,6 +530,9 @@ def test_gguf_blocks_on_amx_keep_each_rows_bits_at_any_call_size(amx: None) -> N
         assert (whole.double() - exact).abs().max() <= 1e-4 * exact.abs().max()
         assert int4_native.use_amx(False) is False
         assert torch.equal(mm(x), whole)
+        assert torch.equal(torch.cat([mm(x[i : i + 1]) for i in range(37)]), whole)
+        for split in (5, 8, 9):  # a few rows' calls gather their codes, the rest read them regrouped
+            assert torch.equal(torch.cat([mm(x[:split]), mm(x[split:])]), whole), (cols, split)
         assert int4_native.use_amx(True) is True
 
 

@@ -48,24 +48,42 @@ static void split_activations(const int16_t *xq, int64_t M, int64_t K, int64_t M
     memset(lo + M * K, 0, (size_t)((Mp - M) * K));
 }
 
-/* B rows [runs][8][64] of 16 weight rows from n0 (rows past N: zero codes) from the row-chunked
- * nibbles (row n, run r: 16 bytes, byte i = q[i] | q[16 + i] << 4): with dword j of a row's run
- * gathered across the 16 rows, its low nibbles are B row j and its high nibbles B row j + 4. */
-static void int4_b_rows(const uint8_t *packed, int64_t n0, int64_t N, int64_t K, int64_t runs, uint8_t *tiles) {
+/* Where block n0's 16 weight rows start (row-chunked nibbles: row n, run r: 16 bytes, byte i =
+ * q[i] | q[16 + i] << 4), each lane's byte offset to its row and which rows exist (n0 + i < N). */
+typedef struct {
+    const uint8_t *base;
+    __m512i row_offsets;
+    __mmask16 present;
+} Int4BlockRows;
+
+static inline Int4BlockRows int4_block_rows(const uint8_t *packed, int64_t n0, int64_t N, int64_t K) {
     const int64_t row_bytes = K / 2;
-    const __m512i offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                               _mm512_set1_epi32((int)row_bytes));
-    const __mmask16 present = N - n0 >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+    Int4BlockRows rows;
+    rows.base = packed + n0 * row_bytes;
+    rows.row_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32((int)row_bytes));
+    rows.present = N - n0 >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+    return rows;
+}
+
+/* Run r's 8 B rows (rows past N: zero codes): with dword j of each row's run gathered across the 16
+ * rows, its low nibbles are B row j and its high nibbles B row j + 4. */
+static inline __attribute__((always_inline)) void int4_b_run(Int4BlockRows rows, int64_t r, __m512i b[8]) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
-    const uint8_t *base = packed + n0 * row_bytes;
+    for (int j = 0; j < 4; j++) {
+        const __m512i dwords = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows.present, rows.row_offsets,
+                                                           rows.base + 16 * r + 4 * j, 1);
+        b[j] = _mm512_and_si512(dwords, nibble);
+        b[j + 4] = _mm512_and_si512(_mm512_srli_epi32(dwords, 4), nibble);
+    }
+}
+
+/* Every run's B rows of one block, [runs][8][64] bytes. */
+static void int4_b_rows(Int4BlockRows rows, int64_t runs, uint8_t *tiles) {
     for (int64_t r = 0; r < runs; r++) {
-        uint8_t *tile = tiles + 512 * r;
-        for (int j = 0; j < 4; j++) {
-            const __m512i dwords =
-                _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, offsets, base + 16 * r + 4 * j, 1);
-            _mm512_storeu_si512(tile + 64 * j, _mm512_and_si512(dwords, nibble));
-            _mm512_storeu_si512(tile + 64 * (j + 4), _mm512_and_si512(_mm512_srli_epi32(dwords, 4), nibble));
-        }
+        __m512i b[8];
+        int4_b_run(rows, r, b);
+        for (int j = 0; j < 8; j++) _mm512_storeu_si512(tiles + 512 * r + 64 * j, b[j]);
     }
 }
 
@@ -108,18 +126,22 @@ static void int4_block_params(const void *params, const uint16_t *superblock_sca
     }
 }
 
-/* MB (at most 4) activation rows and one block of 16 outputs (its B rows, scales and offsets) into
- * out[0..MB): the file's arithmetic with vpdpbusd. Each B row is loaded once per run and feeds the
- * MB rows, whose dot products are independent chains (the latency of one row's chain of 8 is hidden
- * behind the others'). Inlined with MB known, so the accumulators stay in registers. */
+/* MB (at most 8) activation rows and one block of 16 outputs (its B rows, scales and offsets) into
+ * out[0..MB): the file's arithmetic with vpdpbusd. Each run's B rows are loaded once (from tiles, or
+ * where GATHER gathered straight from the weight: a call of a few rows, where storing them first
+ * costs more than it saves) and feed the MB rows, whose dot products are independent chains.
+ * Inlined with MB and GATHER known, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void vnni_int4_row_group(
-    const uint8_t *tiles, const float *scales, const float *offsets, const int8_t *hi, const uint8_t *lo,
-    const float *xscale, const float *xsum, int MB, int64_t K, int64_t runs, float out[][16]) {
-    __m512 acc[4], bias[4];
+    int GATHER, Int4BlockRows rows, const uint8_t *tiles, const float *scales, const float *offsets, const int8_t *hi,
+    const uint8_t *lo, const float *xscale, const float *xsum, int MB, int64_t K, int64_t runs, float out[][16]) {
+    __m512 acc[8], bias[8];
     for (int m = 0; m < MB; m++) acc[m] = bias[m] = _mm512_setzero_ps();
     for (int64_t r = 0; r < runs; r++) {
         __m512i b[8];
-        for (int j = 0; j < 8; j++) b[j] = _mm512_loadu_si512(tiles + 512 * r + 64 * j);
+        if (GATHER)
+            int4_b_run(rows, r, b);
+        else
+            for (int j = 0; j < 8; j++) b[j] = _mm512_loadu_si512(tiles + 512 * r + 64 * j);
         const __m512 ws = _mm512_loadu_ps(scales + 16 * r), wo = _mm512_loadu_ps(offsets + 16 * r);
         for (int m = 0; m < MB; m++) {
             const int32_t *h = (const int32_t *)(hi + m * K) + 8 * r, *l = (const int32_t *)(lo + m * K) + 8 * r;
@@ -137,14 +159,16 @@ static inline __attribute__((always_inline)) void vnni_int4_row_group(
     for (int m = 0; m < MB; m++) _mm512_storeu_ps(out[m], _mm512_add_ps(acc[m], bias[m]));
 }
 
-/* mb (at most 16) activation rows and one block of 16 outputs into out[0..mb), 4 rows at a time. */
-static void vnni_int4_rows(const uint8_t *tiles, const float *scales, const float *offsets, const int8_t *hi,
-                           const uint8_t *lo, const float *xscale, const float *xsum, int64_t mb, int64_t K,
+/* mb (at most 16) activation rows and one block of 16 outputs into out[0..mb), 4 rows at a time,
+ * from the block's B rows in tiles. */
+static void vnni_int4_rows(const uint8_t *tiles, const float *scales, const float *offsets,
+                                                     const int8_t *hi, const uint8_t *lo, const float *xscale, const float *xsum, int64_t mb, int64_t K,
                            int64_t runs, float out[16][16]) {
+    const Int4BlockRows none = {0};
     int64_t m = 0;
-#define VNNI_GROUP(MB)                                                                                          \
-    vnni_int4_row_group(tiles, scales, offsets, hi + m * K, lo + m * K, xscale + m * runs, xsum + m * runs, MB, K, \
-                        runs, out + m)
+#define VNNI_GROUP(MB)                                                                                      \
+    vnni_int4_row_group(0, none, tiles, scales, offsets, hi + m * K, lo + m * K, xscale + m * runs, xsum + m * runs, \
+                        MB, K, runs, out + m)
     for (; m + 4 <= mb; m += 4) VNNI_GROUP(4);
     switch (mb - m) {
         case 3: VNNI_GROUP(3); break;
@@ -153,6 +177,29 @@ static void vnni_int4_rows(const uint8_t *tiles, const float *scales, const floa
         default: break;
     }
 #undef VNNI_GROUP
+}
+
+/* A call of at most VNNI_GATHER_MAX_ROWS rows (a decode step): its mb rows and block b of 16 outputs,
+ * B rows gathered straight from the weight, into y [mb, N]. */
+#define VNNI_GATHER_MAX_ROWS 8
+static __attribute__((noinline)) void vnni_int4_few_rows(Int4BlockRows rows, const float *scales,
+                                                         const float *offsets, const int8_t *hi, const uint8_t *lo,
+                                                         const float *xscale, const float *xsum, int64_t mb, int64_t K,
+                                                         int64_t runs, float *y, int64_t N, int64_t b) {
+    float out[16][16];
+#define VNNI_GATHER(MB) vnni_int4_row_group(1, rows, NULL, scales, offsets, hi, lo, xscale, xsum, MB, K, runs, out)
+    switch (mb) {
+        case 8: VNNI_GATHER(8); break;
+        case 7: VNNI_GATHER(7); break;
+        case 6: VNNI_GATHER(6); break;
+        case 5: VNNI_GATHER(5); break;
+        case 4: VNNI_GATHER(4); break;
+        case 3: VNNI_GATHER(3); break;
+        case 2: VNNI_GATHER(2); break;
+        default: VNNI_GATHER(1); break;
+    }
+#undef VNNI_GATHER
+    store_block16(out, mb, y, N, b);
 }
 #else
 #define TANDEM_HAVE_VNNI_INT4 0
@@ -163,7 +210,7 @@ static void vnni_int4_rows(const uint8_t *tiles, const float *scales, const floa
 #if TANDEM_HAVE_VNNI_INT4
 /* tandem_int4_mm's mode 3 with this file's arithmetic: y [M, N]; xq, xscale, xsum as
  * round_activations gives them with group size 32. Blocks of 16 outputs split over the threads; a
- * block's B rows and parameters are built once and serve every row: 16-row blocks from
+ * block's B rows (but for a few rows' call) and parameters are built once and serve every row: 16-row blocks from
  * AMX_INT4_MIN_ROWS real rows on the tile unit where it runs, the others with vpdpbusd. Returns 0,
  * -1 when scratch cannot be allocated. */
 static int gguf_blocks_mm(const int16_t *xq, const float *xscale, const float *xsum, const uint8_t *packed,
@@ -191,8 +238,13 @@ static int gguf_blocks_mm(const int16_t *xq, const float *xscale, const float *x
         float *scales = own + 4 * K, *offsets = scales + 16 * runs;
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
-            int4_b_rows(packed, 16 * b, N, K, runs, (uint8_t *)own);
+            const Int4BlockRows rows = int4_block_rows(packed, 16 * b, N, K);
             int4_block_params(params, superblock_scales, groups_per_superblock, 16 * b, N, runs, scales, offsets);
+            if (M <= VNNI_GATHER_MAX_ROWS) {
+                vnni_int4_few_rows(rows, scales, offsets, hi, lo, xscale, xsum, M, K, runs, y, N, b);
+                continue;
+            }
+            int4_b_rows(rows, runs, (uint8_t *)own);
             for (int64_t m0 = 0; m0 < M; m0 += 16) {
                 float out[16][16];
                 const int64_t mb = M - m0 < 16 ? M - m0 : 16;
