@@ -26,8 +26,8 @@ nibble-plane kernel, whose float32 order differs: such a machine agrees with the
 rounding. Each is batch invariant (a row's result never depends on its call).
 
 AMX (`csrc/amx_cpu.c`): built where the build target has AMX-INT8 and used where Linux grants the
-tile state; `TANDEM_NATIVE_AMX=0` or `use_amx(False)` turns it off. Q8_0 calls of 4 rows or more
-put their whole 16-row tiles, and a padded last one from 6 rows (from 1 where the weight passes
+tile state; `TANDEM_NATIVE_AMX=0` or `use_amx(False)` turns it off. Q8_0 calls put their whole
+16-row tiles, and a padded last one from 10 rows (from 1 behind whole tiles where the weight passes
 4 MB), on the tile unit with the vector kernel's exact bits; other rows go to the vector kernel.
 
 `int4_mm` / `int4_dequantize` call the library directly (eager); `torch.ops.tandem.int4_mm` /

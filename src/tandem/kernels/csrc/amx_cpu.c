@@ -149,16 +149,14 @@ static void amx_q8_block(const int8_t *tiles, const float *sb, const int8_t *hi,
 
 /* How many of a call's M rows go through the tile unit (the first ones; the rest through the
  * vector kernel, whose bits are the same): whole 16-row blocks, and a last partial block from
- * AMX_Q8_MIN_ROWS rows (a padded tile costs more than the vector kernel's few rows), or from one
- * row where the weight is larger than AMX_Q8_ONE_PASS_BYTES (the vector kernel's second pass would
- * read it from memory again), in calls of at least AMX_Q8_MIN_CALL_ROWS. Measured on Gemma 3's
- * shapes, docs/performance.md. */
-#define AMX_Q8_MIN_ROWS 6
-#define AMX_Q8_MIN_CALL_ROWS 4
+ * AMX_Q8_MIN_ROWS rows (below, the vector kernel's one pass of up to 8 rows costs less than a padded
+ * tile), or from one row behind whole blocks where the weight is larger than AMX_Q8_ONE_PASS_BYTES
+ * (the vector kernel's pass would read it from memory a second time). Measured on Gemma 3's shapes,
+ * docs/performance.md. */
+#define AMX_Q8_MIN_ROWS 10
 #define AMX_Q8_ONE_PASS_BYTES ((int64_t)4 << 20)
 static int64_t amx_q8_tiled_rows(int64_t M, int64_t N, int64_t K) {
-    if (M < AMX_Q8_MIN_CALL_ROWS) return 0;
-    const int64_t rest = M % 16, min_rest = N * K > AMX_Q8_ONE_PASS_BYTES ? 1 : AMX_Q8_MIN_ROWS;
+    const int64_t rest = M % 16, min_rest = M > 16 && N * K > AMX_Q8_ONE_PASS_BYTES ? 1 : AMX_Q8_MIN_ROWS;
     return rest >= min_rest ? M : M - rest;
 }
 
