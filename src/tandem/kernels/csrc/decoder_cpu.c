@@ -630,6 +630,40 @@ static inline __attribute__((always_inline)) void q8_block_rows512(const int8_t 
     }
     for (int m = 0; m < MB; m++) _mm512_storeu_ps(out[m], acc[m]);
 }
+#else
+/* AVX2: MB rows (a constant where inlined), 16 outputs as two halves of 8. */
+static inline __attribute__((always_inline)) void q8_block_rows256(const int8_t *wb, const float *sb,
+                                                                   const int32_t *xpairs, const float *xscale,
+                                                                   const int MB, int64_t K, int64_t runs,
+                                                                   float out[Q8_ROWS][16]) {
+    const int64_t pairs = K / 2;
+    __m256 lo[Q8_ROWS], hi[Q8_ROWS];
+    for (int m = 0; m < MB; m++) lo[m] = hi[m] = _mm256_setzero_ps();
+    for (int64_t r = 0; r < runs; r++) {
+        __m256i dlo[Q8_ROWS], dhi[Q8_ROWS];
+        for (int m = 0; m < MB; m++) dlo[m] = dhi[m] = _mm256_setzero_si256();
+        for (int64_t p = 16 * r; p < 16 * r + 16; p++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + 32 * p));
+            const __m256i wlo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));      /* outputs 0..7 */
+            const __m256i whi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1)); /* outputs 8..15 */
+            for (int m = 0; m < MB; m++) {
+                const __m256i xv = _mm256_set1_epi32(xpairs[m * pairs + p]);
+                dlo[m] = _mm256_add_epi32(dlo[m], _mm256_madd_epi16(wlo, xv));
+                dhi[m] = _mm256_add_epi32(dhi[m], _mm256_madd_epi16(whi, xv));
+            }
+        }
+        const __m256 wslo = _mm256_loadu_ps(sb + 16 * r), wshi = _mm256_loadu_ps(sb + 16 * r + 8);
+        for (int m = 0; m < MB; m++) {
+            const __m256 xs = _mm256_set1_ps(xscale[m * runs + r]);
+            lo[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo[m]), _mm256_mul_ps(wslo, xs), lo[m]);
+            hi[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi[m]), _mm256_mul_ps(wshi, xs), hi[m]);
+        }
+    }
+    for (int m = 0; m < MB; m++) {
+        _mm256_storeu_ps(out[m], lo[m]);
+        _mm256_storeu_ps(out[m] + 8, hi[m]);
+    }
+}
 #endif
 
 static void q8_block_rows(const int8_t *wb, const float *sb, const int32_t *xpairs, const float *xscale,
@@ -646,32 +680,11 @@ static void q8_block_rows(const int8_t *wb, const float *sb, const int32_t *xpai
         default: q8_block_rows512(wb, sb, xpairs, xscale, 1, K, runs, out); break;
     }
 #else
-    const int64_t pairs = K / 2;
-    __m256 lo[Q8_ROWS], hi[Q8_ROWS];
-    for (int64_t m = 0; m < Q8_ROWS; m++) lo[m] = hi[m] = _mm256_setzero_ps();
-    for (int64_t r = 0; r < runs; r++) {
-        __m256i dlo[Q8_ROWS], dhi[Q8_ROWS];
-        for (int64_t m = 0; m < Q8_ROWS; m++) dlo[m] = dhi[m] = _mm256_setzero_si256();
-        for (int64_t p = 16 * r; p < 16 * r + 16; p++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + 32 * p));
-            const __m256i wlo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));      /* outputs 0..7 */
-            const __m256i whi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1)); /* outputs 8..15 */
-            for (int64_t m = 0; m < mb; m++) {
-                const __m256i xv = _mm256_set1_epi32(xpairs[m * pairs + p]);
-                dlo[m] = _mm256_add_epi32(dlo[m], _mm256_madd_epi16(wlo, xv));
-                dhi[m] = _mm256_add_epi32(dhi[m], _mm256_madd_epi16(whi, xv));
-            }
-        }
-        const __m256 wslo = _mm256_loadu_ps(sb + 16 * r), wshi = _mm256_loadu_ps(sb + 16 * r + 8);
-        for (int64_t m = 0; m < mb; m++) {
-            const __m256 xs = _mm256_set1_ps(xscale[m * runs + r]);
-            lo[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dlo[m]), _mm256_mul_ps(wslo, xs), lo[m]);
-            hi[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dhi[m]), _mm256_mul_ps(wshi, xs), hi[m]);
-        }
-    }
-    for (int64_t m = 0; m < mb; m++) {
-        _mm256_storeu_ps(out[m], lo[m]);
-        _mm256_storeu_ps(out[m] + 8, hi[m]);
+    switch (mb) {
+        case 4: q8_block_rows256(wb, sb, xpairs, xscale, 4, K, runs, out); break;
+        case 3: q8_block_rows256(wb, sb, xpairs, xscale, 3, K, runs, out); break;
+        case 2: q8_block_rows256(wb, sb, xpairs, xscale, 2, K, runs, out); break;
+        default: q8_block_rows256(wb, sb, xpairs, xscale, 1, K, runs, out); break;
     }
 #endif
 }
