@@ -17,13 +17,12 @@ torch's kernel. The library needs `libgomp.so.1`; torch's CPU build bundles a li
 soname and loads it first, so the dynamic loader binds both to one OpenMP runtime and one thread
 pool (a torch linked to another OpenMP would mean two pools on the same cores).
 
-GGUF 4-bit blocks as stored (mode 3): where the build target has AVX512-VNNI (Ice Lake and later
-Xeons, AMD Zen 4 and later), every call takes `csrc/vnni_cpu.c`'s arithmetic (16 outputs in a
-register's lanes, exact integer dot products with vpdpbusd, each weight block's codes regrouped once
-a call and read by every row), on the AMX tile unit for 16-row blocks from 12 real rows where it
-runs: the same bits on every such CPU, AMX or not. Builds without AVX512-VNNI (AVX2 only) run the
-nibble-plane kernel, whose float32 order differs: such a machine agrees with the others to float32
-rounding. Each is batch invariant (a row's result never depends on its call).
+GGUF 4-bit blocks as stored (mode 3): every call takes `csrc/vnni_cpu.c`'s arithmetic (16 outputs
+in a register's lanes, exact integer dot products, each weight block's codes regrouped once a call
+and read by every row; the float32 steps fixed per (row, output)): with vpdpbusd where the build
+target has AVX512-VNNI (Ice Lake and later Xeons, AMD Zen 4 and later), on the AMX tile unit for
+16-row blocks from 12 real rows where it runs, and with vpmaddubsw on AVX2 (`csrc/blocks_avx2.c`):
+the same bits on every CPU, and batch invariant (a row's result never depends on its call).
 
 AMX (`csrc/amx_cpu.c`): built where the build target has AMX-INT8 and used where Linux grants the
 tile state; `TANDEM_NATIVE_AMX=0` or `use_amx(False)` turns it off. Q8_0 calls put their whole
@@ -59,6 +58,7 @@ SOURCE = CSRC / "decoder_cpu.c"  # includes int4_cpu.c: one library with both
 SOURCES = (
     CSRC / "int4_cpu.c",
     CSRC / "vnni_cpu.c",
+    CSRC / "blocks_avx2.c",
     CSRC / "amx_cpu.c",
     CSRC / "logits_cpu.c",
     SOURCE,

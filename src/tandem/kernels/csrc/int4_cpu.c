@@ -14,10 +14,9 @@
  *           block scales float16 [N, G / groups_per_superblock, 2] = (D, M); here
  *           w = q * scale - offset with scale = code_s * D and offset = code_o * M (exact float32
  *           products), as BlockParams.expand(); dequantised, q * scale - offset rounds once, as
- *           the gguf package's dequantize does. Where the build has AVX512-VNNI, every call takes
- *           vnni_cpu.c's arithmetic (on the tile unit where AMX runs); elsewhere (AVX2 only) the
- *           nibble-plane kernel on each row's (scale, -offset) pairs expanded to float32
- *           (plane_kernel_f32).
+ *           the gguf package's dequantize does. The matmul is vnni_cpu.c's arithmetic, with
+ *           AVX512-VNNI (on the tile unit where AMX runs) or AVX2 (blocks_avx2.c): the same bits
+ *           on every CPU.
  *
  * Arithmetic: each run of 32 activations is scaled to int16 (scale = max|x| / 32767, round to
  * nearest: relative error under 2^-16 of the run's largest value, finer than bfloat16), the
@@ -251,11 +250,6 @@ static inline void group_scales(const uint16_t *pairs, int64_t G, float *out) {
     for (; g < G; g++) out[g] = _cvtsh_ss(pairs[2 * g]);
 }
 
-/* The even floats of row n's (scale, bias) pairs (mode 3's row_params). */
-static inline void group_scales_f32(const float *pairs, int64_t G, float *out) {
-    for (int64_t g = 0; g < G; g++) out[g] = pairs[2 * g];
-}
-
 static inline __m256i planes_dot256(__m256i w, const int16_t *x) {
     const __m256i low = _mm256_set1_epi16(0x000F);
     __m256i p0 = _mm256_and_si256(w, low), p2 = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
@@ -302,11 +296,8 @@ static inline __m512i planes_dot512(__m512i w, const int16_t *x) {
  * xpair [MB, 2G] = (-8 xsum_g, xsum_g), so that the bias sum_g (zero_g - 8 scale_g) xsum_g is
  * one dot product with the row's (scale, zero) pairs. */
 #define PLANE_KERNEL(MB) PLANE_KERNEL_T(MB, , uint16_t, group_scales, LOAD8_HALF, AT_HALF)
-#define PLANE_KERNEL_F32(MB) PLANE_KERNEL_T(MB, _f32, float, group_scales_f32, LOAD8_FLOAT, AT_FLOAT)
 #define LOAD8_HALF(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define AT_HALF(p, j) _cvtsh_ss((p)[j])
-#define LOAD8_FLOAT(p) _mm256_loadu_ps(p)
-#define AT_FLOAT(p, j) ((p)[j])
 #define PLANE_KERNEL_T(MB, SUFFIX, PT, SCALES, LOAD8, AT)                                              \
     static inline void plane_kernel##SUFFIX##_##MB(const uint8_t *w, const PT *pairs, const int16_t *xp, \
                                          const float *xscale, const float *xpair, int64_t K,        \
@@ -403,11 +394,6 @@ PLANE_KERNEL(1)
 PLANE_KERNEL(2)
 PLANE_KERNEL(3)
 PLANE_KERNEL(4)
-/* mode 3: per row, float32 (scale, bias coefficient) pairs from row_params, with xpair = (0, xsum) */
-PLANE_KERNEL_F32(1)
-PLANE_KERNEL_F32(2)
-PLANE_KERNEL_F32(3)
-PLANE_KERNEL_F32(4)
 
 /* Activations as the kernels read them: each run of 32 of x [M, K] scaled to int16 (its largest
  * |x| to 32767, rounded to nearest, ties to even) into xq [M, K], the run's step (largest / 32767)
@@ -472,13 +458,13 @@ int tandem_int4_mm(const float *x, const uint8_t *packed, int mode, const void *
         return -1;
     }
     round_activations(x, M, K, group_size, xq, xscale, xsum, num_threads);
-    if (mode == 3 && TANDEM_HAVE_VNNI_INT4) {
+    if (mode == 3) {
         const int status = gguf_blocks_mm(xq, xscale, xsum, packed, params, superblock_scales, groups_per_superblock,
                                        M, N, K, y, num_threads);
         free(xq); free(xscale); free(xsum);
         return status;
     }
-    if (mode == 0 || mode == 3) {
+    if (mode == 0) {
         int16_t *xp = malloc(sizeof(int16_t) * M * K);
         float *xpair = malloc(sizeof(float) * M * 2 * num_groups);
         if (!xp || !xpair) {
@@ -488,7 +474,7 @@ int tandem_int4_mm(const float *x, const uint8_t *packed, int mode, const void *
         for (int64_t m = 0; m < M; m++) {
             pack_planes(xq + m * K, K, xp + m * K);
             for (int64_t g = 0; g < num_groups; g++) {
-                xpair[m * 2 * num_groups + 2 * g] = mode == 3 ? 0.0f : -8.0f * xsum[m * num_groups + g];
+                xpair[m * 2 * num_groups + 2 * g] = -8.0f * xsum[m * num_groups + g];
                 xpair[m * 2 * num_groups + 2 * g + 1] = xsum[m * num_groups + g];
             }
         }
@@ -496,14 +482,10 @@ int tandem_int4_mm(const float *x, const uint8_t *packed, int mode, const void *
         for (int64_t n = 0; n < N; n++) {
             const uint8_t *w = packed + n * (K / 2);
             const uint16_t *pairs = (const uint16_t *)params + n * 2 * num_groups;
-            float row[mode == 3 ? 2 * num_groups : 1];
-            if (mode == 3) row_params(3, params, superblock_scales, groups_per_superblock, n, num_groups, row);
             int64_t m = 0;
 #define PCALL(MB)                                                                                  \
-    (mode == 3 ? plane_kernel_f32_##MB(w, row, xp + m * K, xscale + m * runs, xpair + m * 2 * num_groups, K, \
-                                       group_size, y + m * N + n, N)                                 \
-               : plane_kernel_##MB(w, pairs, xp + m * K, xscale + m * runs, xpair + m * 2 * num_groups, K, \
-                                   group_size, y + m * N + n, N))
+    plane_kernel_##MB(w, pairs, xp + m * K, xscale + m * runs, xpair + m * 2 * num_groups, K, group_size, \
+                      y + m * N + n, N)
             for (; m + 4 <= M; m += 4) PCALL(4);
             switch (M - m) {
                 case 3: PCALL(3); break;

@@ -1,7 +1,8 @@
 /* GGUF 4-bit blocks as stored (tandem_int4_mm mode 3, group size 32) with AVX512-VNNI, on the tile
- * unit (amx_cpu.c, included below) where it runs: one arithmetic for every CPU with AVX512-VNNI
- * (Ice Lake and later Xeons, AMD Zen 4 and later), with AMX or without, at every call size.
- * Included by int4_cpu.c; CPUs without AVX512-VNNI run that file's nibble-plane kernel instead.
+ * unit (amx_cpu.c, included below) where it runs: one arithmetic for every CPU (Ice Lake and later
+ * Xeons, AMD Zen 4 and later with AVX512-VNNI), with AMX or without, at every call size.
+ * Included by int4_cpu.c; builds without AVX512-VNNI run the same arithmetic with AVX2
+ * (blocks_avx2.c), so every x86-64 CPU the library runs on gives the same bits.
  *
  * The arithmetic, for each output (m, n), d_r the exact integer dot product of run r of the int16
  * activations (round_activations) with the codes (0..15):
@@ -19,21 +20,7 @@
  * broadcast low bytes with it (bytes unsigned, codes 0..15 as signed), gives 16 outputs' partial
  * dot products in the lanes: no horizontal sums, and each B row, read once per block of 16 outputs,
  * feeds every activation row. */
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-#define TANDEM_HAVE_VNNI_INT4 1
 #include <omp.h>
-
-/* dst[0..width) = row[0..width), width <= 16 */
-static inline void store_row16(float *dst, const float row[16], int64_t width) {
-    _mm512_mask_storeu_ps(dst, (__mmask16)((1u << width) - 1), _mm512_loadu_ps(row));
-}
-
-/* Rows 0..mb-1 of block b's 16 outputs into y [., N] (row stride N; the last block may be
- * partial). */
-static inline void store_block16(float out[16][16], int64_t mb, float *y, int64_t N, int64_t b) {
-    const int64_t width = N - 16 * b < 16 ? N - 16 * b : 16;
-    for (int64_t m = 0; m < mb; m++) store_row16(y + m * N + 16 * b, out[m], width);
-}
 
 /* xq [M, K] int16 -> hi, lo [Mp, K] bytes (Mp >= M: padding rows zero). */
 static void split_activations(const int16_t *xq, int64_t M, int64_t K, int64_t Mp, int8_t *hi, uint8_t *lo,
@@ -46,6 +33,21 @@ static void split_activations(const int16_t *xq, int64_t M, int64_t K, int64_t M
         }
     memset(hi + M * K, 0, (size_t)((Mp - M) * K));
     memset(lo + M * K, 0, (size_t)((Mp - M) * K));
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define TANDEM_HAVE_VNNI_INT4 1
+
+/* dst[0..width) = row[0..width), width <= 16 */
+static inline void store_row16(float *dst, const float row[16], int64_t width) {
+    _mm512_mask_storeu_ps(dst, (__mmask16)((1u << width) - 1), _mm512_loadu_ps(row));
+}
+
+/* Rows 0..mb-1 of block b's 16 outputs into y [., N] (row stride N; the last block may be
+ * partial). */
+static inline void store_block16(float out[16][16], int64_t mb, float *y, int64_t N, int64_t b) {
+    const int64_t width = N - 16 * b < 16 ? N - 16 * b : 16;
+    for (int64_t m = 0; m < mb; m++) store_row16(y + m * N + 16 * b, out[m], width);
 }
 
 /* Where block n0's 16 weight rows start (row-chunked nibbles: row n, run r: 16 bytes, byte i =
@@ -263,12 +265,5 @@ static int gguf_blocks_mm(const int16_t *xq, const float *xscale, const float *x
     return 0;
 }
 #else
-/* Never called where TANDEM_HAVE_VNNI_INT4 is 0: declared so that every build sees the same calls. */
-static int gguf_blocks_mm(const int16_t *xq, const float *xscale, const float *xsum, const uint8_t *packed,
-                          const void *params, const uint16_t *superblock_scales, int64_t groups_per_superblock,
-                          int64_t M, int64_t N, int64_t K, float *y, int num_threads) {
-    (void)xq, (void)xscale, (void)xsum, (void)packed, (void)params, (void)superblock_scales;
-    (void)groups_per_superblock, (void)M, (void)N, (void)K, (void)y, (void)num_threads;
-    return -2;
-}
+#include "blocks_avx2.c" /* the same arithmetic with AVX2 */
 #endif
