@@ -133,17 +133,13 @@ static int gguf_blocks_mm(const int16_t *xq, const float *xscale, const float *x
     const int64_t runs = K / 32, blocks = (N + 15) / 16;
     /* 4-byte words a thread holds for its block of 16 outputs: B rows, params and one row's pairs */
     const int64_t per_thread = 4 * K + 2 * 16 * runs + 2 * runs;
-    int8_t *hi = malloc((size_t)(M * K));
-    uint8_t *lo = malloc((size_t)(M * K));
-    float *scratch = malloc(sizeof(float) * (size_t)(num_threads * per_thread));
-    if (!hi || !lo || !scratch) {
-        free(hi); free(lo); free(scratch);
-        return -1;
-    }
-    split_activations(xq, M, K, M, hi, lo, num_threads);
+    BlocksScratch scratch;
+    if (blocks_scratch(xq, M, K, M, per_thread, num_threads, &scratch) != 0) return -1;
+    const int8_t *hi = scratch.hi;
+    const uint8_t *lo = scratch.lo;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *own = scratch + omp_get_thread_num() * per_thread;
+        float *own = scratch.words + omp_get_thread_num() * per_thread;
         uint8_t *tiles = (uint8_t *)own;
         float *scales = own + 4 * K, *offsets = scales + 16 * runs, *pairs = offsets + 16 * runs;
 #pragma omp for schedule(static)
@@ -161,6 +157,6 @@ static int gguf_blocks_mm(const int16_t *xq, const float *xscale, const float *x
             }
         }
     }
-    free(hi); free(lo); free(scratch);
+    blocks_scratch_free(&scratch);
     return 0;
 }

@@ -295,16 +295,15 @@ static inline __m512i planes_dot512(__m512i w, const int16_t *x) {
 /* y[m * ldy] for m < MB, weight row n (mode 0): xp [MB, K] plane layout, xscale [MB, runs],
  * xpair [MB, 2G] = (-8 xsum_g, xsum_g), so that the bias sum_g (zero_g - 8 scale_g) xsum_g is
  * one dot product with the row's (scale, zero) pairs. */
-#define PLANE_KERNEL(MB) PLANE_KERNEL_T(MB, , uint16_t, group_scales, LOAD8_HALF, AT_HALF)
-#define LOAD8_HALF(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
-#define AT_HALF(p, j) _cvtsh_ss((p)[j])
-#define PLANE_KERNEL_T(MB, SUFFIX, PT, SCALES, LOAD8, AT)                                              \
-    static inline void plane_kernel##SUFFIX##_##MB(const uint8_t *w, const PT *pairs, const int16_t *xp, \
+#define LOAD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define AT(p, j) _cvtsh_ss((p)[j])
+#define PLANE_KERNEL(MB)                                                                               \
+    static inline void plane_kernel_##MB(const uint8_t *w, const uint16_t *pairs, const int16_t *xp,     \
                                          const float *xscale, const float *xpair, int64_t K,        \
                                          int64_t group_size, float *y, int64_t ldy) {               \
         const int64_t runs = K / 32, G = K / group_size, runs_per_group = group_size / 32;        \
         float scales[G], run_scales[MB][runs];                                                     \
-        SCALES(pairs, G, scales);                                                                  \
+        group_scales(pairs, G, scales);                                                            \
         for (int m = 0; m < MB; m++) {                                                             \
             if (runs_per_group == 1) {                                                             \
                 int64_t r = 0;                                                                     \

@@ -35,6 +35,34 @@ static void split_activations(const int16_t *xq, int64_t M, int64_t K, int64_t M
     memset(lo + M * K, 0, (size_t)((Mp - M) * K));
 }
 
+/* A gguf_blocks_mm call's scratch: the activations split into bytes (Mp rows) and words_per_thread
+ * 4-byte words for each thread's block of 16 outputs (B rows, parameters). */
+typedef struct {
+    int8_t *hi;
+    uint8_t *lo;
+    float *words;
+} BlocksScratch;
+
+static void blocks_scratch_free(BlocksScratch *s) {
+    free(s->hi);
+    free(s->lo);
+    free(s->words);
+}
+
+/* Allocates *s and splits xq into it; returns 0, or -1 (nothing left allocated) without memory. */
+static int blocks_scratch(const int16_t *xq, int64_t M, int64_t K, int64_t Mp, int64_t words_per_thread,
+                          int num_threads, BlocksScratch *s) {
+    s->hi = malloc((size_t)(Mp * K));
+    s->lo = malloc((size_t)(Mp * K));
+    s->words = malloc(sizeof(float) * (size_t)(num_threads * words_per_thread));
+    if (!s->hi || !s->lo || !s->words) {
+        blocks_scratch_free(s);
+        return -1;
+    }
+    split_activations(xq, M, K, Mp, s->hi, s->lo, num_threads);
+    return 0;
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define TANDEM_HAVE_VNNI_INT4 1
 
@@ -223,19 +251,15 @@ static int gguf_blocks_mm(const int16_t *xq, const float *xscale, const float *x
     const int64_t Mp = tiles_on ? (M + 15) / 16 * 16 : M; /* the tile unit reads whole 16-row blocks */
     /* 4-byte words a thread holds for its block of 16 outputs: B rows and params */
     const int64_t per_thread = 4 * K + 2 * 16 * runs;
-    int8_t *hi = malloc((size_t)(Mp * K));
-    uint8_t *lo = malloc((size_t)(Mp * K));
-    float *scratch = malloc(sizeof(float) * (size_t)(num_threads * per_thread));
-    if (!hi || !lo || !scratch) {
-        free(hi); free(lo); free(scratch);
-        return -1;
-    }
-    split_activations(xq, M, K, Mp, hi, lo, num_threads);
+    BlocksScratch scratch;
+    if (blocks_scratch(xq, M, K, Mp, per_thread, num_threads, &scratch) != 0) return -1;
+    const int8_t *hi = scratch.hi;
+    const uint8_t *lo = scratch.lo;
     if (tiles_on) amx_tile_calls++;
 #pragma omp parallel num_threads(num_threads)
     {
         if (tiles_on) amx_configure();
-        float *own = scratch + omp_get_thread_num() * per_thread;
+        float *own = scratch.words + omp_get_thread_num() * per_thread;
         const uint8_t *tiles = (const uint8_t *)own;
         float *scales = own + 4 * K, *offsets = scales + 16 * runs;
 #pragma omp for schedule(static)
@@ -261,7 +285,7 @@ static int gguf_blocks_mm(const int16_t *xq, const float *xscale, const float *x
         }
         if (tiles_on) amx_release();
     }
-    free(hi); free(lo); free(scratch);
+    blocks_scratch_free(&scratch);
     return 0;
 }
 #else
