@@ -165,19 +165,15 @@ static int64_t amx_q8_tiled_rows(int64_t M, int64_t N, int64_t K) {
 static int amx_q8_mm(const int16_t *xq, const float *xscale, const int8_t *codes_il, const float *scales_il,
                      int64_t M, int64_t N, int64_t K, float *y, int num_threads) {
     const int64_t runs = K / 32, blocks = (N + 15) / 16, Mp = (M + 15) / 16 * 16;
-    int8_t *hi = malloc((size_t)(Mp * K));
-    uint8_t *lo = malloc((size_t)(Mp * K));
-    int8_t *tiles = malloc((size_t)(num_threads * K * 16));
-    if (!hi || !lo || !tiles) {
-        free(hi); free(lo); free(tiles);
-        return -1;
-    }
-    split_activations(xq, M, K, Mp, hi, lo, num_threads);
+    BlocksScratch scratch; /* per thread: one block's B tiles, K * 16 bytes */
+    if (blocks_scratch(xq, M, K, Mp, 4 * K, num_threads, &scratch) != 0) return -1;
+    const int8_t *hi = scratch.hi;
+    const uint8_t *lo = scratch.lo;
     amx_tile_calls++;
 #pragma omp parallel num_threads(num_threads)
     {
         amx_configure();
-        int8_t *own = tiles + omp_get_thread_num() * K * 16;
+        int8_t *own = (int8_t *)(scratch.words + omp_get_thread_num() * 4 * K);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             amx_q8_b_tiles(codes_il + b * K * 16, runs, own);
@@ -191,7 +187,7 @@ static int amx_q8_mm(const int16_t *xq, const float *xscale, const int8_t *codes
         }
         amx_release();
     }
-    free(hi); free(lo); free(tiles);
+    blocks_scratch_free(&scratch);
     return 0;
 }
 /* -- GGUF 4-bit blocks as stored (tandem_int4_mm mode 3): vnni_cpu.c's arithmetic on the tiles -- */

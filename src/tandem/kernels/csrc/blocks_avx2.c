@@ -50,9 +50,10 @@ static inline __m256 avx2_halves_to_float(__m256i v, int upper) {
  * before them (K = 32: a row's 2 bytes with row_params), so no read passes a row's end. */
 static void avx2_int4_block_params(const void *params, const uint16_t *superblock_scales,
                                    int64_t groups_per_superblock, int64_t n0, int64_t N, int64_t runs,
-                                   float *pairs, float *scales, float *offsets) {
-    if (runs == 1) {
+                                   float *scales, float *offsets) {
+    if (runs == 1) { /* K = 32: a row's codes are its only 2 bytes */
         for (int64_t n = 0; n < 16; n++) {
+            float pairs[2] = {0.0f, 0.0f};
             if (n0 + n < N) row_params(3, params, superblock_scales, groups_per_superblock, n0 + n, 1, pairs);
             scales[n] = n0 + n < N ? pairs[0] : 0.0f;
             offsets[n] = n0 + n < N ? pairs[1] : 0.0f;
@@ -131,8 +132,8 @@ static int gguf_blocks_mm(const int16_t *xq, const float *xscale, const float *x
                           const void *params, const uint16_t *superblock_scales, int64_t groups_per_superblock,
                           int64_t M, int64_t N, int64_t K, float *y, int num_threads) {
     const int64_t runs = K / 32, blocks = (N + 15) / 16;
-    /* 4-byte words a thread holds for its block of 16 outputs: B rows, params and one row's pairs */
-    const int64_t per_thread = 4 * K + 2 * 16 * runs + 2 * runs;
+    /* 4-byte words a thread holds for its block of 16 outputs: B rows and params */
+    const int64_t per_thread = 4 * K + 2 * 16 * runs;
     BlocksScratch scratch;
     if (blocks_scratch(xq, M, K, M, per_thread, num_threads, &scratch) != 0) return -1;
     const int8_t *hi = scratch.hi;
@@ -141,12 +142,11 @@ static int gguf_blocks_mm(const int16_t *xq, const float *xscale, const float *x
     {
         float *own = scratch.words + omp_get_thread_num() * per_thread;
         uint8_t *tiles = (uint8_t *)own;
-        float *scales = own + 4 * K, *offsets = scales + 16 * runs, *pairs = offsets + 16 * runs;
+        float *scales = own + 4 * K, *offsets = scales + 16 * runs;
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             avx2_int4_b_rows(packed, 16 * b, N, K, runs, tiles);
-            avx2_int4_block_params(params, superblock_scales, groups_per_superblock, 16 * b, N, runs, pairs, scales,
-                                   offsets);
+            avx2_int4_block_params(params, superblock_scales, groups_per_superblock, 16 * b, N, runs, scales, offsets);
             const int64_t width = N - 16 * b < 16 ? N - 16 * b : 16;
             for (int64_t m0 = 0; m0 < M; m0 += 16) {
                 float out[16][16];

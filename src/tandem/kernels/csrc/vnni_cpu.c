@@ -191,8 +191,8 @@ static inline __attribute__((always_inline)) void vnni_int4_row_group(
 
 /* mb (at most 16) activation rows and one block of 16 outputs into out[0..mb), 4 rows at a time,
  * from the block's B rows in tiles. */
-static void vnni_int4_rows(const uint8_t *tiles, const float *scales, const float *offsets,
-                                                     const int8_t *hi, const uint8_t *lo, const float *xscale, const float *xsum, int64_t mb, int64_t K,
+static void vnni_int4_rows(const uint8_t *tiles, const float *scales, const float *offsets, const int8_t *hi,
+                           const uint8_t *lo, const float *xscale, const float *xsum, int64_t mb, int64_t K,
                            int64_t runs, float out[16][16]) {
     const Int4BlockRows none = {0};
     int64_t m = 0;
