@@ -6,7 +6,7 @@ from typing import Any
 
 from tandem import SamplingParams
 from tandem.engine.io.output_processor import OutputProcessor
-from tandem.engine.request import Request
+from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sched.step import RequestUpdate
 
 TEXT = "Grüße, 世界! Emoji 🙂🚀 and code: `x = {'ä': 1}`\n" * 8
@@ -39,3 +39,56 @@ def test_streamed_text_is_the_full_decode_with_no_broken_characters(tiny_llm: An
     assert not any("\ufffd" in delta for delta in deltas)
     # Linear: each step decodes a short window (the final full decode aside), not the whole output.
     assert sum(decoded_lengths) - len(token_ids) < 6 * len(token_ids), (sum(decoded_lengths), len(token_ids))
+
+
+def _stream(
+    processor: OutputProcessor, params: SamplingParams, token_ids: list[int]
+) -> tuple[list[str], Any]:
+    """Feed `token_ids` one step at a time until a stop string or the last token ends the request;
+    the running outputs' delta texts and the final output."""
+    request = Request("r", [1, 2, 3], params)
+    processor.add(request, None, stream_text=True, cumulative=False)
+    deltas: list[str] = []
+    for i, token_id in enumerate(token_ids):
+        request.output_token_ids.append(token_id)
+        last = i == len(token_ids) - 1
+        if last:  # the scheduler ends it at its length
+            request.status = RequestStatus.FINISHED_LENGTH
+        outputs, stopped = processor.process([RequestUpdate(request, [token_id], None, last)])
+        out = outputs[0]
+        deltas.append(out.outputs[0].delta_text)
+        if out.finished:
+            assert stopped == (["r"] if out.outputs[0].finish_reason == "stop" else [])
+            return deltas, out
+    raise AssertionError("the request never finished")
+
+
+def test_stop_strings_end_the_stream_where_the_whole_decode_has_them(tiny_llm: Any) -> None:
+    """Streamed deltas with stop strings (held back while they could still become one, searched
+    only where one can end) join to the whole decode cut at the earliest stop string, as the final
+    output's text: with and without the stop string itself, stops spanning tokens, prefixes of
+    one another, and none found."""
+    tokenizer = tiny_llm.engine.tokenizer
+    token_ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    full = tokenizer.decode(token_ids)
+    cases = [
+        ["世界! E"],
+        ["x = {"],
+        ["🚀 and", "Emoji"],
+        ["code", "co"],
+        ["ä': 1}`\n" + "Gr"],
+        ["not in the text"],
+    ]
+    for stops in cases:
+        for include in (False, True):
+            params = SamplingParams(max_tokens=len(token_ids), stop=stops, include_stop_str_in_output=include)
+            deltas, final = _stream(OutputProcessor(tokenizer), params, token_ids)
+            hits = [(full.find(s), s) for s in stops if full.find(s) >= 0]
+            if hits:
+                position, stop = min(hits)
+                expected = full[: position + len(stop) if include else position]
+                assert final.outputs[0].finish_reason == "stop" and final.outputs[0].stop_reason == stop
+            else:
+                expected = full
+                assert final.outputs[0].finish_reason == "length"
+            assert "".join(deltas) == expected == final.outputs[0].text, (stops, include)

@@ -42,7 +42,7 @@ class RequestStatus(enum.Enum):
 FINISHED_STATUSES = frozenset(s for s in RequestStatus if s.name.startswith("FINISHED"))
 
 
-@dataclass
+@dataclass(eq=False)  # an entity: equal only to itself (queues find and remove it by identity)
 class Request:
     request_id: str
     prompt_token_ids: list[int]

@@ -76,9 +76,7 @@ class StepPipeline:
             return ended
         in_flight, result, ending = filled
         ended += self.fail_requests(result, len(in_flight.scheduled.scheduled))
-        updates = self.scheduler.updates.apply_filled(
-            in_flight.scheduled, result, in_flight.computed_before, ending
-        )
+        updates = self.scheduler.updates.apply_filled(in_flight.scheduled, result, ending)
         self.num_steps += 1
         return ended + self.outputs(updates)
 

@@ -1,12 +1,13 @@
 """Turns per-step token updates into `RequestOutput`s: detokenisation, stop strings, deltas.
 
-While a request streams text, it is decoded incrementally (`Tokenizer.incremental_decoder`: each
-new token decodes a window from the last settled token, as vLLM does, in the tokenizer library),
-so tokenizers that drop a leading space or merge across tokens give the same text as decoding the
-whole output, and a long answer costs linear, not quadratic, time. Text waits while it ends in an
-incomplete UTF-8 sequence. The final text is one decode of the whole output.
+While a request streams text, it is decoded incrementally (`TextStream`: each new token decodes a
+window from the last settled token, as vLLM does, in the tokenizer library), so tokenizers that
+drop a leading space or merge across tokens give the same text as decoding the whole output, and
+each step costs what is new, not the output so far. Text waits while it ends in an incomplete
+UTF-8 sequence. The final text is one decode of the whole output.
 While a request runs, anything that could still become a stop string is held back. A request
-added `final_only` gets two outputs: its first token and its end.
+added `final_only` gets two outputs: its first token and its end; one added not `cumulative` gets
+running outputs with deltas only (no copy of the output so far).
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from tandem.engine.io.tokenizer import IncrementalDecoder, Tokenizer
+from tandem.engine.io.text_stream import TextStream
+from tandem.engine.io.tokenizer import Tokenizer
 from tandem.engine.protocol import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.sched.step import RequestUpdate, num_known
+from tandem.engine.sched.step import PLACEHOLDER_TOKEN, RequestUpdate, num_known
 
 
-@dataclass
+@dataclass(slots=True)
 class _RequestState:
     request: Request
     prompt: str | None
@@ -29,11 +31,12 @@ class _RequestState:
     cumulative: bool  # running outputs carry the output so far too (`GenerationRequest.cumulative`)
     metrics: RequestMetrics
     logprobs: list[dict[int, float]] | None
-    text: str = ""  # text emitted so far
+    text: TextStream
+    # Running outputs are deltas of streamed text, without stop strings or logprobs: each step's
+    # output after the first takes `_plain_delta` (the serving routes' requests)
+    plain_deltas: bool = False
     num_emitted_tokens: int = 0
-    decoded_text: str | None = None  # latest decode of the output, cut at a stop string
-    settled_text: str = ""  # text the incremental decoder settled so far
-    decoder: IncrementalDecoder | None = None  # made when the output's text is first decoded
+    unsent_text: str = ""  # emitted while a `final_only` request's outputs were skipped
 
 
 class OutputProcessor:
@@ -58,6 +61,12 @@ class OutputProcessor:
             cumulative=cumulative,
             metrics=RequestMetrics(arrival_time=request.arrival_time),
             logprobs=[] if params.logprobs is not None else None,
+            text=TextStream(self.tokenizer, list(params.stop or []), params.include_stop_str_in_output),
+            plain_deltas=stream_text
+            and not params.stop
+            and not final_only
+            and not cumulative
+            and params.logprobs is None,
         )
 
     def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[str]]:
@@ -65,21 +74,39 @@ class OutputProcessor:
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         stopped: list[str] = []
+        states = self.states
         for update in updates:
-            state = self.states.get(update.request.request_id)
+            request = update.request
+            state = states.get(request.request_id)
             if state is None:
+                continue
+            if state.plain_deltas and state.num_emitted_tokens and not update.finished:
+                outputs.append(self._plain_delta(state, request))
                 continue
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             if state.logprobs is not None and update.new_logprobs:
                 state.logprobs.extend(update.new_logprobs)
             finished = update.finished
-            if (state.stream_text or finished) and self._apply_stop_strings(state, finished):
+            text = state.text
+            delta_text = ""
+            if finished:
+                output_ids = request.output_token_ids
+                delta_text = text.finish(output_ids[: num_known(output_ids)])
+            elif state.stream_text:
+                output_ids = request.output_token_ids
+                num_tokens, num_decoded = num_known(output_ids), text.num_decoded_tokens
+                if num_decoded < num_tokens:
+                    delta_text = text.step(output_ids[num_decoded:num_tokens])
+            if text.stop is not None:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = text.stop
                 finished = True
-                stopped.append(update.request.request_id)
+                stopped.append(request.request_id)
             if state.final_only and not finished and state.num_emitted_tokens:
+                state.unsent_text += delta_text  # the final output's delta carries it
                 continue
-            outputs.append(self._make_output(state, finished, now))
+            outputs.append(self._make_output(state, finished, now, delta_text))
         return outputs, stopped
 
     def mark_scheduled(self, request_ids: list[str], now: float) -> None:
@@ -89,60 +116,52 @@ class OutputProcessor:
                 state.metrics.first_scheduled_time = now
 
     def finish(self, request: Request) -> RequestOutput | None:
-        """Final output of a request ended from outside (abort, error)."""
+        """Final output of a request ended from outside (abort, error): its text so far, with
+        what was held back."""
         state = self.states.get(request.request_id)
         if state is None:
             return None
-        return self._make_output(state, True, time.monotonic())
+        return self._make_output(state, True, time.monotonic(), state.text.flush())
 
-    def _decode(self, state: _RequestState, finished: bool) -> str:
-        """The output's text: one full decode when finished, else the incremental one."""
-        token_ids = state.request.output_token_ids
-        num_tokens = num_known(token_ids)  # a step in flight: its placeholder is not a token yet
-        if finished:
-            return self.tokenizer.decode(token_ids[:num_tokens])
-        if state.decoder is None:
-            state.decoder = self.tokenizer.incremental_decoder()
-        if state.decoder.num_tokens < num_tokens:
-            state.settled_text += state.decoder.extend(token_ids[state.decoder.num_tokens : num_tokens])
-        return state.settled_text
+    @staticmethod
+    def _plain_delta(state: _RequestState, request: Request) -> RequestOutput:
+        """A running output of a request that streams plain deltas (`_RequestState.plain_deltas`)
+        after its first: the step's tokens and their text, nothing copied."""
+        output_ids = request.output_token_ids
+        num_emitted, num_tokens = state.num_emitted_tokens, len(output_ids)
+        if output_ids[-1] == PLACEHOLDER_TOKEN:  # a step in flight: not a token yet
+            num_tokens -= 1
+        delta_ids = output_ids[num_emitted:num_tokens]
+        delta_text = state.text.step(delta_ids) if delta_ids else ""
+        state.num_emitted_tokens = num_tokens
+        metrics = state.metrics
+        metrics.num_accepted_draft_tokens = request.num_accepted_draft_tokens
+        completion = CompletionOutput(0, "", [], None, None, None, delta_text, delta_ids, None)
+        return RequestOutput(
+            request.request_id, state.prompt, request.prompt_token_ids, [completion], False, metrics
+        )
 
-    def _apply_stop_strings(self, state: _RequestState, finished: bool) -> bool:
+    def _make_output(
+        self, state: _RequestState, finished: bool, now: float, delta_text: str
+    ) -> RequestOutput:
+        """The output of a step: `delta_text` is the text emitted since the last output."""
         request = state.request
-        params = request.sampling_params
-        full = self._decode(state, finished)
-        if params.stop:
-            search_from = max(0, len(state.text) - max(len(s) for s in params.stop))
-            hits = [(full.find(s, search_from), s) for s in params.stop]
-            hits = [(pos, s) for pos, s in hits if pos >= 0]
-            if hits:
-                pos, stop = min(hits)
-                end = pos + len(stop) if params.include_stop_str_in_output else pos
-                state.decoded_text = full[:end]
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = stop
-                return True
-        state.decoded_text = full
-        return False
-
-    def _make_output(self, state: _RequestState, finished: bool, now: float) -> RequestOutput:
-        request = state.request
-        full = state.decoded_text if state.decoded_text is not None else state.text
-        if not finished:
-            full = self._hold_back(full, request)
-        emitted = state.text
-        if not full.startswith(emitted):  # a stop string cut into already-emitted text (cannot
-            full = emitted  # happen with hold-back; kept as a guard)
         output_ids = request.output_token_ids
         num_emitted, num_tokens = state.num_emitted_tokens, num_known(output_ids)
         delta_ids = output_ids[num_emitted:num_tokens]
         logprobs = state.logprobs
         delta_logprobs = logprobs[num_emitted:] if logprobs is not None else None
-        whole = finished or state.cumulative  # else no copy of the output so far
-        state.text, state.num_emitted_tokens = full, num_tokens
+        state.num_emitted_tokens = num_tokens
+        if state.unsent_text:
+            delta_text, state.unsent_text = state.unsent_text + delta_text, ""
         metrics = state.metrics
         metrics.num_cached_tokens = request.num_cached_tokens
         metrics.num_accepted_draft_tokens = request.num_accepted_draft_tokens
+        if not finished and not state.cumulative:  # a running output of deltas only: no copies
+            completion = CompletionOutput(0, "", [], None, None, None, delta_text, delta_ids, delta_logprobs)
+            return RequestOutput(
+                request.request_id, state.prompt, request.prompt_token_ids, [completion], False, metrics
+            )
         error = error_code = None
         if finished:
             metrics.finished_time = now
@@ -153,12 +172,12 @@ class OutputProcessor:
                 error_code = request.error_code or "request_failed"
         completion = CompletionOutput(
             index=0,
-            text=full if whole else "",
-            token_ids=output_ids[:num_tokens] if whole else [],
+            text=state.text.text,
+            token_ids=output_ids[:num_tokens],
             finish_reason=request.status.finish_reason if finished else None,
             stop_reason=request.stop_reason if finished else None,
-            logprobs=list(logprobs) if logprobs is not None and whole else None,
-            delta_text=full[len(emitted) :],
+            logprobs=list(logprobs) if logprobs is not None else None,
+            delta_text=delta_text,
             delta_token_ids=delta_ids,
             delta_logprobs=delta_logprobs,
         )
@@ -173,17 +192,3 @@ class OutputProcessor:
             error_code=error_code,
             embedding=request.embedding if finished else None,
         )
-
-    def _hold_back(self, text: str, request: Request) -> str:
-        text = text.rstrip("\ufffd")
-        stops = request.sampling_params.stop
-        if stops:
-            # Hold back the longest suffix that is a proper prefix of some stop string.
-            keep = len(text)
-            for stop in stops:
-                for n in range(min(len(stop) - 1, len(text)), 0, -1):
-                    if text.endswith(stop[:n]):
-                        keep = min(keep, len(text) - n)
-                        break
-            text = text[:keep]
-        return text

@@ -25,7 +25,7 @@ Invariants (checked by `check_integrity()`):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -257,6 +257,20 @@ class KVCacheManager:
         table = self.tables.get(request_id)
         return 0 if table is None else sum(1 for b in table.block_ids if b != FREED_BLOCK)
 
+    def decode_block_ids(self, request_id: str, num_total_tokens: int) -> list[int] | None:
+        """`runner_block_ids` once the request's table holds `num_total_tokens` tokens (a decode's
+        block allocated when its token starts one); None when blocks are short (nothing changed)."""
+        table = self.tables.get(request_id)
+        if table is None:
+            return None
+        if len(table.block_ids) * self.block_size < num_total_tokens and not self.allocate_slots(
+            request_id, num_total_tokens
+        ):
+            return None
+        if self.sliding_window is None:
+            return table.block_ids
+        return [0 if b == FREED_BLOCK else b for b in table.block_ids]
+
     def runner_block_ids(self, request_id: str) -> list[int]:
         """The table as the attention kernels read it: released entries point at block 0, which
         only ever holds finite values and is masked out (it is outside the window)."""
@@ -286,12 +300,13 @@ class KVCacheManager:
                 if not holders:
                     del self._holders[block_id]
 
-    def stale_requests(self, request_ids: list[str]) -> list[str]:
+    def stale_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Of `request_ids`, those holding a block whose generation changed since they got it.
         Kept from what changed: the blocks whose generation was written since the last call
         (`Generations.take_written`: handed out again, or tampered with) are compared with their
         holders' tables; a request found stale stays so until its blocks are freed. A step costs
-        what was allocated in it, not the tables' length (it runs every step)."""
+        what was allocated in it, not the tables' length (it runs every step); `request_ids` is
+        read only when some request is stale."""
         generations = self.pool.generations
         for block_id in generations.take_written():
             for request_id in self._holders.get(block_id, ()):

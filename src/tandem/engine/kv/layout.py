@@ -16,6 +16,7 @@ step's tokens are written and read (the block table, or the head slots and table
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 from tandem.engine.kv.block_manager import KVCacheManager
@@ -41,7 +42,7 @@ class KVLayout(Protocol):
 
     def describe(self, item: ScheduledRequest, request: Request) -> None: ...
 
-    def stale_requests(self, request_ids: list[str]) -> list[str]:
+    def stale_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Those of `request_ids` holding a block whose generation changed (KV integrity)."""
         ...
 
@@ -74,7 +75,12 @@ class SharedLayout:
         """Whether the request's blocks hold `num_total_tokens` tokens already."""
         return self.kv.covers(request_id, num_total_tokens)
 
-    def stale_requests(self, request_ids: list[str]) -> list[str]:
+    def decode_block_ids(self, request_id: str, num_total_tokens: int) -> list[int] | None:
+        """The request's block table as the runner reads it, grown to hold `num_total_tokens`
+        tokens; None when blocks are short (`KVCacheManager.decode_block_ids`)."""
+        return self.kv.decode_block_ids(request_id, num_total_tokens)
+
+    def stale_requests(self, request_ids: Iterable[str]) -> list[str]:
         return self.kv.stale_requests(request_ids)
 
     @property
@@ -218,8 +224,8 @@ class HeadLayout:
         self._pending_moves.clear()
         return move_src, move_dst
 
-    def stale_requests(self, request_ids: list[str]) -> list[str]:
-        return self.head_kv.stale_requests(request_ids)
+    def stale_requests(self, request_ids: Iterable[str]) -> list[str]:
+        return self.head_kv.stale_requests(list(request_ids))
 
     def check_request(self, request: Request) -> None:
         assert request.request_id not in self.shared.tables, "a compressed request holds shared blocks"

@@ -75,6 +75,14 @@ class FairShare:
         """`num_tokens` were computed for the request this step."""
         self.counters[self.key(request)] += num_tokens / self.weight(request.tenant_id)
 
+    def charge_step(self, charges: Iterable[tuple[Request, int]]) -> None:
+        """`charge` for each (request, tokens computed) of one step, summed per tenant first."""
+        totals: dict[TenantKey, int] = defaultdict(int)
+        for request, num_tokens in charges:
+            totals[(request.priority, request.tenant_id)] += num_tokens
+        for key, num_tokens in totals.items():
+            self.counters[key] += num_tokens / self.weight(key[1])
+
     def counter(self, request: Request) -> float:
         return self.counters[self.key(request)]
 

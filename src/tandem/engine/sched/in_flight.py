@@ -27,15 +27,14 @@ from tandem.engine.sched.step import PLACEHOLDER_TOKEN, RunnerResult, SchedulerO
 class InFlightStep:
     """A step handed to the device whose results are not applied yet."""
 
-    scheduled: SchedulerOutput
-    computed_before: dict[str, int]  # request id -> its computed count before the step
+    scheduled: SchedulerOutput  # each item's `start_position` is its request's computed count before the step
     placeholders: list[tuple[Request, int]]  # each sampling request, and where its placeholder is
 
     @classmethod
     def begin(cls, scheduled: SchedulerOutput, requests: dict[str, Request]) -> InFlightStep:
         """Advance the step's requests as if its results were in (one placeholder per sampling
         request; a step scheduled ahead carries no drafts)."""
-        computed_before, placeholders = {}, []
+        placeholders = []
         for item in scheduled.scheduled:
             request = requests.get(item.request_id)
             if request is None:
@@ -43,12 +42,12 @@ class InFlightStep:
             assert not item.draft_token_ids and not item.num_draft_slots, (
                 "a step scheduled ahead has no drafts"
             )
-            computed_before[item.request_id] = request.num_computed_tokens
-            request.num_computed_tokens += len(item.token_ids)
+            request.num_computed_tokens = item.start_position + len(item.token_ids)
             if item.sample:
-                placeholders.append((request, len(request.output_token_ids)))
-                request.output_token_ids.append(PLACEHOLDER_TOKEN)
-        return cls(scheduled, computed_before, placeholders)
+                output_token_ids = request.output_token_ids
+                placeholders.append((request, len(output_token_ids)))
+                output_token_ids.append(PLACEHOLDER_TOKEN)
+        return cls(scheduled, placeholders)
 
     def fill(
         self, result: RunnerResult, stop_status: Callable[[Request, int], RequestStatus | None]

@@ -40,6 +40,9 @@ class RequestQueues:
         self.seen_by_runner: set[str] = set()
         self.finished_ids: list[str] = []  # seen by the runner, finished since the last step
         self.num_preemptions_total = 0
+        # running requests whose step's results the next step needs (compressed: its eviction;
+        # embedding: its pooled state), kept as they start and stop running
+        self.num_running_needing_results = 0
 
     # -- places -------------------------------------------------------------------------
     def add(self, request: Request, status: RequestStatus = RequestStatus.WAITING) -> None:
@@ -49,8 +52,10 @@ class RequestQueues:
         self.requests[request.request_id] = request
         self.fair.add(request)
         request.status = status
-        queue = self.running if status is RequestStatus.RUNNING else self.waiting
-        bisect.insort(queue, request, key=Request.sort_key)
+        if status is RequestStatus.RUNNING:
+            self._add_running(request)
+        else:
+            bisect.insort(self.waiting, request, key=Request.sort_key)
 
     def start(self, request: Request) -> None:
         """A waiting request holding its blocks starts running (a preemption recomputes it
@@ -58,7 +63,15 @@ class RequestQueues:
         self.waiting.remove(request)
         request.fork_of = None
         request.status = RequestStatus.RUNNING
+        self._add_running(request)
+
+    def _add_running(self, request: Request) -> None:
         bisect.insort(self.running, request, key=Request.sort_key)
+        self.num_running_needing_results += request.compressed or request.embed
+
+    def _remove_running(self, request: Request) -> None:
+        self.running.remove(request)
+        self.num_running_needing_results -= request.compressed or request.embed
 
     def remove(self, request_id: str, status: RequestStatus) -> Request | None:
         """Take a finished request out of the queues; its blocks are freed, or held when it
@@ -68,7 +81,7 @@ class RequestQueues:
             return None
         self.fair.remove(request)
         if request in self.running:
-            self.running.remove(request)
+            self._remove_running(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
@@ -84,7 +97,7 @@ class RequestQueues:
 
     def preempt(self, victim: Request) -> None:
         """Back to waiting, its blocks freed: it restarts from `num_computed_tokens = 0`."""
-        self.running.remove(victim)
+        self._remove_running(victim)
         self.free_kv(victim.request_id)
         victim.kv_evicted = False  # recomputed from scratch, then evicted again
         victim.status = RequestStatus.PREEMPTED
@@ -135,16 +148,6 @@ class RequestQueues:
         self.shared.free(request_id)
         if self.head_layout is not None:
             self.head_layout.free(request_id)
-
-    def decode_ready(self, request: Request) -> bool:
-        """Whether the request decodes (only its last token is uncomputed) in the shared layout,
-        whose blocks already hold that token (scheduling it allocates nothing)."""
-        num_tokens = request.num_tokens
-        return (
-            request.num_computed_tokens + 1 == num_tokens
-            and not request.compressed
-            and self.shared.covers(request.request_id, num_tokens)
-        )
 
     def allocate(self, request: Request, num_total_tokens: int, admission: bool = False) -> bool:
         """Room for the request's first `num_total_tokens` tokens in its layout (all-or-nothing)."""

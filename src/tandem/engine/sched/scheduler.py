@@ -215,10 +215,11 @@ class Scheduler:
         reassigned: an allocator bug, a late KV transfer), in either layout."""
         if not self.check_kv_integrity or not scheduled:
             return []
-        request_ids = [s.request_id for s in scheduled]
-        stale = self.shared.stale_requests(request_ids)
+        stale = self.shared.stale_requests(s.request_id for s in scheduled)  # read only if any is stale
         if self.head_layout is not None:  # compressed requests' head blocks carry the same tags
-            stale += self.head_layout.stale_requests([r for r in request_ids if r not in stale])
+            stale += self.head_layout.stale_requests(
+                [s.request_id for s in scheduled if s.request_id not in stale]
+            )
         return stale
 
     def _computes_interactive_prompt(self, step: StepInProgress) -> bool:
@@ -267,7 +268,7 @@ class Scheduler:
         (`in_flight.py`): it cannot preempt (the free blocks cover every running request's share of
         a full step), and no running request is compressed (its eviction needs the results) or
         embeds (its pooled state is its result)."""
-        if any(r.compressed or r.embed for r in self.running):
+        if self.queues.num_running_needing_results:
             return False
         bound = self.max_num_batched_tokens // self.kv.block_size + 1 + len(self.running)
         return self.kv.pool.num_free_blocks >= bound
@@ -299,6 +300,10 @@ class Scheduler:
             assert request.status is RequestStatus.RUNNING
             assert request.num_computed_tokens <= request.num_tokens
             self.queues.layout(request).check_request(request)
+        needing_results = sum(r.compressed or r.embed for r in self.running)
+        assert needing_results == self.queues.num_running_needing_results, (
+            "count of running requests needing results"
+        )
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             if request.num_computed_tokens == 0:

@@ -89,65 +89,72 @@ class StepBuilder:
         step.scheduled_ids.add(request.request_id)
         step.budget -= num_new + (len(drafts) if drafts is not None else 0)
 
-    def schedule_decode(self, request: Request, step: StepInProgress) -> None:
-        """`schedule_one` of one token for a decoding request without drafts whose blocks hold
-        that token already (`RequestQueues.decode_ready`: most requests of most steps): the same
-        item, without the general path's chunking, draft and allocation checks."""
-        start = request.num_computed_tokens
-        params = request.sampling_params
-        item = ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=request.token_ids_slice(start, start + 1),
-            start_position=start,
-            block_ids=[],
-            sample=True,
-            sampling_params=params,
-            output_token_ids=request.output_token_ids,
-            is_new=self.queues.mark_seen(request.request_id),
-            lora_name=request.lora_name,
-            prompt_token_ids=request.prompt_token_ids if params.repetition_penalty != 1.0 else [],
-            embed=request.embed,
-        )
-        self.queues.shared.describe(item, request)
-        step.scheduled.append(item)
-        step.scheduled_ids.add(request.request_id)
-        step.budget -= 1
-
     def schedule_running(self, candidates: list[Request], step: StepInProgress, cap: int) -> int:
         """Schedule these running requests, in this order, within `cap` tokens; when blocks run
         out, preempt (`victim_in_pool`: lowest priority, tenant most over its share, latest
-        arrival). Returns what is left of `cap`."""
+        arrival). Returns what is left of `cap`. A request that decodes without drafts in the
+        shared layout, its blocks holding its token or one more block free (most requests of most
+        steps), gets its item here, without the general path's chunking and draft checks."""
         planned, running = self.planned_drafts, RequestStatus.RUNNING
+        decode_block_ids, mark_seen = self.queues.shared.decode_block_ids, self.queues.mark_seen
+        scheduled, scheduled_ids = step.scheduled, step.scheduled_ids
         for request in candidates:
             if cap <= 0:
                 break
             if request.status is not running:  # preempted for an earlier one
                 continue
-            if request.request_id not in planned and self.queues.decode_ready(request):
-                self.schedule_decode(request, step)
-                cap -= 1
+            request_id = request.request_id
+            output_token_ids, prompt_token_ids = request.output_token_ids, request.prompt_token_ids
+            num_tokens = len(prompt_token_ids) + len(output_token_ids)
+            start = request.num_computed_tokens
+            block_ids = None
+            if start + 1 == num_tokens and not request.compressed and not (planned and request_id in planned):
+                block_ids = decode_block_ids(request_id, num_tokens)  # None: blocks are short
+            if block_ids is None:
+                cap = self.schedule_chunk(request, step, cap)
                 continue
-            num_new = self.chunk(request, cap)
-            if num_new == 0 and request.whole_prompt:  # a whole prompt that does not fit this step: it waits
-                continue
-            drafts = self.planned_drafts.get(request.request_id, NO_PROPOSAL)
-            if drafts and request.num_computed_tokens + num_new == request.num_tokens:
-                drafts = drafts.truncated(max(0, cap - num_new))
-            else:
-                drafts = NO_PROPOSAL
-            while not self.queues.allocate(request, request.num_computed_tokens + num_new + len(drafts)):
-                victim = self.queues.victim_in_pool(request)
-                # The victim may already hold a share of this step: it gives it back (to the cap
-                # too, when it is of this class).
-                returned = self.preempt_in_step(victim, step)
-                if victim.priority is request.priority:
-                    cap += returned
-                if victim is request:
-                    break
-            else:
-                self.schedule_one(request, num_new, step, drafts)
-                cap -= num_new + len(drafts)
+            params = request.sampling_params
+            item = ScheduledRequest(
+                request_id,
+                [output_token_ids[-1] if output_token_ids else prompt_token_ids[-1]],
+                start,
+                block_ids,
+                True,
+                params,
+                output_token_ids,
+                mark_seen(request_id),
+                request.lora_name,
+                prompt_token_ids=prompt_token_ids if params.repetition_penalty != 1.0 else [],
+                embed=request.embed,
+            )
+            scheduled.append(item)
+            scheduled_ids.add(request_id)
+            step.budget -= 1
+            cap -= 1
         return cap
+
+    def schedule_chunk(self, request: Request, step: StepInProgress, cap: int) -> int:
+        """Schedule a running request's next chunk (a prompt chunk, or a decode with its drafts)
+        within `cap`, preempting while blocks are short; returns what is left of `cap`."""
+        num_new = self.chunk(request, cap)
+        if num_new == 0 and request.whole_prompt:  # a whole prompt that does not fit this step: it waits
+            return cap
+        drafts = self.planned_drafts.get(request.request_id, NO_PROPOSAL)
+        if drafts and request.num_computed_tokens + num_new == request.num_tokens:
+            drafts = drafts.truncated(max(0, cap - num_new))
+        else:
+            drafts = NO_PROPOSAL
+        while not self.queues.allocate(request, request.num_computed_tokens + num_new + len(drafts)):
+            victim = self.queues.victim_in_pool(request)
+            # The victim may already hold a share of this step: it gives it back (to the cap
+            # too, when it is of this class).
+            returned = self.preempt_in_step(victim, step)
+            if victim.priority is request.priority:
+                cap += returned
+            if victim is request:
+                return cap
+        self.schedule_one(request, num_new, step, drafts)
+        return cap - num_new - len(drafts)
 
     def preempt_in_step(self, request: Request, step: StepInProgress) -> int:
         """Preempt a running request, giving back its share of this step if it had one (its

@@ -84,38 +84,45 @@ class StepUpdates:
         self,
         output: SchedulerOutput,
         result: RunnerResult,
-        computed_before: dict[str, int],
         ending: dict[str, RequestStatus | None],
     ) -> list[RequestUpdate]:
         """The rest of `update_from_output` for a step whose tokens are in place already and whose
         requests' computed counts have moved on (`in_flight.InFlightStep.fill`; no drafts, no
         compressed or embedding requests): fair shares, the prefix cache, the window, and the
         requests whose token stopped them (`ending`) finish. Returns the same updates."""
-        num_rows = sum(1 for s in output.scheduled if s.sample)
-        self.speculation.step_cost.observe(output.num_scheduled_tokens, num_rows, result.wall_s)
         updates: list[RequestUpdate] = []
+        charged: list[tuple[Request, int]] = []
         requests, sampled, all_logprobs = self.queues.requests, result.sampled_token_ids, result.logprobs
         windowed = self.queues.shared.windowed  # else releasing outside the window is a no-op
+        block_size = self.queues.shared.block_size
+        num_rows = 0
+        num_output_tokens = dict.fromkeys(Priority, 0)
         for item in output.scheduled:
+            num_rows += item.sample
             request = requests.get(item.request_id)
             if request is None:  # finished meanwhile (abort, a stop string, a failure)
                 continue
-            self.queues.fair.charge(request, len(item.token_ids))
-            self.maybe_cache(request, computed_before[item.request_id])
+            charged.append((request, len(item.token_ids)))
+            if item.start_position // block_size != request.num_computed_tokens // block_size:
+                self.publish(request)
             token_ids = sampled.get(item.request_id) if item.sample else None
             if not token_ids:
                 if windowed:
                     self.release_outside_window(request)
                 continue
             status = ending.get(item.request_id)
-            self.num_output_tokens_total[request.priority] += 1
+            num_output_tokens[request.priority] += 1
             if status is not None:
                 self.finish(request.request_id, status)
             elif windowed:
                 self.release_outside_window(request)
             logprobs = all_logprobs.get(item.request_id) if all_logprobs else None
             new_logprobs = logprobs[:1] if logprobs is not None else None
-            updates.append(RequestUpdate(request, token_ids[:1], new_logprobs, finished=status is not None))
+            updates.append(RequestUpdate(request, token_ids[:1], new_logprobs, status is not None))
+        self.queues.fair.charge_step(charged)
+        for priority, num_tokens in num_output_tokens.items():
+            self.num_output_tokens_total[priority] += num_tokens
+        self.speculation.step_cost.observe(output.num_scheduled_tokens, num_rows, result.wall_s)
         return updates
 
     def pooled(self, request: Request, item: ScheduledRequest, result: RunnerResult) -> RequestUpdate | None:
@@ -173,11 +180,13 @@ class StepUpdates:
 
     def maybe_cache(self, request: Request, computed_before: int) -> None:
         """Publish blocks that this step filled with computed tokens to the prefix cache."""
-        if (
-            computed_before // self.queues.shared.block_size
-            != request.num_computed_tokens // self.queues.shared.block_size
-        ):
-            self.queues.shared.publish_full_blocks(request, self.queues.cache_salt(request))
+        block_size = self.queues.shared.block_size
+        if computed_before // block_size != request.num_computed_tokens // block_size:
+            self.publish(request)
+
+    def publish(self, request: Request) -> None:
+        """Publish the request's full blocks of computed tokens to the prefix cache."""
+        self.queues.shared.publish_full_blocks(request, self.queues.cache_salt(request))
 
     def check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -54,26 +54,36 @@ class SpeculationSettings:
 
 
 class NgramIndex:
-    """Prompt lookup for one request. `extend` with every new token; `propose` the continuation."""
+    """Prompt lookup for one request. `extend` with every new token; `propose` the continuation.
+    The n-grams are indexed when a proposal needs them (a step that drafts nothing costs an
+    append per token; the index a proposal reads is the same)."""
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
-        # n-gram -> the position right after its latest occurrence that has a token after it
+        # n-gram -> the position right after its latest occurrence that has a token after it,
+        # for the n-grams followed by a token before position `_num_indexed`
         self._after: dict[tuple[int, ...], int] = {}
+        self._num_indexed = 0
 
     def extend(self, token_ids: list[int]) -> None:
-        for token in token_ids:
-            # The n-grams that end at the current last token now have a follower: index them.
-            end = len(self.tokens)
-            for n in range(self.min_n, min(self.max_n, end) + 1):
-                self._after[tuple(self.tokens[end - n : end])] = end
-            self.tokens.append(token)
+        self.tokens.extend(token_ids)
+
+    def _catch_up(self) -> None:
+        """Index the n-grams that ended at each token appended since the last proposal, in order
+        (a later occurrence replaces an earlier one)."""
+        tokens, after, min_n, max_n = self.tokens, self._after, self.min_n, self.max_n
+        for end in range(self._num_indexed, len(tokens)):
+            for n in range(min_n, min(max_n, end) + 1):
+                after[tuple(tokens[end - n : end])] = end
+        self._num_indexed = len(tokens)
 
     def propose(self, num_tokens: int) -> tuple[list[int], int]:
         """Up to `num_tokens` tokens that followed the latest earlier occurrence of the longest
         matching suffix, and that suffix's length ([], 0 when no suffix of at least `min_n`
         tokens occurred before)."""
+        if self._num_indexed < len(self.tokens):
+            self._catch_up()
         size = len(self.tokens)
         for n in range(min(self.max_n, size), self.min_n - 1, -1):
             start = self._after.get(tuple(self.tokens[size - n :]))
