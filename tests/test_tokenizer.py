@@ -141,3 +141,33 @@ def test_post_processor_special_tokens_as_transformers(tmp_path: Path, add_bos: 
     ids = ours.encode("Hello there")
     assert (ids[0] == ours.bos_token_id) == add_bos
     assert (ids[-1] == ref.eos_token_id) == add_eos
+
+
+def test_byte_level_stream_settles_what_the_library_stream_does(ours) -> None:  # type: ignore[no-untyped-def]
+    """The byte-level table's stream (`IncrementalDecoder` on a `ByteLevel` decoder) gives, token
+    by token, exactly the text the tokenizer library's `DecodeStream` settles: on real text
+    (multi-byte characters split across tokens), with special tokens inside, and on random ids
+    (pieces of characters in any order, invalid sequences), and joins to `decode`."""
+    import random
+
+    from tokenizers.decoders import DecodeStream
+
+    from tandem.engine.io.byte_decoder import byte_level_table
+    from tandem.engine.io.tokenizer import IncrementalDecoder
+
+    backend = ours.backend
+    table = byte_level_table(backend)
+    assert table is not None, "the default model's decoder is ByteLevel"
+    rng = random.Random(0)
+    vocab_size = backend.get_vocab_size(with_added_tokens=True)
+    sequences = [ours.encode(text, add_special_tokens=False) for text in TEXTS]
+    sequences += [[rng.randrange(vocab_size) for _ in range(200)] for _ in range(20)]
+    multibyte = [i for i in range(vocab_size) if table[i] and any(b >= 0x80 for b in table[i])]
+    sequences += [[rng.choice(multibyte) for _ in range(100)] for _ in range(20)]
+    for token_ids in sequences:
+        ours_stream, library = IncrementalDecoder(backend, table), DecodeStream(skip_special_tokens=True)
+        settled = [ours_stream.extend([token_id]) for token_id in token_ids]
+        assert settled == [library.step(backend, token_id) or "" for token_id in token_ids]
+        text = "".join(settled)
+        full = backend.decode(token_ids, skip_special_tokens=True)
+        assert full.startswith(text) and not full[len(text) :].strip("\ufffd"), (text, full)

@@ -26,6 +26,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 from tokenizers.decoders import DecodeStream
 
+from tandem.engine.io.byte_decoder import ByteLevelStream, byte_level_table
 from tandem.engine.io.chat_templates import FAMILY_CHAT_TEMPLATES
 from tandem.engine.io.gguf_tokenizer import add_bos_default, bytes_to_unicode, gguf_backend
 from tandem.platform.errors import InvalidRequestError, ModelLoadError
@@ -51,6 +52,8 @@ class Tokenizer:
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
         self._template: jinja2.Template | None = None
         self._token_bytes: list[bytes] | None = None
+        self._byte_level_table: list[bytes] | None = None  # `byte_level_table`, built once
+        self._byte_level_checked = False
 
     @property
     def vocab_size(self) -> int:
@@ -65,7 +68,9 @@ class Tokenizer:
 
     def incremental_decoder(self) -> IncrementalDecoder:
         """A decoder that takes one output's tokens as they come (`IncrementalDecoder`)."""
-        return IncrementalDecoder(self.backend)
+        if not self._byte_level_checked:
+            self._byte_level_table, self._byte_level_checked = byte_level_table(self.backend), True
+        return IncrementalDecoder(self.backend, self._byte_level_table)
 
     def token_bytes_table(self) -> list[bytes]:
         """Each token id's raw bytes (OpenAI's logprobs `bytes`; a token can be part of a UTF-8
@@ -169,17 +174,25 @@ class IncrementalDecoder:
     """One output's text, token by token (the `tokenizers` library's `DecodeStream`: it decodes a
     window from the last settled token, as `decode(ids)` minus the window's prefix, and waits
     while the text ends in an incomplete UTF-8 sequence). The text so far is what `decode` of the
-    tokens fed gives, less any incomplete character at its end; special tokens are skipped."""
+    tokens fed gives, less any incomplete character at its end; special tokens are skipped. With a
+    byte-level table (`byte_decoder.byte_level_table`: a `ByteLevel` decoder) the same text comes
+    from the tokens' bytes, without a call into the library per token."""
 
-    def __init__(self, backend: HFTokenizer) -> None:
+    def __init__(self, backend: HFTokenizer, byte_table: list[bytes] | None = None) -> None:
         self._backend = backend
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._bytes = ByteLevelStream(byte_table) if byte_table is not None else None
+        self._stream = DecodeStream(skip_special_tokens=True) if byte_table is None else None
         self.num_tokens = 0  # tokens fed so far
 
     def extend(self, token_ids: list[int]) -> str:
         """Feed new tokens; returns the text they settle (may be empty)."""
         self.num_tokens += len(token_ids)
-        if len(token_ids) == 1:  # a decode step's one token
+        if self._bytes is not None:
+            if len(token_ids) == 1:  # a decode step's one token
+                return self._bytes.step(token_ids[0])
+            return "".join([self._bytes.step(token_id) for token_id in token_ids])
+        assert self._stream is not None
+        if len(token_ids) == 1:
             return self._stream.step(self._backend, token_ids[0]) or ""
         chunks = [self._stream.step(self._backend, token_id) for token_id in token_ids]
         return "".join(chunk for chunk in chunks if chunk)

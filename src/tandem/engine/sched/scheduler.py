@@ -243,8 +243,9 @@ class Scheduler:
         decoding: list[Request] = []
         prompting: list[Request] = []
         for r in self.running:
-            if r.priority is priority:
-                (decoding if r.num_computed_tokens >= r.num_tokens - 1 else prompting).append(r)
+            if r.priority is priority:  # decoding: all its tokens but the last computed
+                decodes = r.num_computed_tokens + 1 >= len(r.prompt_token_ids) + len(r.output_token_ids)
+                (decoding if decodes else prompting).append(r)
         waiting = [r for r in self.waiting if r.priority is priority and self.admission.may_start(r)]
         if prompts_wait:
             cap = self.builder.schedule_running(

@@ -43,12 +43,18 @@ class StepUpdates:
         num_rows = sum(1 + s.num_draft_tokens for s in output.scheduled if s.sample)
         self.speculation.step_cost.observe(output.num_scheduled_tokens, num_rows, result.wall_s)
         updates: list[RequestUpdate] = []
+        charged: list[tuple[Request, int]] = []
         num_generated = 0
+        requests, sampled, windowed = (
+            self.queues.requests,
+            result.sampled_token_ids,
+            self.queues.shared.windowed,
+        )
         for item in output.scheduled:
-            request = self.queues.requests.get(item.request_id)
+            request = requests.get(item.request_id)
             if request is None:  # finished while the step ran (abort)
                 continue
-            self.queues.fair.charge(request, len(item.token_ids) + item.num_draft_slots)
+            charged.append((request, len(item.token_ids) + item.num_draft_slots))
             if item.head is not None and item.head.prefix_src_slots:  # copied into its heads
                 self.queues.shared.free(item.request_id)  # the shared blocks go back
             if item.embed:
@@ -56,10 +62,9 @@ class StepUpdates:
                 if embedded is not None:
                     updates.append(embedded)
                 continue
-            kept = result.kept_tokens.get(item.request_id)
-            if kept is not None and self.queues.head_layout is not None and request.compressed:
-                self.queues.head_layout.apply_eviction(request, item, kept)
-            token_ids = result.sampled_token_ids.get(item.request_id) or []
+            if result.kept_tokens and request.compressed:
+                self._evict(request, item, result)
+            token_ids = sampled.get(item.request_id) or []
             num_drafts = item.num_draft_tokens
             num_accepted = min(max(0, len(token_ids) - 1), num_drafts)
             if num_drafts:
@@ -71,14 +76,21 @@ class StepUpdates:
                 self.maybe_cache(request, before)
                 self.release_outside_window(request)
                 continue
-            logprobs = result.logprobs.get(item.request_id)
+            logprobs = result.logprobs.get(item.request_id) if result.logprobs else None
             num_generated += num_accepted + 1
             update = self.append_tokens(request, token_ids[: num_accepted + 1], logprobs)
-            if not update.finished:
+            if windowed and not update.finished:
                 self.release_outside_window(request)
             updates.append(update)
+        self.queues.fair.charge_step(charged)
         self.speculation.end_step(num_generated)
         return updates
+
+    def _evict(self, request: Request, item: ScheduledRequest, result: RunnerResult) -> None:
+        """A compressed request's eviction, when the runner returned what its heads keep."""
+        kept = result.kept_tokens.get(item.request_id)
+        if kept is not None and self.queues.head_layout is not None:
+            self.queues.head_layout.apply_eviction(request, item, kept)
 
     def apply_filled(
         self,
@@ -110,7 +122,7 @@ class StepUpdates:
                 if windowed:
                     self.release_outside_window(request)
                 continue
-            status = ending.get(item.request_id)
+            status = ending.get(item.request_id) if ending else None
             num_output_tokens[request.priority] += 1
             if status is not None:
                 self.finish(request.request_id, status)
@@ -118,7 +130,10 @@ class StepUpdates:
                 self.release_outside_window(request)
             logprobs = all_logprobs.get(item.request_id) if all_logprobs else None
             new_logprobs = logprobs[:1] if logprobs is not None else None
-            updates.append(RequestUpdate(request, token_ids[:1], new_logprobs, status is not None))
+            new_token_ids = (
+                token_ids if len(token_ids) == 1 else token_ids[:1]
+            )  # the runner's list, not changed
+            updates.append(RequestUpdate(request, new_token_ids, new_logprobs, status is not None))
         self.queues.fair.charge_step(charged)
         for priority, num_tokens in num_output_tokens.items():
             self.num_output_tokens_total[priority] += num_tokens

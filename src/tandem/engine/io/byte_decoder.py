@@ -1,0 +1,65 @@
+"""Incremental text of byte-level BPE tokens without a call into the tokenizer library per token.
+
+When a tokenizer's decoder is `ByteLevel` alone, `decode(ids, skip_special_tokens=True)` is the
+UTF-8 text of the tokens' bytes concatenated (special tokens skipped; invalid sequences replaced,
+as Rust's `from_utf8_lossy` and Python's `errors="replace"` both do, per maximal invalid part):
+each token's bytes are its piece's characters through GPT-2's byte-to-unicode table, or the piece's
+own UTF-8 when a character is outside that table (the library's `ByteLevel.decode_chain`). So a
+table of each token's bytes (`byte_level_table`) decodes a stream exactly as the library's
+`DecodeStream` does: bytes wait while their text would end in a replacement character (an
+incomplete character), and are emitted once it does not.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from tandem.engine.io.gguf_tokenizer import bytes_to_unicode
+
+_REPLACEMENT = "\ufffd"
+
+
+def byte_level_table(backend: HFTokenizer) -> list[bytes] | None:
+    """Each token id's bytes in `decode(..., skip_special_tokens=True)` (b"" for special tokens);
+    None unless the decoder is `ByteLevel` alone."""
+    decoder = json.loads(backend.to_str()).get("decoder")
+    if not isinstance(decoder, dict) or decoder.get("type") != "ByteLevel":
+        return None
+    unicode_to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
+    special_ids = {
+        token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special
+    }
+    table: list[bytes] = []
+    for token_id in range(backend.get_vocab_size(with_added_tokens=True)):
+        piece = backend.id_to_token(token_id)
+        if token_id in special_ids or piece is None:
+            table.append(b"")
+        elif all(char in unicode_to_byte for char in piece):
+            table.append(bytes(unicode_to_byte[char] for char in piece))
+        else:
+            table.append(piece.encode("utf-8"))
+    return table
+
+
+class ByteLevelStream:
+    """One output's text from a `byte_level_table`, token by token (`DecodeStream`'s contract)."""
+
+    __slots__ = ("table", "pending")
+
+    def __init__(self, table: list[bytes]) -> None:
+        self.table = table
+        self.pending = b""  # bytes whose text ends in an incomplete character so far
+
+    def step(self, token_id: int) -> str:
+        """The text this token settles ("" while it waits)."""
+        data = self.pending + self.table[token_id] if self.pending else self.table[token_id]
+        if not data:
+            return ""
+        text = data.decode("utf-8", "replace")
+        if text.endswith(_REPLACEMENT):
+            self.pending = data
+            return ""
+        self.pending = b""
+        return text
