@@ -12,9 +12,8 @@ incomplete character), and are emitted once it does not.
 
 from __future__ import annotations
 
-import json
-
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 from tandem.engine.io.gguf_tokenizer import bytes_to_unicode
 
@@ -24,22 +23,20 @@ _REPLACEMENT = "\ufffd"
 def byte_level_table(backend: HFTokenizer) -> list[bytes] | None:
     """Each token id's bytes in `decode(..., skip_special_tokens=True)` (b"" for special tokens);
     None unless the decoder is `ByteLevel` alone."""
-    decoder = json.loads(backend.to_str()).get("decoder")
-    if not isinstance(decoder, dict) or decoder.get("type") != "ByteLevel":
+    if not isinstance(backend.decoder, decoders.ByteLevel):
         return None
     unicode_to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
-    special_ids = {
-        token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special
-    }
-    table: list[bytes] = []
-    for token_id in range(backend.get_vocab_size(with_added_tokens=True)):
-        piece = backend.id_to_token(token_id)
-        if token_id in special_ids or piece is None:
-            table.append(b"")
-        elif all(char in unicode_to_byte for char in piece):
-            table.append(bytes(unicode_to_byte[char] for char in piece))
-        else:
-            table.append(piece.encode("utf-8"))
+    byte_chars = set(unicode_to_byte)
+    to_latin1 = str.maketrans({char: chr(byte) for char, byte in unicode_to_byte.items()})
+    special_ids = {token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special}
+    table = [b""] * backend.get_vocab_size(with_added_tokens=True)
+    for piece, token_id in backend.get_vocab(with_added_tokens=True).items():
+        if token_id in special_ids or token_id >= len(table):
+            continue
+        if byte_chars.issuperset(piece):  # every character one byte of GPT-2's table
+            table[token_id] = piece.translate(to_latin1).encode("latin-1")
+        else:  # the piece's own text (`ByteLevel.decode_chain`)
+            table[token_id] = piece.encode("utf-8")
     return table
 
 

@@ -42,6 +42,7 @@ class _RequestState:
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        tokenizer.prepare_streaming()
         self.states: dict[str, _RequestState] = {}
 
     def add(

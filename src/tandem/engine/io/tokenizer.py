@@ -68,9 +68,14 @@ class Tokenizer:
 
     def incremental_decoder(self) -> IncrementalDecoder:
         """A decoder that takes one output's tokens as they come (`IncrementalDecoder`)."""
+        self.prepare_streaming()
+        return IncrementalDecoder(self.backend, self._byte_level_table)
+
+    def prepare_streaming(self) -> None:
+        """Build what incremental decoding reads (a byte-level decoder's table of each token's
+        bytes, tens of ms for a large vocabulary) now rather than in the first request's step."""
         if not self._byte_level_checked:
             self._byte_level_table, self._byte_level_checked = byte_level_table(self.backend), True
-        return IncrementalDecoder(self.backend, self._byte_level_table)
 
     def token_bytes_table(self) -> list[bytes]:
         """Each token id's raw bytes (OpenAI's logprobs `bytes`; a token can be part of a UTF-8
