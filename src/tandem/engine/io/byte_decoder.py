@@ -28,7 +28,9 @@ def byte_level_table(backend: HFTokenizer) -> list[bytes] | None:
     unicode_to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
     byte_chars = set(unicode_to_byte)
     to_latin1 = str.maketrans({char: chr(byte) for char, byte in unicode_to_byte.items()})
-    special_ids = {token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special}
+    special_ids = {
+        token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special
+    }
     table = [b""] * backend.get_vocab_size(with_added_tokens=True)
     for piece, token_id in backend.get_vocab(with_added_tokens=True).items():
         if token_id in special_ids or token_id >= len(table):
