@@ -7,6 +7,8 @@ Phases (`--phase`, default all):
   of `--prompt-len` distinct random tokens, `--new-tokens` each, EOS ignored, streamed text, running
   outputs with only their deltas, as the serving routes ask for them): ms per step for prefill steps, for the middle half of the decode steps, and the whole run; the
   growth from the first to the last `--requests` value.
+- `core-serial`: the same with steps in series with the runner (`async_scheduling` off): the path a
+  CPU model runner takes.
 - `async`: the same through `AsyncEngine.generate` (one asyncio consumer per request), with a
   runner step of 0 and of `--step-ms`: decode steps per second against the ideal 1000 / step-ms.
 - `serve`: `tandem serve` (its own local Ray) with a null-model replica, `--streams` concurrent
@@ -47,8 +49,13 @@ SERVING_OUTPUTS = {"cumulative": False} if "cumulative" in GenerationRequest.__d
 REPLICA_GC = {"on": True}  # --gc replica: the collector as a Serve replica sets it (`replicas.settle_heap`)
 
 
-def null_engine(num_requests: int, step_ms: float, prompt_len: int, new_tokens: int) -> LLMEngine:
+def null_engine(
+    num_requests: int, step_ms: float, prompt_len: int, new_tokens: int, serial: bool = False
+) -> LLMEngine:
+    """`serial`: steps in series with the runner (`async_scheduling` off: what a CPU model runner
+    gets), else the next step scheduled while the runner's thread computes the current one."""
     config = EngineConfig(
+        async_scheduling=not serial,
         null_model_step_ms=step_ms,
         max_num_seqs=num_requests,
         max_num_batched_tokens=max(2048, num_requests),
@@ -106,8 +113,8 @@ def step_figures(walls: list[float], is_decode: list[bool]) -> dict[str, Any]:
     }
 
 
-def run_core(num_requests: int, prompt_len: int, new_tokens: int) -> dict[str, Any]:
-    engine = null_engine(num_requests, 0.0, prompt_len, new_tokens)
+def run_core(num_requests: int, prompt_len: int, new_tokens: int, serial: bool = False) -> dict[str, Any]:
+    engine = null_engine(num_requests, 0.0, prompt_len, new_tokens, serial)
     steps = StepLog(engine)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts(num_requests, prompt_len, engine.model_config.vocab_size)):
@@ -124,6 +131,7 @@ def run_core(num_requests: int, prompt_len: int, new_tokens: int) -> dict[str, A
     assert num_tokens == num_requests * new_tokens, (num_tokens, num_requests * new_tokens)
     return {
         "requests": num_requests,
+        "serial": serial,
         "generated_tokens": num_tokens,
         "tokens_per_s": num_tokens / (ended - started),
         **steps.figures(ended),
@@ -297,7 +305,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--phase", choices=["core", "async", "serve"], nargs="+", default=["core", "async", "serve"]
+        "--phase",
+        choices=["core", "core-serial", "async", "serve"],
+        nargs="+",
+        default=["core", "core-serial", "async", "serve"],
     )
     parser.add_argument("--requests", type=int, nargs="+", default=[32, 256, 1024])
     parser.add_argument("--async-requests", type=int, nargs="+", default=[256])
@@ -335,6 +346,12 @@ def main() -> None:
                 "requests_ratio": last["requests"] / first["requests"],
                 "time_ratio": last["ms_per_decode_step"] / first["ms_per_decode_step"],
             }
+    if "core-serial" in args.phase:
+        rows = []
+        for n in args.requests:
+            rows.append(run_core(n, args.prompt_len, args.new_tokens, serial=True))
+            log(json.dumps(rows[-1]))
+        result["core_serial"] = rows
     if "async" in args.phase:
         rows = []
         for n in args.async_requests:
