@@ -6,23 +6,61 @@ and holds updates back to `stream_interval` new tokens (`outputs`)."""
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.engine.protocol import RequestOutput, merge_outputs
+
+Item = RequestOutput | BaseException
+
+
+class Mailbox:
+    """An unbounded queue with one consumer on one event loop (`asyncio.Queue`'s `put_nowait`,
+    `get`, `get_nowait` and `empty`, without its task counting and putters): a put wakes the
+    consumer only when it waits. Used from its loop's thread only."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[Item] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: Item) -> None:
+        self._items.append(item)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def get_nowait(self) -> Item:
+        """The oldest item (the caller checked `empty`)."""
+        return self._items.popleft()
+
+    async def get(self) -> Item:
+        while not self._items:
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                if self._waiter is waiter:  # cancelled, or woken by something else
+                    self._waiter = None
+        return self._items.popleft()
 
 
 @dataclass
 class OutputStream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
+    queue: Mailbox = field(default_factory=Mailbox)
     stream: bool = True  # False: first output and final output only (`GenerationRequest.stream`)
     cumulative: bool = True  # False: running outputs carry only deltas (`GenerationRequest.cumulative`)
 
     @classmethod
     def here(cls, stream: bool = True, cumulative: bool = True) -> OutputStream:
         """A stream consumed on the running event loop."""
-        return cls(asyncio.get_running_loop(), asyncio.Queue(), stream, cumulative)
+        return cls(asyncio.get_running_loop(), Mailbox(), stream, cumulative)
 
     async def outputs(
         self, stream_interval: int, on_leave: Callable[[], None], num_yielded: int = 0
