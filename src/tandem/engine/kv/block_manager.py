@@ -88,11 +88,6 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> BlockTable:
         return self.tables[request_id]
 
-    def covers(self, request_id: str, num_total_tokens: int) -> bool:
-        """Whether the request's table holds `num_total_tokens` tokens already (no block needed)."""
-        table = self.tables.get(request_id)
-        return table is not None and len(table.block_ids) * self.block_size >= num_total_tokens
-
     def num_new_blocks_needed(self, request_id: str, num_total_tokens: int) -> int:
         table = self.tables.get(request_id)
         have = len(table.block_ids) if table is not None else 0

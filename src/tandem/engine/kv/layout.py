@@ -71,10 +71,6 @@ class SharedLayout:
     def describe(self, item: ScheduledRequest, request: Request) -> None:
         item.block_ids = self.kv.runner_block_ids(request.request_id)
 
-    def covers(self, request_id: str, num_total_tokens: int) -> bool:
-        """Whether the request's blocks hold `num_total_tokens` tokens already."""
-        return self.kv.covers(request_id, num_total_tokens)
-
     def decode_block_ids(self, request_id: str, num_total_tokens: int) -> list[int] | None:
         """The request's block table as the runner reads it, grown to hold `num_total_tokens`
         tokens; None when blocks are short (`KVCacheManager.decode_block_ids`)."""
