@@ -106,7 +106,6 @@ class StepUpdates:
         charged: list[tuple[Request, int]] = []
         requests, sampled, all_logprobs = self.queues.requests, result.sampled_token_ids, result.logprobs
         windowed = self.queues.shared.windowed  # else releasing outside the window is a no-op
-        block_size = self.queues.shared.block_size
         num_rows = 0
         num_output_tokens = dict.fromkeys(Priority, 0)
         for item in output.scheduled:
@@ -115,8 +114,7 @@ class StepUpdates:
             if request is None:  # finished meanwhile (abort, a stop string, a failure)
                 continue
             charged.append((request, len(item.token_ids)))
-            if item.start_position // block_size != request.num_computed_tokens // block_size:
-                self.publish(request)
+            self.maybe_cache(request, item.start_position)  # the step's items start where their requests were
             token_ids = sampled.get(item.request_id) if item.sample else None
             if not token_ids:
                 if windowed:
@@ -130,10 +128,7 @@ class StepUpdates:
                 self.release_outside_window(request)
             logprobs = all_logprobs.get(item.request_id) if all_logprobs else None
             new_logprobs = logprobs[:1] if logprobs is not None else None
-            new_token_ids = (
-                token_ids if len(token_ids) == 1 else token_ids[:1]
-            )  # the runner's list, not changed
-            updates.append(RequestUpdate(request, new_token_ids, new_logprobs, status is not None))
+            updates.append(RequestUpdate(request, token_ids[:1], new_logprobs, status is not None))
         self.queues.fair.charge_step(charged)
         for priority, num_tokens in num_output_tokens.items():
             self.num_output_tokens_total[priority] += num_tokens
@@ -197,11 +192,7 @@ class StepUpdates:
         """Publish blocks that this step filled with computed tokens to the prefix cache."""
         block_size = self.queues.shared.block_size
         if computed_before // block_size != request.num_computed_tokens // block_size:
-            self.publish(request)
-
-    def publish(self, request: Request) -> None:
-        """Publish the request's full blocks of computed tokens to the prefix cache."""
-        self.queues.shared.publish_full_blocks(request, self.queues.cache_salt(request))
+            self.queues.shared.publish_full_blocks(request, self.queues.cache_salt(request))
 
     def check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
