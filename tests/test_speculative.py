@@ -3,6 +3,7 @@ and the engine's output unchanged by it."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,33 @@ def test_ngram_index_proposes_what_followed_the_latest_longest_match() -> None:
     fresh = NgramIndex(2, 3)
     fresh.extend([5, 6, 7, 8])
     assert fresh.propose(2) == ([], 0)  # no earlier occurrence of any suffix of 2+ tokens
+
+
+def _reference_proposal(tokens: list[int], min_n: int, max_n: int, num: int) -> tuple[list[int], int]:
+    """Prompt lookup by scanning: the longest suffix (max_n down to min_n) that occurred earlier
+    with a token after it, and what followed its latest such occurrence."""
+    size = len(tokens)
+    for n in range(min(max_n, size), min_n - 1, -1):
+        suffix = tokens[size - n :]
+        for start in range(size - n - 1, -1, -1):  # occurrences ending before the last token
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + num], n
+    return [], 0
+
+
+def test_ngram_index_built_lazily_proposes_what_a_scan_finds() -> None:
+    """Tokens appended in chunks of any size, proposals read at any point (the index catches up
+    then): every proposal equals a scan of the whole sequence."""
+    rng = random.Random(0)
+    for min_n, max_n in ((1, 4), (2, 3), (1, 1)):
+        index, tokens = NgramIndex(min_n, max_n), []
+        for _ in range(200):
+            chunk = [rng.randrange(6) for _ in range(rng.choice((1, 1, 2, 7, 40)))]
+            index.extend(chunk)
+            tokens += chunk
+            if rng.random() < 0.5:
+                num = rng.randrange(1, 6)
+                assert index.propose(num) == _reference_proposal(tokens, min_n, max_n, num)
 
 
 def test_acceptance_is_kept_per_match_length_and_recovers_when_untried() -> None:

@@ -70,13 +70,21 @@ class NgramIndex:
         self.tokens.extend(token_ids)
 
     def _catch_up(self) -> None:
-        """Index the n-grams that ended at each token appended since the last proposal, in order
-        (a later occurrence replaces an earlier one)."""
-        tokens, after, min_n, max_n = self.tokens, self._after, self.min_n, self.max_n
-        for end in range(self._num_indexed, len(tokens)):
-            for n in range(min_n, min(max_n, end) + 1):
-                after[tuple(tokens[end - n : end])] = end
-        self._num_indexed = len(tokens)
+        """Index the n-grams that ended at each token appended since the last proposal, each
+        mapped to its end (a later occurrence replaces an earlier one). A few new tokens (a decode
+        step's) are indexed one by one; many (a prompt at its first proposal: 4k tokens) per n, by
+        zipping shifted slices, not a Python loop over positions."""
+        tokens, after, num_tokens = self.tokens, self._after, len(self.tokens)
+        if num_tokens - self._num_indexed < 16:
+            for end in range(self._num_indexed, num_tokens):
+                for n in range(self.min_n, min(self.max_n, end) + 1):
+                    after[tuple(tokens[end - n : end])] = end
+        else:
+            for n in range(self.min_n, self.max_n + 1):
+                first_end = max(n, self._num_indexed)  # positions before n end no n-gram
+                shifted = [tokens[first_end - n + i : num_tokens - n + i] for i in range(n)]
+                after.update(zip(zip(*shifted, strict=True), range(first_end, num_tokens), strict=True))
+        self._num_indexed = num_tokens
 
     def propose(self, num_tokens: int) -> tuple[list[int], int]:
         """Up to `num_tokens` tokens that followed the latest earlier occurrence of the longest
