@@ -20,14 +20,30 @@ from tandem.engine.io.gguf_tokenizer import bytes_to_unicode
 _REPLACEMENT = "\ufffd"
 
 
+class BytePieces:
+    """GPT-2's byte-level pieces back to their bytes: each character of a piece written in
+    `bytes_to_unicode`'s table is one byte."""
+
+    __slots__ = ("byte_chars", "to_latin1")
+
+    def __init__(self) -> None:
+        unicode_to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
+        self.byte_chars = frozenset(unicode_to_byte)
+        self.to_latin1 = str.maketrans({char: chr(byte) for char, byte in unicode_to_byte.items()})
+
+    def bytes_of(self, piece: str) -> bytes | None:
+        """The piece's bytes; None when a character is outside the table."""
+        if not self.byte_chars.issuperset(piece):
+            return None
+        return piece.translate(self.to_latin1).encode("latin-1")
+
+
 def byte_level_table(backend: HFTokenizer) -> list[bytes] | None:
     """Each token id's bytes in `decode(..., skip_special_tokens=True)` (b"" for special tokens);
     None unless the decoder is `ByteLevel` alone."""
     if not isinstance(backend.decoder, decoders.ByteLevel):
         return None
-    unicode_to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
-    byte_chars = set(unicode_to_byte)
-    to_latin1 = str.maketrans({char: chr(byte) for char, byte in unicode_to_byte.items()})
+    pieces = BytePieces()
     special_ids = {
         token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special
     }
@@ -35,10 +51,8 @@ def byte_level_table(backend: HFTokenizer) -> list[bytes] | None:
     for piece, token_id in backend.get_vocab(with_added_tokens=True).items():
         if token_id in special_ids or token_id >= len(table):
             continue
-        if byte_chars.issuperset(piece):  # every character one byte of GPT-2's table
-            table[token_id] = piece.translate(to_latin1).encode("latin-1")
-        else:  # the piece's own text (`ByteLevel.decode_chain`)
-            table[token_id] = piece.encode("utf-8")
+        # a piece outside the table is its own text (`ByteLevel.decode_chain`)
+        table[token_id] = pieces.bytes_of(piece) or piece.encode("utf-8")
     return table
 
 

@@ -32,7 +32,7 @@ class TextStream:
 
     def __init__(self, tokenizer: Tokenizer, stops: list[str], include_stop: bool) -> None:
         self.tokenizer = tokenizer
-        self.stops = [s for s in stops if s]
+        self.stops = stops  # non-empty (`SamplingParams` refuses an empty stop string)
         self.include_stop = include_stop  # a stop string found is part of the text
         self.max_stop_len = max((len(s) for s in self.stops), default=0)
         self.decoder: IncrementalDecoder | None = None  # made when the text is first decoded

@@ -26,9 +26,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 from tokenizers.decoders import DecodeStream
 
-from tandem.engine.io.byte_decoder import ByteLevelStream, byte_level_table
+from tandem.engine.io.byte_decoder import ByteLevelStream, BytePieces, byte_level_table
 from tandem.engine.io.chat_templates import FAMILY_CHAT_TEMPLATES
-from tandem.engine.io.gguf_tokenizer import add_bos_default, bytes_to_unicode, gguf_backend
+from tandem.engine.io.gguf_tokenizer import add_bos_default, gguf_backend
 from tandem.platform.errors import InvalidRequestError, ModelLoadError
 
 
@@ -85,13 +85,14 @@ class Tokenizer:
         if self._token_bytes is None:
             decoder = json.loads(self.backend.to_str()).get("decoder")
             byte_level = '"ByteLevel"' in json.dumps(decoder)
-            unicode_to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
+            pieces = BytePieces() if byte_level else None
             table = []
             for token_id in range(self.vocab_size):
                 piece = self.backend.id_to_token(token_id) or ""
+                as_bytes = pieces.bytes_of(piece) if pieces is not None else None
                 byte_piece = _BYTE_PIECE.fullmatch(piece)
-                if byte_level and all(char in unicode_to_byte for char in piece):
-                    table.append(bytes(unicode_to_byte[char] for char in piece))
+                if as_bytes is not None:
+                    table.append(as_bytes)
                 elif byte_piece is not None:
                     table.append(bytes([int(byte_piece[1], 16)]))
                 else:
