@@ -162,7 +162,8 @@ def test_byte_level_stream_settles_what_the_library_stream_does(ours) -> None:  
     vocab_size = backend.get_vocab_size(with_added_tokens=True)
     sequences = [ours.encode(text, add_special_tokens=False) for text in TEXTS]
     sequences += [[rng.randrange(vocab_size) for _ in range(200)] for _ in range(20)]
-    multibyte = [i for i in range(vocab_size) if table[i] and any(b >= 0x80 for b in table[i])]
+    token_bytes = table.token_bytes
+    multibyte = [i for i in range(vocab_size) if token_bytes[i] and any(b >= 0x80 for b in token_bytes[i])]
     sequences += [[rng.choice(multibyte) for _ in range(100)] for _ in range(20)]
     for token_ids in sequences:
         ours_stream, library = IncrementalDecoder(backend, table), DecodeStream(skip_special_tokens=True)

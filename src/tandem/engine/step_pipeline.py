@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from tandem.engine.protocol import RequestOutput
 from tandem.engine.request import RequestStatus
-from tandem.engine.sched.in_flight import InFlightStep, rebase
+from tandem.engine.sched.in_flight import InFlightStep
 from tandem.engine.sched.scheduler import Scheduler
 from tandem.engine.sched.step import RequestUpdate, Runner, RunnerResult, SchedulerOutput
 
@@ -69,9 +69,8 @@ class StepPipeline:
             filled = self._fill(*previous)
             if scheduled is not None:
                 self.num_steps_ahead += 1
-                scheduled = rebase(scheduled, self.scheduler.requests, filled[2])
         if scheduled is not None and not scheduled.is_empty:
-            self._submit(scheduled)
+            self._submit(scheduled, filled[2] if filled is not None else None)
         if filled is None:
             return ended
         in_flight, result, ending = filled
@@ -80,9 +79,14 @@ class StepPipeline:
         self.num_steps += 1
         return ended + self.outputs(updates)
 
-    def _submit(self, scheduled: SchedulerOutput) -> None:
+    def _submit(self, scheduled: SchedulerOutput, ending: dict[str, RequestStatus | None] | None) -> None:
+        """Hand a step to the device; `ending`: the step was scheduled ahead of the one just filled
+        (`InFlightStep.begin` rebases it)."""
         now = time.monotonic()
-        in_flight = InFlightStep.begin(scheduled, self.scheduler.requests)
+        in_flight = InFlightStep.begin(scheduled, self.scheduler.requests, ending)
+        scheduled = in_flight.scheduled
+        if scheduled.is_empty:  # every request of it ended in the step before
+            return
         started = threading.Event()
 
         def run() -> RunnerResult:

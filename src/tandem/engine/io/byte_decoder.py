@@ -38,9 +38,28 @@ class BytePieces:
         return piece.translate(self.to_latin1).encode("latin-1")
 
 
-def byte_level_table(backend: HFTokenizer) -> list[bytes] | None:
-    """Each token id's bytes in `decode(..., skip_special_tokens=True)` (b"" for special tokens);
-    None unless the decoder is `ByteLevel` alone."""
+class ByteLevelTable:
+    """Each token id's bytes in `decode(..., skip_special_tokens=True)` (`token_bytes`, b"" for
+    special tokens), and the text of each token that settles on its own (`token_texts`: its bytes
+    are whole characters, none a replacement character; None for the others)."""
+
+    __slots__ = ("token_bytes", "token_texts")
+
+    def __init__(self, token_bytes: list[bytes]) -> None:
+        self.token_bytes = token_bytes
+        self.token_texts: list[str | None] = [_settled_alone(data) for data in token_bytes]
+
+
+def _settled_alone(data: bytes) -> str | None:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return None if _REPLACEMENT in text else text
+
+
+def byte_level_table(backend: HFTokenizer) -> ByteLevelTable | None:
+    """The table of a tokenizer whose decoder is `ByteLevel` alone; None for any other."""
     if not isinstance(backend.decoder, decoders.ByteLevel):
         return None
     pieces = BytePieces()
@@ -53,21 +72,28 @@ def byte_level_table(backend: HFTokenizer) -> list[bytes] | None:
             continue
         # a piece outside the table is its own text (`ByteLevel.decode_chain`)
         table[token_id] = pieces.bytes_of(piece) or piece.encode("utf-8")
-    return table
+    return ByteLevelTable(table)
 
 
 class ByteLevelStream:
     """One output's text from a `byte_level_table`, token by token (`DecodeStream`'s contract)."""
 
-    __slots__ = ("table", "pending")
+    __slots__ = ("token_bytes", "token_texts", "pending")
 
-    def __init__(self, table: list[bytes]) -> None:
-        self.table = table
+    def __init__(self, table: ByteLevelTable) -> None:
+        self.token_bytes = table.token_bytes
+        self.token_texts = table.token_texts
         self.pending = b""  # bytes whose text ends in an incomplete character so far
 
     def step(self, token_id: int) -> str:
         """The text this token settles ("" while it waits)."""
-        data = self.pending + self.table[token_id] if self.pending else self.table[token_id]
+        if not self.pending:
+            text = self.token_texts[token_id]
+            if text is not None:  # whole characters: what decoding its bytes gives
+                return text
+            data = self.token_bytes[token_id]
+        else:
+            data = self.pending + self.token_bytes[token_id]
         if not data:
             return ""
         text = data.decode("utf-8", "replace")

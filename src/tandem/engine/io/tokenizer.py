@@ -26,7 +26,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 from tokenizers.decoders import DecodeStream
 
-from tandem.engine.io.byte_decoder import ByteLevelStream, BytePieces, byte_level_table
+from tandem.engine.io.byte_decoder import ByteLevelStream, ByteLevelTable, BytePieces, byte_level_table
 from tandem.engine.io.chat_templates import FAMILY_CHAT_TEMPLATES
 from tandem.engine.io.gguf_tokenizer import add_bos_default, gguf_backend
 from tandem.platform.errors import InvalidRequestError, ModelLoadError
@@ -52,7 +52,7 @@ class Tokenizer:
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
         self._template: jinja2.Template | None = None
         self._token_bytes: list[bytes] | None = None
-        self._byte_level_table: list[bytes] | None = None  # `byte_level_table`, built once
+        self._byte_level_table: ByteLevelTable | None = None  # `byte_level_table`, built once
         self._byte_level_checked = False
 
     @property
@@ -184,7 +184,7 @@ class IncrementalDecoder:
     byte-level table (`byte_decoder.byte_level_table`: a `ByteLevel` decoder) the same text comes
     from the tokens' bytes, without a call into the library per token."""
 
-    def __init__(self, backend: HFTokenizer, byte_table: list[bytes] | None = None) -> None:
+    def __init__(self, backend: HFTokenizer, byte_table: ByteLevelTable | None = None) -> None:
         self._backend = backend
         self._bytes = ByteLevelStream(byte_table) if byte_table is not None else None
         self._stream = DecodeStream(skip_special_tokens=True) if byte_table is None else None

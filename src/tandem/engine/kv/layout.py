@@ -16,7 +16,7 @@ step's tokens are written and read (the block table, or the head slots and table
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from tandem.engine.kv.block_manager import KVCacheManager
@@ -54,6 +54,9 @@ class KVLayout(Protocol):
 class SharedLayout:
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
+        # The request's block table as the runner reads it, grown to hold `num_total_tokens`
+        # tokens; None when blocks are short: the manager's own method (once per decode per step)
+        self.decode_block_ids: Callable[[str, int], list[int] | None] = kv.decode_block_ids
 
     @property
     def pool(self) -> BlockPool:
@@ -70,11 +73,6 @@ class SharedLayout:
 
     def describe(self, item: ScheduledRequest, request: Request) -> None:
         item.block_ids = self.kv.runner_block_ids(request.request_id)
-
-    def decode_block_ids(self, request_id: str, num_total_tokens: int) -> list[int] | None:
-        """The request's block table as the runner reads it, grown to hold `num_total_tokens`
-        tokens; None when blocks are short (`KVCacheManager.decode_block_ids`)."""
-        return self.kv.decode_block_ids(request_id, num_total_tokens)
 
     def stale_requests(self, request_ids: Iterable[str]) -> list[str]:
         return self.kv.stale_requests(request_ids)

@@ -5,7 +5,8 @@ request's computed count moves past the step's tokens and each sampling request 
 `PLACEHOLDER_TOKEN` at the end of its output (`InFlightStep.begin`). The scheduler then builds
 step N+1 from that state. When step N's results arrive, the tokens go where the placeholders are
 (`fill`), which says who ends there (a stop token, the length, a failure); step N+1 loses those
-requests and takes the real tokens (`rebase`) and goes to the device; only then is the rest of
+requests and takes the real tokens as it begins (`begin` with `ending`, in the same pass over
+its items that advances them) and goes to the device; only then is the rest of
 step N's bookkeeping done (`StepUpdates.apply_filled`: fair shares, the prefix cache, finishing).
 The state a request reaches this way is the serial engine's, token for token.
 
@@ -31,13 +32,32 @@ class InFlightStep:
     placeholders: list[tuple[Request, int]]  # each sampling request, and where its placeholder is
 
     @classmethod
-    def begin(cls, scheduled: SchedulerOutput, requests: dict[str, Request]) -> InFlightStep:
+    def begin(
+        cls,
+        scheduled: SchedulerOutput,
+        requests: dict[str, Request],
+        ending: dict[str, RequestStatus | None] | None = None,
+    ) -> InFlightStep:
         """Advance the step's requests as if its results were in (one placeholder per sampling
-        request; a step scheduled ahead carries no drafts)."""
+        request; a step scheduled ahead carries no drafts). With `ending` (the step was scheduled
+        ahead of the one just filled: `fill`'s answer), it is rebased first: without the requests
+        that end there or finished meanwhile (their blocks are freed when they end), and with the
+        real token where a request was scheduled with a placeholder (its last token). The result's
+        `scheduled` is the step to run (empty when none of its requests is left)."""
         placeholders = []
+        kept = []
+        running = RequestStatus.RUNNING  # everything a step schedules runs; the others ended meanwhile
         for item in scheduled.scheduled:
             request = requests.get(item.request_id)
-            if request is None:
+            if ending is not None:
+                if request is None or request.status is not running or (ending and item.request_id in ending):
+                    continue
+                kept.append(item)
+                token_ids = item.token_ids
+                if token_ids and token_ids[-1] == PLACEHOLDER_TOKEN:  # only the newest token can be one
+                    position = item.start_position + len(token_ids) - 1
+                    token_ids[-1] = request.output_token_ids[position - request.num_prompt_tokens]
+            elif request is None:
                 continue
             assert not item.draft_token_ids and not item.num_draft_slots, (
                 "a step scheduled ahead has no drafts"
@@ -47,6 +67,9 @@ class InFlightStep:
                 output_token_ids = request.output_token_ids
                 placeholders.append((request, len(output_token_ids)))
                 output_token_ids.append(PLACEHOLDER_TOKEN)
+        if ending is not None and len(kept) < len(scheduled.scheduled):
+            num_tokens = sum(len(item.token_ids) for item in kept)
+            scheduled = dataclasses.replace(scheduled, scheduled=kept, num_scheduled_tokens=num_tokens)
         return cls(scheduled, placeholders)
 
     def fill(
@@ -71,26 +94,3 @@ class InFlightStep:
             if status is not None:
                 ending[request.request_id] = status
         return ending
-
-
-def rebase(
-    ahead: SchedulerOutput, requests: dict[str, Request], ending: dict[str, RequestStatus | None]
-) -> SchedulerOutput:
-    """The step scheduled ahead, once the one before it is filled (`InFlightStep.fill`): without
-    the requests that end there or finished meanwhile (their blocks are freed when they end), and
-    with the real token where a request was scheduled with a placeholder (its last token)."""
-    kept = []
-    running = RequestStatus.RUNNING  # everything a step schedules runs; the others ended meanwhile
-    for item in ahead.scheduled:
-        request = requests.get(item.request_id)
-        if request is None or request.status is not running or (ending and item.request_id in ending):
-            continue
-        token_ids = item.token_ids
-        if token_ids and token_ids[-1] == PLACEHOLDER_TOKEN:  # only the newest token can be one
-            position = item.start_position + len(token_ids) - 1
-            token_ids[-1] = request.output_token_ids[position - request.num_prompt_tokens]
-        kept.append(item)
-    if len(kept) == len(ahead.scheduled):
-        return ahead
-    num_tokens = sum(len(item.token_ids) for item in kept)
-    return dataclasses.replace(ahead, scheduled=kept, num_scheduled_tokens=num_tokens)

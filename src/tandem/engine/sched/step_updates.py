@@ -30,6 +30,7 @@ class StepUpdates:
         self.speculation = speculation
         self.max_model_len = max_model_len
         self.finish = finish
+        self.block_size = queues.shared.block_size  # a cached block's tokens (`maybe_cache`)
         # Tokens appended to requests' outputs, per priority class (batch progress is visible
         # while real-time traffic runs).
         self.num_output_tokens_total = {priority: 0 for priority in Priority}
@@ -190,7 +191,7 @@ class StepUpdates:
 
     def maybe_cache(self, request: Request, computed_before: int) -> None:
         """Publish blocks that this step filled with computed tokens to the prefix cache."""
-        block_size = self.queues.shared.block_size
+        block_size = self.block_size
         if computed_before // block_size != request.num_computed_tokens // block_size:
             self.queues.shared.publish_full_blocks(request, self.queues.cache_salt(request))
 
