@@ -327,6 +327,9 @@ def test_killing_a_replica_mid_run_loses_no_request_and_meters_each_once(
             "completed", prompt, completion
         ), by_id[request_id]  # fmt: skip
     assert all(by_id[request_id].status == "cancelled" for request_id in cancelled)
+    # a replica sends a stream's prompt with its first output only: the ingress's meter still
+    # counts it for a stream the client left after two chunks
+    assert all(by_id[request_id].input_tokens > 0 for request_id in cancelled)
     lines_usage = {o["response"]["body"]["id"]: o["response"]["body"]["usage"] for o in output}
     batch_records = [r for r in stored if r.batch_id == batch.id]
     assert {r.request_id for r in batch_records} == set(lines_usage)

@@ -92,3 +92,36 @@ def test_stop_strings_end_the_stream_where_the_whole_decode_has_them(tiny_llm: A
                 expected = full
                 assert final.outputs[0].finish_reason == "length"
             assert "".join(deltas) == expected == final.outputs[0].text, (stops, include)
+
+
+def test_a_streamed_request_sends_its_prompt_once_across_processes(tiny_llm: Any) -> None:
+    """Between processes (`RequestOutput.for_the_wire`, pickled as Ray sends it) a running output
+    after the first carries its new tokens, not the prompt: its message does not grow with the
+    prompt; the receiver's outputs (`with_prompt_of` the first) are the sender's, field by field."""
+    import pickle
+
+    tokenizer = tiny_llm.engine.tokenizer
+    token_ids = tokenizer.encode(TEXT, add_special_tokens=False)[:12]
+    sizes = {}
+    for prompt_len in (8, 4000):
+        processor = OutputProcessor(tokenizer)
+        request = Request("r", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=len(token_ids)))
+        processor.add(request, "a prompt " * prompt_len, stream_text=True, cumulative=False)
+        sent, received = [], []
+        first = None
+        for i, token_id in enumerate(token_ids):
+            request.output_token_ids.append(token_id)
+            finished = i == len(token_ids) - 1
+            (output,), _ = processor.process([RequestUpdate(request, [token_id], None, finished)])
+            message = pickle.dumps(output.for_the_wire(first=first is None))
+            sent.append((pickle.loads(pickle.dumps(output)), len(message)))  # as it is now
+            out = pickle.loads(message)
+            first = first or out
+            received.append(out.with_prompt_of(first))
+        for (mine, _), theirs in zip(sent, received, strict=True):
+            assert theirs == mine
+        assert received[-1].outputs[0].token_ids == token_ids  # the final output whole
+        sizes[prompt_len] = [size for _, size in sent]
+    # the first and the final message carry the prompt; those between are the same size either way
+    assert sizes[4000][0] > sizes[8][0] + 4000 and sizes[4000][-1] > sizes[8][-1] + 4000
+    assert sizes[4000][1:-1] == sizes[8][1:-1]

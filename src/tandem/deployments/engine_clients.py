@@ -239,8 +239,8 @@ class HandleEngineClient:
                 if isinstance(first, TandemError):  # a client error the replica sent as a value
                     raise first
                 yield first
-                async for output in outputs:
-                    yield output
+                async for output in outputs:  # the replica sent the prompt with the first only
+                    yield output.with_prompt_of(first)
         finally:
             if response is not None:
                 # Aborts the request on the replica if it is still running. On a response that

@@ -157,8 +157,9 @@ class LLMReplica:
             self.orphans.start(request.request_id, request.tenant_id, caller)
         try:
             async for output in self.stream(request):
+                # cumulative fields and the prompt cross processes once (`RequestOutput.for_the_wire`)
+                yield output.for_the_wire(first=not started)
                 started = True
-                yield output.without_cumulative()  # cumulative fields cross processes once, at the end
                 if caller is not None:
                     self.orphans.streamed(request.request_id, output)
         except TandemError as exc:

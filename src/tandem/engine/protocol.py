@@ -115,13 +115,17 @@ class RequestOutput:
     # not normalised, [hidden_size] float32 values; set on its final output
     embedding: list[float] | None = None
 
-    def without_cumulative(self) -> RequestOutput:
-        """A copy for streaming between processes: deltas only (the final output keeps all);
-        itself when it carries nothing else already (`GenerationRequest.cumulative=False`)."""
-        if self.finished or all(
-            not c.token_ids and not c.text and c.logprobs is None
-            for c in self.outputs
-            if c.finish_reason is None
+    def for_the_wire(self, *, first: bool) -> RequestOutput:
+        """What crosses to another process of a streamed request: a running output's deltas only
+        (cumulative fields cross once, with the final output), and its prompt (`prompt`,
+        `prompt_token_ids`) only with the `first` output and the final one: a running output
+        after the first carries none (the receiver puts the first's back: `with_prompt_of`), so
+        a message costs what is new, not the prompt's length. Itself when there is nothing to
+        drop."""
+        running = [c for c in self.outputs if c.finish_reason is None]
+        keeps_prompt = first or self.finished
+        if self.finished or (
+            keeps_prompt and all(not c.token_ids and not c.text and c.logprobs is None for c in running)
         ):
             return self
         slim = [
@@ -136,11 +140,23 @@ class RequestOutput:
                 delta_token_ids=c.delta_token_ids,
                 delta_logprobs=c.delta_logprobs,
             )
-            if c.finish_reason is None
-            else c  # a choice that ended before the others: whole, as a final output is
+            if c.finish_reason is None and (c.token_ids or c.text or c.logprobs is not None)
+            else c  # deltas only already, or a choice that ended before the others: whole
             for c in self.outputs
         ]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, slim, False, self.metrics)
+        if keeps_prompt:
+            return RequestOutput(
+                self.request_id, self.prompt, self.prompt_token_ids, slim, False, self.metrics
+            )
+        return RequestOutput(self.request_id, None, [], slim, False, self.metrics)
+
+    def with_prompt_of(self, first: RequestOutput) -> RequestOutput:
+        """A running output received from `for_the_wire(first=False)`, its prompt put back from
+        the request's `first` output (the same objects: nothing copied); a final output is
+        whole already."""
+        if not self.finished:
+            self.prompt, self.prompt_token_ids = first.prompt, first.prompt_token_ids
+        return self
 
     def num_new_tokens(self) -> int:
         """Tokens this output adds, over all its choices."""
