@@ -91,6 +91,11 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def carries_cumulative(self) -> bool:
+        """Whether it holds the output so far (`text`, `token_ids`, `logprobs`), not only deltas."""
+        return bool(self.token_ids or self.text) or self.logprobs is not None
+
 
 def merge_deltas(earlier: CompletionOutput, later: CompletionOutput) -> CompletionOutput:
     """`later` with `earlier`'s deltas prepended: one update carrying both steps' new tokens."""
@@ -122,11 +127,9 @@ class RequestOutput:
         after the first carries none (the receiver puts the first's back: `with_prompt_of`), so
         a message costs what is new, not the prompt's length. Itself when there is nothing to
         drop."""
-        running = [c for c in self.outputs if c.finish_reason is None]
-        keeps_prompt = first or self.finished
-        if self.finished or (
-            keeps_prompt and all(not c.token_ids and not c.text and c.logprobs is None for c in running)
-        ):
+        if self.finished:
+            return self
+        if first and not any(c.carries_cumulative for c in self.outputs if c.finish_reason is None):
             return self
         slim = [
             CompletionOutput(
@@ -140,11 +143,11 @@ class RequestOutput:
                 delta_token_ids=c.delta_token_ids,
                 delta_logprobs=c.delta_logprobs,
             )
-            if c.finish_reason is None and (c.token_ids or c.text or c.logprobs is not None)
+            if c.finish_reason is None and c.carries_cumulative
             else c  # deltas only already, or a choice that ended before the others: whole
             for c in self.outputs
         ]
-        if keeps_prompt:
+        if first:
             return RequestOutput(
                 self.request_id, self.prompt, self.prompt_token_ids, slim, False, self.metrics
             )

@@ -65,10 +65,7 @@ class TextStream:
             if text.endswith(_REPLACEMENT):  # an incomplete character the decoder let through
                 kept = text.rstrip(_REPLACEMENT)
                 text, self.pending = kept, text[len(kept) :]
-            if text:  # `_emit` without a tail to keep (no stop strings): once per token streamed
-                self.parts.append(text)
-                self.num_chars += len(text)
-            return text
+            return self._emit(text)
         num_tail = len(self.tail)
         window = self.tail + self.pending + new
         hit = self._find_stop(window, 0)
