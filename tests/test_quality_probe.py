@@ -138,3 +138,24 @@ def test_defaults_serve_one_precision_held_to_the_bound(
         assert stats["quality_probe"] and stats["quality_probe"][-1]["within_bound"]
     else:
         assert all(not q["within_bound"] for q in stats["quality_probe"])
+
+
+def test_a_verdict_is_kept_for_one_build_of_the_native_kernels(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cached verdict (and a speed measurement) names the native library's C sources: after a
+    change to a kernel's arithmetic the candidate is measured again, not read from the cache of
+    another build's answers."""
+    from tandem.engine.host import precision_probe, quality_probe
+    from tandem.kernels import int4_native
+
+    before = quality_probe.quality_key(tiny_model_dir, "float32/int8")
+    shapes = [(576, 576)]
+    speed_before = precision_probe.probe_key(shapes, 2, True)[0]
+    changed = tmp_path / "kernel.c"
+    changed.write_text("/* another arithmetic */\n")
+    monkeypatch.setattr(int4_native, "SOURCES", (*int4_native.SOURCES, changed))
+    assert quality_probe.quality_key(tiny_model_dir, "float32/int8") != before
+    assert precision_probe.probe_key(shapes, 2, True)[0] != speed_before
+    monkeypatch.undo()
+    assert quality_probe.quality_key(tiny_model_dir, "float32/int8") == before

@@ -145,6 +145,7 @@ def probe_key(shapes: Sequence[Shape], num_layers: int, int4: bool) -> tuple[str
         "version": PROBE_VERSION, "cpu": cpu_model_name(), "flags": sorted(cpu_flags()),
         "cpus": usable_cpus(), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "shapes": [list(s) for s in shapes], "num_layers": num_layers, "int4": int4,
+        "kernels": int4_native.build_key(cpu_flags()),
     }  # fmt: skip
     digest = hashlib.sha256(json.dumps(machine, sort_keys=True).encode()).hexdigest()[:16]
     return digest, machine

@@ -16,7 +16,8 @@ positions it compares the next-token distributions:
 Contract: a candidate is within the bound when `mean_kl <= MAX_MEAN_KL` and `top1_agreement >=
 MIN_TOP1_AGREEMENT`. Results are cached per machine, checkpoint and candidate as JSON under
 `$TANDEM_CACHE_DIR/precision/` (the key: the checkpoint's files' names, sizes and mtimes, the
-candidate, the CPU, torch's version and the probe's version); a second start reads them.
+candidate, the CPU, torch's version, the native library's sources (`int4_native.build_key`) and
+the probe's version); a second start reads them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 
 from tandem.engine.host.precision_probe import probe_lock, write_atomically
+from tandem.kernels.int4_native import build_key
 from tandem.platform.cpu import cpu_flags, cpu_model_name
 
 logger = logging.getLogger("tandem.engine")
@@ -109,7 +111,7 @@ def quality_key(checkpoint: Path, candidate: str) -> str:
     parts = {
         "version": QUALITY_PROBE_VERSION, "checkpoint": str(checkpoint.resolve()),
         "files": checkpoint_identity(checkpoint), "candidate": candidate, "cpu": cpu_model_name(),
-        "flags": sorted(cpu_flags()), "torch": torch.__version__,
+        "flags": sorted(cpu_flags()), "torch": torch.__version__, "kernels": build_key(cpu_flags()),
         "bound": [MAX_MEAN_KL, MIN_TOP1_AGREEMENT, NUM_PROMPT_TOKENS, NUM_DECODE_TOKENS],
     }  # fmt: skip
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
