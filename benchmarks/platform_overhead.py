@@ -10,7 +10,11 @@ Phases (`--phase`, default all):
 - `core-serial`: the same with steps in series with the runner (`async_scheduling` off): the path a
   CPU model runner takes.
 - `async`: the same through `AsyncEngine.generate` (one asyncio consumer per request), with a
-  runner step of 0 and of `--step-ms`: decode steps per second against the ideal 1000 / step-ms.
+  runner step of 0 and of `--step-ms`: decode steps per second against the ideal 1000 / step-ms,
+  and the device's busy fraction over those steps (each runner call's own time over the time from
+  its start to the next one's: 1.0 when the device never waits for the engine, whatever its
+  calls took; a sleeping null runner overshoots its step by the host's timer slack, which the
+  first ratio counts against the engine and the second does not).
 - `serve`: `tandem serve` (its own local Ray) with a null-model replica, `--streams` concurrent
   streamed completions through the `openai`-shaped HTTP API (httpx): streamed tok/s, inter-token
   gap p50 / p99, and CPU microseconds per streamed token of each process of the server (replica,
@@ -82,28 +86,36 @@ class StepLog:
     def __init__(self, engine: LLMEngine) -> None:
         self.is_decode: list[bool] = []
         self.started: list[float] = []
+        self.busy: list[float] = []  # each call's own time: the device's work on the step
         inner = engine.runner.execute
 
         def execute(sched: SchedulerOutput) -> RunnerResult:
-            self.started.append(time.perf_counter())
+            start = time.perf_counter()
+            self.started.append(start)
             self.is_decode.append(
                 sched.num_scheduled_tokens == len(sched.scheduled) and all(s.sample for s in sched.scheduled)
             )
-            return inner(sched)
+            result = inner(sched)
+            self.busy.append(time.perf_counter() - start)
+            return result
 
         engine.runner.execute = execute  # type: ignore[method-assign]
 
     def figures(self, end: float) -> dict[str, Any]:
         """Step figures from the starts, the last step ending at `end`."""
         walls = [b - a for a, b in zip(self.started, [*self.started[1:], end], strict=True)]
-        return step_figures(walls, self.is_decode)
+        return step_figures(walls, self.is_decode, self.busy)
 
 
-def step_figures(walls: list[float], is_decode: list[bool]) -> dict[str, Any]:
+def step_figures(walls: list[float], is_decode: list[bool], busy: list[float]) -> dict[str, Any]:
     decode = [w for w, d in zip(walls, is_decode, strict=True) if d]
+    decode_busy = [b for b, d in zip(busy, is_decode, strict=True) if d]
     prefill = [w for w, d in zip(walls, is_decode, strict=True) if not d]
-    middle = decode[len(decode) // 4 : max(len(decode) // 4 + 1, 3 * len(decode) // 4)]
+    middle_steps = slice(len(decode) // 4, max(len(decode) // 4 + 1, 3 * len(decode) // 4))
+    middle = decode[middle_steps]
     return {
+        "device_busy_fraction_decode": sum(decode_busy[middle_steps]) / sum(middle) if middle else None,
+        "ms_device_per_decode_step": 1000 * statistics.mean(decode_busy[middle_steps]) if middle else None,
         "num_steps": len(walls),
         "num_prefill_steps": len(prefill),
         "ms_per_prefill_step": 1000 * statistics.mean(prefill) if prefill else None,
