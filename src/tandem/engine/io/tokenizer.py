@@ -90,10 +90,9 @@ class Tokenizer:
             for token_id in range(self.vocab_size):
                 piece = self.backend.id_to_token(token_id) or ""
                 as_bytes = pieces.bytes_of(piece) if pieces is not None else None
-                byte_piece = _BYTE_PIECE.fullmatch(piece)
                 if as_bytes is not None:
                     table.append(as_bytes)
-                elif byte_piece is not None:
+                elif (byte_piece := _BYTE_PIECE.fullmatch(piece)) is not None:
                     table.append(bytes([int(byte_piece[1], 16)]))
                 else:
                     table.append(piece.replace("\u2581", " ").encode("utf-8"))
