@@ -72,13 +72,17 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem") / "kernels"
 
 
+def _march() -> str:
+    """The compiler's target: `TANDEM_NATIVE_MARCH`, else this machine's CPU."""
+    return os.environ.get("TANDEM_NATIVE_MARCH", "native")
+
+
 def build_key(flags: frozenset[str]) -> str:
     """What the library built for these CPU flags is made of: its C sources, the flags and the
-    target (`TANDEM_NATIVE_MARCH`), hashed. Also part of the precision and quality probes' cache
-    keys: a measurement of one build's speed or arithmetic says nothing about another's."""
+    target (`_march`), hashed. Also part of the precision and quality probes' cache keys: a
+    measurement of one build's speed or arithmetic says nothing about another's."""
     source = b"".join(path.read_bytes() for path in SOURCES)
-    march = os.environ.get("TANDEM_NATIVE_MARCH", "native")
-    return hashlib.sha256(source + " ".join(sorted(flags)).encode() + march.encode()).hexdigest()[:16]
+    return hashlib.sha256(source + " ".join(sorted(flags)).encode() + _march().encode()).hexdigest()[:16]
 
 
 def _build(flags: frozenset[str]) -> Path:
@@ -93,8 +97,17 @@ def _build(flags: frozenset[str]) -> Path:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        march = os.environ.get("TANDEM_NATIVE_MARCH", "native")
-        command = [compiler, "-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-o", tmp, str(SOURCE)]
+        command = [
+            compiler,
+            "-O3",
+            f"-march={_march()}",
+            "-fopenmp",
+            "-shared",
+            "-fPIC",
+            "-o",
+            tmp,
+            str(SOURCE),
+        ]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
