@@ -62,12 +62,20 @@ def hf_gemma(gemma3_folder: Path) -> tuple[Any, Any]:
     return model, AutoTokenizer.from_pretrained(str(gemma3_folder))
 
 
+# HF float32's greedy text and prompt length per prompt: the serve tests ask for the same prompts,
+# and each answer costs seconds here (a 262k-row float32 head per token)
+_HF_GREEDY: dict[tuple[int, ...], tuple[str, int]] = {}
+
+
 def _hf_greedy(hf: tuple[Any, Any], input_ids: list[int]) -> tuple[str, int]:
-    model, tokenizer = hf
-    ids = torch.tensor([input_ids])
-    with torch.inference_mode():
-        out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
-    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True), ids.shape[1]
+    key = tuple(input_ids)
+    if key not in _HF_GREEDY:
+        model, tokenizer = hf
+        ids = torch.tensor([input_ids])
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+        _HF_GREEDY[key] = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True), ids.shape[1]
+    return _HF_GREEDY[key]
 
 
 def _chat_ids(tokenizer: Any, content: str) -> list[int]:
