@@ -183,6 +183,10 @@ def run_async(num_requests: int, step_ms: float, prompt_len: int, new_tokens: in
         "scheduled_ahead": pipeline is not None,
         # the engine thread's wait for the device per step: near 0, the engine is the bottleneck
         "engine_wait_ms_per_step": 1000 * pipeline.wait_s / max(1, pipeline.num_steps) if pipeline else None,
+        # steps queued on the device behind the running one (`StepPipeline`'s chained steps)
+        "steps_chained_fraction": getattr(pipeline, "num_steps_chained", 0) / max(1, pipeline.num_steps)
+        if pipeline
+        else None,
         "generated_tokens": num_tokens,
         "tokens_per_s": num_tokens / wall,
         **figures,

@@ -11,7 +11,7 @@ from tandem.engine.null_setup import build_null_parts
 from tandem.engine.protocol import CompletionOutput, GenerationRequest
 from tandem.engine.runner.null_runner import NullRunner
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.sched.step import RunnerResult, SchedulerOutput
+from tandem.engine.sched.step import PLACEHOLDER_TOKEN, RunnerResult, SchedulerOutput
 from tandem.platform.config import EngineConfig
 
 
@@ -64,12 +64,17 @@ def test_settle_heap_leaves_a_process_outside_an_actor_alone() -> None:
 
 class ScriptedDevice(NullRunner):
     """A device runner whose token at position p of request r is a function of (r, p) only; request
-    ids starting with "eos" sample an end-of-sequence token at position 40."""
+    ids starting with "eos" sample an end-of-sequence token at position 40. It refuses a step that
+    would write past the context (`max_model_len`) or holds a placeholder for a token."""
 
-    def __init__(self, token_ids: list[int], eos_token_id: int, step_s: float, overlappable: bool) -> None:
+    def __init__(
+        self, token_ids: list[int], eos_token_id: int, step_s: float, overlappable: bool, max_model_len: int
+    ) -> None:
         super().__init__(token_ids, step_s)
         self.eos_token_id = eos_token_id
         self._overlappable = overlappable
+        self.max_model_len = max_model_len
+        self.num_sampled: dict[str, int] = {}  # rows sampled per request
 
     @property
     def overlappable(self) -> bool:
@@ -78,7 +83,10 @@ class ScriptedDevice(NullRunner):
     def execute(self, sched: SchedulerOutput) -> RunnerResult:
         result = super().execute(sched)
         for item in sched.scheduled:
+            assert item.start_position + len(item.token_ids) <= self.max_model_len, item
+            assert PLACEHOLDER_TOKEN not in item.token_ids, item
             if item.sample:
+                self.num_sampled[item.request_id] = self.num_sampled.get(item.request_id, 0) + 1
                 position = (
                     item.start_position + len(item.token_ids) - len(item.draft_token_ids)
                 )  # drafts: rejected
@@ -100,7 +108,7 @@ def _run_scripted(
     parts = build_null_parts(config)
     assert isinstance(parts.runner, NullRunner)
     eos = min(parts.eos_token_ids)
-    parts.runner = ScriptedDevice(parts.runner.token_ids, eos, 0.001, overlappable=ahead)
+    parts.runner = ScriptedDevice(parts.runner.token_ids, eos, 0.001, overlappable=ahead, max_model_len=128)
     if num_blocks is not None:
         parts.num_blocks = num_blocks
     engine = LLMEngine(config, parts)
@@ -114,6 +122,8 @@ def _run_scripted(
         "abort-me": SamplingParams(max_tokens=60, ignore_eos=True),
         "long-prompt": SamplingParams(max_tokens=20, ignore_eos=True),
     }
+    if num_blocks is None:  # a request that runs to the end of the context (32 blocks)
+        requests["to-the-context"] = SamplingParams(max_tokens=None, ignore_eos=True)
     for i, (request_id, params) in enumerate(requests.items()):
         prompt = list(range(300 + i, 300 + i + (90 if request_id == "long-prompt" else 7 + i)))
         engine.add_request(
@@ -144,6 +154,7 @@ def test_scheduling_ahead_gives_the_serial_engines_outputs() -> None:
     serial, _ = _run_scripted(ahead=False)
     ahead, engine = _run_scripted(ahead=True)
     assert engine.pipeline is not None and engine.pipeline.num_steps_ahead > 20
+    assert engine.pipeline.num_steps_chained > 10  # queued behind the running step (its 1 ms)
     for request_id, expected in serial.items():
         got = ahead[request_id]
         assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
@@ -153,6 +164,12 @@ def test_scheduling_ahead_gives_the_serial_engines_outputs() -> None:
             expected.stop_reason,
         ), request_id
     assert serial["eos-a"].finish_reason == "stop" and serial["stop-string"].stop_reason is not None
+    # a request that its length limit ends is never computed past it (a step chained behind its
+    # last token leaves it out)
+    assert isinstance(engine.runner, ScriptedDevice)
+    for request_id, final in ahead.items():
+        if final.finish_reason == "length":
+            assert engine.runner.num_sampled[request_id] == len(final.token_ids), request_id
     assert serial["abort-me"].finish_reason == "abort" and len(serial["abort-me"].token_ids) == 5
     assert engine.stats()["kv_blocks_used"] == 0
 

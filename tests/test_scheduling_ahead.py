@@ -9,15 +9,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tandem.engine.builder import build_parts
 from tandem.engine.engine import LLMEngine
 from tandem.engine.protocol import CompletionOutput, GenerationRequest
 from tandem.engine.sampling_params import SamplingParams, StructuredOutput
 from tandem.platform.config import EngineConfig
 
+# Requests that read their output so far on the device: a step with one of them is not chained
+READS_OUTPUT = ("penalised", "regex")
 
-def _requests(stop: str) -> dict[str, SamplingParams]:
-    return {
+
+def _requests(stop: str, plain: bool = False) -> dict[str, SamplingParams]:
+    """`plain`: without the requests that read their output so far on the device (`READS_OUTPUT`)."""
+    requests = {
         "greedy": SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
         "seeded": SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
         "penalised": SamplingParams(
@@ -37,9 +43,12 @@ def _requests(stop: str) -> dict[str, SamplingParams]:
         "stop": SamplingParams(max_tokens=40, temperature=0.0, stop=[stop] if stop else [], ignore_eos=True),
         "long-prompt": SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
     }
+    return {k: v for k, v in requests.items() if not (plain and k in READS_OUTPUT)}
 
 
-def _run(model: Path, ahead: bool, stop: str = "") -> tuple[dict[str, CompletionOutput], LLMEngine]:
+def _run(
+    model: Path, ahead: bool, stop: str = "", plain: bool = False
+) -> tuple[dict[str, CompletionOutput], LLMEngine]:
     config = EngineConfig(
         model=str(model), dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=8, max_num_batched_tokens=64,
         block_size=4, async_scheduling=ahead, speculative=None,
@@ -48,7 +57,7 @@ def _run(model: Path, ahead: bool, stop: str = "") -> tuple[dict[str, Completion
     parts.runner.overlappable = ahead  # type: ignore[attr-defined]
     engine = LLMEngine(config, parts)
     assert (engine.pipeline is not None) is ahead
-    for i, (request_id, params) in enumerate(_requests(stop).items()):
+    for i, (request_id, params) in enumerate(_requests(stop, plain).items()):
         words = 20 if request_id == "long-prompt" else 2 + i
         prompt = " ".join(["paged attention batches requests"] * words)
         engine.add_request(
@@ -66,16 +75,27 @@ def _run(model: Path, ahead: bool, stop: str = "") -> tuple[dict[str, Completion
     return finals, engine
 
 
-def test_the_model_runner_scheduled_ahead_gives_the_serial_engines_outputs(tiny_model_dir: Path) -> None:
-    unstopped, _ = _run(tiny_model_dir, ahead=False)
+@pytest.mark.parametrize("plain", [False, True], ids=["mixed", "plain"])
+def test_the_model_runner_scheduled_ahead_gives_the_serial_engines_outputs(
+    tiny_model_dir: Path, plain: bool
+) -> None:
+    """`plain`: no request reads its output so far on the device, so the steps are chained (each
+    queued on the device behind the one before, whose tokens the device thread puts in place);
+    mixed: the steps with a penalised or constrained request are not."""
+    unstopped, _ = _run(tiny_model_dir, ahead=False, plain=plain)
     text = unstopped["stop"].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]  # found about half-way: the next step is in flight
     assert stop.strip(), text
-    serial, _ = _run(tiny_model_dir, ahead=False, stop=stop)
-    ahead, engine = _run(tiny_model_dir, ahead=True, stop=stop)
-    assert engine.pipeline is not None and engine.pipeline.num_steps_ahead > 10
+    serial, _ = _run(tiny_model_dir, ahead=False, stop=stop, plain=plain)
+    ahead, engine = _run(tiny_model_dir, ahead=True, stop=stop, plain=plain)
+    pipeline = engine.pipeline
+    assert pipeline is not None and pipeline.num_steps_ahead > 10
+    if plain:
+        assert pipeline.num_steps_chained >= pipeline.num_steps_ahead / 2, vars(pipeline)  # 27 of 27 here
+    else:
+        assert pipeline.num_steps_chained < pipeline.num_steps_ahead / 2, vars(pipeline)
+        assert serial["penalised"].token_ids != serial["greedy"].token_ids or serial["penalised"].text
     assert serial["stop"].finish_reason == "stop" and serial["stop"].stop_reason == stop
-    assert serial["penalised"].token_ids != serial["greedy"].token_ids or serial["penalised"].text
     for request_id, expected in serial.items():
         got = ahead[request_id]
         assert (got.token_ids, got.text, got.finish_reason, got.stop_reason, got.logprobs) == (

@@ -857,5 +857,6 @@ def test_a_null_model_replica_schedules_ahead_through_serve(
             assert len(text.split()) >= 12  # ordinary words from the null model's cycle
         stats = serve.get_deployment_handle("LLMReplica", app_name="tandem-null").stats.remote().result()
         assert stats["num_steps_scheduled_ahead"] > 0 and stats["kv_blocks_used"] == 0
+        assert stats["num_steps_chained"] > 0  # steps queued on the device behind the running one
     finally:
         serve.delete("tandem-null")

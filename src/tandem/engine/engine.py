@@ -386,6 +386,7 @@ class LLMEngine:
                 "num_failed_requests": self.num_failed_requests,
                 "num_steps": self.num_steps + (self.pipeline.num_steps if self.pipeline else 0),
                 "num_steps_scheduled_ahead": self.pipeline.num_steps_ahead if self.pipeline else 0,
+                "num_steps_chained": self.pipeline.num_steps_chained if self.pipeline else 0,
                 "step_wall_s": self.step_wall_s,
                 "step_thread_cpu_s": self.step_thread_cpu_s,
             },

@@ -6,14 +6,24 @@ there, the engine thread schedules step N+1 from the state step N leaves (`sched
 one placeholder token per sampling request), then waits for step N's results, puts its tokens in
 place and drops from step N+1 the requests they end, hands step N+1 to the device, and only then
 does the rest of step N's bookkeeping and turns it into outputs (detokenisation, stop strings,
-`RequestOutput`s) while step N+1 runs. So only filling tokens in is serial with the device. A
-request that a stop string ends is in the step already running: its token there is dropped (as
-vLLM's asynchronous scheduling does). When the next step could preempt
-(`Scheduler.can_schedule_ahead`) the running step's results are applied first.
+`RequestOutput`s) while step N+1 runs. A request that a stop string ends is in the step already
+running: its token there is dropped (as vLLM's asynchronous scheduling does). When the next step
+could preempt (`Scheduler.can_schedule_ahead`) the running step's results are applied first.
+
+Chained steps: while step N still runs, where no request of step N+1 reads its output so far on
+the device (no penalties, no grammar), step N+1 is queued on the device thread before step N's
+results are in, so the device goes from one step to the next without waiting for the engine
+thread: the device thread puts step N's tokens in place of step N+1's placeholders itself
+(`in_flight.with_tokens_of`). Such a step also computes the requests that step N's token ends (a
+stop token; one that reaches its length limit is left out beforehand, a row nobody would read):
+their results are dropped (the engine's record of the step is rebased as above), and their KV
+goes to blocks that only later steps, run after it on the same thread, can reuse. When step N is
+done already the device is idle: step N+1 goes as above (nothing to gain from queueing it early).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -21,9 +31,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from tandem.engine.protocol import RequestOutput
 from tandem.engine.request import RequestStatus
-from tandem.engine.sched.in_flight import InFlightStep
+from tandem.engine.sched.in_flight import InFlightStep, with_tokens_of
 from tandem.engine.sched.scheduler import Scheduler
-from tandem.engine.sched.step import RequestUpdate, Runner, RunnerResult, SchedulerOutput
+from tandem.engine.sched.step import (
+    PLACEHOLDER_TOKEN,
+    RequestUpdate,
+    Runner,
+    RunnerResult,
+    SchedulerOutput,
+)
 
 
 class StepPipeline:
@@ -51,6 +67,7 @@ class StepPipeline:
         self._in_flight: tuple[InFlightStep, Future[RunnerResult]] | None = None
         self.num_steps = 0  # steps whose results were applied
         self.num_steps_ahead = 0  # of which the next step was scheduled while they ran
+        self.num_steps_chained = 0  # steps queued on the device before the step before's results
         self.wait_s = 0.0  # the engine thread's seconds waiting for the device
 
     def step(self) -> list[RequestOutput]:
@@ -64,12 +81,22 @@ class StepPipeline:
             scheduled = self.scheduler.schedule()
             ended = self.end_stale(scheduled.stale_request_ids)
         previous, self._in_flight = self._in_flight, None
+        chained: Future[RunnerResult] | None = None
+        if (
+            previous is not None
+            and not previous[1].done()
+            and scheduled is not None
+            and self._chainable(scheduled)
+        ):
+            chained = self._chain(scheduled, previous[1])  # the device is busy: keep it so
         filled: tuple[InFlightStep, RunnerResult, dict[str, RequestStatus | None]] | None = None
         if previous is not None:
             filled = self._fill(*previous)
             if scheduled is not None:
                 self.num_steps_ahead += 1
-        if scheduled is not None and not scheduled.is_empty:
+        if filled is not None and chained is not None and scheduled is not None:
+            self._track(scheduled, filled[2], chained)
+        elif scheduled is not None and not scheduled.is_empty:
             self._submit(scheduled, filled[2] if filled is not None else None)
         if filled is None:
             return ended
@@ -98,6 +125,53 @@ class StepPipeline:
         # this thread's outputs and scheduling keep it (up to the interpreter's switch interval).
         started.wait()
         self.mark_scheduled([s.request_id for s in scheduled.scheduled if s.is_new], now)
+
+    @staticmethod
+    def _chainable(scheduled: SchedulerOutput) -> bool:
+        """Whether the step may go to the device before the running step's results are in: it has
+        requests, and none of them reads its output so far there (penalties, a grammar: they would
+        read the running step's token before it is in place)."""
+        return not scheduled.is_empty and not any(
+            item.sampling_params.has_penalties or item.sampling_params.structured is not None
+            for item in scheduled.scheduled
+        )
+
+    def _chain(self, scheduled: SchedulerOutput, running: Future[RunnerResult]) -> Future[RunnerResult]:
+        """Queue a step on the device behind the running one (`with_tokens_of` there), without the
+        requests that the running step's token brings to their length limit."""
+        requests, at_limit = self.scheduler.requests, self.scheduler.updates.at_length_limit
+        items = [
+            item
+            for item in scheduled.scheduled
+            if not (item.token_ids[-1] == PLACEHOLDER_TOKEN and at_limit(requests[item.request_id]))
+        ]
+        device_step = scheduled
+        if len(items) < len(scheduled.scheduled):
+            num_tokens = sum(len(item.token_ids) for item in items)
+            device_step = dataclasses.replace(scheduled, scheduled=items, num_scheduled_tokens=num_tokens)
+
+        def run() -> RunnerResult:
+            sampled = running.result().sampled_token_ids  # this thread ran it: done
+            step = with_tokens_of(device_step, sampled)
+            return self.runner.execute(step) if step.scheduled else RunnerResult({})
+
+        self.num_steps_chained += 1
+        return self._device.submit(run)
+
+    def _track(
+        self,
+        scheduled: SchedulerOutput,
+        ending: dict[str, RequestStatus | None],
+        future: Future[RunnerResult],
+    ) -> None:
+        """The engine's record of a chained step, now that the step before it is filled in: rebased
+        as `_submit` rebases (the device computes the ending requests too; nobody reads those)."""
+        now = time.monotonic()
+        in_flight = InFlightStep.begin(scheduled, self.scheduler.requests, ending)
+        if in_flight.scheduled.is_empty:  # every request of it ended in the step before
+            return  # the device still runs it, before any step queued after it
+        self._in_flight = (in_flight, future)
+        self.mark_scheduled([s.request_id for s in in_flight.scheduled.scheduled if s.is_new], now)
 
     def _fill(
         self, in_flight: InFlightStep, future: Future[RunnerResult]

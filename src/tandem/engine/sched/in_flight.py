@@ -94,3 +94,24 @@ class InFlightStep:
             if status is not None:
                 ending[request.request_id] = status
         return ending
+
+
+def with_tokens_of(scheduled: SchedulerOutput, sampled: dict[str, list[int]]) -> SchedulerOutput:
+    """A step queued on the device behind the one before it (`StepPipeline`'s chained steps), as
+    the device thread runs it once that one is done: each placeholder (always an item's newest
+    token: the step before's token for that request) becomes the token the step before sampled,
+    in place (the engine thread writes the same value when it rebases the step: `InFlightStep.begin`),
+    and a request the step before sampled none for (it failed there) is left out."""
+    kept = []
+    for item in scheduled.scheduled:
+        token_ids = item.token_ids
+        if token_ids and token_ids[-1] == PLACEHOLDER_TOKEN:
+            new_token_ids = sampled.get(item.request_id)
+            if not new_token_ids:
+                continue
+            token_ids[-1] = new_token_ids[0]
+        kept.append(item)
+    if len(kept) == len(scheduled.scheduled):
+        return scheduled
+    num_tokens = sum(len(item.token_ids) for item in kept)
+    return dataclasses.replace(scheduled, scheduled=kept, num_scheduled_tokens=num_tokens)

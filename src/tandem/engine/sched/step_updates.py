@@ -203,13 +203,13 @@ class StepUpdates:
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_LENGTH if self.at_length_limit(request) else None
+
+    def at_length_limit(self, request: Request) -> bool:
+        """Whether the request's output (its newest token included, known or a placeholder) is as
+        long as it may be: its `max_tokens` (None: the context) or the context itself."""
         num_output_tokens = len(request.output_token_ids)
-        max_tokens = (
-            params.max_tokens if params.max_tokens is not None else self.max_model_len
-        )  # None: the context
-        if (
-            num_output_tokens >= max_tokens
-            or request.num_prompt_tokens + num_output_tokens >= self.max_model_len
-        ):
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        max_tokens = request.sampling_params.max_tokens
+        return (
+            max_tokens is not None and num_output_tokens >= max_tokens
+        ) or request.num_prompt_tokens + num_output_tokens >= self.max_model_len
