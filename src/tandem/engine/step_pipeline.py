@@ -10,15 +10,17 @@ does the rest of step N's bookkeeping and turns it into outputs (detokenisation,
 running: its token there is dropped (as vLLM's asynchronous scheduling does). When the next step
 could preempt (`Scheduler.can_schedule_ahead`) the running step's results are applied first.
 
-Chained steps: while step N still runs, where no request of step N+1 reads its output so far on
-the device (no penalties, no grammar), step N+1 is queued on the device thread before step N's
-results are in, so the device goes from one step to the next without waiting for the engine
-thread: the device thread puts step N's tokens in place of step N+1's placeholders itself
-(`in_flight.with_tokens_of`). Such a step also computes the requests that step N's token ends (a
-stop token; one that reaches its length limit is left out beforehand, a row nobody would read):
-their results are dropped (the engine's record of the step is rebased as above), and their KV
-goes to blocks that only later steps, run after it on the same thread, can reuse. When step N is
-done already the device is idle: step N+1 goes as above (nothing to gain from queueing it early).
+Chained steps: while step N still runs, where no request of step N+1 is constrained by a grammar
+(its matcher advances with every token the runner samples), step N+1 is queued on the device
+thread before step N's results are in, so the device goes from one step to the next without
+waiting for the engine thread: the device thread puts step N's tokens in place of step N+1's
+placeholders itself (`in_flight.with_tokens_of`; a penalised request reads its own copy of its
+output there, step N's token included). Such a step also computes the requests that step N's
+token ends (a stop token; one that reaches its length limit is left out beforehand, a row nobody
+would read): their results are dropped (the engine's record of the step is rebased as above),
+and their KV goes to blocks that only later steps, run after it on the same thread, can reuse.
+When step N is done already the device is idle: step N+1 goes as above (nothing to gain from
+queueing it early).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from tandem.engine.sched.step import (
     RequestUpdate,
     Runner,
     RunnerResult,
+    ScheduledRequest,
     SchedulerOutput,
 )
 
@@ -129,22 +132,26 @@ class StepPipeline:
     @staticmethod
     def _chainable(scheduled: SchedulerOutput) -> bool:
         """Whether the step may go to the device before the running step's results are in: it has
-        requests, and none of them reads its output so far there (penalties, a grammar: they would
-        read the running step's token before it is in place)."""
+        requests, and none of them is constrained (a grammar's matcher advances with each token
+        the runner samples, past a request's end too)."""
         return not scheduled.is_empty and not any(
-            item.sampling_params.has_penalties or item.sampling_params.structured is not None
-            for item in scheduled.scheduled
+            item.sampling_params.structured is not None for item in scheduled.scheduled
         )
 
     def _chain(self, scheduled: SchedulerOutput, running: Future[RunnerResult]) -> Future[RunnerResult]:
         """Queue a step on the device behind the running one (`with_tokens_of` there), without the
-        requests that the running step's token brings to their length limit."""
+        requests that the running step's token brings to their length limit; a penalised request
+        reads a copy of its output there (`output_ends`: its output tokens known now)."""
         requests, at_limit = self.scheduler.requests, self.scheduler.updates.at_length_limit
-        items = [
-            item
-            for item in scheduled.scheduled
-            if not (item.token_ids[-1] == PLACEHOLDER_TOKEN and at_limit(requests[item.request_id]))
-        ]
+        items: list[ScheduledRequest] = []
+        output_ends: dict[str, int] = {}
+        for item in scheduled.scheduled:
+            placeholder = item.token_ids[-1] == PLACEHOLDER_TOKEN
+            if placeholder and at_limit(requests[item.request_id]):
+                continue
+            if item.sampling_params.has_penalties:
+                output_ends[item.request_id] = len(item.output_token_ids) - placeholder
+            items.append(item)
         device_step = scheduled
         if len(items) < len(scheduled.scheduled):
             num_tokens = sum(len(item.token_ids) for item in items)
@@ -152,7 +159,7 @@ class StepPipeline:
 
         def run() -> RunnerResult:
             sampled = running.result().sampled_token_ids  # this thread ran it: done
-            step = with_tokens_of(device_step, sampled)
+            step = with_tokens_of(device_step, sampled, output_ends)
             return self.runner.execute(step) if step.scheduled else RunnerResult({})
 
         self.num_steps_chained += 1

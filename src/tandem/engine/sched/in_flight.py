@@ -96,20 +96,29 @@ class InFlightStep:
         return ending
 
 
-def with_tokens_of(scheduled: SchedulerOutput, sampled: dict[str, list[int]]) -> SchedulerOutput:
+def with_tokens_of(
+    scheduled: SchedulerOutput, sampled: dict[str, list[int]], output_ends: dict[str, int]
+) -> SchedulerOutput:
     """A step queued on the device behind the one before it (`StepPipeline`'s chained steps), as
     the device thread runs it once that one is done: each placeholder (always an item's newest
     token: the step before's token for that request) becomes the token the step before sampled,
     in place (the engine thread writes the same value when it rebases the step: `InFlightStep.begin`),
-    and a request the step before sampled none for (it failed there) is left out."""
+    and a request the step before sampled none for (it failed there) is left out. An item in
+    `output_ends` (a request whose penalties read its output so far: how many of its output tokens
+    were known when the step was queued) reads its own copy of its output, that token included:
+    the engine thread fills in and appends to the request's own list meanwhile."""
     kept = []
     for item in scheduled.scheduled:
         token_ids = item.token_ids
-        if token_ids and token_ids[-1] == PLACEHOLDER_TOKEN:
-            new_token_ids = sampled.get(item.request_id)
-            if not new_token_ids:
+        new_ids: list[int] = []
+        if token_ids[-1] == PLACEHOLDER_TOKEN:
+            new_ids = sampled.get(item.request_id) or []
+            if not new_ids:
                 continue
-            token_ids[-1] = new_token_ids[0]
+            token_ids[-1] = new_ids[0]
+        end = output_ends.get(item.request_id)
+        if end is not None:
+            item.output_token_ids = item.output_token_ids[:end] + new_ids[:1]
         kept.append(item)
     if len(kept) == len(scheduled.scheduled):
         return scheduled
