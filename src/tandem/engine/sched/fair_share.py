@@ -91,11 +91,17 @@ class FairShare:
         """`requests` (one class, in arrival order) interleaved fairly: FIFO per tenant; next is
         always the head of the tenant whose counter plus `num_tokens` of its requests already
         placed (divided by its weight) is lowest, ties by arrival."""
+        if not requests:
+            return []
+        tenant_id = requests[0].tenant_id
+        if all(request.tenant_id == tenant_id for request in requests):  # one tenant: its own order
+            return list(requests)
         queues: dict[str | None, deque[Request]] = {}
         for request in requests:
-            queues.setdefault(request.tenant_id, deque()).append(request)
-        if len(queues) <= 1:
-            return list(requests)
+            queue = queues.get(request.tenant_id)
+            if queue is None:
+                queue = queues[request.tenant_id] = deque()
+            queue.append(request)
         heap = [
             (self.counter(q[0]), q[0].arrival_time, i, tenant) for i, (tenant, q) in enumerate(queues.items())
         ]
