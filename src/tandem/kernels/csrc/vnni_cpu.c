@@ -99,8 +99,12 @@ static inline Int4BlockRows int4_block_rows(const uint8_t *packed, int64_t n0, i
 }
 
 /* Run r's 8 B rows (rows past N: zero codes): with dword j of each row's run gathered across the 16
- * rows, its low nibbles are B row j and its high nibbles B row j + 4. */
+ * rows, its low nibbles are B row j and its high nibbles B row j + 4. The gathers read 16 rows at
+ * once, a stride the hardware prefetchers do not follow (docs/performance.md, eighth session): run
+ * r's share of the next block's rows (contiguous after these, 256 bytes a run) is fetched first. */
 static inline __attribute__((always_inline)) void int4_b_run(Int4BlockRows rows, int64_t r, __m512i b[8]) {
+    if (rows.next)
+        for (int i = 0; i < 256; i += 64) _mm_prefetch((const char *)rows.next + 256 * r + i, _MM_HINT_T0);
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int j = 0; j < 4; j++) {
         const __m512i dwords = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows.present, rows.row_offsets,
@@ -110,20 +114,10 @@ static inline __attribute__((always_inline)) void int4_b_run(Int4BlockRows rows,
     }
 }
 
-/* The gathers read 16 rows at once, a stride the hardware prefetchers do not follow (a decode
- * step's 4-bit layers ran at half speed on a Zen 4 for it): while run r of this block is gathered,
- * run r's share of the next block's rows (contiguous after these: 256 bytes a run) is fetched. */
-static inline __attribute__((always_inline)) void int4_prefetch_next_run(Int4BlockRows rows, int64_t r) {
-    if (!rows.next) return;
-    const char *ahead = (const char *)rows.next + 256 * r;
-    for (int i = 0; i < 256; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
-}
-
 /* Every run's B rows of one block, [runs][8][64] bytes. */
 static void int4_b_rows(Int4BlockRows rows, int64_t runs, uint8_t *tiles) {
     for (int64_t r = 0; r < runs; r++) {
         __m512i b[8];
-        int4_prefetch_next_run(rows, r);
         int4_b_run(rows, r, b);
         for (int j = 0; j < 8; j++) _mm512_storeu_si512(tiles + 512 * r + 64 * j, b[j]);
     }
@@ -180,10 +174,8 @@ static inline __attribute__((always_inline)) void vnni_int4_row_group(
     for (int m = 0; m < MB; m++) acc[m] = bias[m] = _mm512_setzero_ps();
     for (int64_t r = 0; r < runs; r++) {
         __m512i b[8];
-        if (GATHER) {
-            int4_prefetch_next_run(rows, r);
+        if (GATHER)
             int4_b_run(rows, r, b);
-        }
         else
             for (int j = 0; j < 8; j++) b[j] = _mm512_loadu_si512(tiles + 512 * r + 64 * j);
         const __m512 ws = _mm512_loadu_ps(scales + 16 * r), wo = _mm512_loadu_ps(offsets + 16 * r);
