@@ -14,11 +14,14 @@ from tandem import LLM, SamplingParams
 from tandem.engine.host.precision import PIN_ENV, choose_precision
 from tandem.engine.host.precision_probe import (
     COMPUTE_ROWS,
+    MAX_ATTEMPTS,
     ProbeResult,
     cache_path,
     measure_pass,
     model_gemm_shapes,
+    probe_precision,
     run_probe,
+    stalled_pass_ms,
 )
 from tandem.kernels import int4_native
 from tandem.kernels.int8 import Int8HeadLinear
@@ -274,7 +277,6 @@ def test_engines_starting_together_probe_once(tiny_model_dir: Path, tmp_path: Pa
     (GEMMs timed against each other would be noise)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tandem.engine.host.precision_probe import probe_precision
     from tandem.engine.models.loader import load_model
 
     cfg = load_model(str(tiny_model_dir)).config
@@ -287,3 +289,48 @@ def test_engines_starting_together_probe_once(tiny_model_dir: Path, tmp_path: Pa
     assert all(r is not None for r in results)
     assert sorted(r.source for r in results if r is not None) == ["cache", "cache", "measured"]
     assert len({(r.dtype, r.int4_decode, r.key) for r in results if r is not None}) == 1
+
+
+def stalled_for(num_attempts: int, calls: list[tuple[str, int]]):  # type: ignore[no-untyped-def]
+    """The real measurement, except that during the first `num_attempts` probe tables every linear
+    call also waits 5 ms (another process holding the CPU: an oversubscribed OpenMP barrier waits
+    a scheduler slice). `calls` records every (candidate, rows) cell timed."""
+
+    def measure(candidate: str, shapes, num_copies: int, rows: int) -> float:  # type: ignore[no-untyped-def]
+        calls.append((candidate, rows))
+        attempt = sum(1 for cell in calls if cell == ("float32", 1))
+        stall_s = 5e-3 * num_copies * len(shapes) if attempt <= num_attempts else 0.0
+        return measure_pass(candidate, shapes, num_copies, rows) + stall_s
+
+    return measure
+
+
+def test_a_probe_timed_on_a_stalled_cpu_is_measured_again_and_never_cached(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A table timed while another process held the CPU (every time inflated alike: the choice would
+    be noise) is measured again; one that stays stalled is neither used nor cached, so the next
+    start measures anew."""
+    from tandem.engine.models.loader import load_model
+
+    cfg = load_model(str(tiny_model_dir)).config
+    shapes, num_layers = model_gemm_shapes(cfg), cfg.num_hidden_layers
+    int4 = int4_native.load() is not None
+    healthy = run_probe(shapes, num_layers, ["float32"], int4=int4)
+    assert stalled_pass_ms(healthy, shapes, num_layers) is None, healthy.timings_ms
+
+    calls: list[tuple[str, int]] = []
+    recovered = probe_precision(
+        cfg, torch.device("cpu"), tmp_path / "once", int4=True, measure=stalled_for(1, calls)
+    )
+    assert recovered is not None and recovered.source == "measured"
+    assert calls.count(("float32", 1)) == 2  # the stalled table, then a healthy one
+    assert stalled_pass_ms(recovered, shapes, num_layers) is None, recovered.timings_ms
+    assert cache_path(recovered.key, tmp_path / "once").exists()
+
+    calls.clear()
+    stuck = probe_precision(
+        cfg, torch.device("cpu"), tmp_path / "always", int4=True, measure=stalled_for(99, calls)
+    )
+    assert stuck is None and calls.count(("float32", 1)) == MAX_ATTEMPTS
+    assert not list((tmp_path / "always" / "precision").glob("probe-*.json"))

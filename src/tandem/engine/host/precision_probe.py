@@ -23,7 +23,9 @@ slower than the dense dtype there), kept only within the quality probe's bound
 (`quality_probe.py`); `int8_decode` the same for INT8, the candidate where INT4 falls outside it. float16 is not a candidate.
 The result is cached per machine as JSON under `$TANDEM_CACHE_DIR/precision/`, keyed by the CPU
 model name, its flags, the CPUs this process may use, the torch version, the GEMM shapes and the
-probe version; a second start reads it (`source="cache"`).
+probe version; a second start reads it (`source="cache"`). A table timed while the CPU was
+held elsewhere (`stalled_pass_ms`) is measured again, keeping each cell's fastest time, up to
+`MAX_ATTEMPTS` times; one that stays stalled is neither used nor cached.
 """
 
 from __future__ import annotations
@@ -61,6 +63,12 @@ COMPUTE_ROWS = (16, 64, PREFILL_ROWS)
 INT4_GROUP_SIZE = 32
 PROBE_WEIGHT_BYTES = 256 << 20  # float32 bytes of the layer copies: beyond the last-level cache
 CELL_BUDGET_S = 0.3  # repeats of one (candidate, rows) cell stop once they took this long
+# A float32 one-row pass slower than reading its weights at this rate plus this much per linear
+# call was timed while something else held the CPU (an oversubscribed OpenMP barrier waits a
+# scheduler slice per call): the table is measured again rather than trusted or cached.
+MIN_WEIGHT_READ_BYTES_PER_S = 4e9
+MAX_CALL_OVERHEAD_S = 0.5e-3
+MAX_ATTEMPTS = 3
 
 Shape = tuple[int, int]  # (out_features, in_features)
 # measure(candidate, shapes, num_copies, rows) -> seconds for one pass over the copies
@@ -235,12 +243,53 @@ def run_probe(
     )
 
 
+def stalled_pass_ms(result: ProbeResult, shapes: Sequence[Shape], num_layers: int) -> float | None:
+    """The float32 one-row pass's time where it is too slow to have had the CPU to itself (the
+    bound in the constants above: weights read at `MIN_WEIGHT_READ_BYTES_PER_S`, plus
+    `MAX_CALL_OVERHEAD_S` per linear call; healthy passes run several times faster), else None."""
+    if 1 not in result.timings_ms.get("float32", {}):
+        return None
+    weight_bytes = 4 * num_layers * sum(o * i for o, i in shapes)
+    num_calls = num_layers * len(shapes)
+    bound_ms = 1000.0 * (weight_bytes / MIN_WEIGHT_READ_BYTES_PER_S + num_calls * MAX_CALL_OVERHEAD_S)
+    measured_ms = result.timings_ms["float32"][1]
+    return measured_ms if measured_ms > bound_ms else None
+
+
+def measure_until_plausible(
+    shapes: Sequence[Shape], num_layers: int, dtypes: Sequence[str], *, int4: bool, key: str,
+    measure: Measure = measure_pass,
+) -> ProbeResult | None:  # fmt: skip
+    """`run_probe` until its table is not stalled (`stalled_pass_ms`), each attempt keeping every
+    cell's fastest time so far (a stall that held part of one attempt costs nothing); None where
+    all `MAX_ATTEMPTS` stayed stalled."""
+    fastest: dict[tuple[str, int], float] = {}
+
+    def fastest_so_far(candidate: str, cell_shapes: Sequence[Shape], num_copies: int, rows: int) -> float:
+        seconds = min(
+            fastest.get((candidate, rows), math.inf), measure(candidate, cell_shapes, num_copies, rows)
+        )
+        fastest[(candidate, rows)] = seconds
+        return seconds
+
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        result = run_probe(shapes, num_layers, dtypes, int4=int4, key=key, measure=fastest_so_far)
+        stalled_ms = stalled_pass_ms(result, shapes, num_layers)
+        if stalled_ms is None:
+            return result
+        logger.warning(
+            "precision probe timed a stalled CPU",
+            extra={"attempt": attempt, "float32_one_row_ms": round(stalled_ms, 3)},
+        )
+    return None
+
+
 def cache_path(key: str, cache_dir: Path) -> Path:
     return cache_dir / "precision" / f"probe-{key}.json"
 
 
 def probe_precision(
-    config: ModelConfig, device: torch.device, cache_dir: Path, *, int4: bool
+    config: ModelConfig, device: torch.device, cache_dir: Path, *, int4: bool, measure: Measure = measure_pass
 ) -> ProbeResult | None:
     """The probe's result for this machine and `config`'s shapes: from the cache, else measured
     (and cached). `int4`: whether the native INT4 kernel runs here (then it is timed too).
@@ -249,7 +298,8 @@ def probe_precision(
     lock file beside the cache entry: the others then read what the first measured, instead of
     timing GEMMs against each other. None (the caller falls back to CPU flags, with a warning
     logged) where the probe itself fails; a cache that cannot be written only costs the next
-    start another probe."""
+    start another probe. A table that stays stalled (`measure_until_plausible`) is not cached:
+    None, and the next start measures again. `measure` is injectable, as in `run_probe`."""
     shapes = model_gemm_shapes(config)
     int4 = int4 and int4_native.load() is not None
     key, machine = probe_key(shapes, config.num_hidden_layers, int4)
@@ -258,9 +308,14 @@ def probe_precision(
         result = _read_cached(path, key, machine)
         if result is None:
             try:
-                result = run_probe(shapes, config.num_hidden_layers, candidates(device), int4=int4, key=key)
+                result = measure_until_plausible(
+                    shapes, config.num_hidden_layers, candidates(device), int4=int4, key=key, measure=measure
+                )
             except Exception as exc:  # noqa: BLE001 - an engine starts on CPU flags rather than not at all
                 logger.warning("precision probe failed; choosing by CPU flags", extra={"error": repr(exc)})
+                return None
+            if result is None:
+                logger.warning("precision probe stalled on every attempt; choosing by CPU flags, not cached")
                 return None
             result = replace(result, machine=machine)
             try:
