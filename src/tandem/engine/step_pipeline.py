@@ -25,7 +25,6 @@ queueing it early).
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -85,12 +84,7 @@ class StepPipeline:
             ended = self.end_stale(scheduled.stale_request_ids)
         previous, self._in_flight = self._in_flight, None
         chained: Future[RunnerResult] | None = None
-        if (
-            previous is not None
-            and not previous[1].done()
-            and scheduled is not None
-            and self._chainable(scheduled)
-        ):
+        if previous is not None and not previous[1].done() and scheduled is not None:
             chained = self._chain(scheduled, previous[1])  # the device is busy: keep it so
         filled: tuple[InFlightStep, RunnerResult, dict[str, RequestStatus | None]] | None = None
         if previous is not None:
@@ -129,33 +123,29 @@ class StepPipeline:
         started.wait()
         self.mark_scheduled([s.request_id for s in scheduled.scheduled if s.is_new], now)
 
-    @staticmethod
-    def _chainable(scheduled: SchedulerOutput) -> bool:
-        """Whether the step may go to the device before the running step's results are in: it has
-        requests, and none of them is constrained (a grammar's matcher advances with each token
-        the runner samples, past a request's end too)."""
-        return not scheduled.is_empty and not any(
-            item.sampling_params.structured is not None for item in scheduled.scheduled
-        )
-
-    def _chain(self, scheduled: SchedulerOutput, running: Future[RunnerResult]) -> Future[RunnerResult]:
+    def _chain(
+        self, scheduled: SchedulerOutput, running: Future[RunnerResult]
+    ) -> Future[RunnerResult] | None:
         """Queue a step on the device behind the running one (`with_tokens_of` there), without the
         requests that the running step's token brings to their length limit; a penalised request
-        reads a copy of its output there (`output_ends`: its output tokens known now)."""
+        reads a copy of its output there (`output_ends`: its output tokens known now). None (not
+        queued) for an empty step or one with a constrained request (a grammar's matcher advances
+        with each token the runner samples, past a request's end too)."""
         requests, at_limit = self.scheduler.requests, self.scheduler.updates.at_length_limit
         items: list[ScheduledRequest] = []
         output_ends: dict[str, int] = {}
+        if scheduled.is_empty:
+            return None
         for item in scheduled.scheduled:
+            if item.sampling_params.structured is not None:
+                return None
             placeholder = item.token_ids[-1] == PLACEHOLDER_TOKEN
             if placeholder and at_limit(requests[item.request_id]):
                 continue
             if item.sampling_params.has_penalties:
                 output_ends[item.request_id] = len(item.output_token_ids) - placeholder
             items.append(item)
-        device_step = scheduled
-        if len(items) < len(scheduled.scheduled):
-            num_tokens = sum(len(item.token_ids) for item in items)
-            device_step = dataclasses.replace(scheduled, scheduled=items, num_scheduled_tokens=num_tokens)
+        device_step = scheduled.with_items(items)
 
         def run() -> RunnerResult:
             sampled = running.result().sampled_token_ids  # this thread ran it: done

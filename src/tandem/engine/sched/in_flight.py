@@ -16,7 +16,6 @@ are in flight a request's output ends with at most one placeholder, the newest t
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,10 +66,7 @@ class InFlightStep:
                 output_token_ids = request.output_token_ids
                 placeholders.append((request, len(output_token_ids)))
                 output_token_ids.append(PLACEHOLDER_TOKEN)
-        if ending is not None and len(kept) < len(scheduled.scheduled):
-            num_tokens = sum(len(item.token_ids) for item in kept)
-            scheduled = dataclasses.replace(scheduled, scheduled=kept, num_scheduled_tokens=num_tokens)
-        return cls(scheduled, placeholders)
+        return cls(scheduled.with_items(kept) if ending is not None else scheduled, placeholders)
 
     def fill(
         self, result: RunnerResult, stop_status: Callable[[Request, int], RequestStatus | None]
@@ -120,7 +116,4 @@ def with_tokens_of(
         if end is not None:
             item.output_token_ids = item.output_token_ids[:end] + new_ids[:1]
         kept.append(item)
-    if len(kept) == len(scheduled.scheduled):
-        return scheduled
-    num_tokens = sum(len(item.token_ids) for item in kept)
-    return dataclasses.replace(scheduled, scheduled=kept, num_scheduled_tokens=num_tokens)
+    return scheduled.with_items(kept)

@@ -13,7 +13,7 @@ lie beyond it, are overwritten by the next step, and are never published to the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from tandem.engine.request import Request
@@ -120,6 +120,14 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def with_items(self, items: list[ScheduledRequest]) -> SchedulerOutput:
+        """This step with only `items` (some of its own, in its order), its token count recounted
+        (draft slots included); itself where nothing was left out."""
+        if len(items) == len(self.scheduled):
+            return self
+        num_tokens = sum(len(item.token_ids) + item.num_draft_slots for item in items)
+        return replace(self, scheduled=items, num_scheduled_tokens=num_tokens)
 
 
 @dataclass
