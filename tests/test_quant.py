@@ -534,6 +534,41 @@ def test_gguf_blocks_on_amx_keep_each_rows_bits_at_any_call_size(amx: None) -> N
         for split in (5, 8, 9):  # a few rows' calls gather their codes, the rest read them regrouped
             assert torch.equal(torch.cat([mm(x[:split]), mm(x[split:])]), whole), (cols, split)
         assert int4_native.use_amx(True) is True
+        tiled = int4_native.tile_blocks(packed[:16], codes[:16].contiguous(), block_scales[:16].contiguous())
+        assert torch.equal(mm(x, *tiled), whole[:, :16])  # mode 4 on the tile unit
+
+
+@pytest.mark.skipif(
+    not int4_native.block_tiles_available(), reason="the tile order needs an AVX512-VNNI build"
+)
+@pytest.mark.parametrize("superblocks", [3, 24])  # Q4_K-like (8 runs a super-block), Q4_0 / Q4_1-like
+def test_gguf_blocks_in_tile_order_give_the_row_major_bits(superblocks: int) -> None:
+    """Mode 4 (the tile order a decode step reads with plain loads) is mode 3's bytes reordered: at
+    every call size (gathered few-row calls, regrouped larger ones) and dequantised, the same bits;
+    a GGUF block weight in `Int4Linear` is held in it, and its calls keep those bits."""
+    g = torch.Generator().manual_seed(21)
+    rows, cols = 48, 768
+    q = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8)
+    packed = int4_native.pack_rows(q)
+    codes = torch.randint(-63, 64, (rows, cols // 32, 2), generator=g, dtype=torch.int8)
+    block_scales = (torch.rand(rows, superblocks, 2, generator=g) * 0.02).to(torch.float16)
+    tiled = int4_native.tile_blocks(packed, codes, block_scales)
+    assert tiled[0].shape == (rows // 16, 16, cols // 2) and not torch.equal(tiled[1], codes)
+    x = torch.randn(37, cols, generator=g)
+    for num_rows in (1, 2, 5, 8, 9, 16, 37):
+        want = int4_native.int4_mm(x[:num_rows].contiguous(), packed, codes, block_scales, 32)
+        assert torch.equal(int4_native.int4_mm(x[:num_rows].contiguous(), *tiled, 32), want), num_rows
+    weight = int4_native.int4_dequantize(packed, codes, block_scales, 32)
+    assert torch.equal(int4_native.int4_dequantize(*tiled, 32), weight)
+
+    from tandem.kernels.int4 import BlockParams, Int4Weight
+
+    stored = Int4Weight.from_block_params(q, BlockParams(codes, block_scales, (cols // 32) // superblocks))
+    linear = Int4Linear(stored, torch.device("cpu"), kernel="native")
+    assert linear.packed.dim() == 3  # held in tile order
+    assert torch.equal(
+        linear(x[:3]), int4_native.int4_mm(x[:3].contiguous(), packed, codes, block_scales, 32)
+    )
 
 
 _GGUF_BLOCKS_SCRIPT = """
@@ -551,6 +586,9 @@ for superblocks in (3, 24):  # Q4_K-like (8 runs a super-block), Q4_0 / Q4_1-lik
     results[f"alone{superblocks}"] = torch.cat([mm(x[i : i + 1]) for i in range(21)])
     weight = int4_native.int4_dequantize(packed, codes, block_scales, 32).double()
     results[f"exact{superblocks}"] = x.double() @ weight.T
+    if int4_native.block_tiles_available():  # mode 4: the first 32 rows in tile order
+        tiled = int4_native.tile_blocks(packed[:32], codes[:32].contiguous(), block_scales[:32].contiguous())
+        results[f"tiled{superblocks}"] = torch.cat([int4_native.int4_mm(x[i : i + 1], *tiled, 32) for i in range(21)])
 torch.save(results, sys.argv[1])
 """
 
@@ -583,3 +621,6 @@ def test_gguf_blocks_give_one_cpus_bits_on_another(tmp_path: Path) -> None:
             assert (got[whole].double() - exact).abs().max() <= 1e-4 * exact.abs().max()
         assert torch.equal(results["icelake-server"][whole], results["native"][whole])
         assert torch.equal(results["haswell"][whole], results["native"][whole])
+        for march in ("native", "icelake-server"):  # builds with AVX512-VNNI read the tile order too
+            assert torch.equal(results[march][f"tiled{superblocks}"], results["native"][whole][:, :32])
+        assert f"tiled{superblocks}" not in results["haswell"]

@@ -229,13 +229,20 @@ class Int4Linear(nn.Module):
         self.register_buffer("column_zeros", w.zero.t().contiguous().to(device=device, dtype=param_dtype))
 
     def _pack_for_native(self, w: Int4Weight, device: torch.device) -> None:
-        """Row-major codes and parameters, [N, ...] (`int4_native`)."""
+        """Row-major codes and parameters, [N, ...] (`int4_native`); GGUF 4-bit blocks in tile order
+        where the library reads it (`int4_native.tile_blocks`: the same values, read without gathers)."""
         params = w.int8_params
-        self.register_buffer("packed", int4_native.pack_rows(w.q).to(device))
+        packed = int4_native.pack_rows(w.q)
         if w.block_params is not None:  # mode 3: the int8 codes and float16 block scales as stored
-            self.register_buffer("param_codes", w.block_params.codes.contiguous().to(device))
-            self.register_buffer("superblock_scales", w.block_params.block_scales.contiguous().to(device))
-        elif params is None:
+            codes, block_scales = w.block_params.codes.contiguous(), w.block_params.block_scales.contiguous()
+            if self.out_features % 16 == 0 and int4_native.block_tiles_available():  # mode 4: tile order
+                packed, codes, block_scales = int4_native.tile_blocks(packed, codes, block_scales)
+            self.register_buffer("packed", packed.to(device))
+            self.register_buffer("param_codes", codes.to(device))
+            self.register_buffer("superblock_scales", block_scales.to(device))
+            return
+        self.register_buffer("packed", packed.to(device))
+        if params is None:
             # float16, as GGUF's Q4_1 stores them: 3 more mantissa bits than bfloat16, the same bytes
             scales_and_zeros = torch.stack([w.scale, w.zero], dim=-1).to(torch.float16)  # [N, G, 2]
             self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().to(device))

@@ -23,6 +23,9 @@ and read by every row; the float32 steps fixed per (row, output)): with vpdpbusd
 target has AVX512-VNNI (Ice Lake and later Xeons, AMD Zen 4 and later), on the AMX tile unit for
 16-row blocks from 12 real rows where it runs, and with vpmaddubsw on AVX2 (`csrc/blocks_avx2.c`):
 the same bits on every CPU, and batch invariant (a row's result never depends on its call).
+Where the build has AVX512-VNNI (`block_tiles_available`) `Int4Linear` holds such a weight in tile
+order (mode 4, `tile_blocks`): each block of 16 rows reordered so that a decode step reads a run of
+its 16 rows with one 64-byte load instead of a gather across rows K / 2 bytes apart.
 
 AMX (`csrc/amx_cpu.c`): built where the build target has AMX-INT8 and used where Linux grants the
 tile state; `TANDEM_NATIVE_AMX=0` or `use_amx(False)` turns it off. Q8_0 calls put their whole
@@ -66,6 +69,7 @@ SOURCES = (
 MODE_F16_PARAMS = 0  # params: float16 [N, G, 2] (scale, zero)
 MODE_INT8_PARAMS = 1  # params: int8 codes [N, G, 2], with bfloat16 super-block scales [N, S, 2]
 MODE_BLOCK_PARAMS = 3  # GGUF 4-bit as stored: int8 codes [N, G, 2], float16 block scales [N, S, 2]
+MODE_BLOCK_TILES = 4  # mode 3's bytes in tile order (`tile_blocks`): packed [N / 16, 16, K / 2]
 
 
 def _cache_dir() -> Path:
@@ -169,6 +173,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tandem_argmax_rows.restype = i32
     lib.tandem_finite_rows.argtypes = [p, i64, i64, p, i32]
     lib.tandem_finite_rows.restype = None
+    lib.tandem_block_tiles.argtypes = []
+    lib.tandem_block_tiles.restype = i32
     lib.tandem_set_amx.argtypes = [i32]
     lib.tandem_set_amx.restype = i32
     lib.tandem_amx_tile_calls.argtypes = []
@@ -212,6 +218,41 @@ def unpack_rows(packed: torch.Tensor) -> torch.Tensor:  # inverse of pack_rows
     return torch.cat([chunks & 0x0F, chunks >> 4], dim=2).reshape(rows, half * 2)
 
 
+def block_tiles_available() -> bool:
+    """Whether the library reads GGUF 4-bit blocks in tile order (mode 4: builds with AVX512-VNNI)."""
+    lib = load()
+    return lib is not None and bool(lib.tandem_block_tiles())
+
+
+def tile_blocks(
+    packed: torch.Tensor,  # [N, K / 2] uint8 (pack_rows), N % 16 == 0
+    codes: torch.Tensor,  # [N, G, 2] int8, G = K / 32
+    block_scales: torch.Tensor,  # [N, S, 2] float16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mode 3's tensors in mode 4's tile order (`csrc/int4_cpu.c` states it): each block of 16 rows
+    keeps its bytes where mode 3 has them, reordered so that a decode step reads them with plain
+    64-byte loads instead of gathers across 16 rows (K / 2 bytes apart). Returns packed as
+    [N / 16, 16, K / 2] (the shape says the order), codes [N, G, 2] and block scales [N, S, 2] in
+    the same shapes, reordered."""
+    rows, half = packed.shape
+    assert rows % 16 == 0 and half % 16 == 0, "tile order: N % 16 == 0 and K % 32 == 0"
+    runs = half // 16
+    # [B, 16 rows, runs, 4 dwords, 4 bytes] -> [B, runs, 4 dwords, 16 rows, 4 bytes]
+    tiled = packed.reshape(rows // 16, 16, runs, 4, 4).permute(0, 2, 3, 1, 4).reshape(rows // 16, 16, half)
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, X, 2] -> [B, X, 16, 2], viewed as [N, X, 2]
+        return t.reshape(rows // 16, 16, t.shape[1], 2).transpose(1, 2).contiguous().view(t.shape)
+
+    return tiled.contiguous(), per_block(codes), per_block(block_scales)
+
+
+def packed_shape(packed: torch.Tensor) -> tuple[int, int]:
+    """(N, K / 2) of a packed weight: [N, K / 2], or [N / 16, 16, K / 2] in tile order."""
+    if packed.dim() == 3:
+        return packed.shape[0] * packed.shape[1], packed.shape[2]
+    return packed.shape[0], packed.shape[1]
+
+
 def _library() -> ctypes.CDLL:
     lib = load()
     if lib is None:
@@ -237,28 +278,34 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _mode(params: torch.Tensor, superblock_scales: torch.Tensor | None) -> tuple[int, int]:
-    """(mode, groups per super-block) for the C functions, after checking the parameter dtypes."""
+def weight_mode(
+    packed: torch.Tensor, params: torch.Tensor, superblock_scales: torch.Tensor | None
+) -> tuple[int, int]:
+    """(mode, groups per super-block) for the C functions, after checking the parameter dtypes;
+    a packed weight of three dimensions is in tile order (`tile_blocks`)."""
     if superblock_scales is None:
         assert params.dtype == torch.float16, "without super-block scales, params are float16 (scale, zero)"
         return MODE_F16_PARAMS, 1
     assert params.dtype == torch.int8 and superblock_scales.dtype in (torch.bfloat16, torch.float16)
-    mode = MODE_BLOCK_PARAMS if superblock_scales.dtype == torch.float16 else MODE_INT8_PARAMS
+    if superblock_scales.dtype == torch.bfloat16:
+        mode = MODE_INT8_PARAMS
+    else:
+        mode = MODE_BLOCK_TILES if packed.dim() == 3 else MODE_BLOCK_PARAMS
     return mode, params.shape[1] // superblock_scales.shape[1]
 
 
 def int4_mm(
     x: torch.Tensor,  # [M, K] float32, contiguous
-    packed: torch.Tensor,  # [N, K / 2] uint8 (pack_rows)
+    packed: torch.Tensor,  # [N, K / 2] uint8 (pack_rows), or [N / 16, 16, K / 2] (tile_blocks)
     params: torch.Tensor,  # [N, G, 2]: float16 (scale, zero), or int8 codes
-    superblock_scales: torch.Tensor | None,  # [N, S, 2] bfloat16, with int8 codes
+    superblock_scales: torch.Tensor | None,  # [N, S, 2] bfloat16 (or float16: GGUF blocks), with int8 codes
     group_size: int,
 ) -> torch.Tensor:  # -> [M, N] float32
     lib = _library()
-    rows, half = packed.shape
+    rows, half = packed_shape(packed)
     num_tokens, cols = x.shape
     assert cols == 2 * half and x.dtype == torch.float32 and x.is_contiguous()
-    mode, groups_per_superblock = _mode(params, superblock_scales)
+    mode, groups_per_superblock = weight_mode(packed, params, superblock_scales)
     y = torch.empty(num_tokens, rows, dtype=torch.float32)
     status = lib.tandem_int4_mm(
         x.data_ptr(), packed.data_ptr(), mode, params.data_ptr(), _ptr(superblock_scales),
@@ -266,6 +313,8 @@ def int4_mm(
     )  # fmt: skip
     if status == -2:
         raise ValueError(f"native INT4 kernel: group size {group_size} is not one of {GROUP_SIZES}")
+    if status == -3:
+        raise ValueError("native INT4 kernel: tile order needs AVX512-VNNI and N % 16 == 0")
     if status != 0:
         raise MemoryError(
             f"native INT4 kernel could not allocate scratch for {num_tokens}x{cols} activations"
@@ -274,14 +323,14 @@ def int4_mm(
 
 
 def int4_dequantize(
-    packed: torch.Tensor,  # [N, K / 2] uint8 (pack_rows)
+    packed: torch.Tensor,  # as int4_mm's
     params: torch.Tensor,
     superblock_scales: torch.Tensor | None,
     group_size: int,
 ) -> torch.Tensor:  # -> [N, K] float32
     lib = _library()
-    rows, half = packed.shape
-    mode, groups_per_superblock = _mode(params, superblock_scales)
+    rows, half = packed_shape(packed)
+    mode, groups_per_superblock = weight_mode(packed, params, superblock_scales)
     out = torch.empty(rows, 2 * half, dtype=torch.float32)
     lib.tandem_int4_dequantize(
         packed.data_ptr(), mode, params.data_ptr(), _ptr(superblock_scales), groups_per_superblock,
@@ -298,9 +347,10 @@ _int4_dequantize_op = torch.library.custom_op("tandem::int4_dequantize", int4_de
 
 @_int4_mm_op.register_fake
 def _(x: torch.Tensor, packed: torch.Tensor, *_: object) -> torch.Tensor:
-    return x.new_empty(x.shape[0], packed.shape[0])
+    return x.new_empty(x.shape[0], packed_shape(packed)[0])
 
 
 @_int4_dequantize_op.register_fake
 def _(packed: torch.Tensor, *_: object) -> torch.Tensor:
-    return packed.new_empty(packed.shape[0], 2 * packed.shape[1], dtype=torch.float32)
+    rows, half = packed_shape(packed)
+    return packed.new_empty(rows, 2 * half, dtype=torch.float32)

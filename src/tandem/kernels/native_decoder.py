@@ -99,7 +99,7 @@ class QuantizedTensors:
     with `int8` Q8_0 (`Int8Linear` in `tandem_q8_mm`'s layout: `packed` its codes [Np / 16, K / 2,
     16, 2], `params` its float32 scales [Np / 16, K / 32, 16], `rows` its N)."""
 
-    packed: torch.Tensor  # [N, K/2] uint8
+    packed: torch.Tensor  # [N, K/2] uint8, or [N / 16, 16, K / 2] in tile order (`int4_native.tile_blocks`)
     params: torch.Tensor  # [N, G, 2] float16 (scale, zero) or int8 codes
     superblock_scales: torch.Tensor | None  # [N, S, 2] bfloat16 with int8 codes
     group_size: int
@@ -202,9 +202,8 @@ class DecoderWeights:
             return _Int4Weight(
                 self._ptr(w.packed), self._ptr(w.params), None, 1, w.rows, 2 * w.packed.shape[1], 32, 2
             )
-        rows, half = w.packed.shape
-        mode = 0 if w.superblock_scales is None else 3 if w.superblock_scales.dtype == torch.float16 else 1
-        per_block = 1 if w.superblock_scales is None else w.params.shape[1] // w.superblock_scales.shape[1]
+        rows, half = int4_native.packed_shape(w.packed)
+        mode, per_block = int4_native.weight_mode(w.packed, w.params, w.superblock_scales)
         return _Int4Weight(
             self._ptr(w.packed), self._ptr(w.params), self._ptr(w.superblock_scales), per_block, rows, 2 * half,
             w.group_size, mode,

@@ -127,10 +127,12 @@ static void avx2_int4_rows(const uint8_t *tiles, const float *scales, const floa
 }
 
 /* tandem_int4_mm's mode 3 on AVX2: y [M, N] (vnni_cpu.c's arithmetic); xq, xscale, xsum as
- * round_activations gives them with group size 32. Returns 0, -1 when scratch cannot be allocated. */
-static int gguf_blocks_mm(const int16_t *xq, const float *xscale, const float *xsum, const uint8_t *packed,
-                          const void *params, const uint16_t *superblock_scales, int64_t groups_per_superblock,
-                          int64_t M, int64_t N, int64_t K, float *y, int num_threads) {
+ * round_activations gives them with group size 32. Returns 0, -1 when scratch cannot be allocated.
+ * `tiled` is always 0 here: tandem_int4_mm refuses mode 4 in a build without AVX512-VNNI. */
+static int gguf_blocks_mm(int tiled, const int16_t *xq, const float *xscale, const float *xsum,
+                          const uint8_t *packed, const void *params, const uint16_t *superblock_scales,
+                          int64_t groups_per_superblock, int64_t M, int64_t N, int64_t K, float *y, int num_threads) {
+    (void)tiled;
     const int64_t runs = K / 32, blocks = (N + 15) / 16;
     /* 4-byte words a thread holds for its block of 16 outputs: B rows and params */
     const int64_t per_thread = 4 * K + 2 * 16 * runs;

@@ -17,6 +17,11 @@
  *           the gguf package's dequantize does. The matmul is vnni_cpu.c's arithmetic, with
  *           AVX512-VNNI (on the tile unit where AMX runs) or AVX2 (blocks_avx2.c): the same bits
  *           on every CPU.
+ *   mode 4 (builds with AVX512-VNNI only: tandem_block_tiles() says so): mode 3's bytes in tile
+ *           order, N % 16 == 0. Each block of 16 rows keeps its bytes where mode 3 has them (packed
+ *           from 16 b * K / 2, codes from 16 b * G * 2 bytes, block scales from 16 b * S * 2
+ *           halves), ordered for 64-byte loads: packed [run r][dword j][row i] (row i's bytes
+ *           4j..4j+3 of run r), codes [group g][row i][2], block scales [super-block][row i][2].
  *
  * Arithmetic: each run of 32 activations is scaled to int16 (scale = max|x| / 32767, round to
  * nearest: relative error under 2^-16 of the run's largest value, finer than bfloat16), the
@@ -447,7 +452,8 @@ int tandem_int4_mm(const float *x, const uint8_t *packed, int mode, const void *
                    const uint16_t *superblock_scales, int64_t groups_per_superblock, int64_t M,
                    int64_t N, int64_t K, int64_t group_size, float *y, int num_threads) {
     if (group_size != 32 && group_size != 64 && group_size != 128 && group_size != 256) return -2;
-    if (mode == 3 && group_size != 32) return -2;
+    if ((mode == 3 || mode == 4) && group_size != 32) return -2;
+    if (mode == 4 && (!TANDEM_HAVE_VNNI_INT4 || N % 16 != 0)) return -3;
     const int64_t num_groups = K / group_size, runs = K / 32;
     int16_t *xq = malloc(sizeof(int16_t) * M * K);
     float *xscale = malloc(sizeof(float) * M * runs);
@@ -457,9 +463,9 @@ int tandem_int4_mm(const float *x, const uint8_t *packed, int mode, const void *
         return -1;
     }
     round_activations(x, M, K, group_size, xq, xscale, xsum, num_threads);
-    if (mode == 3) {
-        const int status = gguf_blocks_mm(xq, xscale, xsum, packed, params, superblock_scales, groups_per_superblock,
-                                       M, N, K, y, num_threads);
+    if (mode == 3 || mode == 4) {
+        const int status = gguf_blocks_mm(mode == 4, xq, xscale, xsum, packed, params, superblock_scales,
+                                          groups_per_superblock, M, N, K, y, num_threads);
         free(xq); free(xscale); free(xsum);
         return status;
     }
@@ -526,16 +532,42 @@ int tandem_int4_mm(const float *x, const uint8_t *packed, int mode, const void *
     return 0;
 }
 
-/* out[N, K] float32 = dequantised W (for large M: dequantise once, then a float32 GEMM). */
+/* Whether this build reads mode 4 (the tile order): where it has AVX512-VNNI. */
+int tandem_block_tiles(void) { return TANDEM_HAVE_VNNI_INT4; }
+
+/* Row n of a mode-4 weight in mode 3's layout: its K / 2 bytes, G code pairs and S block-scale pairs
+ * (the inverse of the tile order above, for one row). */
+static void untile_row(const uint8_t *packed, const int8_t *codes, const uint16_t *block_scales, int64_t n,
+                       int64_t K, int64_t G, int64_t S, uint8_t *row, int8_t *row_codes, uint16_t *row_scales) {
+    const int64_t b = n / 16, i = n % 16;
+    const uint8_t *block = packed + b * 16 * (K / 2);
+    for (int64_t r = 0; r < K / 32; r++)
+        for (int j = 0; j < 4; j++) memcpy(row + 16 * r + 4 * j, block + 256 * r + 64 * j + 4 * i, 4);
+    for (int64_t g = 0; g < G; g++) memcpy(row_codes + 2 * g, codes + b * 16 * G * 2 + 32 * g + 2 * i, 2);
+    for (int64_t s = 0; s < S; s++) memcpy(row_scales + 2 * s, block_scales + b * 16 * S * 2 + 32 * s + 2 * i, 4);
+}
+
+/* out[N, K] float32 = dequantised W (for large M: dequantise once, then a float32 GEMM). Mode 4 rows
+ * are read back into mode 3's layout first: the same arithmetic, the same bits. */
 void tandem_int4_dequantize(const uint8_t *packed, int mode, const void *params,
                             const uint16_t *superblock_scales, int64_t groups_per_superblock,
                             int64_t N, int64_t K, int64_t group_size, float *out, int num_threads) {
-    const int64_t num_groups = K / group_size;
+    const int64_t num_groups = K / group_size, num_superblocks = num_groups / groups_per_superblock;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t n = 0; n < N; n++) {
         float p[2 * num_groups];
-        row_params(mode, params, superblock_scales, groups_per_superblock, n, num_groups, p);
         const uint8_t *w = packed + n * (K / 2);
+        uint8_t row[mode == 4 ? K / 2 : 1];
+        int8_t row_codes[mode == 4 ? 2 * num_groups : 1];
+        uint16_t row_scales[mode == 4 ? 2 * num_superblocks : 1];
+        if (mode == 4) {
+            untile_row(packed, (const int8_t *)params, superblock_scales, n, K, num_groups, num_superblocks, row,
+                       row_codes, row_scales);
+            row_params(3, row_codes, row_scales, groups_per_superblock, 0, num_groups, p);
+            w = row;
+        } else {
+            row_params(mode, params, superblock_scales, groups_per_superblock, n, num_groups, p);
+        }
         float *o = out + n * K;
         for (int64_t k = 0; k < K; k += 32) {
             float scale = p[2 * (k / group_size)], bias = p[2 * (k / group_size) + 1];

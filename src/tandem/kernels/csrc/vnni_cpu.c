@@ -85,11 +85,13 @@ typedef struct {
     __m512i row_offsets;
     __mmask16 present;
     const uint8_t *next; /* the next block's rows (16 * K / 2 bytes right after these), or NULL */
+    int tiled;           /* mode 4: the block's bytes in tile order (int4_cpu.c), read with plain loads */
 } Int4BlockRows;
 
-static inline Int4BlockRows int4_block_rows(const uint8_t *packed, int64_t n0, int64_t N, int64_t K) {
+static inline Int4BlockRows int4_block_rows(const uint8_t *packed, int64_t n0, int64_t N, int64_t K, int tiled) {
     const int64_t row_bytes = K / 2;
     Int4BlockRows rows;
+    rows.tiled = tiled;
     rows.base = packed + n0 * row_bytes;
     rows.next = N - n0 > 16 ? rows.base + 16 * row_bytes : NULL;
     rows.row_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
@@ -99,16 +101,19 @@ static inline Int4BlockRows int4_block_rows(const uint8_t *packed, int64_t n0, i
 }
 
 /* Run r's 8 B rows (rows past N: zero codes): with dword j of each row's run gathered across the 16
- * rows, its low nibbles are B row j and its high nibbles B row j + 4. The gathers read 16 rows at
- * once, a stride the hardware prefetchers do not follow (docs/performance.md, eighth session): run
- * r's share of the next block's rows (contiguous after these, 256 bytes a run) is fetched first. */
+ * rows, its low nibbles are B row j and its high nibbles B row j + 4. Row-major (mode 3), the gathers
+ * read 16 rows at once, a stride the hardware prefetchers do not follow (docs/performance.md, eighth
+ * session): run r's share of the next block's rows (contiguous after these, 256 bytes a run) is
+ * fetched first. In tile order (mode 4) those 16 dwords are the 64 bytes at 256 r + 64 j: one load. */
 static inline __attribute__((always_inline)) void int4_b_run(Int4BlockRows rows, int64_t r, __m512i b[8]) {
-    if (rows.next)
+    if (rows.next && !rows.tiled)
         for (int i = 0; i < 256; i += 64) _mm_prefetch((const char *)rows.next + 256 * r + i, _MM_HINT_T0);
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int j = 0; j < 4; j++) {
-        const __m512i dwords = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows.present, rows.row_offsets,
-                                                           rows.base + 16 * r + 4 * j, 1);
+        const __m512i dwords =
+            rows.tiled ? _mm512_loadu_si512(rows.base + 256 * r + 64 * j)
+                       : _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows.present, rows.row_offsets,
+                                                     rows.base + 16 * r + 4 * j, 1);
         b[j] = _mm512_and_si512(dwords, nibble);
         b[j + 4] = _mm512_and_si512(_mm512_srli_epi32(dwords, 4), nibble);
     }
@@ -123,13 +128,25 @@ static void int4_b_rows(Int4BlockRows rows, int64_t runs, uint8_t *tiles) {
     }
 }
 
+/* One run's 16 (scale, -offset) pairs from each row's codes c (dword lanes: s in byte 0, o in byte 1)
+ * and its super-block's b (float16 D in the low half, M in the high half). */
+static inline void block_params_store(__m512i c, __m512i b, float *scales, float *offsets) {
+    const __m512 code_s = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(c, 24), 24));
+    const __m512 code_o = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(c, 16), 24));
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(b));
+    const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
+    _mm512_storeu_ps(scales, _mm512_mul_ps(code_s, d));
+    _mm512_storeu_ps(offsets, _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(code_o, m)));
+}
+
 /* The (scale, -offset) pairs of 16 weight rows from n0 as row_params gives them (rows past N:
  * zero), as scales [runs][16] and offsets [runs][16]: per run, each row's int8 codes (s, o) and its
  * super-block's float16 (D, M) gathered across the 16 rows, scale = s * D and -offset = -(o * M)
  * (exact float32 products, as row_params). A row's codes are 2 bytes: the last run's are read as the
  * upper half of the dword before them, so no read passes the row's end. */
-static void int4_block_params(const void *params, const uint16_t *superblock_scales, int64_t groups_per_superblock,
-                              int64_t n0, int64_t N, int64_t runs, float *scales, float *offsets) {
+static void int4_block_params(int tiled, const void *params, const uint16_t *superblock_scales,
+                              int64_t groups_per_superblock, int64_t n0, int64_t N, int64_t runs, float *scales,
+                              float *offsets) {
     const int64_t superblocks = runs / groups_per_superblock;
     const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i code_rows = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)(2 * runs)));
@@ -138,6 +155,14 @@ static void int4_block_params(const void *params, const uint16_t *superblock_sca
     const int8_t *codes = (const int8_t *)params + n0 * 2 * runs;
     const uint8_t *blocks = (const uint8_t *)(superblock_scales + n0 * 2 * superblocks);
     const __m512i zero = _mm512_setzero_si512();
+    if (tiled) { /* mode 4: run r's 16 code pairs, then super-block's 16 (D, M) pairs, contiguous */
+        for (int64_t r = 0; r < runs; r++) {
+            const __m512i c = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(codes + 32 * r)));
+            const __m512i b = _mm512_loadu_si512(blocks + 64 * (r / groups_per_superblock));
+            block_params_store(c, b, scales + 16 * r, offsets + 16 * r);
+        }
+        return;
+    }
     if (runs == 1) { /* K = 32: a row's codes are its only 2 bytes */
         for (int64_t i = 0; i < 16; i++) {
             float pair[2] = {0.0f, 0.0f};
@@ -153,12 +178,7 @@ static void int4_block_params(const void *params, const uint16_t *superblock_sca
         if (last) c = _mm512_srli_epi32(c, 16);
         const __m512i b = _mm512_mask_i32gather_epi32(zero, present, block_rows,
                                                       blocks + 4 * (r / groups_per_superblock), 1);
-        const __m512 code_s = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(c, 24), 24));
-        const __m512 code_o = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(c, 16), 24));
-        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(b));
-        const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
-        _mm512_storeu_ps(scales + 16 * r, _mm512_mul_ps(code_s, d));
-        _mm512_storeu_ps(offsets + 16 * r, _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(code_o, m)));
+        block_params_store(c, b, scales + 16 * r, offsets + 16 * r);
     }
 }
 
@@ -244,14 +264,14 @@ static __attribute__((noinline)) void vnni_int4_few_rows(Int4BlockRows rows, con
 #include "amx_cpu.c"
 
 #if TANDEM_HAVE_VNNI_INT4
-/* tandem_int4_mm's mode 3 with this file's arithmetic: y [M, N]; xq, xscale, xsum as
+/* tandem_int4_mm's modes 3 and 4 (`tiled`: the tile order, N % 16 == 0) with this file's arithmetic: y [M, N]; xq, xscale, xsum as
  * round_activations gives them with group size 32. Blocks of 16 outputs split over the threads; a
  * block's B rows (but for a few rows' call) and parameters are built once and serve every row: 16-row blocks from
  * AMX_INT4_MIN_ROWS real rows on the tile unit where it runs, the others with vpdpbusd. Returns 0,
  * -1 when scratch cannot be allocated. */
-static int gguf_blocks_mm(const int16_t *xq, const float *xscale, const float *xsum, const uint8_t *packed,
-                          const void *params, const uint16_t *superblock_scales, int64_t groups_per_superblock,
-                          int64_t M, int64_t N, int64_t K, float *y, int num_threads) {
+static int gguf_blocks_mm(int tiled, const int16_t *xq, const float *xscale, const float *xsum,
+                          const uint8_t *packed, const void *params, const uint16_t *superblock_scales,
+                          int64_t groups_per_superblock, int64_t M, int64_t N, int64_t K, float *y, int num_threads) {
     const int64_t runs = K / 32, blocks = (N + 15) / 16;
     const int tiles_on = TANDEM_HAVE_AMX && M >= AMX_INT4_MIN_ROWS && amx_usable();
     const int64_t Mp = tiles_on ? (M + 15) / 16 * 16 : M; /* the tile unit reads whole 16-row blocks */
@@ -270,8 +290,9 @@ static int gguf_blocks_mm(const int16_t *xq, const float *xscale, const float *x
         float *scales = own + 4 * K, *offsets = scales + 16 * runs;
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
-            const Int4BlockRows rows = int4_block_rows(packed, 16 * b, N, K);
-            int4_block_params(params, superblock_scales, groups_per_superblock, 16 * b, N, runs, scales, offsets);
+            const Int4BlockRows rows = int4_block_rows(packed, 16 * b, N, K, tiled);
+            int4_block_params(tiled, params, superblock_scales, groups_per_superblock, 16 * b, N, runs, scales,
+                              offsets);
             if (M <= VNNI_GATHER_MAX_ROWS) {
                 vnni_int4_few_rows(rows, scales, offsets, hi, lo, xscale, xsum, M, K, runs, y, N, b);
                 continue;
