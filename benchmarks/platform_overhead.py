@@ -5,7 +5,7 @@ samples a fixed cycle of ordinary tokens; the default model's config and tokeniz
 Phases (`--phase`, default all):
 - `core`: `LLMEngine.step()` in this thread at each `--requests` value (all added at once, prompts
   of `--prompt-len` distinct random tokens, `--new-tokens` each, EOS ignored, streamed text, running
-  outputs with only their deltas, as the serving routes ask for them): ms per step for prefill steps, for the middle half of the decode steps, and the whole run; the
+  outputs with only their deltas, as the serving routes ask for them): ms per step for prefill steps, for the middle half of the decode steps that hold every request, and the whole run; the
   growth from the first to the last `--requests` value.
 - `core-serial`: the same with steps in series with the runner (`async_scheduling` off): the path a
   CPU model runner takes.
@@ -80,11 +80,13 @@ def prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[
 
 class StepLog:
     """Wraps the engine's runner: when each step reached it and its shape (decode: one token per
-    request, all sampling). A step's time is from its start to the next one's: what the device
-    would see, whether the engine schedules steps in series or ahead (`step_pipeline.py`)."""
+    request, all sampling; and how many requests it holds). A step's time is from its start to the
+    next one's: what the device would see, whether the engine schedules steps in series or ahead
+    (`step_pipeline.py`)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.is_decode: list[bool] = []
+        self.num_rows: list[int] = []
         self.started: list[float] = []
         self.busy: list[float] = []  # each call's own time: the device's work on the step
         inner = engine.runner.execute
@@ -92,6 +94,7 @@ class StepLog:
         def execute(sched: SchedulerOutput) -> RunnerResult:
             start = time.perf_counter()
             self.started.append(start)
+            self.num_rows.append(len(sched.scheduled))
             self.is_decode.append(
                 sched.num_scheduled_tokens == len(sched.scheduled) and all(s.sample for s in sched.scheduled)
             )
@@ -104,16 +107,25 @@ class StepLog:
     def figures(self, end: float) -> dict[str, Any]:
         """Step figures from the starts, the last step ending at `end`."""
         walls = [b - a for a, b in zip(self.started, [*self.started[1:], end], strict=True)]
-        return step_figures(walls, self.is_decode, self.busy)
+        return step_figures(walls, self.is_decode, self.busy, self.num_rows)
 
 
-def step_figures(walls: list[float], is_decode: list[bool], busy: list[float]) -> dict[str, Any]:
-    decode = [w for w, d in zip(walls, is_decode, strict=True) if d]
-    decode_busy = [b for b, d in zip(busy, is_decode, strict=True) if d]
+def step_figures(
+    walls: list[float], is_decode: list[bool], busy: list[float], num_rows: list[int]
+) -> dict[str, Any]:
+    """Decode figures come from the decode steps that hold every request (the most rows any decode
+    step held): prompts are admitted a step's token budget at a time, so the first requests finish
+    while the last are still decoding, and the steps around those hold fewer requests."""
+    most = max((r for r, d in zip(num_rows, is_decode, strict=True) if d), default=0)
+    full = [d and r == most for r, d in zip(num_rows, is_decode, strict=True)]
+    decode = [w for w, d in zip(walls, full, strict=True) if d]
+    decode_busy = [b for b, d in zip(busy, full, strict=True) if d]
     prefill = [w for w, d in zip(walls, is_decode, strict=True) if not d]
     middle_steps = slice(len(decode) // 4, max(len(decode) // 4 + 1, 3 * len(decode) // 4))
     middle = decode[middle_steps]
     return {
+        "num_rows_per_decode_step": most,
+        "num_full_decode_steps": len(decode),
         "device_busy_fraction_decode": sum(decode_busy[middle_steps]) / sum(middle) if middle else None,
         "ms_device_per_decode_step": 1000 * statistics.mean(decode_busy[middle_steps]) if middle else None,
         "num_steps": len(walls),
