@@ -336,6 +336,27 @@ static inline __m512 sum_lanes16(const __m512 v[16]) {
  * A key's score depends on nothing but its query and itself. */
 static inline void key_block_scores(const float *q, int64_t group, int64_t D, const float *const keys[16],
                                     const float scale[16], int64_t n, float *scores, int64_t stride) {
+    if (D == 64 && group <= 4) { /* each key read once for the group's heads (the same sums) */
+        __m512 parts[4][16];
+        for (int64_t i = 0; i < 16; i++) {
+            const float *k = keys[i < n ? i : 0];
+            const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16);
+            const __m512 k2 = _mm512_loadu_ps(k + 32), k3 = _mm512_loadu_ps(k + 48);
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = q + g * 64;
+                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), k0);
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16), k1, acc);
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 32), k2, acc);
+                parts[g][i] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 48), k3, acc);
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float out[16];
+            _mm512_storeu_ps(out, _mm512_mul_ps(sum_lanes16(parts[g]), _mm512_loadu_ps(scale)));
+            for (int64_t i = 0; i < n; i++) scores[g * stride + i] = out[i];
+        }
+        return;
+    }
     for (int64_t g = 0; g < group; g++) {
         const float *qg = q + g * D;
         __m512 parts[16];
@@ -349,6 +370,37 @@ static inline void key_block_scores(const float *q, int64_t group, int64_t D, co
         _mm512_storeu_ps(out, _mm512_mul_ps(sum_lanes16(parts), _mm512_loadu_ps(scale)));
         for (int64_t i = 0; i < n; i++) scores[g * stride + i] = out[i];
     }
+}
+#endif
+
+#if defined(__AVX512F__)
+/* o[g * 64 ..] = sum over j of (scores[g, j] / total[g]) * value row j, for the G query heads of
+ * one group (head_dim 64, float32 cache): each value row read once for all G heads, each head's
+ * sums in order of j as the per-head loop adds them (the same bits). */
+static inline __attribute__((always_inline)) void grouped_values64(int G, const float *values, const int64_t *table,
+                                                                  int64_t bs, int64_t row_heads, int64_t head,
+                                                                  int64_t first, int64_t length, const float *scores,
+                                                                  const float *total, float *o) {
+    __m512 sum[4][4];
+    float inverse[4];
+    for (int g = 0; g < G; g++) {
+        inverse[g] = 1.0f / total[g];
+        for (int e = 0; e < 4; e++) sum[g][e] = _mm512_setzero_ps();
+    }
+    for (int64_t j = first; j < length; j++) {
+        const float *value = values + ((table[j / bs] * bs + j % bs) * row_heads + head) * 64;
+        const __m512 v0 = _mm512_loadu_ps(value), v1 = _mm512_loadu_ps(value + 16);
+        const __m512 v2 = _mm512_loadu_ps(value + 32), v3 = _mm512_loadu_ps(value + 48);
+        for (int g = 0; g < G; g++) {
+            const __m512 p = _mm512_set1_ps(scores[g * length + j] * inverse[g]);
+            sum[g][0] = _mm512_fmadd_ps(p, v0, sum[g][0]);
+            sum[g][1] = _mm512_fmadd_ps(p, v1, sum[g][1]);
+            sum[g][2] = _mm512_fmadd_ps(p, v2, sum[g][2]);
+            sum[g][3] = _mm512_fmadd_ps(p, v3, sum[g][3]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int e = 0; e < 4; e++) _mm512_storeu_ps(o + g * 64 + 16 * e, sum[g][e]);
 }
 #endif
 
@@ -430,6 +482,18 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
                 }
                 float *o = out + t * Hq * D + kv_head * group * D;
 #if defined(__AVX512F__)
+                if (D == 64 && group <= 4 && d->kv_dtype == 0) { /* the group's sums in registers, one pass */
+                    const float *values = (const float *)layer->v_cache;
+                    switch (group) {
+#define GROUP_VALUES(G) grouped_values64(G, values, table, bs, row_heads, head, first, length, scores, total, o)
+                        case 1: GROUP_VALUES(1); break;
+                        case 2: GROUP_VALUES(2); break;
+                        case 3: GROUP_VALUES(3); break;
+                        default: GROUP_VALUES(4); break;
+#undef GROUP_VALUES
+                    }
+                    continue;
+                }
                 if (D % 16 == 0 && D <= 256 && d->kv_dtype == 0) { /* each head's sum in registers */
                     const float *values = (const float *)layer->v_cache;
                     for (int64_t g = 0; g < group; g++) {

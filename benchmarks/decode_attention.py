@@ -1,0 +1,86 @@
+"""The native decode attention (`attention.native_paged_attention`, `csrc/decoder_cpu.c`) on the
+real checkpoints' attention shapes: one decode row per request, float32 KV cache in blocks of 16
+scattered over the pool as a running engine leaves them, every layer of the model once (each
+layer's own cache, so the keys and values stream from memory as in a decode step). For each
+(model, requests, context): the best of `--repeats` passes over the layers, in milliseconds.
+
+To compare two revisions, run it from each (`PYTHONPATH=<other tree>/src`), alternately:
+
+    python benchmarks/decode_attention.py    # -> benchmarks/results/decode_attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from common import cpu, log, write_result
+from tandem.kernels.attention import native_paged_attention
+
+BLOCK_SIZE = 16
+# name: (layers, query heads, KV heads, head dim)
+MODELS = {"smollm2-135m": (30, 9, 3, 64), "gemma-3-270m": (18, 4, 1, 256)}
+
+
+def time_pass(model: str, num_requests: int, context: int, repeats: int) -> float:
+    """Best seconds of one decode step's attention over every layer."""
+    layers, num_heads, num_kv_heads, head_dim = MODELS[model]
+    g = torch.Generator().manual_seed(0)
+    blocks_per_request = -(-context // BLOCK_SIZE)
+    num_blocks = num_requests * blocks_per_request
+    caches = [
+        (
+            torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=g),
+            torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=g),
+        )
+        for _ in range(layers)
+    ]
+    tables = torch.randperm(num_blocks, generator=g).view(num_requests, blocks_per_request).contiguous()
+    positions = torch.full((num_requests,), context - 1, dtype=torch.int64)
+    q = torch.randn(num_requests, num_heads, head_dim, generator=g)
+    scale = head_dim**-0.5
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass warms up
+        start = time.perf_counter()
+        for k_cache, v_cache in caches:
+            native_paged_attention(q, k_cache, v_cache, tables, positions, scale)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--requests", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[160, 1024])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--output", type=Path, default=Path(__file__).parent / "results" / "decode_attention.json"
+    )
+    args = parser.parse_args()
+    rows = []
+    for model in MODELS:
+        for num_requests in args.requests:
+            for context in args.contexts:
+                seconds = time_pass(model, num_requests, context, args.repeats)
+                rows.append(
+                    {
+                        "model": model,
+                        "requests": num_requests,
+                        "context": context,
+                        "ms_per_step": 1000 * seconds,
+                    }
+                )
+                log(f"{model} requests={num_requests} context={context}: {1000 * seconds:.2f} ms")
+    write_result(
+        args.output,
+        {"benchmark": "decode_attention", "cpu": cpu(), "threads": torch.get_num_threads(), "rows": rows},
+    )
+
+
+if __name__ == "__main__":
+    main()
