@@ -185,20 +185,45 @@ static void gated_activation(int64_t activation, const float *gate, const float 
         for (int64_t i = 0; i < I; i++) out[i] = 0.5f * gate[i] * (1.0f + erff(gate[i] * 0.7071067811865476f)) * up[i];
 }
 
-/* s[j] = exp(s[j] - largest) for j < n, and their sum (added in order) */
-static inline float softmax_exps(float *s, int64_t n, float largest) {
+/* The cache slot of a request's token j: its block's slot `table[j / bs] * bs` plus j % bs, by
+ * shifts when the block size is a power of two (`shift`: log2 of it, else -1): no division per key. */
+static inline int64_t cache_slot(const int64_t *table, int64_t j, int64_t bs, int shift) {
+    if (shift >= 0) return (table[j >> shift] << shift) + (j & (bs - 1));
+    return table[j / bs] * bs + j % bs;
+}
+
+/* For each of `group` score rows (scores[g * stride + first .. length - 1]): s = exp(s - largest[g]),
+ * and total[g] = their sum, added in order of j from 0.0f; up to 4 rows' sums are carried side by
+ * side (each still in its own order: the bits of one sum at a time, without its serial latency). */
+static inline void softmax_rows(float *scores, int64_t group, int64_t stride, int64_t first, int64_t length,
+                                const float *largest, float *total) {
+    const int64_t n = length - first;
+    for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        const int64_t rows = group - g0 < 4 ? group - g0 : 4;
+        float *row[4];
+        for (int64_t g = 0; g < 4; g++) row[g] = scores + (g0 + (g < rows ? g : 0)) * stride + first;
 #if defined(__AVX512F__)
-    const __m512 shift = _mm512_set1_ps(largest);
-    for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 k = tail_mask(n - j);
-        _mm512_mask_storeu_ps(s + j, k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), shift)));
-    }
+        for (int64_t g = 0; g < rows; g++) {
+            const __m512 shift = _mm512_set1_ps(largest[g0 + g]);
+            for (int64_t j = 0; j < n; j += 16) {
+                const __mmask16 k = tail_mask(n - j);
+                _mm512_mask_storeu_ps(row[g] + j, k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row[g] + j), shift)));
+            }
+        }
 #else
-    for (int64_t j = 0; j < n; j++) s[j] = expf(s[j] - largest);
+        for (int64_t g = 0; g < rows; g++)
+            for (int64_t j = 0; j < n; j++) row[g][j] = expf(row[g][j] - largest[g0 + g]);
 #endif
-    float total = 0.0f;
-    for (int64_t j = 0; j < n; j++) total += s[j];
-    return total;
+        float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            t0 += row[0][j];
+            t1 += row[1][j];
+            t2 += row[2][j];
+            t3 += row[3][j];
+        }
+        const float sums[4] = {t0, t1, t2, t3};
+        for (int64_t g = 0; g < rows; g++) total[g0 + g] = sums[g];
+    }
 }
 
 /* -- the pieces of a layer ------------------------------------------------------------------- */
@@ -378,7 +403,7 @@ static inline void key_block_scores(const float *q, int64_t group, int64_t D, co
  * one group (head_dim 64, float32 cache): each value row read once for all G heads, each head's
  * sums in order of j as the per-head loop adds them (the same bits). */
 static inline __attribute__((always_inline)) void grouped_values64(int G, const float *values, const int64_t *table,
-                                                                  int64_t bs, int64_t row_heads, int64_t head,
+                                                                  int64_t bs, int shift, int64_t row_heads, int64_t head,
                                                                   int64_t first, int64_t length, const float *scores,
                                                                   const float *total, float *o) {
     __m512 sum[4][4];
@@ -388,7 +413,7 @@ static inline __attribute__((always_inline)) void grouped_values64(int G, const 
         for (int e = 0; e < 4; e++) sum[g][e] = _mm512_setzero_ps();
     }
     for (int64_t j = first; j < length; j++) {
-        const float *value = values + ((table[j / bs] * bs + j % bs) * row_heads + head) * 64;
+        const float *value = values + (cache_slot(table, j, bs, shift) * row_heads + head) * 64;
         const __m512 v0 = _mm512_loadu_ps(value), v1 = _mm512_loadu_ps(value + 16);
         const __m512 v2 = _mm512_loadu_ps(value + 32), v3 = _mm512_loadu_ps(value + 48);
         for (int g = 0; g < G; g++) {
@@ -415,6 +440,7 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
                       int64_t layer_index) {
     const int64_t Hq = d->num_heads, Hk = d->num_kv_heads, D = d->head_dim, bs = d->block_size;
     const int64_t group = Hq / Hk;
+    const int shift = (bs & (bs - 1)) == 0 ? __builtin_ctzll((unsigned long long)bs) : -1;
     int64_t max_len = 0;
     for (int64_t t = 0; t < T; t++) max_len = positions[t] + 1 > max_len ? positions[t] + 1 : max_len;
     /* A head holds at most its request's tokens so far: max_len bounds it too. */
@@ -451,22 +477,33 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
                         const float *keys[16];
                         float key_scale[16] = {0.0f};
                         for (int64_t i = 0; i < n; i++) {
-                            const int64_t j = j0 + i, row = (table[j / bs] * bs + j % bs) * row_heads + head;
+                            const int64_t j = j0 + i, row = cache_slot(table, j, bs, shift) * row_heads + head;
                             keys[i] = read_vector(d, layer->k_cache, layer->k_scale, row, key_rows + i * D, &key_scale[i]);
                             key_scale[i] *= d->scale;
                         }
                         key_block_scores(q, group, D, keys, key_scale, n, scores + j0, length);
                     }
-                    for (int64_t g = 0; g < group; g++)
-                        for (int64_t j = first; j < length; j++) {
-                            float score = scores[g * length + j];
-                            if (cap > 0.0f) score = scores[g * length + j] = cap * tanhf(score / cap);
-                            largest[g] = fmaxf(largest[g], score);
+                    for (int64_t g = 0; g < group; g++) {
+                        if (cap > 0.0f) {
+                            for (int64_t j = first; j < length; j++) {
+                                const float score = scores[g * length + j] = cap * tanhf(scores[g * length + j] / cap);
+                                largest[g] = fmaxf(largest[g], score);
+                            }
+                            continue;
                         }
+                        /* fmaxf's answer: a NaN score is passed over (max_ps returns its second
+                         * operand when either is NaN), and the largest of the rest is exact */
+                        __m512 m = _mm512_set1_ps(-INFINITY);
+                        for (int64_t j = first; j < length; j += 16) {
+                            const __mmask16 k = tail_mask(length - j);
+                            m = _mm512_max_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, scores + g * length + j), m);
+                        }
+                        largest[g] = _mm512_reduce_max_ps(m);
+                    }
                 } else
 #endif
                 for (int64_t j = first; j < length; j++) {
-                    const int64_t row = (table[j / bs] * bs + j % bs) * row_heads + head;
+                    const int64_t row = cache_slot(table, j, bs, shift) * row_heads + head;
                     float s;
                     const float *key = read_vector(d, layer->k_cache, layer->k_scale, row, vec, &s);
                     s *= d->scale;
@@ -477,15 +514,13 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
                         largest[g] = fmaxf(largest[g], score);
                     }
                 }
-                for (int64_t g = 0; g < group; g++) {
-                    total[g] = softmax_exps(scores + g * length + first, length - first, largest[g]);
-                }
+                softmax_rows(scores, group, length, first, length, largest, total);
                 float *o = out + t * Hq * D + kv_head * group * D;
 #if defined(__AVX512F__)
                 if (D == 64 && group <= 4 && d->kv_dtype == 0) { /* the group's sums in registers, one pass */
                     const float *values = (const float *)layer->v_cache;
                     switch (group) {
-#define GROUP_VALUES(G) grouped_values64(G, values, table, bs, row_heads, head, first, length, scores, total, o)
+#define GROUP_VALUES(G) grouped_values64(G, values, table, bs, shift, row_heads, head, first, length, scores, total, o)
                         case 1: GROUP_VALUES(1); break;
                         case 2: GROUP_VALUES(2); break;
                         case 3: GROUP_VALUES(3); break;
@@ -501,7 +536,7 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
                         __m512 sum[16];
                         for (int64_t e = 0; e < D / 16; e++) sum[e] = _mm512_setzero_ps();
                         for (int64_t j = first; j < length; j++) {
-                            const float *value = values + ((table[j / bs] * bs + j % bs) * row_heads + head) * D;
+                            const float *value = values + (cache_slot(table, j, bs, shift) * row_heads + head) * D;
                             const __m512 p = _mm512_set1_ps(scores[g * length + j] * inverse);
                             for (int64_t e = 0; e < D / 16; e++)
                                 sum[e] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * e), sum[e]);
@@ -513,7 +548,7 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
 #endif
                 for (int64_t i = 0; i < group * D; i++) acc[i] = 0.0f;
                 for (int64_t j = first; j < length; j++) {
-                    const int64_t row = (table[j / bs] * bs + j % bs) * row_heads + head;
+                    const int64_t row = cache_slot(table, j, bs, shift) * row_heads + head;
                     float s;
                     const float *value = read_vector(d, layer->v_cache, layer->v_scale, row, vec, &s);
                     for (int64_t g = 0; g < group; g++) {
