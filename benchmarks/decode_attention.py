@@ -1,8 +1,9 @@
 """The native decode attention (`attention.native_paged_attention`, `csrc/decoder_cpu.c`) on the
 real checkpoints' attention shapes: one decode row per request, float32 KV cache in blocks of 16
 scattered over the pool as a running engine leaves them, every layer of the model once (each
-layer's own cache, so the keys and values stream from memory as in a decode step). For each
-(model, requests, context): the best of `--repeats` passes over the layers, in milliseconds.
+layer's own cache, so the keys and values stream from memory as in a decode step), in huge pages
+as the engine allocates it (`huge_pages`; `--pages both` also in 4 KiB pages, side by side). For
+each (model, requests, context): the best of `--repeats` passes over the layers, in milliseconds.
 
 To compare two revisions, run it from each (`PYTHONPATH=<other tree>/src`), alternately:
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from common import cpu, log, write_result
+from tandem.kernels import huge_pages
 from tandem.kernels.attention import native_paged_attention
 
 BLOCK_SIZE = 16
@@ -25,16 +27,18 @@ BLOCK_SIZE = 16
 MODELS = {"smollm2-135m": (30, 9, 3, 64), "gemma-3-270m": (18, 4, 1, 256)}
 
 
-def time_pass(model: str, num_requests: int, context: int, repeats: int) -> float:
+def time_pass(model: str, num_requests: int, context: int, repeats: int, huge: bool) -> float:
     """Best seconds of one decode step's attention over every layer."""
     layers, num_heads, num_kv_heads, head_dim = MODELS[model]
     g = torch.Generator().manual_seed(0)
     blocks_per_request = -(-context // BLOCK_SIZE)
     num_blocks = num_requests * blocks_per_request
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    allocate = huge_pages.empty if huge else lambda shape, dtype: torch.empty(shape, dtype=dtype)
     caches = [
         (
-            torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=g),
-            torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=g),
+            allocate(shape, torch.float32).copy_(torch.randn(shape, generator=g)),
+            allocate(shape, torch.float32).copy_(torch.randn(shape, generator=g)),
         )
         for _ in range(layers)
     ]
@@ -59,6 +63,10 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[160, 1024])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument(
+        "--pages", choices=["huge", "small", "both"], default="huge",
+        help="the caches in huge pages (as the engine allocates them), in 4 KiB pages, or both",
+    )  # fmt: skip
+    parser.add_argument(
         "--output", type=Path, default=Path(__file__).parent / "results" / "decode_attention.json"
     )
     args = parser.parse_args()
@@ -66,16 +74,20 @@ def main() -> None:
     for model in MODELS:
         for num_requests in args.requests:
             for context in args.contexts:
-                seconds = time_pass(model, num_requests, context, args.repeats)
-                rows.append(
-                    {
-                        "model": model,
-                        "requests": num_requests,
-                        "context": context,
-                        "ms_per_step": 1000 * seconds,
-                    }
-                )
-                log(f"{model} requests={num_requests} context={context}: {1000 * seconds:.2f} ms")
+                for pages in ("huge", "small") if args.pages == "both" else (args.pages,):
+                    seconds = time_pass(model, num_requests, context, args.repeats, pages == "huge")
+                    rows.append(
+                        {
+                            "model": model,
+                            "requests": num_requests,
+                            "context": context,
+                            "pages": pages,
+                            "ms_per_step": 1000 * seconds,
+                        }
+                    )
+                    log(
+                        f"{model} requests={num_requests} context={context} {pages} pages: {1000 * seconds:.2f} ms"
+                    )
     write_result(
         args.output,
         {"benchmark": "decode_attention", "cpu": cpu(), "threads": torch.get_num_threads(), "rows": rows},

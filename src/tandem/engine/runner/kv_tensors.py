@@ -16,6 +16,7 @@ from typing import TypeVar
 import torch
 
 from tandem.engine.models.interface import KVLayer
+from tandem.kernels import huge_pages
 from tandem.kernels.fp8 import quantize_fp8
 
 # What a KV page may be exported as, by name (`kv_transfer.KVTransfer.cache_dtype`).
@@ -55,12 +56,13 @@ class KVCacheSpec:
 
 def allocate_kv_caches(kv_spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[KVLayer]:
     """Per layer (K, V, K scales, V scales): [num_blocks, block_size, Hk, D] each (scales
-    [num_blocks, block_size, Hk] float16 for FP8, else None), zeroed."""
+    [num_blocks, block_size, Hk] float16 for FP8, else None), zeroed. On a CPU in huge pages
+    (`huge_pages`): a step reads its requests' blocks scattered over the pool."""
     shape = (num_blocks, kv_spec.block_size, kv_spec.num_kv_heads, kv_spec.head_dim)
 
     def layer_cache() -> KVLayer:
-        k = torch.zeros(shape, dtype=kv_spec.dtype, device=device)
-        v = k if kv_spec.shared_kv else torch.zeros(shape, dtype=kv_spec.dtype, device=device)
+        k = huge_pages.zeros(shape, kv_spec.dtype, device)
+        v = k if kv_spec.shared_kv else huge_pages.zeros(shape, kv_spec.dtype, device)
         if not kv_spec.is_fp8:
             return (k, v, None, None)
         k_scale = torch.zeros(shape[:3], dtype=torch.float16, device=device)
