@@ -1,5 +1,6 @@
 """The native decode attention (`attention.native_paged_attention`, `csrc/decoder_cpu.c`) on the
-real checkpoints' attention shapes: one decode row per request, float32 KV cache in blocks of 16
+real checkpoints' attention shapes: one decode row per request, a float32 KV cache (or
+`--cache-dtype bfloat16`, or both side by side) in blocks of 16
 scattered over the pool as a running engine leaves them, every layer of the model once (each
 layer's own cache, so the keys and values stream from memory as in a decode step), in huge pages
 as the engine allocates it (`huge_pages`; `--pages both` also in 4 KiB pages, side by side). For
@@ -13,6 +14,7 @@ To compare two revisions, run it from each (`PYTHONPATH=<other tree>/src`), alte
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 from pathlib import Path
 
@@ -27,7 +29,9 @@ BLOCK_SIZE = 16
 MODELS = {"smollm2-135m": (30, 9, 3, 64), "gemma-3-270m": (18, 4, 1, 256)}
 
 
-def time_pass(model: str, num_requests: int, context: int, repeats: int, huge: bool) -> float:
+def time_pass(
+    model: str, num_requests: int, context: int, repeats: int, huge: bool, dtype: torch.dtype
+) -> float:
     """Best seconds of one decode step's attention over every layer."""
     layers, num_heads, num_kv_heads, head_dim = MODELS[model]
     g = torch.Generator().manual_seed(0)
@@ -37,8 +41,8 @@ def time_pass(model: str, num_requests: int, context: int, repeats: int, huge: b
     allocate = huge_pages.empty if huge else lambda shape, dtype: torch.empty(shape, dtype=dtype)
     caches = [
         (
-            allocate(shape, torch.float32).copy_(torch.randn(shape, generator=g)),
-            allocate(shape, torch.float32).copy_(torch.randn(shape, generator=g)),
+            allocate(shape, dtype).copy_(torch.randn(shape, generator=g)),
+            allocate(shape, dtype).copy_(torch.randn(shape, generator=g)),
         )
         for _ in range(layers)
     ]
@@ -62,6 +66,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--contexts", type=int, nargs="+", default=[160, 1024])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--cache-dtype", nargs="+", choices=["float32", "bfloat16"], default=["float32"])
     parser.add_argument(
         "--pages", choices=["huge", "small", "both"], default="huge",
         help="the caches in huge pages (as the engine allocates them), in 4 KiB pages, or both",
@@ -74,19 +79,24 @@ def main() -> None:
     for model in MODELS:
         for num_requests in args.requests:
             for context in args.contexts:
-                for pages in ("huge", "small") if args.pages == "both" else (args.pages,):
-                    seconds = time_pass(model, num_requests, context, args.repeats, pages == "huge")
+                for cache_dtype, pages in itertools.product(
+                    args.cache_dtype, ("huge", "small") if args.pages == "both" else (args.pages,)
+                ):
+                    dtype = getattr(torch, cache_dtype)
+                    seconds = time_pass(model, num_requests, context, args.repeats, pages == "huge", dtype)
                     rows.append(
                         {
                             "model": model,
                             "requests": num_requests,
                             "context": context,
+                            "cache_dtype": cache_dtype,
                             "pages": pages,
                             "ms_per_step": 1000 * seconds,
                         }
                     )
                     log(
-                        f"{model} requests={num_requests} context={context} {pages} pages: {1000 * seconds:.2f} ms"
+                        f"{model} requests={num_requests} context={context} {cache_dtype} {pages} pages: "
+                        f"{1000 * seconds:.2f} ms"
                     )
     write_result(
         args.output,

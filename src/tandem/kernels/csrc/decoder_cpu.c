@@ -311,6 +311,18 @@ static void write_vector(const TandemDecoderDims *d, void *cache, uint16_t *scal
     }
 }
 
+#if defined(__AVX512F__)
+/* 16 bfloat16 values widened to float32 (exact: the 16 bits are the float's upper half). */
+static inline __m512 bf16_row16(const uint16_t *in) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)in)), 16));
+}
+
+/* 16 values of a float32 (bf16 = 0) or bfloat16 (bf16 = 1) cache row from element `at`, as float32. */
+static inline __m512 cache_row16(const void *cache, int bf16, int64_t at) {
+    return bf16 ? bf16_row16((const uint16_t *)cache + at) : _mm512_loadu_ps((const float *)cache + at);
+}
+#endif
+
 /* The cache's row (slot, head) as float32 values times *scale (1 unless e4m3): a float32 cache's
  * row itself, else the row widened into scratch [D]. */
 static inline const float *read_vector(const TandemDecoderDims *d, const void *cache, const uint16_t *scales,
@@ -320,7 +332,11 @@ static inline const float *read_vector(const TandemDecoderDims *d, const void *c
     if (d->kv_dtype == 0) return (const float *)cache + row * D;
     if (d->kv_dtype == 1) {
         const uint16_t *in = (const uint16_t *)cache + row * D;
-        for (int64_t i = 0; i < D; i++) scratch[i] = bf16_to_float(in[i]);
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= D; i += 16) _mm512_storeu_ps(scratch + i, bf16_row16(in + i));
+#endif
+        for (; i < D; i++) scratch[i] = bf16_to_float(in[i]);
         return scratch;
     }
     const uint8_t *in = (const uint8_t *)cache + row * D;
@@ -400,9 +416,10 @@ static inline void key_block_scores(const float *q, int64_t group, int64_t D, co
 
 #if defined(__AVX512F__)
 /* o[g * 64 ..] = sum over j of (scores[g, j] / total[g]) * value row j, for the G query heads of
- * one group (head_dim 64, float32 cache): each value row read once for all G heads, each head's
- * sums in order of j as the per-head loop adds them (the same bits). */
-static inline __attribute__((always_inline)) void grouped_values64(int G, const float *values, const int64_t *table,
+ * one group (head_dim 64, float32 cache, or bfloat16 with `bf16`: widened in registers): each value
+ * row read once for all G heads, each head's sums in order of j as the per-head loop adds them (the
+ * same bits). */
+static inline __attribute__((always_inline)) void grouped_values64(int G, int bf16, const void *values, const int64_t *table,
                                                                   int64_t bs, int shift, int64_t row_heads, int64_t head,
                                                                   int64_t first, int64_t length, const float *scores,
                                                                   const float *total, float *o) {
@@ -413,9 +430,9 @@ static inline __attribute__((always_inline)) void grouped_values64(int G, const 
         for (int e = 0; e < 4; e++) sum[g][e] = _mm512_setzero_ps();
     }
     for (int64_t j = first; j < length; j++) {
-        const float *value = values + (cache_slot(table, j, bs, shift) * row_heads + head) * 64;
-        const __m512 v0 = _mm512_loadu_ps(value), v1 = _mm512_loadu_ps(value + 16);
-        const __m512 v2 = _mm512_loadu_ps(value + 32), v3 = _mm512_loadu_ps(value + 48);
+        const int64_t at = (cache_slot(table, j, bs, shift) * row_heads + head) * 64;
+        const __m512 v0 = cache_row16(values, bf16, at), v1 = cache_row16(values, bf16, at + 16);
+        const __m512 v2 = cache_row16(values, bf16, at + 32), v3 = cache_row16(values, bf16, at + 48);
         for (int g = 0; g < G; g++) {
             const __m512 p = _mm512_set1_ps(scores[g * length + j] * inverse[g]);
             sum[g][0] = _mm512_fmadd_ps(p, v0, sum[g][0]);
@@ -517,29 +534,35 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
                 softmax_rows(scores, group, length, first, length, largest, total);
                 float *o = out + t * Hq * D + kv_head * group * D;
 #if defined(__AVX512F__)
-                if (D == 64 && group <= 4 && d->kv_dtype == 0) { /* the group's sums in registers, one pass */
-                    const float *values = (const float *)layer->v_cache;
-                    switch (group) {
-#define GROUP_VALUES(G) grouped_values64(G, values, table, bs, shift, row_heads, head, first, length, scores, total, o)
-                        case 1: GROUP_VALUES(1); break;
-                        case 2: GROUP_VALUES(2); break;
-                        case 3: GROUP_VALUES(3); break;
-                        default: GROUP_VALUES(4); break;
+                const int bf16 = d->kv_dtype == 1;
+                if (D == 64 && group <= 4 && d->kv_dtype <= 1) { /* the group's sums in registers, one pass */
+                    const void *values = layer->v_cache;
+                    switch (group + 4 * bf16) {
+#define GROUP_VALUES(G, BF16) \
+    grouped_values64(G, BF16, values, table, bs, shift, row_heads, head, first, length, scores, total, o)
+                        case 1: GROUP_VALUES(1, 0); break;
+                        case 2: GROUP_VALUES(2, 0); break;
+                        case 3: GROUP_VALUES(3, 0); break;
+                        case 4: GROUP_VALUES(4, 0); break;
+                        case 5: GROUP_VALUES(1, 1); break;
+                        case 6: GROUP_VALUES(2, 1); break;
+                        case 7: GROUP_VALUES(3, 1); break;
+                        default: GROUP_VALUES(4, 1); break;
 #undef GROUP_VALUES
                     }
                     continue;
                 }
-                if (D % 16 == 0 && D <= 256 && d->kv_dtype == 0) { /* each head's sum in registers */
-                    const float *values = (const float *)layer->v_cache;
+                if (D % 16 == 0 && D <= 256 && d->kv_dtype <= 1) { /* each head's sum in registers */
+                    const void *values = layer->v_cache;
                     for (int64_t g = 0; g < group; g++) {
                         const float inverse = 1.0f / total[g];
                         __m512 sum[16];
                         for (int64_t e = 0; e < D / 16; e++) sum[e] = _mm512_setzero_ps();
                         for (int64_t j = first; j < length; j++) {
-                            const float *value = values + (cache_slot(table, j, bs, shift) * row_heads + head) * D;
+                            const int64_t at = (cache_slot(table, j, bs, shift) * row_heads + head) * D;
                             const __m512 p = _mm512_set1_ps(scores[g * length + j] * inverse);
                             for (int64_t e = 0; e < D / 16; e++)
-                                sum[e] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * e), sum[e]);
+                                sum[e] = _mm512_fmadd_ps(p, cache_row16(values, bf16, at + 16 * e), sum[e]);
                         }
                         for (int64_t e = 0; e < D / 16; e++) _mm512_storeu_ps(o + g * D + 16 * e, sum[e]);
                     }
