@@ -1,6 +1,6 @@
 """The native decode attention (`attention.native_paged_attention`, `csrc/decoder_cpu.c`) on the
 real checkpoints' attention shapes: one decode row per request, a float32 KV cache (or
-`--cache-dtype bfloat16`, or both side by side) in blocks of 16
+`--cache-dtype bfloat16` or `float8_e4m3fn`, several side by side) in blocks of 16
 scattered over the pool as a running engine leaves them, every layer of the model once (each
 layer's own cache, so the keys and values stream from memory as in a decode step), in huge pages
 as the engine allocates it (`huge_pages`; `--pages both` also in 4 KiB pages, side by side). For
@@ -46,6 +46,8 @@ def time_pass(
         )
         for _ in range(layers)
     ]
+    # an FP8 cache's per-(token, head) float16 scales (1: the values are what they are)
+    row_scales = torch.ones(shape[:3], dtype=torch.float16) if dtype == torch.float8_e4m3fn else None
     tables = torch.randperm(num_blocks, generator=g).view(num_requests, blocks_per_request).contiguous()
     positions = torch.full((num_requests,), context - 1, dtype=torch.int64)
     q = torch.randn(num_requests, num_heads, head_dim, generator=g)
@@ -54,7 +56,7 @@ def time_pass(
     for _ in range(repeats + 1):  # the first pass warms up
         start = time.perf_counter()
         for k_cache, v_cache in caches:
-            native_paged_attention(q, k_cache, v_cache, tables, positions, scale)
+            native_paged_attention(q, k_cache, v_cache, tables, positions, scale, row_scales, row_scales)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -66,7 +68,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--contexts", type=int, nargs="+", default=[160, 1024])
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--cache-dtype", nargs="+", choices=["float32", "bfloat16"], default=["float32"])
+    parser.add_argument(
+        "--cache-dtype", nargs="+", choices=["float32", "bfloat16", "float8_e4m3fn"], default=["float32"]
+    )
     parser.add_argument(
         "--pages", choices=["huge", "small", "both"], default="huge",
         help="the caches in huge pages (as the engine allocates them), in 4 KiB pages, or both",

@@ -317,9 +317,25 @@ static inline __m512 bf16_row16(const uint16_t *in) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)in)), 16));
 }
 
-/* 16 values of a float32 (bf16 = 0) or bfloat16 (bf16 = 1) cache row from element `at`, as float32. */
-static inline __m512 cache_row16(const void *cache, int bf16, int64_t at) {
-    return bf16 ? bf16_row16((const uint16_t *)cache + at) : _mm512_loadu_ps((const float *)cache + at);
+/* 16 e4m3 codes as e4m3_values gives them, bit for bit. The code's 7 magnitude bits shifted left by
+ * 7 are a float16 of exactly the value / 256 (exponent bias 15 against e4m3's 7; e4m3's subnormals
+ * land on float16's), the sign bit moves to float16's; magnitude 0x7f is NaN (as the table: NAN,
+ * negated for a negative code). */
+static inline __m512 e4m3_row16(const uint8_t *in) {
+    const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)in));
+    const __m256i magnitude = _mm256_and_si256(c, _mm256_set1_epi16(0x7f));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8);
+    __m256i bits = _mm256_or_si256(sign, _mm256_slli_epi16(magnitude, 7));
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(magnitude, _mm256_set1_epi16(0x7f));
+    bits = _mm256_mask_mov_epi16(bits, nan, _mm256_or_si256(sign, _mm256_set1_epi16(0x7e00)));
+    return _mm512_mul_ps(_mm512_cvtph_ps(bits), _mm512_set1_ps(256.0f));
+}
+
+/* 16 values of a cache row from element `at` as float32: kv_dtype 0 float32, 1 bfloat16, 2 e4m3
+ * (unscaled: the row's scale is the caller's). */
+static inline __m512 cache_row16(const void *cache, int kv_dtype, int64_t at) {
+    if (kv_dtype == 2) return e4m3_row16((const uint8_t *)cache + at);
+    return kv_dtype ? bf16_row16((const uint16_t *)cache + at) : _mm512_loadu_ps((const float *)cache + at);
 }
 #endif
 
@@ -340,7 +356,11 @@ static inline const float *read_vector(const TandemDecoderDims *d, const void *c
         return scratch;
     }
     const uint8_t *in = (const uint8_t *)cache + row * D;
-    for (int64_t i = 0; i < D; i++) scratch[i] = e4m3_values[in[i]];
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= D; i += 16) _mm512_storeu_ps(scratch + i, e4m3_row16(in + i));
+#endif
+    for (; i < D; i++) scratch[i] = e4m3_values[in[i]];
     *scale = _cvtsh_ss(scales[row]);
     return scratch;
 }
@@ -416,10 +436,11 @@ static inline void key_block_scores(const float *q, int64_t group, int64_t D, co
 
 #if defined(__AVX512F__)
 /* o[g * 64 ..] = sum over j of (scores[g, j] / total[g]) * value row j, for the G query heads of
- * one group (head_dim 64, float32 cache, or bfloat16 with `bf16`: widened in registers): each value
- * row read once for all G heads, each head's sums in order of j as the per-head loop adds them (the
- * same bits). */
-static inline __attribute__((always_inline)) void grouped_values64(int G, int bf16, const void *values, const int64_t *table,
+ * one group (head_dim 64; a bfloat16 or e4m3 cache (kv_dtype 1, 2) widened in registers, an e4m3
+ * row times its scale from `scales`): each value row read once for all G heads, each head's sums in
+ * order of j as the per-head loop adds them (the same bits). */
+static inline __attribute__((always_inline)) void grouped_values64(int G, int kv_dtype, const void *values,
+                                                                  const uint16_t *scales, const int64_t *table,
                                                                   int64_t bs, int shift, int64_t row_heads, int64_t head,
                                                                   int64_t first, int64_t length, const float *scores,
                                                                   const float *total, float *o) {
@@ -430,11 +451,13 @@ static inline __attribute__((always_inline)) void grouped_values64(int G, int bf
         for (int e = 0; e < 4; e++) sum[g][e] = _mm512_setzero_ps();
     }
     for (int64_t j = first; j < length; j++) {
-        const int64_t at = (cache_slot(table, j, bs, shift) * row_heads + head) * 64;
-        const __m512 v0 = cache_row16(values, bf16, at), v1 = cache_row16(values, bf16, at + 16);
-        const __m512 v2 = cache_row16(values, bf16, at + 32), v3 = cache_row16(values, bf16, at + 48);
+        const int64_t row = cache_slot(table, j, bs, shift) * row_heads + head, at = row * 64;
+        const float s = kv_dtype == 2 ? _cvtsh_ss(scales[row]) : 1.0f;
+        const __m512 v0 = cache_row16(values, kv_dtype, at), v1 = cache_row16(values, kv_dtype, at + 16);
+        const __m512 v2 = cache_row16(values, kv_dtype, at + 32), v3 = cache_row16(values, kv_dtype, at + 48);
         for (int g = 0; g < G; g++) {
-            const __m512 p = _mm512_set1_ps(scores[g * length + j] * inverse[g]);
+            const __m512 p = _mm512_set1_ps(kv_dtype == 2 ? scores[g * length + j] * inverse[g] * s
+                                                          : scores[g * length + j] * inverse[g]);
             sum[g][0] = _mm512_fmadd_ps(p, v0, sum[g][0]);
             sum[g][1] = _mm512_fmadd_ps(p, v1, sum[g][1]);
             sum[g][2] = _mm512_fmadd_ps(p, v2, sum[g][2]);
@@ -534,12 +557,13 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
                 softmax_rows(scores, group, length, first, length, largest, total);
                 float *o = out + t * Hq * D + kv_head * group * D;
 #if defined(__AVX512F__)
-                const int bf16 = d->kv_dtype == 1;
-                if (D == 64 && group <= 4 && d->kv_dtype <= 1) { /* the group's sums in registers, one pass */
+                const int kv_dtype = (int)d->kv_dtype;
+                if (D == 64 && group <= 4 && kv_dtype <= 2) { /* the group's sums in registers, one pass */
                     const void *values = layer->v_cache;
-                    switch (group + 4 * bf16) {
-#define GROUP_VALUES(G, BF16) \
-    grouped_values64(G, BF16, values, table, bs, shift, row_heads, head, first, length, scores, total, o)
+                    const uint16_t *v_scales = layer->v_scale;
+                    switch (group + 4 * kv_dtype) {
+#define GROUP_VALUES(G, KV) \
+    grouped_values64(G, KV, values, v_scales, table, bs, shift, row_heads, head, first, length, scores, total, o)
                         case 1: GROUP_VALUES(1, 0); break;
                         case 2: GROUP_VALUES(2, 0); break;
                         case 3: GROUP_VALUES(3, 0); break;
@@ -547,22 +571,28 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
                         case 5: GROUP_VALUES(1, 1); break;
                         case 6: GROUP_VALUES(2, 1); break;
                         case 7: GROUP_VALUES(3, 1); break;
-                        default: GROUP_VALUES(4, 1); break;
+                        case 8: GROUP_VALUES(4, 1); break;
+                        case 9: GROUP_VALUES(1, 2); break;
+                        case 10: GROUP_VALUES(2, 2); break;
+                        case 11: GROUP_VALUES(3, 2); break;
+                        default: GROUP_VALUES(4, 2); break;
 #undef GROUP_VALUES
                     }
                     continue;
                 }
-                if (D % 16 == 0 && D <= 256 && d->kv_dtype <= 1) { /* each head's sum in registers */
+                if (D % 16 == 0 && D <= 256 && kv_dtype <= 2) { /* each head's sum in registers */
                     const void *values = layer->v_cache;
                     for (int64_t g = 0; g < group; g++) {
                         const float inverse = 1.0f / total[g];
                         __m512 sum[16];
                         for (int64_t e = 0; e < D / 16; e++) sum[e] = _mm512_setzero_ps();
                         for (int64_t j = first; j < length; j++) {
-                            const int64_t at = (cache_slot(table, j, bs, shift) * row_heads + head) * D;
-                            const __m512 p = _mm512_set1_ps(scores[g * length + j] * inverse);
+                            const int64_t row = cache_slot(table, j, bs, shift) * row_heads + head, at = row * D;
+                            const __m512 p = _mm512_set1_ps(kv_dtype == 2 ? scores[g * length + j] * inverse *
+                                                                                _cvtsh_ss(layer->v_scale[row])
+                                                                          : scores[g * length + j] * inverse);
                             for (int64_t e = 0; e < D / 16; e++)
-                                sum[e] = _mm512_fmadd_ps(p, cache_row16(values, bf16, at + 16 * e), sum[e]);
+                                sum[e] = _mm512_fmadd_ps(p, cache_row16(values, kv_dtype, at + 16 * e), sum[e]);
                         }
                         for (int64_t e = 0; e < D / 16; e++) _mm512_storeu_ps(o + g * D + 16 * e, sum[e]);
                     }
