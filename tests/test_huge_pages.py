@@ -57,16 +57,14 @@ def test_huge_pages_even_where_the_allocator_would_hand_out_touched_memory() -> 
 
 
 @needs_thp
-def test_a_copy_in_huge_pages_keeps_every_value() -> None:
+def test_a_tensor_in_huge_pages_keeps_every_value() -> None:
     source = torch.randn(3, 1 << 19)  # 6 MiB
-    copied = huge_pages.copy(source)
+    copied = huge_pages.empty((3, 1 << 19), torch.float32).copy_(source)
     assert copied.data_ptr() != source.data_ptr()
     assert torch.equal(copied.view(torch.int32), source.view(torch.int32))
     assert _huge_bytes_under(copied) >= huge_pages.HUGE_PAGE_BYTES
 
 
-def test_small_tensors_are_left_as_they_are() -> None:
-    small = torch.ones(100)
-    assert huge_pages.copy(small) is small
+def test_small_tensors_are_ordinary() -> None:
     fresh = huge_pages.zeros((7, 5), torch.bfloat16)
     assert fresh.shape == (7, 5) and fresh.dtype == torch.bfloat16 and not fresh.any()

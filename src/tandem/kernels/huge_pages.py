@@ -57,11 +57,3 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """`empty`, zeroed (every page touched now: the memory is taken at allocation, not later)."""
     return empty(shape, dtype, device).zero_()
-
-
-def copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of a CPU tensor in huge pages (`empty`); the tensor itself where it is not
-    on a CPU or is under 2 MiB."""
-    if tensor.device.type != "cpu" or tensor.numel() * tensor.element_size() < HUGE_PAGE_BYTES:
-        return tensor
-    return empty(tuple(tensor.shape), tensor.dtype).copy_(tensor)
