@@ -238,10 +238,9 @@ def run(args: argparse.Namespace) -> int:
     model = model_line(
         base, served_name, dev_key or first_env_api_key()
     )  # asked before the banner says "ready"
-    print(banner(served_name, base, dev_key, dev_operator_key, timing), file=sys.stderr, flush=True)
-    print(model, file=sys.stderr, flush=True)
-
-    _serve_until_stopped(serve, args.drain_timeout)
+    _serve_until_stopped(
+        serve, args.drain_timeout, [banner(served_name, base, dev_key, dev_operator_key, timing), model]
+    )
     return 0
 
 
@@ -261,8 +260,10 @@ def _start_ray(args: argparse.Namespace) -> None:
     ray.init(address="local", include_dashboard=False, configure_logging=False, runtime_env=RUNTIME_ENV)
 
 
-def _serve_until_stopped(serve: ModuleType, drain_timeout_s: float) -> None:
-    """Wait for SIGTERM or Ctrl-C, then drain (a second signal: stop at once) and stop Serve and Ray."""
+def _serve_until_stopped(serve: ModuleType, drain_timeout_s: float, ready_lines: list[str]) -> None:
+    """Print `ready_lines` (the banner), wait for SIGTERM or Ctrl-C, then drain (a second signal:
+    stop at once) and stop Serve and Ray. The handler is in place before the banner says "ready":
+    a SIGTERM sent as soon as it is read stops gracefully too."""
     import signal
     import threading
 
@@ -273,6 +274,8 @@ def _serve_until_stopped(serve: ModuleType, drain_timeout_s: float) -> None:
 
     signal.signal(signal.SIGTERM, _stop)
     try:
+        for line in ready_lines:
+            print(line, file=sys.stderr, flush=True)
         threading.Event().wait()
     except KeyboardInterrupt:
         print(

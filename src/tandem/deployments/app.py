@@ -173,6 +173,17 @@ def max_batch_requests(cfg: AppConfig) -> int:
 # and every internal call. Tandem logs its own line per request (`tandem.api`: route, tenant,
 # status, code), so Serve's is off everywhere.
 QUIET_LOGGING: dict[str, Any] = {"enable_access_log": False}
+# A replica Serve stops (scale-down, `serve.delete`, `serve.shutdown`) waits this long before it
+# first counts its requests in flight, then again at this interval until none is left (Serve's
+# default: 2 s). Routers learn of a removed replica within milliseconds; the 2 s wait was most of
+# stopping an idle `tandem serve` (its replicas are stopped one deployment after another:
+# `serve.shutdown` 9.6 -> 2.9 s with 0.5 s here). Requests in flight still finish, as before.
+SHUTDOWN_WAIT_LOOP_S = 0.5
+# Options every deployment of the graph takes.
+COMMON_OPTIONS: dict[str, Any] = {
+    "logging_config": QUIET_LOGGING,
+    "graceful_shutdown_wait_loop_s": SHUTDOWN_WAIT_LOOP_S,
+}
 
 
 def replica_options(cfg: AppConfig) -> dict[str, Any]:
@@ -183,7 +194,7 @@ def replica_options(cfg: AppConfig) -> dict[str, Any]:
         actor_options["runtime_env"] = {"env_vars": dict(cfg.replica_env_vars)}
     options: dict[str, Any] = {
         "ray_actor_options": actor_options,
-        "logging_config": QUIET_LOGGING,
+        **COMMON_OPTIONS,
         "max_ongoing_requests": cfg.max_ongoing_requests,
         "max_queued_requests": cfg.max_queued_requests,
         "request_router_config": cfg.routing.serve_options(),
@@ -209,7 +220,7 @@ def prefill_replica_options(cfg: AppConfig) -> dict[str, Any]:
     scaling on queued prompt tokens with Serve's delays as the LLM replicas have them."""
     options: dict[str, Any] = {
         "ray_actor_options": cfg.placement_of(PREFILL_DEPLOYMENT).actor_options(cfg.replica_num_cpus),
-        "logging_config": QUIET_LOGGING,
+        **COMMON_OPTIONS,
         "max_ongoing_requests": cfg.max_ongoing_requests,
     }
     targets = cfg.prefill_autoscaling
@@ -247,7 +258,7 @@ def batch_worker_options(cfg: AppConfig) -> dict[str, Any]:
     targets = cfg.batch_workers
     return {
         "ray_actor_options": cfg.placement_of("BatchWorker").actor_options(0),
-        "logging_config": QUIET_LOGGING,
+        **COMMON_OPTIONS,
         "autoscaling_config": {
             "min_replicas": targets.min_replicas,
             "max_replicas": targets.max_replicas,
@@ -299,7 +310,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         .options(
             num_replicas=1,
             ray_actor_options=cfg.placement_of(FLEET_STATE_DEPLOYMENT).actor_options(0),
-            logging_config=QUIET_LOGGING,
+            **COMMON_OPTIONS,
         )
         .bind(
             max(10.0, 5 * cfg.routing.stats_period_s),
@@ -316,14 +327,14 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
             .options(
                 num_replicas=1,
                 ray_actor_options=cfg.placement_of(TENANT_BUDGET_DEPLOYMENT).actor_options(0),
-                logging_config=QUIET_LOGGING,
+                **COMMON_OPTIONS,
             )
             .bind()
             for index in range(cfg.num_tenant_budget_shards)
         ]
     ingress = cast(serve.Deployment, OpenAIIngress).options(
         num_replicas=cfg.ingress_num_replicas,
-        logging_config=QUIET_LOGGING,
+        **COMMON_OPTIONS,
         ray_actor_options=cfg.placement_of("OpenAIIngress").actor_options(0),
         max_ongoing_requests=cfg.ingress_max_ongoing_requests,
     )
