@@ -1,6 +1,6 @@
 """The native decode attention (`attention.native_paged_attention`, `csrc/decoder_cpu.c`) on the
 real checkpoints' attention shapes: one decode row per request, a float32 KV cache (or
-`--cache-dtype bfloat16` or `float8_e4m3fn`, several side by side) in blocks of 16
+`--cache-dtype bfloat16`, `float16` or `float8_e4m3fn`, several side by side) in blocks of 16
 scattered over the pool as a running engine leaves them, every layer of the model once (each
 layer's own cache, so the keys and values stream from memory as in a decode step), in huge pages
 as the engine allocates it (`huge_pages`; `--pages both` also in 4 KiB pages, side by side). For
@@ -69,7 +69,10 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[160, 1024])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument(
-        "--cache-dtype", nargs="+", choices=["float32", "bfloat16", "float8_e4m3fn"], default=["float32"]
+        "--cache-dtype",
+        nargs="+",
+        choices=["float32", "bfloat16", "float16", "float8_e4m3fn"],
+        default=["float32"],
     )
     parser.add_argument(
         "--pages", choices=["huge", "small", "both"], default="huge",

@@ -15,7 +15,7 @@
   requests, e.g. 8 for a hybrid engine's INT4 decode steps, whose LM head is INT8 up to 4 rows and
   the dense model's beyond).
 
-Variants: FP8 KV, INT4 weights, both (and a 16-bit KV for scale), hybrid weights with float32.
+Variants: FP8 KV, INT4 weights, both (and 16-bit KVs: bfloat16, float16), hybrid weights with float32.
 
     python benchmarks/quant_quality.py      # -> benchmarks/results/quant_quality.json
     python benchmarks/quant_quality.py --model "$(python scripts/real_checkpoints.py gemma3)"
@@ -43,6 +43,7 @@ VARIANTS = {
     "base_fp32": {"dtype": "float32"},
     "kv_bf16": {"dtype": "float32", "kv_cache_dtype": "bfloat16"},
     "kv_fp8": {"dtype": "float32", "kv_cache_dtype": "fp8_e4m3"},
+    "kv_fp16": {"dtype": "float32", "kv_cache_dtype": "float16"},
     "int4": {"dtype": "float32", "weight_dtype": "int4"},
     "int4_g128": {"dtype": "float32", "weight_dtype": "int4", "int4_group_size": 128},
     # round-to-nearest against GPTQ (the default method for float weights), per group size; with a
@@ -65,6 +66,8 @@ VARIANTS = {
     # a GGUF's linears as the file stores them (4-bit blocks exact INT4, Q8_0 / Q5_0 exact INT8,
     # Q5_1 / Q5_K / Q6_K rounded once to Q8_0): the default for a quantised GGUF
     "gguf": {"dtype": "float32", "weight_dtype": "gguf"},
+    "gguf_kv_fp16": {"dtype": "float32", "weight_dtype": "gguf", "kv_cache_dtype": "float16"},
+    "gguf_kv_bf16": {"dtype": "float32", "weight_dtype": "gguf", "kv_cache_dtype": "bfloat16"},
     "int4_kv_fp8": {"dtype": "float32", "weight_dtype": "int4", "kv_cache_dtype": "fp8_e4m3"},
     "bf16": {"dtype": "bfloat16"},
     "hybrid_fp32": {"dtype": "float32", "weight_dtype": "hybrid"},  # INT4 decode steps, float32 rest

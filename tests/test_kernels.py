@@ -167,10 +167,11 @@ def test_packed_linear_matches_reference() -> None:
         torch.testing.assert_close(packed(x), reference_linear(x, weight), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
 def test_native_decode_attention_matches_the_torch_gather_path(cache_dtype: torch.dtype) -> None:
     """The native decode attention against the torch path it replaces (gather every key, two
-    matmuls, masked softmax), on the same cache: float32, bfloat16 and FP8 with per-row scales."""
+    matmuls, masked softmax), on the same cache: float32, bfloat16, float16 and FP8 with per-row
+    scales."""
     from tandem.kernels import int4_native
     from tandem.kernels.attention import _decode_attention, _gather_unscaled, native_paged_attention
 

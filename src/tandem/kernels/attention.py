@@ -150,12 +150,12 @@ def _decode_attention(
     return torch.matmul(probs, v_rows.view(shape))
 
 
-_NATIVE_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+_NATIVE_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float16: 3}
 
 
 def native_paged_attention(
     q: torch.Tensor,  # [R, Hq, D] query rows
-    k_cache: torch.Tensor,  # [N, bs, Hk, D] float32, bfloat16 or float8_e4m3fn
+    k_cache: torch.Tensor,  # [N, bs, Hk, D] float32, bfloat16, float8_e4m3fn or float16
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [R, max_blocks] int64: each row's request's blocks
     positions: torch.Tensor,  # [R] int64: row r attends keys 0..positions[r] of its table

@@ -13,7 +13,7 @@ a layer is four INT4 matmuls and one parallel attention loop.
 Inputs (CPU, contiguous): x [T, H] float32 is updated in place to the last layer's output;
 positions, slot_mapping, row_tables [T] int64; block_tables [B, max_blocks] int64 (row_tables[t]
 names row t's request); capture_layers ascending layer indices whose outputs are returned side by
-side ([T, len * H]). KV caches: float32, bfloat16 or float8_e4m3fn with float16 scales.
+side ([T, len * H]). KV caches: float32, bfloat16, float16, or float8_e4m3fn with float16 scales.
 
 `DecoderWeights` holds the C structs built once from a model's tensors; it keeps references to
 those tensors, so they must not be replaced while it is in use (the pointers are to their storage).
@@ -29,7 +29,7 @@ import torch
 
 from tandem.kernels import int4_native
 
-_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float16: 3}
 
 
 class _Int4Weight(ctypes.Structure):
@@ -133,7 +133,7 @@ class LayerTensors:
 def unsupported_reason(kv_dtype: torch.dtype) -> str:
     """Why the native decoder cannot run here ("" when it can)."""
     if kv_dtype not in _KV_DTYPES:
-        return f"KV cache dtype {kv_dtype} is not float32, bfloat16 or float8_e4m3fn"
+        return f"KV cache dtype {kv_dtype} is not float32, bfloat16, float8_e4m3fn or float16"
     if int4_native.load() is None:
         return f"the native library could not be built or loaded ({int4_native.unavailable_reason()})"
     return ""

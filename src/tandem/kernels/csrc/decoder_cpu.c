@@ -59,7 +59,7 @@ typedef struct {
 
 typedef struct {
     int64_t num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size;
-    int64_t kv_dtype; /* 0 float32, 1 bfloat16, 2 e4m3 + float16 scales */
+    int64_t kv_dtype; /* 0 float32, 1 bfloat16, 2 e4m3 + float16 scales, 3 float16 */
     float eps, scale; /* RMSNorm epsilon; attention scale (head_dim ** -0.5) */
     const float *rope_cos, *rope_sin; /* [max_positions, D] float32 */
     int64_t activation; /* of the gated MLP: 0 SiLU, 1 GeLU (tanh approximation), 2 GeLU (exact) */
@@ -77,6 +77,13 @@ typedef struct {
 } TandemHeadPaging;
 
 /* -- element conversions (torch's rounding: nearest, ties to even) ------------------------------ */
+
+/* torch's float16 cache write (`attention.sanitize_kv` then `.to(float16)`): a non-finite value is 0,
+ * a finite one clamped to float16's range, then rounded to nearest, ties to even. */
+static inline uint16_t float_to_f16(float f) {
+    if (!isfinite(f)) f = 0.0f;
+    return _cvtss_sh(fminf(fmaxf(f, -65504.0f), 65504.0f), _MM_FROUND_TO_NEAREST_INT);
+}
 
 static inline uint16_t float_to_bf16(float f) {
     uint32_t u;
@@ -299,6 +306,9 @@ static void write_vector(const TandemDecoderDims *d, void *cache, uint16_t *scal
     } else if (d->kv_dtype == 1) {
         uint16_t *out = (uint16_t *)cache + row * D;
         for (int64_t i = 0; i < D; i++) out[i] = float_to_bf16(v[i]);
+    } else if (d->kv_dtype == 3) {
+        uint16_t *out = (uint16_t *)cache + row * D;
+        for (int64_t i = 0; i < D; i++) out[i] = float_to_f16(v[i]);
     } else {
         float amax = 0.0f;
         for (int64_t i = 0; i < D; i++) amax = fmaxf(amax, fabsf(v[i]));
@@ -331,10 +341,16 @@ static inline __m512 e4m3_row16(const uint8_t *in) {
     return _mm512_mul_ps(_mm512_cvtph_ps(bits), _mm512_set1_ps(256.0f));
 }
 
+/* 16 float16 values widened to float32 (exact). */
+static inline __m512 f16_row16(const uint16_t *in) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)in));
+}
+
 /* 16 values of a cache row from element `at` as float32: kv_dtype 0 float32, 1 bfloat16, 2 e4m3
- * (unscaled: the row's scale is the caller's). */
+ * (unscaled: the row's scale is the caller's), 3 float16. */
 static inline __m512 cache_row16(const void *cache, int kv_dtype, int64_t at) {
     if (kv_dtype == 2) return e4m3_row16((const uint8_t *)cache + at);
+    if (kv_dtype == 3) return f16_row16((const uint16_t *)cache + at);
     return kv_dtype ? bf16_row16((const uint16_t *)cache + at) : _mm512_loadu_ps((const float *)cache + at);
 }
 #endif
@@ -353,6 +369,15 @@ static inline const float *read_vector(const TandemDecoderDims *d, const void *c
         for (; i + 16 <= D; i += 16) _mm512_storeu_ps(scratch + i, bf16_row16(in + i));
 #endif
         for (; i < D; i++) scratch[i] = bf16_to_float(in[i]);
+        return scratch;
+    }
+    if (d->kv_dtype == 3) {
+        const uint16_t *in = (const uint16_t *)cache + row * D;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= D; i += 16) _mm512_storeu_ps(scratch + i, f16_row16(in + i));
+#endif
+        for (; i < D; i++) scratch[i] = _cvtsh_ss(in[i]);
         return scratch;
     }
     const uint8_t *in = (const uint8_t *)cache + row * D;
@@ -436,7 +461,7 @@ static inline void key_block_scores(const float *q, int64_t group, int64_t D, co
 
 #if defined(__AVX512F__)
 /* o[g * 64 ..] = sum over j of (scores[g, j] / total[g]) * value row j, for the G query heads of
- * one group (head_dim 64; a bfloat16 or e4m3 cache (kv_dtype 1, 2) widened in registers, an e4m3
+ * one group (head_dim 64; a bfloat16, e4m3 or float16 cache (kv_dtype 1, 2, 3) widened in registers, an e4m3
  * row times its scale from `scales`): each value row read once for all G heads, each head's sums in
  * order of j as the per-head loop adds them (the same bits). */
 static inline __attribute__((always_inline)) void grouped_values64(int G, int kv_dtype, const void *values,
@@ -558,7 +583,7 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
                 float *o = out + t * Hq * D + kv_head * group * D;
 #if defined(__AVX512F__)
                 const int kv_dtype = (int)d->kv_dtype;
-                if (D == 64 && group <= 4 && kv_dtype <= 2) { /* the group's sums in registers, one pass */
+                if (D == 64 && group <= 4 && kv_dtype <= 3) { /* the group's sums in registers, one pass */
                     const void *values = layer->v_cache;
                     const uint16_t *v_scales = layer->v_scale;
                     switch (group + 4 * kv_dtype) {
@@ -575,12 +600,16 @@ static void attention(const TandemDecoderDims *d, const TandemLayer *layer, cons
                         case 9: GROUP_VALUES(1, 2); break;
                         case 10: GROUP_VALUES(2, 2); break;
                         case 11: GROUP_VALUES(3, 2); break;
-                        default: GROUP_VALUES(4, 2); break;
+                        case 12: GROUP_VALUES(4, 2); break;
+                        case 13: GROUP_VALUES(1, 3); break;
+                        case 14: GROUP_VALUES(2, 3); break;
+                        case 15: GROUP_VALUES(3, 3); break;
+                        default: GROUP_VALUES(4, 3); break;
 #undef GROUP_VALUES
                     }
                     continue;
                 }
-                if (D % 16 == 0 && D <= 256 && kv_dtype <= 2) { /* each head's sum in registers */
+                if (D % 16 == 0 && D <= 256 && kv_dtype <= 3) { /* each head's sum in registers */
                     const void *values = layer->v_cache;
                     for (int64_t g = 0; g < group; g++) {
                         const float inverse = 1.0f / total[g];
