@@ -68,14 +68,25 @@ _HF_GREEDY: dict[tuple[int, ...], tuple[str, int]] = {}
 
 
 def _hf_greedy(hf: tuple[Any, Any], input_ids: list[int]) -> tuple[str, int]:
-    key = tuple(input_ids)
-    if key not in _HF_GREEDY:
-        model, tokenizer = hf
-        ids = torch.tensor([input_ids])
-        with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
-        _HF_GREEDY[key] = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True), ids.shape[1]
-    return _HF_GREEDY[key]
+    _hf_greedy_all(hf, [input_ids])
+    return _HF_GREEDY[tuple(input_ids)]
+
+
+def _hf_greedy_all(hf: tuple[Any, Any], prompts: list[list[int]]) -> None:
+    """HF's greedy answers to the prompts not asked yet, in one batch padded on the left (HF's own
+    batched generation, with its attention mask): each step reads the 262k-row head once for all."""
+    model, tokenizer = hf
+    new = [list(key) for key in dict.fromkeys(tuple(p) for p in prompts) if key not in _HF_GREEDY]
+    if not new:
+        return
+    width = max(len(p) for p in new)
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in new])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in new])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=MAX_TOKENS, do_sample=False)
+    for prompt, row in zip(new, out, strict=True):
+        _HF_GREEDY[tuple(prompt)] = tokenizer.decode(row[width:], skip_special_tokens=True), len(prompt)
 
 
 def _chat_ids(tokenizer: Any, content: str) -> list[int]:
@@ -89,6 +100,11 @@ def _check_hf_greedy(base_url: str, hf_gemma: tuple[Any, Any]) -> None:
     """Completions and chat at temperature 0 equal HF float32's greedy text, with HF's prompt token counts."""
     tokenizer = hf_gemma[1]
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    _hf_greedy_all(
+        hf_gemma,
+        [tokenizer(prompt)["input_ids"] for prompt in COMPLETION_PROMPTS]
+        + [_chat_ids(tokenizer, content) for content in CHAT_PROMPTS],
+    )
     for prompt in COMPLETION_PROMPTS:
         want, num_prompt_tokens = _hf_greedy(hf_gemma, tokenizer(prompt)["input_ids"])
         reply = client.completions.create(model="gemma3", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
@@ -171,6 +187,11 @@ def test_gemma3_gguf_served_as_downloaded(
         assert info["quant_types"] == ["Q8_0", "Q5_0", "Q4_K", "Q6_K", "F32"]  # most weights first
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
         tokenizer = hf_gemma[1]
+        _hf_greedy_all(
+            hf_gemma,
+            [tokenizer(prompt)["input_ids"] for prompt in COMPLETION_PROMPTS]
+            + [_chat_ids(tokenizer, content) for content in CHAT_PROMPTS[:2]],
+        )
         for prompt in COMPLETION_PROMPTS:
             want, num_prompt_tokens = _hf_greedy(hf_gemma, tokenizer(prompt)["input_ids"])
             reply = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
