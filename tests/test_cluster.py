@@ -85,10 +85,12 @@ class RayNode:
         self.process.wait(timeout=30)
 
     def stop(self) -> None:
+        """SIGTERM to the node's processes, SIGKILL to what is left after a few seconds (a head's
+        `ray start --block` spent the whole 30 s it was given stopping its processes one by one)."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=30)
+                self.process.wait(timeout=5)
         if self.process.poll() is None or _group_alive(self.process.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
