@@ -107,6 +107,42 @@ def test_native_stack_matches_the_eager_int4_model(tiny_model_dir: Path, kv_cach
             assert diff <= max(tolerance * largest, one_code), (layer, diff)
 
 
+def test_a_float16_cache_holds_values_past_its_range_clamped_as_the_eager_path_writes_them(
+    tiny_model_dir: Path,
+) -> None:
+    """Keys and values beyond float16's range (the first layer's input norm scaled up) are written
+    as +-65504 by the native stack, where the eager path's write (`finite_kv`) puts them, never
+    as infinities that would turn attention into NaN; the logits stay finite."""
+    llm = LLM(
+        str(tiny_model_dir), weight_dtype="int4", kv_cache_dtype="float16", kv_cache_memory=2 << 20,
+        block_size=4, speculative=None,
+    )  # fmt: skip
+    runner = llm.engine.runner
+    model, caches = runner.model, runner.kv_caches
+    with torch.no_grad():
+        model.layers[0].input_layernorm.mul_(1e6)
+    native = NativeLlama.build(model, caches, runner.block_size)
+    assert native is not None
+    limit = torch.finfo(torch.float16).max
+    prompt = [5, 9, 17, 23, 31, 2]
+    with torch.inference_mode():
+        before = _snapshot(caches)
+        meta = build_attention_metadata(
+            [[3, 7]], [6], [6], 4, model.config.num_key_value_heads, torch.device("cpu")
+        )
+        want = model(torch.tensor(prompt), torch.arange(6), caches, meta, torch.tensor([5]))
+        want_cache = caches[0][0].clone()
+        _restore(caches, before)
+        got = native.forward(NativeStep.build([prompt], [0], [[3, 7]], 4), torch.tensor([5]))
+    got_cache = caches[0][0]
+    clamped = want_cache.float().abs() == limit
+    assert clamped.any(), "the scaled norm must push keys past float16's range"
+    assert (
+        torch.isfinite(got_cache.float()).all() and torch.isfinite(got).all() and torch.isfinite(want).all()
+    )
+    assert torch.equal(got_cache[clamped], want_cache[clamped])
+
+
 def test_a_rows_result_does_not_depend_on_its_batch(tiny_model_dir: Path) -> None:
     """Row-wise arithmetic: a request computed alone and next to others gets the same bits
     (while the step's logits rows stay within the INT8 LM head's limit)."""

@@ -78,8 +78,8 @@ typedef struct {
 
 /* -- element conversions (torch's rounding: nearest, ties to even) ------------------------------ */
 
-/* torch's float16 cache write (`attention.sanitize_kv` then `.to(float16)`): a non-finite value is 0,
- * a finite one clamped to float16's range, then rounded to nearest, ties to even. */
+/* The eager path's float16 cache write (`attention.finite_kv` then `.to(float16)`): a non-finite
+ * value is 0, a finite one clamped to float16's range, then rounded to nearest, ties to even. */
 static inline uint16_t float_to_f16(float f) {
     if (!isfinite(f)) f = 0.0f;
     return _cvtss_sh(fminf(fmaxf(f, -65504.0f), 65504.0f), _MM_FROUND_TO_NEAREST_INT);
