@@ -177,7 +177,7 @@ QUIET_LOGGING: dict[str, Any] = {"enable_access_log": False}
 # first counts its requests in flight, then again at this interval until none is left (Serve's
 # default: 2 s). Routers learn of a removed replica within milliseconds; the 2 s wait was most of
 # stopping an idle `tandem serve` (its replicas are stopped one deployment after another:
-# `serve.shutdown` 9.6 -> 2.9 s with 0.5 s here). Requests in flight still finish, as before.
+# `serve.shutdown` 9.6 -> 3.0-3.2 s with 0.5 s here). Requests in flight still finish, as before.
 SHUTDOWN_WAIT_LOOP_S = 0.5
 # Options every deployment of the graph takes.
 COMMON_OPTIONS: dict[str, Any] = {

@@ -362,22 +362,13 @@ static inline const float *read_vector(const TandemDecoderDims *d, const void *c
     const int64_t D = d->head_dim;
     *scale = 1.0f;
     if (d->kv_dtype == 0) return (const float *)cache + row * D;
-    if (d->kv_dtype == 1) {
+    if (d->kv_dtype == 1 || d->kv_dtype == 3) { /* bfloat16, float16 */
         const uint16_t *in = (const uint16_t *)cache + row * D;
         int64_t i = 0;
 #if defined(__AVX512F__)
-        for (; i + 16 <= D; i += 16) _mm512_storeu_ps(scratch + i, bf16_row16(in + i));
+        for (; i + 16 <= D; i += 16) _mm512_storeu_ps(scratch + i, cache_row16(cache, (int)d->kv_dtype, row * D + i));
 #endif
-        for (; i < D; i++) scratch[i] = bf16_to_float(in[i]);
-        return scratch;
-    }
-    if (d->kv_dtype == 3) {
-        const uint16_t *in = (const uint16_t *)cache + row * D;
-        int64_t i = 0;
-#if defined(__AVX512F__)
-        for (; i + 16 <= D; i += 16) _mm512_storeu_ps(scratch + i, f16_row16(in + i));
-#endif
-        for (; i < D; i++) scratch[i] = _cvtsh_ss(in[i]);
+        for (; i < D; i++) scratch[i] = d->kv_dtype == 1 ? bf16_to_float(in[i]) : _cvtsh_ss(in[i]);
         return scratch;
     }
     const uint8_t *in = (const uint8_t *)cache + row * D;
