@@ -176,8 +176,8 @@ QUIET_LOGGING: dict[str, Any] = {"enable_access_log": False}
 # A replica Serve stops (scale-down, `serve.delete`, `serve.shutdown`) waits this long before it
 # first counts its requests in flight, then again at this interval until none is left (Serve's
 # default: 2 s). Routers learn of a removed replica within milliseconds; the 2 s wait was most of
-# stopping an idle `tandem serve` (its replicas are stopped one deployment after another:
-# `serve.shutdown` 9.6 -> 3.0-3.2 s with 0.5 s here). Requests in flight still finish, as before.
+# stopping an idle `tandem serve`, whose replicas are stopped one deployment after another
+# (figures: docs/performance.md, "Serve stops in seconds"). Requests in flight still finish.
 SHUTDOWN_WAIT_LOOP_S = 0.5
 # Options every deployment of the graph takes.
 COMMON_OPTIONS: dict[str, Any] = {
