@@ -526,6 +526,51 @@ def test_a_dead_callers_requests_are_aborted_and_metered_with_what_was_streamed(
     log.close()
 
 
+def test_an_ended_stream_closes_once_its_caller_is_seen_alive_or_a_hold_after_it_is_found_dead() -> None:
+    """`OrphanWatch.settle`: a request's ended stream closes once a look-up of its caller begun
+    after it ended finds the caller alive (20 ending together share at most two look-ups); when
+    the caller is dead, only `hold_s` later (Ray's sends to a dead caller must fail before the
+    stream ends, or the end stalls the replica's other streams: orphans.py). An ended request is
+    not aborted or metered."""
+    from tandem.deployments.orphans import CallerRef, OrphanWatch
+
+    alive = {"ingress-1": True, "worker-1": True}
+    lookups: list[tuple[str, float]] = []
+    aborted: list[str] = []
+
+    def is_alive(caller: CallerRef) -> bool:
+        lookups.append((caller.actor_name, time.monotonic()))
+        return alive[caller.actor_name]
+
+    async def settle(watch: OrphanWatch, request_id: str) -> tuple[float, float]:
+        ended = time.monotonic()
+        await watch.settle(request_id)
+        return ended, time.monotonic()
+
+    async def scenario() -> None:
+        watch = OrphanWatch(aborted.append, lambda: None, check_s=0.05, hold_s=0.6, is_alive=is_alive)
+        live = [f"live-{i}" for i in range(20)]
+        for request_id in live:
+            watch.start(request_id, None, CallerRef("ingress-1", "ns"))
+        watch.start("dead", None, CallerRef("worker-1", "ns"))
+        await asyncio.sleep(0.12)  # a look-up or two before the streams end
+        num_before = len(lookups)
+        closes = await asyncio.gather(*(settle(watch, request_id) for request_id in live))
+        for ended, closed in closes:
+            assert any(name == "ingress-1" and ended <= at <= closed for name, at in lookups)
+            assert closed - ended < 0.3
+        assert sum(name == "ingress-1" for name, _ in lookups[num_before:]) <= 3  # shared (+ the watch's)
+        for request_id in live:
+            watch.end(request_id)
+        alive["worker-1"] = False
+        ended, closed = await settle(watch, "dead")
+        assert closed - ended >= 0.6
+        watch.end("dead")
+        assert aborted == [] and watch.num_orphans == 0
+
+    asyncio.run(scenario())
+
+
 def test_a_spool_range_shipped_twice_is_stored_once(tmp_path: Path) -> None:
     """A process died after writing a range's objects but before recording it shipped: the next
     shipper sends the same range under the same keys, and the store keeps one copy."""

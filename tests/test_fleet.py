@@ -586,9 +586,10 @@ def test_an_ingress_killed_mid_stream_has_its_requests_aborted_and_metered_once(
 
 def test_a_batch_worker_killed_mid_batch_never_stalls_real_time_streams(fleet: str) -> None:
     """A batch runs and a real-time stream flows; the batch worker is killed (SIGKILL): the
-    stream's tokens keep coming (no gap over 2 s, where the engines' stats and routing once
-    stalled for 8-10 s), the dead worker's requests are aborted, its shards are taken over by its
-    replacement and the batch completes with every line once."""
+    stream's tokens keep coming (no gap over 0.75 s: the engines' stats and routing once stalled
+    for 8-10 s, and the end of each of the dead worker's streams stalled the replica's other
+    streams for Ray's one-second waits, `orphans.py`), the dead worker's requests are aborted,
+    its shards are taken over by its replacement and the batch completes with every line once."""
     import signal
     import threading
 
@@ -643,7 +644,7 @@ def test_a_batch_worker_killed_mid_batch_never_stalls_real_time_streams(fleet: s
     assert after and gaps_before
     print(f"inter-token gap p99 before {sorted(gaps_before)[int(0.99 * len(gaps_before))]:.4f} s, "
           f"after the kill {sorted(after)[int(0.99 * len(after))]:.4f} s, max after {max(after):.3f} s")  # fmt: skip
-    assert max(after) < 2.0, max(after)
+    assert max(after) < 0.75, max(after)
     assert finished.status == "completed" and finished.request_counts.completed == 32, finished
     output = api.files.content(finished.output_file_id or "").text.splitlines()
     assert sorted(json.loads(line)["custom_id"] for line in output) == sorted(f"w{i}" for i in range(32))

@@ -231,6 +231,7 @@ class HandleEngineClient:
         self, request: GenerationRequest, usage: UsageTag | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
         response: DeploymentResponseGenerator | None = None
+        finished = False
         try:
             with replica_errors():  # inside a replica `.remote()` itself may raise BackPressureError
                 response = self._start(request, usage)
@@ -238,11 +239,17 @@ class HandleEngineClient:
                 first: RequestOutput | TandemError = await self._first_output(outputs)
                 if isinstance(first, TandemError):  # a client error the replica sent as a value
                     raise first
+                finished = first.finished
                 yield first
-                async for output in outputs:  # the replica sent the prompt with the first only
-                    yield output.with_prompt_of(first)
+                # Done at the final output: the replica's stream closes a little later (`orphans.py`)
+                if not finished:
+                    async for output in outputs:  # the replica sent the prompt with the first only
+                        finished = output.finished
+                        yield output.with_prompt_of(first)
+                        if finished:
+                            break
         finally:
-            if response is not None:
+            if response is not None and not finished:
                 # Aborts the request on the replica if it is still running. On a response that
                 # failed to be assigned, cancel() re-raises that failure: it must not replace ours.
                 try:

@@ -10,6 +10,17 @@ actor's name is gone; Serve never restarts a replica under the same name); for a
 gone it aborts each of its requests and records each metered one `cancelled` with the tokens
 streamed to the caller (`RequestMeter`), through the replica's own usage log. A request whose
 caller lives is metered by the caller, as always: each request is metered once.
+
+A stream whose caller died must also not *end* early. At the end of a streamed call Ray's
+executor waits, on the replica's event loop that carries every stream of the replica, until
+each output it sent has been acknowledged by the caller; to a dead caller those sends fail only
+once Ray has confirmed the death, a second or more later, and every other stream of the replica
+stalls meanwhile. So a stream with a caller ends only after `OrphanWatch.settle`: once a
+look-up of the caller begun after the stream's last output finds it alive (its
+acknowledgements arrive within milliseconds), or `hold_s` after the caller was found dead (its
+sends have failed by then). A caller ends its side at the request's final output and does not
+wait for the close. Look-ups of one caller are shared and at most one per
+`min_lookup_interval_s`, so the control store sees a bounded rate however many requests end.
 """
 
 from __future__ import annotations
@@ -85,11 +96,24 @@ def caller_alive(caller: CallerRef) -> bool:
     return True
 
 
+# How long a stream of a dead caller stays open after the death was found: well over what Ray
+# takes to fail the outputs it still sends there (docs/performance.md), far under a request's life.
+HOLD_S = 10.0
+
+
 @dataclass
 class _Running:
     caller: CallerRef
     tenant: str | None
     meter: RequestMeter | None = None
+    ended: bool = False  # its stream ended (`settle`): not aborted or metered here
+    orphaned: bool = False  # its caller was found dead (if it was running: aborted, metered)
+
+
+@dataclass
+class _Lookup:
+    started_at: float  # event-loop time
+    alive: asyncio.Task[bool]
 
 
 class OrphanWatch:
@@ -101,12 +125,19 @@ class OrphanWatch:
         usage_log: Callable[[], UsageLog | None],
         *,
         check_s: float = 0.5,
+        hold_s: float = HOLD_S,
+        min_lookup_interval_s: float = 0.02,
         is_alive: Callable[[CallerRef], bool] = caller_alive,
     ) -> None:
         """`abort(request_id)` ends a request in the engine; `usage_log()` is where orphans'
-        records go (None: not metered, e.g. no object store)."""
-        self.abort, self.usage_log, self.check_s, self.is_alive = abort, usage_log, check_s, is_alive
+        records go (None: not metered, e.g. no object store). The callers of running requests
+        are looked up every `check_s`; a caller is looked up at most once per
+        `min_lookup_interval_s`, one look-up shared by all who wait for it; a dead caller's
+        streams end `hold_s` after its death was found."""
+        self.abort, self.usage_log, self.is_alive = abort, usage_log, is_alive
+        self.check_s, self.hold_s, self.min_lookup_interval_s = check_s, hold_s, min_lookup_interval_s
         self._running: dict[str, _Running] = {}  # request id -> its caller and meter
+        self._lookups: dict[str, _Lookup] = {}  # caller's actor name -> its latest look-up
         self._task: asyncio.Task[None] | None = None
         self.num_orphans = 0
 
@@ -125,27 +156,75 @@ class OrphanWatch:
         if running is not None and running.meter is not None:
             running.meter.see(output)
 
+    async def settle(self, request_id: str) -> None:
+        """Returns when the request's ended stream may close (module docstring): once a look-up
+        of its caller begun after this call finds it alive, or `hold_s` after its caller was
+        found dead. The request stays watched until `end`."""
+        running = self._running.get(request_id)
+        if running is None:
+            return
+        running.ended = True
+        if not running.orphaned:
+            if await self._alive_since(running.caller, asyncio.get_running_loop().time()):
+                return
+            running.orphaned = True
+        await asyncio.sleep(self.hold_s)
+
     def end(self, request_id: str) -> None:
         self._running.pop(request_id, None)
 
     async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
         while self._running:
             await asyncio.sleep(self.check_s)
-            callers = {r.caller.actor_name: r.caller for r in self._running.values()}
+            now = loop.time()
+            callers = {r.caller.actor_name: r.caller for r in self._running.values() if not r.orphaned}
+            for name in [
+                n for n, lookup in self._lookups.items() if n not in callers and lookup.alive.done()
+            ]:
+                del self._lookups[name]
             for name, caller in callers.items():
-                if await asyncio.to_thread(self.is_alive, caller):
+                if await self._alive_since(caller, now):
                     continue
-                orphans = [rid for rid, r in self._running.items() if r.caller.actor_name == name]
+                orphans = [r for r in self._running.items() if r[1].caller.actor_name == name]
+                for request_id, running in orphans:
+                    if not running.orphaned and not running.ended:
+                        self._orphaned(request_id, running)
+                    running.orphaned = True
                 logger.warning(
                     "caller gone; its requests aborted", extra={"caller": name, "requests": len(orphans)}
                 )
-                for request_id in orphans:
-                    self._orphaned(request_id)
 
-    def _orphaned(self, request_id: str) -> None:
-        running = self._running.pop(request_id, None)
-        if running is None:
-            return
+    async def _alive_since(self, caller: CallerRef, since: float) -> bool:
+        """Whether `caller` lives, by a look-up begun at or after `since` (event-loop time)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            lookup = self._lookups.get(caller.actor_name)
+            if lookup is not None:
+                if lookup.started_at >= since:
+                    return await asyncio.shield(lookup.alive)
+                if not lookup.alive.done():
+                    await asyncio.wait({lookup.alive})
+                    continue
+                wait_s = lookup.started_at + self.min_lookup_interval_s - loop.time()
+                if wait_s > 0:
+                    await asyncio.sleep(wait_s)
+                    continue
+            started_at = loop.time()
+            self._lookups[caller.actor_name] = _Lookup(started_at, loop.create_task(self._is_alive(caller)))
+
+    async def _is_alive(self, caller: CallerRef) -> bool:
+        """The look-up, off the event loop; one that fails (Ray's control store unreachable)
+        takes the caller for alive: nothing is aborted on a guess."""
+        try:
+            return await asyncio.to_thread(self.is_alive, caller)
+        except Exception as exc:  # noqa: BLE001 - unknown is not dead
+            logger.warning(
+                "caller look-up failed", extra={"caller": caller.actor_name, "error": str(exc)[:200]}
+            )
+            return True
+
+    def _orphaned(self, request_id: str, running: _Running) -> None:
         self.num_orphans += 1
         self.abort(request_id)
         log = self.usage_log()

@@ -142,7 +142,9 @@ class LLMReplica:
         `max_batch_requests` is refused before it starts (`BatchCapacityError`). A client's error
         (a 4xx: bad input, a prompt too long) is sent as the only value, for the caller to raise:
         raised here, Serve would log it as a replica failure with its traceback. With `caller`,
-        the request is aborted (and metered, with its usage tag) if that process dies first."""
+        the request is aborted (and metered, with its usage tag) if that process dies first, and
+        the stream closes only once `OrphanWatch.settle` allows: the caller ends its side at the
+        final output, not at the stream's end."""
         is_batch = request.priority is Priority.BATCH
         if is_batch:
             if self.max_batch_requests is not None and self.num_batch_requests >= self.max_batch_requests:
@@ -156,21 +158,25 @@ class LLMReplica:
         if caller is not None:
             self.orphans.start(request.request_id, request.tenant_id, caller)
         try:
-            async for output in self.stream(request):
-                # cumulative fields and the prompt cross processes once (`RequestOutput.for_the_wire`)
-                yield output.for_the_wire(first=not started)
-                started = True
-                if caller is not None:
-                    self.orphans.streamed(request.request_id, output)
-        except TandemError as exc:
-            if started or exc.status_code >= 500:
-                raise
-            yield exc
+            try:
+                async for output in self.stream(request):
+                    # cumulative fields and the prompt cross processes once (`RequestOutput.for_the_wire`)
+                    yield output.for_the_wire(first=not started)
+                    started = True
+                    if caller is not None:
+                        self.orphans.streamed(request.request_id, output)
+            except TandemError as exc:
+                if started or exc.status_code >= 500:
+                    raise
+                yield exc
+            finally:
+                if is_batch:
+                    self.num_batch_requests -= 1
+            if caller is not None:
+                await self.orphans.settle(request.request_id)
         finally:
             if caller is not None:
                 self.orphans.end(request.request_id)
-            if is_batch:
-                self.num_batch_requests -= 1
 
     async def model_name(self) -> str:
         return self.engine.model_name
