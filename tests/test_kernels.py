@@ -60,6 +60,33 @@ def test_paged_attention_matches_dense_for_mixed_batch(block_size: int) -> None:
         row += new
 
 
+@pytest.mark.parametrize("writer", ["shared cache", "latent (one tensor as keys and values)", "head pool"])
+def test_a_float16_cache_never_holds_an_infinity_whoever_writes_it(writer: str) -> None:
+    """Keys and values past float16's range are stored as +-65504 and non-finite ones as 0 by
+    every writer of a float16 cache (`write_kv` itself: the decoder, latent attention and the
+    head-block pool all write through it), never as infinities or NaN."""
+    from tandem.kernels.head_attention import write_head_kv
+
+    limit = torch.finfo(torch.float16).max
+    k = torch.tensor([[[1e6, -1e6, 3.0, float("nan")]], [[float("inf"), 2.0, -7e4, 1.0]]])  # [2, 1, 4]
+    v = -k
+    want_k = torch.tensor([[limit, -limit, 3.0, 0.0], [0.0, 2.0, -limit, 1.0]], dtype=torch.float16)
+    cache = torch.zeros(2, 2, 1, 4, dtype=torch.float16)  # [N, bs, Hk, D]
+    slots = torch.tensor([1, 2])
+    if writer == "shared cache":
+        v_cache = torch.zeros_like(cache)
+        write_kv(k, v, cache, v_cache, slots)
+        assert torch.equal(v_cache.view(-1, 4)[slots], -want_k)
+    elif writer.startswith("latent"):
+        write_kv(k, k, cache, cache, slots)
+    else:
+        pool, v_pool = cache.view(2, 2, 4), torch.zeros(2, 2, 4, dtype=torch.float16)
+        write_head_kv(k, v, pool, v_pool, slots.view(2, 1))
+        assert torch.equal(v_pool.view(-1, 4)[slots], -want_k)
+    assert torch.equal(cache.view(-1, 4)[slots], want_k)
+    assert torch.isfinite(cache.float()).all()
+
+
 def test_filter_logits_top_k_top_p_min_p() -> None:
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4)
     logits = probs.log()

@@ -53,9 +53,15 @@ def write_kv(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """k_cache.view(-1, Hk, D)[slot_mapping] = k (and the same for v). An FP8 cache stores each
-    (token, head) vector quantised with its own scale (see `quantize_fp8`). Where Triton runs
+    (token, head) vector quantised with its own scale (see `quantize_fp8`); a float16 cache holds
+    them through `finite_kv` (past float16's range they would be infinities, and attention over
+    them NaN), as the native CPU stack writes them. Where Triton runs
     (`triton_support.uses_triton`) one kernel does it (`triton_attention.write_kv_triton`, which
     also skips slots < 0); this body is its reference."""
+    if k_cache.dtype == torch.float16:
+        shared_input = v is k  # latent attention writes one tensor as both
+        k = finite_kv(k, k_cache.dtype)
+        v = k if shared_input else finite_kv(v, v_cache.dtype)
     if uses_triton(k.device):
         from tandem.kernels.triton_attention import write_kv_triton
 

@@ -114,9 +114,7 @@ class DecoderAttention(nn.Module):
             out = head_attention_layer(metadata, self.layer_idx, q, k, v, self.scale)
             return self.o_proj(out.reshape(num_tokens, self.q_size))
         k_cache, v_cache, k_scale, v_scale = kv_cache
-        # An adapter's rows may be non-finite, and a float16 cache cannot hold every float32 value
-        # (past its range they would be infinities): never let either into the cache
-        if lora is not None or k_cache.dtype == torch.float16:
+        if lora is not None:  # an adapter's rows may be non-finite: never let them into the cache
             k, v = finite_kv(k, k_cache.dtype), finite_kv(v, v_cache.dtype)
         write_kv(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
         out = paged_attention(
