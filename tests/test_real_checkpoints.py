@@ -96,24 +96,29 @@ def _chat_ids(tokenizer: Any, content: str) -> list[int]:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def _check_hf_greedy(base_url: str, hf_gemma: tuple[Any, Any]) -> None:
+def _prompt_ids(tokenizer: Any, chat_prompts: list[str]) -> list[list[int]]:
+    """The completion prompts' token ids, then the chat prompts' (with Gemma's template)."""
+    return [tokenizer(prompt)["input_ids"] for prompt in COMPLETION_PROMPTS] + [
+        _chat_ids(tokenizer, content) for content in chat_prompts
+    ]
+
+
+def _check_hf_greedy(
+    base_url: str, hf_gemma: tuple[Any, Any], model: str = "gemma3", chat_prompts: list[str] = CHAT_PROMPTS
+) -> None:
     """Completions and chat at temperature 0 equal HF float32's greedy text, with HF's prompt token counts."""
     tokenizer = hf_gemma[1]
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
-    _hf_greedy_all(
-        hf_gemma,
-        [tokenizer(prompt)["input_ids"] for prompt in COMPLETION_PROMPTS]
-        + [_chat_ids(tokenizer, content) for content in CHAT_PROMPTS],
-    )
+    _hf_greedy_all(hf_gemma, _prompt_ids(tokenizer, chat_prompts))
     for prompt in COMPLETION_PROMPTS:
         want, num_prompt_tokens = _hf_greedy(hf_gemma, tokenizer(prompt)["input_ids"])
-        reply = client.completions.create(model="gemma3", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
         assert reply.choices[0].text == want, prompt
         assert reply.usage is not None and reply.usage.prompt_tokens == num_prompt_tokens
-    for content in CHAT_PROMPTS:
+    for content in chat_prompts:
         want, num_prompt_tokens = _hf_greedy(hf_gemma, _chat_ids(tokenizer, content))
         chat = client.chat.completions.create(
-            model="gemma3",
+            model=model,
             messages=[{"role": "user", "content": content}],
             max_tokens=MAX_TOKENS,
             temperature=0,
@@ -185,28 +190,7 @@ def test_gemma3_gguf_served_as_downloaded(
         base_url = f"http://127.0.0.1:{server.port}"
         info = _card(base_url, name)
         assert info["quant_types"] == ["Q8_0", "Q5_0", "Q4_K", "Q6_K", "F32"]  # most weights first
-        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
-        tokenizer = hf_gemma[1]
-        _hf_greedy_all(
-            hf_gemma,
-            [tokenizer(prompt)["input_ids"] for prompt in COMPLETION_PROMPTS]
-            + [_chat_ids(tokenizer, content) for content in CHAT_PROMPTS[:2]],
-        )
-        for prompt in COMPLETION_PROMPTS:
-            want, num_prompt_tokens = _hf_greedy(hf_gemma, tokenizer(prompt)["input_ids"])
-            reply = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
-            assert reply.choices[0].text == want, prompt
-            assert reply.usage is not None and reply.usage.prompt_tokens == num_prompt_tokens
-        for content in CHAT_PROMPTS[:2]:
-            want, num_prompt_tokens = _hf_greedy(hf_gemma, _chat_ids(tokenizer, content))
-            chat = client.chat.completions.create(
-                model=name,
-                messages=[{"role": "user", "content": content}],
-                max_tokens=MAX_TOKENS,
-                temperature=0,
-            )
-            assert chat.choices[0].message.content == want, content
-            assert chat.usage is not None and chat.usage.prompt_tokens == num_prompt_tokens
+        _check_hf_greedy(base_url, hf_gemma, name, CHAT_PROMPTS[:2])
     finally:
         server.stop()
 
@@ -251,9 +235,7 @@ def test_gemma3_defaults_pick_hf_float32_tokens(
         f"\ndefaults: {llm.stats()['dtype']} / {llm.stats()['weight_dtype']}: {llm.stats()['precision_reason']}"
     )
     tokenizer = hf_gemma[1]
-    prompts = [tokenizer(p)["input_ids"] for p in COMPLETION_PROMPTS] + [
-        _chat_ids(tokenizer, c) for c in CHAT_PROMPTS
-    ]
+    prompts = _prompt_ids(tokenizer, CHAT_PROMPTS)
     params = SamplingParams(temperature=0.0, max_tokens=32)
     alone = [llm.generate([ids], params)[0] for ids in prompts]
     batch = llm.generate(prompts, params)
