@@ -186,13 +186,16 @@ class OrphanWatch:
             for name, caller in callers.items():
                 if await self._alive_since(caller, now):
                     continue
-                orphans = [r for r in self._running.items() if r[1].caller.actor_name == name]
-                for request_id, running in orphans:
+                num_aborted = 0
+                for request_id, running in list(self._running.items()):
+                    if running.caller.actor_name != name:
+                        continue
                     if not running.orphaned and not running.ended:
                         self._orphaned(request_id, running)
+                        num_aborted += 1
                     running.orphaned = True
                 logger.warning(
-                    "caller gone; its requests aborted", extra={"caller": name, "requests": len(orphans)}
+                    "caller gone; its requests aborted", extra={"caller": name, "requests": num_aborted}
                 )
 
     async def _alive_since(self, caller: CallerRef, since: float) -> bool:
