@@ -194,9 +194,10 @@ class OrphanWatch:
                         self._orphaned(request_id, running)
                         num_aborted += 1
                     running.orphaned = True
-                logger.warning(
-                    "caller gone; its requests aborted", extra={"caller": name, "requests": num_aborted}
-                )
+                if num_aborted:  # a caller with only ended streams: nothing to say beyond the hold
+                    logger.warning(
+                        "caller gone; its requests aborted", extra={"caller": name, "requests": num_aborted}
+                    )
 
     async def _alive_since(self, caller: CallerRef, since: float) -> bool:
         """Whether `caller` lives, by a look-up begun at or after `since` (event-loop time)."""
