@@ -16,10 +16,12 @@ Phases (`--phase`, default all):
   calls took; a sleeping null runner overshoots its step by the host's timer slack, which the
   first ratio counts against the engine and the second does not).
 - `serve`: `tandem serve` (its own local Ray) with a null-model replica, `--streams` concurrent
-  streamed completions through the `openai`-shaped HTTP API (httpx): streamed tok/s, inter-token
-  gap p50 / p99, and CPU microseconds per streamed token of each process of the server (replica,
-  ingress, proxy, the rest of Ray), read from /proc before and after the wave. The load generator's
-  own CPU is reported apart.
+  streamed completions through the `openai`-shaped HTTP API (httpx): streamed tok/s (tokens as
+  each stream's usage chunk counts them: a chunk carries several when the replica merged outputs
+  its caller had not taken yet), the gap between chunks carrying text p50 / p99, and CPU
+  microseconds per streamed token of each process of the server (replica, ingress, proxy, the
+  rest of Ray), read from /proc before and after the wave. The load generator's own CPU is
+  reported apart.
 
     python benchmarks/platform_overhead.py                                   # -> benchmarks/results/
     python benchmarks/platform_overhead.py --phase core --requests 32 256 1024
@@ -244,7 +246,12 @@ def role(cmdline: str) -> str:
     return "ray"
 
 
-async def stream_one(client: Any, base: str, prompt: list[int], new_tokens: int) -> tuple[int, list[float]]:
+async def stream_one(
+    client: Any, base: str, prompt: list[int], new_tokens: int
+) -> tuple[int, int, list[float]]:
+    """One streamed completion: its tokens (the usage chunk's count: a chunk may carry several
+    tokens when the consumer fell behind and the replica merged them), its chunks with text, and
+    the gaps between those chunks."""
     body = {
         "model": "smollm2-135m-instruct",
         "prompt": prompt,
@@ -252,8 +259,9 @@ async def stream_one(client: Any, base: str, prompt: list[int], new_tokens: int)
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
-    count, gaps, last = 0, [], None
+    count, num_tokens, gaps, last = 0, 0, [], None
     async with client.stream(
         "POST", f"{base}/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
     ) as r:
@@ -262,13 +270,15 @@ async def stream_one(client: Any, base: str, prompt: list[int], new_tokens: int)
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                num_tokens = chunk["usage"]["completion_tokens"]
             if chunk.get("choices") and chunk["choices"][0].get("text"):
                 now = time.perf_counter()
                 if last is not None:
                     gaps.append(now - last)
                 last = now
                 count += 1
-    return count, gaps
+    return num_tokens, count, gaps
 
 
 def serve_wave(base: str, server_pid: int, streams: int, prompt_len: int, new_tokens: int) -> dict[str, Any]:
@@ -276,7 +286,7 @@ def serve_wave(base: str, server_pid: int, streams: int, prompt_len: int, new_to
 
     batch = prompts(streams, prompt_len, 49152, seed=streams)
 
-    async def wave() -> tuple[list[tuple[int, list[float]]], float]:
+    async def wave() -> tuple[list[tuple[int, int, list[float]]], float]:
         limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
         async with httpx.AsyncClient(timeout=600, limits=limits) as client:
             started = time.perf_counter()
@@ -288,21 +298,23 @@ def serve_wave(base: str, server_pid: int, streams: int, prompt_len: int, new_to
     results, wall = asyncio.run(wave())
     client_cpu = time.process_time() - client_before
     after = process_cpu(server_pid)
-    num_chunks = sum(c for c, _ in results)
-    gaps = [g for _, gs in results for g in gs]
+    num_tokens = sum(t for t, _, _ in results)
+    num_chunks = sum(c for _, c, _ in results)
+    gaps = [g for _, _, gs in results for g in gs]
     by_role: dict[str, float] = {}
     for pid, (name, seconds) in after.items():
         by_role[name] = by_role.get(name, 0.0) + seconds - before.get(pid, (name, 0.0))[1]
-    per_token = {name: 1e6 * seconds / max(1, num_chunks) for name, seconds in sorted(by_role.items())}
+    per_token = {name: 1e6 * seconds / max(1, num_tokens) for name, seconds in sorted(by_role.items())}
     return {
         "streams": streams,
+        "streamed_tokens": num_tokens,
         "streamed_chunks": num_chunks,
-        "tokens_per_s": num_chunks / wall,
+        "tokens_per_s": num_tokens / wall,
         "inter_token_gap_p50_ms": 1000 * percentile(gaps, 0.5) if gaps else None,
         "inter_token_gap_p99_ms": 1000 * percentile(gaps, 0.99) if gaps else None,
         "cpu_us_per_token": per_token,
         "cpu_us_per_token_server": sum(per_token.values()),
-        "cpu_us_per_token_client": 1e6 * client_cpu / max(1, num_chunks),
+        "cpu_us_per_token_client": 1e6 * client_cpu / max(1, num_tokens),
     }
 
 

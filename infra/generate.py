@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from tandem.cli import serve_config
+from tandem.cli.serve_config import SERVE_ENV_VARS
 
 INFRA = Path(__file__).resolve().parent
 IMAGE_CPU = "ghcr.io/tandem-llm/tandem:0.1.0-cpu"
@@ -124,6 +125,9 @@ def _container(
         "ports": ports,
         # S3 endpoint and credentials for files, batches and adapters, from a Secret
         "envFrom": [{"secretRef": {"name": "tandem-s3"}}, {"secretRef": {"name": "tandem-keys"}}],
+        # Serve's mode (`serve_config.SERVE_ENV_VARS`) for every Ray process of the node: the
+        # controller and proxies too, which the app's runtime_env does not reach
+        "env": [{"name": name, "value": value} for name, value in SERVE_ENV_VARS.items()],
     }
 
 

@@ -271,6 +271,8 @@ def ray_serve():  # type: ignore[no-untyped-def]
     ray = pytest.importorskip("ray")
     from ray import serve
 
+    from tandem.cli.serve_config import SERVE_ENV_VARS
+
     # Replicas push autoscaling metrics often enough for a test to see scaling within seconds.
     os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
 
@@ -281,6 +283,7 @@ def ray_serve():  # type: ignore[no-untyped-def]
         log_to_driver=False,
         configure_logging=False,
         namespace="tandem-tests",
+        runtime_env={"env_vars": SERVE_ENV_VARS},  # the Serve mode `tandem serve` runs
     )
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

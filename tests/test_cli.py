@@ -89,6 +89,28 @@ def test_serve_tenant_limits_from_flags_environment_and_defaults(tiny_model_dir:
     assert engine["batch_invariant"] is False and engine["weight_dtype"] == "int8"
 
 
+def test_the_serve_config_runs_serves_throughput_mode_unless_the_environment_says_otherwise(
+    tiny_model_dir: Path,
+) -> None:
+    """The printed config's `runtime_env` carries Serve's mode (`SERVE_ENV_VARS`, what `tandem
+    serve` gives its Ray workers); a value in the environment overrides it."""
+    import os
+
+    import yaml
+
+    def env_vars(**env: str) -> dict:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
+        result = run_serve(tiny_model_dir, "--print-config", env={**base, **env})
+        assert result.returncode == 0, result.stderr
+        return yaml.safe_load(result.stdout)["applications"][0]["runtime_env"]["env_vars"]
+
+    assert env_vars() == {
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
+    }
+    assert env_vars(RAY_SERVE_THROUGHPUT_OPTIMIZED="0")["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "0"
+
+
 def test_the_dev_key_belongs_to_a_tenant_of_the_directory(tmp_path: Path) -> None:
     """The key `tandem serve` prints without TANDEM_API_KEYS is a key of tenant "dev" in the tenant
     directory (so `tandem tenants show dev` and the console know it); a new run revokes the last."""

@@ -107,6 +107,26 @@ def replica_pids(server: ServeProcess, deployment: str) -> list[int]:
     return pids
 
 
+def check_serve_mode(server: ServeProcess) -> None:
+    """Serve's controller, proxy and every replica of `server` run in the mode `tandem serve`
+    sets (`serve_config.SERVE_ENV_VARS`: Serve reads it from each process's environment)."""
+    from tandem.cli.serve_config import SERVE_ENV_VARS
+
+    checked = []
+    for proc in psutil.Process(server.process.pid).children(recursive=True):
+        try:
+            cmdline = " ".join(proc.cmdline())
+            if not any(role in cmdline for role in ("ServeController", "ProxyActor", "ServeReplica:tandem:")):
+                continue
+            env = proc.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        assert {name: env.get(name) for name in SERVE_ENV_VARS} == SERVE_ENV_VARS, cmdline
+        checked.append(cmdline)
+    assert any("ServeController" in c for c in checked) and any("ProxyActor" in c for c in checked), checked
+    assert sum("ServeReplica:tandem:" in c for c in checked) >= 4, checked
+
+
 def check_logs(server: ServeProcess, base_url: str) -> None:
     """A 400 from the engine is one structured INFO line (route, status, code, param, tenant,
     request id) and no traceback; then an idle server writes nothing for a while (no per-second
@@ -157,6 +177,7 @@ def test_serve_runs_the_app_graph_and_stops_on_sigterm(tmp_path: Path) -> None:
         assert "ProxyActor" in listener_cmdline(port)
         for deployment in ("OpenAIIngress", "LLMReplica", "BatchWorker", "FleetState"):
             assert replica_pids(server, deployment), deployment
+        check_serve_mode(server)
         base_url = f"http://127.0.0.1:{port}"
         check_openai_client(base_url)
         check_errors(base_url)

@@ -10,12 +10,7 @@ from types import ModuleType
 from typing import Any
 
 from tandem.cli.banner import banner, dev_tenant_key, model_line
-from tandem.cli.serve_config import (
-    RUNTIME_ENV,
-    app_config_args,
-    first_env_api_key,
-    serve_config,
-)
+from tandem.cli.serve_config import app_config_args, first_env_api_key, runtime_env, serve_config
 from tandem.platform.api_keys import env_api_keys, env_operator_keys
 from tandem.platform.config import DEFAULT_MODEL, EngineConfig
 from tandem.platform.errors import InvalidRequestError
@@ -249,7 +244,7 @@ def _start_ray(args: argparse.Namespace) -> None:
     import ray
 
     if args.address:
-        ray.init(address=args.address, runtime_env=RUNTIME_ENV)
+        ray.init(address=args.address, runtime_env=runtime_env())
         return
     os.makedirs(args.data_dir, exist_ok=True)
     # Ray starts workers, and so the engine, at niceness 15 below its own processes and any
@@ -257,7 +252,7 @@ def _start_ray(args: argparse.Namespace) -> None:
     os.environ.setdefault("RAY_worker_niceness", str(args.worker_niceness))  # noqa: SIM112
     # A Ray of its own ("local"), even with $RAY_ADDRESS set: the settings above apply only to
     # processes this command starts; --address joins a cluster.
-    ray.init(address="local", include_dashboard=False, configure_logging=False, runtime_env=RUNTIME_ENV)
+    ray.init(address="local", include_dashboard=False, configure_logging=False, runtime_env=runtime_env())
 
 
 def _serve_until_stopped(serve: ModuleType, drain_timeout_s: float, ready_lines: list[str]) -> None:
@@ -295,15 +290,27 @@ def _serve_until_stopped(serve: ModuleType, drain_timeout_s: float, ready_lines:
 def drain(serve: ModuleType, timeout_s: float) -> None:
     """The graceful stop: the fleet stops admitting (503 `shutting_down`), batch workers release
     their shards' leases, and this waits until no ingress has a request in flight, for at most
-    `timeout_s` (then the ingress ends what is left with an error) plus a moment to send it."""
+    `timeout_s` (then the ingress ends what is left with an error) plus a moment to send it. The
+    handle is called from an event loop of its own: Serve refuses a handle outside one where it
+    runs the handle's router on the caller's loop (`RAY_SERVE_THROUGHPUT_OPTIMIZED`)."""
+    import asyncio
+
+    began = time.monotonic()
+    asyncio.run(_drain(serve, timeout_s))
+    print(f"[tandem] drained in {time.monotonic() - began:.1f} s", file=sys.stderr)
+
+
+async def _drain(serve: ModuleType, timeout_s: float) -> None:
+    import asyncio
+
     from tandem.deployments.fleet import DRAIN_POLL_S, FLEET_STATE_DEPLOYMENT
 
     fleet = serve.get_deployment_handle(FLEET_STATE_DEPLOYMENT, app_name="tandem")
-    fleet.begin_drain.remote(timeout_s).result(timeout_s=30)
+    await asyncio.wait_for(fleet.begin_drain.remote(timeout_s), timeout=30)
     began = time.monotonic()
     while time.monotonic() - began < timeout_s + 5 * DRAIN_POLL_S + 2:
-        num_members, num_reported, num_in_flight = fleet.drain_progress.remote().result(timeout_s=30)
+        progress = await asyncio.wait_for(fleet.drain_progress.remote(), timeout=30)
+        num_members, num_reported, num_in_flight = progress
         if num_reported == num_members and num_in_flight == 0 and time.monotonic() - began > 2 * DRAIN_POLL_S:
             break
-        time.sleep(DRAIN_POLL_S / 2)
-    print(f"[tandem] drained in {time.monotonic() - began:.1f} s", file=sys.stderr)
+        await asyncio.sleep(DRAIN_POLL_S / 2)

@@ -11,10 +11,26 @@ from tandem.platform.api_keys import env_api_keys
 from tandem.platform.config import EngineConfig
 from tandem.platform.errors import InvalidRequestError
 
-# Every Ray worker process of the app (the Serve replicas) writes tandem's logs as structured
-# lines (platform/logs.py); set up when the process starts, not in the classes' constructors, which
-# tests also run in their own process.
-RUNTIME_ENV = {"worker_process_setup_hook": "tandem.platform.logs.configure_logging"}
+# Ray Serve's documented throughput-optimized mode, in every Ray worker of the app (the Serve
+# controller, proxies and replicas; not the driver): user code and a handle's router on the
+# replica's own event loop, gRPC between replicas, direct ingress, the collector frozen at start.
+# It halves the CPU a streamed token costs here (docs/performance.md, issue 63). Every handle call
+# of ours is made from an event loop, which that mode requires. Serve's access log is written
+# per request, as by default (that mode buffers 1,000 lines: a quiet server's log would lag by
+# hours); a request's line costs nothing per streamed token.
+SERVE_ENV_VARS = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1"}
+
+
+def runtime_env() -> dict[str, Any]:
+    """The app's Ray runtime env: every worker process (the Serve replicas) writes tandem's logs as
+    structured lines (platform/logs.py; set up when the process starts, not in the classes'
+    constructors, which tests also run in their own process), and Serve's variables are
+    `SERVE_ENV_VARS`, each overridden by this process's environment where it sets one
+    (`RAY_SERVE_THROUGHPUT_OPTIMIZED=0 tandem serve` runs Serve's default mode)."""
+    return {
+        "worker_process_setup_hook": "tandem.platform.logs.configure_logging",
+        "env_vars": {name: os.environ.get(name, default) for name, default in SERVE_ENV_VARS.items()},
+    }
 
 
 def _env_int(name: str) -> int | None:
@@ -138,7 +154,7 @@ def serve_config(app_args: dict[str, Any], *, host: str = "0.0.0.0", port: int =
                 "name": "tandem",
                 "route_prefix": "/",
                 "import_path": "tandem.deployments.app:build_app",
-                "runtime_env": RUNTIME_ENV,
+                "runtime_env": runtime_env(),
                 "args": AppConfig(**app_args).model_dump(mode="json", exclude_defaults=True),
             }
         ],

@@ -235,9 +235,11 @@ class LLMReplica:
         """Custom autoscaling metrics (Ray Serve calls this on each replica periodically)."""
         return _load_figures(self.engine.stats())
 
-    def record_routing_stats(self) -> dict[str, float]:
+    async def record_routing_stats(self) -> dict[str, float]:
         """What the request router weighs (Serve calls this every `RoutingConfig.stats_period_s`);
-        also reports the full stats to the fleet state (for /metrics)."""
+        also reports the full stats to the fleet state (for /metrics). On the replica's event loop
+        (async): a handle call from Serve's thread pool is refused where Serve runs the handle's
+        router on the caller's loop (`RAY_SERVE_THROUGHPUT_OPTIMIZED`)."""
         stats = self.engine.stats()
         if self.fleet is not None:
             stats["reported_at"] = time.time()
