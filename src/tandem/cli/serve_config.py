@@ -13,9 +13,11 @@ from tandem.platform.errors import InvalidRequestError
 
 # Ray Serve's documented throughput-optimized mode, in every Ray worker of the app (the Serve
 # controller, proxies and replicas; not the driver): user code and a handle's router on the
-# replica's own event loop, gRPC between replicas, direct ingress, the collector frozen at start.
-# It halves the CPU a streamed token costs here (docs/performance.md, issue 63). Every handle call
-# of ours is made from an event loop, which that mode requires. Serve's access log is written
+# replica's own event loop, gRPC for handles made in those workers (those the driver binds into
+# the app keep Ray's calls), direct ingress (the ingress replica also serves HTTP on a port of its
+# own, 30000-31000, on `--host`), the collector frozen at start. It cuts the CPU a streamed token
+# costs by half or more here (docs/performance.md, issue 63). Every handle call of ours is made
+# from an event loop, which that mode requires. Serve's access log is written
 # per request, as by default (that mode buffers 1,000 lines: a quiet server's log would lag by
 # hours); a request's line costs nothing per streamed token.
 SERVE_ENV_VARS = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1"}
