@@ -89,11 +89,12 @@ def test_serve_tenant_limits_from_flags_environment_and_defaults(tiny_model_dir:
     assert engine["batch_invariant"] is False and engine["weight_dtype"] == "int8"
 
 
-def test_the_serve_config_runs_serves_throughput_mode_unless_the_environment_says_otherwise(
+def test_the_serve_config_carries_serves_mode_and_the_environment_overrides_it(
     tiny_model_dir: Path,
 ) -> None:
     """The printed config's `runtime_env` carries Serve's mode (`SERVE_ENV_VARS`, what `tandem
-    serve` gives its Ray workers); a value in the environment overrides it."""
+    serve` gives its Ray workers: the throughput-optimized mode off); a value in the environment
+    overrides it (the mode on)."""
     import os
 
     import yaml
@@ -105,10 +106,10 @@ def test_the_serve_config_runs_serves_throughput_mode_unless_the_environment_say
         return yaml.safe_load(result.stdout)["applications"][0]["runtime_env"]["env_vars"]
 
     assert env_vars() == {
-        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0",
         "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
     }
-    assert env_vars(RAY_SERVE_THROUGHPUT_OPTIMIZED="0")["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "0"
+    assert env_vars(RAY_SERVE_THROUGHPUT_OPTIMIZED="1")["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
 
 
 def test_the_dev_key_belongs_to_a_tenant_of_the_directory(tmp_path: Path) -> None:
