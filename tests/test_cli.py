@@ -93,8 +93,8 @@ def test_the_serve_config_carries_serves_mode_and_the_environment_overrides_it(
     tiny_model_dir: Path,
 ) -> None:
     """The printed config's `runtime_env` carries Serve's mode (`SERVE_ENV_VARS`, what `tandem
-    serve` gives its Ray workers: the throughput-optimized mode off); a value in the environment
-    overrides it (the mode on)."""
+    serve` gives its Ray workers: the throughput-optimized mode on, user code on a loop of its
+    own); a value in the environment overrides it (the mode off)."""
     import os
 
     import yaml
@@ -106,10 +106,11 @@ def test_the_serve_config_carries_serves_mode_and_the_environment_overrides_it(
         return yaml.safe_load(result.stdout)["applications"][0]["runtime_env"]["env_vars"]
 
     assert env_vars() == {
-        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0",
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1",
         "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
     }
-    assert env_vars(RAY_SERVE_THROUGHPUT_OPTIMIZED="1")["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    assert env_vars(RAY_SERVE_THROUGHPUT_OPTIMIZED="0")["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "0"
 
 
 def test_the_dev_key_belongs_to_a_tenant_of_the_directory(tmp_path: Path) -> None:

@@ -526,6 +526,52 @@ def test_a_dead_callers_requests_are_aborted_and_metered_with_what_was_streamed(
     log.close()
 
 
+def test_a_stream_cut_by_a_dead_caller_is_metered_once_and_by_a_live_one_not(tmp_path: Path) -> None:
+    """`OrphanWatch.cut` (a stream closed from the caller's side before its end, as gRPC does when
+    the caller dies): metered here, `cancelled`, with what was streamed, when a look-up begun at
+    the cut finds the caller dead, once however the watch's own checks run; not metered when the
+    caller lives (it meters a stream its client left), nor after the stream's end (`settle`)."""
+    from tandem.deployments.orphans import CallerRef, OrphanWatch, UsageTag
+    from tandem.engine.protocol import CompletionOutput, RequestMetrics, RequestOutput
+
+    store = FileObjectStore(str(tmp_path / "objects"))
+    log = UsageLog(store, commit_interval_s=0.0, spool_dir=tmp_path / "spool")
+    alive = {"ingress-1": True, "ingress-2": True}
+    tag = UsageTag("key_1", "tiny", None)
+
+    def output(request_id: str) -> RequestOutput:
+        choice = CompletionOutput(0, "", [], None, delta_token_ids=[7, 7])
+        return RequestOutput(request_id, None, [1, 2, 3], [choice], False, RequestMetrics(arrival_time=0.0))
+
+    async def scenario() -> OrphanWatch:
+        watch = OrphanWatch(lambda _: None, lambda: log, check_s=0.05, is_alive=lambda c: alive[c.actor_name])
+        for request_id, caller in (
+            ("dead-cut", "ingress-1"),
+            ("live-cut", "ingress-2"),
+            ("ended", "ingress-2"),
+        ):
+            watch.start(request_id, "acme", CallerRef(caller, "ns", tag))
+            watch.streamed(request_id, output(request_id))
+        await watch.settle("ended")  # its caller lives: the stream ends
+        alive["ingress-1"] = False  # dies; its side of the stream closes before any check sees it
+        for request_id in ("dead-cut", "live-cut", "ended"):
+            watch.cut(request_id)
+            watch.end(request_id)
+        deadline = time.monotonic() + 5
+        while watch.num_orphans < 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)  # the watch's own checks run on: nothing more is metered
+        return watch
+
+    watch = asyncio.run(scenario())
+    assert watch.num_orphans == 1
+    assert log.flush(timeout_s=10)
+    stored = list(read_records(store, time.time() - 60, time.time() + 60))
+    assert [(r.request_id, r.status, r.output_tokens) for r in stored] == [("dead-cut", "cancelled", 2)]
+    log.close()
+
+
 def test_an_ended_stream_closes_once_its_caller_is_seen_alive_or_a_hold_after_it_is_found_dead() -> None:
     """`OrphanWatch.settle`: a request's ended stream closes once a look-up of its caller begun
     after it ended finds the caller alive (20 ending together share at most two look-ups); when

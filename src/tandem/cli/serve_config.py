@@ -12,16 +12,23 @@ from tandem.platform.config import EngineConfig
 from tandem.platform.errors import InvalidRequestError
 
 # Ray Serve's variables for every Ray worker of the app (the Serve controller, proxies and
-# replicas; not the driver). Serve's documented throughput-optimized mode is opt-in:
-# `RAY_SERVE_THROUGHPUT_OPTIMIZED=1 tandem serve` (user code and a handle's router on the
-# replica's own event loop, gRPC for handles made in those workers, direct ingress: the ingress
-# replica also serves HTTP on a port of its own, 30000-31000, on `--host`; the collector frozen at
-# start). It cuts the CPU a streamed token costs by half or more here, but with it a killed batch
-# worker stalled a real-time stream for 2 s once in CI (docs/performance.md, issue 63), so it is
-# not the default. Every handle call of ours is made from an event loop, which that mode requires.
-# Serve's access log is written per request, as by default (that mode buffers 1,000 lines: a
-# quiet server's log would lag by hours).
-SERVE_ENV_VARS = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0", "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1"}
+# replicas; not the driver). Serve's documented throughput-optimized mode is on: gRPC between the
+# replicas (`engine_clients.made_here`: the handles that carry requests are made in the replicas),
+# direct ingress (the ingress replica also serves HTTP on a port of its own, 30000-31000, on
+# `--host`), a handle's router on its caller's event loop, the collector frozen at start. But user
+# code keeps an event loop of its own, apart from the one where Ray reports a stream's outputs
+# (`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=1`, Serve's default outside that mode): with both
+# on one loop, a killed batch worker stalled a real-time stream for 2 s once in CI (orphans.py).
+# Streamed tokens cost about a third of the CPU they cost in Serve's default mode
+# (docs/performance.md, issue 63). Each variable is overridden by the environment of `tandem
+# serve` (`RAY_SERVE_THROUGHPUT_OPTIMIZED=0`: Serve's default mode). Every handle call of ours is
+# made from an event loop, which that mode requires. Serve's access log is written per request,
+# as by default (that mode buffers 1,000 lines: a quiet server's log would lag by hours).
+SERVE_ENV_VARS = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1",
+    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
+}
 
 
 def runtime_env() -> dict[str, Any]:
@@ -29,7 +36,7 @@ def runtime_env() -> dict[str, Any]:
     structured lines (platform/logs.py; set up when the process starts, not in the classes'
     constructors, which tests also run in their own process), and Serve's variables are
     `SERVE_ENV_VARS`, each overridden by this process's environment where it sets one
-    (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1 tandem serve` runs Serve's throughput-optimized mode)."""
+    (`RAY_SERVE_THROUGHPUT_OPTIMIZED=0 tandem serve` runs Serve's default mode)."""
     return {
         "worker_process_setup_hook": "tandem.platform.logs.configure_logging",
         "env_vars": {name: os.environ.get(name, default) for name, default in SERVE_ENV_VARS.items()},

@@ -137,6 +137,16 @@ def replica_errors() -> Iterator[None]:
         raise ReplicaLostError() from exc
 
 
+def made_here(handle: DeploymentHandle) -> DeploymentHandle:
+    """A handle to the same deployment made in this process, so that its transport is this
+    process's Serve mode: a handle bound into the app graph is made where the graph is built (the
+    CLI, a test) and carries that process's choice, by Ray object reference there, while in
+    Serve's throughput-optimized mode the replicas' own handles speak gRPC to each other."""
+    from ray import serve
+
+    return serve.get_deployment_handle(handle.deployment_name, handle.app_name)
+
+
 class HandleEngineClient:
     """`EngineClient` over a Serve deployment handle to `LLMReplica` (streaming)."""
 
@@ -147,6 +157,7 @@ class HandleEngineClient:
         fleet: DeploymentHandle | None = None,
         liveness_check_s: float = 5.0,
     ) -> None:
+        handle = made_here(handle)
         self.unary = handle
         self.handle = handle.options(stream=True)
         self._caller: CallerRef | None = None  # this process as a caller (orphans.py)

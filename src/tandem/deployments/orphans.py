@@ -11,6 +11,11 @@ gone it aborts each of its requests and records each metered one `cancelled` wit
 streamed to the caller (`RequestMeter`), through the replica's own usage log. A request whose
 caller lives is metered by the caller, as always: each request is metered once.
 
+Over gRPC (Serve's throughput-optimized mode, the default: cli/serve_config.py) a caller's death
+does close the replica's side of the stream, at once: the engine stops the request then, and
+`cut` meters it if a look-up begun then finds the caller dead (a living caller closes a stream
+when its client left, and meters it itself).
+
 A stream whose caller died must also not *end* early. At the end of a streamed call Ray's
 executor waits, on the replica's event loop that carries every stream of the replica, until
 each output it sent has been acknowledged by the caller; to a dead caller those sends fail only
@@ -139,6 +144,7 @@ class OrphanWatch:
         self._running: dict[str, _Running] = {}  # request id -> its caller and meter
         self._lookups: dict[str, _Lookup] = {}  # caller's actor name -> its latest look-up
         self._task: asyncio.Task[None] | None = None
+        self._cut_checks: set[asyncio.Task[None]] = set()  # `cut`'s look-ups, held until done
         self.num_orphans = 0
 
     def start(self, request_id: str, tenant: str | None, caller: CallerRef) -> None:
@@ -170,8 +176,30 @@ class OrphanWatch:
             running.orphaned = True
         await asyncio.sleep(self.hold_s)
 
+    def cut(self, request_id: str) -> None:
+        """The caller's side closed the request's stream before its end (the engine stops the
+        request as the stream closes). A caller that lives does so when its client left, and
+        meters the request itself; over gRPC (Serve's throughput-optimized mode) a caller's death
+        closes the stream too, before any look-up finds it dead: so the request is metered here,
+        `cancelled`, with what was streamed, if a look-up begun now finds its caller dead."""
+        running = self._running.get(request_id)
+        if running is None or running.ended or running.orphaned:
+            return
+        running.ended = True  # its end is this look-up's, not `_watch`'s
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self._meter_if_dead(running, loop.time()))
+        self._cut_checks.add(task)
+        task.add_done_callback(self._cut_checks.discard)
+
     def end(self, request_id: str) -> None:
         self._running.pop(request_id, None)
+
+    async def _meter_if_dead(self, running: _Running, since: float) -> None:
+        if await self._alive_since(running.caller, since):
+            return
+        running.orphaned = True
+        self.num_orphans += 1
+        self._meter(running)
 
     async def _watch(self) -> None:
         loop = asyncio.get_running_loop()
@@ -231,6 +259,9 @@ class OrphanWatch:
     def _orphaned(self, request_id: str, running: _Running) -> None:
         self.num_orphans += 1
         self.abort(request_id)
+        self._meter(running)
+
+    def _meter(self, running: _Running) -> None:
         log = self.usage_log()
         if running.meter is not None and log is not None:
             log.submit(running.meter.record("cancelled", "abort"))

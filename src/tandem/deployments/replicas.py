@@ -174,6 +174,10 @@ class LLMReplica:
                     self.num_batch_requests -= 1
             if caller is not None:
                 await self.orphans.settle(request.request_id)
+        except (GeneratorExit, asyncio.CancelledError):
+            if caller is not None:  # closed from the caller's side: by its death too, over gRPC
+                self.orphans.cut(request.request_id)
+            raise
         finally:
             if caller is not None:
                 self.orphans.end(request.request_id)
