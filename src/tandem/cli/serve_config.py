@@ -18,7 +18,8 @@ from tandem.platform.errors import InvalidRequestError
 # `--host`), a handle's router on its caller's event loop, the collector frozen at start. But user
 # code keeps an event loop of its own, apart from the one where Ray reports a stream's outputs
 # (`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=1`, Serve's default outside that mode): with both
-# on one loop, a killed batch worker stalled a real-time stream for 2 s once in CI (orphans.py).
+# on one loop (and the handles on Ray's actor calls), a killed batch worker stalled a real-time
+# stream for 2 s once in CI, a stall not diagnosed (docs/performance.md).
 # Streamed tokens cost about a third of the CPU they cost in Serve's default mode
 # (docs/performance.md, issue 63). Each variable is overridden by the environment of `tandem
 # serve` (`RAY_SERVE_THROUGHPUT_OPTIMIZED=0`: Serve's default mode). Every handle call of ours is
