@@ -198,8 +198,7 @@ class OrphanWatch:
         if await self._alive_since(running.caller, since):
             return
         running.orphaned = True
-        self.num_orphans += 1
-        self._meter(running)
+        self._record_orphan(running)
 
     async def _watch(self) -> None:
         loop = asyncio.get_running_loop()
@@ -257,11 +256,12 @@ class OrphanWatch:
             return True
 
     def _orphaned(self, request_id: str, running: _Running) -> None:
-        self.num_orphans += 1
         self.abort(request_id)
-        self._meter(running)
+        self._record_orphan(running)
 
-    def _meter(self, running: _Running) -> None:
+    def _record_orphan(self, running: _Running) -> None:
+        """Counted, and metered `cancelled` with what was streamed (a metered request's)."""
+        self.num_orphans += 1
         log = self.usage_log()
         if running.meter is not None and log is not None:
             log.submit(running.meter.record("cancelled", "abort"))
