@@ -528,15 +528,17 @@ def test_a_dead_callers_requests_are_aborted_and_metered_with_what_was_streamed(
 
 def test_a_stream_cut_by_a_dead_caller_is_metered_once_and_by_a_live_one_not(tmp_path: Path) -> None:
     """`OrphanWatch.cut` (a stream closed from the caller's side before its end, as gRPC does when
-    the caller dies): metered here, `cancelled`, with what was streamed, when a look-up begun at
-    the cut finds the caller dead, once however the watch's own checks run; not metered when the
-    caller lives (it meters a stream its client left), nor after the stream's end (`settle`)."""
+    the caller dies): metered here, `cancelled`, with what was streamed, when look-ups from the
+    cut on find the caller dead within `confirm_s` (also one still found alive at the cut: Ray's
+    control store learns of a death a moment later), once however the watch's own checks run; not
+    metered when the caller lives (it meters a stream its client left), nor after the stream's
+    end (`settle`)."""
     from tandem.deployments.orphans import CallerRef, OrphanWatch, UsageTag
     from tandem.engine.protocol import CompletionOutput, RequestMetrics, RequestOutput
 
     store = FileObjectStore(str(tmp_path / "objects"))
     log = UsageLog(store, commit_interval_s=0.0, spool_dir=tmp_path / "spool")
-    alive = {"ingress-1": True, "ingress-2": True}
+    alive = {"ingress-1": True, "ingress-2": True, "ingress-3": True}
     tag = UsageTag("key_1", "tiny", None)
 
     def output(request_id: str) -> RequestOutput:
@@ -544,9 +546,12 @@ def test_a_stream_cut_by_a_dead_caller_is_metered_once_and_by_a_live_one_not(tmp
         return RequestOutput(request_id, None, [1, 2, 3], [choice], False, RequestMetrics(arrival_time=0.0))
 
     async def scenario() -> OrphanWatch:
-        watch = OrphanWatch(lambda _: None, lambda: log, check_s=0.05, is_alive=lambda c: alive[c.actor_name])
+        watch = OrphanWatch(
+            lambda _: None, lambda: log, check_s=0.05, confirm_s=0.5, is_alive=lambda c: alive[c.actor_name]
+        )
         for request_id, caller in (
             ("dead-cut", "ingress-1"),
+            ("dead-later-cut", "ingress-3"),
             ("live-cut", "ingress-2"),
             ("ended", "ingress-2"),
         ):
@@ -554,21 +559,26 @@ def test_a_stream_cut_by_a_dead_caller_is_metered_once_and_by_a_live_one_not(tmp
             watch.streamed(request_id, output(request_id))
         await watch.settle("ended")  # its caller lives: the stream ends
         alive["ingress-1"] = False  # dies; its side of the stream closes before any check sees it
-        for request_id in ("dead-cut", "live-cut", "ended"):
+        for request_id in ("dead-cut", "dead-later-cut", "live-cut", "ended"):
             watch.cut(request_id)
             watch.end(request_id)
+        await asyncio.sleep(0.15)  # ingress-3 was still found alive at its cut
+        alive["ingress-3"] = False
         deadline = time.monotonic() + 5
-        while watch.num_orphans < 1:
+        while watch.num_orphans < 2:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.02)
-        await asyncio.sleep(0.3)  # the watch's own checks run on: nothing more is metered
+        await asyncio.sleep(0.7)  # past `confirm_s`, the watch's own checks run on: nothing more is metered
         return watch
 
     watch = asyncio.run(scenario())
-    assert watch.num_orphans == 1
+    assert watch.num_orphans == 2
     assert log.flush(timeout_s=10)
     stored = list(read_records(store, time.time() - 60, time.time() + 60))
-    assert [(r.request_id, r.status, r.output_tokens) for r in stored] == [("dead-cut", "cancelled", 2)]
+    assert sorted((r.request_id, r.status, r.output_tokens) for r in stored) == [
+        ("dead-cut", "cancelled", 2),
+        ("dead-later-cut", "cancelled", 2),
+    ]
     log.close()
 
 

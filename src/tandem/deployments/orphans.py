@@ -13,8 +13,9 @@ caller lives is metered by the caller, as always: each request is metered once.
 
 Over gRPC (Serve's throughput-optimized mode, the default: cli/serve_config.py) a caller's death
 does close the replica's side of the stream, at once: the engine stops the request then, and
-`cut` meters it if a look-up begun then finds the caller dead (a living caller closes a stream
-when its client left, and meters it itself).
+`cut` meters it if look-ups from then on find the caller dead within a few seconds (Ray's
+control store learns of a death a moment after it; a living caller closes a stream when its
+client left, and meters it itself).
 
 A stream whose caller died must also not *end* early. At the end of a streamed call Ray's
 executor waits, on the replica's event loop that carries every stream of the replica, until
@@ -131,6 +132,7 @@ class OrphanWatch:
         *,
         check_s: float = 0.5,
         hold_s: float = HOLD_S,
+        confirm_s: float = 5.0,
         min_lookup_interval_s: float = 0.02,
         is_alive: Callable[[CallerRef], bool] = caller_alive,
     ) -> None:
@@ -138,9 +140,11 @@ class OrphanWatch:
         records go (None: not metered, e.g. no object store). The callers of running requests
         are looked up every `check_s`; a caller is looked up at most once per
         `min_lookup_interval_s`, one look-up shared by all who wait for it; a dead caller's
-        streams end `hold_s` after its death was found."""
+        streams end `hold_s` after its death was found; a stream `cut` by a caller found alive
+        is metered if the caller is found dead within `confirm_s`."""
         self.abort, self.usage_log, self.is_alive = abort, usage_log, is_alive
         self.check_s, self.hold_s, self.min_lookup_interval_s = check_s, hold_s, min_lookup_interval_s
+        self.confirm_s = confirm_s
         self._running: dict[str, _Running] = {}  # request id -> its caller and meter
         self._lookups: dict[str, _Lookup] = {}  # caller's actor name -> its latest look-up
         self._task: asyncio.Task[None] | None = None
@@ -181,7 +185,8 @@ class OrphanWatch:
         request as the stream closes). A caller that lives does so when its client left, and
         meters the request itself; over gRPC (Serve's throughput-optimized mode) a caller's death
         closes the stream too, before any look-up finds it dead: so the request is metered here,
-        `cancelled`, with what was streamed, if a look-up begun now finds its caller dead."""
+        `cancelled`, with what was streamed, if look-ups from now on find its caller dead within
+        `confirm_s`."""
         running = self._running.get(request_id)
         if running is None or running.ended or running.orphaned:
             return
@@ -194,9 +199,17 @@ class OrphanWatch:
     def end(self, request_id: str) -> None:
         self._running.pop(request_id, None)
 
-    async def _meter_if_dead(self, running: _Running, since: float) -> None:
-        if await self._alive_since(running.caller, since):
-            return
+    async def _meter_if_dead(self, running: _Running, cut_at: float) -> None:
+        """A caller killed an instant before the cut may still be found by a look-up begun then
+        (Ray's control store learns of a death a moment later), so it is taken for alive only
+        once look-ups every `check_s` have found it so for `confirm_s` after the cut."""
+        loop = asyncio.get_running_loop()
+        since = cut_at
+        while await self._alive_since(running.caller, since):
+            if loop.time() - cut_at >= self.confirm_s:
+                return
+            await asyncio.sleep(self.check_s)
+            since = loop.time()
         running.orphaned = True
         self._record_orphan(running)
 
