@@ -109,6 +109,7 @@ def test_the_serve_config_carries_serves_mode_and_the_environment_overrides_it(
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
         "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1",
         "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
     }
     assert env_vars(RAY_SERVE_THROUGHPUT_OPTIMIZED="0")["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "0"
 

@@ -14,21 +14,28 @@ from tandem.platform.errors import InvalidRequestError
 # Ray Serve's variables for every Ray worker of the app (the Serve controller, proxies and
 # replicas; not the driver). Serve's documented throughput-optimized mode is on: gRPC between the
 # replicas (`engine_clients.made_here`: the handles that carry requests are made in the replicas),
-# direct ingress (the ingress replica also serves HTTP on a port of its own, 30000-31000, on
-# `--host`), a handle's router on its caller's event loop, the collector frozen at start. But user
-# code keeps an event loop of its own, apart from the one where Ray reports a stream's outputs
-# (`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=1`, Serve's default outside that mode): with both
-# on one loop (and the handles on Ray's actor calls), a killed batch worker stalled a real-time
-# stream for 2 s once in CI, a stall not diagnosed (docs/performance.md).
+# a handle's router on its caller's event loop, the collector frozen at start. Three of its parts
+# are off:
+# - Direct ingress (the ingress replica serving HTTP on a port of its own, 30000-31000, for a load
+#   balancer in front of the replicas, such as Serve's HAProxy mode): Serve's proxy carries our
+#   HTTP, and a direct-ingress replica waits out a 30 s window for that balancer when it stops, so
+#   every stop of `tandem serve` (Ctrl-C, SIGTERM) took 34 s instead of 9, and `serve.delete` of
+#   an idle app 31 s instead of 1 (docs/performance.md).
+# - User code keeps an event loop of its own, apart from the one where Ray reports a stream's
+#   outputs (`RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=1`, Serve's default outside that mode):
+#   with both on one loop (and the handles on Ray's actor calls), a killed batch worker stalled a
+#   real-time stream for 2 s once in CI, a stall not diagnosed (docs/performance.md).
+# - Serve's access log is written per request, as by default (that mode buffers 1,000 lines: a
+#   quiet server's log would lag by hours).
 # Streamed tokens cost about a third of the CPU they cost in Serve's default mode
 # (docs/performance.md, issue 63). Each variable is overridden by the environment of `tandem
 # serve` (`RAY_SERVE_THROUGHPUT_OPTIMIZED=0`: Serve's default mode). Every handle call of ours is
-# made from an event loop, which that mode requires. Serve's access log is written per request,
-# as by default (that mode buffers 1,000 lines: a quiet server's log would lag by hours).
+# made from an event loop, which that mode requires.
 SERVE_ENV_VARS = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1",
     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
 }
 
 
