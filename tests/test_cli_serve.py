@@ -167,9 +167,13 @@ def check_logs(server: ServeProcess, base_url: str) -> None:
     assert len(idle) <= 2, f"an idle server wrote {len(idle)} lines in 12 s: {idle[:5]}"
 
 
-def test_serve_runs_the_app_graph_and_stops_on_sigterm(tmp_path: Path) -> None:
+def test_serve_runs_the_app_graph_survives_a_killed_engine_replica_and_stops_on_sigterm(
+    tmp_path: Path,
+) -> None:
     """`tandem serve` runs the one application graph: Serve's proxy on the user's port, the
-    ingress deployment, the LLM replica and the batch worker; SIGTERM stops it cleanly."""
+    ingress deployment, the LLM replica and the batch worker; `kill -KILL` of the LLM replica
+    mid-stream ends the stream and a replacement answers (`check_answers_after_a_replica_kill`);
+    SIGTERM then stops it cleanly."""
     server = ServeProcess(tmp_path)
     try:
         server.wait_for(r"serving .* at http://")
@@ -184,6 +188,7 @@ def test_serve_runs_the_app_graph_and_stops_on_sigterm(tmp_path: Path) -> None:
         check_logs(server, base_url)
         # `tandem serve`'s replicas report every second (RoutingConfig.stats_period_s).
         check_disconnect_frees_kv_blocks(base_url, lambda: scraped_engine_stats(base_url), staleness_s=2.0)
+        check_answers_after_a_replica_kill(server, base_url)
 
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=90) == 0
@@ -193,7 +198,7 @@ def test_serve_runs_the_app_graph_and_stops_on_sigterm(tmp_path: Path) -> None:
         server.stop()
 
 
-def test_serve_answers_again_after_the_engine_replica_is_killed(tmp_path: Path) -> None:
+def check_answers_after_a_replica_kill(server: ServeProcess, base_url: str) -> None:
     """`kill -KILL` of the LLM replica while it streams: the stream ends (it does not hang), Serve
     starts a new replica, and a chat request succeeds again within 60 s."""
     import time
@@ -201,37 +206,31 @@ def test_serve_answers_again_after_the_engine_replica_is_killed(tmp_path: Path) 
     import httpx
     import openai
 
-    server = ServeProcess(tmp_path)
-    try:
-        server.wait_for(r"serving .* at http://")
-        base_url = f"http://127.0.0.1:{server.port}"
-        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=30)
-        chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}]}
-        [victim] = replica_pids(server, "LLMReplica")
-        stream = client.chat.completions.create(
-            **chat, max_tokens=3000, stream=True, extra_body={"ignore_eos": True}
-        )
-        assert next(iter(stream)) is not None  # streaming now
-        os.kill(victim, signal.SIGKILL)
-        with pytest.raises((openai.APIError, httpx.HTTPError)):  # the stream ends, with an error
-            for _ in stream:
-                pass
-        killed_at = time.monotonic()
-        last_error: Exception | None = None
-        while time.monotonic() - killed_at < 60:  # retry until the replacement answers
-            try:
-                reply = client.chat.completions.create(**chat, max_tokens=4)
-                break
-            except (openai.APIError, httpx.HTTPError) as exc:
-                last_error = exc
-                time.sleep(0.5)  # back off while Serve starts the replacement
-        else:
-            raise AssertionError(f"no answer within 60 s of the kill: {last_error!r}")
-        print(f"\nanswered again {time.monotonic() - killed_at:.1f} s after the kill")
-        assert reply.choices[0].finish_reason in ("length", "stop")
-        assert replica_pids(server, "LLMReplica") and victim not in replica_pids(server, "LLMReplica")
-    finally:
-        server.stop()
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=30)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}]}
+    [victim] = replica_pids(server, "LLMReplica")
+    stream = client.chat.completions.create(
+        **chat, max_tokens=3000, stream=True, extra_body={"ignore_eos": True}
+    )
+    assert next(iter(stream)) is not None  # streaming now
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises((openai.APIError, httpx.HTTPError)):  # the stream ends, with an error
+        for _ in stream:
+            pass
+    killed_at = time.monotonic()
+    last_error: Exception | None = None
+    while time.monotonic() - killed_at < 60:  # retry until the replacement answers
+        try:
+            reply = client.chat.completions.create(**chat, max_tokens=4)
+            break
+        except (openai.APIError, httpx.HTTPError) as exc:
+            last_error = exc
+            time.sleep(0.5)  # back off while Serve starts the replacement
+    else:
+        raise AssertionError(f"no answer within 60 s of the kill: {last_error!r}")
+    print(f"\nanswered again {time.monotonic() - killed_at:.1f} s after the kill")
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    assert replica_pids(server, "LLMReplica") and victim not in replica_pids(server, "LLMReplica")
 
 
 def test_sigterm_drains_streams_and_releases_batch_leases_and_the_port_is_free_again(tmp_path: Path) -> None:

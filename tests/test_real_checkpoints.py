@@ -2,9 +2,10 @@
 checkpoint answered wrong by default): Google's Gemma 3 270M (converted by transformers from the
 GGUF the package index ships; scripts/real_checkpoints.py) and the default model.
 
-- Through `tandem serve` on Ray in float32 (the defaults where they resolve to it, else
-  `--dtype float32`): completions and chat at temperature 0 equal HF float32's greedy text, with
-  HF's prompt token counts.
+- In float32: completions and chat at temperature 0 equal HF float32's greedy text, with HF's
+  prompt token counts: the GGUF file through `tandem serve` on Ray at `--dtype float32`; the folder
+  through `tandem serve` where the defaults resolve to float32, else in this process (its
+  defaults server checks the prompt token counts either way).
 - With the defaults (no precision pin), each greedy step picks HF float32's token from the same
   prefix on at least 97% of positions, alone and in a batch of 16.
 - Through `tandem serve` with the defaults (batch-invariant): a temperature-0 request gives the
@@ -14,7 +15,6 @@ GGUF the package index ships; scripts/real_checkpoints.py) and the default model
 
 from __future__ import annotations
 
-import functools
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -132,18 +132,45 @@ def _card(base_url: str, model: str) -> dict[str, Any]:
     return dict(client.models.retrieve(model).model_extra["tandem"])  # type: ignore[index]
 
 
+def _check_prompt_token_counts(base_url: str, hf_gemma: tuple[Any, Any], model: str) -> None:
+    """Completions' and chat's `usage.prompt_tokens` equal HF's tokenizer's counts (with Gemma's
+    chat template for chat): what the server tokenised, whatever precision it computes in."""
+    tokenizer = hf_gemma[1]
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    for prompt in COMPLETION_PROMPTS:
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0)
+        assert reply.usage is not None and reply.usage.prompt_tokens == len(tokenizer(prompt)["input_ids"])
+    for content in CHAT_PROMPTS:
+        messages: Any = [{"role": "user", "content": content}]
+        chat = client.chat.completions.create(model=model, messages=messages, max_tokens=1, temperature=0)
+        assert chat.usage is not None and chat.usage.prompt_tokens == len(_chat_ids(tokenizer, content))
+
+
+def _check_hf_greedy_in_process(folder: Path, hf_gemma: tuple[Any, Any]) -> None:
+    """The folder loaded in float32 with dense weights: greedy text equals HF float32's for the
+    completion and chat prompts' token ids."""
+    prompts = _prompt_ids(hf_gemma[1], CHAT_PROMPTS)
+    _hf_greedy_all(hf_gemma, prompts)
+    llm = LLM(str(folder), dtype="float32", weight_dtype="dense", kv_cache_memory=64 << 20, max_num_seqs=16)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    for ids, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].text == _hf_greedy(hf_gemma, ids)[0], hf_gemma[1].decode(ids)
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_gemma3_served_with_defaults_and_in_float32(
     gemma3_folder: Path, hf_gemma: tuple[Any, Any], tmp_path: Path
 ) -> None:
-    """Through `tandem serve` with the defaults: alone, streamed or not, the same text, and again;
-    in float32 (the defaults' own precision where they resolve to it, else `--dtype float32`): HF
-    float32's greedy text and prompt token counts."""
-    serve = functools.partial(
-        ServeProcess, model=str(gemma3_folder), served_name="gemma3", pinned_precision=False
-    )
-    server = serve(tmp_path, "--kv-cache-memory", str(64 << 20))
+    """Through `tandem serve` with the defaults: the checkpoint's generation defaults on its card;
+    alone, streamed or not, the same tokens, and again; HF's prompt token counts. In float32 (the
+    served defaults where they resolve to it, else the folder loaded in float32 in this process:
+    the served float32 path is test_gemma3_gguf_served_as_downloaded's, on the file this folder
+    was converted from): HF float32's greedy text."""
+    server = ServeProcess(
+        tmp_path, "--kv-cache-memory", str(64 << 20), model=str(gemma3_folder), served_name="gemma3",
+        pinned_precision=False,
+    )  # fmt: skip
     try:
         server.wait_for(r"serving .* at http://")
         why = server.wait_for(r"\[tandem\] why: ").string
@@ -153,22 +180,14 @@ def test_gemma3_served_with_defaults_and_in_float32(
         info = _card(base_url, "gemma3")
         assert info["generation_defaults"] == {"top_p": 0.95, "top_k": 64}  # the checkpoint's own
         _same_tokens_everywhere(base_url, "gemma3", CHAT_PROMPTS[:2])
-        if (info["dtype"], info["weight_dtype"]) == ("float32", "dense"):
+        _check_prompt_token_counts(base_url, hf_gemma, "gemma3")
+        served_in_float32 = (info["dtype"], info["weight_dtype"]) == ("float32", "dense")
+        if served_in_float32:
             _check_hf_greedy(base_url, hf_gemma)
-            return
     finally:
         server.stop()
-    server = serve(tmp_path, "--dtype", "float32", "--kv-cache-memory", str(64 << 20))
-    try:
-        server.wait_for(r"serving .* at http://")
-        base_url = f"http://127.0.0.1:{server.port}"
-        assert (_card(base_url, "gemma3")["dtype"], _card(base_url, "gemma3")["weight_dtype"]) == (
-            "float32",
-            "dense",
-        )
-        _check_hf_greedy(base_url, hf_gemma)
-    finally:
-        server.stop()
+    if not served_in_float32:
+        _check_hf_greedy_in_process(gemma3_folder, hf_gemma)
 
 
 @pytest.mark.ray

@@ -383,6 +383,7 @@ def test_autoscaling_on_queue_depth_goes_up_and_back_down(
             "target_waiting_per_replica": 1.0,
             "upscale_delay_s": 0.5,
             "downscale_delay_s": 1.0,
+            "look_back_period_s": 1.0,  # Serve's metrics window (default 30 s: 30 s more to go down)
         },
     )
 
