@@ -15,7 +15,8 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.engine.models import gguf_blocks
-from tandem.engine.models.gguf_file import open_gguf
+from tandem.engine.models.gguf_file import GGUFFile, open_gguf
+from tandem.engine.models.gguf_header import GGUFHeader
 from tandem.platform.errors import ModelLoadError
 
 from .conftest import make_tiny_model
@@ -114,6 +115,7 @@ def test_family_gguf_answers_hf_float32_greedy(
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / f"tiny-{family}.gguf"
     hf = write_family_gguf(family, tokenizer_files, path)
+    _assert_reads_as_the_package(path)
     hf_names = [t.hf_name for t in open_gguf(path).tensors]
     assert len(hf_names) == len(set(hf_names))  # one file tensor per checkpoint tensor
     llm = LLM(str(path), dtype="float32", speculative=None, kv_cache_memory=1 << 20)
@@ -123,6 +125,118 @@ def test_family_gguf_answers_hf_float32_greedy(
     want = [hf_greedy(hf, ids, NEW_TOKENS, None) for ids in prompt_ids]
     outs = llm.generate(prompt_ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def _assert_reads_as_the_package(path: Path) -> None:
+    """`GGUFHeader` gives the `gguf` package's `GGUFReader` values: every metadata value (and
+    the keys' order), every tensor's name, type, dims and data (dtype, shape, bytes)."""
+    import gguf
+
+    ours, theirs = GGUFHeader(path), gguf.GGUFReader(str(path))
+    want = {key: field.contents() for key, field in theirs.fields.items() if not key.startswith("GGUF.")}
+    assert list(ours.fields.items()) == list(want.items())
+    assert ours.data_offset == theirs.data_offset
+    assert len(ours.tensors) == len(theirs.tensors)
+    for got, stored in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (got.name, got.type_id, got.dims) == (
+            stored.name,
+            int(stored.tensor_type),
+            tuple(stored.shape.tolist()),
+        )
+        assert (got.data.dtype, got.data.shape) == (stored.data.dtype, stored.data.shape), got.name
+        assert got.data.tobytes() == stored.data.tobytes(), got.name
+        assert not got.data.flags.writeable
+
+
+def _write_every_type(path: Path, endianess: str, alignment: int | None) -> None:
+    """Metadata of every value type (a nested array too) and a tensor of every GGML type we
+    read or refuse by name, random values."""
+    import gguf
+
+    rng = np.random.default_rng(7)
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian[endianess])
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
+    writer.add_uint8("t.u8", 250)
+    writer.add_int8("t.i8", -7)
+    writer.add_uint16("t.u16", 65000)
+    writer.add_int16("t.i16", -30000)
+    writer.add_uint32("t.u32", 4_000_000_000)
+    writer.add_int32("t.i32", -2_000_000_000)
+    writer.add_float32("t.f32", 1e-6)
+    writer.add_uint64("t.u64", 2**63 + 5)
+    writer.add_int64("t.i64", -(2**62))
+    writer.add_float64("t.f64", 0.1)
+    writer.add_bool("t.bool", True)
+    writer.add_string("t.str", "héllo ▁wörld 🙂")
+    writer.add_array("t.ints", [3, -1, 2**30])
+    writer.add_key_value("t.u64s", [1, 2**64 - 1], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT64)
+    writer.add_array("t.floats", [0.5, -2.25, 1e-3])
+    writer.add_array("t.strs", ["a", "", "▁b", "<end_of_turn>"])
+    writer.add_array("t.bools", [True, False])
+    writer.add_array("t.empty", [])
+    writer.add_key_value("t.nested", [[1, 2], [3]], gguf.GGUFValueType.ARRAY)
+    values = rng.normal(size=(4, 256)).astype(np.float32)
+    writer.add_tensor("f32", values)
+    writer.add_tensor("f16", values.astype(np.float16))
+    writer.add_tensor("i32", rng.integers(-9, 9, size=(3, 5), dtype=np.int32))
+    writer.add_tensor(
+        "bf16",
+        gguf.quants.quantize(values, gguf.GGMLQuantizationType.BF16),
+        raw_dtype=gguf.GGMLQuantizationType.BF16,
+    )
+    for kind in [t for t in gguf_blocks.SUPPORTED_TYPES if t not in gguf_blocks.FLOAT_TYPES] + ["IQ4_NL"]:
+        qtype = gguf.GGMLQuantizationType[kind]
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, size=(4, 512 // block * size), dtype=np.uint8)
+        writer.add_tensor(f"q.{kind}", raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(("endianess", "alignment"), [("LITTLE", None), ("LITTLE", 64), ("BIG", None)])
+def test_the_header_reads_every_value_and_tensor_type_as_the_gguf_package(
+    endianess: str, alignment: int | None, tmp_path: Path
+) -> None:
+    path = tmp_path / "every-type.gguf"
+    _write_every_type(path, endianess, alignment)
+    _assert_reads_as_the_package(path)
+    header = GGUFHeader(path)
+    assert header.fields["t.nested"] == [1, 2, 3]  # flat, as the package gives it
+    assert header.data_offset % (alignment or 32) == 0
+
+
+def test_the_default_models_file_reads_as_the_gguf_package(default_model_path: Path) -> None:
+    _assert_reads_as_the_package(default_model_path)
+
+
+def test_a_corrupt_or_truncated_file_is_refused_naming_what_is_wrong(tmp_path: Path) -> None:
+    """Cut anywhere in the header or the data, a bad magic, an unsupported version, an empty
+    file: a ValueError from the header, a ModelLoadError naming the file and `model` from
+    `GGUFFile`; never a struct or index error."""
+    path = tmp_path / "every-type.gguf"
+    _write_every_type(path, "LITTLE", None)
+    whole = path.read_bytes()
+    header = GGUFHeader(path)
+    cut = tmp_path / "cut.gguf"
+    for end in [0, 3, 10, 30, 100, 400, header.data_offset - 5, header.data_offset + 100, len(whole) - 1]:
+        cut.write_bytes(whole[:end])
+        with pytest.raises(ValueError, match="GGUF|truncated|past the end|corrupt"):
+            GGUFHeader(cut)
+        with pytest.raises(ModelLoadError, match="corrupt or unsupported GGUF file") as refused:
+            GGUFFile(cut)
+        assert refused.value.param == "model"
+    cut.write_bytes(whole[: header.data_offset + 100])
+    with pytest.raises(ValueError, match=r"tensor \S+'s data runs past the end of the file"):
+        GGUFHeader(cut)
+    cut.write_bytes(b"GGUX" + whole[4:])
+    with pytest.raises(ValueError, match="GGUF magic invalid"):
+        GGUFHeader(cut)
+    cut.write_bytes(whole[:4] + (1).to_bytes(4, "little") + whole[8:])
+    with pytest.raises(ValueError, match="GGUF version 1 is not supported"):
+        GGUFHeader(cut)
 
 
 def test_unsupported_architectures_and_types_are_refused_by_name(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from tandem.engine.io.generation_defaults import GenerationDefaults
 from tandem.engine.io.tokenizer import Tokenizer
 from tandem.engine.models.gguf_arch import GGUFModel
 from tandem.engine.models.gguf_blocks import SUPPORTED_TYPES, dequantize, type_name
+from tandem.engine.models.gguf_header import GGUFHeader
 from tandem.engine.models.hf_config import HFConfig
 from tandem.engine.models.registry import Architecture, architecture_for
 from tandem.engine.models.support import check_tensor_names
@@ -54,7 +55,7 @@ class GGUFTensor:
     hf_name: str
     type_name: str  # "Q4_K", "F32", ...
     shape: tuple[int, ...]  # numpy's order: (rows, cols) for a matrix, (n,) for a vector
-    raw: Any  # the reader's lazy array of the stored bytes / values
+    raw: Any  # the stored bytes / values: a lazy view of the mapped file (`StoredTensor.data`)
 
     @property
     def num_elements(self) -> int:
@@ -87,15 +88,13 @@ class GGUFFile:
     """An opened, checked GGUF checkpoint (see the module docstring)."""
 
     def __init__(self, path: Path) -> None:
-        import gguf
-
         self.path = path
         try:
-            self._reader = gguf.GGUFReader(str(path))
-        except Exception as exc:  # the reader raises ValueError/struct.error/IndexError on junk
+            self._header = GGUFHeader(path)
+        except (ValueError, OSError) as exc:
             raise ModelLoadError(f"{path}: corrupt or unsupported GGUF file ({exc})", param="model") from exc
-        self.fields: dict[str, Any] = {key: field.contents() for key, field in self._reader.fields.items()}
-        names = {t.name for t in self._reader.tensors}
+        self.fields: dict[str, Any] = self._header.fields
+        names = {t.name for t in self._header.tensors}
         self.model = GGUFModel(self.fields, names, str(path))
         self.eos_token_ids = self._end_of_generation_ids()
         self.hf_config = self.model.hf_config(self.eos_token_ids)
@@ -126,18 +125,18 @@ class GGUFFile:
     def _check_tensors(self) -> list[GGUFTensor]:
         tensors, unknown = [], []
         halves: dict[str, GGUFTensor] = {}  # DeepSeek's split kv_b (`MergedKVB`), by file name
-        for tensor in self._reader.tensors:
+        for tensor in self._header.tensors:
             if self.model.skipped(tensor.name):
                 continue
             hf_name = self.model.hf_name(tensor.name)
-            kind = type_name(tensor.tensor_type)
+            kind = type_name(tensor.type_id)
             if kind not in SUPPORTED_TYPES:
                 raise ModelLoadError(
                     f"{self.path}: tensor {tensor.name} is {kind}, which is not supported "
                     f"(supported: {', '.join(SUPPORTED_TYPES)})",
                     param="model",
                 )
-            shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+            shape = tuple(reversed(tensor.dims))
             experts = self.model.expert_names(tensor.name)
             if experts is not None and len(shape) == 3 and shape[0] == len(experts):
                 # [experts, rows, cols]: each expert's rows are contiguous blocks of the stored bytes
