@@ -11,10 +11,10 @@ tensor's data is read until its view is. Versions 2 and 3, either byte order; ju
 magic, a truncated header or data section, a duplicate key or tensor name, an unknown value or
 tensor type, a bad `general.alignment`) raises ValueError naming what is wrong.
 
-Why not the package's reader: it builds a numpy array for every scalar and for every string of
-a vocabulary (three per token), so opening Gemma 3's file (262k tokens) takes 10 s and the
-default model's (49k tokens) 2.4 s, in every process that opens it; this reads the same header
-with `struct` in about 1/80 of that (docs/performance.md).
+Why not the package's reader: it builds numpy arrays for every scalar and for every string of
+a vocabulary (three per token), in every process that opens the file, which takes seconds for a
+vocabulary of 262k tokens (Gemma 3); this reads the same header with `struct` (figures in
+docs/performance.md).
 """
 
 from __future__ import annotations
