@@ -150,6 +150,16 @@ def test_usage_page_buckets_groups_and_filters(tmp_path: Path) -> None:
     log.submit(record("c1", day + 63, status="cancelled", input_tokens=3, cached_tokens=0, output_tokens=1))
     log.submit(record("late", day + 86400 + 5))
     assert log.flush()
+    # a stream its ingress recorded `cancelled` and its LLM replica too (the ingress died a
+    # moment after: orphans.py): two writers, one request, counted once
+    for writer, finished_at in (("ingress", day + 64), ("replica", day + 67)):
+        other = UsageLog(store, commit_interval_s=0.0, writer_id=writer)
+        other.submit(
+            record("c2", finished_at, status="cancelled", input_tokens=50, cached_tokens=0, output_tokens=20)
+        )
+        assert other.flush()
+        other.close()
+    assert [r.request_id for r in read_records(store, day, day + 86400)].count("c2") == 2
 
     def page(**params: Any) -> dict[str, Any]:
         query = parse_usage_query({k: v if isinstance(v, list) else [str(v)] for k, v in params.items()})
@@ -161,18 +171,18 @@ def test_usage_page_buckets_groups_and_filters(tmp_path: Path) -> None:
     assert (bucket["object"], bucket["start_time"], bucket["end_time"]) == ("bucket", day, day + 86400)
     [total] = bucket["results"]
     assert total["object"] == "organization.usage.completions.result"
-    assert (total["input_tokens"], total["input_cached_tokens"], total["output_tokens"]) == (114, 42, 15)
-    assert total["num_model_requests"] == 4 and total["model"] is None and total["project_id"] is None
+    assert (total["input_tokens"], total["input_cached_tokens"], total["output_tokens"]) == (164, 42, 35)
+    assert total["num_model_requests"] == 5 and total["model"] is None and total["project_id"] is None
 
     by_model = page(start_time=day, end_time=day + 86400, group_by=["model", "project_id"])["data"][0][
         "results"
     ]
     assert {(r["model"], r["project_id"]): r["output_tokens"] for r in by_model} == {
-        ("tiny", "acme"): 8, ("tiny:bot", "acme"): 2, ("tiny", "globex"): 5
+        ("tiny", "acme"): 28, ("tiny:bot", "acme"): 2, ("tiny", "globex"): 5
     }  # fmt: skip
     hourly = page(start_time=day, end_time=day + 7200, bucket_width="1h", group_by="batch")["data"]
     assert [[(r["batch"], r["num_model_requests"]) for r in b["results"]] for b in hourly] == [
-        [(False, 3)], [(True, 1)]
+        [(False, 4)], [(True, 1)]
     ]  # fmt: skip
     only = page(start_time=day, end_time=day + 86400, project_ids="globex", batch="true")["data"][0][
         "results"
@@ -182,7 +192,7 @@ def test_usage_page_buckets_groups_and_filters(tmp_path: Path) -> None:
     # pages of minute buckets, empty ones included, then the next page from its cursor
     first = page(start_time=day, end_time=day + 86400, bucket_width="1m", limit=2)
     assert [b["start_time"] for b in first["data"]] == [day, day + 60] and first["has_more"]
-    assert first["data"][0]["results"] == [] and first["data"][1]["results"][0]["num_model_requests"] == 3
+    assert first["data"][0]["results"] == [] and first["data"][1]["results"][0]["num_model_requests"] == 4
     second = page(start_time=day, end_time=day + 86400, bucket_width="1m", limit=2, page=first["next_page"])
     assert [b["start_time"] for b in second["data"]] == [day + 120, day + 180]
     for params, param in (

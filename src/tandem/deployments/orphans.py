@@ -202,9 +202,10 @@ class OrphanWatch:
     async def _meter_if_dead(self, running: _Running, cut_at: float) -> None:
         """A caller killed an instant before the cut may still be found by a look-up begun then
         (Ray's control store learns of a death a moment later), so it is taken for alive only
-        once look-ups every `check_s` have found it so for `confirm_s` after the cut. Known race
-        (not mended): a living caller that closed the stream and metered it itself, then dies
-        within `confirm_s`, gets the request metered a second time here."""
+        once look-ups every `check_s` have found it so for `confirm_s` after the cut. A living
+        caller that closed the stream and metered it itself, then dies within `confirm_s`, gets
+        the request recorded a second time here, `cancelled` under the same request id: the
+        usage API counts a request's cancelled records once (`usage_query.first_cancelled`)."""
         loop = asyncio.get_running_loop()
         since = cut_at
         while await self._alive_since(running.caller, since):

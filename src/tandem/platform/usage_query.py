@@ -10,7 +10,11 @@ comma-separated. A bad value is a 400 naming the parameter.
 
 Buckets are aligned to their width in UTC and each page lists every bucket of its range, empty
 ones with `results: []`, as OpenAI does. A record counts in the bucket of its `finished_at`, when
-that lies in [start_time, end_time), unless it `failed` (`BILLED_STATUSES`).
+that lies in [start_time, end_time), unless it `failed` (`BILLED_STATUSES`). A real-time
+request's `cancelled` records count once per page (`first_cancelled`): the LLM replica records
+a stream whose caller died, and a caller that recorded a stream its client left, then died a
+moment later, may be taken for one that died before (deployments/orphans.py); the two records
+name the same request id (the ingress makes it, unique) and finish seconds apart.
 """
 
 from __future__ import annotations
@@ -152,6 +156,18 @@ def read_records(store: ObjectStore, start_s: float, end_s: float) -> Iterator[U
                     yield record
 
 
+def first_cancelled(records: Iterator[UsageRecord]) -> Iterator[UsageRecord]:
+    """`records` without a real-time `cancelled` record whose request id came before (see the
+    module docstring); holds the ids of the cancelled real-time records read, not of every one."""
+    seen: set[str] = set()
+    for record in records:
+        if record.status == "cancelled" and record.priority != "batch":
+            if record.request_id in seen:
+                continue
+            seen.add(record.request_id)
+        yield record
+
+
 def _group_value(record: UsageRecord, name: str) -> str | bool | None:
     if name == "project_id":
         return record.tenant
@@ -190,7 +206,7 @@ def usage_page(store: ObjectStore, query: UsageQuery) -> dict[str, Any]:
     results: dict[int, dict[tuple[Any, ...], dict[str, Any]]] = {start: {} for start in starts}
     if starts:
         lo, hi = max(query.start_time, starts[0]), min(query.end_time, starts[-1] + width)
-        for record in read_records(store, lo, hi):
+        for record in first_cancelled(read_records(store, lo, hi)):
             if not query.matches(record):
                 continue
             start = int(record.finished_at) // width * width
