@@ -198,6 +198,36 @@ def test_serve_runs_the_app_graph_survives_a_killed_engine_replica_and_stops_on_
         server.stop()
 
 
+def test_sigterm_during_start_up_stops_ray_and_serve_cleanly(tmp_path: Path) -> None:
+    """SIGTERM (a service manager's stop, a Ctrl-C) while the replicas start: the command says
+    so, stops Serve and the Ray it started (no process of it left), frees the port and exits 0,
+    with no traceback or signal dump."""
+    import time
+
+    server = ServeProcess(tmp_path)
+    try:
+        server.wait_for(r"Started Serve")  # Ray is up; the app's replicas are starting
+        ray_processes = psutil.Process(server.process.pid).children(recursive=True)
+        assert ray_processes
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=90) == 0
+        server.wait_for(r"\[tandem\] stopped")
+        assert any("start-up interrupted" in line for line in server.output), server.output[-20:]
+        assert not any("Traceback" in line or "SIGTERM received" in line for line in server.output), "".join(
+            server.output[-40:]
+        )
+        deadline = time.monotonic() + 30
+        while (
+            left := [p for p in ray_processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        ) and (time.monotonic() < deadline):
+            time.sleep(0.5)  # Ray's processes exit on their own schedule after ray.shutdown()
+        assert not left, [p.pid for p in left]
+        with pytest.raises(AssertionError, match="nothing listens"):
+            listener_cmdline(server.port)
+    finally:
+        server.stop()
+
+
 def check_answers_after_a_replica_kill(server: ServeProcess, base_url: str) -> None:
     """`kill -KILL` of the LLM replica while it streams: the stream ends (it does not hang), Serve
     starts a new replica, and a chat request succeeds again within 60 s."""

@@ -196,19 +196,53 @@ def _free_port(host: str, port: int = 0) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Start a local Ray (or join `--address`) and run the application graph on it: Serve's proxy
-    on `--port` -> the ingress deployment -> the LLM replicas, and the batch workers."""
-    import secrets
-
-    from ray import serve
-
-    from tandem.deployments.app import build_app
-
+    on `--port` -> the ingress deployment -> the LLM replicas, and the batch workers. SIGTERM or
+    Ctrl-C before the banner stops what was started (exit 0); after it, drains first."""
     if args.print_config:
         import yaml
 
         config = serve_config(app_config_args(args), host=args.host, port=args.port)
         print(yaml.safe_dump(config, sort_keys=False), end="")
         return 0
+    import signal
+
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # a stop during start-up stops cleanly too
+    try:
+        ready_lines = _start(args)
+    except KeyboardInterrupt:  # before the banner: nothing was served, nothing to drain
+        print("[tandem] start-up interrupted: stopping", file=sys.stderr, flush=True)
+        _stop_ray()
+        print("[tandem] stopped", file=sys.stderr)
+        return 0
+    from ray import serve
+
+    _serve_until_stopped(serve, args.drain_timeout, ready_lines)
+    return 0
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    """SIGTERM as Ctrl-C: the start-up or the wait that is running ends with KeyboardInterrupt."""
+    raise KeyboardInterrupt
+
+
+def _stop_ray() -> None:
+    """Stop Serve and the Ray this command started (or left, with `--address`), if it got that far."""
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _start(args: argparse.Namespace) -> list[str]:
+    """`run`'s start-up: the checks, Ray, Serve and the app, up and answering; returns the banner's lines."""
+    import secrets
+    import signal
+
+    from ray import serve
+
+    from tandem.deployments.app import build_app
     from tandem.engine.models.loader import check_model
 
     started = time.monotonic()
@@ -224,6 +258,8 @@ def run(args: argparse.Namespace) -> int:
         app_args["operator_keys"] = dev_operator_key
     app = build_app(app_args)
     _start_ray(args)
+    # Ray's driver installs its own SIGTERM handler (a stack dump, then abort): ours again
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     ray_ready = time.monotonic()
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, name="tandem", route_prefix="/")
@@ -233,10 +269,7 @@ def run(args: argparse.Namespace) -> int:
     model = model_line(
         base, served_name, dev_key or first_env_api_key()
     )  # asked before the banner says "ready"
-    _serve_until_stopped(
-        serve, args.drain_timeout, [banner(served_name, base, dev_key, dev_operator_key, timing), model]
-    )
-    return 0
+    return [banner(served_name, base, dev_key, dev_operator_key, timing), model]
 
 
 def _start_ray(args: argparse.Namespace) -> None:
@@ -257,17 +290,12 @@ def _start_ray(args: argparse.Namespace) -> None:
 
 def _serve_until_stopped(serve: ModuleType, drain_timeout_s: float, ready_lines: list[str]) -> None:
     """Print `ready_lines` (the banner), wait for SIGTERM or Ctrl-C, then drain (a second signal:
-    stop at once) and stop Serve and Ray. The handler is in place before the banner says "ready":
-    a SIGTERM sent as soon as it is read stops gracefully too."""
-    import signal
+    stop at once) and stop Serve and Ray. SIGTERM raises KeyboardInterrupt from before the start
+    (`run`): a SIGTERM sent as soon as the banner is read stops gracefully too."""
     import threading
 
     import ray
 
-    def _stop(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _stop)
     try:
         for line in ready_lines:
             print(line, file=sys.stderr, flush=True)
