@@ -226,7 +226,8 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 
 def _stop_ray() -> None:
-    """Stop Serve and the Ray this command started (or left, with `--address`), if it got that far."""
+    """Stop Serve, and Ray: the local Ray processes this command started, or its connection to
+    `--address`'s cluster (nothing when Ray was not started yet)."""
     import ray
     from ray import serve
 
@@ -294,8 +295,6 @@ def _serve_until_stopped(serve: ModuleType, drain_timeout_s: float, ready_lines:
     (`run`): a SIGTERM sent as soon as the banner is read stops gracefully too."""
     import threading
 
-    import ray
-
     try:
         for line in ready_lines:
             print(line, file=sys.stderr, flush=True)
@@ -310,8 +309,7 @@ def _serve_until_stopped(serve: ModuleType, drain_timeout_s: float, ready_lines:
         except KeyboardInterrupt:  # a second signal: stop now
             print("[tandem] stopping now", file=sys.stderr)
     finally:
-        serve.shutdown()
-        ray.shutdown()  # stops the local Ray processes this command started
+        _stop_ray()
         print("[tandem] stopped", file=sys.stderr)
 
 
