@@ -19,6 +19,7 @@ docs/performance.md).
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 from dataclasses import dataclass
@@ -36,8 +37,17 @@ STRING, ARRAY = 8, 9
 _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _UINT32 = 4
 
-# GGML types whose data the package gives as their own numpy type (the rest as uint8 blocks)
-_ELEMENT_TYPES = {0: "f4", 1: "f2", 24: "i1", 25: "i2", 26: "i4", 27: "i8", 28: "f8"}
+
+@functools.cache
+def _element_types() -> dict[int, str]:
+    """GGML types whose data the package gives as their own numpy type (the rest as uint8 blocks)."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType
+    return {
+        kind.F32: "f4", kind.F16: "f2", kind.F64: "f8",
+        kind.I8: "i1", kind.I16: "i2", kind.I32: "i4", kind.I64: "i8",
+    }  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -155,7 +165,7 @@ class GGUFHeader:
         block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
         num_elements = int(np.prod(dims, dtype=np.int64))
         shape = tuple(reversed(dims))
-        element = _ELEMENT_TYPES.get(type_id)
+        element = _element_types().get(type_id)
         if element is not None:
             dtype = np.dtype(self._order + element)
         else:
